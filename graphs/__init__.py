@@ -1,0 +1,1 @@
+"""Declarative contracts of the exported graphs: plain data, no torch, no onnxruntime."""
