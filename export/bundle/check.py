@@ -1,0 +1,97 @@
+"""`cosyvoice-export check-bundle`: is a model directory complete, readable and of the right shapes?"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx
+
+from ..manifest import NETWORKS
+from .checkpoint import read_pickled_dict
+from .errors import BundleError
+from .layout import CAMPPLUS, SPEECH_TOKENIZER, SPK2INFO, YAML
+from .model_dir import ModelBundle
+from .tokenizer_files import TOKENIZER_FILES, load_cosyvoice3_tokenizer
+
+EOP_TOKEN = "<|endofprompt|>"
+
+
+def _onnx_io(path: Path) -> tuple[list[onnx.ValueInfoProto], list[onnx.ValueInfoProto]]:
+    if not path.is_file():
+        raise BundleError(f"{path}: file not found")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # onnx raises DecodeError and friends with no common base
+        raise BundleError(f"{path}: not a readable ONNX model ({type(e).__name__})") from None
+    return list(model.graph.input), list(model.graph.output)
+
+
+def _rank(v: onnx.ValueInfoProto) -> int:
+    return len(v.type.tensor_type.shape.dim)
+
+
+def _dim(v: onnx.ValueInfoProto, i: int) -> int | str:
+    d = v.type.tensor_type.shape.dim[i]
+    return d.dim_value if d.HasField("dim_value") else d.dim_param
+
+
+def check_campplus(path: Path, mel_bins: int = 80) -> str:
+    """Upstream feeds input 0 a float32 (1, T, 80) fbank and flattens output 0 to 192 values."""
+    inputs, outputs = _onnx_io(path)
+    if len(inputs) != 1 or _rank(inputs[0]) != 3 or _dim(inputs[0], 2) != mel_bins:
+        found = ", ".join(f"{i.name} rank {_rank(i)}" for i in inputs)
+        raise BundleError(f"{path}: expected one input of shape (B, T, {mel_bins}), found {found}")
+    if inputs[0].type.tensor_type.elem_type != onnx.TensorProto.FLOAT:
+        raise BundleError(f"{path}: input {inputs[0].name} must be float32")
+    if not outputs:
+        raise BundleError(f"{path}: has no outputs; expected a speaker embedding")
+    return f"input {inputs[0].name}, output {outputs[0].name}"
+
+
+def check_speech_tokenizer(path: Path, n_mels: int = 128) -> str:
+    """Upstream feeds input 0 float32 (1, 128, T) log-mels and input 1 an int32 length."""
+    inputs, outputs = _onnx_io(path)
+    if len(inputs) != 2:
+        raise BundleError(f"{path}: expected 2 inputs (features, length), found {len(inputs)}")
+    feats, length = inputs
+    if _rank(feats) != 3 or _dim(feats, 1) != n_mels:
+        raise BundleError(f"{path}: input {feats.name} must have shape (1, {n_mels}, T)")
+    if length.type.tensor_type.elem_type != onnx.TensorProto.INT32:
+        raise BundleError(f"{path}: input {length.name} must be int32")
+    if not outputs:
+        raise BundleError(f"{path}: has no outputs; expected speech token ids")
+    return f"inputs {feats.name}, {length.name}, output {outputs[0].name}"
+
+
+def check_bundle(root: Path, report: Callable[[str], None] = print) -> ModelBundle:
+    """Check every file of the model directory at `root`; raise `BundleError` on the first problem.
+
+    `report` receives one line per file that passed.
+    """
+    bundle = ModelBundle.open(root)
+    cfg = bundle.config
+    report(f"ok  {YAML}: llm {cfg.llm.qwen.num_hidden_layers} layers x {cfg.llm.qwen.hidden_size}, "
+           f"DiT {cfg.flow.dit.depth} x {cfg.flow.dit.dim}, HiFT {cfg.hift.base_channels} channels")
+
+    for name in TOKENIZER_FILES:
+        if not (bundle.qwen_dir / name).is_file():
+            raise BundleError(f"{bundle.qwen_dir / name}: file not found")
+    tok = load_cosyvoice3_tokenizer(bundle.qwen_dir)
+    if len(tok) > cfg.llm.qwen.vocab_size:
+        raise BundleError(f"{bundle.qwen_dir}: tokenizer has {len(tok)} ids but config.json vocab_size is "
+                          f"{cfg.llm.qwen.vocab_size}")
+    report(f"ok  {bundle.qwen_dir.name}/: {len(tok)} text ids, {EOP_TOKEN} = {tok.token_id(EOP_TOKEN)}")
+
+    for name in NETWORKS:
+        state = bundle.read_checked_state(name)
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in state.values()})
+        report(f"ok  {name}.pt: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} values, "
+               f"{'/'.join(dtypes)}")
+
+    report(f"ok  {CAMPPLUS}: {check_campplus(root / CAMPPLUS, cfg.feat.num_mels)}")
+    report(f"ok  {SPEECH_TOKENIZER}: {check_speech_tokenizer(root / SPEECH_TOKENIZER)}")
+    if (root / SPK2INFO).exists():
+        speakers = read_pickled_dict(root / SPK2INFO)
+        report(f"ok  {SPK2INFO}: {len(speakers)} speakers")
+    return bundle

@@ -1,0 +1,67 @@
+"""Reading and checking upstream's `llm.pt` / `flow.pt` / `hift.pt` state dicts."""
+
+from __future__ import annotations
+
+import pickle
+import zipfile
+from pathlib import Path
+
+import torch
+
+from ..manifest import Entry
+from .errors import BundleError
+
+ACCEPTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""Stored dtypes we load; every tensor is computed in float32, as upstream's modules are."""
+
+
+def read_pickled_dict(path: Path) -> dict:
+    """`torch.load` a dict from `path` without executing pickled code; one-line `BundleError` otherwise."""
+    if not path.is_file():
+        raise BundleError(f"{path}: file not found")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise BundleError(f"{path}: not a readable PyTorch checkpoint ({reason})") from None
+    if not isinstance(obj, dict):
+        raise BundleError(f"{path}: expected a dict, found {type(obj).__name__}")
+    return obj
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Load a plain state dict from `path`.
+
+    Non-tensor entries (training checkpoints' `epoch`/`step`) are dropped; anything that is not a
+    mapping of names to tensors is a `BundleError`.
+    """
+    obj = read_pickled_dict(path)
+    tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+    if not tensors:
+        raise BundleError(f"{path}: holds no tensors; expected a state dict")
+    return tensors
+
+
+def check_state_dict(path: Path, state: dict[str, torch.Tensor], expected: list[Entry]) -> None:
+    """Raise a one-line `BundleError` on the first missing/unexpected key, shape or dtype mismatch."""
+    want = {e.key: e for e in expected}
+    missing = [e.key for e in expected if e.key not in state]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise BundleError(f"{path}: missing key {missing[0]}{more}")
+    unexpected = [k for k in state if k not in want]
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise BundleError(f"{path}: unexpected key {unexpected[0]}{more}")
+    for key, t in state.items():
+        e = want[key]
+        if tuple(t.shape) != e.shape:
+            raise BundleError(f"{path}: {key} has shape {list(t.shape)}, expected {list(e.shape)}")
+        if t.dtype not in ACCEPTED_DTYPES:
+            raise BundleError(f"{path}: {key} has dtype {str(t.dtype).removeprefix('torch.')}, "
+                              "expected float32, float16 or bfloat16")
+
+
+def to_float32(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Cast every stored tensor to float32 (the dtype upstream's modules compute in)."""
+    return {k: v.to(torch.float32) for k, v in state.items()}

@@ -1,0 +1,61 @@
+"""Upstream's model directory (`cosyvoice3.yaml`, `llm.pt`, ..., `CosyVoice-BlankEN/`) as one object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..manifest import build_network, expected_entries
+from ..nets.hift import normalize_hift_state_dict
+from .checkpoint import check_state_dict, read_state_dict, to_float32
+from .errors import BundleError
+from .layout import QWEN_DIR, YAML
+from .yaml_config import model_config_from_yaml
+
+
+@dataclass(frozen=True)
+class ModelBundle:
+    """A CosyVoice3 model directory whose yaml and Qwen config have been read."""
+
+    root: Path
+    config: ModelConfig
+
+    @classmethod
+    def open(cls, root: Path | str) -> ModelBundle:
+        """Read the hyperparameters of the bundle at `root` (no weights are loaded)."""
+        root = Path(root)
+        if not root.is_dir():
+            raise BundleError(f"{root}: not a directory; expected a CosyVoice3 model directory")
+        yaml_path = root / YAML
+        qwen_config = root / QWEN_DIR / "config.json"
+        for p in (yaml_path, qwen_config):
+            if not p.is_file():
+                raise BundleError(f"{p}: file not found")
+        return cls(root, model_config_from_yaml(yaml_path, qwen_config))
+
+    @property
+    def qwen_dir(self) -> Path:
+        return self.root / QWEN_DIR
+
+    def checkpoint(self, name: str) -> Path:
+        return self.root / f"{name}.pt"
+
+    def read_checked_state(self, name: str) -> dict[str, torch.Tensor]:
+        """The state dict of `name.pt` in our key layout, checked key for key against our network."""
+        path = self.checkpoint(name)
+        state = read_state_dict(path)
+        if name == "hift":
+            state = normalize_hift_state_dict(state)
+        check_state_dict(path, state, expected_entries(self.config, name))
+        return state
+
+    def load_network(self, name: str) -> nn.Module:
+        """Build network `name` (`llm`, `flow`, `hift`) and load its checkpoint strictly, in eval mode."""
+        state = to_float32(self.read_checked_state(name))
+        net = build_network(self.config, name)
+        net.load_state_dict(state, strict=True)
+        return net.eval()

@@ -1,0 +1,126 @@
+"""`cosyvoice-export tiny-bundle`: a random-weight model directory in upstream's exact file format.
+
+`tiny` keeps every interface dim of the real model (80 mels, 6561 speech tokens, 192-dim x-vectors,
+24 kHz) and shrinks the hidden sizes, for tests. `full` has the released model's dims with random
+weights: it costs what the real model costs, for benchmarks. Same seed, same bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from ..config import ModelConfig, full_size, tiny
+from ..manifest import NETWORKS, build_network
+from ..nets import flow as flow_net
+from ..nets import hift as hift_net
+from ..nets import llm as llm_net
+from .layout import PROMPT_TEXT, PROMPT_WAV, QWEN_DIR, QWEN_WEIGHTS, YAML
+from .prompt_wav import PROMPT_TRANSCRIPT, write_prompt_wav
+from .standin_onnx import write_standin_onnx
+from .tokenizer_files import load_cosyvoice3_tokenizer, qwen_vocab_size, write_qwen_config, write_tokenizer_files
+from .yaml_config import model_config_to_yaml
+
+_INIT: dict[str, Callable[[torch.nn.Module, torch.Generator], None]] = {
+    "llm": llm_net.init_random_,  # type: ignore[dict-item]
+    "flow": flow_net.init_random_,  # type: ignore[dict-item]
+    "hift": hift_net.init_random_,  # type: ignore[dict-item]
+}
+SIZES = ("tiny", "full")
+
+
+def config_for_size(size: str, text_vocab_size: int | None = None) -> ModelConfig:
+    """The model config of a `tiny` or `full` bundle.
+
+    A tiny bundle's Qwen embedding is sized to its tokenizer; without `text_vocab_size` the size our
+    tokenizer writer gives is used.
+    """
+    if size == "full":
+        return full_size()
+    if size == "tiny":
+        return tiny(text_vocab_size if text_vocab_size is not None else _tiny_text_vocab_size())
+    raise ValueError(f"unknown bundle size {size!r}; expected one of {', '.join(SIZES)}")
+
+
+def _tiny_text_vocab_size() -> int:
+    with tempfile.TemporaryDirectory() as d:
+        write_tokenizer_files(Path(d))
+        return qwen_vocab_size(load_cosyvoice3_tokenizer(Path(d)))
+
+
+def _qwen_safetensors(llm_state: dict[str, torch.Tensor], path: Path, tied: bool) -> None:
+    """The HF `model.safetensors` upstream's `Qwen2ForCausalLM.from_pretrained` reads (bf16, as released)."""
+    prefix = "llm.model."
+    tensors = {k.removeprefix(prefix): v.to(torch.bfloat16).contiguous()
+               for k, v in llm_state.items() if k.startswith(prefix)}
+    if tied:  # HF drops the tied head on save
+        tensors.pop("lm_head.weight")
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _write(root: Path, size: str, seed: int, progress: bool) -> None:
+    qwen_dir = root / QWEN_DIR
+    steps = tqdm(total=3 + len(NETWORKS), desc=f"{size} bundle", unit="step", disable=not progress)
+
+    steps.set_postfix_str("tokenizer")
+    n_bpe = write_tokenizer_files(qwen_dir)
+    cfg = config_for_size(size, qwen_vocab_size(load_cosyvoice3_tokenizer(qwen_dir)))
+    write_qwen_config(cfg.llm.qwen, qwen_dir, endoftext_id=n_bpe)
+    (root / YAML).write_text(model_config_to_yaml(cfg))
+    steps.update()
+
+    generator = torch.Generator().manual_seed(seed)
+    for name in NETWORKS:
+        steps.set_postfix_str(f"{name}.pt")
+        with torch.random.fork_rng(devices=[]):  # pin the default inits without touching the caller's RNG
+            torch.manual_seed(seed)
+            net = build_network(cfg, name)
+        _INIT[name](net, generator)
+        state = net.state_dict()
+        torch.save(state, root / f"{name}.pt")
+        if name == "llm":
+            _qwen_safetensors(state, root / QWEN_WEIGHTS, cfg.llm.qwen.tie_word_embeddings)
+        del net, state
+        steps.update()
+
+    steps.set_postfix_str("campplus / speech tokenizer")
+    write_standin_onnx(root, seed)
+    steps.update()
+    steps.set_postfix_str("prompt")
+    (root / PROMPT_WAV).parent.mkdir(parents=True, exist_ok=True)
+    write_prompt_wav(root / PROMPT_WAV, seed=0)
+    (root / PROMPT_TEXT).write_text(PROMPT_TRANSCRIPT + "\n")
+    steps.update()
+    steps.close()
+
+
+def write_bundle(out: Path, *, size: str = "tiny", seed: int = 0, force: bool = False, progress: bool = False
+                 ) -> Path:
+    """Write a random-weight bundle to `out`, atomically: into a sibling temp dir, then renamed.
+
+    Raises `FileExistsError` if `out` exists and `force` is not set.
+    """
+    out = Path(out)
+    if size not in SIZES:
+        raise ValueError(f"unknown bundle size {size!r}; expected one of {', '.join(SIZES)}")
+    if out.exists() and not force:
+        raise FileExistsError(f"{out}: already exists; pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        _write(tmp, size, seed, progress)
+        tmp.chmod(0o755)  # mkdtemp makes it private
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,168 @@
+"""`cosyvoice-export`: model bundles, manifests and the torch reference synthesis."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .bundle.errors import BundleError
+
+SIZES = click.Choice(["tiny", "full"])
+DEFAULT_DEMO_BUNDLE = Path("bundles/tiny")
+MODEL_DIR_ENV = "COSYVOICE_MODEL_DIR"
+
+
+class _Group(click.Group):
+    """Turns user errors (bad bundles, bad input files) into one line on stderr and exit status 2."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (BundleError, FileExistsError) as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Export Fun-CosyVoice3-0.5B and run its torch reference.
+
+    A model bundle is upstream's model directory: cosyvoice3.yaml, llm.pt, flow.pt, hift.pt,
+    CosyVoice-BlankEN/, campplus.onnx, speech_tokenizer_v3.onnx. `tiny-bundle` writes one with
+    random weights for tests and benchmarks.
+    """
+
+
+@main.command()
+@click.option("--size", type=SIZES, default="full", show_default=True,
+              help="full: the released model's dims; tiny: the dims of our test bundles.")
+@click.option("--network", type=click.Choice(["llm", "flow", "hift", "all"]), default="all", show_default=True)
+def manifest(size: str, network: str) -> None:
+    """Print the state-dict keys, shapes and dtypes our networks expect (TSV: key, shape, dtype).
+
+    Same format as upstream's checkpoint manifests, so an unusual checkpoint can be diffed against it.
+    With --network all, each table is preceded by a `# llm.pt` style comment line.
+    """
+    from .bundle.tiny import config_for_size
+    from .manifest import NETWORKS, manifest_tsv
+
+    cfg = config_for_size(size)
+    names = NETWORKS if network == "all" else (network,)
+    for name in names:
+        if len(names) > 1:
+            click.echo(f"# {name}.pt")
+        click.echo(manifest_tsv(cfg, name), nl=False)
+
+
+@main.command("check-bundle")
+@click.argument("model_dir", type=click.Path(path_type=Path))
+def check_bundle_cmd(model_dir: Path) -> None:
+    """Check that MODEL_DIR is a complete CosyVoice3 model directory of the expected shapes.
+
+    Prints one line per file that passed; on the first problem prints one line naming the file
+    (and key) with what was expected and found, and exits with status 2.
+    """
+    from .bundle.check import check_bundle
+
+    check_bundle(model_dir, report=click.echo)
+    click.echo(f"{model_dir}: bundle ok")
+
+
+@main.command("tiny-bundle")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--size", type=SIZES, default="tiny", show_default=True,
+              help="tiny: seconds, a few MB, for tests; full: the real dims with random weights "
+                   "(~3.5 GB, minutes), for benchmarks.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:
+    """Write a random-weight model bundle in upstream's exact file format to OUT."""
+    from .bundle.tiny import write_bundle
+
+    write_bundle(out, size=size, seed=seed, force=force, progress=True)
+    click.echo(f"wrote {size} bundle (seed {seed}) to {out}")
+
+
+def _synthesize(model_dir: Path, text: str, prompt_wav: Path | None, prompt_text: str | None, mode: str,
+                instruct: str, sampling: str, seed: int, speed: float, out: Path) -> None:
+    import torch
+
+    from .audio import write_wav
+    from .bundle.layout import PROMPT_TEXT, PROMPT_WAV
+    from .bundle.model_dir import ModelBundle
+    from .reference.llm_decode import GreedySampler, RasSampler
+    from .reference.pipeline import Mode, ReferencePipeline
+
+    bundle = ModelBundle.open(model_dir)
+    if prompt_wav is None:
+        prompt_wav = model_dir / PROMPT_WAV
+        if not prompt_wav.is_file():
+            raise BundleError(f"{prompt_wav}: file not found; pass --prompt-wav")
+        if prompt_text is None and (model_dir / PROMPT_TEXT).is_file():
+            prompt_text = (model_dir / PROMPT_TEXT).read_text().strip()
+    pipe = ReferencePipeline(bundle)
+    prompt = pipe.prompt_features(prompt_wav)
+    generator = torch.Generator().manual_seed(seed)
+    sampler = GreedySampler() if sampling == "greedy" else RasSampler(bundle.config.llm.sampling, generator)
+    result = pipe.synthesize(Mode(mode), text, prompt, sampler, prompt_text=prompt_text or "",
+                             instruct_text=instruct, speed=speed)
+    write_wav(out, result.audio, result.sample_rate)
+    seconds = len(result.audio) / result.sample_rate
+    click.echo(f"wrote {out}: {seconds:.2f} s at {result.sample_rate} Hz from {len(result.speech_tokens)} "
+               f"speech tokens ({mode}, {sampling} sampling, seed {seed})")
+
+
+_SYNTH_OPTIONS = [
+    click.option("--text", required=True, help="Text to speak (one segment; no normalisation)."),
+    click.option("--prompt-wav", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                 help="Prompt recording (any soundfile format, >= 16 kHz). Default: the bundle's demo prompt."),
+    click.option("--prompt-text", help="Transcript of the prompt recording (zero-shot)."),
+    click.option("--mode", type=click.Choice(["zero-shot", "cross-lingual", "instruct2"]), default="zero-shot",
+                 show_default=True),
+    click.option("--instruct", default="", help="Instruction for instruct2, e.g. 'Please speak as fast as possible.'"),
+    click.option("--sampling", type=click.Choice(["ras", "greedy"]), default="ras", show_default=True,
+                 help="ras: upstream's repetition-aware sampling; greedy: argmax, for exact comparisons."),
+    click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampler's generator."),
+    click.option("--speed", type=float, default=1.0, show_default=True),
+    click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+                 help="Output WAV (24 kHz PCM16)."),
+]
+
+
+def _synth_options(f: Any) -> Any:
+    for option in reversed(_SYNTH_OPTIONS):
+        f = option(f)
+    return f
+
+
+@main.command()
+@click.option("--model-dir", type=click.Path(path_type=Path), required=True)
+@_synth_options
+def synth(model_dir: Path, **kwargs: Any) -> None:
+    """Synthesise speech with the torch reference pipeline (the oracle for the runtime)."""
+    _synthesize(model_dir, **kwargs)
+
+
+@main.command()
+@_synth_options
+def demo(**kwargs: Any) -> None:
+    """End to end on the default bundle: $COSYVOICE_MODEL_DIR, else a tiny bundle at bundles/tiny.
+
+    The tiny bundle is written first if it is not there yet (seed 0). Random weights make noise, not
+    speech: the point is that every stage runs.
+    """
+    env = os.environ.get(MODEL_DIR_ENV)
+    if env:
+        model_dir = Path(env)
+    else:
+        from .bundle.tiny import write_bundle
+
+        model_dir = DEFAULT_DEMO_BUNDLE
+        if not model_dir.exists():
+            write_bundle(model_dir, size="tiny", seed=0, force=False, progress=True)
+            click.echo(f"wrote tiny bundle to {model_dir}")
+    _synthesize(model_dir, **kwargs)

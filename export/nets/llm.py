@@ -1,0 +1,264 @@
+"""The CosyVoice3 speech-token LM: a Qwen2 backbone plus speech embedding and decoder.
+
+The module tree mirrors upstream's `CosyVoice3LM` (`cosyvoice/llm/llm.py`) wrapping HF's
+`Qwen2ForCausalLM`, so `state_dict()` keys equal those of the released `llm.pt` and it loads with
+`strict=True`. The backbone is our own (no transformers dependency) and takes its KV cache as
+explicit tensors so that `forward_step` can be traced for ONNX.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import LLMConfig, Qwen2Config
+
+
+class Qwen2RMSNorm(nn.Module):
+    """RMSNorm normalised in fp32 and cast back before the weight, as in transformers' Qwen2."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    # Half-split rotation: (x1, x2) -> (-x2, x1) over the two halves of head_dim.
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_cos_sin(
+    positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """cos/sin tables (T, head_dim) for absolute `positions` (T,), computed in fp32 like HF."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class Qwen2Attention(nn.Module):
+    """Grouped-query self-attention with RoPE and an explicit (past, present) KV cache."""
+
+    def __init__(self, cfg: Qwen2Config) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=True)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, allowed: Tensor, past_k: Tensor, past_v: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, C); cos/sin (T, D); allowed (T, S) bool; past (B, KV, P, D) -> out, present k, v."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        # Keys are cached after RoPE, so a step never re-rotates the past.
+        k = torch.cat((past_k, k), dim=2)  # (B, KV, S, D), S = P + T
+        v = torch.cat((past_v, v), dim=2)
+        # GQA by broadcasting: query head h = kv * G + g reads KV head kv (HF's repeat_kv order). Unlike
+        # expand + reshape of the cache, this exports with a static T and a dynamic past length.
+        groups = self.num_heads // self.num_kv_heads
+        qg = q.view(b, self.num_kv_heads, groups, t, self.head_dim)  # (B, KV, G, T, D)
+        scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2))  # (B, KV, G, T, S)
+        scores = scores * (self.head_dim**-0.5)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, v.unsqueeze(2))  # (B, KV, G, T, D)
+        out = out.reshape(b, self.num_heads, t, self.head_dim)  # (B, H, T, D)
+        out = out.transpose(1, 2).reshape(b, t, -1)  # (B, T, H*D)
+        return self.o_proj(out), k, v
+
+
+class Qwen2MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: Qwen2Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen2DecoderLayer(nn.Module):
+    """Pre-norm transformer block (attribute order = HF's, which fixes the state_dict order)."""
+
+    def __init__(self, cfg: Qwen2Config) -> None:
+        super().__init__()
+        self.self_attn = Qwen2Attention(cfg)
+        self.mlp = Qwen2MLP(cfg)
+        self.input_layernorm = Qwen2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = Qwen2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, allowed: Tensor, past_k: Tensor, past_v: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, allowed, past_k, past_v)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k, v
+
+
+class Qwen2Model(nn.Module):
+    """Qwen2 decoder stack over input embeddings; returns the final-RMSNorm hidden states."""
+
+    def __init__(self, cfg: Qwen2Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = Qwen2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, inputs_embeds: Tensor, past_keys: list[Tensor], past_values: list[Tensor]
+    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """Embeddings (B, T, C) + pasts (B, KV, P, D) -> final-norm hidden (B, T, C), presents.
+
+        Presents are (B, KV, P+T, D) per layer; positions continue from the past length, and the new
+        block is causal and sees the whole past.
+        """
+        t = inputs_embeds.shape[1]
+        past_len = past_keys[0].shape[2]
+        device = inputs_embeds.device
+        q_pos = torch.arange(t, device=device) + past_len  # (T,)
+        k_pos = torch.arange(past_len + t, device=device)  # (S,)
+        allowed = k_pos[None, :] <= q_pos[:, None]  # (T, S)
+        cos, sin = _rope_cos_sin(q_pos, self.cfg.head_dim, self.cfg.rope_theta, inputs_embeds.dtype)
+        x = inputs_embeds
+        present_keys: list[Tensor] = []
+        present_values: list[Tensor] = []
+        for layer, past_k, past_v in zip(self.layers, past_keys, past_values, strict=True):
+            x, k, v = layer(x, cos, sin, allowed, past_k, past_v)
+            present_keys.append(k)
+            present_values.append(v)
+        return self.norm(x), present_keys, present_values
+
+
+class Qwen2CausalLM(nn.Module):
+    """Stands in for HF `Qwen2ForCausalLM` so the keys read `model.*` and `lm_head.weight`.
+
+    `lm_head` only exists for the checkpoint: upstream computes its logits and discards them.
+    """
+
+    def __init__(self, cfg: Qwen2Config) -> None:
+        super().__init__()
+        self.model = Qwen2Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+
+class Qwen2Encoder(nn.Module):
+    """Stands in for upstream's `Qwen2Encoder`, which holds the HF model as `.model`."""
+
+    def __init__(self, cfg: Qwen2Config) -> None:
+        super().__init__()
+        self.model = Qwen2CausalLM(cfg)
+
+
+class CosyVoice3LM(nn.Module):
+    """`CosyVoice3LM`: Qwen2 over [sos, text, task_id, speech] embeddings -> speech-token log-probs."""
+
+    def __init__(self, cfg: LLMConfig) -> None:
+        super().__init__()
+        if cfg.llm_input_size != cfg.qwen.hidden_size or cfg.llm_output_size != cfg.qwen.hidden_size:
+            raise ValueError("llm_input_size and llm_output_size must equal the Qwen2 hidden size")
+        self.cfg = cfg
+        self.llm = Qwen2Encoder(cfg.qwen)
+        self.llm_decoder = nn.Linear(cfg.llm_output_size, cfg.speech_vocab, bias=False)
+        self.speech_embedding = nn.Embedding(cfg.speech_vocab, cfg.llm_input_size)
+
+    @property
+    def backbone(self) -> Qwen2Model:
+        """The Qwen2 decoder stack (`llm.model.model`)."""
+        return self.llm.model.model
+
+    def embed_text(self, ids: Tensor) -> Tensor:
+        """Text token ids (B, T) -> Qwen input embeddings (B, T, C)."""
+        return self.backbone.embed_tokens(ids)
+
+    def embed_speech(self, ids: Tensor) -> Tensor:
+        """Speech ids (B, T), incl. sos/task_id rows -> embeddings (B, T, C)."""
+        return self.speech_embedding(ids)
+
+    def empty_cache(
+        self, batch: int = 1, device: torch.device | None = None, dtype: torch.dtype | None = None
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """Zero-length past keys and values, one (B, KV, 0, D) tensor per layer each."""
+        q = self.cfg.qwen
+        ref = self.llm_decoder.weight
+        shape = (batch, q.num_key_value_heads, 0, q.head_dim)
+        keys = [ref.new_zeros(shape, device=device, dtype=dtype) for _ in range(q.num_hidden_layers)]
+        values = [ref.new_zeros(shape, device=device, dtype=dtype) for _ in range(q.num_hidden_layers)]
+        return keys, values
+
+    def forward_step(
+        self, inputs_embeds: Tensor, past_keys: list[Tensor], past_values: list[Tensor]
+    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """One decoding call: embeddings (B, T, C) + pasts -> (logp (B, V) of the last position, presents).
+
+        `logp` is `log_softmax(llm_decoder(h))` of the final-norm hidden state, V = speech_vocab.
+        Caches are (B, num_kv_heads, T_total, head_dim), keys after RoPE.
+        """
+        hidden, present_keys, present_values = self.backbone(inputs_embeds, past_keys, past_values)
+        logp = self.llm_decoder(hidden[:, -1]).log_softmax(dim=-1)  # (B, V)
+        return logp, present_keys, present_values
+
+    def forward(
+        self, inputs_embeds: Tensor, past_keys: list[Tensor], past_values: list[Tensor]
+    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """Alias of `forward_step`, so the module itself can be traced."""
+        return self.forward_step(inputs_embeds, past_keys, past_values)
+
+
+_LOGIT_STD = 4.0
+_STOP_ROW_SCALE = 0.8
+
+
+@torch.no_grad()
+def init_random_(lm: CosyVoice3LM, generator: torch.Generator) -> None:
+    """Fill `lm` with deterministic random weights for test bundles (drawn on CPU from `generator`).
+
+    Linear weights are N(0, 1/fan_in) so the residual stream keeps its scale, embeddings N(0, 1),
+    biases N(0, 0.02^2), RMSNorm weights 1 + N(0, 0.1^2). `llm_decoder` rows get std
+    `_LOGIT_STD / sqrt(C)`: on the tiny config the top id then has probability ~0.2-0.8 and the RAS
+    nucleus holds ~18 ids on average (about half the steps below the top-k cap). The stop rows
+    (ids >= speech_token_size) are scaled by `_STOP_ROW_SCALE`, which makes a stop rare, so random
+    text usually decodes to `max_len` tokens instead of ending after a few.
+    """
+    hidden = lm.cfg.qwen.hidden_size
+    # named_parameters() yields a tied lm_head/embed_tokens weight once, so it is drawn once.
+    for name, p in lm.named_parameters():
+        if name == "llm_decoder.weight":
+            w = torch.randn(p.shape, generator=generator) * (_LOGIT_STD / math.sqrt(hidden))
+            w[lm.cfg.speech_token_size:] *= _STOP_ROW_SCALE
+        elif name.endswith("norm.weight"):
+            w = 1.0 + 0.1 * torch.randn(p.shape, generator=generator)
+        elif name.endswith(".bias"):
+            w = 0.02 * torch.randn(p.shape, generator=generator)
+        elif p.ndim == 2 and "embed" in name:
+            w = torch.randn(p.shape, generator=generator)
+        else:
+            w = torch.randn(p.shape, generator=generator) / math.sqrt(p.shape[1])
+        p.copy_(w)

@@ -1,0 +1,280 @@
+"""Prompt front end of the torch reference pipeline (upstream `cosyvoice/cli/frontend.py`).
+
+Turns a prompt recording into the three things the networks condition on:
+
+- speech tokens: 16 kHz audio -> Whisper-style 128-band log-mel -> `speech_tokenizer_v3.onnx`;
+- x-vector: 16 kHz audio -> Kaldi fbank (mean-normalised over time) -> `campplus.onnx`;
+- prompt mel: 24 kHz audio -> Matcha-TTS `mel_spectrogram` (80 bands, 50 Hz),
+
+then cuts tokens and mel to the 1:token_mel_ratio alignment the flow needs. It also holds the
+CosyVoice3 text prompt formats (`<|endofprompt|>` conventions) used by the three inference modes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import kaldi_native_fbank as knf
+import librosa
+import numpy as np
+import onnxruntime
+import soundfile as sf
+import soxr
+import torch
+
+from cosyvoice_export.bundle.errors import BundleError
+from cosyvoice_export.config import MelConfig
+
+MIN_SAMPLE_RATE = 16000
+"""Upstream `load_wav` refuses to upsample from below 16 kHz."""
+
+MAX_TOKENIZER_SECONDS = 30.0
+"""Upstream asserts at most 30 s of audio before running the speech tokenizer."""
+
+# --- audio I/O --------------------------------------------------------------------------------------
+
+
+def load_wav(path: str | Path, target_sr: int) -> torch.Tensor:
+    """Read an audio file as a mono float32 tensor (1, N) at `target_sr`.
+
+    Mirrors upstream `load_wav`: any format libsndfile reads, samples as floats in [-1, 1] (no int16
+    scaling), channels averaged in float32 *before* resampling.
+
+    Deviation from upstream: upstream resamples with torchaudio's `Resample` (windowed sinc,
+    sinc_interp_hann, lowpass_filter_width 6, rolloff 0.99), which cannot be installed here; we use soxr
+    at VHQ instead, so resampled prompts differ from upstream's by a small filter-shaped error. The
+    output length is made equal to torchaudio's, ceil(N * target_sr / orig_sr), so frame and token
+    counts match upstream's.
+
+    Raises `BundleError` (one line, naming the file) if the file cannot be read or its sample rate
+    is below 16 kHz.
+    """
+    try:
+        data, sr = sf.read(str(path), dtype="float32", always_2d=True)
+    except Exception as exc:  # libsndfile/OS errors come in several types; all mean "unreadable"
+        reason = " ".join(str(exc).split())
+        raise BundleError(f"cannot read audio file {path}: {reason}") from None
+    if sr < MIN_SAMPLE_RATE:
+        raise BundleError(f"audio file {path} has sample rate {sr} Hz; the minimum is {MIN_SAMPLE_RATE} Hz")
+    # (frames, channels) -> (channels, frames); the mean is taken in float32 as torch does upstream.
+    wav = torch.from_numpy(np.ascontiguousarray(data.T)).mean(dim=0, keepdim=True)
+    if sr == target_sr:
+        return wav
+    return torch.from_numpy(_resample(wav[0].numpy(), sr, target_sr)).unsqueeze(0)
+
+
+def _resample(x: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
+    """soxr VHQ resampling trimmed/extended to torchaudio's output length ceil(N * target / orig)."""
+    g = math.gcd(orig_sr, target_sr)
+    orig, new = orig_sr // g, target_sr // g
+    out_len = -(-x.shape[0] * new // orig)
+    # soxr rounds its output length where torchaudio takes the ceiling; trailing zeros (which soxr
+    # assumes past the end anyway, so earlier samples are unchanged) give it the extra sample.
+    padded = np.concatenate([x, np.zeros(orig // new + 2, dtype=np.float32)])
+    y = soxr.resample(padded, orig_sr, target_sr, quality="VHQ")
+    return np.ascontiguousarray(y[:out_len], dtype=np.float32)
+
+
+# --- features ---------------------------------------------------------------------------------------
+
+_WHISPER_SR = 16000
+_WHISPER_N_FFT = 400
+_WHISPER_HOP = 160
+
+
+def whisper_log_mel(wav16k: torch.Tensor, n_mels: int = 128) -> torch.Tensor:
+    """Whisper's `log_mel_spectrogram` of a 16 kHz waveform (1, N) -> (1, n_mels, N // 160).
+
+    Periodic hann(400), hop 160, centred reflect-padded STFT with the last frame dropped, power
+    spectrum, Slaney mel filters from librosa (Whisper ships the same filters precomputed), log10 with
+    a 1e-10 floor, then a floor at (utterance max - 8) and the (x + 4) / 4 scaling. The max is over the
+    whole input, so extracting in pieces is not equivalent.
+    """
+    window = torch.hann_window(_WHISPER_N_FFT)
+    spec = torch.stft(wav16k, _WHISPER_N_FFT, _WHISPER_HOP, window=window, return_complex=True)
+    power = spec[..., :-1].abs() ** 2
+    filters = torch.from_numpy(librosa.filters.mel(sr=_WHISPER_SR, n_fft=_WHISPER_N_FFT, n_mels=n_mels))
+    log_spec = torch.clamp(filters @ power, min=1e-10).log10()
+    log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
+    return (log_spec + 4.0) / 4.0
+
+
+def kaldi_fbank(wav16k: torch.Tensor) -> torch.Tensor:
+    """80-band Kaldi log fbank of a 16 kHz waveform (1, N), minus its mean over time -> (T, 80).
+
+    The settings are those of torchaudio's `compliance.kaldi.fbank(num_mel_bins=80, dither=0,
+    sample_frequency=16000)` as upstream calls it: 25 ms / 10 ms frames with snip_edges
+    (T = 1 + (N - 400) // 160), per-frame DC removal, pre-emphasis 0.97, povey window, 512-point FFT,
+    power spectrum, Kaldi mel banks from 20 Hz to Nyquist, natural log floored at float32 eps. The
+    waveform stays in [-1, 1] (upstream does not scale it to the int16 range).
+    """
+    samples = wav16k.reshape(-1).to(torch.float32).numpy()
+    opts = knf.FbankOptions()
+    opts.frame_opts.samp_freq = 16000
+    opts.frame_opts.frame_shift_ms = 10.0
+    opts.frame_opts.frame_length_ms = 25.0
+    opts.frame_opts.dither = 0.0  # knf's default is not 0
+    opts.frame_opts.preemph_coeff = 0.97
+    opts.frame_opts.remove_dc_offset = True
+    opts.frame_opts.window_type = "povey"
+    opts.frame_opts.round_to_power_of_two = True
+    opts.frame_opts.snip_edges = True
+    opts.mel_opts.num_bins = 80
+    opts.mel_opts.low_freq = 20.0
+    opts.mel_opts.high_freq = 0.0
+    opts.mel_opts.is_librosa = False
+    opts.mel_opts.htk_mode = False
+    opts.use_energy = False
+    opts.energy_floor = 0.0
+    opts.raw_energy = True
+    opts.use_power = True
+    opts.use_log_fbank = True
+
+    fbank = knf.OnlineFbank(opts)
+    fbank.accept_waveform(16000, samples)
+    fbank.input_finished()
+    n = fbank.num_frames_ready
+    if n == 0:
+        raise BundleError(f"prompt audio of {samples.shape[0]} samples is shorter than one 25 ms frame")
+    feat = torch.from_numpy(np.stack([fbank.get_frame(i) for i in range(n)]))
+    return feat - feat.mean(dim=0, keepdim=True)
+
+
+def prompt_mel(wav24k: torch.Tensor, cfg: MelConfig) -> torch.Tensor:
+    """Matcha-TTS `mel_spectrogram` of a waveform (1, N) at `cfg.sampling_rate`, as (1, T, num_mels).
+
+    Reflect-pad (n_fft - hop) / 2 on each side, STFT with a periodic hann(win_size) and
+    `center=cfg.center` (False for CosyVoice3, giving T = N // hop), magnitude sqrt(re² + im² + 1e-9),
+    librosa Slaney mel basis (fmax None = Nyquist), natural log floored at 1e-5.
+
+    The mel basis is built on every call from `cfg`; upstream caches it keyed only by fmax, which
+    silently reuses a wrong basis for a second configuration with the same fmax.
+    """
+    pad = int((cfg.n_fft - cfg.hop_size) / 2)
+    y = torch.nn.functional.pad(wav24k.unsqueeze(1), (pad, pad), mode="reflect").squeeze(1)
+    spec = torch.stft(
+        y,
+        cfg.n_fft,
+        hop_length=cfg.hop_size,
+        win_length=cfg.win_size,
+        window=torch.hann_window(cfg.win_size),
+        center=cfg.center,
+        pad_mode="reflect",
+        normalized=False,
+        onesided=True,
+        return_complex=True,
+    )
+    mag = torch.sqrt(torch.view_as_real(spec).pow(2).sum(-1) + 1e-9)
+    basis = librosa.filters.mel(sr=cfg.sampling_rate, n_fft=cfg.n_fft, n_mels=cfg.num_mels,
+                                fmin=cfg.fmin, fmax=cfg.fmax)
+    mel = torch.matmul(torch.from_numpy(basis).float(), mag)
+    return torch.log(torch.clamp(mel, min=1e-5)).transpose(1, 2)
+
+
+# --- ONNX feature models ----------------------------------------------------------------------------
+
+
+def open_session(path: str | Path) -> onnxruntime.InferenceSession:
+    """An ONNX Runtime CPU session with upstream's options (ORT_ENABLE_ALL, one intra-op thread)."""
+    opts = onnxruntime.SessionOptions()
+    opts.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.intra_op_num_threads = 1
+    return onnxruntime.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+
+
+def speech_tokens(session: onnxruntime.InferenceSession, wav16k: torch.Tensor) -> torch.Tensor:
+    """Speech tokens of a 16 kHz waveform (1, N) from `speech_tokenizer_v3.onnx` -> int64 (1, n_tokens).
+
+    Like upstream, tensors are addressed by position, not name: input 0 gets the Whisper log-mel
+    (1, 128, T) float32, input 1 a one-element int32 array holding T; output 0 is flattened whatever
+    its rank. Audio longer than 30 s is refused, as upstream asserts. Upstream holds the tokens as int32;
+    the values are the same.
+    """
+    seconds = wav16k.shape[-1] / _WHISPER_SR
+    if seconds > MAX_TOKENIZER_SECONDS:
+        raise BundleError(f"prompt audio is {seconds:.2f} s; the speech tokenizer takes at most "
+                          f"{MAX_TOKENIZER_SECONDS:g} s")
+    feat = whisper_log_mel(wav16k, n_mels=128).numpy().astype(np.float32, copy=False)
+    inputs = session.get_inputs()
+    out = session.run(None, {inputs[0].name: feat,
+                             inputs[1].name: np.array([feat.shape[2]], dtype=np.int32)})[0]
+    return torch.from_numpy(np.asarray(out).reshape(-1).astype(np.int64)).unsqueeze(0)
+
+
+def speaker_embedding(session: onnxruntime.InferenceSession, wav16k: torch.Tensor) -> torch.Tensor:
+    """CAM++ x-vector of a 16 kHz waveform (1, N) -> float32 (1, D), D = 192 for `campplus.onnx`.
+
+    Input 0 (by position) gets the mean-normalised fbank as (1, T, 80) float32; output 0 is flattened.
+    """
+    feat = kaldi_fbank(wav16k).unsqueeze(0).numpy()
+    out = session.run(None, {session.get_inputs()[0].name: feat})[0]
+    return torch.from_numpy(np.asarray(out, dtype=np.float32).reshape(-1).copy()).unsqueeze(0)
+
+
+# --- prompt assembly --------------------------------------------------------------------------------
+
+
+def align_prompt(
+    mel: torch.Tensor, tokens: torch.Tensor, token_mel_ratio: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut prompt mel (1, T, C) and tokens (1, N) to n = min(T // ratio, N) tokens and ratio * n frames.
+
+    Both are cut at the tail; the cut tokens serve both the LLM prompt and the flow prompt.
+    """
+    n = min(mel.shape[1] // token_mel_ratio, tokens.shape[1])
+    return mel[:, : token_mel_ratio * n], tokens[:, :n]
+
+
+@dataclass(frozen=True)
+class PromptFeatures:
+    """Everything the networks take from a prompt recording."""
+
+    speech_tokens: torch.Tensor
+    """int64 (1, n): speech tokens, already cut to the mel alignment."""
+    mel: torch.Tensor
+    """float32 (1, token_mel_ratio * n, 80): prompt mel at 50 Hz."""
+    embedding: torch.Tensor
+    """float32 (1, 192): CAM++ x-vector (the flow's speaker embedding)."""
+
+
+def extract_prompt(
+    wav_path: str | Path,
+    campplus_session: onnxruntime.InferenceSession,
+    tokenizer_session: onnxruntime.InferenceSession,
+    mel_cfg: MelConfig,
+    token_mel_ratio: int,
+) -> PromptFeatures:
+    """Load a prompt recording and compute its aligned tokens, mel and x-vector (upstream
+    `frontend_zero_shot`'s audio half; sessions come from `open_session`)."""
+    wav16k = load_wav(wav_path, 16000)
+    wav_mel = load_wav(wav_path, mel_cfg.sampling_rate)
+    tokens = speech_tokens(tokenizer_session, wav16k)
+    mel, tokens = align_prompt(prompt_mel(wav_mel, mel_cfg), tokens, token_mel_ratio)
+    embedding = speaker_embedding(campplus_session, wav16k)
+    return PromptFeatures(speech_tokens=tokens, mel=mel, embedding=embedding)
+
+
+# --- text prompt formats ----------------------------------------------------------------------------
+
+END_OF_PROMPT = "<|endofprompt|>"
+"""Every CosyVoice3 LLM text must contain this token (id 151646); the LLM asserts it."""
+
+SYSTEM_PROMPT = "You are a helpful assistant."
+
+
+def zero_shot_prompt(transcript: str) -> str:
+    """`prompt_text` for zero-shot cloning: system prompt, `<|endofprompt|>`, then the prompt's transcript."""
+    return f"{SYSTEM_PROMPT}{END_OF_PROMPT}{transcript}"
+
+
+def cross_lingual_text(text: str) -> str:
+    """`tts_text` for cross-lingual / fine-grained control, which has no prompt text and so carries the
+    `<|endofprompt|>` itself."""
+    return f"{SYSTEM_PROMPT}{END_OF_PROMPT}{text}"
+
+
+def instruct_prompt(instruction: str) -> str:
+    """`instruct_text` for instruct2: system prompt, one space, the instruction, `<|endofprompt|>`."""
+    return f"{SYSTEM_PROMPT} {instruction}{END_OF_PROMPT}"

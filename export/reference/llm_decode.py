@@ -1,0 +1,187 @@
+"""Torch reference for CosyVoice3's speech-token decoding (upstream's HF path, not vLLM).
+
+Follows `Qwen2LM.inference` / `inference_wrapper` (`cosyvoice/llm/llm.py`), `ras_sampling`
+(`cosyvoice/utils/common.py`) and the silent-token limiter of `llm_job` (`cosyvoice/cli/model.py`):
+
+- input `[E_speech[sos], E_text(prompt_text ++ text), E_speech[task_id], E_speech(prompt_speech)]`,
+  prefilled once, then one generated token per step through the explicit KV cache;
+- `min_len = int(2 * Lt)`, `max_len = int(20 * Lt)`, Lt = number of tts-text tokens (prompt text excluded);
+- any id >= speech_token_size stops decoding and is not emitted;
+- sampling is repetition-aware (RAS); every random draw goes through a caller-owned `torch.Generator`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from ..config import RASConfig
+from ..nets.llm import CosyVoice3LM
+
+MIN_TOKEN_TEXT_RATIO = 2.0
+MAX_TOKEN_TEXT_RATIO = 20.0
+
+SILENT_TOKENS: frozenset[int] = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
+"""FSQ silence/breath ids that `CosyVoice3Model` rate-limits (`model.py`, `silent_tokens`)."""
+
+MAX_SILENT_RUN = 5
+
+
+class Sampler(Protocol):
+    """Picks the next id from log-probs (V,) given the ids this call has emitted so far."""
+
+    def __call__(self, logp: Tensor, history: Sequence[int]) -> int: ...
+
+
+def nucleus_size(sorted_probs: Tensor, top_p: float, top_k: int) -> int:
+    """How many of the descending-sorted probs (V,) upstream's nucleus keeps.
+
+    Ids are taken while the running total is below `top_p` and fewer than `top_k` are kept, so the id
+    that crosses `top_p` is included. The total is accumulated one fp32 add at a time, as upstream
+    does, because a vectorised cumsum may round differently at the boundary.
+    """
+    total = torch.zeros((), dtype=torch.float32)
+    n = 0
+    limit = min(top_k, sorted_probs.shape[0])
+    while n < limit and bool(total < top_p):
+        total = total + sorted_probs[n]
+        n += 1
+    return n
+
+
+def ras_sample(logp: Tensor, history: Sequence[int], cfg: RASConfig, generator: torch.Generator) -> int:
+    """Repetition-aware sampling (VALL-E 2) exactly as upstream's `ras_sampling`.
+
+    Draws from the top-p/top-k nucleus of `softmax(logp)` (unnormalised kept probs, `multinomial`);
+    if the id occurs at least `win_size * tau_r` times in the last `win_size` history ids, its score
+    is set to -inf and one id is redrawn from the full softmax. The redrawn id is not re-checked and
+    may be a stop id.
+    """
+    scores = logp.float()  # (V,)
+    sorted_probs, sorted_ids = scores.softmax(dim=0).sort(descending=True, stable=True)
+    n = nucleus_size(sorted_probs, cfg.top_p, cfg.top_k)
+    pick = torch.multinomial(sorted_probs[:n], 1, replacement=True, generator=generator)
+    token = int(sorted_ids[pick])
+    repeats = sum(1 for h in history[-cfg.win_size:] if h == token)
+    if repeats >= cfg.win_size * cfg.tau_r:
+        scores = scores.clone()
+        scores[token] = float("-inf")
+        token = int(torch.multinomial(scores.softmax(dim=0), 1, replacement=True, generator=generator))
+    return token
+
+
+@dataclass
+class RasSampler:
+    """`ras_sample` with the yaml's RAS settings and an explicit generator."""
+
+    cfg: RASConfig
+    generator: torch.Generator
+
+    def __call__(self, logp: Tensor, history: Sequence[int]) -> int:
+        return ras_sample(logp, history, self.cfg, self.generator)
+
+
+@dataclass
+class GreedySampler:
+    """Argmax (first index on ties), no RAS: deterministic decoding for exact comparisons."""
+
+    def __call__(self, logp: Tensor, history: Sequence[int]) -> int:
+        return int(torch.argmax(logp))
+
+
+@dataclass
+class SilentTokenLimiter:
+    """Keeps the first `max_run` ids of every run of consecutive silent ids and drops the rest.
+
+    Only a non-silent id ends a run. Dropped ids are still fed back to the LM and stay in the RAS
+    history; they are only left out of what reaches the flow.
+    """
+
+    silent_ids: frozenset[int] = SILENT_TOKENS
+    max_run: int = MAX_SILENT_RUN
+    _run: int = field(default=0, init=False)
+
+    def keep(self, token: int) -> bool:
+        """Whether `token` goes to the output; updates the run counter."""
+        if token not in self.silent_ids:
+            self._run = 0
+            return True
+        self._run += 1
+        return self._run <= self.max_run
+
+
+def build_prompt_embeds(
+    lm: CosyVoice3LM, ids: Sequence[int], prompt_speech_tokens: Sequence[int]
+) -> Tensor:
+    """`[E_speech[sos], E_text(ids), E_speech[task_id], E_speech(prompt_speech)]` as (1, T, C)."""
+    device = lm.speech_embedding.weight.device
+    cfg = lm.cfg
+
+    def _ids(values: Sequence[int]) -> Tensor:
+        return torch.tensor([list(values)], dtype=torch.long, device=device)  # (1, T)
+
+    return torch.cat(
+        (
+            lm.embed_speech(_ids([cfg.sos])),
+            lm.embed_text(_ids(ids)),
+            lm.embed_speech(_ids([cfg.task_id])),
+            lm.embed_speech(_ids(prompt_speech_tokens)),
+        ),
+        dim=1,
+    )
+
+
+@torch.no_grad()
+def generate_speech_tokens(
+    lm: CosyVoice3LM,
+    text_ids: Sequence[int],
+    prompt_text_ids: Sequence[int],
+    prompt_speech_tokens: Sequence[int],
+    eop_id: int,
+    sampler: Sampler,
+    *,
+    max_tokens: int | None = None,
+    ignore_stop: bool = False,
+) -> list[int]:
+    """Decode speech tokens for one utterance; returns the ids that pass the silent-token limiter.
+
+    `text_ids` and `prompt_text_ids` are tokenised separately (as upstream's frontend does) and
+    joined; together they must contain `eop_id` (`<|endofprompt|>`). `max_tokens` replaces
+    `max_len` as the number of decoding steps; `ignore_stop` masks every stop id so that exactly that
+    many steps run (benchmarks). Limiter-dropped ids count as steps, so the result may be shorter.
+
+    Upstream quirk, reproduced: during the first `min_len` steps the masked index is
+    `speech_token_size` (= sos), not eos, so an eos or another stop id can still end decoding early.
+    """
+    ids = list(prompt_text_ids) + list(text_ids)
+    if eop_id not in ids:
+        raise ValueError(f"<|endofprompt|> (id {eop_id}) is in neither the text nor the prompt text")
+    lt = len(text_ids)
+    min_len = int(lt * MIN_TOKEN_TEXT_RATIO)
+    steps = int(lt * MAX_TOKEN_TEXT_RATIO) if max_tokens is None else max_tokens
+    stop_from = lm.cfg.speech_token_size
+
+    x = build_prompt_embeds(lm, ids, prompt_speech_tokens)  # (1, T, C)
+    past_keys, past_values = lm.empty_cache(device=x.device, dtype=x.dtype)
+    limiter = SilentTokenLimiter()
+    history: list[int] = []
+    out: list[int] = []
+    for i in range(steps):
+        logp, past_keys, past_values = lm.forward_step(x, past_keys, past_values)
+        logp = logp[0].float()  # (V,)
+        if i < min_len:
+            logp[stop_from] = float("-inf")
+        if ignore_stop:
+            logp[stop_from:] = float("-inf")
+        token = sampler(logp, history)
+        if token >= stop_from:
+            break
+        history.append(token)
+        if limiter.keep(token):
+            out.append(token)
+        x = lm.embed_speech(torch.tensor([[token]], dtype=torch.long, device=x.device))  # (1, 1, C)
+    return out

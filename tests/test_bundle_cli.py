@@ -1,0 +1,180 @@
+"""`cosyvoice-export tiny-bundle`, `check-bundle` and `manifest`: the bundle contract end to end."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cosyvoice_export.bundle.layout import CAMPPLUS, QWEN_DIR, SPEECH_TOKENIZER, YAML
+from cosyvoice_export.bundle.model_dir import ModelBundle
+from cosyvoice_export.bundle.tiny import write_bundle
+from cosyvoice_export.cli import main
+
+MANIFESTS = Path(__file__).parent / "data" / "upstream_manifest"
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("network", ["llm", "flow", "hift"])
+def test_manifest_command_equals_upstream_manifest(network: str) -> None:
+    code, out, _ = run("manifest", "--size", "full", "--network", network)
+    assert code == 0
+    assert out == (MANIFESTS / f"{network}.tsv").read_text()
+
+
+def test_manifest_all_tiny_has_every_network() -> None:
+    code, out, _ = run("manifest", "--size", "tiny")
+    assert code == 0
+    headers = [line for line in out.splitlines() if line.startswith("#")]
+    assert headers == ["# llm.pt", "# flow.pt", "# hift.pt"]
+    assert "llm.model.model.embed_tokens.weight\t[832, 64]\tfloat32" in out
+
+
+def test_tiny_bundle_round_trips_through_check_bundle(tiny_bundle: Path) -> None:
+    code, out, err = run("check-bundle", str(tiny_bundle))
+    assert code == 0, err
+    for name in (YAML, "llm.pt", "flow.pt", "hift.pt", CAMPPLUS, SPEECH_TOKENIZER):
+        assert f"ok  {name}" in out
+    assert out.rstrip().endswith("bundle ok")
+
+
+def _digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_same_seed_same_bytes_other_seed_other_weights(tiny_bundle: Path, tmp_path: Path) -> None:
+    again = write_bundle(tmp_path / "again", seed=0)
+    other = write_bundle(tmp_path / "other", seed=1)
+    assert _digest(again) == _digest(tiny_bundle)
+    a, b = _digest(tiny_bundle), _digest(other)
+    assert a["llm.pt"] != b["llm.pt"] and a["flow.pt"] != b["flow.pt"] and a["hift.pt"] != b["hift.pt"]
+    assert a[YAML] == b[YAML]
+
+
+def test_existing_output_needs_force(tiny_bundle: Path, tmp_path: Path) -> None:
+    out = tmp_path / "b"
+    out.mkdir()
+    code, _, err = run("tiny-bundle", str(out))
+    assert code == 2
+    assert err.strip() == f"error: {out}: already exists; pass --force to replace it"
+    assert list(out.iterdir()) == []  # untouched, and no temp dir left beside it
+    assert [p.name for p in tmp_path.iterdir()] == ["b"]
+
+
+def test_failed_write_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import cosyvoice_export.bundle.tiny as tiny_mod
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(tiny_mod, "write_standin_onnx", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        write_bundle(tmp_path / "b")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def bundle_copy(tiny_bundle: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle, dst)
+    return dst
+
+
+def _resave(path: Path, edit: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> None:
+    state = torch.load(path, weights_only=True)
+    torch.save(edit(state), path)
+
+
+def test_upstream_variants_pass(bundle_copy: Path) -> None:
+    """What upstream's own files may look like: bf16/fp16 storage, legacy weight norm with `generator.`,
+    a training checkpoint's extra scalars."""
+    _resave(bundle_copy / "llm.pt", lambda s: {k: v.to(torch.bfloat16) for k, v in s.items()})
+    _resave(bundle_copy / "flow.pt", lambda s: {**{k: v.half() for k, v in s.items()}, "epoch": 3, "step": 9})
+
+    def legacy(s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, v in s.items():
+            k = k.replace("parametrizations.weight.original0", "weight_g")
+            k = k.replace("parametrizations.weight.original1", "weight_v")
+            out[f"generator.{k}"] = v
+        return out
+
+    _resave(bundle_copy / "hift.pt", legacy)
+    code, out, err = run("check-bundle", str(bundle_copy))
+    assert code == 0, err
+    assert "llm.pt: 29 tensors" in out and "bfloat16" in out
+    bundle = ModelBundle.open(bundle_copy)
+    hift = bundle.load_network("hift")
+    assert next(hift.parameters()).dtype == torch.float32
+
+
+def _break_yaml_flow(root: Path) -> None:
+    text = (root / YAML).read_text()
+    start = text.index("\nflow:")
+    end = text.index("\nhift:")
+    (root / YAML).write_text(text[:start] + text[end:])
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _reshape_key(root: Path) -> None:
+    key = "decoder.estimator.proj_out.weight"
+    _resave(root / "flow.pt", lambda s: {**s, key: torch.zeros(80, 7)})
+
+
+CASES: list[tuple[str, Callable[[Path], None], str]] = [
+    ("missing hift", lambda r: (r / "hift.pt").unlink(), "{root}/hift.pt: file not found"),
+    ("missing yaml", lambda r: (r / YAML).unlink(), "{root}/cosyvoice3.yaml: file not found"),
+    ("missing campplus", lambda r: (r / CAMPPLUS).unlink(), "{root}/campplus.onnx: file not found"),
+    ("missing vocab", lambda r: (r / QWEN_DIR / "vocab.json").unlink(),
+     "{root}/CosyVoice-BlankEN/vocab.json: file not found"),
+    ("truncated llm", lambda r: _truncate(r / "llm.pt"), "{root}/llm.pt: not a readable PyTorch checkpoint"),
+    ("text as checkpoint", lambda r: (r / "flow.pt").write_text("hello"),
+     "{root}/flow.pt: not a readable PyTorch checkpoint"),
+    ("list checkpoint", lambda r: torch.save([1, 2], r / "hift.pt"), "{root}/hift.pt: expected a dict, found list"),
+    ("no flow entry", _break_yaml_flow, "{root}/cosyvoice3.yaml"),
+    ("shape mismatch", _reshape_key,
+     "{root}/flow.pt: decoder.estimator.proj_out.weight has shape [80, 7], expected [80, 64]"),
+    ("missing key", lambda r: _resave(r / "llm.pt", lambda s: {k: v for k, v in s.items() if k != "llm.model.model.norm.weight"}),
+     "{root}/llm.pt: missing key llm.model.model.norm.weight"),
+    ("unexpected key", lambda r: _resave(r / "llm.pt", lambda s: {**s, "llm_decoder.bias": torch.zeros(6761)}),
+     "{root}/llm.pt: unexpected key llm_decoder.bias"),
+    ("int tensor", lambda r: _resave(r / "llm.pt", lambda s: {k: v.long() if k == "llm_decoder.weight" else v
+                                                             for k, v in s.items()}),
+     "{root}/llm.pt: llm_decoder.weight has dtype int64"),
+    ("garbage onnx", lambda r: (r / SPEECH_TOKENIZER).write_bytes(b"\x00garbage"),
+     "{root}/speech_tokenizer_v3.onnx: not a readable ONNX model"),
+    ("swapped onnx", lambda r: shutil.copy(r / CAMPPLUS, r / SPEECH_TOKENIZER),
+     "{root}/speech_tokenizer_v3.onnx: expected 2 inputs"),
+]
+
+
+@pytest.mark.parametrize("breakage,expected", [(c[1], c[2]) for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_bundles_give_one_line_and_status_2(bundle_copy: Path, breakage: Callable[[Path], None],
+                                                expected: str) -> None:
+    breakage(bundle_copy)
+    code, _, err = run("check-bundle", str(bundle_copy))
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: " + expected.format(root=bundle_copy)), lines[0]
+    assert "Traceback" not in err
+
+
+def test_not_a_directory(tmp_path: Path) -> None:
+    code, _, err = run("check-bundle", str(tmp_path / "nope"))
+    assert code == 2
+    assert err.strip() == f"error: {tmp_path / 'nope'}: not a directory; expected a CosyVoice3 model directory"
