@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from .bundle.errors import BundleError
+from .reference.pipeline import Mode
 
 SIZES = click.Choice(["tiny", "full"])
 DEFAULT_DEMO_BUNDLE = Path("bundles/tiny")
@@ -40,7 +41,8 @@ def main() -> None:
 @main.command()
 @click.option("--size", type=SIZES, default="full", show_default=True,
               help="full: the released model's dims; tiny: the dims of our test bundles.")
-@click.option("--network", type=click.Choice(["llm", "flow", "hift", "all"]), default="all", show_default=True)
+@click.option("--network", type=click.Choice(["llm", "flow", "hift", "all"]), default="all",
+              show_default=True)
 def manifest(size: str, network: str) -> None:
     """Print the state-dict keys, shapes and dtypes our networks expect (TSV: key, shape, dtype).
 
@@ -95,7 +97,7 @@ def _synthesize(model_dir: Path, text: str, prompt_wav: Path | None, prompt_text
     from .bundle.layout import PROMPT_TEXT, PROMPT_WAV
     from .bundle.model_dir import ModelBundle
     from .reference.llm_decode import GreedySampler, RasSampler
-    from .reference.pipeline import Mode, ReferencePipeline
+    from .reference.pipeline import ReferencePipeline
 
     bundle = ModelBundle.open(model_dir)
     if prompt_wav is None:
@@ -119,11 +121,13 @@ def _synthesize(model_dir: Path, text: str, prompt_wav: Path | None, prompt_text
 _SYNTH_OPTIONS = [
     click.option("--text", required=True, help="Text to speak (one segment; no normalisation)."),
     click.option("--prompt-wav", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                 help="Prompt recording (any soundfile format, >= 16 kHz). Default: the bundle's demo prompt."),
+                 help="Prompt recording (any soundfile format, >= 16 kHz). "
+                      "Default: the bundle's demo prompt."),
     click.option("--prompt-text", help="Transcript of the prompt recording (zero-shot)."),
-    click.option("--mode", type=click.Choice(["zero-shot", "cross-lingual", "instruct2"]), default="zero-shot",
-                 show_default=True),
-    click.option("--instruct", default="", help="Instruction for instruct2, e.g. 'Please speak as fast as possible.'"),
+    click.option("--mode", type=click.Choice([m.value for m in Mode]), default=Mode.ZERO_SHOT.value,
+                 show_default=True, help="Upstream's inference entry point."),
+    click.option("--instruct", default="",
+                 help="Instruction for instruct2, e.g. 'Please speak as fast as possible.'"),
     click.option("--sampling", type=click.Choice(["ras", "greedy"]), default="ras", show_default=True,
                  help="ras: upstream's repetition-aware sampling; greedy: argmax, for exact comparisons."),
     click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampler's generator."),

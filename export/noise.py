@@ -41,7 +41,7 @@ class NoiseTables:
     rand_ini: Tensor
     """(1, H) U[0, 1) with column 0 zeroed: SineGen2's initial phase; it has no effect on the output."""
     sine_waves: Tensor
-    """(1, S, H) U[0, 1): the harmonic noise HiFT adds, read from sample 0 on (`sine_noise` input)."""
+    """(1, S, H) U[0, 1): HiFT's harmonic noise, read from sample 0 on (the generator's `sine_noise`)."""
     uv: Tensor
     """(1, S, 1) U[0, 1): SourceModuleHnNSF's noise branch, which inference discards."""
 

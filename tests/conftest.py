@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from cosyvoice_export.bundle.tiny import write_bundle
 
@@ -11,3 +13,12 @@ from cosyvoice_export.bundle.tiny import write_bundle
 def tiny_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random bundle (seed 0), written once per test session; tests must not modify it."""
     return write_bundle(tmp_path_factory.mktemp("bundles") / "tiny", size="tiny", seed=0)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread() -> Iterator[None]:
+    """Test networks are tiny: extra OpenMP threads only add waits on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -7,7 +7,6 @@ import dataclasses
 import json
 import math
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,15 +26,6 @@ from cosyvoice_export.nets.flow import CausalMaskedDiffWithDiT, PreLookaheadLaye
 
 MANIFEST = Path(__file__).parent / "data" / "upstream_manifest" / "flow.tsv"
 LOOKAHEAD = 3
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # These nets are tiny: a second thread only adds contention on a shared 2-core runner.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _small_cfg() -> FlowConfig:

@@ -6,7 +6,6 @@ import copy
 import json
 import math
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -43,15 +42,6 @@ def _gen(seed: int) -> torch.Generator:
 def _mel(frames: int, seed: int) -> torch.Tensor:
     """Log-mel-like input: mean -5, std 2."""
     return -5 + 2 * torch.randn(1, 80, frames, generator=_gen(seed))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny convs gain nothing from threads, and on a busy 2-core box OpenMP waits make them 50x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

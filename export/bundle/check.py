@@ -31,15 +31,16 @@ def _rank(v: onnx.ValueInfoProto) -> int:
     return len(v.type.tensor_type.shape.dim)
 
 
-def _dim(v: onnx.ValueInfoProto, i: int) -> int | str:
+def _dim_fits(v: onnx.ValueInfoProto, i: int, size: int) -> bool:
+    """Dim `i` is `size` or left symbolic (a real export may not pin it)."""
     d = v.type.tensor_type.shape.dim[i]
-    return d.dim_value if d.HasField("dim_value") else d.dim_param
+    return not d.HasField("dim_value") or d.dim_value == size
 
 
 def check_campplus(path: Path, mel_bins: int = 80) -> str:
     """Upstream feeds input 0 a float32 (1, T, 80) fbank and flattens output 0 to 192 values."""
     inputs, outputs = _onnx_io(path)
-    if len(inputs) != 1 or _rank(inputs[0]) != 3 or _dim(inputs[0], 2) != mel_bins:
+    if len(inputs) != 1 or _rank(inputs[0]) != 3 or not _dim_fits(inputs[0], 2, mel_bins):
         found = ", ".join(f"{i.name} rank {_rank(i)}" for i in inputs)
         raise BundleError(f"{path}: expected one input of shape (B, T, {mel_bins}), found {found}")
     if inputs[0].type.tensor_type.elem_type != onnx.TensorProto.FLOAT:
@@ -55,7 +56,7 @@ def check_speech_tokenizer(path: Path, n_mels: int = 128) -> str:
     if len(inputs) != 2:
         raise BundleError(f"{path}: expected 2 inputs (features, length), found {len(inputs)}")
     feats, length = inputs
-    if _rank(feats) != 3 or _dim(feats, 1) != n_mels:
+    if _rank(feats) != 3 or not _dim_fits(feats, 1, n_mels):
         raise BundleError(f"{path}: input {feats.name} must have shape (1, {n_mels}, T)")
     if length.type.tensor_type.elem_type != onnx.TensorProto.INT32:
         raise BundleError(f"{path}: input {length.name} must be int32")

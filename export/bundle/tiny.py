@@ -25,7 +25,12 @@ from ..nets import llm as llm_net
 from .layout import PROMPT_TEXT, PROMPT_WAV, QWEN_DIR, QWEN_WEIGHTS, YAML
 from .prompt_wav import PROMPT_TRANSCRIPT, write_prompt_wav
 from .standin_onnx import write_standin_onnx
-from .tokenizer_files import load_cosyvoice3_tokenizer, qwen_vocab_size, write_qwen_config, write_tokenizer_files
+from .tokenizer_files import (
+    load_cosyvoice3_tokenizer,
+    qwen_vocab_size,
+    write_qwen_config,
+    write_tokenizer_files,
+)
 from .yaml_config import model_config_to_yaml
 
 _INIT: dict[str, Callable[[torch.nn.Module, torch.Generator], None]] = {

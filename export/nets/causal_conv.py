@@ -23,6 +23,15 @@ def repeat_frames(x: Tensor, factor: int) -> Tensor:
     return x.unsqueeze(-1).expand([-1] * x.dim() + [factor]).flatten(-2)
 
 
+def _extend(x: Tensor, context: Tensor | None, steps: int, left: bool = True) -> Tensor:
+    """Put `steps` time steps before (left) or after x (B, C, T): zeros, or `context` (B, C, steps)."""
+    if context is None:
+        return F.pad(x, (steps, 0) if left else (0, steps))
+    if context.shape[-1] != steps:
+        raise ValueError(f"context has {context.shape[-1]} steps, expected {steps}")
+    return torch.cat([context, x] if left else [x, context], dim=-1)
+
+
 class CausalConv1d(nn.Conv1d):
     """Stride-1 Conv1d padded on one side only, so the output keeps the input's length.
 
@@ -50,14 +59,7 @@ class CausalConv1d(nn.Conv1d):
 
     def forward(self, x: Tensor, context: Tensor | None = None) -> Tensor:
         """(B, C_in, T) [+ context (B, C_in, causal_padding)] -> (B, C_out, T)."""
-        left = self.causal_type == "left"
-        if context is None:
-            x = F.pad(x, (self.causal_padding, 0) if left else (0, self.causal_padding))
-        else:
-            if context.shape[-1] != self.causal_padding:
-                raise ValueError(f"context has {context.shape[-1]} steps, expected {self.causal_padding}")
-            x = torch.cat([context, x] if left else [x, context], dim=2)
-        return super().forward(x)
+        return super().forward(_extend(x, context, self.causal_padding, left=self.causal_type == "left"))
 
 
 class CausalConv1dDownSample(nn.Conv1d):
@@ -74,11 +76,7 @@ class CausalConv1dDownSample(nn.Conv1d):
 
     def forward(self, x: Tensor, context: Tensor | None = None) -> Tensor:
         """(B, C_in, T) [+ context (B, C_in, stride-1)] -> (B, C_out, T_down)."""
-        if context is None:
-            x = F.pad(x, (self.causal_padding, 0))
-        else:
-            x = torch.cat([context, x], dim=2)
-        return super().forward(x)
+        return super().forward(_extend(x, context, self.causal_padding))
 
 
 class CausalConv1dUpsample(nn.Conv1d):
@@ -92,11 +90,7 @@ class CausalConv1dUpsample(nn.Conv1d):
     def forward(self, x: Tensor, context: Tensor | None = None) -> Tensor:
         """(B, C_in, T) [+ context (B, C_in, k-1) of upsampled steps] -> (B, C_out, T * stride)."""
         x = repeat_frames(x, self.upsample_factor)  # (B, C_in, T * stride)
-        if context is None:
-            x = F.pad(x, (self.causal_padding, 0))
-        else:
-            x = torch.cat([context, x], dim=2)
-        return super().forward(x)
+        return super().forward(_extend(x, context, self.causal_padding))
 
 
 class Snake(nn.Module):

@@ -109,6 +109,8 @@ class SourceModuleHnNSF(nn.Module):
         The noise table is read from sample 0 on (position-locked), as upstream's `sine_waves[:, :L]`.
         """
         U, H = self.upsample_scale, self.harmonics
+        if sine_noise.shape[1] < f0.shape[1] * U:
+            raise ValueError(f"sine_noise has {sine_noise.shape[1]} samples, {f0.shape[1] * U} needed")
         harmonic = torch.arange(1, H + 1, dtype=f0.dtype, device=f0.device)  # (H,)
         fn = f0.unsqueeze(-1) * harmonic  # (B, T, H)
         # Phase step in cycles per sample. Upstream downsamples the per-sample steps linearly by 1/U, which

@@ -9,7 +9,7 @@ explicit: the LLM sampler takes a `torch.Generator`, and the flow / vocoder read
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +35,7 @@ from .frontend import (
 from .llm_decode import Sampler, generate_speech_tokens
 
 
-class Mode(str, Enum):
+class Mode(StrEnum):
     """Upstream's inference entry points for CosyVoice3 (`inference_zero_shot`, ...)."""
 
     ZERO_SHOT = "zero-shot"
@@ -118,8 +118,8 @@ class ReferencePipeline:
         if not speech_tokens:
             raise ValueError("no speech tokens to vocode")
         token = torch.tensor([speech_tokens], dtype=torch.long)
-        mel = self.flow.inference(token, prompt.speech_tokens, prompt.mel, prompt.embedding, self.noise.flow_noise,
-                                  streaming=False, finalize=True)  # (1, 80, T)
+        mel = self.flow.inference(token, prompt.speech_tokens, prompt.mel, prompt.embedding,
+                                  self.noise.flow_noise, streaming=False, finalize=True)  # (1, 80, T)
         if speed != 1.0:
             mel = F.interpolate(mel, size=int(mel.shape[2] / speed), mode="linear")
         wav = self.hift.inference(mel, self.noise.sine_waves, finalize=True)  # (1, 480 T)
@@ -131,6 +131,7 @@ class ReferencePipeline:
         """Text (one segment) to speech, as upstream's non-streaming `inference_*` for `mode`."""
         inputs = self.llm_inputs(mode, tts_text, prompt, prompt_text=prompt_text, instruct_text=instruct_text)
         tokens = generate_speech_tokens(self.llm, inputs.text_ids, inputs.prompt_text_ids,
-                                        inputs.prompt_speech_tokens, self.eop_id, sampler, max_tokens=max_tokens)
+                                        inputs.prompt_speech_tokens, self.eop_id, sampler,
+                                        max_tokens=max_tokens)
         mel, audio = self.token2wav(tokens, prompt, speed=speed)
         return Synthesis(tokens, mel, audio, self.config.sample_rate)

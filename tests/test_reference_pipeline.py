@@ -1,0 +1,143 @@
+"""The torch reference synthesis on the tiny bundle: every mode, determinism, lengths, the CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from click.testing import CliRunner
+
+from cosyvoice_export.bundle.layout import PROMPT_TEXT, PROMPT_WAV
+from cosyvoice_export.bundle.model_dir import ModelBundle
+from cosyvoice_export.cli import main
+from cosyvoice_export.reference.frontend import PromptFeatures
+from cosyvoice_export.reference.llm_decode import GreedySampler, RasSampler
+from cosyvoice_export.reference.pipeline import Mode, ReferencePipeline
+
+TEXT = "Hello there."
+MAX_TOKENS = 24  # keeps each run short; the stop rule is tested in test_llm.py
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_bundle: Path) -> ReferencePipeline:
+    return ReferencePipeline(ModelBundle.open(tiny_bundle))
+
+
+@pytest.fixture(scope="module")
+def prompt(pipe: ReferencePipeline, tiny_bundle: Path) -> PromptFeatures:
+    return pipe.prompt_features(tiny_bundle / PROMPT_WAV)
+
+
+@pytest.fixture(scope="module")
+def transcript(tiny_bundle: Path) -> str:
+    return (tiny_bundle / PROMPT_TEXT).read_text().strip()
+
+
+def test_prompt_features_are_aligned(prompt: PromptFeatures, pipe: ReferencePipeline) -> None:
+    n = prompt.speech_tokens.shape[1]
+    assert n > 50  # 4.5 s at 25 Hz, cut to the mel length
+    assert prompt.mel.shape == (1, 2 * n, 80)
+    assert prompt.embedding.shape == (1, 192)
+    assert int(prompt.speech_tokens.min()) >= 0 and int(prompt.speech_tokens.max()) < 6561
+    assert len(set(prompt.speech_tokens[0].tolist())) > 5
+
+
+def test_llm_inputs_per_mode(pipe: ReferencePipeline, prompt: PromptFeatures, transcript: str) -> None:
+    enc, eop = pipe.tokenizer.encode, pipe.eop_id
+    zs = pipe.llm_inputs(Mode.ZERO_SHOT, TEXT, prompt, prompt_text=transcript)
+    assert zs.text_ids == enc(TEXT)
+    assert zs.prompt_text_ids == enc("You are a helpful assistant.<|endofprompt|>" + transcript)
+    assert zs.prompt_speech_tokens == prompt.speech_tokens[0].tolist()
+
+    cl = pipe.llm_inputs(Mode.CROSS_LINGUAL, TEXT, prompt)
+    assert cl.text_ids == enc("You are a helpful assistant.<|endofprompt|>" + TEXT)
+    assert cl.prompt_text_ids == [] and cl.prompt_speech_tokens == []
+    assert eop in cl.text_ids
+
+    ins = pipe.llm_inputs(Mode.INSTRUCT2, TEXT, prompt, instruct_text="Speak slowly.")
+    assert ins.prompt_text_ids == enc("You are a helpful assistant. Speak slowly.<|endofprompt|>")
+    assert ins.text_ids == enc(TEXT) and ins.prompt_speech_tokens == []
+
+    # A text that already carries <|endofprompt|> is used verbatim.
+    given = "You are a helpful assistant.<|endofprompt|>" + transcript
+    assert pipe.llm_inputs(Mode.ZERO_SHOT, TEXT, prompt, prompt_text=given).prompt_text_ids == enc(given)
+    with pytest.raises(ValueError, match="transcript"):
+        pipe.llm_inputs(Mode.ZERO_SHOT, TEXT, prompt)
+    with pytest.raises(ValueError, match="instruction"):
+        pipe.llm_inputs(Mode.INSTRUCT2, TEXT, prompt)
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+def test_every_mode_synthesizes(pipe: ReferencePipeline, prompt: PromptFeatures, transcript: str,
+                                mode: Mode) -> None:
+    sampler = RasSampler(pipe.config.llm.sampling, torch.Generator().manual_seed(0))
+    out = pipe.synthesize(mode, TEXT, prompt, sampler, prompt_text=transcript, instruct_text="Speak slowly.",
+                          max_tokens=MAX_TOKENS)
+    n = len(out.speech_tokens)
+    assert 0 < n <= MAX_TOKENS
+    assert all(0 <= t < 6561 for t in out.speech_tokens)
+    assert out.mel.shape == (1, 80, 2 * n)
+    assert out.audio.shape == (480 * 2 * n,) and out.audio.dtype == np.float32
+    assert np.abs(out.audio).max() <= 0.99 + 1e-7
+    assert out.audio.std() > 1e-3  # not silence
+    assert out.sample_rate == 24000
+
+
+def test_seeded_runs_repeat_and_seeds_differ(pipe: ReferencePipeline, prompt: PromptFeatures,
+                                             transcript: str) -> None:
+    def run(seed: int) -> list[int]:
+        sampler = RasSampler(pipe.config.llm.sampling, torch.Generator().manual_seed(seed))
+        return pipe.synthesize(Mode.ZERO_SHOT, TEXT, prompt, sampler, prompt_text=transcript,
+                               max_tokens=MAX_TOKENS).speech_tokens
+
+    assert run(0) == run(0)
+    assert run(0) != run(1)
+
+
+def test_token2wav_is_deterministic_and_speed_scales(pipe: ReferencePipeline, prompt: PromptFeatures) -> None:
+    tokens = [5, 17, 300, 4000, 6560, 12, 12, 99, 1000, 2000]
+    mel, wav = pipe.token2wav(tokens, prompt)
+    mel2, wav2 = pipe.token2wav(tokens, prompt)
+    assert torch.equal(mel, mel2) and np.array_equal(wav, wav2)
+    fast_mel, fast_wav = pipe.token2wav(tokens, prompt, speed=2.0)
+    assert fast_mel.shape[2] == mel.shape[2] // 2 and fast_wav.shape[0] == 480 * (mel.shape[2] // 2)
+    with pytest.raises(ValueError, match="no speech tokens"):
+        pipe.token2wav([], prompt)
+
+
+def test_greedy_ignores_the_seed(pipe: ReferencePipeline, prompt: PromptFeatures, transcript: str) -> None:
+    a = pipe.synthesize(Mode.ZERO_SHOT, TEXT, prompt, GreedySampler(), prompt_text=transcript, max_tokens=8)
+    b = pipe.synthesize(Mode.ZERO_SHOT, TEXT, prompt, GreedySampler(), prompt_text=transcript, max_tokens=8)
+    assert a.speech_tokens == b.speech_tokens
+    assert np.array_equal(a.audio, b.audio)
+
+
+def test_synth_command_writes_pcm16(tiny_bundle: Path, tmp_path: Path) -> None:
+    out = tmp_path / "x.wav"
+    result = CliRunner().invoke(main, ["synth", "--model-dir", str(tiny_bundle), "--text", "Hi.",
+                                       "--mode", "cross-lingual", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    info = sf.info(str(out))
+    assert info.samplerate == 24000 and info.subtype == "PCM_16" and info.channels == 1
+    assert info.frames > 0 and f"wrote {out}" in result.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["x.wav"]  # no temp file left
+
+
+def test_demo_uses_model_dir_env(tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COSYVOICE_MODEL_DIR", str(tiny_bundle))
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["demo", "--text", "Hi.", "--out", "demo.wav"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "demo.wav").is_file()
+    assert not (tmp_path / "bundles").exists()
+
+
+def test_synth_on_a_missing_bundle_is_one_line(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["synth", "--model-dir", str(tmp_path / "none"), "--text", "Hi.",
+                                       "--out", str(tmp_path / "x.wav")])
+    assert result.exit_code == 2
+    expected = f"error: {tmp_path / 'none'}: not a directory; expected a CosyVoice3 model directory"
+    assert result.stderr.strip() == expected
