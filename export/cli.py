@@ -78,7 +78,7 @@ def check_bundle_cmd(model_dir: Path) -> None:
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--size", type=SIZES, default="tiny", show_default=True,
               help="tiny: seconds, a few MB, for tests; full: the real dims with random weights "
-                   "(~3.5 GB, minutes), for benchmarks.")
+                   "(~4.2 GB, about a minute), for benchmarks.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:

@@ -1,0 +1,1 @@
+"""ONNX (and TensorRT) export of the CosyVoice3 graphs declared in `cosyvoice_graphs`."""

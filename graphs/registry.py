@@ -1,0 +1,199 @@
+"""The graphs of a CosyVoice3 runtime bundle, each one spec, sized by the model's dims.
+
+A graph's I/O is written here and nowhere else: `spec(name, dims)` is what the exporter traces, the
+validator checks, the TensorRT builder profiles and the runtime binds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .spec import Case, DerivedDim, DimRange, GraphSpec, TensorSpec, Tolerance
+
+OPSET = 17
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The model constants the graphs' shapes depend on (stored in every graph's metadata)."""
+
+    llm_hidden: int
+    llm_layers: int
+    llm_kv_heads: int
+    llm_head_dim: int
+    speech_vocab: int
+    """Rows of `llm_decoder`: speech codebook + sos/eos/task_id/fill and the other stop ids."""
+    speech_token_size: int
+    """Speech codebook size; ids >= this are the special/stop ids."""
+    mel_bins: int
+    spk_embed_dim: int
+    pre_lookahead_len: int
+    token_mel_ratio: int
+    dit_block_frames: int
+    """Frames per block of the DiT's block-causal streaming mask."""
+    harmonics: int
+    """Sine harmonics of the NSF source, fundamental included."""
+    samples_per_frame: int
+    sample_rate: int
+
+    def to_metadata(self) -> dict[str, str]:
+        return {k: str(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str]) -> ModelDims:
+        return cls(**{k: int(meta[k]) for k in cls.__dataclass_fields__})
+
+
+def _f32(name: str, shape: tuple[int | str, ...], doc: str = "", low: float = -1.0, high: float = 1.0
+         ) -> TensorSpec:
+    return TensorSpec(name, "float32", shape, doc, low, high)
+
+
+def llm_spec(d: ModelDims) -> GraphSpec:
+    """Prefill and decode in one graph: a new block of embeddings attends to itself (causally) and to
+    the cache. One graph serves both because the only difference is `new_len` (1 when decoding), and
+    it keeps the weights in one file."""
+    kv = (1, d.llm_kv_heads, "past_len", d.llm_head_dim)
+    present = (1, d.llm_kv_heads, "total_len", d.llm_head_dim)
+    inputs = [_f32("inputs_embeds", (1, "new_len", d.llm_hidden),
+                   "Embeddings of the new positions (text table, speech table rows, sos/task_id rows).")]
+    outputs = [_f32("logp", (1, d.speech_vocab),
+                    "log_softmax(llm_decoder(final-norm hidden)) at the last position.")]
+    for i in range(d.llm_layers):
+        inputs += [_f32(f"past_key_{i}", kv, f"Layer {i} keys after RoPE, positions 0..past_len-1."),
+                   _f32(f"past_value_{i}", kv, f"Layer {i} values.")]
+        outputs += [_f32(f"present_key_{i}", present), _f32(f"present_value_{i}", present)]
+    return GraphSpec(
+        name="llm", version=1, opset=OPSET, doc=llm_spec.__doc__ or "",
+        inputs=tuple(inputs), outputs=tuple(outputs),
+        dims={"new_len": DimRange(1, 1, 1024), "past_len": DimRange(0, 256, 2048)},
+        derived={"total_len": DerivedDim({"new_len": 1, "past_len": 1})},
+        tolerances={o.name: Tolerance("max_abs", 1e-4) for o in outputs},
+        trace=Case({"new_len": 5, "past_len": 3}),
+        validate=(Case({"new_len": 7, "past_len": 0}), Case({"new_len": 1, "past_len": 9}),
+                  Case({"new_len": 4, "past_len": 13})),
+    )
+
+
+def flow_encoder_spec(d: ModelDims) -> GraphSpec:
+    """Speech tokens (prompt + generated) -> the DiT's `mu`, and the x-vector -> `spks`.
+
+    Non-final calls pass the 3 look-ahead tokens that follow `tokens`; a final call passes -1 for
+    each, which stands for upstream's zero right-padding."""
+    n = d.pre_lookahead_len
+    return GraphSpec(
+        name="flow_encoder", version=1, opset=OPSET, doc=flow_encoder_spec.__doc__ or "",
+        inputs=(
+            TensorSpec("tokens", "int64", (1, "tokens"), "Speech tokens, prompt first.",
+                       0, d.speech_token_size),
+            TensorSpec("lookahead_tokens", "int64", (1, n), "Next tokens, or -1 (none) on the final call.",
+                       -1, d.speech_token_size),
+            _f32("embedding", (1, d.spk_embed_dim), "CAM++ x-vector (not normalised).", -3.0, 3.0),
+        ),
+        outputs=(
+            _f32("mu", (1, d.mel_bins, "frames"),
+                 "Token embeddings after pre-lookahead, repeated to mel rate."),
+            _f32("spks", (1, d.mel_bins), "Projected, L2-normalised x-vector."),
+        ),
+        dims={"tokens": DimRange(2, 250, 1500)},
+        derived={"frames": DerivedDim({"tokens": d.token_mel_ratio})},
+        tolerances={"mu": Tolerance("max_abs", 1e-4), "spks": Tolerance("max_abs", 1e-4)},
+        trace=Case({"tokens": 11}),
+        validate=(Case({"tokens": 37}), Case({"tokens": 5}, {"lookahead_tokens": (-1.0,) * n})),
+    )
+
+
+def flow_estimator_spec(d: ModelDims) -> GraphSpec:
+    """The DiT velocity field for a CFG batch of 2 (row 0 conditional, row 1 with mu/spks/cond zeroed).
+
+    `block_frames` selects the attention pattern: query i sees key j iff j < (i // b + 1) * b, so
+    b = 50 is upstream's block-causal streaming mask and any b >= frames is full attention."""
+    mel = d.mel_bins
+    return GraphSpec(
+        name="flow_estimator", version=1, opset=OPSET, doc=flow_estimator_spec.__doc__ or "",
+        inputs=(
+            _f32("x", (2, mel, "frames"), "The ODE state.", -3.0, 3.0),
+            _f32("mask", (2, 1, "frames"), "1 for real frames, 0 for padding.", 1.0, 1.0),
+            _f32("mu", (2, mel, "frames"), "Encoder output (row 1 zeros).", -3.0, 3.0),
+            _f32("t", (2,), "ODE time in [0, 1].", 0.0, 1.0),
+            _f32("spks", (2, mel), "Speaker projection (row 1 zeros)."),
+            _f32("cond", (2, mel, "frames"), "Prompt mel then zeros (row 1 zeros).", -8.0, 2.0),
+            TensorSpec("block_frames", "int64", (1,), "Attention block size; >= frames for full attention.",
+                       d.dit_block_frames, d.dit_block_frames + 1),
+        ),
+        outputs=(_f32("velocity", (2, mel, "frames"), "Estimated velocity per row."),),
+        dims={"frames": DimRange(4, 500, 3000)},
+        derived={},
+        tolerances={"velocity": Tolerance("max_abs", 1e-4)},
+        trace=Case({"frames": 64}),
+        validate=(Case({"frames": 123}), Case({"frames": 37}, {"block_frames": (10_000.0,)})),
+    )
+
+
+def hift_f0_spec(d: ModelDims) -> GraphSpec:
+    """The F0 predictor (upstream computes it in float64; this graph is float32, its drift is measured).
+
+    Mel frames beyond the input count as zeros (upstream's final call); a non-final call keeps only
+    the first frames - 3, which see real look-ahead frames only."""
+    return GraphSpec(
+        name="hift_f0", version=1, opset=OPSET, doc=hift_f0_spec.__doc__ or "",
+        inputs=(_f32("mel", (1, d.mel_bins, "frames"), "Log-mel frames.", -10.0, 2.0),),
+        outputs=(_f32("f0", (1, "frames"), "Fundamental frequency in Hz (|classifier output|)."),),
+        dims={"frames": DimRange(4, 500, 3000)},
+        derived={},
+        tolerances={"f0": Tolerance("max_abs", 1e-2)},
+        trace=Case({"frames": 40}),
+        validate=(Case({"frames": 17}), Case({"frames": 90})),
+    )
+
+
+def hift_decoder_spec(d: ModelDims) -> GraphSpec:
+    """Mel + F0 -> waveform: the NSF source from `f0`, the explicit per-frame harmonic `phase` and the
+    fixed noise table, then the source STFT, the upsampling decoder, iSTFT and the clamp.
+
+    `phase` is upstream's staircase phase (2*pi*cumsum of per-frame increments * samples_per_frame),
+    accumulated in float64 by the caller and reduced mod 2*pi. `sine_noise` is the table read from
+    the utterance's first sample. Mel frames beyond the input count as zeros (final call); a non-final
+    call keeps the first (frames - 8) * samples_per_frame samples."""
+    h, spf = d.harmonics, d.samples_per_frame
+    return GraphSpec(
+        name="hift_decoder", version=1, opset=OPSET, doc=hift_decoder_spec.__doc__ or "",
+        inputs=(
+            _f32("mel", (1, d.mel_bins, "frames"), "Log-mel frames.", -10.0, 2.0),
+            _f32("f0", (1, "frames"), "F0 in Hz from hift_f0.", 0.0, 300.0),
+            _f32("phase", (1, "frames", h), "Harmonic phase per frame, mod 2*pi.", 0.0, 6.2831853),
+            _f32("sine_noise", (1, "samples", h), "Uniform [0, 1) noise table, from sample 0.", 0.0, 1.0),
+        ),
+        outputs=(_f32("waveform", (1, "samples"), "Audio in [-audio_limit, audio_limit]."),),
+        dims={"frames": DimRange(4, 500, 3000)},
+        derived={"samples": DerivedDim({"frames": spf})},
+        tolerances={"waveform": Tolerance("mean_abs", 2e-3)},
+        trace=Case({"frames": 24}),
+        validate=(Case({"frames": 11}), Case({"frames": 57})),
+    )
+
+
+SPECS: dict[str, Callable[[ModelDims], GraphSpec]] = {
+    "llm": llm_spec,
+    "flow_encoder": flow_encoder_spec,
+    "flow_estimator": flow_estimator_spec,
+    "hift_f0": hift_f0_spec,
+    "hift_decoder": hift_decoder_spec,
+}
+"""Every graph of a runtime bundle, in pipeline order."""
+
+
+def spec(name: str, dims: ModelDims) -> GraphSpec:
+    """The spec of graph `name` for a model of `dims`."""
+    if name not in SPECS:
+        raise KeyError(f"unknown graph {name!r}; known: {', '.join(SPECS)}")
+    return SPECS[name](dims)
+
+
+def metadata(s: GraphSpec, dims: ModelDims, extra: dict[str, Any] | None = None) -> dict[str, str]:
+    """The `metadata_props` every exported graph carries: spec identity plus the model constants."""
+    meta = {"spec_name": s.name, "spec_version": str(s.version), **dims.to_metadata()}
+    meta.update({k: str(v) for k, v in (extra or {}).items()})
+    return meta
