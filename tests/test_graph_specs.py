@@ -1,0 +1,136 @@
+"""`cosyvoice_graphs`: the specs are consistent plain data, sized by the model's dims."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cosyvoice_export.config import full_size, tiny
+from cosyvoice_export.onnx.dims import model_dims
+from cosyvoice_graphs import (
+    SPECS,
+    Case,
+    DerivedDim,
+    DimRange,
+    GraphSpec,
+    ModelDims,
+    TensorSpec,
+    Tolerance,
+    cache_pairs,
+    metadata,
+    spec,
+)
+
+FULL = model_dims(full_size())
+
+
+def test_full_size_dims() -> None:
+    assert FULL == ModelDims(
+        llm_hidden=896, llm_layers=24, llm_kv_heads=2, llm_head_dim=64, speech_vocab=6761,
+        speech_token_size=6561, mel_bins=80, spk_embed_dim=192, pre_lookahead_len=3, token_mel_ratio=2,
+        dit_block_frames=50, harmonics=9, samples_per_frame=480, sample_rate=24000,
+    )
+    assert ModelDims.from_metadata(FULL.to_metadata()) == FULL
+
+
+def test_graphs_import_neither_torch_nor_onnxruntime() -> None:
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, *a):\n"
+            "        if name.split('.')[0] in ('torch', 'onnxruntime', 'cosyvoice_export'):\n"
+            "            raise ImportError('blocked ' + name)\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import cosyvoice_graphs as g\n"
+            "print(len(g.SPECS))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(len(SPECS))
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("dims", [FULL, model_dims(tiny(832))], ids=["full", "tiny"])
+def test_every_spec_is_consistent(name: str, dims: ModelDims) -> None:
+    s = spec(name, dims)
+    assert s.name == name and s.version >= 1 and s.opset >= 17
+    for case in (s.trace, *s.validate):
+        feeds = s.sample_inputs(case)
+        assert list(feeds) == s.input_names
+        for t in s.inputs:
+            assert feeds[t.name].dtype == t.np_dtype
+            assert feeds[t.name].shape == s.shape_of(t, case.dims)
+    for t in s.inputs:
+        lo, opt, hi = s.profile(t)
+        assert all(a <= b <= c for a, b, c in zip(lo, opt, hi, strict=True))
+    meta = metadata(s, dims, {"checkpoint_sha256": "abc"})
+    assert meta["spec_name"] == name and meta["spec_version"] == str(s.version)
+    assert meta["llm_layers"] == str(dims.llm_layers) and meta["checkpoint_sha256"] == "abc"
+
+
+def test_llm_cache_pairs_follow_one_rule() -> None:
+    s = spec("llm", FULL)
+    pairs = cache_pairs(s)
+    assert len(pairs) == 2 * 24
+    assert pairs[0] == ("past_key_0", "present_key_0") and pairs[-1] == ("past_value_23", "present_value_23")
+    assert s.sizes({"new_len": 4, "past_len": 13})["total_len"] == 17
+    present = next(t for t in s.outputs if t.name == "present_key_5")
+    assert s.shape_of(present, {"new_len": 1, "past_len": 9}) == (1, 2, 10, 64)
+
+
+def test_derived_and_pinned_values() -> None:
+    enc = spec("flow_encoder", FULL)
+    mu = next(t for t in enc.outputs if t.name == "mu")
+    assert enc.shape_of(mu, {"tokens": 37}) == (1, 80, 74)
+    final = enc.validate[1]
+    assert (enc.sample_inputs(final)["lookahead_tokens"] == -1).all()
+    est = spec("flow_estimator", FULL)
+    assert int(est.sample_inputs(est.trace)["block_frames"][0]) == 50
+    dec = spec("hift_decoder", FULL)
+    noise = next(t for t in dec.inputs if t.name == "sine_noise")
+    assert dec.profile(noise) == ((1, 1920, 9), (1, 240000, 9), (1, 1440000, 9))
+
+
+def _tiny_spec(**overrides: object) -> GraphSpec:
+    fields: dict[str, object] = dict(
+        name="toy", version=1, opset=17, doc="",
+        inputs=(TensorSpec("a", "float32", (1, "n")),),
+        outputs=(TensorSpec("b", "float32", (1, "m")),),
+        dims={"n": DimRange(1, 2, 3)}, derived={"m": DerivedDim({"n": 2})},
+        tolerances={"b": Tolerance("max_abs", 1e-4)},
+        trace=Case({"n": 2}), validate=(Case({"n": 3}),),
+    )
+    fields.update(overrides)
+    return GraphSpec(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"validate": (Case({"n": 2}),)}, "other than the trace shape"),
+    ({"tolerances": {}}, "tolerances must cover exactly the outputs"),
+    ({"inputs": (TensorSpec("a", "float32", (1, "k")),)}, "undeclared dims"),
+    ({"outputs": (TensorSpec("a", "float32", (1, "m")),)}, "duplicate tensor names"),
+    ({"derived": {"m": DerivedDim({"q": 1})}}, "unknown free dims"),
+    ({"trace": Case({})}, "must size every free dim"),
+])
+def test_inconsistent_specs_are_rejected(overrides: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _tiny_spec(**overrides)
+
+
+def test_bad_profile_and_dtype_are_rejected() -> None:
+    with pytest.raises(ValueError, match="min <= opt <= max"):
+        DimRange(3, 2, 4)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        TensorSpec("x", "float64", (1,))
+
+
+def test_cache_without_output_is_rejected() -> None:
+    s = _tiny_spec(inputs=(TensorSpec("past_key_0", "float32", (1, "n")),))
+    with pytest.raises(ValueError, match="has no output present_key_0"):
+        cache_pairs(s)
+
+
+def test_tolerance_metrics() -> None:
+    got, want = np.array([1.0, 2.0, 3.5]), np.array([1.0, 2.5, 3.0])
+    assert Tolerance("max_abs", 1).measure(got, want) == 0.5
+    assert Tolerance("mean_abs", 1).measure(got, want) == pytest.approx(1 / 3)
