@@ -153,9 +153,13 @@ def hift_decoder_spec(d: ModelDims) -> GraphSpec:
     """Mel + F0 -> waveform: the NSF source from `f0`, the explicit per-frame harmonic `phase` and the
     fixed noise table, then the source STFT, the upsampling decoder, iSTFT and the clamp.
 
-    `phase` is upstream's staircase phase (2*pi*cumsum of per-frame increments * samples_per_frame),
-    accumulated in float64 by the caller and reduced mod 2*pi. `sine_noise` is the table read from
-    the utterance's first sample. Mel frames beyond the input count as zeros (final call); a non-final
+    `phase` is upstream's staircase phase, which the caller must build bit for bit as upstream's float32
+    arithmetic does (a float32 running sum drifts by radians within a minute): per frame t, harmonic k,
+    U = samples_per_frame, fl32 = round to float32,
+        rad[t,k] = fl32(fl32(f0[t] * k) / sample_rate) mod 1
+        acc[t,k] = fl32(sum_{s<=t} rad[s,k]), summed in float64
+        phase[t,k] = fl32(fmod(fl32(fl32(fl32(2 * acc) * fl32(pi)) * U), 2*pi)), fmod in float64.
+    `sine_noise` is the table read from the utterance's first sample. Mel frames beyond the input count as zeros (final call); a non-final
     call keeps the first (frames - 8) * samples_per_frame samples."""
     h, spf = d.harmonics, d.samples_per_frame
     return GraphSpec(
@@ -163,7 +167,7 @@ def hift_decoder_spec(d: ModelDims) -> GraphSpec:
         inputs=(
             _f32("mel", (1, d.mel_bins, "frames"), "Log-mel frames.", -10.0, 2.0),
             _f32("f0", (1, "frames"), "F0 in Hz from hift_f0.", 0.0, 300.0),
-            _f32("phase", (1, "frames", h), "Harmonic phase per frame, mod 2*pi.", 0.0, 6.2831853),
+            _f32("phase", (1, "frames", h), "Harmonic phase per frame, mod 2*pi.", 0.0, 6.2831855),
             _f32("sine_noise", (1, "samples", h), "Uniform [0, 1) noise table, from sample 0.", 0.0, 1.0),
         ),
         outputs=(_f32("waveform", (1, "samples"), "Audio in [-audio_limit, audio_limit]."),),

@@ -118,23 +118,25 @@ class _InputEmbedding(nn.Module):
 class _AdaLayerNormZero(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
+        self.dim = dim  # a Python int: the ONNX tracer turns `x.shape[-1:]` into a non-constant shape
         self.linear = nn.Linear(dim, 6 * dim)
 
     def forward(self, x: Tensor, c: Tensor) -> tuple[Tensor, ...]:
         emb = self.linear(F.silu(c))  # (B, 6 * dim)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
-        x = F.layer_norm(x, x.shape[-1:], eps=LN_EPS) * (1 + scale_msa[:, None]) + shift_msa[:, None]
+        x = F.layer_norm(x, (self.dim,), eps=LN_EPS) * (1 + scale_msa[:, None]) + shift_msa[:, None]
         return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
 
 
 class _AdaLayerNormZeroFinal(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
+        self.dim = dim
         self.linear = nn.Linear(dim, 2 * dim)
 
     def forward(self, x: Tensor, c: Tensor) -> Tensor:
         scale, shift = self.linear(F.silu(c)).chunk(2, dim=1)  # scale first here, unlike the blocks
-        return F.layer_norm(x, x.shape[-1:], eps=LN_EPS) * (1 + scale)[:, None] + shift[:, None]
+        return F.layer_norm(x, (self.dim,), eps=LN_EPS) * (1 + scale)[:, None] + shift[:, None]
 
 
 class _Attention(nn.Module):
@@ -175,6 +177,7 @@ class _FeedForward(nn.Module):
 class _DiTBlock(nn.Module):
     def __init__(self, dim: int, heads: int, dim_head: int, ff_mult: int) -> None:
         super().__init__()
+        self.dim = dim
         self.attn_norm = _AdaLayerNormZero(dim)
         self.attn = _Attention(dim, heads, dim_head)
         self.ff = _FeedForward(dim, ff_mult)
@@ -183,7 +186,7 @@ class _DiTBlock(nn.Module):
                 keep: Tensor) -> Tensor:
         norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(x, c)
         x = x + gate_msa[:, None] * self.attn(norm, cos, sin, attn_mask, keep)
-        norm = F.layer_norm(x, x.shape[-1:], eps=LN_EPS) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
+        norm = F.layer_norm(x, (self.dim,), eps=LN_EPS) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
         return x + gate_mlp[:, None] * self.ff(norm)
 
 

@@ -1,0 +1,1 @@
+"""Torch modules whose `forward` is exactly one registered graph's I/O (see `..graphs.WRAPPERS`)."""

@@ -1,0 +1,240 @@
+"""The llm / flow_encoder / flow_estimator export wrappers: spec I/O, exactness against the torch
+networks they wrap, and a legacy-exporter round trip through onnxruntime at the specs' validation cases."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from torch import Tensor, nn
+
+import cosyvoice_graphs
+from cosyvoice_export.config import ModelConfig, tiny
+from cosyvoice_export.nets import flow as flow_net
+from cosyvoice_export.nets import llm as llm_net
+from cosyvoice_export.nets.dit import dit_attention_mask
+from cosyvoice_export.onnx.dims import model_dims
+from cosyvoice_export.onnx.wrappers.flow import FlowEncoderGraph, FlowEstimatorGraph, block_attention_mask
+from cosyvoice_export.onnx.wrappers.llm import LLMGraph
+from cosyvoice_graphs import GraphSpec
+
+GRAPHS = ("llm", "flow_encoder", "flow_estimator")
+ONNX_DTYPES = {"float32": onnx.TensorProto.FLOAT, "int64": onnx.TensorProto.INT64}
+
+
+@pytest.fixture(scope="module")
+def cfg() -> ModelConfig:
+    return tiny(832)
+
+
+@pytest.fixture(scope="module")
+def lm(cfg: ModelConfig) -> llm_net.CosyVoice3LM:
+    net = llm_net.CosyVoice3LM(cfg.llm).eval().requires_grad_(False)
+    llm_net.init_random_(net, torch.Generator().manual_seed(0))
+    return net
+
+
+@pytest.fixture(scope="module")
+def flow(cfg: ModelConfig) -> flow_net.CausalMaskedDiffWithDiT:
+    net = flow_net.CausalMaskedDiffWithDiT(cfg.flow).eval().requires_grad_(False)
+    flow_net.init_random_(net, torch.Generator().manual_seed(0))
+    return net
+
+
+@pytest.fixture(scope="module")
+def wrappers(lm: llm_net.CosyVoice3LM, flow: flow_net.CausalMaskedDiffWithDiT) -> dict[str, nn.Module]:
+    return {
+        "llm": LLMGraph(lm).eval(),
+        "flow_encoder": FlowEncoderGraph(flow).eval(),
+        "flow_estimator": FlowEstimatorGraph(flow.decoder.estimator).eval(),
+    }
+
+
+def _spec(name: str, cfg: ModelConfig) -> GraphSpec:
+    return cosyvoice_graphs.spec(name, model_dims(cfg))
+
+
+def _run(module: nn.Module, s: GraphSpec, feeds: dict[str, np.ndarray]) -> list[Tensor]:
+    """The wrapper on spec-named numpy feeds, outputs as a list in the spec's order."""
+    with torch.no_grad():
+        out = module(*(torch.from_numpy(feeds[n]) for n in s.input_names))
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+def _dynamic_axes(s: GraphSpec) -> dict[str, dict[int, str]]:
+    """`dynamic_axes` for the legacy exporter: every symbolic dim of every input and output, by name."""
+    return {t.name: {i: d for i, d in enumerate(t.shape) if isinstance(d, str)}
+            for t in (*s.inputs, *s.outputs) if t.symbols()}
+
+
+# --- spec I/O ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", GRAPHS)
+def test_outputs_follow_the_spec(name: str, cfg: ModelConfig, wrappers: dict[str, nn.Module]) -> None:
+    s = _spec(name, cfg)
+    for case in (s.trace, *s.validate):
+        outs = _run(wrappers[name], s, s.sample_inputs(case))
+        assert len(outs) == len(s.outputs)
+        for out, t in zip(outs, s.outputs, strict=True):
+            assert tuple(out.shape) == s.shape_of(t, case.dims), t.name
+            assert out.dtype == torch.float32, t.name
+
+
+def test_llm_graph_rejects_a_wrong_cache_count(lm: llm_net.CosyVoice3LM) -> None:
+    keys, values = lm.empty_cache()
+    with pytest.raises(ValueError, match="past tensors"):
+        LLMGraph(lm)(torch.zeros(1, 1, lm.cfg.qwen.hidden_size), *keys, *values[:-1])
+
+
+# --- exactness against the wrapped networks ---------------------------------------------------------
+
+
+def test_llm_graph_equals_forward_step(lm: llm_net.CosyVoice3LM) -> None:
+    graph = LLMGraph(lm)
+    x = torch.randn(1, 9, lm.cfg.qwen.hidden_size, generator=torch.Generator().manual_seed(1))  # (1, T, C)
+    keys, values = lm.empty_cache()
+    with torch.no_grad():
+        for start, end in [(0, 8), (8, 9)]:  # prefill over an empty cache, then a decode step
+            past = [t for kv in zip(keys, values, strict=True) for t in kv]
+            got = graph(x[:, start:end], *past)
+            logp, keys, values = lm.forward_step(x[:, start:end], keys, values)
+            want = [logp, *(t for kv in zip(keys, values, strict=True) for t in kv)]
+            assert len(got) == len(want)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert keys[0].shape[2] == 9
+
+
+@pytest.mark.parametrize("finalize", [True, False])
+def test_flow_encoder_equals_inference_decoder_inputs(finalize: bool, flow: flow_net.CausalMaskedDiffWithDiT
+                                                      ) -> None:
+    g = torch.Generator().manual_seed(2)
+    P, N, L = 6, 14, flow.cfg.pre_lookahead_len
+    token, prompt = torch.randint(0, 6561, (1, N), generator=g), torch.randint(0, 6561, (1, P), generator=g)
+    prompt_feat, embedding = torch.randn(1, 2 * P, 80, generator=g), 3 * torch.randn(1, 192, generator=g)
+    calls: list[tuple[Tensor, ...]] = []  # the decoder's positional args: mu, mask, spks, cond, noise
+    hook = flow.decoder.register_forward_pre_hook(lambda _, args: calls.append(args))
+    try:
+        flow.inference(token, prompt, prompt_feat, embedding, torch.zeros(1, 80, 2 * (P + N)),
+                       streaming=True, finalize=finalize)
+    finally:
+        hook.remove()
+    ((want_mu, _, want_spks, _, _),) = calls
+
+    tokens = torch.cat((prompt, token), dim=1)  # (1, P+N)
+    if finalize:  # every token, and no look-ahead: upstream pads zeros
+        lookahead = torch.full((1, L), -1)
+    else:  # the last L tokens are look-ahead only
+        tokens, lookahead = tokens[:, :-L], tokens[:, -L:]
+    with torch.no_grad():
+        mu, spks = FlowEncoderGraph(flow)(tokens, lookahead, embedding)
+    assert mu.shape == (1, 80, 2 * tokens.shape[1])
+    assert torch.equal(mu, want_mu)
+    assert torch.equal(spks, want_spks)
+
+
+@pytest.mark.parametrize("T", [23, 64, 137])
+@pytest.mark.parametrize("streaming", [True, False])
+def test_block_attention_mask_equals_dit_attention_mask(T: int, streaming: bool) -> None:
+    chunk = 50
+    pad = torch.ones(4, 1, T)
+    pad[1, 0, T - 9:] = 0.0  # right padding
+    pad[2, 0, : min(T, 60)] = 0.0  # a padded first block: its queries see no key and open fully
+    pad[3] = 0.0
+    b = torch.tensor([chunk if streaming else T + 1000])
+    assert torch.equal(block_attention_mask(pad, b), dit_attention_mask(pad, streaming, chunk))
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_flow_estimator_equals_dit(streaming: bool, flow: flow_net.CausalMaskedDiffWithDiT) -> None:
+    dit = flow.decoder.estimator
+    T = 123
+    g = torch.Generator().manual_seed(3)
+    x, mu, cond = (torch.randn(2, 80, T, generator=g) for _ in range(3))
+    t, spks = torch.rand(2, generator=g), torch.randn(2, 80, generator=g)
+    mask = torch.ones(2, 1, T)
+    mask[1, 0, 100:] = 0.0  # a padded row
+    b = torch.tensor([50 if streaming else T])
+    with torch.no_grad():
+        got = FlowEstimatorGraph(dit)(x, mask, mu, t, spks, cond, b)
+        want = dit(x, mask, mu, t, spks, cond, dit_attention_mask(mask, streaming, 50))
+    assert torch.equal(got, want)
+
+
+# --- ONNX export + onnxruntime ----------------------------------------------------------------------
+
+
+def _export(module: nn.Module, s: GraphSpec, path: Path) -> None:
+    feeds = s.sample_inputs(s.trace)
+    args = tuple(torch.from_numpy(feeds[n]) for n in s.input_names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the legacy exporter's deprecation and constant-folding notes
+        torch.onnx.export(module, args, path, dynamo=False, opset_version=s.opset,
+                          input_names=s.input_names, output_names=s.output_names,
+                          dynamic_axes=_dynamic_axes(s))
+
+
+@pytest.fixture(scope="module")
+def exported(cfg: ModelConfig, wrappers: dict[str, nn.Module],
+             tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("onnx")
+    paths = {}
+    for name in GRAPHS:
+        paths[name] = out / f"{name}.onnx"
+        _export(wrappers[name], _spec(name, cfg), paths[name])
+    return paths
+
+
+def _dims(value_info: Any) -> tuple[int | str, ...]:
+    return tuple(d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim)
+
+
+@pytest.mark.parametrize("name", GRAPHS)
+def test_exported_graph_io_matches_spec(name: str, cfg: ModelConfig, exported: dict[str, Path]) -> None:
+    s = _spec(name, cfg)
+    model = onnx.load(exported[name])
+    assert model.ir_version <= 10  # onnxruntime 1.31 loads up to IR 10
+    onnx.checker.check_model(model)
+    for got, want in [(model.graph.input, s.inputs), (model.graph.output, s.outputs)]:
+        assert [v.name for v in got] == [t.name for t in want]
+        for v, t in zip(got, want, strict=True):
+            assert v.type.tensor_type.elem_type == ONNX_DTYPES[t.dtype], t.name
+            if got is model.graph.input:
+                assert _dims(v) == t.shape, t.name
+            else:
+                # The legacy exporter leaves some static output dims unknown (named after the node, e.g.
+                # mu's 1 and 80 behind PreLookaheadLayer's computed Pad); runtime shapes are checked below.
+                dims = _dims(v)
+                assert len(dims) == len(t.shape), t.name
+                assert all(d == w or (isinstance(w, int) and isinstance(d, str))
+                           for d, w in zip(dims, t.shape, strict=True)), (t.name, dims)
+
+
+def _ort_cases(name: str, s: GraphSpec) -> list[tuple[str, dict[str, np.ndarray]]]:
+    """The spec's validation feeds; the estimator also gets a padded row under the streaming mask."""
+    cases = [(str(dict(c.dims)), s.sample_inputs(c)) for c in s.validate]
+    if name == "flow_estimator":
+        feeds = s.sample_inputs(s.validate[0], seed=1)
+        feeds["mask"][1, 0, -20:] = 0.0
+        cases.append(("padded", feeds))
+    return cases
+
+
+@pytest.mark.parametrize("name", GRAPHS)
+def test_onnxruntime_matches_torch(name: str, cfg: ModelConfig, wrappers: dict[str, nn.Module],
+                                   exported: dict[str, Path]) -> None:
+    s = _spec(name, cfg)
+    sess = ort.InferenceSession(str(exported[name]), providers=["CPUExecutionProvider"])
+    for label, feeds in _ort_cases(name, s):
+        got = sess.run(s.output_names, feeds)
+        want = _run(wrappers[name], s, feeds)
+        for out, g, w in zip(s.outputs, got, want, strict=True):
+            assert g.shape == tuple(w.shape), (label, out.name)
+            err = s.tolerances[out.name].measure(g, w.numpy())
+            assert err <= s.tolerances[out.name].bound, (label, out.name, err)
