@@ -159,8 +159,8 @@ def hift_decoder_spec(d: ModelDims) -> GraphSpec:
         rad[t,k] = fl32(fl32(f0[t] * k) / sample_rate) mod 1
         acc[t,k] = fl32(sum_{s<=t} rad[s,k]), summed in float64
         phase[t,k] = fl32(fmod(fl32(fl32(fl32(2 * acc) * fl32(pi)) * U), 2*pi)), fmod in float64.
-    `sine_noise` is the table read from the utterance's first sample. Mel frames beyond the input count as zeros (final call); a non-final
-    call keeps the first (frames - 8) * samples_per_frame samples."""
+    `sine_noise` is the table read from the utterance's first sample. Mel frames beyond the input count
+    as zeros (final call); a non-final call keeps the first (frames - 8) * samples_per_frame samples."""
     h, spf = d.harmonics, d.samples_per_frame
     return GraphSpec(
         name="hift_decoder", version=1, opset=OPSET, doc=hift_decoder_spec.__doc__ or "",
