@@ -89,6 +89,47 @@ def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:
     click.echo(f"wrote {size} bundle (seed {seed}) to {out}")
 
 
+@main.command("all")
+@click.option("--model-dir", type=click.Path(path_type=Path), required=True,
+              help="The CosyVoice3 model bundle (upstream's model directory).")
+@click.option("--out", type=click.Path(path_type=Path), required=True,
+              help="The runtime bundle to write: a new or empty directory, or one this command wrote.")
+@click.option("--trt", is_flag=True,
+              help="Also build a TensorRT plan per graph (cached by ONNX sha256 + GPU + TensorRT version) "
+                   "and validate it against onnxruntime. Needs a CUDA device and the gpu extra.")
+@click.option("--force", is_flag=True, help="Export every graph again, even unchanged ones.")
+def all_cmd(model_dir: Path, out: Path, trt: bool, force: bool) -> None:
+    """Export every graph to ONNX and assemble a torch-free runtime bundle in OUT.
+
+    Each graph is traced from its spec, checked (onnx.checker, then its I/O against the spec),
+    simplified with onnxslim, and validated against the torch networks with the spec's tolerances at
+    shapes other than the trace shape. OUT also gets the embedding and noise tables, the frontend
+    ONNX models, the tokenizer files and the yaml, then manifest.json last (every file with its
+    sha256, the graphs' spec versions and validation figures).
+
+    A second run into the same OUT skips graphs whose spec version, source checkpoints and exporter
+    are unchanged (unless --force). Prints a summary table; exits 1 if a graph fails validation
+    (no manifest is written then), 2 on a bad bundle or unusable OUT.
+    """
+    from .onnx.runtime_bundle import export_all
+    from .onnx.trace import ExportError
+    from .onnx.trt import TrtUnavailable
+
+    try:
+        report = export_all(model_dir, out, force=force, trt=trt, progress=True)
+    except TrtUnavailable as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except ExportError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    click.echo(report.table())
+    for failure in report.failures:
+        click.echo(f"error: {failure}", err=True)
+    if not report.passed:
+        sys.exit(1)
+
+
 def _synthesize(model_dir: Path, text: str, prompt_wav: Path | None, prompt_text: str | None, mode: str,
                 instruct: str, sampling: str, seed: int, speed: float, out: Path) -> None:
     import torch

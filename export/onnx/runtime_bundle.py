@@ -1,0 +1,492 @@
+"""`cosyvoice-export all`: a CosyVoice3 model bundle -> a self-contained, torch-free runtime bundle.
+
+The layout is `cosyvoice_graphs.bundle_layout`'s; besides it, OUT/.export/ holds one record per
+exported graph, which is what lets a later run skip it.
+
+Every file is written to a temporary name and renamed, and an existing manifest is removed before
+anything in OUT changes, so an interrupted export never leaves a manifest that claims files that are
+not complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from functools import partial
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import numpy as np
+from torch import nn
+from tqdm import tqdm
+
+from cosyvoice_graphs import SPECS, GraphSpec, ModelDims, spec
+from cosyvoice_graphs.bundle_layout import (
+    FLOW_NOISE,
+    FORMAT,
+    FORMAT_VERSION,
+    FRONTEND_DIR,
+    MANIFEST,
+    NOISE_TABLES,
+    SINE_NOISE,
+    SPEECH_EMBEDDING,
+    TEXT_EMBEDDING,
+    TOKENIZER_DIR,
+    TRT_DIR,
+    graph_file,
+    table_file,
+)
+
+from ..bundle.check import check_bundle
+from ..bundle.errors import BundleError
+from ..bundle.layout import CAMPPLUS, QWEN_DIR, SPEECH_TOKENIZER, YAML
+from ..bundle.model_dir import ModelBundle
+from ..bundle.tokenizer_files import ENDOFPROMPT, TOKENIZER_FILES, load_cosyvoice3_tokenizer
+from ..manifest import NETWORKS
+from ..nets.flow import CausalMaskedDiffWithDiT
+from ..nets.hift import CausalHiFTGenerator
+from ..nets.llm import CosyVoice3LM
+from ..noise import noise_tables
+from .dims import model_dims
+from .graphs import WRAPPERS, Networks
+from .trace import EXPORTER_VERSION, PARTIAL, export_graph, file_sha256
+from .validate import Figure, GraphValidation, ValidationError, validate_graph
+
+if TYPE_CHECKING:
+    from .trt import TrtEnv
+
+STATE_DIR = ".export"
+QWEN_CONFIG = "config.json"
+TOKENIZER_COPY = (*TOKENIZER_FILES, QWEN_CONFIG)
+"""What the runtime's tokenizer loads, copied from CosyVoice-BlankEN/."""
+CONFIG_SOURCES = (YAML, f"{QWEN_DIR}/{QWEN_CONFIG}")
+"""Hyperparameters every graph depends on, besides its checkpoint's weights."""
+
+
+class RuntimeBundleError(BundleError):
+    """OUT cannot be used: a foreign non-empty directory, or not writable."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A file of the runtime bundle."""
+
+    size: int
+    sha256: str
+
+    @classmethod
+    def of(cls, path: Path) -> FileEntry:
+        return cls(path.stat().st_size, file_sha256(path))
+
+
+@dataclass
+class GraphResult:
+    """One graph of the runtime bundle: its files, how it was made, and how it validated."""
+
+    name: str
+    spec: GraphSpec
+    files: dict[str, FileEntry]
+    """Bundle-relative path -> entry of the ONNX files; the graph first."""
+    sources: dict[str, str]
+    """Model-bundle file -> sha256 of what the graph was made from."""
+    validation: GraphValidation
+    reused: bool
+    simplified: bool
+    simplify_error: str | None
+    timings: dict[str, float]
+    trt: dict[str, Any] | None = None
+    """The TensorRT plan (--trt): file, size, sha256, cache key, GPU, TensorRT version, timings."""
+    trt_validation: GraphValidation | None = None
+
+    @property
+    def size(self) -> int:
+        return sum(e.size for e in self.files.values())
+
+    def validations(self) -> list[GraphValidation]:
+        return [self.validation, *([self.trt_validation] if self.trt_validation else [])]
+
+
+@dataclass(frozen=True)
+class Report:
+    """What `export_all` did."""
+
+    out: Path
+    graphs: tuple[GraphResult, ...]
+    manifest: Path | None
+    """None when a graph failed validation: a bundle with a failing graph gets no manifest."""
+    seconds: float
+    files: dict[str, FileEntry]
+    """Every file of the bundle (the manifest's `files`)."""
+
+    @property
+    def failures(self) -> list[ValidationError]:
+        return [e for g in self.graphs for v in g.validations() for e in v.failures]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def table(self) -> str:
+        """The summary table: one row per graph (and per TensorRT plan), its worst output."""
+        rows = [("graph", "size", "output", "error", "tolerance", "run", "ok")]
+        for g in self.graphs:
+            for label, v, size, run in ((g.name, g.validation, g.size, "reused" if g.reused else "exported"),
+                                        (f"{g.name} [trt]", g.trt_validation, _plan_size(g), _plan_run(g))):
+                if v is None:
+                    continue
+                f = max(v.worst().values(), key=lambda fig: fig.ratio)
+                error = f.problem[:24] if f.problem else f"{f.measured:.2e}"
+                rows.append((label, _human(size), f.output, error, f"{f.metric} <= {f.bound:.0e}", run,
+                             "✓" if v.passed else "✗"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        status = f"manifest: {self.manifest}" if self.manifest else "no manifest written: validation failed"
+        return "\n".join([*lines, f"{len(self.graphs)} graphs in {self.seconds:.1f} s; {status}"])
+
+
+def _plan_size(g: GraphResult) -> int:
+    return g.trt["size"] if g.trt else 0
+
+
+def _plan_run(g: GraphResult) -> str:
+    return "cached" if g.trt and g.trt["cached"] else "built"
+
+
+def _human(size: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
+
+
+# --- writing into OUT --------------------------------------------------------------------------------
+
+def _install(out: Path, rel: str, write: Callable[[IO[bytes]], object]) -> FileEntry:
+    """Write `out/rel` through a temporary name; returns its entry."""
+    path = out / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}{PARTIAL}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        entry = FileEntry.of(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return entry
+
+
+def _write_json(out: Path, rel: str, data: Mapping[str, Any]) -> FileEntry:
+    text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+    return _install(out, rel, lambda f: f.write(text.encode()))
+
+
+def _prepare_out(out: Path) -> None:
+    """Refuse a foreign or unwritable OUT; mark it as ours and drop its manifest before changing it."""
+    if out.exists() and not out.is_dir():
+        raise RuntimeBundleError(f"{out}: exists and is not a directory")
+    ours = (out / MANIFEST).is_file() or (out / STATE_DIR).is_dir()
+    if out.is_dir() and not ours and any(out.iterdir()):
+        raise RuntimeBundleError(f"{out}: not empty and not a runtime bundle (no {MANIFEST}); "
+                                 "choose a new or empty directory")
+    try:
+        (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
+        probe = out / STATE_DIR / f".probe{PARTIAL}"
+        probe.write_bytes(b"")
+        probe.unlink()
+        (out / MANIFEST).unlink(missing_ok=True)
+    except OSError as e:
+        raise RuntimeBundleError(f"{out}: cannot write there ({e.strerror or type(e).__name__})") from None
+    for leftover in sorted(out.rglob(f".*{PARTIAL}"), reverse=True):
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
+
+
+def _record_rel(name: str) -> str:
+    return f"{STATE_DIR}/{name}.json"
+
+
+def _read_record(out: Path, name: str) -> dict[str, Any] | None:
+    try:
+        return json.loads((out / _record_rel(name)).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# --- inputs --------------------------------------------------------------------------------------------
+
+def _source_files(bundle: ModelBundle) -> dict[str, Path]:
+    """Every model-bundle file the runtime bundle is made from, by its path in the model bundle."""
+    names = [*CONFIG_SOURCES, *(f"{n}.pt" for n in NETWORKS), CAMPPLUS, SPEECH_TOKENIZER,
+             *(f"{QWEN_DIR}/{n}" for n in TOKENIZER_FILES)]
+    return {n: bundle.root / n for n in names}
+
+
+def _hash_sources(files: Mapping[str, Path], progress: bool) -> dict[str, FileEntry]:
+    total = sum(p.stat().st_size for p in files.values())
+    with tqdm(total=total, desc="hashing sources", unit="B", unit_scale=True, disable=not progress) as bar:
+        return {n: FileEntry(p.stat().st_size, file_sha256(p, bar.update)) for n, p in files.items()}
+
+
+class _Networks:
+    """The bundle's networks, each loaded on first use (a run that reuses every graph loads only the LLM,
+    for its tables)."""
+
+    def __init__(self, bundle: ModelBundle) -> None:
+        self.bundle = bundle
+        self._loaded: dict[str, nn.Module] = {}
+
+    def get(self, name: str) -> nn.Module:
+        if name not in self._loaded:
+            self._loaded[name] = self.bundle.load_network(name)
+        return self._loaded[name]
+
+    def all(self) -> Networks:
+        llm, flow, hift = (self.get(n) for n in ("llm", "flow", "hift"))
+        assert isinstance(llm, CosyVoice3LM) and isinstance(flow, CausalMaskedDiffWithDiT)
+        assert isinstance(hift, CausalHiFTGenerator)
+        return Networks(self.bundle.config, llm, flow, hift)
+
+
+def _checkpoints_of(wrapper: nn.Module, nets: _Networks) -> list[str]:
+    """The checkpoints whose tensors `wrapper` holds (all of them if it holds copies we cannot trace)."""
+    held = {t.data_ptr() for t in wrapper.state_dict().values() if t.numel()}
+    used = [n for n in NETWORKS if any(t.data_ptr() in held for t in nets.get(n).state_dict().values()
+                                       if t.numel())]
+    return [f"{n}.pt" for n in (used or NETWORKS)]
+
+
+def _graph_inputs(s: GraphSpec, sources: Mapping[str, str]) -> dict[str, Any]:
+    """What a graph is a function of: when none of it changed, the graph need not be exported again."""
+    return {"spec_name": s.name, "spec_version": s.version, "exporter_version": EXPORTER_VERSION,
+            "sources": dict(sorted(sources.items()))}
+
+
+# --- steps ---------------------------------------------------------------------------------------------
+
+def _reuse(out: Path, s: GraphSpec, source_sha: Mapping[str, FileEntry]) -> GraphResult | None:
+    """The graph from an earlier run, if its inputs are unchanged, it passed, and its files are intact."""
+    record = _read_record(out, f"graph-{s.name}")
+    if record is None or not record.get("passed"):
+        return None
+    sources = record["inputs"]["sources"]
+    if not set(sources) <= set(source_sha):
+        return None
+    current = {n: source_sha[n].sha256 for n in sources}
+    if record["inputs"] != _graph_inputs(s, current):
+        return None
+    files = {rel: FileEntry(**e) for rel, e in record["files"].items()}
+    for rel, entry in files.items():
+        path = out / rel
+        if not path.is_file() or path.stat().st_size != entry.size or file_sha256(path) != entry.sha256:
+            return None
+    v = record["validation"]
+    validation = GraphValidation(s.name, v["provider"], v["against"],
+                                 tuple(Figure.from_json(f) for f in v["figures"]))
+    return GraphResult(s.name, s, files, current, validation, reused=True, simplified=record["simplified"],
+                       simplify_error=record["simplify_error"], timings=record["timings"])
+
+
+def _export(out: Path, s: GraphSpec, dims: ModelDims, nets: _Networks, source_sha: Mapping[str, FileEntry],
+            bar: tqdm) -> GraphResult:
+    """Export and validate one graph, then record it for later runs."""
+    (out / _record_rel(f"graph-{s.name}")).unlink(missing_ok=True)  # the record must never outlive its file
+    bar.set_postfix_str(f"{s.name}: load")
+    wrapper = WRAPPERS[s.name](nets.all())
+    checkpoints = _checkpoints_of(wrapper, nets)
+    sources = {n: source_sha[n].sha256 for n in (*CONFIG_SOURCES, *checkpoints)}
+    meta = {"source_checkpoint": ",".join(checkpoints),
+            "source_sha256": ",".join(sources[c] for c in checkpoints),
+            "model_yaml_sha256": sources[YAML]}
+    bar.set_postfix_str(f"{s.name}: export")
+    result = export_graph(wrapper, s, dims, out / graph_file(s.name), extra_metadata=meta)
+    bar.set_postfix_str(f"{s.name}: validate")
+    start = time.perf_counter()
+    validation = validate_graph(result.path, wrapper, s)
+    timings = {"export_s": round(result.seconds, 3), "validate_s": round(time.perf_counter() - start, 3)}
+    files = {str(p.relative_to(out)): FileEntry.of(p) for p in reversed(result.files)}
+    _write_json(out, _record_rel(f"graph-{s.name}"), {
+        "inputs": _graph_inputs(s, sources),
+        "files": {rel: asdict(e) for rel, e in files.items()},
+        "passed": validation.passed,
+        "simplified": result.simplified,
+        "simplify_error": result.simplify_error,
+        "validation": {"provider": validation.provider, "against": validation.against,
+                       "figures": [f.to_json() for f in validation.figures]},
+        "timings": timings,
+    })
+    return GraphResult(s.name, s, files, sources, validation, reused=False, simplified=result.simplified,
+                       simplify_error=result.simplify_error, timings=timings)
+
+
+def _max_size(s: GraphSpec, dim: str) -> int:
+    return s.sizes({n: r.max for n, r in s.dims.items()})[dim]
+
+
+def _write_tables(out: Path, bundle: ModelBundle, nets: _Networks, dims: ModelDims
+                  ) -> tuple[dict[str, Any], dict[str, FileEntry]]:
+    """The lookup and noise tables the runtime feeds the graphs with, as float32 .npy files."""
+    llm = nets.get("llm")
+    assert isinstance(llm, CosyVoice3LM)
+    noise = noise_tables(bundle.config)
+    full = {FLOW_NOISE: noise.flow_noise, SINE_NOISE: noise.sine_waves}  # (1, mel, F), (1, S, H)
+    axis = {FLOW_NOISE: 2, SINE_NOISE: 1}  # the time axis of each table
+    tables: dict[str, tuple[np.ndarray, str]] = {
+        TEXT_EMBEDDING: (llm.backbone.embed_tokens.weight.detach().numpy(),
+                         "Qwen embed_tokens rows, by text token id"),
+        SPEECH_EMBEDDING: (llm.speech_embedding.weight.detach().numpy(),
+                           "speech_embedding rows, by speech id (sos, eos, task_id included)"),
+    }
+    for name, (graph, dim) in NOISE_TABLES.items():
+        length = _max_size(spec(graph, dims), dim)
+        table = full[name].numpy()
+        cut = table[(slice(None),) * axis[name] + (slice(0, length),)]
+        tables[name] = (cut, f"cut from {table.shape[axis[name]]} to {cut.shape[axis[name]]} along axis "
+                             f"{axis[name]}: {graph}'s profile allows at most {length} {dim}; read from 0")
+    info: dict[str, Any] = {}
+    files: dict[str, FileEntry] = {}
+    for name, (array, note) in tables.items():
+        rel = table_file(name)
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        files[rel] = _install(out, rel, partial(np.save, arr=array, allow_pickle=False))
+        info[name] = {"file": rel, "shape": list(array.shape), "dtype": "float32", "note": note}
+    return info, files
+
+
+def _copy_files(out: Path, bundle: ModelBundle, source_sha: Mapping[str, FileEntry]) -> dict[str, FileEntry]:
+    """The frontend models, tokenizer files and yaml, copied and checked against their source hashes."""
+    copies = {f"{FRONTEND_DIR}/{CAMPPLUS}": CAMPPLUS, f"{FRONTEND_DIR}/{SPEECH_TOKENIZER}": SPEECH_TOKENIZER,
+              YAML: YAML, **{f"{TOKENIZER_DIR}/{n}": f"{QWEN_DIR}/{n}" for n in TOKENIZER_COPY}}
+    files = {}
+    for rel, src in copies.items():
+        with open(bundle.root / src, "rb") as source:
+            entry = _install(out, rel, partial(shutil.copyfileobj, source))
+        if entry.sha256 != source_sha[src].sha256:
+            raise BundleError(f"{bundle.root / src}: changed while the export was running")
+        files[rel] = entry
+    return files
+
+
+def _build_plans(out: Path, results: list[GraphResult], env: TrtEnv, progress: bool) -> None:
+    """A TensorRT plan per graph (from the cache where it has one), validated against onnxruntime."""
+    from .trt import build_plan, validate_plan
+
+    for g in tqdm(results, desc="tensorrt", unit="graph", disable=not progress):
+        onnx_path = out / graph_file(g.name)
+        plan = build_plan(onnx_path, g.spec, out / TRT_DIR, env)
+        start = time.perf_counter()
+        g.trt_validation = validate_plan(plan.path, onnx_path, g.spec)
+        g.trt = {"file": str(plan.path.relative_to(out)), **asdict(FileEntry.of(plan.path)),
+                 "cache_key": plan.key, "cached": plan.cached, "gpu": env.gpu_name,
+                 "tensorrt": env.trt_version, "build_s": round(plan.seconds, 3),
+                 "validate_s": round(time.perf_counter() - start, 3)}
+
+
+# --- the manifest --------------------------------------------------------------------------------------
+
+def _validation_json(v: GraphValidation) -> dict[str, Any]:
+    worst = v.worst()
+    return {
+        "provider": v.provider, "against": v.against, "passed": v.passed,
+        "outputs": {o: {"metric": f.metric, "measured": f.measured, "bound": f.bound, "passed": f.passed,
+                        "worst_case": f.case} for o, f in worst.items()},
+        "cases": sorted({f.case for f in v.figures}),
+    }
+
+
+def _graph_json(g: GraphResult) -> dict[str, Any]:
+    entry = {
+        "file": next(iter(g.files)), "spec_name": g.spec.name, "spec_version": g.spec.version,
+        "opset": g.spec.opset, "sources": g.sources, "simplified": g.simplified,
+        "simplify_error": g.simplify_error, "reused": g.reused, "timings": g.timings,
+        "validation": _validation_json(g.validation),
+    }
+    if g.trt is not None and g.trt_validation is not None:
+        entry["trt"] = {**g.trt, "validation": _validation_json(g.trt_validation)}
+    return entry
+
+
+def _model_constants(bundle: ModelBundle, dims: ModelDims) -> dict[str, int]:
+    llm = bundle.config.llm
+    tokenizer = load_cosyvoice3_tokenizer(bundle.qwen_dir)
+    return {**asdict(dims), "sos": llm.sos, "eos": llm.eos, "task_id": llm.task_id,
+            "endofprompt_id": tokenizer.token_id(ENDOFPROMPT)}
+
+
+@contextmanager
+def _step(bar: tqdm, label: str) -> Iterator[None]:
+    bar.set_postfix_str(label)
+    yield
+    bar.update()
+
+
+def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, trt: bool = False,
+               progress: bool = True) -> Report:
+    """Export, check and validate every graph of the model bundle at `model_dir` and assemble the
+    runtime bundle in `out`.
+
+    A graph whose inputs (spec version, source hashes, exporter version) are unchanged since an
+    earlier run into `out`, that passed then and whose files are intact, is reused unless `force`.
+    Bad bundles raise `BundleError` (the one-line errors of `check-bundle`); a foreign or unwritable
+    `out` raises `RuntimeBundleError`; with `trt` and no CUDA device or TensorRT, `TrtUnavailable`
+    is raised before anything is read or written. Validation failures do not raise: they are in the
+    report, and no manifest is written.
+    """
+    start = time.perf_counter()
+    trt_env = None
+    if trt:
+        from .trt import require_trt
+
+        trt_env = require_trt()
+    model_dir, out = Path(model_dir), Path(out)
+    bundle = check_bundle(model_dir, report=lambda line: None)
+    _prepare_out(out)
+    dims = model_dims(bundle.config)
+    specs = {name: spec(name, dims) for name in SPECS}
+    source_sha = _hash_sources(_source_files(bundle), progress)
+    nets = _Networks(bundle)
+
+    results: list[GraphResult] = []
+    with tqdm(total=len(specs) + 2, desc="runtime bundle", unit="step", disable=not progress) as bar:
+        for s in specs.values():
+            with _step(bar, s.name):
+                reused = None if force else _reuse(out, s, source_sha)
+                results.append(reused or _export(out, s, dims, nets, source_sha, bar))
+        with _step(bar, "tables"):
+            tables, table_files = _write_tables(out, bundle, nets, dims)
+        with _step(bar, "frontend, tokenizer"):
+            copied = _copy_files(out, bundle, source_sha)
+    if trt_env is not None and all(g.validation.passed for g in results):
+        _build_plans(out, results, trt_env, progress)
+
+    files = {rel: e for g in results for rel, e in g.files.items()} | table_files | copied
+    files |= {g.trt["file"]: FileEntry(g.trt["size"], g.trt["sha256"]) for g in results if g.trt}
+    report = Report(out, tuple(results), None, time.perf_counter() - start, files)
+    if not report.passed:
+        return report
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "exporter_version": EXPORTER_VERSION,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "model": _model_constants(bundle, dims),
+        "sources": {n: asdict(e) for n, e in source_sha.items()},
+        "graphs": {g.name: _graph_json(g) for g in results},
+        "tables": tables,
+        "frontend": {"campplus": f"{FRONTEND_DIR}/{CAMPPLUS}",
+                     "speech_tokenizer": f"{FRONTEND_DIR}/{SPEECH_TOKENIZER}"},
+        "tokenizer": {"dir": TOKENIZER_DIR, "files": list(TOKENIZER_COPY)},
+        "config": YAML,
+        "files": {rel: asdict(e) for rel, e in sorted(files.items())},
+        "timings": {"total_s": round(time.perf_counter() - start, 3)},
+    }
+    _write_json(out, MANIFEST, manifest)
+    return Report(out, tuple(results), out / MANIFEST, time.perf_counter() - start, files)

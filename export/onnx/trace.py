@@ -1,0 +1,235 @@
+"""One torch wrapper -> one checked, simplified, self-describing ONNX file, all from its `GraphSpec`.
+
+The spec names the inputs and outputs, gives the opset, the symbolic dims (dynamic axes) and the point
+to trace at; the written graph is checked against it (names, order, dtypes, ranks, fixed dims) and
+carries it in `metadata_props`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxslim
+import torch
+from torch import nn
+
+from cosyvoice_graphs import GraphSpec, ModelDims, TensorSpec, metadata
+
+EXPORT_REVISION = 1
+"""Bump when this module changes what it writes for unchanged wrappers (it forces a re-export)."""
+EXPORTER_VERSION = (
+    f"cosyvoice-onnx {version('cosyvoice-onnx')} rev {EXPORT_REVISION}; torch {torch.__version__}; "
+    f"onnx {onnx.__version__}; onnxslim {onnxslim.__version__}"
+)
+"""Stored in every graph; part of what decides whether a graph must be exported again."""
+MAX_IR_VERSION = 10
+"""onnx >= 1.23 writes IR 14 by default, which onnxruntime 1.31 refuses to load."""
+PARTIAL = ".partial"
+"""Suffix of every temporary name the exporters write; a later export removes leftovers of a killed one."""
+EXTERNAL_DATA_BYTES = 1_500_000_000
+"""Graphs larger than this keep their weights in `<name>.onnx.data` (protobuf stops at 2 GiB)."""
+
+ONNX_DTYPES: dict[str, int] = {
+    "float32": onnx.TensorProto.FLOAT,
+    "float16": onnx.TensorProto.FLOAT16,
+    "int64": onnx.TensorProto.INT64,
+    "int32": onnx.TensorProto.INT32,
+    "bool": onnx.TensorProto.BOOL,
+}
+
+
+class ExportError(RuntimeError):
+    """An exported graph is not what its spec says, or failed its checks; the message is one line."""
+
+
+class GraphContractError(ExportError):
+    """A written graph's I/O disagrees with the spec."""
+
+    def __init__(self, graph: str, tensor: str, problem: str) -> None:
+        super().__init__(f"{graph}: {tensor}: {problem}")
+        self.graph = graph
+        self.tensor = tensor
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What `export_graph` wrote."""
+
+    path: Path
+    files: tuple[Path, ...]
+    """The graph and, for large graphs, its external-data file."""
+    simplified: bool
+    simplify_error: str | None
+    """Why onnxslim's output was not used (it raised, or it changed the graph's I/O); None if it was."""
+    seconds: float
+
+
+def dynamic_axes(spec: GraphSpec) -> dict[str, dict[int, str]]:
+    """`torch.onnx.export`'s `dynamic_axes`: every symbolic dim of every input, by name.
+
+    Outputs are left to the exporter's shape inference (naming their axes would overwrite whatever it
+    found), so that an output dim the trace baked in shows up as fixed and fails `check_contract`;
+    `export_graph` gives the output dims the spec's names afterwards."""
+    axes: dict[str, dict[int, str]] = {}
+    for t in spec.inputs:
+        named = {i: d for i, d in enumerate(t.shape) if isinstance(d, str)}
+        if named:
+            axes[t.name] = named
+    return axes
+
+
+def torch_inputs(spec: GraphSpec, feeds: Mapping[str, np.ndarray]) -> tuple[torch.Tensor, ...]:
+    """The spec's inputs, in order, as torch tensors (the positional arguments of a wrapper)."""
+    return tuple(torch.from_numpy(feeds[name]) for name in spec.input_names)
+
+
+def _check_value(graph: str, v: onnx.ValueInfoProto, t: TensorSpec, output: bool) -> None:
+    tt = v.type.tensor_type
+    if tt.elem_type != ONNX_DTYPES[t.dtype]:
+        found = onnx.TensorProto.DataType.Name(tt.elem_type).lower()
+        raise GraphContractError(graph, t.name, f"dtype {found}, spec says {t.dtype}")
+    dims = tt.shape.dim
+    if not tt.HasField("shape") or len(dims) != len(t.shape):
+        rank = len(dims) if tt.HasField("shape") else "unknown"
+        raise GraphContractError(graph, t.name, f"rank {rank}, spec says {len(t.shape)} {t.shape}")
+    for i, (d, want) in enumerate(zip(dims, t.shape, strict=True)):
+        # shape inference may leave an output's fixed dim unnamed-symbolic; validation checks the real size
+        unknown_output_dim = output and not d.HasField("dim_value")
+        if isinstance(want, int) and d.dim_value != want and not unknown_output_dim:
+            found = d.dim_value if d.HasField("dim_value") else repr(d.dim_param or "?")
+            raise GraphContractError(graph, t.name, f"dim {i} is {found}, spec says {want}")
+        if isinstance(want, str) and d.HasField("dim_value"):
+            # a traced shape baked into the graph: it would only run at the trace point
+            raise GraphContractError(graph, t.name, f"dim {i} ({want}) is fixed to {d.dim_value}; "
+                                                    "the spec says it is symbolic")
+
+
+def check_contract(model: onnx.ModelProto, spec: GraphSpec) -> None:
+    """Raise `GraphContractError` unless the graph's inputs and outputs are the spec's: same names in
+    the same order, same dtypes and ranks, fixed dims equal (an output's may be left symbolic) and
+    symbolic dims not fixed."""
+    for kind, values, tensors in (("inputs", model.graph.input, spec.inputs),
+                                  ("outputs", model.graph.output, spec.outputs)):
+        names = [v.name for v in values]
+        want = [t.name for t in tensors]
+        if names != want:
+            raise GraphContractError(spec.name, kind, f"graph has {names}, spec says {want}")
+        for v, t in zip(values, tensors, strict=True):
+            _check_value(spec.name, v, t, output=kind == "outputs")
+
+
+def _declare_spec_dims(model: onnx.ModelProto, spec: GraphSpec) -> None:
+    """Declare the I/O dims as the spec has them: its sizes and its symbol names (shape inference may
+    have invented others)."""
+    for values, tensors in ((model.graph.input, spec.inputs), (model.graph.output, spec.outputs)):
+        for v, t in zip(values, tensors, strict=True):
+            for d, want in zip(v.type.tensor_type.shape.dim, t.shape, strict=True):
+                if isinstance(want, str):
+                    d.dim_param = want
+                else:
+                    d.dim_value = want
+
+
+def _simplify(model: onnx.ModelProto, spec: GraphSpec) -> tuple[onnx.ModelProto, str | None]:
+    """onnxslim's graph if it succeeds and keeps the I/O contract, else the input graph and why not."""
+    try:
+        slim = onnxslim.slim(model)
+        check_contract(slim, spec)
+    except Exception as e:  # any failure of the optional simplifier: keep the plain export
+        return model, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    return slim, None
+
+
+def _trace(wrapper: nn.Module, spec: GraphSpec, path: Path) -> None:
+    feeds = spec.sample_inputs(spec.trace)
+    with torch.no_grad(), warnings.catch_warnings():
+        # TracerWarnings flag Python-side shape logic; baked shapes are caught by check_contract and
+        # the validation cases instead
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            wrapper.eval(), torch_inputs(spec, feeds), str(path), dynamo=False,
+            opset_version=spec.opset, input_names=spec.input_names, output_names=spec.output_names,
+            dynamic_axes=dynamic_axes(spec), do_constant_folding=True,
+        )
+
+
+def _save(model: onnx.ModelProto, path: Path) -> list[Path]:
+    """Write `model` to `path` (plus `path.data` when large); returns the files written."""
+    if model.ByteSize() > EXTERNAL_DATA_BYTES:
+        data = path.with_name(path.name + ".data")
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data.name, size_threshold=1024)
+        return [data, path] if data.exists() else [path]
+    onnx.save_model(model, str(path))
+    return [path]
+
+
+def export_graph(wrapper: nn.Module, spec: GraphSpec, dims: ModelDims, out: Path, *,
+                 extra_metadata: Mapping[str, object] | None = None) -> ExportResult:
+    """Export `wrapper` to `out` as the graph `spec` describes.
+
+    Traced with the legacy TorchScript exporter at `spec.trace`, then `onnx.checker`, onnxslim
+    (falling back to the plain graph if it fails), the I/O contract check and `metadata_props`
+    (`cosyvoice_graphs.metadata` plus `exporter_version` and `extra_metadata`). Written atomically:
+    into a temporary folder beside `out`, then renamed; on any error nothing is left behind.
+    """
+    start = time.perf_counter()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=PARTIAL, dir=out.parent))
+    try:
+        raw = tmp / "traced.onnx"
+        _trace(wrapper, spec, raw)
+        onnx.checker.check_model(str(raw))  # by path: works for graphs past protobuf's 2 GiB too
+        model = onnx.load(str(raw))
+        check_contract(model, spec)
+        model, simplify_error = _simplify(model, spec)
+        _declare_spec_dims(model, spec)
+        model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+        model.doc_string = spec.doc
+        del model.metadata_props[:]
+        meta = metadata(spec, dims, {"exporter_version": EXPORTER_VERSION, **(extra_metadata or {})})
+        onnx.helper.set_model_props(model, meta)
+
+        staged = _save(model, tmp / out.name)
+        del model
+        onnx.checker.check_model(str(tmp / out.name))
+        final = [out.parent / p.name for p in staged]
+        for src, dst in zip(staged, final, strict=True):  # the graph last: it names its data file
+            os.replace(src, dst)
+        stale_data = out.with_name(out.name + ".data")
+        if stale_data not in final:
+            stale_data.unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ExportResult(path=out, files=tuple(final), simplified=simplify_error is None,
+                        simplify_error=simplify_error, seconds=time.perf_counter() - start)
+
+
+def file_sha256(path: Path, progress: Callable[[int], object] | None = None) -> str:
+    """sha256 (hex) of a file, read in 16 MiB chunks; `progress` gets each chunk's size."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
+    return h.hexdigest()
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """A graph's `metadata_props` (weights are not loaded)."""
+    model = onnx.load(str(path), load_external_data=False)
+    return {p.key: p.value for p in model.metadata_props}
+

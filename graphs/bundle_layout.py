@@ -1,0 +1,41 @@
+"""The layout of a runtime bundle (what `cosyvoice-export all` writes and the runtime reads).
+
+    graphs/<name>.onnx       every graph of `SPECS`
+    tables/<table>.npy       float32 lookup and noise tables (`TABLES`)
+    frontend/                campplus.onnx, speech_tokenizer_v3.onnx
+    tokenizer/               the CosyVoice-BlankEN tokenizer files and config.json
+    cosyvoice3.yaml          the model's yaml, for provenance
+    trt/<graph>.<key>.plan   TensorRT plans
+    manifest.json            written last: files with sha256, graphs, model constants, validation
+"""
+
+from __future__ import annotations
+
+FORMAT = "cosyvoice3-runtime-bundle"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+GRAPHS_DIR = "graphs"
+TABLES_DIR = "tables"
+FRONTEND_DIR = "frontend"
+TOKENIZER_DIR = "tokenizer"
+TRT_DIR = "trt"
+
+TEXT_EMBEDDING = "text_embedding"
+"""(text vocab, llm_hidden): Qwen's embed_tokens rows, by text token id."""
+SPEECH_EMBEDDING = "speech_embedding"
+"""(speech_vocab, llm_hidden): speech token rows, sos/eos/task_id/fill included."""
+FLOW_NOISE = "flow_noise"
+"""(1, mel_bins, frames): the flow's initial noise, read from the utterance's first frame."""
+SINE_NOISE = "sine_noise"
+"""(1, samples, harmonics): the NSF source's uniform noise, read from the utterance's first sample."""
+
+NOISE_TABLES = {FLOW_NOISE: ("flow_estimator", "frames"), SINE_NOISE: ("hift_decoder", "samples")}
+"""Noise table -> (graph, symbolic dim) whose largest profile size is the longest the runtime can read."""
+
+
+def graph_file(name: str) -> str:
+    return f"{GRAPHS_DIR}/{name}.onnx"
+
+
+def table_file(name: str) -> str:
+    return f"{TABLES_DIR}/{name}.npy"

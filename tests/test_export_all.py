@@ -1,0 +1,390 @@
+"""`cosyvoice-export all`: every registered graph exported, checked and validated; the runtime bundle,
+its manifest, resuming, interruption and bad OUTs; the TensorRT profile and cache-key logic."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import Tensor, nn
+
+from cosyvoice_export.bundle.model_dir import ModelBundle
+from cosyvoice_export.cli import main
+from cosyvoice_export.onnx import runtime_bundle, trace, trt
+from cosyvoice_export.onnx.dims import model_dims
+from cosyvoice_export.onnx.graphs import WRAPPERS, Networks
+from cosyvoice_export.onnx.runtime_bundle import MANIFEST, RuntimeBundleError, export_all
+from cosyvoice_export.onnx.trace import (
+    EXPORTER_VERSION,
+    PARTIAL,
+    ExportError,
+    GraphContractError,
+    check_contract,
+    export_graph,
+)
+from cosyvoice_export.onnx.validate import GraphValidation, ValidationError, ort_session, validate_graph
+from cosyvoice_graphs import (
+    SPECS,
+    Case,
+    DimRange,
+    GraphSpec,
+    ModelDims,
+    TensorSpec,
+    Tolerance,
+    metadata,
+    spec,
+)
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def graph_metadata(path: Path) -> dict[str, str]:
+    return {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+
+
+# --- a toy graph: the exporter and validator on their own, in milliseconds -----------------------------
+
+TOY = GraphSpec(
+    name="toy", version=3, opset=17, doc="A conv over embeddings plus an input.",
+    inputs=(TensorSpec("x", "float32", (1, 4, "n")), TensorSpec("ids", "int64", (1, "n"), low=0, high=10)),
+    outputs=(TensorSpec("y", "float32", (1, 4, "n")), TensorSpec("s", "float32", (1, 4))),
+    dims={"n": DimRange(1, 8, 64)}, derived={},
+    tolerances={"y": Tolerance("max_abs", 1e-5), "s": Tolerance("mean_abs", 1e-5)},
+    trace=Case({"n": 5}), validate=(Case({"n": 3}), Case({"n": 11})),
+)
+TOY_DIMS = ModelDims(llm_hidden=8, llm_layers=1, llm_kv_heads=1, llm_head_dim=8, speech_vocab=10,
+                     speech_token_size=8, mel_bins=4, spk_embed_dim=4, pre_lookahead_len=3, token_mel_ratio=2,
+                     dit_block_frames=4, harmonics=2, samples_per_frame=4, sample_rate=16000)
+
+
+class Toy(nn.Module):
+    def __init__(self, scale: float = 1.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(100, 4)  # > 1 KB: big enough to go to external data
+        self.conv = nn.Conv1d(4, 4, 3, padding=1)
+        self.scale = scale
+
+    def forward(self, x: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+        y = self.conv(x) + self.emb(ids).transpose(1, 2) * self.scale  # (1, 4, n)
+        return y, y.mean(-1)
+
+
+class BakedToy(Toy):
+    """Returns `s` as (1, 4) where its spec says (1, n): the contract check must catch the fixed dim."""
+
+
+BAKED = replace(TOY, outputs=(TOY.outputs[0], TensorSpec("s", "float32", (1, "n"))))
+
+
+def test_toy_export_is_checked_self_describing_and_validates(tmp_path: Path) -> None:
+    out = tmp_path / "toy.onnx"
+    result = export_graph(Toy(), TOY, TOY_DIMS, out, extra_metadata={"source_sha256": "ab" * 32})
+    assert result.files == (out,) and result.simplified and result.simplify_error is None
+    model = onnx.load(str(out))
+    assert model.ir_version <= trace.MAX_IR_VERSION
+    check_contract(model, TOY)
+    y_dims = model.graph.output[0].type.tensor_type.shape.dim
+    assert [d.dim_param or d.dim_value for d in y_dims] == [1, 4, "n"]
+    want = metadata(TOY, TOY_DIMS, {"exporter_version": EXPORTER_VERSION, "source_sha256": "ab" * 32})
+    assert graph_metadata(out) == want
+    assert not list(tmp_path.glob(f".*{PARTIAL}"))
+    validation = validate_graph(out, Toy(), TOY)
+    assert validation.passed
+    assert {f.case for f in validation.figures} == {"n=3", "n=11"}
+    assert {f.output for f in validation.figures} == {"y", "s"}
+
+
+def test_validation_failure_is_typed_and_names_graph_case_output_and_error(tmp_path: Path) -> None:
+    out = tmp_path / "toy.onnx"
+    export_graph(Toy(), TOY, TOY_DIMS, out)
+    validation = validate_graph(out, Toy(scale=1.01), TOY)  # the reference disagrees with the graph
+    assert not validation.passed
+    with pytest.raises(ValidationError) as err:
+        validation.raise_for_failure()
+    e = err.value
+    assert e.graph == "toy" and e.figure.output == "y" and e.figure.case == "n=3"
+    assert e.figure.measured > e.figure.bound == 1e-5
+    assert str(e).startswith("toy: output y at n=3: max_abs error ") and "> bound 1e-05" in str(e)
+
+
+def test_non_finite_output_fails_validation(tmp_path: Path) -> None:
+    class NaNToy(Toy):
+        def forward(self, x: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+            y, s = super().forward(x, ids)
+            return y, s * float("nan")
+
+    out = tmp_path / "nan.onnx"
+    export_graph(NaNToy(), TOY, TOY_DIMS, out)
+    failures = validate_graph(out, NaNToy(), TOY).failures
+    assert {f.figure.output for f in failures} == {"s"}
+    assert "non-finite" in str(failures[0])
+
+
+def test_baked_dim_is_a_contract_error_and_leaves_nothing(tmp_path: Path) -> None:
+    with pytest.raises(GraphContractError) as err:
+        export_graph(BakedToy(), BAKED, TOY_DIMS, tmp_path / "baked.onnx")
+    assert err.value.graph == "toy" and err.value.tensor == "s"
+    assert "fixed to 4" in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_simplifier_failure_falls_back_and_is_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    def broken(model: Any, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("simplifier exploded")
+
+    monkeypatch.setattr(trace.onnxslim, "slim", broken)
+    result = export_graph(Toy(), TOY, TOY_DIMS, tmp_path / "toy.onnx")
+    assert not result.simplified and "simplifier exploded" in (result.simplify_error or "")
+    assert validate_graph(result.path, Toy(), TOY).passed
+
+
+def test_large_graph_gets_external_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trace, "EXTERNAL_DATA_BYTES", 0)
+    out = tmp_path / "toy.onnx"
+    result = export_graph(Toy(), TOY, TOY_DIMS, out)
+    assert result.files == (tmp_path / "toy.onnx.data", out)
+    assert (tmp_path / "toy.onnx.data").stat().st_size > 0
+    assert validate_graph(out, Toy(), TOY).passed
+
+
+@pytest.mark.filterwarnings("ignore:Specified provider")
+def test_ort_session_refuses_a_provider_fallback(tmp_path: Path) -> None:
+    export_graph(Toy(), TOY, TOY_DIMS, tmp_path / "toy.onnx")
+    missing = next(p for p in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+                   if p not in ort.get_available_providers())
+    with pytest.raises(ExportError, match=f"asked onnxruntime for {missing}, the session uses CPU"):
+        ort_session(tmp_path / "toy.onnx", missing)
+
+
+# --- every registered graph on the tiny bundle --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def networks(tiny_bundle: Path) -> Networks:
+    bundle = ModelBundle.open(tiny_bundle)
+    return Networks(bundle.config, *(bundle.load_network(n) for n in ("llm", "flow", "hift")))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_export_graph(name: str, networks: Networks, tmp_path: Path) -> None:
+    dims = model_dims(networks.config)
+    s = spec(name, dims)
+    wrapper = WRAPPERS[name](networks)
+    result = export_graph(wrapper, s, dims, tmp_path / f"{name}.onnx")
+    check_contract(onnx.load(str(result.path)), s)
+    assert graph_metadata(result.path) == metadata(s, dims, {"exporter_version": EXPORTER_VERSION})
+    validation = validate_graph(result.path, wrapper, s)
+    validation.raise_for_failure()
+    assert {f.output for f in validation.figures} == set(s.output_names)
+
+
+def test_every_spec_has_a_wrapper_and_an_export_test() -> None:
+    assert set(SPECS) <= set(WRAPPERS), f"specs without a wrapper: {sorted(set(SPECS) - set(WRAPPERS))}"
+    (params,) = [m for m in test_export_graph.pytestmark if m.name == "parametrize"]
+    assert set(params.args[1]) == set(SPECS), "every registered graph needs a case in test_export_graph"
+
+
+# --- the runtime bundle -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def exported(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """One `cosyvoice-export all` run on the tiny bundle: OUT and the command's stdout."""
+    out = tmp_path_factory.mktemp("runtime") / "bundle"
+    code, stdout, stderr = run("all", "--model-dir", str(tiny_bundle), "--out", str(out))
+    assert code == 0, stderr
+    return out, stdout
+
+
+def test_all_writes_a_complete_validated_runtime_bundle(exported: tuple[Path, str], tiny_bundle: Path
+                                                        ) -> None:
+    out, stdout = exported
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert list(manifest["graphs"]) == list(SPECS)
+    for rel, entry in manifest["files"].items():
+        path = out / rel
+        assert path.is_file(), rel
+        assert path.stat().st_size == entry["size"] and trace.file_sha256(path) == entry["sha256"], rel
+    on_disk = {str(p.relative_to(out)) for p in out.rglob("*")
+               if p.is_file() and p.name != MANIFEST and not p.relative_to(out).parts[0].startswith(".")}
+    assert on_disk == set(manifest["files"])
+    for name, g in manifest["graphs"].items():
+        assert g["file"] == f"graphs/{name}.onnx" and g["spec_version"] == SPECS[name](model_dims(
+            ModelBundle.open(tiny_bundle).config)).version
+        v = g["validation"]
+        assert v["passed"] and v["against"] == "torch" and v["provider"] == "CPUExecutionProvider"
+        assert all(o["passed"] and o["measured"] <= o["bound"] for o in v["outputs"].values())
+        assert len(v["cases"]) >= 2
+    lines = stdout.splitlines()
+    for name in SPECS:
+        (row,) = [line for line in lines if line.split()[0] == name]
+        assert row.endswith("✓") and "exported" in row
+    assert manifest["model"]["endofprompt_id"] > 0 and manifest["model"]["sample_rate"] == 24000
+
+
+def test_runtime_bundle_tables_and_copies(exported: tuple[Path, str], tiny_bundle: Path) -> None:
+    out, _ = exported
+    manifest = json.loads((out / MANIFEST).read_text())
+    dims = model_dims(ModelBundle.open(tiny_bundle).config)
+    tables = {n: np.load(out / t["file"]) for n, t in manifest["tables"].items()}
+    assert all(t.dtype == np.float32 for t in tables.values())
+    assert tables["speech_embedding"].shape == (dims.speech_vocab, dims.llm_hidden)
+    assert tables["text_embedding"].shape[1] == dims.llm_hidden
+    estimator, decoder = spec("flow_estimator", dims), spec("hift_decoder", dims)
+    assert tables["flow_noise"].shape == (1, dims.mel_bins, estimator.dims["frames"].max)
+    sine = next(t for t in decoder.inputs if t.name == "sine_noise")
+    assert tables["sine_noise"].shape == decoder.profile(sine)[2]
+    for rel in ("frontend/campplus.onnx", "frontend/speech_tokenizer_v3.onnx", "cosyvoice3.yaml",
+                "tokenizer/vocab.json"):
+        assert rel in manifest["files"]
+    assert (out / "frontend/campplus.onnx").read_bytes() == (tiny_bundle / "campplus.onnx").read_bytes()
+
+
+def test_graph_metadata_matches_spec_and_manifest(exported: tuple[Path, str], tiny_bundle: Path) -> None:
+    out, _ = exported
+    manifest = json.loads((out / MANIFEST).read_text())
+    dims = model_dims(ModelBundle.open(tiny_bundle).config)
+    for name in SPECS:
+        s = spec(name, dims)
+        path = out / "graphs" / f"{name}.onnx"
+        meta = graph_metadata(path)
+        assert meta.items() >= metadata(s, dims).items()
+        assert meta["exporter_version"] == EXPORTER_VERSION == manifest["exporter_version"]
+        checkpoint = meta["source_checkpoint"]
+        assert checkpoint == {"llm": "llm.pt", "flow": "flow.pt", "hift": "hift.pt"}[name.split("_")[0]]
+        assert meta["source_sha256"] == manifest["sources"][checkpoint]["sha256"]
+        check_contract(onnx.load(str(path)), s)
+
+
+def test_second_run_reuses_unchanged_graphs(exported: tuple[Path, str], tmp_path: Path, tiny_bundle: Path
+                                            ) -> None:
+    out = tmp_path / "bundle"
+    shutil.copytree(exported[0], out)
+    before = json.loads((out / MANIFEST).read_text())["files"]
+    report = export_all(tiny_bundle, out, progress=False)
+    assert report.passed and all(g.reused for g in report.graphs)
+    assert {rel: {"size": e.size, "sha256": e.sha256} for rel, e in report.files.items()} == before
+    assert "reused" in report.table()
+    forced = export_all(tiny_bundle, out, progress=False, force=True)
+    assert forced.passed and not any(g.reused for g in forced.graphs)
+
+
+def test_interrupted_export_leaves_no_manifest(exported: tuple[Path, str], tmp_path: Path, tiny_bundle: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "bundle"
+    shutil.copytree(exported[0], out)
+    graph = out / "graphs" / "llm.onnx"
+    old = graph.read_bytes()
+
+    def interrupted_save(model: onnx.ModelProto, path: Path) -> list[Path]:
+        Path(path).write_bytes(model.SerializeToString()[:100])  # half a file, then ^C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trace, "_save", interrupted_save)
+    with pytest.raises(KeyboardInterrupt):
+        export_all(tiny_bundle, out, progress=False, force=True)
+    assert not (out / MANIFEST).exists()
+    assert graph.read_bytes() == old
+    assert not list(out.rglob(f"*{PARTIAL}*"))
+    assert not (out / ".export" / "graph-llm.json").exists()  # no record may describe a file being replaced
+
+
+def test_failing_graph_exits_nonzero_naming_graph_output_and_error(tiny_bundle: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    real = runtime_bundle.validate_graph
+
+    def strict(path: Path, wrapper: nn.Module, s: GraphSpec) -> GraphValidation:
+        v = real(path, wrapper, s)  # then hold every output to half the error it has
+        return replace(v, figures=tuple(replace(f, bound=f.measured / 2) for f in v.figures))
+
+    monkeypatch.setattr(runtime_bundle, "SPECS", {"flow_encoder": SPECS["flow_encoder"]})  # one small graph
+    monkeypatch.setattr(runtime_bundle, "validate_graph", strict)
+    out = tmp_path / "out"
+    code, stdout, err = run("all", "--model-dir", str(tiny_bundle), "--out", str(out))
+    assert code == 1
+    (row,) = [line for line in stdout.splitlines() if line.startswith("flow_encoder")]
+    assert row.endswith("✗")
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors and all(e.startswith("error: flow_encoder: output ") and " > bound " in e for e in errors)
+    assert any(e.startswith("error: flow_encoder: output mu at tokens=") for e in errors)
+    assert not (out / MANIFEST).exists() and (out / "graphs" / "flow_encoder.onnx").is_file()
+    assert json.loads((out / ".export" / "graph-flow_encoder.json").read_text())["passed"] is False
+
+
+def test_foreign_or_unwritable_out_is_refused(tiny_bundle: Path, tmp_path: Path) -> None:
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    code, _, err = run("all", "--model-dir", str(tiny_bundle), "--out", str(foreign))
+    assert code == 2 and err.count("\n") == 1 and "not a runtime bundle" in err
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+    with pytest.raises(RuntimeBundleError, match="cannot write"):
+        export_all(tiny_bundle, foreign / "notes.txt" / "out", progress=False)
+
+
+def test_bad_bundle_gives_the_check_bundle_error(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    code, _, err = run("all", "--model-dir", str(missing), "--out", str(tmp_path / "out"))
+    _, _, check_err = run("check-bundle", str(missing))
+    assert code == 2 and err == check_err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_all_help_explains() -> None:
+    code, out, _ = run("all", "--help")
+    assert code == 0
+    for option in ("--model-dir", "--out", "--trt", "--force"):
+        assert option in out
+    assert "--precision" not in out
+
+
+# --- TensorRT: what needs no GPU ----------------------------------------------------------------------
+
+def test_input_profiles_cover_exactly_the_symbolic_inputs() -> None:
+    assert trt.input_profiles(TOY) == {"x": ((1, 4, 1), (1, 4, 8), (1, 4, 64)),
+                                       "ids": ((1, 1), (1, 8), (1, 64))}
+    s = spec("hift_decoder", TOY_DIMS)
+    profiles = trt.input_profiles(s)
+    assert set(profiles) == {t.name for t in s.inputs if t.symbols()}
+    assert profiles["sine_noise"] == ((1, 4 * 4, 2), (1, 500 * 4, 2), (1, 3000 * 4, 2))  # derived samples
+    estimator = spec("flow_estimator", TOY_DIMS)
+    assert {"t", "spks", "block_frames"}.isdisjoint(trt.input_profiles(estimator))
+    for lo, opt, hi in profiles.values():
+        assert all(a <= b <= c for a, b, c in zip(lo, opt, hi, strict=True))
+
+
+def test_plan_cache_key_depends_on_onnx_gpu_and_trt_version_only() -> None:
+    key = trt.plan_cache_key("a" * 64, "NVIDIA H100 80GB HBM3", "10.9.0")
+    assert key == trt.plan_cache_key("a" * 64, "NVIDIA H100 80GB HBM3", "10.9.0")
+    assert len(key) == 64 and int(key, 16) >= 0
+    others = {trt.plan_cache_key("b" * 64, "NVIDIA H100 80GB HBM3", "10.9.0"),
+              trt.plan_cache_key("a" * 64, "NVIDIA L4", "10.9.0"),
+              trt.plan_cache_key("a" * 64, "NVIDIA H100 80GB HBM3", "10.10.0")}
+    assert key not in others and len(others) == 3
+    assert trt.plan_file_name("llm", key) == f"llm.{key[:16]}.plan"
+
+
+def test_trt_without_cuda_stops_before_any_work(tmp_path: Path) -> None:
+    try:
+        trt.require_trt()
+    except trt.TrtUnavailable:
+        pass
+    else:
+        pytest.skip("TensorRT and a CUDA device are available here")
+    out = tmp_path / "out"
+    code, stdout, err = run("all", "--model-dir", str(tmp_path / "no-bundle"), "--out", str(out), "--trt")
+    assert code != 0 and stdout == ""
+    assert err.count("\n") == 1 and err.startswith("error: --trt needs")
+    assert not out.exists()
