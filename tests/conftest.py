@@ -15,6 +15,16 @@ def tiny_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_bundle(tmp_path_factory.mktemp("bundles") / "tiny", size="tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def runtime_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The runtime bundle exported from `tiny_bundle`, once per test session; tests must not modify it."""
+    from cosyvoice_export.onnx.runtime_bundle import export_all
+
+    report = export_all(tiny_bundle, tmp_path_factory.mktemp("runtime") / "tiny", progress=False)
+    assert report.manifest is not None, report.table()
+    return report.out
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread() -> Iterator[None]:
     """Test networks are tiny: extra OpenMP threads only add waits on a busy 2-core machine."""

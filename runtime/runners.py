@@ -1,0 +1,281 @@
+"""One runner interface over onnxruntime (CPU, CUDA, its TensorRT provider) and TensorRT plans.
+
+A runner runs one graph: `infer(feeds)` takes and returns numpy arrays keyed by the spec's tensor
+names. Feeds are checked against the spec before anything runs, and a runner never falls back to
+another execution provider: what was asked for runs, or `ProviderError` says why it cannot.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from pathlib import Path
+from types import ModuleType, TracebackType
+from typing import Any, Protocol, Self, runtime_checkable
+
+import numpy as np
+import onnxruntime as ort
+
+from cosyvoice_graphs import GraphSpec
+
+from .bundle import RuntimeBundle, TrtPlan
+from .errors import FeedError, ProviderError, RuntimeBundleError
+
+CPU, CUDA, TENSORRT, TRT = "cpu", "cuda", "tensorrt", "trt"
+PROVIDERS = (CPU, CUDA, TENSORRT, TRT)
+"""`cpu`, `cuda`, `tensorrt`: onnxruntime and its execution provider; `trt`: the bundle's TensorRT plans."""
+
+ORT_PROVIDERS = {CPU: "CPUExecutionProvider", CUDA: "CUDAExecutionProvider",
+                 TENSORRT: "TensorrtExecutionProvider"}
+OPTIMIZATION = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+                "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+"""onnxruntime graph optimisation levels by name."""
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """Runs one graph of the bundle; use as a context manager or call `close`."""
+
+    @property
+    def spec(self) -> GraphSpec: ...
+
+    def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run the graph on `feeds` (every spec input, by name); returns every spec output, by name."""
+        ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None: ...
+
+
+def check_feeds(spec: GraphSpec, feeds: Mapping[str, np.ndarray]) -> None:
+    """Raise `FeedError` unless `feeds` are exactly the spec's inputs with its dtypes, ranks and fixed
+    dims, and every symbolic dim (free or derived) has one size across them."""
+    unknown = [name for name in feeds if name not in spec.input_names]
+    if unknown:
+        raise FeedError(f"{spec.name}: unknown input {unknown[0]!r}; "
+                        f"inputs are {', '.join(spec.input_names)}")
+    missing = [name for name in spec.input_names if name not in feeds]
+    if missing:
+        raise FeedError(f"{spec.name}: missing input {missing[0]!r}")
+    seen: dict[str, tuple[int, str]] = {}  # symbolic dim -> (size, the input that set it)
+    for t in spec.inputs:
+        value = feeds[t.name]
+        where = f"{spec.name}.{t.name}"
+        if not isinstance(value, np.ndarray):
+            raise FeedError(f"{where}: expected a numpy array, got {type(value).__name__}")
+        if value.dtype != t.np_dtype:
+            raise FeedError(f"{where}: dtype {value.dtype}, expected {t.dtype}")
+        if value.ndim != len(t.shape):
+            raise FeedError(f"{where}: shape {value.shape} has rank {value.ndim}, expected {t.shape}")
+        for axis, (want, got) in enumerate(zip(t.shape, value.shape, strict=True)):
+            if isinstance(want, int):
+                if got != want:
+                    raise FeedError(f"{where}: shape {value.shape}, dim {axis} must be {want}; "
+                                    f"expected {t.shape}")
+            elif want in seen and seen[want][0] != got:
+                raise FeedError(f"{where}: {want} = {got} (dim {axis}), but {seen[want][1]} has "
+                                f"{want} = {seen[want][0]}")
+            else:
+                seen.setdefault(want, (got, t.name))
+    free = {name: size for name, (size, _) in seen.items() if name in spec.dims}
+    for name, derived in spec.derived.items():
+        if name in seen and set(derived.terms) <= set(free) and seen[name][0] != derived.size(free):
+            basis = ", ".join(f"{k} = {free[k]}" for k in derived.terms)
+            raise FeedError(f"{spec.name}.{seen[name][1]}: {name} = {seen[name][0]}, expected "
+                            f"{derived.size(free)} for {basis}")
+
+
+class _RunnerBase(ABC):
+    """What every runner shares: the feed check, the closed state and the context manager."""
+
+    def __init__(self, spec: GraphSpec) -> None:
+        self._spec = spec
+        self._closed = False
+
+    @property
+    def spec(self) -> GraphSpec:
+        """The graph's spec: what `infer` takes and returns."""
+        return self._spec
+
+    def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run the graph on `feeds` (every spec input, by name); returns every spec output, by name.
+
+        Raises `FeedError` naming the graph and tensor when a feed does not match the spec."""
+        if self._closed:
+            raise RuntimeError(f"{self._spec.name}: runner is closed")
+        check_feeds(self._spec, feeds)
+        return self._run(feeds)
+
+    @abstractmethod
+    def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    def close(self) -> None:
+        """Release the session or engine; `infer` refuses afterwards. Closing twice is harmless."""
+        if not self._closed:
+            self._closed = True
+            self._release()
+
+    @abstractmethod
+    def _release(self) -> None: ...
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+class OrtRunner(_RunnerBase):
+    """A graph on onnxruntime with exactly the requested execution provider.
+
+    `session`, `device_type` and `device_id` are there for IOBinding (tensors kept on the device)."""
+
+    def __init__(self, path: Path | str, spec: GraphSpec, provider: str = CPU, *, threads: int | None = None,
+                 optimization: str = "all", device_id: int = 0) -> None:
+        """`threads`: intra-op threads (None: onnxruntime's default); `optimization`: a key of
+        `OPTIMIZATION`; `device_id`: the CUDA device for "cuda" and "tensorrt"."""
+        super().__init__(spec)
+        if provider not in ORT_PROVIDERS:
+            raise ValueError(f"unknown onnxruntime provider {provider!r}; known: {', '.join(ORT_PROVIDERS)}")
+        if optimization not in OPTIMIZATION:
+            raise ValueError(f"unknown optimization level {optimization!r}; known: {', '.join(OPTIMIZATION)}")
+        wanted = ORT_PROVIDERS[provider]
+        available = ort.get_available_providers()
+        if wanted not in available:
+            raise ProviderError(f"provider {provider!r} needs onnxruntime's {wanted}; this onnxruntime "
+                                f"{ort.__version__} has only {', '.join(available)} "
+                                "(pip install 'cosyvoice-onnx[gpu]')")
+        options = ort.SessionOptions()
+        options.graph_optimization_level = OPTIMIZATION[optimization]
+        if threads is not None:
+            options.intra_op_num_threads = threads
+        device = {"device_id": device_id}
+        # nodes a GPU provider cannot take go to the CPU provider: that is placement, not fallback
+        chains: dict[str, list[Any]] = {
+            CPU: [wanted],
+            CUDA: [(wanted, device), ORT_PROVIDERS[CPU]],
+            TENSORRT: [(wanted, device), (ORT_PROVIDERS[CUDA], device), ORT_PROVIDERS[CPU]],
+        }
+        providers = chains[provider]
+        self.session = ort.InferenceSession(str(path), options, providers=providers)
+        used = self.session.get_providers()
+        if not used or used[0] != wanted:
+            raise ProviderError(f"{path}: asked onnxruntime for {wanted}, the session fell back to "
+                                f"{', '.join(used) or 'nothing'}")
+        self.provider = provider
+        self.device_type = CPU if provider == CPU else CUDA
+        self.device_id = device_id
+        names = ([i.name for i in self.session.get_inputs()], [o.name for o in self.session.get_outputs()])
+        if names != (spec.input_names, spec.output_names):
+            raise RuntimeBundleError(f"{path}: inputs {names[0]}, outputs {names[1]}; spec {spec.name} "
+                                     f"v{spec.version} has {spec.input_names}, {spec.output_names}")
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The graph's `metadata_props`, as the session read them."""
+        return dict(self.session.get_modelmeta().custom_metadata_map)
+
+    def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        outputs = self.session.run(self.spec.output_names, dict(feeds))
+        return dict(zip(self.spec.output_names, outputs, strict=True))
+
+    def _release(self) -> None:
+        del self.session
+
+
+def _import_trt() -> tuple[ModuleType, ModuleType]:
+    """tensorrt and polygraphy's CUDA wrapper (device memory, streams), imported only when asked for."""
+    try:
+        import tensorrt
+        from polygraphy import cuda
+    except ImportError as e:
+        raise ProviderError("provider 'trt' needs TensorRT and polygraphy (pip install "
+                            f"'cosyvoice-onnx[gpu]'); {e.name} is not installed") from None
+    return tensorrt, cuda
+
+
+class TrtRunner(_RunnerBase):
+    """A graph's TensorRT plan (TensorRT 10 API): input shapes set per call, outputs sized by the
+    engine's shape inference, run on one CUDA stream. Device buffers grow as needed and are reused."""
+
+    def __init__(self, plan: TrtPlan, spec: GraphSpec) -> None:
+        super().__init__(spec)
+        trt, cuda = _import_trt()
+        if plan.tensorrt != trt.__version__:
+            raise ProviderError(f"{plan.path}: built with TensorRT {plan.tensorrt} (on {plan.gpu}); this is "
+                                f"TensorRT {trt.__version__}; export again with --trt here")
+        try:
+            self._stream = cuda.Stream()
+        except Exception as e:  # polygraphy raises bare exceptions when there is no driver or device
+            raise ProviderError(f"provider 'trt' needs a CUDA device: {e}") from None
+        self._trt, self._cuda = trt, cuda
+        self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        self._engine = self._runtime.deserialize_cuda_engine(plan.path.read_bytes())
+        if self._engine is None:
+            raise ProviderError(f"{plan.path}: TensorRT {trt.__version__} could not load the plan "
+                                f"(built on {plan.gpu}; a plan runs only on that GPU model)")
+        names = [self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)]
+        inputs = [n for n in names if self._engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        outputs = [n for n in names if n not in inputs]
+        if inputs != spec.input_names or sorted(outputs) != sorted(spec.output_names):
+            raise RuntimeBundleError(f"{plan.path}: inputs {inputs}, outputs {outputs}; spec {spec.name} "
+                                     f"v{spec.version} has {spec.input_names}, {spec.output_names}")
+        self._context = self._engine.create_execution_context()
+        self._buffers = {n: cuda.DeviceArray(dtype=np.dtype(trt.nptype(self._engine.get_tensor_dtype(n))))
+                         for n in names}
+
+    def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        for name in self.spec.input_names:
+            host = np.ascontiguousarray(feeds[name])
+            if not self._context.set_input_shape(name, host.shape):
+                raise FeedError(f"{self.spec.name}.{name}: shape {host.shape} is outside the plan's profile")
+            device = self._buffers[name].resize(host.shape)
+            device.copy_from(host, self._stream)
+            self._context.set_tensor_address(name, device.ptr)
+        results = {}
+        for name in self.spec.output_names:
+            shape = tuple(self._context.get_tensor_shape(name))
+            if any(d < 0 for d in shape):
+                raise RuntimeError(f"{self.spec.name}.{name}: TensorRT could not infer the shape ({shape})")
+            self._context.set_tensor_address(name, self._buffers[name].resize(shape).ptr)
+            results[name] = np.empty(shape, dtype=self._buffers[name].dtype)
+        if not self._context.execute_async_v3(self._stream.ptr):
+            raise RuntimeError(f"{self.spec.name}: TensorRT execution failed")
+        for name, host in results.items():
+            self._buffers[name].copy_to(host, self._stream)
+        self._stream.synchronize()
+        return results
+
+    def _release(self) -> None:
+        for buffer in self._buffers.values():
+            buffer.free()
+        self._stream.free()
+        del self._context, self._engine, self._runtime
+
+
+def open_runner(bundle: RuntimeBundle, graph: str, provider: str = CPU, *, threads: int | None = None
+                ) -> Runner:
+    """A runner for `graph` of `bundle` on `provider` (one of `PROVIDERS`), its metadata checked
+    against the manifest. `threads` sets onnxruntime's intra-op threads."""
+    if graph not in bundle.specs:
+        raise KeyError(f"unknown graph {graph!r}; known: {', '.join(bundle.specs)}")
+    if provider not in PROVIDERS:
+        raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
+    spec = bundle.specs[graph]
+    if provider == TRT:
+        bundle.graph_metadata(graph)  # the plan was built from this graph: its provenance is the plan's
+        return TrtRunner(bundle.trt_plan(graph), spec)
+    runner = OrtRunner(bundle.graph_path(graph), spec, provider, threads=threads)
+    try:
+        bundle.check_metadata(graph, runner.metadata)
+    except RuntimeBundleError:
+        runner.close()
+        raise
+    return runner

@@ -1,0 +1,291 @@
+"""The runtime's bundle loader and runners, on the tiny runtime bundle (CPU only)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from cosyvoice_graphs import SPECS
+from cosyvoice_graphs.bundle_layout import FORMAT_VERSION, MANIFEST, SPEECH_EMBEDDING
+from cosyvoice_runtime.bundle import RuntimeBundle, TrtPlan
+from cosyvoice_runtime.errors import FeedError, ProviderError, RuntimeBundleError
+from cosyvoice_runtime.runners import OrtRunner, Runner, TrtRunner, open_runner
+
+
+@pytest.fixture(scope="module")
+def bundle(runtime_bundle: Path) -> RuntimeBundle:
+    return RuntimeBundle.open(runtime_bundle)
+
+
+def clone(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None] | None = None) -> Path:
+    """`src` as links to its files (cheap: the sine table alone is 50 MB) with a copied, edited manifest."""
+    for path in src.rglob("*"):
+        if path.is_file() and path.name != MANIFEST:
+            (dst / path.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+            (dst / path.relative_to(src)).symlink_to(path)
+    manifest = json.loads((src / MANIFEST).read_text())
+    if edit is not None:
+        edit(manifest)
+    (dst / MANIFEST).write_text(json.dumps(manifest))
+    return dst
+
+
+def one_line_error(root: Path, match: str, verify: bool = False) -> RuntimeBundleError:
+    with pytest.raises(RuntimeBundleError, match=match) as info:
+        RuntimeBundle.open(root, verify=verify)
+    assert "\n" not in str(info.value)
+    return info.value
+
+
+# --- the bundle ------------------------------------------------------------------------------------------
+
+def test_open_and_verify(runtime_bundle: Path) -> None:
+    bundle = RuntimeBundle.open(runtime_bundle, verify=True)
+    model = json.loads((runtime_bundle / MANIFEST).read_text())["model"]
+    assert list(bundle.specs) == list(SPECS)
+    assert (bundle.sos, bundle.eos, bundle.task_id, bundle.endofprompt_id) == (
+        model["sos"], model["eos"], model["task_id"], model["endofprompt_id"])
+    assert bundle.sample_rate == model["sample_rate"] == bundle.dims.sample_rate
+    assert bundle.frontend_path("campplus").is_file() and bundle.frontend_path("speech_tokenizer").is_file()
+    assert (bundle.tokenizer_dir / "vocab.json").is_file()
+    table = bundle.table(SPEECH_EMBEDDING)
+    assert table.shape == (bundle.dims.speech_vocab, bundle.dims.llm_hidden) and table.dtype == np.float32
+    assert isinstance(table, np.memmap) and not table.flags.writeable
+    for name in SPECS:
+        assert bundle.graph_path(name).is_file()
+        meta = bundle.graph_metadata(name)
+        assert meta["spec_name"] == name and meta["spec_version"] == str(bundle.specs[name].version)
+    with pytest.raises(KeyError, match="unknown front-end model"):
+        bundle.frontend_path("whisper")
+    with pytest.raises(KeyError, match="unknown table"):
+        bundle.table("nope")
+
+
+def test_no_manifest(tmp_path: Path) -> None:
+    one_line_error(tmp_path, "manifest.json: missing; not a runtime bundle")
+
+
+def test_corrupted_manifest(runtime_bundle: Path, tmp_path: Path) -> None:
+    root = clone(runtime_bundle, tmp_path)
+    (root / MANIFEST).write_text('{"format": "cosyvoice3-runtime-bundle",')
+    one_line_error(root, r"manifest.json: not valid JSON \(.* at line 1")
+
+
+def test_wrong_format_version(runtime_bundle: Path, tmp_path: Path) -> None:
+    root = clone(runtime_bundle, tmp_path, lambda m: m.update(format_version=FORMAT_VERSION + 1))
+    one_line_error(root, f"format_version is {FORMAT_VERSION + 1}, expected {FORMAT_VERSION}")
+
+
+def test_missing_model_constant(runtime_bundle: Path, tmp_path: Path) -> None:
+    root = clone(runtime_bundle, tmp_path, lambda m: m["model"].pop("eos"))
+    one_line_error(root, r"model.eos is None, expected an integer")
+
+
+def test_spec_version_mismatch(runtime_bundle: Path, tmp_path: Path) -> None:
+    root = clone(runtime_bundle, tmp_path, lambda m: m["graphs"]["flow_estimator"].update(spec_version=99))
+    one_line_error(root, r"graphs.flow_estimator is spec 'flow_estimator' version 99, this runtime needs "
+                         r"'flow_estimator' version 1")
+
+
+def test_missing_graph_entry(runtime_bundle: Path, tmp_path: Path) -> None:
+    root = clone(runtime_bundle, tmp_path, lambda m: m["graphs"].pop("hift_f0"))
+    one_line_error(root, r"graphs are \[.*\], expected \[.*'hift_f0'.*\]")
+
+
+def test_missing_file(runtime_bundle: Path, tmp_path: Path) -> None:
+    root = clone(runtime_bundle, tmp_path)
+    (root / "graphs" / "hift_f0.onnx").unlink()
+    one_line_error(root, r"graphs/hift_f0.onnx: missing \(listed in manifest.json\)")
+
+
+def test_unlisted_file(runtime_bundle: Path, tmp_path: Path) -> None:
+    root = clone(runtime_bundle, tmp_path, lambda m: m["files"].pop("graphs/llm.onnx"))
+    one_line_error(root, "graphs/llm.onnx is used but not listed in files")
+
+
+def test_path_outside_bundle(runtime_bundle: Path, tmp_path: Path) -> None:
+    root = clone(runtime_bundle, tmp_path, lambda m: m["frontend"].update(campplus="../campplus.onnx"))
+    one_line_error(root, r"frontend.campplus is '../campplus.onnx', expected a path inside the bundle")
+
+
+def test_sha_mismatch_needs_verify(runtime_bundle: Path, tmp_path: Path) -> None:
+    root = clone(runtime_bundle, tmp_path)
+    config = root / "tokenizer" / "config.json"
+    data = bytearray(config.read_bytes())
+    data[-2] ^= 1  # same size: only the hash can tell
+    config.unlink()
+    config.write_bytes(bytes(data))
+    RuntimeBundle.open(root)  # sizes only
+    one_line_error(root, r"tokenizer/config.json: sha256 [0-9a-f]{16}…, the manifest says", verify=True)
+
+
+def test_size_mismatch(runtime_bundle: Path, tmp_path: Path) -> None:
+    root = clone(runtime_bundle, tmp_path)
+    (root / "cosyvoice3.yaml").unlink()
+    (root / "cosyvoice3.yaml").write_text("x")
+    one_line_error(root, r"cosyvoice3.yaml: 1 bytes, the manifest says \d+")
+
+
+def test_graph_metadata_checked_against_manifest(runtime_bundle: Path, tmp_path: Path) -> None:
+    root = clone(runtime_bundle, tmp_path, lambda m: m["model"].update(sample_rate=22050))
+    bundle = RuntimeBundle.open(root)  # metadata is read on request, not at open
+    with pytest.raises(RuntimeBundleError, match=r"hift_f0.onnx: metadata sample_rate is '24000', "
+                                                 r"the manifest says '22050'"):
+        bundle.graph_metadata("hift_f0")
+    with pytest.raises(RuntimeBundleError, match="metadata sample_rate"):
+        open_runner(bundle, "hift_f0")
+
+
+def test_not_an_onnx_file(runtime_bundle: Path, tmp_path: Path) -> None:
+    root = clone(runtime_bundle, tmp_path)
+    graph = root / "graphs" / "hift_f0.onnx"
+    size = graph.stat().st_size
+    graph.unlink()
+    graph.write_bytes(b"\xff" * size)
+    with pytest.raises(RuntimeBundleError, match="hift_f0.onnx: not a readable ONNX model"):
+        RuntimeBundle.open(root).graph_metadata("hift_f0")
+
+
+# --- runners ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_every_graph_runs_on_cpu(bundle: RuntimeBundle, name: str) -> None:
+    spec = bundle.specs[name]
+    case = spec.validate[0]
+    with open_runner(bundle, name, "cpu", threads=1) as runner:
+        assert isinstance(runner, Runner) and runner.spec is spec
+        outputs = runner.infer(spec.sample_inputs(case))
+    assert list(outputs) == spec.output_names
+    for t in spec.outputs:
+        assert outputs[t.name].shape == spec.shape_of(t, case.dims), t.name
+        assert outputs[t.name].dtype == t.np_dtype, t.name
+        assert np.isfinite(outputs[t.name]).all(), t.name
+    with pytest.raises(RuntimeError, match="runner is closed"):
+        runner.infer(spec.sample_inputs(case))
+
+
+def test_optimization_levels_agree(bundle: RuntimeBundle) -> None:
+    spec = bundle.specs["flow_encoder"]
+    feeds = spec.sample_inputs(spec.validate[0])
+    path = bundle.graph_path("flow_encoder")
+    with OrtRunner(path, spec, optimization="disable") as plain, OrtRunner(path, spec, threads=2) as fast:
+        a, b = plain.infer(feeds), fast.infer(feeds)
+    for name in spec.output_names:
+        np.testing.assert_allclose(a[name], b[name], atol=1e-5)
+    with pytest.raises(ValueError, match="unknown optimization level 'max'"):
+        OrtRunner(path, spec, optimization="max")
+
+
+def _feed_error(bundle: RuntimeBundle, graph: str, change: Callable[[dict[str, np.ndarray]], object],
+                match: str) -> None:
+    spec = bundle.specs[graph]
+    feeds = spec.sample_inputs(spec.validate[0])
+    change(feeds)
+    with open_runner(bundle, graph) as runner, pytest.raises(FeedError, match=match) as info:
+        runner.infer(feeds)
+    assert "\n" not in str(info.value)
+
+
+def test_feed_errors(bundle: RuntimeBundle) -> None:
+    _feed_error(bundle, "hift_f0", lambda f: f.update(mels=f.pop("mel")), "hift_f0: unknown input 'mels'")
+    _feed_error(bundle, "hift_decoder", lambda f: f.pop("phase"), "hift_decoder: missing input 'phase'")
+    _feed_error(bundle, "hift_f0", lambda f: f.update(mel=f["mel"].astype(np.float64)),
+                r"hift_f0.mel: dtype float64, expected float32")
+    _feed_error(bundle, "flow_encoder", lambda f: f.update(tokens=f["tokens"].astype(np.int32)),
+                r"flow_encoder.tokens: dtype int32, expected int64")
+    _feed_error(bundle, "hift_f0", lambda f: f.update(mel=f["mel"][0]),
+                r"hift_f0.mel: shape \(80, 17\) has rank 2, expected \(1, 80, 'frames'\)")
+    _feed_error(bundle, "hift_f0", lambda f: f.update(mel=f["mel"][:, :40]),
+                r"hift_f0.mel: shape \(1, 40, 17\), dim 1 must be 80")
+    _feed_error(bundle, "flow_estimator", lambda f: f.update(mu=f["mu"][..., :-1]),
+                r"flow_estimator.mu: frames = 122 \(dim 2\), but x has frames = 123")
+    _feed_error(bundle, "hift_decoder", lambda f: f.update(sine_noise=f["sine_noise"][:, :-1]),
+                r"hift_decoder.sine_noise: samples = 5279, expected 5280 for frames = 11")
+    _feed_error(bundle, "hift_f0", lambda f: f.update(mel=f["mel"].tolist()),
+                "hift_f0.mel: expected a numpy array, got list")
+
+
+def test_unknown_graph_and_provider(bundle: RuntimeBundle) -> None:
+    with pytest.raises(KeyError, match="unknown graph 'vocoder'"):
+        open_runner(bundle, "vocoder")
+    with pytest.raises(ValueError, match="unknown provider 'gpu'"):
+        open_runner(bundle, "hift_f0", "gpu")
+
+
+@pytest.mark.parametrize(("provider", "ep"), [("cuda", "CUDAExecutionProvider"),
+                                              ("tensorrt", "TensorrtExecutionProvider")])
+def test_unavailable_provider_is_an_error(bundle: RuntimeBundle, provider: str, ep: str) -> None:
+    if ep in ort.get_available_providers():
+        pytest.skip(f"{ep} is available here")
+    with pytest.raises(ProviderError, match=f"provider '{provider}' needs onnxruntime's {ep}"):
+        open_runner(bundle, "hift_f0", provider)
+
+
+@pytest.mark.filterwarnings("ignore:Specified provider 'CUDAExecutionProvider' is not in available")
+def test_silent_fallback_is_an_error(bundle: RuntimeBundle, monkeypatch: pytest.MonkeyPatch) -> None:
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("CUDA is really available here")
+    # claim CUDA is there: onnxruntime then places the whole graph on the CPU, which must not pass
+    claimed = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    monkeypatch.setattr(ort, "get_available_providers", lambda: claimed)
+    with pytest.raises(ProviderError, match="asked onnxruntime for CUDAExecutionProvider, the session fell "
+                                            "back to CPUExecutionProvider"):
+        open_runner(bundle, "hift_f0", "cuda")
+
+
+def test_trt_runner_unavailable(bundle: RuntimeBundle) -> None:
+    if importlib.util.find_spec("tensorrt") is not None:
+        pytest.skip("TensorRT is installed here")
+    plan = TrtPlan(bundle.root / "trt" / "hift_f0.0000000000000000.plan", "10.0.0", "NVIDIA H100")
+    with pytest.raises(ProviderError, match=r"provider 'trt' needs TensorRT and polygraphy \(pip install "
+                                            r"'cosyvoice-onnx\[gpu\]'\); tensorrt is not installed"):
+        TrtRunner(plan, bundle.specs["hift_f0"])
+
+
+def test_bundle_without_plans(bundle: RuntimeBundle) -> None:
+    with pytest.raises(RuntimeBundleError, match=r"graphs.hift_f0 has no TensorRT plan \(export with "
+                                                 r"`cosyvoice-export all --trt`"):
+        open_runner(bundle, "hift_f0", "trt")
+
+
+# --- torch-free ------------------------------------------------------------------------------------------
+
+def test_runtime_runs_without_torch(runtime_bundle: Path) -> None:
+    script = textwrap.dedent("""
+        import sys
+        from importlib.abc import MetaPathFinder
+
+        class Refuse(MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("torch", "cosyvoice_export"):
+                    raise ImportError(f"{name} is off limits for the runtime", name=name)
+                return None
+
+        sys.meta_path.insert(0, Refuse())
+        from cosyvoice_runtime.bundle import RuntimeBundle
+        from cosyvoice_runtime.runners import open_runner
+
+        bundle = RuntimeBundle.open(sys.argv[1], verify=True)
+        spec = bundle.specs["flow_encoder"]
+        with open_runner(bundle, "flow_encoder") as runner:
+            out = runner.infer(spec.sample_inputs(spec.validate[0]))
+        leaked = [m for m in sys.modules if m.split(".")[0] in ("torch", "cosyvoice_export")]
+        assert not leaked, leaked
+        print("ok", out["mu"].shape)
+    """)
+    env = {**os.environ, "PYTHONPATH": ""}
+    done = subprocess.run([sys.executable, "-c", script, str(runtime_bundle)], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok (1, 80, 74)"
