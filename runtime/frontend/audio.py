@@ -20,6 +20,9 @@ from .errors import FrontendError
 MIN_SAMPLE_RATE = 16000
 """Upstream refuses prompt audio below 16 kHz."""
 
+SPEECH_SAMPLE_RATE = 16000
+"""Rate of the audio the speech tokenizer and CAM++ take."""
+
 MAX_PROMPT_SECONDS = 30.0
 """The speech tokenizer takes at most 30 s of audio (upstream asserts it)."""
 
@@ -72,7 +75,7 @@ def check_tokenizer_length(wav16k: np.ndarray, source: str) -> None:
 
     `source` names the audio in the message, e.g. "audio file prompt.wav".
     """
-    seconds = wav16k.shape[0] / 16000
+    seconds = wav16k.shape[0] / SPEECH_SAMPLE_RATE
     if seconds > MAX_PROMPT_SECONDS:
         raise FrontendError(f"{source} lasts {seconds:.2f} s; the speech tokenizer takes at most "
                             f"{MAX_PROMPT_SECONDS:g} s")

@@ -16,13 +16,12 @@ from dataclasses import dataclass
 import kaldi_native_fbank as knf
 import numpy as np
 
+from .audio import SPEECH_SAMPLE_RATE
 from .errors import FrontendError
 
-WHISPER_SAMPLE_RATE = 16000
 _WHISPER_N_FFT = 400
 _WHISPER_HOP = 160
 
-FBANK_SAMPLE_RATE = 16000
 FBANK_BINS = 80
 
 
@@ -116,7 +115,7 @@ def whisper_log_mel(wav16k: np.ndarray, n_mels: int = 128) -> np.ndarray:
     x = _reflect_pad(np.asarray(wav16k, dtype=np.float64), _WHISPER_N_FFT // 2, "whisper log-mel")
     spec = _stft(x, _WHISPER_N_FFT, _WHISPER_HOP, _periodic_hann(_WHISPER_N_FFT))[:, :-1]
     power = spec.real ** 2 + spec.imag ** 2
-    filters = slaney_mel_filterbank(WHISPER_SAMPLE_RATE, _WHISPER_N_FFT, n_mels).astype(np.float64)
+    filters = slaney_mel_filterbank(SPEECH_SAMPLE_RATE, _WHISPER_N_FFT, n_mels).astype(np.float64)
     log_spec = np.log10(np.maximum(filters @ power, 1e-10))
     log_spec = np.maximum(log_spec, log_spec.max() - 8.0)
     return ((log_spec + 4.0) / 4.0).astype(np.float32)[None]
@@ -125,7 +124,7 @@ def whisper_log_mel(wav16k: np.ndarray, n_mels: int = 128) -> np.ndarray:
 def _fbank_options() -> knf.FbankOptions:
     """torchaudio `kaldi.fbank(num_mel_bins=80, dither=0, sample_frequency=16000)` in knf's terms."""
     opts = knf.FbankOptions()
-    opts.frame_opts.samp_freq = FBANK_SAMPLE_RATE
+    opts.frame_opts.samp_freq = SPEECH_SAMPLE_RATE
     opts.frame_opts.frame_shift_ms = 10.0
     opts.frame_opts.frame_length_ms = 25.0
     opts.frame_opts.dither = 0.0  # knf's default is not 0
@@ -156,7 +155,7 @@ def kaldi_fbank(wav16k: np.ndarray) -> np.ndarray:
     """
     samples = np.ascontiguousarray(wav16k, dtype=np.float32)
     fbank = knf.OnlineFbank(_fbank_options())
-    fbank.accept_waveform(FBANK_SAMPLE_RATE, samples)
+    fbank.accept_waveform(SPEECH_SAMPLE_RATE, samples)
     fbank.input_finished()
     n = fbank.num_frames_ready
     if n == 0:
@@ -165,14 +164,15 @@ def kaldi_fbank(wav16k: np.ndarray) -> np.ndarray:
     return (feat - feat.mean(axis=0, dtype=np.float64, keepdims=True)).astype(np.float32)
 
 
-def prompt_mel(wav: np.ndarray, cfg: PromptMelConfig = PromptMelConfig()) -> np.ndarray:
+def prompt_mel(wav: np.ndarray, cfg: PromptMelConfig | None = None) -> np.ndarray:
     """Matcha-TTS `mel_spectrogram` of mono audio (N,) at `cfg.sampling_rate` -> float32 (1, T, num_mels).
 
-    Reflect-pad (n_fft - hop) / 2 each side, STFT with a periodic hann(win_size) (T = N // hop for
-    CosyVoice3's settings), magnitude sqrt(re² + im² + 1e-9), Slaney mel basis, natural log floored
-    at 1e-5. The basis is built from `cfg` on every call (upstream's cache keyed by fmax alone can
-    return a wrong basis for a second configuration).
+    `cfg` defaults to CosyVoice3's settings. Reflect-pad (n_fft - hop) / 2 each side, STFT with a
+    periodic hann(win_size) (T = N // hop), magnitude sqrt(re² + im² + 1e-9), Slaney mel basis,
+    natural log floored at 1e-5. The basis is built from `cfg` on every call (upstream's cache keyed
+    by fmax alone can return a wrong basis for a second configuration).
     """
+    cfg = cfg or PromptMelConfig()
     x = _reflect_pad(np.asarray(wav, dtype=np.float64), (cfg.n_fft - cfg.hop_size) // 2, "prompt mel")
     if cfg.center:
         x = _reflect_pad(x, cfg.n_fft // 2, "prompt mel")

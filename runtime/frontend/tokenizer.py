@@ -47,7 +47,10 @@ def _qwen2_bpe(blanken_dir: Path) -> Tokenizer:
 
 
 # transformers' order of a tokenizer's special-token attributes (`SPECIAL_TOKENS_ATTRIBUTES`).
-_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_SPECIAL_TOKEN_KEYS = (
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+    "additional_special_tokens",
+)
 
 
 def _add_config_tokens(tokenizer: Tokenizer, config: dict[str, Any], config_path: Path) -> None:
@@ -64,9 +67,12 @@ def _add_config_tokens(tokenizer: Tokenizer, config: dict[str, Any], config_path
         tokenizer.add_tokens([token])
         got = tokenizer.token_to_id(spec["content"])
         if got != token_id:
-            raise FrontendError(f"{config_path}: added token {spec['content']!r} is declared with id {token_id} "
-                                f"but lands on id {got}; the vocabulary and tokenizer_config.json disagree")
-    named = [config.get(key) for key in _SPECIAL_TOKEN_KEYS] + list(config.get("additional_special_tokens") or [])
+            raise FrontendError(f"{config_path}: added token {spec['content']!r} is declared with id "
+                                f"{token_id} but lands on id {got}; vocab.json and the config disagree")
+    named: list[Any] = []
+    for key in _SPECIAL_TOKEN_KEYS:
+        value = config.get(key)
+        named += value if isinstance(value, list) else [value]
     for value in named:
         content = value.get("content") if isinstance(value, dict) else value
         present = {str(t.content) for t in tokenizer.get_added_tokens_decoder().values()}

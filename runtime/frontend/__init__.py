@@ -1,0 +1,66 @@
+"""The runtime's front end: text and prompt audio -> model inputs, in numpy + onnxruntime.
+
+- `TextTokenizer`: Qwen2 BPE + CosyVoice3 special tokens from a `CosyVoice-BlankEN/` folder.
+- `TextFrontend`: upstream's text normalisation (wetext) and sentence splitting; prompt formats.
+- `extract_prompt`: prompt recording -> speech tokens, prompt mel and x-vector (`PromptFeatures`).
+- `load_wav`, `whisper_log_mel`, `kaldi_fbank`, `prompt_mel`: the audio steps on their own.
+"""
+
+from __future__ import annotations
+
+from .audio import MAX_PROMPT_SECONDS, MIN_SAMPLE_RATE, SPEECH_SAMPLE_RATE, load_wav, read_audio, resample
+from .errors import FrontendError
+from .features import PromptMelConfig, kaldi_fbank, prompt_mel, slaney_mel_filterbank, whisper_log_mel
+from .prompt import (
+    PromptFeatures,
+    align_prompt,
+    extract_prompt,
+    open_session,
+    speaker_embedding,
+    speech_tokens,
+)
+from .special_tokens import COSYVOICE3_SPECIAL_TOKENS, ENDOFPROMPT, ENDOFTEXT
+from .text import (
+    SYSTEM_PROMPT,
+    TextFrontend,
+    contains_chinese,
+    cross_lingual_text,
+    instruct_prompt,
+    is_only_punctuation,
+    split_paragraph,
+    zero_shot_prompt,
+)
+from .tokenizer import TextTokenizer
+
+__all__ = [
+    "COSYVOICE3_SPECIAL_TOKENS",
+    "ENDOFPROMPT",
+    "ENDOFTEXT",
+    "MAX_PROMPT_SECONDS",
+    "MIN_SAMPLE_RATE",
+    "SPEECH_SAMPLE_RATE",
+    "SYSTEM_PROMPT",
+    "FrontendError",
+    "PromptFeatures",
+    "PromptMelConfig",
+    "TextFrontend",
+    "TextTokenizer",
+    "align_prompt",
+    "contains_chinese",
+    "cross_lingual_text",
+    "extract_prompt",
+    "instruct_prompt",
+    "is_only_punctuation",
+    "kaldi_fbank",
+    "load_wav",
+    "open_session",
+    "prompt_mel",
+    "read_audio",
+    "resample",
+    "slaney_mel_filterbank",
+    "speaker_embedding",
+    "speech_tokens",
+    "split_paragraph",
+    "whisper_log_mel",
+    "zero_shot_prompt",
+]

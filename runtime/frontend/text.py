@@ -1,0 +1,274 @@
+"""Text normalisation, sentence splitting and prompt formats as upstream's front end has them for CosyVoice3.
+
+`TextFrontend.split(text)` is upstream's `text_normalize(text, split=True)` with the wetext backend:
+
+- a text holding both `<|` and `|>` (every CosyVoice3 prompt, and any text carrying `<|endofprompt|>`) is
+  neither normalised nor split;
+- Chinese (any character in U+4E00..U+9FFF): wetext's zh normaliser, then upstream's clean-ups
+  (newlines, spaces between non-ASCII characters, ² ³, `.` -> `。`, ` - `, brackets, trailing commas)
+  and `split_paragraph` counting characters;
+- anything else: wetext's en normaliser, digits spelled out with inflect, and `split_paragraph` counting
+  tokenizer tokens;
+- segments made only of punctuation or symbols are dropped.
+
+wetext: upstream pins wetext 0.0.4, which downloads its FSTs at start-up. We use wetext 0.1.8, whose
+wheel ships the FSTs; the four FST files we run are pinned by sha256 below and checked when wetext is
+loaded (once per process). wetext 0.0.x only transforms text that contains a digit and (in its last
+0.0.x source) picks the grammar by `contains_chinese`; 0.1.8 would also rewrite English without digits
+("Dr." -> "doctor") and send digit-only text to the Chinese grammar, so we call 0.1.8 with an explicit
+language and only on text that contains a digit, as 0.0.x does.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import importlib.resources
+import re
+import unicodedata
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Protocol
+
+from .errors import FrontendError
+from .special_tokens import ENDOFPROMPT
+
+SYSTEM_PROMPT = "You are a helpful assistant."
+
+WETEXT_VERSION = "0.1.8"
+"""The wetext release whose FSTs the expected outputs in the tests come from."""
+
+WETEXT_FST_SHA256 = {
+    "zh/tn/tagger.fst": "cf341314c51f7ce59049f3b2c42f0ce8fd71e6d08d4d6969613aad384a5e2ae8",
+    "zh/tn/verbalizer.fst": "5a13cd679dd54637d12d2bd1bd33ee2165d91c867e14468c93195af02256e5da",
+    "en/tn/tagger.fst": "245e2dc9174cdd007a8e9e50f3339773d1adbbc7535b71cf67478dc1683cc3ec",
+    "en/tn/verbalizer.fst": "03155c88f317b2795969e264c19f87faf98b9853d5ac631e419bacdc3b3ee15a",
+}
+"""sha256 of the FST files used (zh without erhua removal, en), relative to `wetext/fsts/`."""
+
+# split_paragraph settings upstream passes for every language.
+TOKEN_MAX_N = 80
+TOKEN_MIN_N = 60
+MERGE_LEN = 20
+
+_ZH_TERMINATORS = frozenset("。？！；：、.?!;")
+_EN_TERMINATORS = frozenset(".?!;:")
+_CLOSING_QUOTES = frozenset('"”')
+_DIGIT = re.compile(r"\d")
+_TRAILING_COMMAS = re.compile(r"[，,、]+$")
+
+
+# --- prompt formats ---------------------------------------------------------------------------------
+
+
+def zero_shot_prompt(transcript: str) -> str:
+    """`prompt_text` for zero-shot cloning: system prompt, `<|endofprompt|>`, the prompt's transcript."""
+    return f"{SYSTEM_PROMPT}{ENDOFPROMPT}{transcript}"
+
+
+def cross_lingual_text(text: str) -> str:
+    """`tts_text` for cross-lingual / fine-grained control, which has no prompt text and so carries the
+    `<|endofprompt|>` itself."""
+    return f"{SYSTEM_PROMPT}{ENDOFPROMPT}{text}"
+
+
+def instruct_prompt(instruction: str) -> str:
+    """`prompt_text` for instruct2: system prompt, one space, the instruction, `<|endofprompt|>`."""
+    return f"{SYSTEM_PROMPT} {instruction}{ENDOFPROMPT}"
+
+
+# --- upstream's text rules --------------------------------------------------------------------------
+
+
+def contains_chinese(text: str) -> bool:
+    """Whether `text` has a CJK unified ideograph (U+4E00..U+9FFF): upstream's only language test."""
+    return any("\u4e00" <= ch <= "\u9fff" for ch in text)
+
+
+def is_only_punctuation(text: str) -> bool:
+    """Whether every character of `text` is Unicode punctuation (P*) or a symbol (S*); true for ''."""
+    return all(unicodedata.category(ch)[0] in "PS" for ch in text)
+
+
+def spell_out_numbers(text: str, number_to_words: Callable[[str], str]) -> str:
+    """Replace each run of digit characters (`str.isdigit`, so also ² and other digit forms) by its words."""
+    return "".join(number_to_words(run) if run[0].isdigit() else run for run in _digit_runs(text))
+
+
+def _digit_runs(text: str) -> list[str]:
+    """`text` cut into maximal runs of digit and non-digit characters."""
+    runs: list[str] = []
+    for ch in text:
+        if runs and runs[-1][0].isdigit() == ch.isdigit():
+            runs[-1] += ch
+        else:
+            runs.append(ch)
+    return runs
+
+
+def remove_blanks(text: str) -> str:
+    """Drop each space unless both neighbours are ASCII and not spaces (keeps "a b", drops "中 文")."""
+    kept = []
+    for i, ch in enumerate(text):
+        if ch == " ":
+            prev, nxt = text[i - 1] if i > 0 else "", text[i + 1] if i + 1 < len(text) else ""
+            if not (_ascii_word_char(prev) and _ascii_word_char(nxt)):
+                continue
+        kept.append(ch)
+    return "".join(kept)
+
+
+def _ascii_word_char(ch: str) -> bool:
+    return ch != "" and ch.isascii() and ch != " "
+
+
+def _clean_chinese(text: str) -> str:
+    """Upstream's zh clean-ups after normalisation, in its order."""
+    text = remove_blanks(text.replace("\n", ""))
+    text = text.replace("²", "平方").replace("³", "立方")
+    text = text.replace(".", "。").replace(" - ", "，")
+    for bracket in ("（", "）", "【", "】", "`"):
+        text = text.replace(bracket, "")
+    text = text.replace("——", " ")
+    return _TRAILING_COMMAS.sub("。", text)
+
+
+def split_paragraph(text: str, lang: Literal["zh", "en"], length: Callable[[str], int]) -> list[str]:
+    """Upstream's `split_paragraph` with its settings (max 80, min 60, merge below 20, no comma split).
+
+    A terminator is appended if the text does not end in one; sentences end after a terminator
+    (zh: 。？！；：、.?!; — en: .?!;:), taking a closing quote that follows it. Sentences are joined
+    until adding the next would pass 80 while the current piece is already over 60 (`length` units:
+    characters for zh, tokens for en); a last piece shorter than 20 joins the previous one.
+    Returns [] for '' (upstream would fail on it).
+    """
+    if not text:
+        return []
+    terminators = _ZH_TERMINATORS if lang == "zh" else _EN_TERMINATORS
+    if text[-1] not in terminators:
+        text += "。" if lang == "zh" else "."
+    sentences: list[str] = []
+    start = 0
+    for i, ch in enumerate(text):
+        if ch not in terminators:
+            continue
+        if i > start:
+            sentences.append(text[start:i + 1])
+        if i + 1 < len(text) and text[i + 1] in _CLOSING_QUOTES and sentences:
+            # Upstream moves the quote onto the last sentence, even one ended before this terminator
+            # (whose own terminator is then lost); with no sentence yet it fails, we keep the quote.
+            sentences[-1] += text[i + 1]
+            start = i + 2
+        else:
+            start = i + 1
+
+    pieces: list[str] = []
+    current = ""
+    for sentence in sentences:
+        if length(current + sentence) > TOKEN_MAX_N and length(current) > TOKEN_MIN_N:
+            pieces.append(current)
+            current = ""
+        current += sentence
+    if current:
+        if length(current) < MERGE_LEN and pieces:
+            pieces[-1] += current
+        else:
+            pieces.append(current)
+    return pieces
+
+
+# --- wetext -----------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _wetext_normalizers() -> tuple[Any, Any]:
+    """wetext's zh and en text normalisers, loaded once per process after checking the pinned FSTs."""
+    try:
+        import wetext
+    except ImportError as exc:
+        raise FrontendError(f"text normalisation needs wetext=={WETEXT_VERSION} (pip install "
+                            f"wetext=={WETEXT_VERSION}), which cannot be imported: {exc}") from None
+    fsts = importlib.resources.files("wetext").joinpath("fsts")
+    for name, expected in WETEXT_FST_SHA256.items():
+        try:
+            digest = hashlib.sha256(fsts.joinpath(name).read_bytes()).hexdigest()
+        except OSError:
+            digest = "missing"
+        if digest != expected:
+            version = importlib.metadata.version("wetext")
+            raise FrontendError(f"wetext {version}: FST {name} is not the pinned one (sha256 {digest}); "
+                                f"install wetext=={WETEXT_VERSION}")
+    zh = wetext.Normalizer(lang="zh", operator="tn", remove_erhua=False)
+    en = wetext.Normalizer(lang="en", operator="tn")
+    return zh, en
+
+
+@functools.cache
+def _number_to_words() -> Callable[[str], str]:
+    import inflect
+
+    engine = inflect.engine()
+    return lambda digits: str(engine.number_to_words(digits))
+
+
+class TokenEncoder(Protocol):
+    """Anything with the tokenizer's `encode` (English splitting counts tokens)."""
+
+    def encode(self, text: str) -> Sequence[int]: ...
+
+
+class TextFrontend:
+    """Upstream's `text_normalize` for CosyVoice3: wetext normalisation and sentence splitting."""
+
+    def __init__(self, tokenizer: TokenEncoder, use_wetext: bool = True) -> None:
+        """`tokenizer` counts tokens for English splitting.
+
+        `use_wetext=False` skips the wetext step only, like upstream without a normaliser installed; the
+        clean-ups, number spelling and splitting still run. With `use_wetext=True`, wetext is loaded
+        here (once per process) and a missing or unpinned wetext raises `FrontendError`.
+        """
+        self._tokenizer = tokenizer
+        self._normalizers = _wetext_normalizers() if use_wetext else None
+
+    def normalize(self, text: str) -> str:
+        """The normalised text as one string (upstream's `split=False`), for prompt texts."""
+        if _is_markup(text) or text == "":
+            return text
+        return self._normalize(text)[1]
+
+    def split(self, text: str) -> list[str]:
+        """Normalise `text` and cut it into the segments upstream synthesises one by one.
+
+        Text with `<|`...`|>` markup, and '', come back as the single segment [text], as upstream
+        returns them; whitespace-only text gives [] (upstream fails on it).
+        """
+        if _is_markup(text) or text == "":
+            return [text]
+        lang, normalized = self._normalize(text)
+        if lang == "zh":
+            pieces = split_paragraph(normalized, "zh", len)
+        else:
+            pieces = split_paragraph(normalized, "en", lambda s: len(self._tokenizer.encode(s)))
+        return [p for p in pieces if not is_only_punctuation(p)]
+
+    def _normalize(self, text: str) -> tuple[Literal["zh", "en"], str]:
+        text = text.strip()
+        if contains_chinese(text):
+            return "zh", _clean_chinese(self._wetext(text, "zh"))
+        return "en", spell_out_numbers(self._wetext(text, "en"), _number_to_words())
+
+    def _wetext(self, text: str, lang: Literal["zh", "en"]) -> str:
+        # wetext 0.0.4 (upstream's pin) leaves text without digits untouched.
+        if self._normalizers is None or not _DIGIT.search(text):
+            return text
+        zh, en = self._normalizers
+        try:
+            return str((zh if lang == "zh" else en).normalize(text))
+        except Exception as exc:  # wetext asserts when its grammar finds no parse
+            shown = text if len(text) <= 60 else text[:57] + "..."
+            raise FrontendError(f"wetext ({lang}) cannot normalise {shown!r} ({type(exc).__name__}); "
+                                f"rephrase it or turn text normalisation off") from None
+
+
+def _is_markup(text: str) -> bool:
+    return "<|" in text and "|>" in text
