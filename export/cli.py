@@ -132,9 +132,10 @@ def all_cmd(model_dir: Path, out: Path, trt: bool, force: bool) -> None:
 
 def _synthesize(model_dir: Path, text: str, prompt_wav: Path | None, prompt_text: str | None, mode: str,
                 instruct: str, sampling: str, seed: int, speed: float, out: Path) -> None:
-    import torch
+    import numpy as np
 
-    from .audio import write_wav
+    from cosyvoice_runtime.cli import write_wav_atomic
+
     from .bundle.layout import PROMPT_TEXT, PROMPT_WAV
     from .bundle.model_dir import ModelBundle
     from .reference.llm_decode import GreedySampler, RasSampler
@@ -149,11 +150,11 @@ def _synthesize(model_dir: Path, text: str, prompt_wav: Path | None, prompt_text
             prompt_text = (model_dir / PROMPT_TEXT).read_text().strip()
     pipe = ReferencePipeline(bundle)
     prompt = pipe.prompt_features(prompt_wav)
-    generator = torch.Generator().manual_seed(seed)
+    generator = np.random.Generator(np.random.PCG64(seed))
     sampler = GreedySampler() if sampling == "greedy" else RasSampler(bundle.config.llm.sampling, generator)
     result = pipe.synthesize(Mode(mode), text, prompt, sampler, prompt_text=prompt_text or "",
                              instruct_text=instruct, speed=speed)
-    write_wav(out, result.audio, result.sample_rate)
+    write_wav_atomic(out, result.audio, result.sample_rate)
     seconds = len(result.audio) / result.sample_rate
     click.echo(f"wrote {out}: {seconds:.2f} s at {result.sample_rate} Hz from {len(result.speech_tokens)} "
                f"speech tokens ({mode}, {sampling} sampling, seed {seed})")
@@ -193,21 +194,47 @@ def synth(model_dir: Path, **kwargs: Any) -> None:
 
 
 @main.command()
-@_synth_options
-def demo(**kwargs: Any) -> None:
-    """End to end on the default bundle: $COSYVOICE_MODEL_DIR, else a tiny bundle at bundles/tiny.
+@click.option("--text", default="Hello from CosyVoice three.", show_default=True, help="Text to speak.")
+@click.option("--prompt-wav", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Prompt recording. Default: the bundle's demo prompt.")
+@click.option("--prompt-text", help="Its transcript. Default: the bundle's demo transcript.")
+@click.option("--stream", is_flag=True, help="Synthesise in streaming chunks.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("demo.wav"),
+              show_default=True, help="Output WAV (24 kHz PCM16).")
+@click.pass_context
+def demo(ctx: click.Context, text: str, prompt_wav: Path | None, prompt_text: str | None, stream: bool,
+         out: Path) -> None:
+    """The main job end to end: model bundle -> runtime bundle -> torch-free synthesis.
 
-    The tiny bundle is written first if it is not there yet (seed 0). Random weights make noise, not
-    speech: the point is that every stage runs.
+    The model bundle is $COSYVOICE_MODEL_DIR, else a tiny random bundle at bundles/tiny (written
+    first if missing, seed 0). It is exported to bundles/<name>-runtime (`all`; unchanged graphs
+    are reused on later runs) and `cosyvoice-run` synthesises TEXT from it. Random weights make
+    noise, not speech: the point is that every stage runs.
     """
+    from cosyvoice_runtime.cli import main as run_main
+
+    from .bundle.layout import PROMPT_TEXT, PROMPT_WAV
+    from .onnx.runtime_bundle import export_all
+
     env = os.environ.get(MODEL_DIR_ENV)
-    if env:
-        model_dir = Path(env)
-    else:
+    model_dir = Path(env) if env else DEFAULT_DEMO_BUNDLE
+    if not env and not model_dir.exists():
         from .bundle.tiny import write_bundle
 
-        model_dir = DEFAULT_DEMO_BUNDLE
-        if not model_dir.exists():
-            write_bundle(model_dir, size="tiny", seed=0, force=False, progress=True)
-            click.echo(f"wrote tiny bundle to {model_dir}")
-    _synthesize(model_dir, **kwargs)
+        write_bundle(model_dir, size="tiny", seed=0, force=False, progress=True)
+        click.echo(f"wrote tiny bundle to {model_dir}")
+    if prompt_wav is None:
+        prompt_wav = model_dir / PROMPT_WAV
+        if not prompt_wav.is_file():
+            raise BundleError(f"{prompt_wav}: file not found; pass --prompt-wav")
+        if prompt_text is None and (model_dir / PROMPT_TEXT).is_file():
+            prompt_text = (model_dir / PROMPT_TEXT).read_text().strip()
+    runtime_dir = DEFAULT_DEMO_BUNDLE.parent / f"{model_dir.resolve().name}-runtime"
+    report = export_all(model_dir, runtime_dir, progress=True)
+    click.echo(report.table())
+    if not report.passed:
+        for failure in report.failures:
+            click.echo(f"error: {failure}", err=True)
+        sys.exit(1)
+    ctx.invoke(run_main, bundle_dir=runtime_dir, text=text, prompt_wav=prompt_wav,
+               prompt_text=prompt_text or "", stream=stream, out=out)

@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor
@@ -22,9 +23,9 @@ from cosyvoice_export.reference.llm_decode import (
     RasSampler,
     SilentTokenLimiter,
     generate_speech_tokens,
-    nucleus_size,
-    ras_sample,
 )
+from cosyvoice_runtime.sampling import RasConfig as RuntimeRasConfig
+from cosyvoice_runtime.sampling import nucleus_size, ras_sample
 
 MANIFEST = Path(__file__).parent / "data" / "upstream_manifest" / "llm.tsv"
 TEXT_VOCAB = 300
@@ -142,16 +143,20 @@ def _logp(probs: dict[int, float], vocab: int = 40) -> Tensor:
 
 
 def _draws(logp: Tensor, history: Sequence[int], cfg: RASConfig, n: int, seed: int = 0) -> Counter[int]:
-    g = torch.Generator().manual_seed(seed)
-    return Counter(ras_sample(logp, history, cfg, g) for _ in range(n))
+    """n draws of the reference's sampler (the runtime's numpy RAS) from one seeded generator."""
+    sampler = RasSampler(cfg, np.random.Generator(np.random.PCG64(seed)))
+    return Counter(sampler(logp, history) for _ in range(n))
 
 
 def test_nucleus_includes_the_crossing_token_and_caps_at_top_k() -> None:
-    assert nucleus_size(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]), 0.8, 25) == 3  # 0.5+0.2 < 0.8 -> +0.15
-    assert nucleus_size(torch.tensor([0.85, 0.1, 0.05]), 0.8, 25) == 1
-    assert nucleus_size(torch.tensor([0.4, 0.4, 0.2]), 0.8, 25) == 2  # total == top_p stops
-    assert nucleus_size(torch.full((100,), 0.01), 0.8, 25) == 25
-    assert nucleus_size(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]), 0.8, 2) == 2
+    def f32(values: list[float]) -> np.ndarray:
+        return np.array(values, dtype=np.float32)
+
+    assert nucleus_size(f32([0.5, 0.2, 0.15, 0.1, 0.05]), 0.8, 25) == 3  # 0.5+0.2 < 0.8 -> +0.15
+    assert nucleus_size(f32([0.85, 0.1, 0.05]), 0.8, 25) == 1
+    assert nucleus_size(f32([0.4, 0.4, 0.2]), 0.8, 25) == 2  # total == top_p stops
+    assert nucleus_size(np.full((100,), 0.01, dtype=np.float32), 0.8, 25) == 25
+    assert nucleus_size(f32([0.5, 0.2, 0.15, 0.1, 0.05]), 0.8, 2) == 2
 
 
 def test_ras_draws_only_from_the_nucleus() -> None:
@@ -181,11 +186,11 @@ def test_ras_redraws_a_recent_repeat_from_the_full_softmax() -> None:
 
 
 def test_ras_is_reproducible_per_generator_seed() -> None:
-    logp = (torch.randn(6761, generator=torch.Generator().manual_seed(4)) * 3).log_softmax(0)
+    logp = (torch.randn(6761, generator=torch.Generator().manual_seed(4)) * 3).log_softmax(0).numpy()
 
     def draws(seed: int) -> list[int]:
-        g = torch.Generator().manual_seed(seed)
-        return [ras_sample(logp, [], RASConfig(), g) for _ in range(30)]
+        g = np.random.Generator(np.random.PCG64(seed))
+        return [ras_sample(logp, [], RuntimeRasConfig(), g) for _ in range(30)]
 
     assert draws(5) == draws(5) != draws(6)
     assert len(set(draws(5))) > 5
@@ -292,7 +297,7 @@ def test_eos_can_end_decoding_inside_min_len_unless_ignore_stop(lm: CosyVoice3LM
 
 def test_ras_decode_same_seed_same_tokens(lm: CosyVoice3LM) -> None:
     def run(seed: int) -> list[int]:
-        sampler = RasSampler(lm.cfg.sampling, torch.Generator().manual_seed(seed))
+        sampler = RasSampler(lm.cfg.sampling, np.random.Generator(np.random.PCG64(seed)))
         return generate_speech_tokens(lm, [30, 31, 32, EOP], [], [400, 401], EOP, sampler, max_tokens=25)
 
     first = run(0)

@@ -7,7 +7,8 @@ Follows `Qwen2LM.inference` / `inference_wrapper` (`cosyvoice/llm/llm.py`), `ras
   prefilled once, then one generated token per step through the explicit KV cache;
 - `min_len = int(2 * Lt)`, `max_len = int(20 * Lt)`, Lt = number of tts-text tokens (prompt text excluded);
 - any id >= speech_token_size stops decoding and is not emitted;
-- sampling is repetition-aware (RAS); every random draw goes through a caller-owned `torch.Generator`.
+- sampling is repetition-aware (RAS), drawn by the runtime's numpy sampler from a caller-owned
+  `numpy.random.Generator`, so the reference and the runtime draw the same ids for a seed.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from cosyvoice_runtime.sampling import RasConfig, ras_sample
 
 from ..config import RASConfig
 from ..nets.llm import CosyVoice3LM
@@ -37,52 +41,21 @@ class Sampler(Protocol):
     def __call__(self, logp: Tensor, history: Sequence[int]) -> int: ...
 
 
-def nucleus_size(sorted_probs: Tensor, top_p: float, top_k: int) -> int:
-    """How many of the descending-sorted probs (V,) upstream's nucleus keeps.
-
-    Ids are taken while the running total is below `top_p` and fewer than `top_k` are kept, so the id
-    that crosses `top_p` is included. The total is accumulated one fp32 add at a time, as upstream
-    does, because a vectorised cumsum may round differently at the boundary.
-    """
-    total = torch.zeros((), dtype=torch.float32)
-    n = 0
-    limit = min(top_k, sorted_probs.shape[0])
-    while n < limit and bool(total < top_p):
-        total = total + sorted_probs[n]
-        n += 1
-    return n
-
-
-def ras_sample(logp: Tensor, history: Sequence[int], cfg: RASConfig, generator: torch.Generator) -> int:
-    """Repetition-aware sampling (VALL-E 2) exactly as upstream's `ras_sampling`.
-
-    Draws from the top-p/top-k nucleus of `softmax(logp)` (unnormalised kept probs, `multinomial`);
-    if the id occurs at least `win_size * tau_r` times in the last `win_size` history ids, its score
-    is set to -inf and one id is redrawn from the full softmax. The redrawn id is not re-checked and
-    may be a stop id.
-    """
-    scores = logp.float()  # (V,)
-    sorted_probs, sorted_ids = scores.softmax(dim=0).sort(descending=True, stable=True)
-    n = nucleus_size(sorted_probs, cfg.top_p, cfg.top_k)
-    pick = torch.multinomial(sorted_probs[:n], 1, replacement=True, generator=generator)
-    token = int(sorted_ids[pick])
-    repeats = sum(1 for h in history[-cfg.win_size:] if h == token)
-    if repeats >= cfg.win_size * cfg.tau_r:
-        scores = scores.clone()
-        scores[token] = float("-inf")
-        token = int(torch.multinomial(scores.softmax(dim=0), 1, replacement=True, generator=generator))
-    return token
-
-
 @dataclass
 class RasSampler:
-    """`ras_sample` with the yaml's RAS settings and an explicit generator."""
+    """Upstream's repetition-aware sampling with the yaml's settings and an explicit generator.
+
+    The draws are the runtime's (`cosyvoice_runtime.sampling.ras_sample`: one uniform per draw,
+    inverse CDF), so a reference run and a runtime run with the same seed pick the same ids.
+    """
 
     cfg: RASConfig
-    generator: torch.Generator
+    generator: np.random.Generator
 
     def __call__(self, logp: Tensor, history: Sequence[int]) -> int:
-        return ras_sample(logp, history, self.cfg, self.generator)
+        cfg = RasConfig(top_p=self.cfg.top_p, top_k=self.cfg.top_k, win_size=self.cfg.win_size,
+                        tau_r=self.cfg.tau_r)
+        return ras_sample(logp.detach().float().cpu().numpy(), history, cfg, self.generator)
 
 
 @dataclass

@@ -1,0 +1,232 @@
+"""`cosyvoice-run`: text + prompt recording -> 24 kHz WAV, offline or streamed, without torch.
+
+A thin layer over `Synthesizer`: the front end normalises and splits the text, each segment is
+formatted for the mode, tokenised and synthesised in turn, and the segments' audio is concatenated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import click
+import numpy as np
+import soundfile as sf
+
+from .bundle import RuntimeBundle
+from .errors import ProviderError, RuntimeBundleError
+from .frontend import (
+    ENDOFPROMPT,
+    FrontendError,
+    PromptFeatures,
+    TextFrontend,
+    TextTokenizer,
+    cross_lingual_text,
+    extract_prompt,
+    instruct_prompt,
+    open_session,
+    zero_shot_prompt,
+)
+from .runners import CPU, PROVIDERS
+from .sampling import SAMPLINGS, make_sampler
+from .synthesis import AudioChunk, Mode, SynthesisError, Synthesizer, llm_request
+
+
+class UserError(ValueError):
+    """Bad command-line input (empty text, a missing transcript or instruction, ...)."""
+
+
+USER_ERRORS = (UserError, RuntimeBundleError, ProviderError, FrontendError, SynthesisError)
+"""Errors caused by the input or the environment: one line on stderr, exit status 2."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One piece of the text, tokenised for the LLM."""
+
+    text: str
+    text_ids: list[int]
+    prompt_text_ids: list[int]
+
+
+def segments(text: str, mode: Mode, tokenizer: TextTokenizer, frontend: TextFrontend, *,
+             prompt_text: str = "", instruct: str = "") -> list[Segment]:
+    """Normalise and split `text` as upstream does, and format each piece for `mode`.
+
+    Zero-shot: prompt text = system prompt + `<|endofprompt|>` + transcript; cross-lingual: each
+    piece gets that prefix itself; instruct2: prompt text = system prompt + instruction +
+    `<|endofprompt|>`. A transcript or instruction that already holds `<|endofprompt|>` is used as is.
+    """
+    if mode is Mode.ZERO_SHOT:
+        if not prompt_text.strip():
+            raise UserError("zero-shot needs --prompt-text (the transcript of --prompt-wav)")
+        prompt = prompt_text if ENDOFPROMPT in prompt_text else zero_shot_prompt(prompt_text)
+    elif mode is Mode.INSTRUCT2:
+        if not instruct.strip():
+            raise UserError("instruct2 needs --instruct")
+        prompt = instruct if ENDOFPROMPT in instruct else instruct_prompt(instruct)
+    else:
+        prompt = ""
+    prompt_ids = tokenizer.encode(prompt) if prompt else []
+    out = []
+    for piece in frontend.split(text):
+        if mode is Mode.CROSS_LINGUAL and ENDOFPROMPT not in piece:
+            piece = cross_lingual_text(piece)
+        out.append(Segment(piece, tokenizer.encode(piece), prompt_ids))
+    return out
+
+
+@contextmanager
+def _atomic(path: Path) -> Iterator[Path]:
+    """A temporary path beside `path`, renamed onto it if the block succeeds and removed otherwise."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_wav_atomic(path: Path, audio: np.ndarray, sample_rate: int) -> None:
+    """Write mono 16-bit PCM WAV to `path` through a temporary file, so no partial file is left."""
+    with _atomic(path) as tmp:
+        sf.write(tmp, audio, sample_rate, subtype="PCM_16", format="WAV")
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    with _atomic(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=1))
+
+
+def _chunk_record(segment: int, chunk: AudioChunk) -> dict[str, Any]:
+    return {"segment": segment, "index": chunk.index, "is_final": chunk.is_final,
+            "token_range": list(chunk.token_range), "sample_range": list(chunk.sample_range),
+            "sha256": hashlib.sha256(chunk.samples.tobytes()).hexdigest(),
+            "timings": {k: round(v, 6) for k, v in vars(chunk.timings).items()}}
+
+
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """Turn user errors into one line on stderr and exit status 2."""
+    try:
+        yield
+    except USER_ERRORS as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+
+
+def _read_text(text: str, stdin: IO[str]) -> str:
+    text = stdin.read() if text == "-" else text
+    if not text.strip():
+        raise UserError("--text is empty")
+    return text
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--bundle", "--model", "bundle_dir", required=True,
+              type=click.Path(file_okay=False, path_type=Path), help="Runtime bundle (cosyvoice-export all).")
+@click.option("--text", required=True,
+              help="Text to speak; '-' reads stdin. Long text is split into sentences.")
+@click.option("--prompt-wav", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Prompt recording (any soundfile format, >= 16 kHz, <= 30 s).")
+@click.option("--prompt-text", default="", help="Transcript of the prompt recording (zero-shot).")
+@click.option("--mode", type=click.Choice([m.value for m in Mode]), default=Mode.ZERO_SHOT.value,
+              show_default=True, help="Upstream's inference entry point.")
+@click.option("--instruct", default="", help="Instruction (instruct2), e.g. 'Speak slowly.'")
+@click.option("--sampling", type=click.Choice(SAMPLINGS), default="ras", show_default=True,
+              help="ras: upstream's repetition-aware sampling; greedy: argmax (exact comparisons).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the RAS sampler.")
+@click.option("--speed", type=click.FloatRange(min=0.5, max=2.0), default=1.0, show_default=True,
+              help="Speaking rate (offline only, as upstream).")
+@click.option("--stream", is_flag=True, help="Synthesise in streaming chunks (upstream's chunk schedule).")
+@click.option("--provider", type=click.Choice(PROVIDERS), default=CPU, show_default=True,
+              help="onnxruntime cpu/cuda/tensorrt provider, or trt for the bundle's TensorRT plans.")
+@click.option("--tokens-out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write the speech tokens of every segment as JSON.")
+@click.option("--chunks-out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write every streamed chunk's ranges, sha256 and timings as JSON (--stream).")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Output WAV (24 kHz mono PCM16), written atomically.")
+def main(bundle_dir: Path, text: str, prompt_wav: Path, prompt_text: str, mode: str, instruct: str,
+         sampling: str, seed: int, speed: float, stream: bool, provider: str, tokens_out: Path | None,
+         chunks_out: Path | None, out: Path) -> None:
+    """Synthesise TEXT in the voice of --prompt-wav with a CosyVoice3 runtime bundle (no torch)."""
+    with _user_errors():
+        text = _read_text(text, sys.stdin)
+        if stream and speed != 1.0:
+            raise UserError("--speed works offline only (upstream ignores it when streaming)")
+        if chunks_out is not None and not stream:
+            raise UserError("--chunks-out needs --stream")
+        start = time.perf_counter()
+        bundle = RuntimeBundle.open(bundle_dir)
+        tokenizer = TextTokenizer(bundle.tokenizer_dir)
+        pieces = segments(text, Mode(mode), tokenizer, TextFrontend(tokenizer), prompt_text=prompt_text,
+                          instruct=instruct)
+        if not pieces:
+            raise UserError("--text has nothing to speak after normalisation")
+        prompt = extract_prompt(prompt_wav, open_session(bundle.frontend_path("campplus")),
+                                open_session(bundle.frontend_path("speech_tokenizer")),
+                                bundle.dims.token_mel_ratio)
+        with Synthesizer(bundle, provider) as synth:
+            ready = time.perf_counter()
+            result = _run(synth, pieces, prompt, Mode(mode), sampling, seed, speed, stream)
+        audio = np.concatenate(result.audio) if result.audio else np.zeros(0, np.float32)
+        write_wav_atomic(out, audio, synth.sample_rate)
+        if tokens_out is not None:
+            _write_json_atomic(tokens_out, [{"text": p.text, "speech_tokens": t}
+                                            for p, t in zip(pieces, result.tokens, strict=True)])
+        if chunks_out is not None:
+            _write_json_atomic(chunks_out, result.chunks)
+    seconds = len(audio) / synth.sample_rate
+    work = time.perf_counter() - ready
+    latency = f", first chunk after {result.first_chunk:.3f} s" if result.first_chunk is not None else ""
+    click.echo(f"wrote {out}: {seconds:.2f} s at {synth.sample_rate} Hz, {len(pieces)} segment(s), "
+               f"{sum(len(t) for t in result.tokens)} speech tokens ({mode}, {sampling}, seed {seed}); "
+               f"RTF {work / max(seconds, 1e-9):.3f}{latency}; load {ready - start:.2f} s")
+
+
+@dataclass
+class _Result:
+    audio: list[np.ndarray]
+    tokens: list[list[int]]
+    chunks: list[dict[str, Any]]
+    first_chunk: float | None
+
+
+def _run(synth: Synthesizer, pieces: list[Segment], prompt: PromptFeatures, mode: Mode, sampling: str,
+         seed: int, speed: float, stream: bool) -> _Result:
+    """Each segment in turn, each with a fresh sampler from `seed` (as a fresh upstream request)."""
+    result = _Result([], [], [], None)
+    start = time.perf_counter()
+    with click.progressbar(pieces, label="synthesising", file=sys.stderr) as bar:
+        for i, piece in enumerate(bar):
+            sampler = make_sampler(sampling, seed)
+            if not stream:
+                done = synth.synthesize(piece.text_ids, prompt, sampler=sampler, mode=mode,
+                                        prompt_text_ids=piece.prompt_text_ids, speed=speed)
+                result.audio.append(done.audio)
+                result.tokens.append(done.speech_tokens)
+                continue
+            # Decoding in the open, so that its tokens can be reported after the stream.
+            decoding = synth.lm.decode(llm_request(mode, piece.text_ids, prompt, piece.prompt_text_ids),
+                                       sampler)
+            for chunk in synth.stream_tokens(decoding, prompt):
+                if result.first_chunk is None:
+                    result.first_chunk = time.perf_counter() - start
+                result.audio.append(chunk.samples)
+                result.chunks.append(_chunk_record(i, chunk))
+            result.tokens.append(list(decoding.tokens))
+    return result
+

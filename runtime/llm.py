@@ -1,0 +1,164 @@
+"""Speech-token decoding over the `llm` graph, with the KV cache as explicit numpy arrays.
+
+Upstream's HF path (`Qwen2LM.inference` / `inference_wrapper`, `cosyvoice/llm/llm.py`) plus the
+silent-token limiter of `llm_job` (`cosyvoice/cli/model.py`):
+
+- input `[E_speech[sos], E_text(prompt_text ++ text), E_speech[task_id], E_speech(prompt_speech)]`,
+  prefilled in one call, then one token per call; every `present_X` output is fed back as `past_X`
+  (`cosyvoice_graphs.cache_pairs`), matched by name;
+- `min_len = int(2 * Lt)`, `max_len = int(20 * Lt)`, Lt = number of tts-text ids (prompt text excluded);
+- upstream's quirk, reproduced: during the first `min_len` steps the masked id is `speech_token_size`
+  (= sos), not eos, so any stop id can still end decoding early;
+- any id >= speech_token_size ends decoding and is not emitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from cosyvoice_graphs import cache_pairs
+
+from .runners import Runner
+from .sampling import Sampler, SilentTokenLimiter
+
+MIN_TOKEN_TEXT_RATIO = 2.0
+MAX_TOKEN_TEXT_RATIO = 20.0
+
+
+@dataclass(frozen=True)
+class LlmRequest:
+    """What the LLM sees for one segment. The two text id lists are tokenised separately and joined."""
+
+    text_ids: tuple[int, ...]
+    """The tts text's ids; their count sets min_len and max_len."""
+    prompt_text_ids: tuple[int, ...] = ()
+    """Prompt transcript (zero-shot) or instruction (instruct2) ids; empty for cross-lingual."""
+    prompt_speech_tokens: tuple[int, ...] = ()
+    """The prompt's speech tokens (zero-shot only)."""
+
+
+class SpeechTokenLM:
+    """The `llm` graph with the embedding tables around it: request -> speech tokens."""
+
+    def __init__(self, runner: Runner, text_embedding: np.ndarray,
+                 speech_embedding: np.ndarray, *, sos: int, task_id: int, endofprompt_id: int,
+                 speech_token_size: int) -> None:
+        """`text_embedding` (text vocab, C) and `speech_embedding` (speech vocab, C) are the bundle's
+        tables; sos and task_id are rows of the latter."""
+        self.runner = runner
+        self.spec = runner.spec
+        self.text_embedding = text_embedding
+        self.speech_embedding = speech_embedding
+        self.sos, self.task_id, self.endofprompt_id = sos, task_id, endofprompt_id
+        self.speech_token_size = speech_token_size
+        self.pairs = cache_pairs(self.spec)
+
+    def empty_cache(self) -> dict[str, np.ndarray]:
+        """Zero-length `past_*` inputs: (1, kv_heads, 0, head_dim) each."""
+        shapes = {t.name: t.shape for t in self.spec.inputs}
+        cache = {}
+        for past, _ in self.pairs:
+            shape = tuple(0 if isinstance(d, str) else d for d in shapes[past])
+            cache[past] = np.zeros(shape, dtype=np.float32)
+        return cache
+
+    def prompt_embeds(self, request: LlmRequest) -> np.ndarray:
+        """`[E_speech[sos], E_text(prompt_text ++ text), E_speech[task_id], E_speech(prompt_speech)]`
+        as (1, T, C) float32."""
+        ids = np.asarray(request.prompt_text_ids + request.text_ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.text_embedding.shape[0]):
+            raise ValueError(f"text ids must be in [0, {self.text_embedding.shape[0]}), got "
+                             f"[{ids.min()}, {ids.max()}]")
+        speech = np.asarray(request.prompt_speech_tokens, dtype=np.int64)
+        if speech.size and (speech.min() < 0 or speech.max() >= self.speech_token_size):
+            raise ValueError(f"prompt speech tokens must be in [0, {self.speech_token_size})")
+        rows = [self.speech_embedding[[self.sos]], self.text_embedding[ids],
+                self.speech_embedding[[self.task_id]], self.speech_embedding[speech]]
+        return np.concatenate(rows, axis=0)[None].astype(np.float32, copy=False)  # (1, T, C)
+
+    def step(self, embeds: np.ndarray, cache: dict[str, np.ndarray]
+             ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """One graph call: embeds (1, T, C) + `past_*` -> logp (V,) at the last position, next `past_*`."""
+        out = self.runner.infer({"inputs_embeds": embeds, **cache})
+        return out["logp"][0], {past: out[present] for past, present in self.pairs}
+
+    def decode(self, request: LlmRequest, sampler: Sampler, *, max_tokens: int | None = None,
+               ignore_stop: bool = False) -> Decoding:
+        """Start decoding `request`; iterate the result for the ids that pass the silent-token limiter.
+
+        Together the text id lists must contain `<|endofprompt|>`. `max_tokens` replaces `max_len` as
+        the number of decoding steps; `ignore_stop` masks every stop id so that exactly that many steps
+        run (benchmarks). Limiter-dropped ids count as steps, so fewer ids may come out.
+        """
+        if self.endofprompt_id not in request.prompt_text_ids + request.text_ids:
+            raise ValueError(f"<|endofprompt|> (id {self.endofprompt_id}) is in neither the text nor the "
+                             "prompt text")
+        lt = len(request.text_ids)
+        steps = int(lt * MAX_TOKEN_TEXT_RATIO) if max_tokens is None else max_tokens
+        return Decoding(self, request, sampler, min_len=int(lt * MIN_TOKEN_TEXT_RATIO), max_len=steps,
+                        ignore_stop=ignore_stop)
+
+
+class Decoding(Iterator[int]):
+    """One segment's decoding in progress: an iterator of kept speech ids with its state in the open.
+
+    `cache` holds the `past_*` arrays for the next call, `history` every sampled id (limiter-dropped
+    ones included: upstream's RAS history), `tokens` the kept ids so far, `steps` the graph calls made
+    after the prefill, and `stop_id` the id that ended decoding (None if `max_len` did).
+    """
+
+    def __init__(self, lm: SpeechTokenLM, request: LlmRequest, sampler: Sampler, *, min_len: int,
+                 max_len: int, ignore_stop: bool) -> None:
+        self.lm = lm
+        self.sampler = sampler
+        self.min_len, self.max_len, self.ignore_stop = min_len, max_len, ignore_stop
+        self.cache = lm.empty_cache()
+        self.history: list[int] = []
+        self.tokens: list[int] = []
+        self.steps = 0
+        self.stop_id: int | None = None
+        self.finished = False
+        self._next_embeds: np.ndarray = lm.prompt_embeds(request)  # (1, T, C)
+        self._limiter = SilentTokenLimiter()
+
+    def __next__(self) -> int:
+        while not self.finished:
+            token = self._sample()
+            if token is not None:
+                return token
+        raise StopIteration
+
+    def _sample(self) -> int | None:
+        """One decoding step; returns the kept id, or None if it was dropped or decoding ended."""
+        if self.steps >= self.max_len:
+            self.finished = True
+            return None
+        logp, self.cache = self.lm.step(self._next_embeds, self.cache)
+        stop_from = self.lm.speech_token_size
+        if self.steps < self.min_len or self.ignore_stop:
+            logp = logp.copy()
+            if self.steps < self.min_len:
+                logp[stop_from] = -np.inf  # upstream masks sos here, not eos
+            if self.ignore_stop:
+                logp[stop_from:] = -np.inf
+        token = self.sampler(logp, self.history)
+        self.steps += 1
+        if token >= stop_from:
+            self.stop_id, self.finished = token, True
+            return None
+        self.history.append(token)
+        self._next_embeds = self.lm.speech_embedding[[token]][None]  # (1, 1, C)
+        if not self._limiter.keep(token):
+            return None
+        self.tokens.append(token)
+        return token
+
+    def run(self) -> list[int]:
+        """Decode to the end; the kept ids."""
+        for _ in self:
+            pass
+        return list(self.tokens)
+

@@ -1,0 +1,295 @@
+"""Offline and streaming synthesis over a runtime bundle: LLM -> flow -> vocoder.
+
+`Synthesizer` opens the five graphs once. `synthesize` is upstream's non-streaming path: all tokens,
+one full-attention flow call, one final vocoder call. `stream` is upstream's CosyVoice3 streaming
+(`CosyVoice2Model.tts` + `CosyVoice3Model.token2wav`): chunks on the schedule of a `ChunkPolicy`,
+each non-final chunk re-running the block-causal flow over the token prefix and the vocoder over
+the whole accumulated mel, the last one a full-attention, finalizing call over all tokens; each
+chunk carries only the samples that are new. The LLM runs interleaved with the chunks, and a chunk
+fires as soon as its tokens exist, so the boundaries depend on the token sequence only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from types import TracebackType
+from typing import Self
+
+import numpy as np
+
+from cosyvoice_graphs.bundle_layout import FLOW_NOISE, SINE_NOISE, SPEECH_EMBEDDING, TEXT_EMBEDDING
+
+from .bundle import RuntimeBundle
+from .frontend import PromptFeatures
+from .llm import LlmRequest, SpeechTokenLM
+from .runners import CPU, Runner, open_runner
+from .sampling import Sampler
+from .token2wav import Flow, SynthesisError, Vocoder, change_speed
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AudioChunk", "ChunkPolicy", "ChunkTimings", "Mode", "Synthesis", "SynthesisError", "Synthesizer",
+           "llm_request"]
+
+
+class Mode(StrEnum):
+    """Upstream's CosyVoice3 inference entry points; they differ in what the LLM is given."""
+
+    ZERO_SHOT = "zero-shot"
+    """Prompt transcript + prompt speech tokens continue into the text."""
+    CROSS_LINGUAL = "cross-lingual"
+    """No prompt text or speech in the LLM (the text carries `<|endofprompt|>` itself)."""
+    INSTRUCT2 = "instruct2"
+    """The instruction as prompt text, no prompt speech in the LLM."""
+
+
+def llm_request(mode: Mode, text_ids: Sequence[int], prompt: PromptFeatures,
+                prompt_text_ids: Sequence[int] = ()) -> LlmRequest:
+    """What the LLM sees in `mode` (upstream's `frontend_zero_shot` / `_cross_lingual` / `_instruct2`).
+
+    `prompt_text_ids` are the formatted prompt transcript (zero-shot) or instruction (instruct2); the
+    flow always gets the prompt's tokens, mel and x-vector.
+    """
+    text = tuple(int(i) for i in text_ids)
+    prompt_text = tuple(int(i) for i in prompt_text_ids)
+    if mode is Mode.ZERO_SHOT:
+        return LlmRequest(text, prompt_text, tuple(int(t) for t in prompt.speech_tokens[0]))
+    if mode is Mode.CROSS_LINGUAL:
+        if prompt_text:
+            raise ValueError("cross-lingual takes no prompt text")
+        return LlmRequest(text)
+    return LlmRequest(text, prompt_text)
+
+
+@dataclass(frozen=True)
+class ChunkPolicy:
+    """When streaming emits a chunk: upstream's CosyVoice3 constants (`model.py`), deterministic.
+
+    Chunk k covers `hop_k` new tokens and waits for `lookahead` more: hop_0 = token_hop + pad, where
+    pad = ceil(P / token_hop) * token_hop - P for P prompt tokens aligns the first chunk's end with a
+    DiT attention block; hop_(k+1) = min(max_hop, token_hop * scale^(k+1)) (25+pad, 50, 100, 100, ...).
+    Once the LLM has finished, the remaining tokens (fewer than the next hop + lookahead) go into one
+    final, finalizing chunk. This is upstream's first-request behaviour; its hop is not carried over
+    between requests, and its timing-dependent exit test is not reproduced.
+    """
+
+    token_hop: int = 25
+    max_hop: int = 100
+    scale: int = 2
+    lookahead: int = 3
+    """Tokens after a non-final chunk that the flow's pre-lookahead layer reads (`pre_lookahead_len`)."""
+
+    def first_pad(self, prompt_tokens: int) -> int:
+        """Tokens added to the first hop so that prompt + first hop is a multiple of `token_hop`."""
+        return math.ceil(prompt_tokens / self.token_hop) * self.token_hop - prompt_tokens
+
+    def hops(self, prompt_tokens: int) -> Iterator[int]:
+        """The hop of every chunk, first to last (endless)."""
+        yield self.token_hop + self.first_pad(prompt_tokens)
+        hop = self.token_hop
+        while True:
+            hop = min(self.max_hop, hop * self.scale)
+            yield hop
+
+
+@dataclass(frozen=True)
+class ChunkTimings:
+    """Seconds spent on one chunk, and since the stream started."""
+
+    llm: float
+    """Decoding the tokens this chunk waited for."""
+    flow: float
+    vocoder: float
+    elapsed: float
+    """From the start of the stream to this chunk being ready (first chunk: its latency)."""
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    """One piece of a streamed utterance: new samples only, in order, without overlap."""
+
+    index: int
+    samples: np.ndarray
+    """float32 (n,) in [-audio_limit, audio_limit]."""
+    sample_rate: int
+    is_final: bool
+    token_range: tuple[int, int]
+    """[start, end) of the generated tokens whose mel this chunk added to the accumulated mel."""
+    sample_range: tuple[int, int]
+    """[start, end) of `samples` in the utterance's waveform."""
+    timings: ChunkTimings
+
+
+@dataclass(frozen=True)
+class Synthesis:
+    """One offline synthesised segment."""
+
+    speech_tokens: list[int]
+    mel: np.ndarray
+    """(1, 80, T) float32 generated mel frames (after `speed`)."""
+    audio: np.ndarray
+    """float32 samples at `sample_rate`."""
+    sample_rate: int
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds per stage: llm, flow, vocoder."""
+
+
+class Synthesizer:
+    """The bundle's graphs, opened once on one provider, and the tables they read."""
+
+    def __init__(self, bundle: RuntimeBundle, provider: str = CPU, *, threads: int | None = None) -> None:
+        """Open every graph of `bundle` on `provider` (see `cosyvoice_runtime.runners.PROVIDERS`)."""
+        self.bundle = bundle
+        self.dims = bundle.dims
+        self._runners: dict[str, Runner] = {}
+        try:
+            for name in bundle.specs:
+                self._runners[name] = open_runner(bundle, name, provider, threads=threads)
+        except BaseException:
+            self.close()
+            raise
+        r = self._runners
+        self.lm = SpeechTokenLM(r["llm"], bundle.table(TEXT_EMBEDDING), bundle.table(SPEECH_EMBEDDING),
+                                sos=bundle.sos, task_id=bundle.task_id, endofprompt_id=bundle.endofprompt_id,
+                                speech_token_size=self.dims.speech_token_size)
+        self.flow = Flow(r["flow_encoder"], r["flow_estimator"], bundle.table(FLOW_NOISE), self.dims)
+        self.vocoder = Vocoder(r["hift_f0"], r["hift_decoder"], bundle.table(SINE_NOISE), self.dims)
+
+    @property
+    def sample_rate(self) -> int:
+        """Sample rate of the audio (24 kHz)."""
+        return self.dims.sample_rate
+
+    def close(self) -> None:
+        """Release every runner."""
+        for runner in self._runners.values():
+            runner.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # --- offline ---------------------------------------------------------------------------------------
+
+    def token2wav(self, tokens: Sequence[int], prompt: PromptFeatures, *, speed: float = 1.0
+                  ) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
+        """Offline token2wav: full-attention flow, `speed` by linear mel resampling, final vocoder.
+
+        Returns the mel (1, 80, T), the samples and the seconds per stage (flow, vocoder).
+        """
+        if not tokens:
+            raise SynthesisError("the LLM produced no speech tokens; nothing to vocode")
+        start = time.perf_counter()
+        mel = change_speed(self.flow(np.asarray(tokens, dtype=np.int64), prompt, finalize=True,
+                                     streaming=False), speed)
+        mid = time.perf_counter()
+        audio = self.vocoder(mel, finalize=True)
+        return mel, audio, {"flow": mid - start, "vocoder": time.perf_counter() - mid}
+
+    def synthesize(self, text_ids: Sequence[int], prompt: PromptFeatures, *, sampler: Sampler,
+                   mode: Mode = Mode.ZERO_SHOT, prompt_text_ids: Sequence[int] = (), speed: float = 1.0,
+                   max_tokens: int | None = None, ignore_stop: bool = False) -> Synthesis:
+        """One text segment (already formatted and tokenised) to speech, upstream's offline path.
+
+        `sampler` owns the randomness (`sampling.make_sampler`); `max_tokens` / `ignore_stop` are
+        for benchmarks (see `SpeechTokenLM.decode`).
+        """
+        start = time.perf_counter()
+        request = llm_request(mode, text_ids, prompt, prompt_text_ids)
+        tokens = self.lm.decode(request, sampler, max_tokens=max_tokens, ignore_stop=ignore_stop).run()
+        llm_s = time.perf_counter() - start
+        mel, audio, timings = self.token2wav(tokens, prompt, speed=speed)
+        return Synthesis(tokens, mel, audio, self.sample_rate, {"llm": llm_s, **timings})
+
+    # --- streaming -------------------------------------------------------------------------------------
+
+    def stream(self, text_ids: Sequence[int], prompt: PromptFeatures, *, sampler: Sampler,
+               mode: Mode = Mode.ZERO_SHOT, prompt_text_ids: Sequence[int] = (),
+               policy: ChunkPolicy | None = None, max_tokens: int | None = None,
+               ignore_stop: bool = False) -> Iterator[AudioChunk]:
+        """One text segment as a stream of audio chunks, the LLM decoding interleaved with them.
+
+        Upstream ignores `speed` when streaming, so there is none here.
+        """
+        request = llm_request(mode, text_ids, prompt, prompt_text_ids)
+        decoding = self.lm.decode(request, sampler, max_tokens=max_tokens, ignore_stop=ignore_stop)
+        return self.stream_tokens(decoding, prompt, policy=policy)
+
+    def stream_tokens(self, tokens: Iterable[int], prompt: PromptFeatures, *,
+                      policy: ChunkPolicy | None = None) -> Iterator[AudioChunk]:
+        """Stream audio for speech ids from `tokens` (a decoding in progress, or a fixed list).
+
+        A non-final chunk fires when the hop's tokens and their look-ahead exist: block-causal flow
+        over tokens[:offset + hop + lookahead] keeping the frames after 2·offset, then the
+        non-finalizing vocoder over the whole accumulated mel. When `tokens` ends, the final chunk
+        runs the full-attention flow over all tokens and the finalizing vocoder.
+        """
+        policy = policy or ChunkPolicy(lookahead=self.dims.pre_lookahead_len)
+        if policy.lookahead != self.dims.pre_lookahead_len:
+            raise ValueError(f"policy lookahead {policy.lookahead} is not the flow's "
+                             f"{self.dims.pre_lookahead_len}")
+        log.info("streaming with %s", policy)
+        return _Stream(self, prompt, policy).run(iter(tokens))
+
+
+class _Stream:
+    """The state of one streamed utterance (upstream's per-request dicts, without threads)."""
+
+    def __init__(self, synth: Synthesizer, prompt: PromptFeatures, policy: ChunkPolicy) -> None:
+        self.synth, self.prompt, self.policy = synth, prompt, policy
+        self.ratio = synth.dims.token_mel_ratio
+        self.tokens: list[int] = []
+        self.mel = np.zeros((1, synth.dims.mel_bins, 0), dtype=np.float32)  # accumulated (1, 80, M)
+        self.offset = 0
+        """Tokens whose mel is in `self.mel`."""
+        self.samples_out = 0
+        self.index = 0
+        self.start = time.perf_counter()
+
+    def run(self, source: Iterator[int]) -> Iterator[AudioChunk]:
+        hops = self.policy.hops(self.prompt.speech_tokens.shape[1])
+        hop = next(hops)
+        llm_s = 0.0
+        while True:
+            before = time.perf_counter()
+            token = next(source, None)
+            llm_s += time.perf_counter() - before
+            if token is None:
+                break
+            self.tokens.append(token)
+            if len(self.tokens) - self.offset >= hop + self.policy.lookahead:
+                yield self._chunk(self.tokens[: self.offset + hop + self.policy.lookahead], hop, llm_s,
+                                  final=False)
+                hop, llm_s = next(hops), 0.0
+        if not self.tokens:
+            raise SynthesisError("the LLM produced no speech tokens; nothing to vocode")
+        yield self._chunk(self.tokens, len(self.tokens) - self.offset, llm_s, final=True)
+
+    def _chunk(self, tokens: list[int], hop: int, llm_s: float, *, final: bool) -> AudioChunk:
+        synth = self.synth
+        start = time.perf_counter()
+        mel = synth.flow(np.asarray(tokens, dtype=np.int64), self.prompt, finalize=final,
+                         streaming=not final)  # (1, 80, ratio * (offset + hop))
+        self.mel = np.concatenate([self.mel, mel[:, :, self.ratio * self.offset:]], axis=2)
+        mid = time.perf_counter()
+        audio = synth.vocoder(self.mel, finalize=final)  # the whole accumulated mel, re-run
+        new = np.ascontiguousarray(audio[self.samples_out:])
+        done = time.perf_counter()
+        chunk = AudioChunk(
+            index=self.index, samples=new, sample_rate=synth.sample_rate, is_final=final,
+            token_range=(self.offset, self.offset + hop),
+            sample_range=(self.samples_out, self.samples_out + len(new)),
+            timings=ChunkTimings(llm=llm_s, flow=mid - start, vocoder=done - mid, elapsed=done - self.start),
+        )
+        self.offset += hop
+        self.samples_out += len(new)
+        self.index += 1
+        return chunk
