@@ -17,15 +17,9 @@ from torch import Tensor
 
 from cosyvoice_export.config import LLMConfig, RASConfig, full_size, tiny
 from cosyvoice_export.nets.llm import CosyVoice3LM, init_random_
-from cosyvoice_export.reference.llm_decode import (
-    SILENT_TOKENS,
-    GreedySampler,
-    RasSampler,
-    SilentTokenLimiter,
-    generate_speech_tokens,
-)
+from cosyvoice_export.reference.llm_decode import GreedySampler, RasSampler, generate_speech_tokens
+from cosyvoice_runtime.sampling import SILENT_TOKENS, SilentTokenLimiter, nucleus_size, ras_sample
 from cosyvoice_runtime.sampling import RasConfig as RuntimeRasConfig
-from cosyvoice_runtime.sampling import nucleus_size, ras_sample
 
 MANIFEST = Path(__file__).parent / "data" / "upstream_manifest" / "llm.tsv"
 TEXT_VOCAB = 300

@@ -346,12 +346,3 @@ def test_extract_prompt(tmp_path: Path, sessions: tuple[onnxruntime.InferenceSes
 
 
 # --- text formats -----------------------------------------------------------------------------------
-
-
-def test_text_prompt_formats() -> None:
-    assert fe.zero_shot_prompt("希望你以后能够做的比我还好呦。") == \
-        "You are a helpful assistant.<|endofprompt|>希望你以后能够做的比我还好呦。"
-    assert fe.cross_lingual_text("[breath]hello") == \
-        "You are a helpful assistant.<|endofprompt|>[breath]hello"
-    assert fe.instruct_prompt("请用广东话表达。") == \
-        "You are a helpful assistant. 请用广东话表达。<|endofprompt|>"

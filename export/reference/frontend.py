@@ -12,7 +12,6 @@ CosyVoice3 text prompt formats (`<|endofprompt|>` conventions) used by the three
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,11 +20,11 @@ import librosa
 import numpy as np
 import onnxruntime
 import soundfile as sf
-import soxr
 import torch
 
 from cosyvoice_export.bundle.errors import BundleError
 from cosyvoice_export.config import MelConfig
+from cosyvoice_runtime.frontend.audio import resample
 
 MIN_SAMPLE_RATE = 16000
 """Upstream `load_wav` refuses to upsample from below 16 kHz."""
@@ -62,19 +61,7 @@ def load_wav(path: str | Path, target_sr: int) -> torch.Tensor:
     wav = torch.from_numpy(np.ascontiguousarray(data.T)).mean(dim=0, keepdim=True)
     if sr == target_sr:
         return wav
-    return torch.from_numpy(_resample(wav[0].numpy(), sr, target_sr)).unsqueeze(0)
-
-
-def _resample(x: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
-    """soxr VHQ resampling trimmed/extended to torchaudio's output length ceil(N * target / orig)."""
-    g = math.gcd(orig_sr, target_sr)
-    orig, new = orig_sr // g, target_sr // g
-    out_len = -(-x.shape[0] * new // orig)
-    # soxr rounds its output length where torchaudio takes the ceiling; trailing zeros (which soxr
-    # assumes past the end anyway, so earlier samples are unchanged) give it the extra sample.
-    padded = np.concatenate([x, np.zeros(orig // new + 2, dtype=np.float32)])
-    y = soxr.resample(padded, orig_sr, target_sr, quality="VHQ")
-    return np.ascontiguousarray(y[:out_len], dtype=np.float32)
+    return torch.from_numpy(resample(wav[0].numpy(), sr, target_sr)).unsqueeze(0)
 
 
 # --- features ---------------------------------------------------------------------------------------
@@ -254,27 +241,3 @@ def extract_prompt(
     mel, tokens = align_prompt(prompt_mel(wav_mel, mel_cfg), tokens, token_mel_ratio)
     embedding = speaker_embedding(campplus_session, wav16k)
     return PromptFeatures(speech_tokens=tokens, mel=mel, embedding=embedding)
-
-
-# --- text prompt formats ----------------------------------------------------------------------------
-
-END_OF_PROMPT = "<|endofprompt|>"
-"""Every CosyVoice3 LLM text must contain this token (id 151646); the LLM asserts it."""
-
-SYSTEM_PROMPT = "You are a helpful assistant."
-
-
-def zero_shot_prompt(transcript: str) -> str:
-    """`prompt_text` for zero-shot cloning: system prompt, `<|endofprompt|>`, then the prompt's transcript."""
-    return f"{SYSTEM_PROMPT}{END_OF_PROMPT}{transcript}"
-
-
-def cross_lingual_text(text: str) -> str:
-    """`tts_text` for cross-lingual / fine-grained control, which has no prompt text and so carries the
-    `<|endofprompt|>` itself."""
-    return f"{SYSTEM_PROMPT}{END_OF_PROMPT}{text}"
-
-
-def instruct_prompt(instruction: str) -> str:
-    """`instruct_text` for instruct2: system prompt, one space, the instruction, `<|endofprompt|>`."""
-    return f"{SYSTEM_PROMPT} {instruction}{END_OF_PROMPT}"

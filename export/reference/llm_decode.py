@@ -14,26 +14,20 @@ Follows `Qwen2LM.inference` / `inference_wrapper` (`cosyvoice/llm/llm.py`), `ras
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from cosyvoice_runtime.sampling import RasConfig, ras_sample
+from cosyvoice_runtime.sampling import RasConfig, SilentTokenLimiter, ras_sample
 
 from ..config import RASConfig
 from ..nets.llm import CosyVoice3LM
 
 MIN_TOKEN_TEXT_RATIO = 2.0
 MAX_TOKEN_TEXT_RATIO = 20.0
-
-SILENT_TOKENS: frozenset[int] = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
-"""FSQ silence/breath ids that `CosyVoice3Model` rate-limits (`model.py`, `silent_tokens`)."""
-
-MAX_SILENT_RUN = 5
-
 
 class Sampler(Protocol):
     """Picks the next id from log-probs (V,) given the ids this call has emitted so far."""
@@ -64,27 +58,6 @@ class GreedySampler:
 
     def __call__(self, logp: Tensor, history: Sequence[int]) -> int:
         return int(torch.argmax(logp))
-
-
-@dataclass
-class SilentTokenLimiter:
-    """Keeps the first `max_run` ids of every run of consecutive silent ids and drops the rest.
-
-    Only a non-silent id ends a run. Dropped ids are still fed back to the LM and stay in the RAS
-    history; they are only left out of what reaches the flow.
-    """
-
-    silent_ids: frozenset[int] = SILENT_TOKENS
-    max_run: int = MAX_SILENT_RUN
-    _run: int = field(default=0, init=False)
-
-    def keep(self, token: int) -> bool:
-        """Whether `token` goes to the output; updates the run counter."""
-        if token not in self.silent_ids:
-            self._run = 0
-            return True
-        self._run += 1
-        return self._run <= self.max_run
 
 
 def build_prompt_embeds(

@@ -16,6 +16,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cosyvoice_runtime.frontend import ENDOFPROMPT as END_OF_PROMPT
+from cosyvoice_runtime.frontend import cross_lingual_text, instruct_prompt, zero_shot_prompt
+
 from ..bundle.layout import CAMPPLUS, SPEECH_TOKENIZER
 from ..bundle.model_dir import ModelBundle
 from ..bundle.tokenizer_files import load_cosyvoice3_tokenizer
@@ -23,15 +26,7 @@ from ..nets.flow import CausalMaskedDiffWithDiT
 from ..nets.hift import CausalHiFTGenerator
 from ..nets.llm import CosyVoice3LM
 from ..noise import noise_tables
-from .frontend import (
-    END_OF_PROMPT,
-    PromptFeatures,
-    cross_lingual_text,
-    extract_prompt,
-    instruct_prompt,
-    open_session,
-    zero_shot_prompt,
-)
+from .frontend import PromptFeatures, extract_prompt, open_session
 from .llm_decode import Sampler, generate_speech_tokens
 
 
