@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The test command (README's second command; .ci/run calls it): a venv with the export and dev
-# extras, then lint and the test suite. Full-size work is marked `slow` and left to benchmarks.
+# extras, then lint and the test suite. Tests use tiny bundles; full-size work belongs in benchmarks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/pip install --quiet --disable-pip-version-check -e '.[export,dev]'
 .venv/bin/ruff check export runtime graphs tests
 .venv/bin/mypy runtime graphs
-.venv/bin/pytest -m 'not slow' "$@"
+.venv/bin/pytest "$@"
