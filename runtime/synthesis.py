@@ -3,9 +3,11 @@
 `Synthesizer` opens the five graphs once. `synthesize` is upstream's non-streaming path: all tokens,
 one full-attention flow call, one final vocoder call. `stream` is upstream's CosyVoice3 streaming
 (`CosyVoice2Model.tts` + `CosyVoice3Model.token2wav`): chunks on the schedule of a `ChunkPolicy`,
-each non-final chunk re-running the block-causal flow over the token prefix and the vocoder over
-the whole accumulated mel, the last one a full-attention, finalizing call over all tokens; each
-chunk carries only the samples that are new. The LLM runs interleaved with the chunks, and a chunk
+each non-final chunk re-running the block-causal flow over the token prefix, the last one a
+full-attention, finalizing call over all tokens; each chunk carries only the samples that are new.
+The vocoder either re-runs over the whole accumulated mel as upstream does (`"rerun"`), or over the
+new frames and a fixed left margin (`"window"`, `token2wav.VocoderStream`), which gives the same
+samples at a bounded cost per chunk. The LLM runs interleaved with the chunks, and a chunk
 fires as soon as its tokens exist, so the boundaries depend on the token sequence only.
 """
 
@@ -18,7 +20,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import TracebackType
-from typing import Self
+from typing import Literal, Self
 
 import numpy as np
 
@@ -29,7 +31,7 @@ from .frontend import PromptFeatures
 from .llm import LlmRequest, SpeechTokenLM
 from .runners import CPU, Runner, open_runner
 from .sampling import Sampler
-from .token2wav import Flow, SynthesisError, Vocoder, change_speed
+from .token2wav import Flow, SynthesisError, Vocoder, VocoderStream, change_speed
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,13 @@ class ChunkPolicy:
     scale: int = 2
     lookahead: int = 3
     """Tokens after a non-final chunk that the flow's pre-lookahead layer reads (`pre_lookahead_len`)."""
+    vocoder: Literal["rerun", "window"] = "window"
+    """`"rerun"`: the vocoder over the whole accumulated mel per chunk (upstream, quadratic cost);
+    `"window"`: over the new frames plus a fixed left margin (`VocoderStream`), the same samples."""
+
+    def __post_init__(self) -> None:
+        if self.vocoder not in ("rerun", "window"):
+            raise ValueError(f"vocoder must be 'rerun' or 'window', got {self.vocoder!r}")
 
     def first_pad(self, prompt_tokens: int) -> int:
         """Tokens added to the first hop so that prompt + first hop is a multiple of `token_hop`."""
@@ -229,8 +238,9 @@ class Synthesizer:
 
         A non-final chunk fires when the hop's tokens and their look-ahead exist: block-causal flow
         over tokens[:offset + hop + lookahead] keeping the frames after 2·offset, then the
-        non-finalizing vocoder over the whole accumulated mel. When `tokens` ends, the final chunk
-        runs the full-attention flow over all tokens and the finalizing vocoder.
+        non-finalizing vocoder over the accumulated mel (all of it, or a window: `policy.vocoder`).
+        When `tokens` ends, the final chunk runs the full-attention flow over all tokens and the
+        finalizing vocoder.
         """
         policy = policy or ChunkPolicy(lookahead=self.dims.pre_lookahead_len)
         if policy.lookahead != self.dims.pre_lookahead_len:
@@ -247,9 +257,13 @@ class _Stream:
         self.synth, self.prompt, self.policy = synth, prompt, policy
         self.ratio = synth.dims.token_mel_ratio
         self.tokens: list[int] = []
-        self.mel = np.zeros((1, synth.dims.mel_bins, 0), dtype=np.float32)  # accumulated (1, 80, M)
+        self.mel = np.zeros((1, synth.dims.mel_bins, 0), dtype=np.float32)
+        """The accumulated mel (1, 80, M) that `"rerun"` re-vocodes; `"window"` keeps only
+        `vocoder_stream`'s tail."""
+        self.vocoder_stream: VocoderStream | None = (synth.vocoder.stream() if policy.vocoder == "window"
+                                                     else None)
         self.offset = 0
-        """Tokens whose mel is in `self.mel`."""
+        """Tokens whose mel frames have gone to the vocoder."""
         self.samples_out = 0
         self.index = 0
         self.start = time.perf_counter()
@@ -278,10 +292,14 @@ class _Stream:
         start = time.perf_counter()
         mel = synth.flow(np.asarray(tokens, dtype=np.int64), self.prompt, finalize=final,
                          streaming=not final)  # (1, 80, ratio * (offset + hop))
-        self.mel = np.concatenate([self.mel, mel[:, :, self.ratio * self.offset:]], axis=2)
+        added = mel[:, :, self.ratio * self.offset:]
         mid = time.perf_counter()
-        audio = synth.vocoder(self.mel, finalize=final)  # the whole accumulated mel, re-run
-        new = np.ascontiguousarray(audio[self.samples_out:])
+        if self.vocoder_stream is None:
+            self.mel = np.concatenate([self.mel, added], axis=2)
+            audio = synth.vocoder(self.mel, finalize=final)[self.samples_out:]  # all of it, re-run
+        else:
+            audio = self.vocoder_stream.push(added, finalize=final)
+        new = np.ascontiguousarray(audio)
         done = time.perf_counter()
         chunk = AudioChunk(
             index=self.index, samples=new, sample_rate=synth.sample_rate, is_final=final,

@@ -11,11 +11,19 @@ Upstream's `CosyVoice3Model.token2wav` with `CausalMaskedDiffWithDiT.inference`,
   block-causal mask, T full attention;
 - `hift_f0` -> the harmonic phase (`sine_phase`, numpy) -> `hift_decoder` with the `sine_noise`
   table; a non-final call keeps the samples that no longer depend on future frames.
+
+`VocoderStream` streams the vocoder at a bounded cost per chunk: every HiFT layer is causal with a
+finite reach (`HiftLayout`), so it re-runs the two graphs only over the new frames plus a fixed left
+margin, and feeds what is absolute in time (the phase, from a running float64 sum, and the noise
+table's slice) explicitly; its samples are those of `Vocoder` over the whole accumulated mel (to
+~1e-6 when both see the same f0: the float32 phase formula turns an ulp of f0 into ~1e-3 of waveform,
+and onnxruntime's f0 rounding can depend on the input's length).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -54,10 +62,32 @@ def sine_phase(f0: np.ndarray, harmonics: int, sample_rate: int, samples_per_fra
     running sum in float64 rounded per frame, upstream's float32 products in its order, then the
     reduction mod 2π in float64.
     """
+    acc = accumulate_phase(np.zeros(harmonics), phase_steps(f0, harmonics, sample_rate))
+    return wrap_phase(acc, samples_per_frame)
+
+
+def phase_steps(f0: np.ndarray, harmonics: int, sample_rate: int) -> np.ndarray:
+    """f0 (1, T) in Hz -> the per-frame phase steps in cycles (1, T, harmonics), float32:
+    fl32(fl32(f0 k) / sample_rate) mod 1."""
     k = np.arange(1, harmonics + 1, dtype=np.float32)  # (H,)
-    rad = np.mod(f0.astype(np.float32)[..., None] * k / np.float32(sample_rate), np.float32(1))  # (1, T, H)
-    acc = np.cumsum(rad, axis=1, dtype=np.float64).astype(np.float32)
-    p = acc * np.float32(2) * np.float32(np.pi) * np.float32(samples_per_frame)
+    return np.mod(f0.astype(np.float32)[..., None] * k / np.float32(sample_rate), np.float32(1))
+
+
+def accumulate_phase(start: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """The float64 running sums (1, T, H) of `steps` (1, T, H), continued from `start` (H,): the sum of
+    every earlier step.
+
+    np.cumsum adds strictly in order, so continuing from a carried `start` gives the same float64 values
+    as one sum over the whole history (from 0.0, whose first addition is exact).
+    """
+    seeded = np.concatenate([start.astype(np.float64)[None, None], steps.astype(np.float64)], axis=1)
+    return np.cumsum(seeded, axis=1)[:, 1:]
+
+
+def wrap_phase(acc: np.ndarray, samples_per_frame: int) -> np.ndarray:
+    """Running sums (1, T, H) float64 -> the phase in [0, 2π), float32: rounded to float32 per frame,
+    upstream's float32 products in its order, fmod in float64."""
+    p = acc.astype(np.float32) * np.float32(2) * np.float32(np.pi) * np.float32(samples_per_frame)
     return np.fmod(p.astype(np.float64), 2 * np.pi).astype(np.float32)
 
 
@@ -145,30 +175,201 @@ class Flow:
         return x
 
 
+def _resblock_reach(kernel: int, dilations: tuple[int, ...]) -> int:
+    """Steps a causal `ResBlock` output looks back: per dilation d, conv1 (k - 1) d then conv2 (k - 1)."""
+    return sum((kernel - 1) * (d + 1) for d in dilations)
+
+
+@dataclass(frozen=True)
+class HiftLayout:
+    """The HiFT hyper-parameters that bound how far back a sample depends on the vocoder's inputs.
+
+    The graphs' shapes do not depend on them, so the bundle's `ModelDims` does not carry them: these are
+    CosyVoice3's `hift` yaml values, shared by the released and the tiny model (the tests check them
+    against the exporter's configs and probe the graphs). Every conv is causal (left padding) except
+    conv_pre and the F0 predictor's first conv, which only look right.
+    """
+
+    upsample_rates: tuple[int, ...] = (8, 5, 3)
+    upsample_kernel_sizes: tuple[int, ...] = (16, 11, 7)
+    resblock_kernel_sizes: tuple[int, ...] = (3, 7, 11)
+    resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5),) * 3
+    source_resblock_kernel_sizes: tuple[int, ...] = (7, 7, 11)
+    source_resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5),) * 3
+    conv_post_kernel_size: int = 7
+    istft_n_fft: int = 16
+    istft_hop_len: int = 4
+    f0_causal_kernel_sizes: tuple[int, ...] = (3, 3, 3, 3)
+    """The F0 predictor's left-causal convs (after its look-right first conv)."""
+
+    @property
+    def samples_per_frame(self) -> int:
+        """prod(upsample_rates) · iSTFT hop (480)."""
+        return math.prod(self.upsample_rates) * self.istft_hop_len
+
+    def f0_left_context(self) -> int:
+        """Mel frames before frame t that f0[t] reads: the sum of k - 1 over the causal convs (4 · 2 = 8)."""
+        return sum(k - 1 for k in self.f0_causal_kernel_sizes)
+
+    def decoder_left_context(self) -> int:
+        """Samples at the start of a `hift_decoder` call that can differ from a call over a longer prefix
+        given the same mel, f0, phase and noise from the call's first frame on (13736).
+
+        Walks the first index at which each layer's output no longer reads anything before the call
+        (zero or reflect padding instead of real context), for CosyVoice3's values:
+        - conv_pre only looks right: clean from mel frame 0; the NSF source is per sample: clean from 0;
+        - the centred source STFT: frame f reads samples hop·f ± n_fft/2, so frames from n_fft/2/hop = 2
+          on miss the reflect pad;
+        - stage i upsamples (nearest by r, then a causal conv k): c -> c·r + k - 1, the last stage adds
+          its one-step left reflect pad; the source branch at that rate: the strided downsample by u
+          (kernel 2u, left pad u - 1) gives ceil((2 + u - 1) / u), then its ResBlock; the parallel
+          ResBlocks are averaged, so the widest (k 11: 10 · (1+3+5) + 3 · 10 = 120) counts:
+          rate 8:   max(0·8 + 15, 2 + 72) + 120 = 194;
+          rate 40:  max(194·5 + 10, 2 + 72) + 120 = 1100;
+          rate 120: max(1100·3 + 6 + 1, 2 + 120) + 120 = 3427; conv_post (k 7): 3433 STFT frames;
+        - the iSTFT: sample n overlap-adds the frames f with hop·f - n_fft/2 <= n < hop·f + n_fft/2,
+          all clean from n = hop·(3433 - 1) + n_fft/2 = 13736 (28.6 mel frames) on.
+        """
+        hop, half = self.istft_hop_len, self.istft_n_fft // 2
+        stft_clean = -(-half // hop)
+        rates = self.upsample_rates
+        widest = max(_resblock_reach(k, d) for k, d in
+                     zip(self.resblock_kernel_sizes, self.resblock_dilation_sizes, strict=True))
+        stages = zip(rates, self.upsample_kernel_sizes, self.source_resblock_kernel_sizes,
+                     self.source_resblock_dilation_sizes, strict=True)
+        clean = 0
+        for i, (rate, kernel, source_kernel, source_dilations) in enumerate(stages):
+            clean = clean * rate + kernel - 1
+            if i == len(rates) - 1:
+                clean += 1  # the reflect pad that matches the STFT's frame count
+            down = math.prod(rates[i + 1:])
+            source = -(-(stft_clean + down - 1) // down) if down > 1 else stft_clean
+            source += _resblock_reach(source_kernel, source_dilations)
+            clean = max(clean, source) + widest
+        clean += self.conv_post_kernel_size - 1
+        return hop * (clean - 1) + half
+
+    def window_margin(self) -> int:
+        """Mel frames a streaming window re-runs before its first new sample: the decoder's left context
+        rounded up to whole frames (29)."""
+        return -(-self.decoder_left_context() // self.samples_per_frame)
+
+
+HIFT_LAYOUT = HiftLayout()
+"""CosyVoice3's vocoder (Fun-CosyVoice3-0.5B and the tiny test model)."""
+
+
 class Vocoder:
     """`hift_f0` -> `sine_phase` -> `hift_decoder`: mel -> 24 kHz waveform."""
 
-    def __init__(self, f0: Runner, decoder: Runner, sine_noise: np.ndarray, dims: ModelDims) -> None:
+    def __init__(self, f0: Runner, decoder: Runner, sine_noise: np.ndarray, dims: ModelDims,
+                 layout: HiftLayout = HIFT_LAYOUT) -> None:
         """`sine_noise` is the bundle's table (1, max samples, harmonics), read from sample 0."""
+        if layout.samples_per_frame != dims.samples_per_frame:
+            raise ValueError(f"the HiFT layout gives {layout.samples_per_frame} samples per frame, "
+                             f"the bundle {dims.samples_per_frame}")
         self.f0, self.decoder = f0, decoder
         self.sine_noise = sine_noise
         self.dims = dims
+        self.layout = layout
 
     def __call__(self, mel: np.ndarray, *, finalize: bool) -> np.ndarray:
         """mel (1, 80, T) -> float32 samples: U·T when final, else the U·(T - 8) that are final already
         (upstream's `finalize=False`, whose output is that prefix of the final one)."""
         frames, spf = mel.shape[2], self.dims.samples_per_frame
-        if not finalize and frames <= HIFT_FINAL_LOOKAHEAD:
-            raise ValueError(f"a non-final vocoder call needs more than {HIFT_FINAL_LOOKAHEAD} frames")
-        if frames * spf > self.sine_noise.shape[1]:
-            raise SynthesisError(f"{frames * spf} samples exceed the sine noise table's "
-                                 f"{self.sine_noise.shape[1]}; use a shorter text")
+        self.check_frames(frames, finalize=finalize)
         mel = np.ascontiguousarray(mel, dtype=np.float32)
         f0 = self.f0.infer({"mel": mel})["f0"]  # (1, T)
         phase = sine_phase(f0, self.dims.harmonics, self.dims.sample_rate, spf)  # (1, T, H)
-        noise = np.array(self.sine_noise[:, : frames * spf], dtype=np.float32)  # (1, U T, H)
-        wav = self.decoder.infer({"mel": mel, "f0": f0, "phase": phase, "sine_noise": noise})["waveform"][0]
+        wav = self.decode(mel, f0, phase)
         return wav if finalize else wav[: spf * (frames - HIFT_FINAL_LOOKAHEAD)]
+
+    def check_frames(self, frames: int, *, finalize: bool) -> None:
+        """Raise unless `frames` mel frames of an utterance can be vocoded (`SynthesisError`: too long)."""
+        if not finalize and frames <= HIFT_FINAL_LOOKAHEAD:
+            raise ValueError(f"a non-final vocoder call needs more than {HIFT_FINAL_LOOKAHEAD} frames")
+        samples = frames * self.dims.samples_per_frame
+        if samples > self.sine_noise.shape[1]:
+            raise SynthesisError(f"{samples} samples exceed the sine noise table's "
+                                 f"{self.sine_noise.shape[1]}; use a shorter text")
+
+    def decode(self, mel: np.ndarray, f0: np.ndarray, phase: np.ndarray, first_frame: int = 0) -> np.ndarray:
+        """`hift_decoder` over mel (1, 80, n) that starts at the utterance's frame `first_frame`, with its
+        f0 (1, n) and phase (1, n, H): U·n samples, the noise table read from that frame's first sample."""
+        spf = self.dims.samples_per_frame
+        noise = np.array(self.sine_noise[:, first_frame * spf:(first_frame + mel.shape[2]) * spf],
+                         dtype=np.float32)  # (1, U n, H)
+        feeds = {"mel": np.ascontiguousarray(mel, dtype=np.float32), "f0": f0, "phase": phase,
+                 "sine_noise": noise}
+        return self.decoder.infer(feeds)["waveform"][0]
+
+    def stream(self, margin: int | None = None) -> VocoderStream:
+        """A new utterance's `VocoderStream`; `margin` (mel frames) defaults to the layout's
+        `window_margin()`, and exists to show that a smaller one changes the samples."""
+        margin = self.layout.window_margin() if margin is None else margin
+        if margin < 0:
+            raise ValueError(f"margin must be >= 0, got {margin}")
+        return VocoderStream(self, margin, self.layout.f0_left_context(), acc=np.zeros(self.dims.harmonics),
+                             mel=np.zeros((1, self.dims.mel_bins, 0), dtype=np.float32))
+
+
+@dataclass
+class VocoderStream:
+    """One streamed utterance's vocoder state, all of it in these fields (make one with `Vocoder.stream`).
+
+    Each `push` runs `hift_f0` over [start - f0_context, frames) and `hift_decoder` over [start, frames)
+    (mel frames, absolute), with the phase continued from `acc` and the noise table from frame `start`,
+    and keeps the samples from `samples` on: the first `margin` frames' samples only absorb the
+    window's left edge. The cost per push is bounded by the new frames plus margin + f0_context + 8.
+    """
+
+    vocoder: Vocoder = field(repr=False)
+    margin: int
+    """Mel frames re-run before the first new sample (`HiftLayout.window_margin`)."""
+    f0_context: int
+    """Mel frames before `start` that `hift_f0` reads (`HiftLayout.f0_left_context`)."""
+    acc: np.ndarray
+    """float64 (H,): the running sum of the per-frame phase steps of frames [0, start), per harmonic."""
+    mel: np.ndarray = field(repr=False)
+    """(1, 80, frames - mel_start) float32: the frames the next window reads."""
+    frames: int = 0
+    """Mel frames pushed so far."""
+    samples: int = 0
+    """Samples returned so far (a whole number of frames)."""
+    start: int = 0
+    """The next window's first mel frame: max(0, samples / U - margin)."""
+    finished: bool = False
+
+    @property
+    def mel_start(self) -> int:
+        """The utterance frame that `mel` starts at."""
+        return self.frames - self.mel.shape[2]
+
+    def push(self, mel: np.ndarray, *, finalize: bool) -> np.ndarray:
+        """Append mel frames (1, 80, n); returns the float32 samples that became final: what `Vocoder`
+        over every frame pushed so far gives after its first `samples` (up to the graphs' rounding on
+        other lengths, ~1e-6)."""
+        if self.finished:
+            raise ValueError("this vocoder stream is finalized already")
+        voc, spf = self.vocoder, self.vocoder.dims.samples_per_frame
+        frames = self.frames + mel.shape[2]
+        voc.check_frames(frames, finalize=finalize)
+        tail = np.concatenate([self.mel, mel.astype(np.float32)], axis=2)  # frames [mel_start, frames)
+        skip = self.start - self.mel_start  # f0 context: read by hift_f0 only
+        f0 = voc.f0.infer({"mel": tail})["f0"][:, skip:]  # (1, frames - start)
+        acc = accumulate_phase(self.acc, phase_steps(f0, voc.dims.harmonics, voc.dims.sample_rate))
+        wav = voc.decode(tail[:, :, skip:], f0, wrap_phase(acc, spf), self.start)
+        end = frames if finalize else frames - HIFT_FINAL_LOOKAHEAD
+        new = wav[self.samples - self.start * spf:(end - self.start) * spf]
+
+        # The next window starts `margin` frames before the next new sample. The frames it skips lie
+        # >= margin + 8 frames before `frames`, past f0's 3-frame look-ahead: their phase steps are final.
+        start = max(0, end - self.margin)
+        if start > self.start:
+            self.acc = acc[0, start - self.start - 1]
+        self.mel = tail[:, :, max(0, start - self.f0_context) - self.mel_start:]
+        self.frames, self.samples, self.start, self.finished = frames, end * spf, start, finalize
+        return new
 
 
 def change_speed(mel: np.ndarray, speed: float) -> np.ndarray:
