@@ -98,7 +98,11 @@ def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:
               help="Also build a TensorRT plan per graph (cached by ONNX sha256 + GPU + TensorRT version) "
                    "and validate it against onnxruntime. Needs a CUDA device and the gpu extra.")
 @click.option("--force", is_flag=True, help="Export every graph again, even unchanged ones.")
-def all_cmd(model_dir: Path, out: Path, trt: bool, force: bool) -> None:
+@click.option("--precision", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
+              help="fp16: float16 weights and matmul/conv compute, fragile ops (norms, softmax, time "
+                   "embedding, output projections, HiFT's source and Snake) and all graph I/O in float32; "
+                   "hift_f0 stays float32. Validated with fp16 bounds. OUT holds one precision.")
+def all_cmd(model_dir: Path, out: Path, trt: bool, force: bool, precision: str) -> None:
     """Export every graph to ONNX and assemble a torch-free runtime bundle in OUT.
 
     Each graph is traced from its spec, checked (onnx.checker, then its I/O against the spec),
@@ -116,7 +120,7 @@ def all_cmd(model_dir: Path, out: Path, trt: bool, force: bool) -> None:
     from .onnx.trt import TrtUnavailable
 
     try:
-        report = export_all(model_dir, out, force=force, trt=trt, progress=True)
+        report = export_all(model_dir, out, force=force, trt=trt, precision=precision, progress=True)
     except TrtUnavailable as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

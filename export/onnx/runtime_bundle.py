@@ -54,6 +54,7 @@ from ..nets.hift import CausalHiFTGenerator
 from ..nets.llm import CosyVoice3LM
 from ..noise import noise_tables
 from .dims import model_dims
+from .fp16 import FP16_GRAPHS, FP16_REVISION, PRECISIONS, fp16_spec, write_fp16
 from .graphs import WRAPPERS, Networks
 from .trace import EXPORTER_VERSION, PARTIAL, export_graph, file_sha256
 from .validate import Figure, GraphValidation, ValidationError, validate_graph
@@ -62,6 +63,8 @@ if TYPE_CHECKING:
     from .trt import TrtEnv
 
 STATE_DIR = ".export"
+PRECISION_FILE = "precision"
+"""In STATE_DIR: the precision OUT was exported in; one OUT never mixes precisions."""
 QWEN_CONFIG = "config.json"
 TOKENIZER_COPY = (*TOKENIZER_FILES, QWEN_CONFIG)
 """What the runtime's tokenizer loads, copied from CosyVoice-BlankEN/."""
@@ -103,6 +106,8 @@ class GraphResult:
     trt: dict[str, Any] | None = None
     """The TensorRT plan (--trt): file, size, sha256, cache key, GPU, TensorRT version, timings."""
     trt_validation: GraphValidation | None = None
+    precision: str = "fp32"
+    """fp16: float16 body with fragile ops in float32 (see `fp16`); the I/O is the spec's either way."""
 
     @property
     def size(self) -> int:
@@ -187,16 +192,24 @@ def _write_json(out: Path, rel: str, data: Mapping[str, Any]) -> FileEntry:
     return _install(out, rel, lambda f: f.write(text.encode()))
 
 
-def _prepare_out(out: Path) -> None:
-    """Refuse a foreign or unwritable OUT; mark it as ours and drop its manifest before changing it."""
+def _prepare_out(out: Path, precision: str) -> None:
+    """Refuse a foreign or unwritable OUT, or one exported in another precision; mark it as ours (and
+    its precision) and drop its manifest before changing it."""
     if out.exists() and not out.is_dir():
         raise RuntimeBundleError(f"{out}: exists and is not a directory")
     ours = (out / MANIFEST).is_file() or (out / STATE_DIR).is_dir()
     if out.is_dir() and not ours and any(out.iterdir()):
         raise RuntimeBundleError(f"{out}: not empty and not a runtime bundle (no {MANIFEST}); "
                                  "choose a new or empty directory")
+    marker = out / STATE_DIR / PRECISION_FILE
+    # bundles written before precisions were recorded are fp32
+    found = marker.read_text().strip() if marker.is_file() else "fp32" if ours else precision
+    if found != precision:
+        raise RuntimeBundleError(f"{out}: holds a {found} runtime bundle; --precision {precision} needs "
+                                 "a new or empty --out (one precision per bundle)")
     try:
         (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"{precision}\n")
         probe = out / STATE_DIR / f".probe{PARTIAL}"
         probe.write_bytes(b"")
         probe.unlink()
@@ -264,15 +277,22 @@ def _checkpoints_of(wrapper: nn.Module, nets: _Networks) -> list[str]:
     return [f"{n}.pt" for n in (used or NETWORKS)]
 
 
-def _graph_inputs(s: GraphSpec, sources: Mapping[str, str]) -> dict[str, Any]:
+def _graph_precision(s: GraphSpec, precision: str) -> str:
+    """fp16 where the bundle is fp16 and the graph has an fp16 body (hift_f0 never has)."""
+    return "fp16" if precision == "fp16" and s.name in FP16_GRAPHS else "fp32"
+
+
+def _graph_inputs(s: GraphSpec, sources: Mapping[str, str], precision: str) -> dict[str, Any]:
     """What a graph is a function of: when none of it changed, the graph need not be exported again."""
+    conversion = f"fp16 rev {FP16_REVISION}" if precision == "fp16" else "fp32"
     return {"spec_name": s.name, "spec_version": s.version, "exporter_version": EXPORTER_VERSION,
-            "sources": dict(sorted(sources.items()))}
+            "sources": dict(sorted(sources.items())), "precision": conversion}
 
 
 # --- steps ---------------------------------------------------------------------------------------------
 
-def _reuse(out: Path, s: GraphSpec, source_sha: Mapping[str, FileEntry]) -> GraphResult | None:
+def _reuse(out: Path, s: GraphSpec, source_sha: Mapping[str, FileEntry], precision: str
+           ) -> GraphResult | None:
     """The graph from an earlier run, if its inputs are unchanged, it passed, and its files are intact."""
     record = _read_record(out, f"graph-{s.name}")
     if record is None or not record.get("passed"):
@@ -281,7 +301,7 @@ def _reuse(out: Path, s: GraphSpec, source_sha: Mapping[str, FileEntry]) -> Grap
     if not set(sources) <= set(source_sha):
         return None
     current = {n: source_sha[n].sha256 for n in sources}
-    if record["inputs"] != _graph_inputs(s, current):
+    if record["inputs"] != _graph_inputs(s, current, precision):
         return None
     files = {rel: FileEntry(**e) for rel, e in record["files"].items()}
     for rel, entry in files.items():
@@ -292,12 +312,14 @@ def _reuse(out: Path, s: GraphSpec, source_sha: Mapping[str, FileEntry]) -> Grap
     validation = GraphValidation(s.name, v["provider"], v["against"],
                                  tuple(Figure.from_json(f) for f in v["figures"]))
     return GraphResult(s.name, s, files, current, validation, reused=True, simplified=record["simplified"],
-                       simplify_error=record["simplify_error"], timings=record["timings"])
+                       simplify_error=record["simplify_error"], timings=record["timings"],
+                       precision=precision)
 
 
 def _export(out: Path, s: GraphSpec, dims: ModelDims, nets: _Networks, source_sha: Mapping[str, FileEntry],
-            bar: tqdm) -> GraphResult:
-    """Export and validate one graph, then record it for later runs."""
+            bar: tqdm, precision: str) -> GraphResult:
+    """Export and validate one graph (an fp16 graph: against its fp16 bounds), then record it for later
+    runs."""
     (out / _record_rel(f"graph-{s.name}")).unlink(missing_ok=True)  # the record must never outlive its file
     bar.set_postfix_str(f"{s.name}: load")
     wrapper = WRAPPERS[s.name](nets.all())
@@ -308,13 +330,17 @@ def _export(out: Path, s: GraphSpec, dims: ModelDims, nets: _Networks, source_sh
             "model_yaml_sha256": sources[YAML]}
     bar.set_postfix_str(f"{s.name}: export")
     result = export_graph(wrapper, s, dims, out / graph_file(s.name), extra_metadata=meta)
+    paths, tolerances = result.files, s
+    if precision == "fp16":
+        bar.set_postfix_str(f"{s.name}: fp16")
+        paths, tolerances = (write_fp16(result.path, s),), fp16_spec(s)
     bar.set_postfix_str(f"{s.name}: validate")
     start = time.perf_counter()
-    validation = validate_graph(result.path, wrapper, s)
+    validation = validate_graph(result.path, wrapper, tolerances)
     timings = {"export_s": round(result.seconds, 3), "validate_s": round(time.perf_counter() - start, 3)}
-    files = {str(p.relative_to(out)): FileEntry.of(p) for p in reversed(result.files)}
+    files = {str(p.relative_to(out)): FileEntry.of(p) for p in reversed(paths)}
     _write_json(out, _record_rel(f"graph-{s.name}"), {
-        "inputs": _graph_inputs(s, sources),
+        "inputs": _graph_inputs(s, sources, precision),
         "files": {rel: asdict(e) for rel, e in files.items()},
         "passed": validation.passed,
         "simplified": result.simplified,
@@ -324,7 +350,7 @@ def _export(out: Path, s: GraphSpec, dims: ModelDims, nets: _Networks, source_sh
         "timings": timings,
     })
     return GraphResult(s.name, s, files, sources, validation, reused=False, simplified=result.simplified,
-                       simplify_error=result.simplify_error, timings=timings)
+                       simplify_error=result.simplify_error, timings=timings, precision=precision)
 
 
 def _max_size(s: GraphSpec, dim: str) -> int:
@@ -404,7 +430,8 @@ def _validation_json(v: GraphValidation) -> dict[str, Any]:
 
 def _graph_json(g: GraphResult) -> dict[str, Any]:
     entry = {
-        "file": next(iter(g.files)), "spec_name": g.spec.name, "spec_version": g.spec.version,
+        "file": next(iter(g.files)), "precision": g.precision, "spec_name": g.spec.name,
+        "spec_version": g.spec.version,
         "opset": g.spec.opset, "sources": g.sources, "simplified": g.simplified,
         "simplify_error": g.simplify_error, "reused": g.reused, "timings": g.timings,
         "validation": _validation_json(g.validation),
@@ -429,7 +456,7 @@ def _step(bar: tqdm, label: str) -> Iterator[None]:
 
 
 def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, trt: bool = False,
-               progress: bool = True) -> Report:
+               precision: str = "fp32", progress: bool = True) -> Report:
     """Export, check and validate every graph of the model bundle at `model_dir` and assemble the
     runtime bundle in `out`.
 
@@ -439,7 +466,12 @@ def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, t
     `out` raises `RuntimeBundleError`; with `trt` and no CUDA device or TensorRT, `TrtUnavailable`
     is raised before anything is read or written. Validation failures do not raise: they are in the
     report, and no manifest is written.
+
+    `precision="fp16"` gives the graphs of `fp16.FP16_GRAPHS` float16 bodies (float32 I/O), validated
+    with `fp16.FP16_TOLERANCES`; `out` must not hold a bundle of the other precision.
     """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
     start = time.perf_counter()
     trt_env = None
     if trt:
@@ -448,7 +480,7 @@ def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, t
         trt_env = require_trt()
     model_dir, out = Path(model_dir), Path(out)
     bundle = check_bundle(model_dir, report=lambda line: None)
-    _prepare_out(out)
+    _prepare_out(out, precision)
     dims = model_dims(bundle.config)
     specs = {name: spec(name, dims) for name in SPECS}
     source_sha = _hash_sources(_source_files(bundle), progress)
@@ -458,8 +490,9 @@ def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, t
     with tqdm(total=len(specs) + 2, desc="runtime bundle", unit="step", disable=not progress) as bar:
         for s in specs.values():
             with _step(bar, s.name):
-                reused = None if force else _reuse(out, s, source_sha)
-                results.append(reused or _export(out, s, dims, nets, source_sha, bar))
+                p = _graph_precision(s, precision)
+                reused = None if force else _reuse(out, s, source_sha, p)
+                results.append(reused or _export(out, s, dims, nets, source_sha, bar, p))
         with _step(bar, "tables"):
             tables, table_files = _write_tables(out, bundle, nets, dims)
         with _step(bar, "frontend, tokenizer"):
@@ -476,6 +509,7 @@ def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, t
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "exporter_version": EXPORTER_VERSION,
+        "precision": precision,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "model": _model_constants(bundle, dims),
         "sources": {n: asdict(e) for n, e in source_sha.items()},

@@ -1,0 +1,226 @@
+"""fp16 graphs, correct by construction: an exported fp32 graph rewritten so that its weights and its
+matmul/conv compute are float16, while numerically fragile ops stay float32 and the I/O keeps the
+spec's dtypes.
+
+A node is converted only if its op type is on an allowlist of ops whose float inputs and outputs share
+one type (so float16 in means float16 out) and its module scope is not a fragile one; every other node
+stays float32. Each float value then has one home precision, and a Cast is inserted wherever a node
+reads a value of the other precision. fp16 graphs are validated against the torch fp32 wrapper with
+`FP16_TOLERANCES`, the only place their bounds are written.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from cosyvoice_graphs import GraphSpec, Tolerance
+
+from .trace import EXTERNAL_DATA_BYTES, MAX_IR_VERSION, PARTIAL, ExportError, check_contract
+
+PRECISIONS = ("fp32", "fp16")
+FP16_REVISION = 1
+"""Bump when the conversion or `FP16_TOLERANCES` change (it forces fp16 graphs to be exported again)."""
+
+FLOAT, HALF = TensorProto.FLOAT, TensorProto.FLOAT16
+
+CONVERTIBLE_OPS = frozenset({
+    # the compute worth halving
+    "MatMul", "Gemm", "Conv", "ConvTranspose",
+    # elementwise ops that are safe in fp16 (no exp/log/pow/sqrt, no reductions)
+    "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Relu", "LeakyRelu", "Sigmoid", "Tanh", "Clip", "Where",
+    # data movement: exact in any precision
+    "Reshape", "Transpose", "Slice", "Gather", "Concat", "Unsqueeze", "Squeeze", "Split", "Expand", "Tile",
+    "Pad", "Identity", "Flatten", "Cast",
+})
+"""Ops a converted node may have. Anything else (LayerNormalization, Softmax, LogSoftmax, Sin, Cos, Exp,
+Pow, Sqrt, reductions, comparisons, Range, ConstantOfShape, ...) stays float32."""
+ANY_INPUT_OPS = frozenset({"Shape", "Size", "Cast"})
+"""Ops that read any input dtype: their inputs are never cast."""
+
+ROOT = r"^[^/]*/[^/]*$|^[^/]*$"
+"""Nodes outside every submodule: the wrapper's own glue (masks, normalisations, HiFT's source, STFT and
+iSTFT), kept float32 everywhere."""
+FP16_GRAPHS: dict[str, tuple[str, ...]] = {
+    # RMSNorm (decomposed into Pow/ReduceMean/Sqrt/Div/Mul) and the output projection
+    "llm": (ROOT, r"layernorm/", r"/norm/", r"/llm_decoder/"),
+    # only the x-vector normalisation (in ROOT) is fragile
+    "flow_encoder": (ROOT,),
+    # AdaLN norms with their modulation linears, the time embedding, the output projection, RoPE tables
+    "flow_estimator": (ROOT, r"norm", r"/time_embed/", r"/proj_out/", r"/rotary_embed/"),
+    # Snake activations, the source merge (F0 path), the output conv; the source/STFT/iSTFT are ROOT
+    "hift_decoder": (ROOT, r"/activations", r"/l_linear/", r"/conv_post/"),
+}
+"""Graphs exported with fp16 bodies -> regexes of node names (module scopes) kept float32. hift_f0 is not
+here: upstream runs the F0 predictor in float64, so it stays float32 entirely."""
+
+
+@dataclass(frozen=True)
+class RelativeTolerance(Tolerance):
+    """A bound on the error relative to the reference's scale, so one figure fits any weights.
+
+    `rel_max_abs`: max|a - b| / max|b|; `rel_mean_abs`: mean|a - b| / mean|b|."""
+
+    def measure(self, got: np.ndarray, want: np.ndarray) -> float:
+        diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+        ref = np.abs(want.astype(np.float64))
+        if diff.size == 0:
+            return 0.0
+        if self.metric == "rel_max_abs":
+            return float(diff.max() / max(ref.max(), np.finfo(np.float32).tiny))
+        if self.metric == "rel_mean_abs":
+            return float(diff.mean() / max(ref.mean(), np.finfo(np.float32).tiny))
+        raise ValueError(f"unknown metric {self.metric!r}")
+
+
+FP16_TOLERANCES: dict[str, dict[str, Tolerance]] = {
+    # fp16 keeps 11 significant bits (unit roundoff 4.9e-4); matmuls accumulate a few roundoffs per
+    # layer. Bounds are ~10x the figures measured on the tiny bundle, and well below what would change
+    # a result: a 1e-2 relative shift of the log-probs barely moves sampling.
+    "llm": {"logp": RelativeTolerance("rel_max_abs", 1e-2),
+            # the cache is stored fp16-rounded: a few roundoffs of the projection
+            "present_*": RelativeTolerance("rel_max_abs", 1e-2)},
+    # mu and spks feed the DiT as conditioning; 1e-2 relative is below the ODE's own sensitivity
+    "flow_encoder": {"mu": RelativeTolerance("rel_max_abs", 1e-2),
+                     "spks": RelativeTolerance("rel_max_abs", 1e-2)},
+    # the velocity is integrated over ~10 Euler steps; a 2e-2 relative error per step stays inaudible
+    "flow_estimator": {"velocity": RelativeTolerance("rel_max_abs", 2e-2)},
+    # audio: the mean error relative to the mean amplitude (an L1, like the fp32 metric), -34 dB
+    "hift_decoder": {"waveform": RelativeTolerance("rel_mean_abs", 2e-2)},
+}
+"""fp16 bounds per graph and output (fnmatch patterns), measured against the torch fp32 wrapper."""
+
+
+class Fp16Error(ExportError):
+    """A graph cannot be converted to fp16 as this module promises."""
+
+
+def fp16_spec(s: GraphSpec) -> GraphSpec:
+    """`s` with its tolerances replaced by `FP16_TOLERANCES[s.name]`; raises `Fp16Error` if an output
+    has no bound."""
+    table = FP16_TOLERANCES.get(s.name, {})
+    tolerances = {}
+    for name in s.output_names:
+        bound = next((t for pattern, t in table.items() if fnmatch.fnmatchcase(name, pattern)), None)
+        if bound is None:
+            raise Fp16Error(f"{s.name}: output {name} has no fp16 tolerance in FP16_TOLERANCES")
+        tolerances[name] = bound
+    return replace(s, tolerances=tolerances)
+
+
+def _value_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element type of every value, from type inference on a weightless copy (initializers as typed
+    inputs), which works for graphs of any size."""
+    g = model.graph
+    weights = [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in g.initializer]
+    probe = helper.make_model(helper.make_graph(list(g.node), g.name, [*g.input, *weights], list(g.output)),
+                              opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    inferred = onnx.shape_inference.infer_shapes(probe)
+    values = (*inferred.graph.input, *inferred.graph.output, *inferred.graph.value_info)
+    return {v.name: v.type.tensor_type.elem_type for v in values if v.type.tensor_type.elem_type}
+
+
+def _rename(model: onnx.ModelProto, old: str, new: str) -> None:
+    for node in model.graph.node:
+        node.input[:] = [new if n == old else n for n in node.input]
+        node.output[:] = [new if n == old else n for n in node.output]
+
+
+def convert(model: onnx.ModelProto, graph: str) -> onnx.ModelProto:
+    """Rewrite the fp32 `model` of `graph` (a key of `FP16_GRAPHS`) in place as an fp16 graph with
+    float32 I/O; returns it."""
+    if graph not in FP16_GRAPHS:
+        raise Fp16Error(f"{graph}: not exported in fp16 (fp16 graphs: {', '.join(FP16_GRAPHS)})")
+    g = model.graph
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in g.node
+           for a in n.attribute):
+        raise Fp16Error(f"{graph}: has control-flow subgraphs, which the fp16 conversion does not handle")
+    fragile = re.compile("|".join(FP16_GRAPHS[graph]))
+    types = _value_types(model)
+    # graph outputs keep float32: a converted producer writes a float16 twin, cast back at the end
+    outputs = {o.name for o in g.output}
+    half_outputs = [n.output[i] for n in g.node for i in range(len(n.output))
+                    if n.output[i] in outputs and types.get(n.output[i]) == FLOAT]
+    for name in half_outputs:
+        _rename(model, name, f"{name}.fp16")
+        types[f"{name}.fp16"] = FLOAT
+
+    converted = [n.op_type in CONVERTIBLE_OPS and not fragile.search(n.name) for n in g.node]
+    home: dict[str, int] = {}
+    for node, half in zip(g.node, converted, strict=True):
+        for out in node.output:
+            if out not in types:
+                raise Fp16Error(f"{graph}: cannot infer the type of {out} ({node.op_type} {node.name})")
+            if types[out] == FLOAT:
+                home[out] = HALF if half else FLOAT
+    readers: dict[str, list[bool]] = defaultdict(list)
+    for node, half in zip(g.node, converted, strict=True):
+        for name in node.input:
+            readers[name].append(half and node.op_type not in ANY_INPUT_OPS)
+    for t in g.initializer:
+        if t.data_type != FLOAT:
+            continue
+        w = numpy_helper.to_array(t)
+        # a weight read only by converted nodes, and representable in fp16, is stored in fp16
+        fits = (np.isfinite(w.astype(np.float16)) == np.isfinite(w)).all()
+        if readers[t.name] and all(readers[t.name]) and fits:
+            t.CopyFrom(numpy_helper.from_array(w.astype(np.float16), t.name))
+            home[t.name] = HALF
+        else:
+            home[t.name] = FLOAT
+    home.update({i.name: FLOAT for i in g.input if i.type.tensor_type.elem_type == FLOAT})
+
+    nodes: list[onnx.NodeProto] = []
+    casts: dict[tuple[str, int], str] = {}
+    for node, half in zip(g.node, converted, strict=True):
+        want = HALF if half else FLOAT
+        if node.op_type not in ANY_INPUT_OPS:
+            for i, name in enumerate(node.input):
+                if name in home and home[name] != want:
+                    if (name, want) not in casts:
+                        cast = f"{name}.{'fp16' if want == HALF else 'fp32'}"
+                        nodes.append(helper.make_node("Cast", [name], [cast], name=f"{cast}/Cast", to=want))
+                        casts[name, want] = cast
+                    node.input[i] = casts[name, want]
+        if half and node.op_type == "Cast":
+            for a in node.attribute:
+                if a.name == "to" and a.i == FLOAT:
+                    a.i = HALF
+        nodes.append(node)
+    for name in half_outputs:
+        nodes.append(helper.make_node("Cast", [f"{name}.fp16"], [name], name=f"{name}/Cast", to=FLOAT))
+    del g.node[:]
+    g.node.extend(nodes)
+    del g.value_info[:]  # fp32 types of converted values are stale; the runtime infers them again
+    return model
+
+
+def write_fp16(path: Path, s: GraphSpec) -> Path:
+    """Replace the fp32 graph at `path` (and its external data) by its fp16 conversion, checked and with
+    the I/O `s` says, atomically; returns `path`."""
+    model = onnx.load(str(path))
+    convert(model, s.name)
+    check_contract(model, s)
+    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+    onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, "precision": "fp16",
+                                        "fp16_revision": str(FP16_REVISION)})
+    if model.ByteSize() > EXTERNAL_DATA_BYTES:  # fp16 halves the weights: the 0.5B LLM is ~1 GB
+        raise Fp16Error(f"{s.name}: fp16 graph over {EXTERNAL_DATA_BYTES} bytes; external data unsupported")
+    tmp = path.with_name(f".{path.name}{PARTIAL}")
+    try:
+        onnx.save_model(model, str(tmp))
+        del model
+        onnx.checker.check_model(str(tmp), full_check=True)  # strict type inference must agree too
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    path.with_name(path.name + ".data").unlink(missing_ok=True)  # the fp32 graph's weights, if large
+    return path

@@ -1,0 +1,113 @@
+"""`cosyvoice-export all --precision fp16`: fp16 bodies with float32 I/O and fragile ops, validated with
+their own bounds; one precision per runtime bundle."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+from click.testing import CliRunner
+from onnx import TensorProto
+
+from cosyvoice_export.bundle.model_dir import ModelBundle
+from cosyvoice_export.bundle.tiny import config_for_size
+from cosyvoice_export.cli import main
+from cosyvoice_export.onnx import fp16
+from cosyvoice_export.onnx.dims import model_dims
+from cosyvoice_export.onnx.graphs import WRAPPERS, Networks
+from cosyvoice_export.onnx.runtime_bundle import MANIFEST, RuntimeBundleError, export_all
+from cosyvoice_export.onnx.trace import check_contract
+from cosyvoice_export.onnx.validate import ValidationError, validate_graph
+from cosyvoice_graphs import SPECS, ModelDims, spec
+
+FRAGILE_OPS = ("LayerNormalization", "Softmax", "LogSoftmax", "Sin", "Cos", "Exp", "Pow", "Sqrt",
+               "ReduceMean", "ReduceL2")
+FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
+
+
+@pytest.fixture(scope="module")
+def fp16_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("runtime") / "tiny-fp16"
+    result = CliRunner().invoke(main, ["all", "--model-dir", str(tiny_bundle), "--out", str(out),
+                                       "--precision", "fp16"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def tiny_dims() -> ModelDims:
+    return model_dims(config_for_size("tiny"))
+
+
+def graph_types(path: Path) -> tuple[onnx.ModelProto, dict[str, int]]:
+    model = onnx.load(str(path))
+    return model, fp16._value_types(model)
+
+
+def test_fp16_bundle_validates_with_fp16_bounds(fp16_bundle: Path) -> None:
+    manifest = json.loads((fp16_bundle / MANIFEST).read_text())
+    assert manifest["precision"] == "fp16"
+    for name, g in manifest["graphs"].items():
+        assert g["precision"] == ("fp16" if name in fp16.FP16_GRAPHS else "fp32")
+        assert g["validation"]["passed"]
+        for output, figure in g["validation"]["outputs"].items():
+            s = spec(name, tiny_dims())
+            want = fp16.fp16_spec(s) if name in fp16.FP16_GRAPHS else s
+            assert (figure["metric"], figure["bound"]) == (want.tolerances[output].metric,
+                                                            want.tolerances[output].bound)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_io_is_the_spec_and_fragile_ops_stay_float32(fp16_bundle: Path, name: str) -> None:
+    model, types = graph_types(fp16_bundle / "graphs" / f"{name}.onnx")
+    check_contract(model, spec(name, tiny_dims()))  # names, order, dtypes (float32), ranks
+    halves = {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT16}
+    if name not in fp16.FP16_GRAPHS:
+        assert not halves and TensorProto.FLOAT16 not in types.values()
+        return
+    assert halves, "no weight was converted"
+    assert any(n.op_type in ("MatMul", "Gemm", "Conv") and types[n.output[0]] == TensorProto.FLOAT16
+               for n in model.graph.node), "no matmul/conv computes in fp16"
+    fragile = [n for n in model.graph.node if n.op_type in FRAGILE_OPS]
+    assert fragile
+    for n in fragile:
+        float_values = [v for v in (*n.input, *n.output) if v and types.get(v) in FLOATS]
+        assert all(types[v] == TensorProto.FLOAT for v in float_values), f"{n.name} ({n.op_type})"
+
+
+def test_blocked_scopes_stay_float32(fp16_bundle: Path) -> None:
+    model, types = graph_types(fp16_bundle / "graphs" / "llm.onnx")
+    # the converter's Casts into fp16 carry the scope of the value they read
+    head = [n for n in model.graph.node if n.op_type != "Cast"
+            and ("/llm_decoder/" in n.name or "layernorm/" in n.name)]
+    assert head
+    for n in head:
+        assert all(types[v] != TensorProto.FLOAT16 for v in n.output if v), n.name
+
+
+def test_mixing_precisions_in_one_out_is_refused(fp16_bundle: Path, tiny_bundle: Path) -> None:
+    with pytest.raises(RuntimeBundleError, match="fp16 runtime bundle; --precision fp32"):
+        export_all(tiny_bundle, fp16_bundle, progress=False)
+    assert (fp16_bundle / MANIFEST).is_file()  # refused before anything changed
+
+
+def test_bad_bound_fails_naming_graph_and_output(fp16_bundle: Path, tiny_bundle: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    tight = fp16.RelativeTolerance("rel_max_abs", 1e-9)
+    table = {**fp16.FP16_TOLERANCES["flow_encoder"], "mu": tight}
+    monkeypatch.setitem(fp16.FP16_TOLERANCES, "flow_encoder", table)
+    bundle = ModelBundle.open(tiny_bundle)
+    nets = Networks(bundle.config, *(bundle.load_network(n) for n in ("llm", "flow", "hift")))
+    s = fp16.fp16_spec(spec("flow_encoder", model_dims(bundle.config)))
+    validation = validate_graph(fp16_bundle / "graphs" / "flow_encoder.onnx", WRAPPERS["flow_encoder"](nets),
+                                s)
+    with pytest.raises(ValidationError, match=r"flow_encoder: output mu at .*rel_max_abs") as e:
+        validation.raise_for_failure()
+    assert (e.value.graph, e.value.output) == ("flow_encoder", "mu")
+
+
+def test_every_fp16_output_needs_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(fp16.FP16_TOLERANCES, "hift_decoder", {})
+    with pytest.raises(fp16.Fp16Error, match="hift_decoder: output waveform has no fp16 tolerance"):
+        fp16.fp16_spec(spec("hift_decoder", tiny_dims()))
