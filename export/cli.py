@@ -134,24 +134,33 @@ def all_cmd(model_dir: Path, out: Path, trt: bool, force: bool, precision: str) 
         sys.exit(1)
 
 
+def _default_prompt(model_dir: Path, prompt_wav: Path | None, prompt_text: str | None
+                    ) -> tuple[Path, str | None]:
+    """The given prompt, else the bundle's demo prompt and its transcript (our bundles carry one)."""
+    from .bundle.layout import PROMPT_TEXT, PROMPT_WAV
+
+    if prompt_wav is not None:
+        return prompt_wav, prompt_text
+    prompt_wav = model_dir / PROMPT_WAV
+    if not prompt_wav.is_file():
+        raise BundleError(f"{prompt_wav}: file not found; pass --prompt-wav")
+    if prompt_text is None and (model_dir / PROMPT_TEXT).is_file():
+        prompt_text = (model_dir / PROMPT_TEXT).read_text().strip()
+    return prompt_wav, prompt_text
+
+
 def _synthesize(model_dir: Path, text: str, prompt_wav: Path | None, prompt_text: str | None, mode: str,
                 instruct: str, sampling: str, seed: int, speed: float, out: Path) -> None:
     import numpy as np
 
     from cosyvoice_runtime.cli import write_wav_atomic
 
-    from .bundle.layout import PROMPT_TEXT, PROMPT_WAV
     from .bundle.model_dir import ModelBundle
     from .reference.llm_decode import GreedySampler, RasSampler
     from .reference.pipeline import ReferencePipeline
 
     bundle = ModelBundle.open(model_dir)
-    if prompt_wav is None:
-        prompt_wav = model_dir / PROMPT_WAV
-        if not prompt_wav.is_file():
-            raise BundleError(f"{prompt_wav}: file not found; pass --prompt-wav")
-        if prompt_text is None and (model_dir / PROMPT_TEXT).is_file():
-            prompt_text = (model_dir / PROMPT_TEXT).read_text().strip()
+    prompt_wav, prompt_text = _default_prompt(model_dir, prompt_wav, prompt_text)
     pipe = ReferencePipeline(bundle)
     prompt = pipe.prompt_features(prompt_wav)
     generator = np.random.Generator(np.random.PCG64(seed))
@@ -217,7 +226,6 @@ def demo(ctx: click.Context, text: str, prompt_wav: Path | None, prompt_text: st
     """
     from cosyvoice_runtime.cli import main as run_main
 
-    from .bundle.layout import PROMPT_TEXT, PROMPT_WAV
     from .onnx.runtime_bundle import export_all
 
     env = os.environ.get(MODEL_DIR_ENV)
@@ -227,12 +235,7 @@ def demo(ctx: click.Context, text: str, prompt_wav: Path | None, prompt_text: st
 
         write_bundle(model_dir, size="tiny", seed=0, force=False, progress=True)
         click.echo(f"wrote tiny bundle to {model_dir}")
-    if prompt_wav is None:
-        prompt_wav = model_dir / PROMPT_WAV
-        if not prompt_wav.is_file():
-            raise BundleError(f"{prompt_wav}: file not found; pass --prompt-wav")
-        if prompt_text is None and (model_dir / PROMPT_TEXT).is_file():
-            prompt_text = (model_dir / PROMPT_TEXT).read_text().strip()
+    prompt_wav, prompt_text = _default_prompt(model_dir, prompt_wav, prompt_text)
     runtime_dir = DEFAULT_DEMO_BUNDLE.parent / f"{model_dir.resolve().name}-runtime"
     report = export_all(model_dir, runtime_dir, progress=True)
     click.echo(report.table())
