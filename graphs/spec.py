@@ -78,18 +78,28 @@ class Tolerance:
     """How close an exported output must be to the torch reference."""
 
     metric: str
-    """`max_abs`: max |a - b|; `mean_abs`: mean |a - b| (the L1 of the issue's audio metric)."""
+    """`max_abs`: max |a - b|; `mean_abs`: mean |a - b| (the L1 of the issue's audio metric);
+    `rel_max_abs`: max |a - b| / max |b| and `rel_mean_abs`: mean |a - b| / mean |b|, relative to the
+    reference's scale so that one figure fits any weights (used for fp16 bodies)."""
     bound: float
+
+    def __post_init__(self) -> None:
+        if self.metric not in ("max_abs", "mean_abs", "rel_max_abs", "rel_mean_abs"):
+            raise ValueError(f"unknown metric {self.metric!r}")
 
     def measure(self, got: np.ndarray, want: np.ndarray) -> float:
         diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
         if diff.size == 0:
             return 0.0
+        scale = np.abs(want.astype(np.float64))
+        tiny = float(np.finfo(np.float32).tiny)
         if self.metric == "max_abs":
             return float(diff.max())
         if self.metric == "mean_abs":
             return float(diff.mean())
-        raise ValueError(f"unknown metric {self.metric!r}")
+        if self.metric == "rel_max_abs":
+            return float(diff.max() / max(scale.max(), tiny))
+        return float(diff.mean() / max(scale.mean(), tiny))
 
 
 @dataclass(frozen=True)
@@ -121,6 +131,9 @@ class GraphSpec:
     trace: Case
     validate: tuple[Case, ...]
     """Validation points; each must differ from the trace point in at least one dim."""
+    fp16_tolerances: Mapping[str, Tolerance] = field(default_factory=dict)
+    """Bounds for a float16 body (float32 I/O) against the float32 torch reference, per output; empty
+    means the graph stays float32 at every precision."""
 
     def __post_init__(self) -> None:
         names = [t.name for t in (*self.inputs, *self.outputs)]
@@ -136,6 +149,8 @@ class GraphSpec:
                 raise ValueError(f"{self.name}: derived dim based on unknown free dims {sorted(d.terms)}")
         if set(self.tolerances) != {t.name for t in self.outputs}:
             raise ValueError(f"{self.name}: tolerances must cover exactly the outputs")
+        if self.fp16_tolerances and set(self.fp16_tolerances) != {t.name for t in self.outputs}:
+            raise ValueError(f"{self.name}: fp16 tolerances must cover exactly the outputs")
         for case in (self.trace, *self.validate):
             if set(case.dims) != set(self.dims):
                 raise ValueError(f"{self.name}: a case must size every free dim {sorted(self.dims)}")

@@ -4,6 +4,7 @@ their own bounds; one precision per runtime bundle."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import onnx
@@ -20,7 +21,7 @@ from cosyvoice_export.onnx.graphs import WRAPPERS, Networks
 from cosyvoice_export.onnx.runtime_bundle import MANIFEST, RuntimeBundleError, export_all
 from cosyvoice_export.onnx.trace import check_contract
 from cosyvoice_export.onnx.validate import ValidationError, validate_graph
-from cosyvoice_graphs import SPECS, ModelDims, spec
+from cosyvoice_graphs import SPECS, ModelDims, Tolerance, spec
 
 FRAGILE_OPS = ("LayerNormalization", "Softmax", "LogSoftmax", "Sin", "Cos", "Exp", "Pow", "Sqrt",
                "ReduceMean", "ReduceL2")
@@ -92,14 +93,12 @@ def test_mixing_precisions_in_one_out_is_refused(fp16_bundle: Path, tiny_bundle:
     assert (fp16_bundle / MANIFEST).is_file()  # refused before anything changed
 
 
-def test_bad_bound_fails_naming_graph_and_output(fp16_bundle: Path, tiny_bundle: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    tight = fp16.RelativeTolerance("rel_max_abs", 1e-9)
-    table = {**fp16.FP16_TOLERANCES["flow_encoder"], "mu": tight}
-    monkeypatch.setitem(fp16.FP16_TOLERANCES, "flow_encoder", table)
+def test_bad_bound_fails_naming_graph_and_output(fp16_bundle: Path, tiny_bundle: Path) -> None:
     bundle = ModelBundle.open(tiny_bundle)
     nets = Networks(bundle.config, *(bundle.load_network(n) for n in ("llm", "flow", "hift")))
-    s = fp16.fp16_spec(spec("flow_encoder", model_dims(bundle.config)))
+    loose = spec("flow_encoder", model_dims(bundle.config))
+    tight = replace(loose, fp16_tolerances={**loose.fp16_tolerances, "mu": Tolerance("rel_max_abs", 1e-9)})
+    s = fp16.fp16_spec(tight)
     validation = validate_graph(fp16_bundle / "graphs" / "flow_encoder.onnx", WRAPPERS["flow_encoder"](nets),
                                 s)
     with pytest.raises(ValidationError, match=r"flow_encoder: output mu at .*rel_max_abs") as e:
@@ -107,7 +106,8 @@ def test_bad_bound_fails_naming_graph_and_output(fp16_bundle: Path, tiny_bundle:
     assert (e.value.graph, e.value.output) == ("flow_encoder", "mu")
 
 
-def test_every_fp16_output_needs_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(fp16.FP16_TOLERANCES, "hift_decoder", {})
-    with pytest.raises(fp16.Fp16Error, match="hift_decoder: output waveform has no fp16 tolerance"):
-        fp16.fp16_spec(spec("hift_decoder", tiny_dims()))
+def test_fp16_bodies_are_exactly_the_specs_with_fp16_bounds() -> None:
+    dims = tiny_dims()
+    assert set(fp16.FP16_GRAPHS) == {n for n in SPECS if spec(n, dims).fp16_tolerances}
+    with pytest.raises(fp16.Fp16Error, match="hift_f0: its spec has no fp16 tolerances"):
+        fp16.fp16_spec(spec("hift_f0", dims))

@@ -134,3 +134,15 @@ def test_tolerance_metrics() -> None:
     got, want = np.array([1.0, 2.0, 3.5]), np.array([1.0, 2.5, 3.0])
     assert Tolerance("max_abs", 1).measure(got, want) == 0.5
     assert Tolerance("mean_abs", 1).measure(got, want) == pytest.approx(1 / 3)
+    assert Tolerance("rel_max_abs", 1).measure(got, want) == pytest.approx(0.5 / 3.0)
+    assert Tolerance("rel_mean_abs", 1).measure(got, want) == pytest.approx((1 / 3) / (6.5 / 3))
+    with pytest.raises(ValueError, match="unknown metric"):
+        Tolerance("rms", 1)
+
+
+def test_fp16_bounds_cover_exactly_the_outputs() -> None:
+    with pytest.raises(ValueError, match="fp16 tolerances must cover exactly the outputs"):
+        _tiny_spec(fp16_tolerances={"zz": Tolerance("rel_max_abs", 1e-2)})
+    for name in SPECS:
+        s = spec(name, FULL)
+        assert not s.fp16_tolerances or set(s.fp16_tolerances) == set(s.output_names)

@@ -6,29 +6,28 @@ A node is converted only if its op type is on an allowlist of ops whose float in
 one type (so float16 in means float16 out) and its module scope is not a fragile one; every other node
 stays float32. Each float value then has one home precision, and a Cast is inserted wherever a node
 reads a value of the other precision. fp16 graphs are validated against the torch fp32 wrapper with
-`FP16_TOLERANCES`, the only place their bounds are written.
+its spec's `fp16_tolerances`.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import re
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from cosyvoice_graphs import GraphSpec, Tolerance
+from cosyvoice_graphs import GraphSpec
 
 from .trace import EXTERNAL_DATA_BYTES, MAX_IR_VERSION, PARTIAL, ExportError, check_contract
 
 PRECISIONS = ("fp32", "fp16")
 FP16_REVISION = 1
-"""Bump when the conversion or `FP16_TOLERANCES` change (it forces fp16 graphs to be exported again)."""
+"""Bump when the conversion changes (it forces fp16 graphs to be exported again)."""
 
 FLOAT, HALF = TensorProto.FLOAT, TensorProto.FLOAT16
 
@@ -63,57 +62,15 @@ FP16_GRAPHS: dict[str, tuple[str, ...]] = {
 here: upstream runs the F0 predictor in float64, so it stays float32 entirely."""
 
 
-@dataclass(frozen=True)
-class RelativeTolerance(Tolerance):
-    """A bound on the error relative to the reference's scale, so one figure fits any weights.
-
-    `rel_max_abs`: max|a - b| / max|b|; `rel_mean_abs`: mean|a - b| / mean|b|."""
-
-    def measure(self, got: np.ndarray, want: np.ndarray) -> float:
-        diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
-        ref = np.abs(want.astype(np.float64))
-        if diff.size == 0:
-            return 0.0
-        if self.metric == "rel_max_abs":
-            return float(diff.max() / max(ref.max(), np.finfo(np.float32).tiny))
-        if self.metric == "rel_mean_abs":
-            return float(diff.mean() / max(ref.mean(), np.finfo(np.float32).tiny))
-        raise ValueError(f"unknown metric {self.metric!r}")
-
-
-FP16_TOLERANCES: dict[str, dict[str, Tolerance]] = {
-    # fp16 keeps 11 significant bits (unit roundoff 4.9e-4); matmuls accumulate a few roundoffs per
-    # layer. Bounds are ~10x the figures measured on the tiny bundle, and well below what would change
-    # a result: a 1e-2 relative shift of the log-probs barely moves sampling.
-    "llm": {"logp": RelativeTolerance("rel_max_abs", 1e-2),
-            # the cache is stored fp16-rounded: a few roundoffs of the projection
-            "present_*": RelativeTolerance("rel_max_abs", 1e-2)},
-    # mu and spks feed the DiT as conditioning; 1e-2 relative is below the ODE's own sensitivity
-    "flow_encoder": {"mu": RelativeTolerance("rel_max_abs", 1e-2),
-                     "spks": RelativeTolerance("rel_max_abs", 1e-2)},
-    # the velocity is integrated over ~10 Euler steps; a 2e-2 relative error per step stays inaudible
-    "flow_estimator": {"velocity": RelativeTolerance("rel_max_abs", 2e-2)},
-    # audio: the mean error relative to the mean amplitude (an L1, like the fp32 metric), -34 dB
-    "hift_decoder": {"waveform": RelativeTolerance("rel_mean_abs", 2e-2)},
-}
-"""fp16 bounds per graph and output (fnmatch patterns), measured against the torch fp32 wrapper."""
-
-
 class Fp16Error(ExportError):
     """A graph cannot be converted to fp16 as this module promises."""
 
 
 def fp16_spec(s: GraphSpec) -> GraphSpec:
-    """`s` with its tolerances replaced by `FP16_TOLERANCES[s.name]`; raises `Fp16Error` if an output
-    has no bound."""
-    table = FP16_TOLERANCES.get(s.name, {})
-    tolerances = {}
-    for name in s.output_names:
-        bound = next((t for pattern, t in table.items() if fnmatch.fnmatchcase(name, pattern)), None)
-        if bound is None:
-            raise Fp16Error(f"{s.name}: output {name} has no fp16 tolerance in FP16_TOLERANCES")
-        tolerances[name] = bound
-    return replace(s, tolerances=tolerances)
+    """`s` validated with its fp16 bounds (`GraphSpec.fp16_tolerances`); `Fp16Error` if it has none."""
+    if not s.fp16_tolerances:
+        raise Fp16Error(f"{s.name}: its spec has no fp16 tolerances, so it has no fp16 body")
+    return replace(s, tolerances=s.fp16_tolerances)
 
 
 def _value_types(model: onnx.ModelProto) -> dict[str, int]:

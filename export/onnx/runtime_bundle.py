@@ -468,7 +468,7 @@ def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, t
     report, and no manifest is written.
 
     `precision="fp16"` gives the graphs of `fp16.FP16_GRAPHS` float16 bodies (float32 I/O), validated
-    with `fp16.FP16_TOLERANCES`; `out` must not hold a bundle of the other precision.
+    with their specs' `fp16_tolerances`; `out` must not hold a bundle of the other precision.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
