@@ -13,6 +13,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Settings the torch-free runtime consumes too are defined once, there.
+from cosyvoice_runtime.frontend.features import PromptMelConfig as MelConfig
+from cosyvoice_runtime.sampling import RasConfig as RASConfig
+
 
 @dataclass(frozen=True)
 class Qwen2Config:
@@ -85,16 +89,6 @@ class Qwen2Config:
             "use_sliding_window": False,
             "vocab_size": self.vocab_size,
         }
-
-
-@dataclass(frozen=True)
-class RASConfig:
-    """Repetition-aware sampling (`ras_sampling` partial in the yaml)."""
-
-    top_p: float = 0.8
-    top_k: int = 25
-    win_size: int = 10
-    tau_r: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -220,20 +214,6 @@ class HiFTConfig:
         for r in self.upsample_rates:
             scale *= r
         return scale
-
-
-@dataclass(frozen=True)
-class MelConfig:
-    """The prompt-mel extractor (`feat_extractor`, Matcha's `mel_spectrogram`)."""
-
-    n_fft: int = 1920
-    num_mels: int = 80
-    sampling_rate: int = 24000
-    hop_size: int = 480
-    win_size: int = 1920
-    fmin: float = 0.0
-    fmax: float | None = None
-    center: bool = False
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from cosyvoice_runtime.sampling import RasConfig, SilentTokenLimiter, ras_sample
+from cosyvoice_runtime.sampling import SilentTokenLimiter, ras_sample
 
 from ..config import RASConfig
 from ..nets.llm import CosyVoice3LM
@@ -47,9 +47,7 @@ class RasSampler:
     generator: np.random.Generator
 
     def __call__(self, logp: Tensor, history: Sequence[int]) -> int:
-        cfg = RasConfig(top_p=self.cfg.top_p, top_k=self.cfg.top_k, win_size=self.cfg.win_size,
-                        tau_r=self.cfg.tau_r)
-        return ras_sample(logp.detach().float().cpu().numpy(), history, cfg, self.generator)
+        return ras_sample(logp.detach().float().cpu().numpy(), history, self.cfg, self.generator)
 
 
 @dataclass
