@@ -9,12 +9,13 @@ from typing import Any
 
 import click
 
+from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
+
 from .bundle.errors import BundleError
 from .reference.pipeline import Mode
 
 SIZES = click.Choice(["tiny", "full"])
 DEFAULT_DEMO_BUNDLE = Path("bundles/tiny")
-MODEL_DIR_ENV = "COSYVOICE_MODEL_DIR"
 
 
 class _Group(click.Group):
@@ -243,5 +244,21 @@ def demo(ctx: click.Context, text: str, prompt_wav: Path | None, prompt_text: st
         for failure in report.failures:
             click.echo(f"error: {failure}", err=True)
         sys.exit(1)
-    ctx.invoke(run_main, bundle_dir=runtime_dir, text=text, prompt_wav=prompt_wav,
+    ctx.invoke(run_main, model=runtime_dir, text=text, prompt_wav=prompt_wav,
                prompt_text=prompt_text or "", stream=stream, out=out)
+
+
+@main.command("demo-bundle")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where to write it. Default: the runtime package's demo bundle (in a source checkout, "
+                   "runtime/demo_bundle), which `cosyvoice-run` uses when given no model.")
+def demo_bundle(out: Path | None) -> None:
+    """Rewrite the demo runtime bundle: the tiny random model (seed 0) exported with `all`.
+
+    The folder is replaced only once the new export is complete and validated. Commit the result; a
+    test checks that the committed bundle still equals a fresh export.
+    """
+    from .onnx.demo_bundle import write_demo_bundle
+
+    path = write_demo_bundle(out, progress=True)
+    click.echo(f"wrote the demo runtime bundle to {path}")

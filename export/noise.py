@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import hashlib
 import math
+import struct
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from cosyvoice_export.config import ModelConfig
+from cosyvoice_runtime.noise import MT19937_WORDS
 
 SEED = 0
 """`CausalConditionalCFM.__init__` calls `set_all_random_seed(0)` before drawing its noise."""
@@ -44,6 +47,9 @@ class NoiseTables:
     """(1, S, H) U[0, 1): HiFT's harmonic noise, read from sample 0 on (the generator's `sine_noise`)."""
     uv: Tensor
     """(1, S, 1) U[0, 1): SourceModuleHnNSF's noise branch, which inference discards."""
+    sine_waves_state: np.ndarray
+    """The generator's MT19937 state just before `sine_waves` was drawn, as the runtime stores it
+    (`cosyvoice_runtime.noise.STATE_SIZE` uint32: key, then numpy's position)."""
 
 
 def _flow_noise(cfg: ModelConfig, gen: torch.Generator) -> Tensor:
@@ -84,10 +90,27 @@ def noise_tables(cfg: ModelConfig) -> NoiseTables:
     samples = cfg.hift.sampling_rate * cfg.hift.noise_seconds
     rand_ini = torch.rand(1, harmonics, generator=gen)
     rand_ini[:, 0] = 0
+    sine_waves_state = mt19937_state(gen)
     sine_waves = torch.rand(1, samples, harmonics, generator=gen)
     _default_init(gen, (1, harmonics), (1,))  # m_source.l_linear
     uv = torch.rand(1, samples, 1, generator=gen)
-    return NoiseTables(flow_noise=noise, rand_ini=rand_ini, sine_waves=sine_waves, uv=uv)
+    return NoiseTables(flow_noise=noise, rand_ini=rand_ini, sine_waves=sine_waves, uv=uv,
+                       sine_waves_state=sine_waves_state)
+
+
+def mt19937_state(gen: torch.Generator) -> np.ndarray:
+    """A CPU generator's MT19937 state in numpy's terms: 624 key words, then the position of the next one.
+
+    torch's state is its `CPUGeneratorImplState` struct: seed (u64), `left` (i32), `seeded` (i32),
+    `next` (u64), the 624 words (u64 each), then normal-sampling fields. It emits word `next` unless
+    `left` is 1, when it regenerates first, which is numpy's position 624.
+    """
+    raw = gen.get_state().numpy().tobytes()
+    left, _seeded, position = struct.unpack_from("<iiQ", raw, 8)
+    key = np.frombuffer(raw, dtype="<u8", count=MT19937_WORDS, offset=24)
+    if key.max() >= 1 << 32 or not 1 <= left <= MT19937_WORDS:
+        raise ValueError("unexpected torch CPU generator state layout")
+    return np.append(key, MT19937_WORDS if left == 1 else position).astype(np.uint32)
 
 
 def table_sha256(table: Tensor) -> str:

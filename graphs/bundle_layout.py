@@ -1,7 +1,9 @@
 """The layout of a runtime bundle (what `cosyvoice-export all` writes and the runtime reads).
 
     graphs/<name>.onnx       every graph of `SPECS`
-    tables/<table>.npy       float32 lookup and noise tables (`TABLES`)
+    tables/<table>.npy       float32 lookup tables and the flow noise
+    tables/sine_noise.mt19937.npy   the MT19937 state the HiFT noise table is drawn from (uint32)
+    asset/zero_shot_prompt.{wav,txt}  the model bundle's demo prompt and transcript, when it has one
     frontend/                campplus.onnx, speech_tokenizer_v3.onnx
     tokenizer/               the CosyVoice-BlankEN tokenizer files and config.json
     cosyvoice3.yaml          the model's yaml, for provenance
@@ -12,7 +14,8 @@
 from __future__ import annotations
 
 FORMAT = "cosyvoice3-runtime-bundle"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the sine noise table is an MT19937 state (`cosyvoice_runtime.noise`); 1 shipped its values."""
 MANIFEST = "manifest.json"
 GRAPHS_DIR = "graphs"
 TABLES_DIR = "tables"
@@ -27,7 +30,8 @@ SPEECH_EMBEDDING = "speech_embedding"
 FLOW_NOISE = "flow_noise"
 """(1, mel_bins, frames): the flow's initial noise, read from the utterance's first frame."""
 SINE_NOISE = "sine_noise"
-"""(1, samples, harmonics): the NSF source's uniform noise, read from the utterance's first sample."""
+"""(1, samples, harmonics): the NSF source's uniform noise, read from the utterance's first sample;
+stored as the MT19937 state it is drawn from (`generated_table_file`)."""
 
 NOISE_TABLES = {FLOW_NOISE: ("flow_estimator", "frames"), SINE_NOISE: ("hift_decoder", "samples")}
 """Noise table -> (graph, symbolic dim) whose largest profile size is the longest the runtime can read."""
@@ -39,3 +43,15 @@ def graph_file(name: str) -> str:
 
 def table_file(name: str) -> str:
     return f"{TABLES_DIR}/{name}.npy"
+
+
+def generated_table_file(name: str) -> str:
+    """The MT19937 state a generated table is drawn from."""
+    return f"{TABLES_DIR}/{name}.mt19937.npy"
+
+
+MODEL_YAML = "cosyvoice3.yaml"
+"""Upstream's model yaml: in a model bundle the model's definition, in a runtime bundle a copy of it."""
+PROMPT_WAV = "asset/zero_shot_prompt.wav"
+PROMPT_TEXT = "asset/zero_shot_prompt.txt"
+"""The default prompt a bundle may carry: the model bundle's demo prompt and its transcript."""

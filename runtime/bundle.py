@@ -21,6 +21,7 @@ from cosyvoice_graphs import SPECS, GraphSpec, ModelDims, spec
 from cosyvoice_graphs.bundle_layout import FORMAT, FORMAT_VERSION, MANIFEST
 
 from .errors import RuntimeBundleError
+from .noise import MT19937, UniformNoise
 
 SPECIAL_IDS = ("sos", "eos", "task_id", "endofprompt_id")
 """Ids the manifest's `model` records besides the dims: LLM speech-table rows and the tokenizer's id."""
@@ -66,7 +67,8 @@ class RuntimeBundle:
         where = f"{root / MANIFEST}"
         for key, want in (("format", FORMAT), ("format_version", FORMAT_VERSION)):
             if manifest.get(key) != want:
-                raise RuntimeBundleError(f"{where}: {key} is {manifest.get(key)!r}, expected {want!r}")
+                raise RuntimeBundleError(f"{where}: {key} is {manifest.get(key)!r}, expected {want!r} "
+                                         "(re-export the model with `cosyvoice-export all`)")
         model = _section(manifest, "model", where)
         dims = ModelDims(**{f.name: _int(model, f.name, f"{where}: model") for f in fields(ModelDims)})
         ids = {k: _int(model, k, f"{where}: model") for k in SPECIAL_IDS}
@@ -87,6 +89,9 @@ class RuntimeBundle:
                        for t in _section(manifest, "tables", where)]
         frontend = _section(manifest, "frontend", where)
         referenced += [bundle._rel(frontend, m, "frontend") for m in FRONTEND_MODELS]
+        if manifest.get("prompt"):
+            prompt = _section(manifest, "prompt", where)
+            referenced += [bundle._rel(prompt, k, "prompt") for k in ("wav", "text")]
         for rel in referenced:
             if rel not in files:
                 raise RuntimeBundleError(f"{where}: {rel} is used but not listed in files")
@@ -140,12 +145,12 @@ class RuntimeBundle:
         return self.root / self._rel(tokenizer, "dir", "tokenizer")
 
     def table(self, name: str) -> np.ndarray:
-        """Table `name` of `cosyvoice_graphs.bundle_layout` (embeddings, noise), memory-mapped read-only
-        and checked against the manifest's shape and dtype."""
+        """Table `name` of `cosyvoice_graphs.bundle_layout` (embeddings, flow noise), memory-mapped
+        read-only and checked against the manifest's shape and dtype."""
         if name not in self._tables:
-            tables = self.manifest["tables"]
-            if name not in tables:
-                raise KeyError(f"unknown table {name!r}; the bundle has {', '.join(tables)}")
+            tables = self._table_entry(name)
+            if "generator" in tables[name]:
+                raise KeyError(f"table {name!r} is drawn from a generator state; use uniform_noise()")
             path = self.root / self._rel(tables, name, "tables")
             try:
                 array = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -157,6 +162,28 @@ class RuntimeBundle:
                                          f"{want[0]} {want[1]}")
             self._tables[name] = array
         return self._tables[name]
+
+    def uniform_noise(self, name: str) -> UniformNoise:
+        """Table `name` (the sine noise), drawn exactly from the MT19937 state the bundle stores."""
+        tables = self._table_entry(name)
+        entry, path = tables[name], self.root / self._rel(tables, name, "tables")
+        shape = tuple(entry.get("shape", ()))
+        if entry.get("generator") != MT19937 or len(shape) != 3 or entry.get("dtype") != "float32":
+            raise RuntimeBundleError(f"{self.root / MANIFEST}: tables.{name} is not an {MT19937} float32 "
+                                     f"(1, samples, harmonics) table")
+        try:
+            return UniformNoise(np.load(path, allow_pickle=False), shape[1], shape[2])
+        except (OSError, ValueError) as e:
+            raise RuntimeBundleError(f"{path}: not an {MT19937} state ({e})") from None
+
+    def default_prompt(self) -> tuple[Path, str] | None:
+        """The prompt recording and transcript the bundle carries (ours do, exports of upstream's do
+        not), or None."""
+        prompt = self.manifest.get("prompt")
+        if not prompt:
+            return None
+        wav, text = (self.root / self._rel(prompt, k, "prompt") for k in ("wav", "text"))
+        return wav, text.read_text(encoding="utf-8").strip()
 
     def trt_plan(self, name: str) -> TrtPlan:
         """The TensorRT plan of graph `name`; a bundle exported without `--trt` has none."""
@@ -191,6 +218,12 @@ class RuntimeBundle:
                 raise RuntimeBundleError(f"{where} {key} is {meta.get(key)!r}, the manifest says {value!r}")
 
     # --- helpers -----------------------------------------------------------------------------------
+
+    def _table_entry(self, name: str) -> Mapping[str, Any]:
+        tables = _section(self.manifest, "tables", f"{self.root / MANIFEST}")
+        if name not in tables:
+            raise KeyError(f"unknown table {name!r}; the bundle has {', '.join(tables)}")
+        return tables
 
     def _graph_entry(self, name: str) -> Mapping[str, Any]:
         if name not in self.specs:

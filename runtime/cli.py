@@ -23,6 +23,7 @@ import numpy as np
 import soundfile as sf
 
 from .bundle import RuntimeBundle
+from .bundle_source import MODEL_DIR_ENV, choose_bundle
 from .errors import ProviderError, RuntimeBundleError
 from .frontend import (
     ENDOFPROMPT,
@@ -135,13 +136,17 @@ def _read_text(text: str, stdin: IO[str]) -> str:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--bundle", "--model", "bundle_dir", required=True,
-              type=click.Path(file_okay=False, path_type=Path), help="Runtime bundle (cosyvoice-export all).")
+@click.option("--model", "--bundle", "model", type=click.Path(file_okay=False, path_type=Path),
+              help=f"Runtime bundle (cosyvoice-export all), or a model bundle to export on first use "
+                   f"(needs the export extra). Default: ${MODEL_DIR_ENV}, else the embedded demo bundle.")
 @click.option("--text", required=True,
               help="Text to speak; '-' reads stdin. Long text is split into sentences.")
-@click.option("--prompt-wav", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Prompt recording (any soundfile format, >= 16 kHz, <= 30 s).")
-@click.option("--prompt-text", default="", help="Transcript of the prompt recording (zero-shot).")
+@click.option("--prompt-wav", type=click.Path(dir_okay=False, path_type=Path),
+              help="Prompt recording (any soundfile format, >= 16 kHz, <= 30 s). "
+                   "Default: the bundle's own prompt, if it has one (the demo bundle does).")
+@click.option("--prompt-text", default=None,
+              help="Transcript of the prompt recording (zero-shot). Default: the bundle prompt's, "
+                   "when --prompt-wav is not given.")
 @click.option("--mode", type=click.Choice([m.value for m in Mode]), default=Mode.ZERO_SHOT.value,
               show_default=True, help="Upstream's inference entry point.")
 @click.option("--instruct", default="", help="Instruction (instruct2), e.g. 'Speak slowly.'")
@@ -157,12 +162,19 @@ def _read_text(text: str, stdin: IO[str]) -> str:
               help="Also write the speech tokens of every segment as JSON.")
 @click.option("--chunks-out", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write every streamed chunk's ranges, sha256 and timings as JSON (--stream).")
+@click.option("--verify/--no-verify", default=True, show_default=True,
+              help="Check every bundle file's sha256 against the manifest before running "
+                   "(about a second per GB); sizes are always checked.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Output WAV (24 kHz mono PCM16), written atomically.")
-def main(bundle_dir: Path, text: str, prompt_wav: Path, prompt_text: str, mode: str, instruct: str,
-         sampling: str, seed: int, speed: float, stream: bool, provider: str, tokens_out: Path | None,
-         chunks_out: Path | None, out: Path) -> None:
-    """Synthesise TEXT in the voice of --prompt-wav with a CosyVoice3 runtime bundle (no torch)."""
+def main(model: Path | None, text: str, prompt_wav: Path | None, prompt_text: str | None, mode: str,
+         instruct: str, sampling: str, seed: int, speed: float, stream: bool, provider: str,
+         tokens_out: Path | None, chunks_out: Path | None, verify: bool, out: Path) -> None:
+    """Synthesise TEXT in the voice of --prompt-wav with a CosyVoice3 runtime bundle (no torch).
+
+    Prints which bundle and prompt it uses, shows progress, and ends with the RTF (and the first
+    chunk's latency when streaming). Bad input gives one line on stderr, exit status 2 and no output.
+    """
     with _user_errors():
         text = _read_text(text, sys.stdin)
         if stream and speed != 1.0:
@@ -170,7 +182,11 @@ def main(bundle_dir: Path, text: str, prompt_wav: Path, prompt_text: str, mode: 
         if chunks_out is not None and not stream:
             raise UserError("--chunks-out needs --stream")
         start = time.perf_counter()
-        bundle = RuntimeBundle.open(bundle_dir)
+        choice = choose_bundle(model)
+        if choice.default:
+            click.echo(f"model: {choice.origin}", err=True)
+        bundle = RuntimeBundle.open(choice.path, verify=verify)
+        prompt_wav, prompt_text = _prompt(bundle, prompt_wav, prompt_text)
         tokenizer = TextTokenizer(bundle.tokenizer_dir)
         pieces = segments(text, Mode(mode), tokenizer, TextFrontend(tokenizer), prompt_text=prompt_text,
                           instruct=instruct)
@@ -195,6 +211,17 @@ def main(bundle_dir: Path, text: str, prompt_wav: Path, prompt_text: str, mode: 
     click.echo(f"wrote {out}: {seconds:.2f} s at {synth.sample_rate} Hz, {len(pieces)} segment(s), "
                f"{sum(len(t) for t in result.tokens)} speech tokens ({mode}, {sampling}, seed {seed}); "
                f"RTF {work / max(seconds, 1e-9):.3f}{latency}; load {ready - start:.2f} s")
+
+
+def _prompt(bundle: RuntimeBundle, wav: Path | None, text: str | None) -> tuple[Path, str]:
+    """The given prompt, else the bundle's own with its transcript (unless --prompt-text is given)."""
+    if wav is not None:
+        return wav, text or ""
+    default = bundle.default_prompt()
+    if default is None:
+        raise UserError(f"--prompt-wav is needed: {bundle.root} carries no prompt of its own")
+    click.echo(f"prompt: the bundle's {default[0].name} ({default[1]!r})", err=True)
+    return default[0], default[1] if text is None else text
 
 
 @dataclass

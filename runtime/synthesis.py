@@ -167,7 +167,7 @@ class Synthesizer:
                                 sos=bundle.sos, task_id=bundle.task_id, endofprompt_id=bundle.endofprompt_id,
                                 speech_token_size=self.dims.speech_token_size)
         self.flow = Flow(r["flow_encoder"], r["flow_estimator"], bundle.table(FLOW_NOISE), self.dims)
-        self.vocoder = Vocoder(r["hift_f0"], r["hift_decoder"], bundle.table(SINE_NOISE), self.dims)
+        self.vocoder = Vocoder(r["hift_f0"], r["hift_decoder"], bundle.uniform_noise(SINE_NOISE), self.dims)
 
     @property
     def sample_rate(self) -> int:

@@ -30,6 +30,7 @@ import numpy as np
 from cosyvoice_graphs import ModelDims
 
 from .frontend import PromptFeatures
+from .noise import UniformNoise
 from .runners import Runner
 
 N_TIMESTEPS = 10
@@ -262,7 +263,7 @@ HIFT_LAYOUT = HiftLayout()
 class Vocoder:
     """`hift_f0` -> `sine_phase` -> `hift_decoder`: mel -> 24 kHz waveform."""
 
-    def __init__(self, f0: Runner, decoder: Runner, sine_noise: np.ndarray, dims: ModelDims,
+    def __init__(self, f0: Runner, decoder: Runner, sine_noise: UniformNoise, dims: ModelDims,
                  layout: HiftLayout = HIFT_LAYOUT) -> None:
         """`sine_noise` is the bundle's table (1, max samples, harmonics), read from sample 0."""
         if layout.samples_per_frame != dims.samples_per_frame:
@@ -297,8 +298,7 @@ class Vocoder:
         """`hift_decoder` over mel (1, 80, n) that starts at the utterance's frame `first_frame`, with its
         f0 (1, n) and phase (1, n, H): U·n samples, the noise table read from that frame's first sample."""
         spf = self.dims.samples_per_frame
-        noise = np.array(self.sine_noise[:, first_frame * spf:(first_frame + mel.shape[2]) * spf],
-                         dtype=np.float32)  # (1, U n, H)
+        noise = self.sine_noise.window(first_frame * spf, (first_frame + mel.shape[2]) * spf)  # (1, U n, H)
         feeds = {"mel": np.ascontiguousarray(mel, dtype=np.float32), "f0": f0, "phase": phase,
                  "sine_noise": noise}
         return self.decoder.infer(feeds)["waveform"][0]

@@ -43,6 +43,8 @@ from cosyvoice_graphs import (
     metadata,
     spec,
 )
+from cosyvoice_graphs.bundle_layout import PROMPT_TEXT, PROMPT_WAV
+from cosyvoice_runtime.bundle import RuntimeBundle
 
 
 def run(*args: str) -> tuple[int, str, str]:
@@ -238,14 +240,16 @@ def test_runtime_bundle_tables_and_copies(exported: tuple[Path, str], tiny_bundl
     out, _ = exported
     manifest = json.loads((out / MANIFEST).read_text())
     dims = model_dims(ModelBundle.open(tiny_bundle).config)
-    tables = {n: np.load(out / t["file"]) for n, t in manifest["tables"].items()}
+    tables = {n: np.load(out / t["file"]) for n, t in manifest["tables"].items() if "generator" not in t}
     assert all(t.dtype == np.float32 for t in tables.values())
     assert tables["speech_embedding"].shape == (dims.speech_vocab, dims.llm_hidden)
     assert tables["text_embedding"].shape[1] == dims.llm_hidden
     estimator, decoder = spec("flow_estimator", dims), spec("hift_decoder", dims)
     assert tables["flow_noise"].shape == (1, dims.mel_bins, estimator.dims["frames"].max)
     sine = next(t for t in decoder.inputs if t.name == "sine_noise")
-    assert tables["sine_noise"].shape == decoder.profile(sine)[2]
+    assert RuntimeBundle.open(out).uniform_noise("sine_noise").shape == decoder.profile(sine)[2]
+    assert manifest["prompt"] == {"wav": PROMPT_WAV, "text": PROMPT_TEXT}
+    assert (out / PROMPT_WAV).read_bytes() == (tiny_bundle / PROMPT_WAV).read_bytes()
     for rel in ("frontend/campplus.onnx", "frontend/speech_tokenizer_v3.onnx", "cosyvoice3.yaml",
                 "tokenizer/vocab.json"):
         assert rel in manifest["files"]

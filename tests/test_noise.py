@@ -14,6 +14,7 @@ from torch import nn
 from cosyvoice_export.config import ModelConfig, full_size, tiny
 from cosyvoice_export.nets.hift import CausalConvRNNF0Predictor
 from cosyvoice_export.noise import NoiseTables, flow_noise, noise_tables, table_sha256
+from cosyvoice_runtime.noise import UniformNoise
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +112,18 @@ def test_global_rng_is_untouched() -> None:
 def test_table_sha256_hashes_little_endian_float32_in_c_order() -> None:
     table = torch.tensor([[1.0, -2.0], [0.5, 3.0]]).t()  # non-contiguous: C order is 1, 0.5, -2, 3
     assert table_sha256(table) == hashlib.sha256(struct.pack("<4f", 1.0, 0.5, -2.0, 3.0)).hexdigest()
+
+
+def test_sine_noise_is_drawn_exactly_from_its_mt19937_state(full: NoiseTables) -> None:
+    """The runtime redraws torch's `sine_waves` from the stored state, bit for bit (upstream's full
+    300 s table, and a small config whose draws start elsewhere in the generator's block)."""
+    for tables in (full, noise_tables(_small())):
+        table = tables.sine_waves.numpy()  # (1, S, H)
+        noise = UniformNoise(tables.sine_waves_state, table.shape[1], table.shape[2])
+        assert np.array_equal(noise.window(1000, 1240), table[:, 1000:1240])  # draws the prefix first
+        assert np.array_equal(noise.window(0, table.shape[1]), table)
+        assert noise.window(7, 7).shape == (1, 0, table.shape[2])
+    with pytest.raises(ValueError, match="outside the table"):
+        noise.window(0, table.shape[1] + 1)
+    with pytest.raises(ValueError, match="625 uint32"):
+        UniformNoise(tables.sine_waves_state[:-1], 10, 2)

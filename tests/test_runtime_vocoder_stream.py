@@ -64,7 +64,7 @@ def _decoder_inputs(vocoder: Vocoder, mel: np.ndarray) -> dict[str, np.ndarray]:
     f0 = vocoder.f0.infer({"mel": mel})["f0"]
     d = vocoder.dims
     return {"mel": mel, "f0": f0, "phase": sine_phase(f0, d.harmonics, d.sample_rate, U),
-            "sine_noise": np.array(vocoder.sine_noise[:, : U * mel.shape[2]], dtype=np.float32)}
+            "sine_noise": vocoder.sine_noise.window(0, U * mel.shape[2])}
 
 
 def _spoil_before(feeds: dict[str, np.ndarray], frame: int, value: float | None) -> dict[str, np.ndarray]:

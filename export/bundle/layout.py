@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-YAML = "cosyvoice3.yaml"
+# The yaml, and our bundles' demo prompt and transcript (upstream's repository keeps its example prompt
+# under the same name): the runtime bundle carries them at the same paths, so they are named once, there.
+from cosyvoice_graphs.bundle_layout import MODEL_YAML as YAML
+from cosyvoice_graphs.bundle_layout import PROMPT_TEXT, PROMPT_WAV
+
+__all__ = ["CAMPPLUS", "PROMPT_TEXT", "PROMPT_WAV", "QWEN_DIR", "QWEN_WEIGHTS", "SPEECH_TOKENIZER",
+           "SPK2INFO", "YAML"]
+
 QWEN_DIR = "CosyVoice-BlankEN"
 CAMPPLUS = "campplus.onnx"
 SPEECH_TOKENIZER = "speech_tokenizer_v3.onnx"
 SPK2INFO = "spk2info.pt"
 QWEN_WEIGHTS = f"{QWEN_DIR}/model.safetensors"
 """Upstream's yaml builds the Qwen2 backbone from this before `llm.pt` overwrites every weight."""
-PROMPT_WAV = "asset/zero_shot_prompt.wav"
-"""Our bundles' demo prompt (upstream's repository keeps its example prompt under the same name)."""
-PROMPT_TEXT = "asset/zero_shot_prompt.txt"

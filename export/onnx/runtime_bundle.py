@@ -10,6 +10,7 @@ not complete.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -34,14 +35,18 @@ from cosyvoice_graphs.bundle_layout import (
     FRONTEND_DIR,
     MANIFEST,
     NOISE_TABLES,
+    PROMPT_TEXT,
+    PROMPT_WAV,
     SINE_NOISE,
     SPEECH_EMBEDDING,
     TEXT_EMBEDDING,
     TOKENIZER_DIR,
     TRT_DIR,
+    generated_table_file,
     graph_file,
     table_file,
 )
+from cosyvoice_runtime.noise import MT19937, UniformNoise
 
 from ..bundle.check import check_bundle
 from ..bundle.errors import BundleError
@@ -359,7 +364,8 @@ def _max_size(s: GraphSpec, dim: str) -> int:
 
 def _write_tables(out: Path, bundle: ModelBundle, nets: _Networks, dims: ModelDims
                   ) -> tuple[dict[str, Any], dict[str, FileEntry]]:
-    """The lookup and noise tables the runtime feeds the graphs with, as float32 .npy files."""
+    """The lookup tables and flow noise as float32 .npy files, and the MT19937 state that the sine noise
+    table is drawn from (checked to redraw torch's table bit for bit)."""
     llm = nets.get("llm")
     assert isinstance(llm, CosyVoice3LM)
     noise = noise_tables(bundle.config)
@@ -375,8 +381,9 @@ def _write_tables(out: Path, bundle: ModelBundle, nets: _Networks, dims: ModelDi
         length = _max_size(spec(graph, dims), dim)
         table = full[name].numpy()
         cut = table[(slice(None),) * axis[name] + (slice(0, length),)]
-        tables[name] = (cut, f"cut from {table.shape[axis[name]]} to {cut.shape[axis[name]]} along axis "
-                             f"{axis[name]}: {graph}'s profile allows at most {length} {dim}; read from 0")
+        tables[name] = (cut, f"cut from {table.shape[axis[name]]} to {length} along axis {axis[name]}: "
+                             f"{graph}'s profile allows at most {length} {dim}; read from 0")
+    sine, sine_note = tables.pop(SINE_NOISE)
     info: dict[str, Any] = {}
     files: dict[str, FileEntry] = {}
     for name, (array, note) in tables.items():
@@ -384,6 +391,14 @@ def _write_tables(out: Path, bundle: ModelBundle, nets: _Networks, dims: ModelDi
         array = np.ascontiguousarray(array, dtype=np.float32)
         files[rel] = _install(out, rel, partial(np.save, arr=array, allow_pickle=False))
         info[name] = {"file": rel, "shape": list(array.shape), "dtype": "float32", "note": note}
+    drawn = UniformNoise(noise.sine_waves_state, sine.shape[1], sine.shape[2]).window(0, sine.shape[1])
+    if not np.array_equal(drawn, sine):
+        raise BundleError("the sine noise drawn from its MT19937 state differs from torch's table")
+    rel = generated_table_file(SINE_NOISE)
+    files[rel] = _install(out, rel, partial(np.save, arr=noise.sine_waves_state, allow_pickle=False))
+    info[SINE_NOISE] = {"file": rel, "shape": list(sine.shape), "dtype": "float32", "generator": MT19937,
+                        "values_sha256": hashlib.sha256(sine.astype("<f4").tobytes()).hexdigest(),
+                        "note": f"torch.rand's stream from this MT19937 state; {sine_note}"}
     return info, files
 
 
@@ -399,6 +414,17 @@ def _copy_files(out: Path, bundle: ModelBundle, source_sha: Mapping[str, FileEnt
             raise BundleError(f"{bundle.root / src}: changed while the export was running")
         files[rel] = entry
     return files
+
+
+def _copy_prompt(out: Path, bundle: ModelBundle) -> tuple[dict[str, str] | None, dict[str, FileEntry]]:
+    """The model bundle's demo prompt and transcript, when it has both (ours do; upstream's has none)."""
+    if not all((bundle.root / rel).is_file() for rel in (PROMPT_WAV, PROMPT_TEXT)):
+        return None, {}
+    files = {}
+    for rel in (PROMPT_WAV, PROMPT_TEXT):
+        with open(bundle.root / rel, "rb") as source:
+            files[rel] = _install(out, rel, partial(shutil.copyfileobj, source))
+    return {"wav": PROMPT_WAV, "text": PROMPT_TEXT}, files
 
 
 def _build_plans(out: Path, results: list[GraphResult], env: TrtEnv, progress: bool) -> None:
@@ -497,10 +523,11 @@ def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, t
             tables, table_files = _write_tables(out, bundle, nets, dims)
         with _step(bar, "frontend, tokenizer"):
             copied = _copy_files(out, bundle, source_sha)
+            prompt, prompt_files = _copy_prompt(out, bundle)
     if trt_env is not None and all(g.validation.passed for g in results):
         _build_plans(out, results, trt_env, progress)
 
-    files = {rel: e for g in results for rel, e in g.files.items()} | table_files | copied
+    files = {rel: e for g in results for rel, e in g.files.items()} | table_files | copied | prompt_files
     files |= {g.trt["file"]: FileEntry(g.trt["size"], g.trt["sha256"]) for g in results if g.trt}
     report = Report(out, tuple(results), None, time.perf_counter() - start, files)
     if not report.passed:
@@ -519,6 +546,7 @@ def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, t
                      "speech_tokenizer": f"{FRONTEND_DIR}/{SPEECH_TOKENIZER}"},
         "tokenizer": {"dir": TOKENIZER_DIR, "files": list(TOKENIZER_COPY)},
         "config": YAML,
+        "prompt": prompt,
         "files": {rel: asdict(e) for rel, e in sorted(files.items())},
         "timings": {"total_s": round(time.perf_counter() - start, 3)},
     }

@@ -1,0 +1,101 @@
+"""Which runtime bundle a command runs: `--model`, else `$COSYVOICE_MODEL_DIR`, else the demo bundle.
+
+`--model` may name a runtime bundle or a model bundle (upstream's model directory). A model bundle is
+exported on first use into a cache folder (`$COSYVOICE_CACHE_DIR`, default `~/.cache/cosyvoice`), which
+needs the `export` extra (torch); later runs reuse that export while the model's files keep their sizes
+and modification times.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cosyvoice_graphs.bundle_layout import MANIFEST, MODEL_YAML
+
+from .demo import DEMO_BUNDLE
+from .errors import RuntimeBundleError
+
+MODEL_DIR_ENV = "COSYVOICE_MODEL_DIR"
+CACHE_DIR_ENV = "COSYVOICE_CACHE_DIR"
+STAMP = "source-stamp.json"
+"""Beside a cached export: the size and mtime of every file of the model bundle it was made from."""
+
+
+@dataclass(frozen=True)
+class BundleChoice:
+    path: Path
+    """The runtime bundle's folder."""
+    origin: str
+    """Where it came from, for the user: "--model", "$COSYVOICE_MODEL_DIR ...", "the demo bundle"."""
+    default: bool
+    """Chosen without --model (worth telling the user which)."""
+
+
+def choose_bundle(model: Path | None, *, progress: bool = True) -> BundleChoice:
+    """`model` if given, else `$COSYVOICE_MODEL_DIR`, else the demo bundle; model bundles are exported
+    (or their cached export reused) first."""
+    if model is not None:
+        return _runtime_bundle(model, "--model", progress, default=False)
+    env = os.environ.get(MODEL_DIR_ENV, "").strip()
+    if env:
+        return _runtime_bundle(Path(env), f"${MODEL_DIR_ENV}", progress, default=True)
+    return BundleChoice(DEMO_BUNDLE, "the embedded demo bundle (tiny, random weights: noise, not speech)",
+                        default=True)
+
+
+def cache_root() -> Path:
+    """Where exports of model bundles are kept."""
+    env = os.environ.get(CACHE_DIR_ENV, "").strip()
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "cosyvoice"
+
+
+def _runtime_bundle(path: Path, origin: str, progress: bool, *, default: bool) -> BundleChoice:
+    if (path / MANIFEST).is_file():
+        return BundleChoice(path, f"{origin} ({path})", default)
+    if not (path / MODEL_YAML).is_file():
+        raise RuntimeBundleError(f"{path} ({origin}): neither a runtime bundle (no {MANIFEST}) nor a model "
+                                 f"bundle (no {MODEL_YAML})")
+    resolved = path.resolve()
+    folder = cache_root() / f"{resolved.name}-{hashlib.sha256(str(resolved).encode()).hexdigest()[:12]}"
+    out, stamp = folder / "runtime", _stamp(resolved)
+    if (out / MANIFEST).is_file() and _read_stamp(folder / STAMP) == stamp:
+        return BundleChoice(out, f"{origin} ({path}), exported earlier to {out}", default)
+    try:
+        from cosyvoice_export.bundle.errors import BundleError
+        from cosyvoice_export.onnx.runtime_bundle import export_all
+    except ImportError:
+        raise RuntimeBundleError(f"{path} is a model bundle ({origin}); exporting it needs the export "
+                                 "extra: pip install 'cosyvoice-onnx[export]'") from None
+    try:
+        report = export_all(resolved, out, progress=progress)
+    except BundleError as e:
+        raise RuntimeBundleError(str(e)) from None
+    if not report.passed:
+        raise RuntimeBundleError(f"exporting {path} failed: {'; '.join(map(str, report.failures))}")
+    tmp = folder / f".{STAMP}.tmp"
+    tmp.write_text(json.dumps(stamp, indent=1, sort_keys=True))
+    os.replace(tmp, folder / STAMP)
+    return BundleChoice(out, f"{origin} ({path}), exported now to {out}", default)
+
+
+def _stamp(model_dir: Path) -> dict[str, list[int]]:
+    """Size and mtime (ns) of every file under `model_dir`, by relative path."""
+    stamp = {}
+    for file in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+        stat = file.stat()
+        stamp[file.relative_to(model_dir).as_posix()] = [stat.st_size, stat.st_mtime_ns]
+    return stamp
+
+
+def _read_stamp(path: Path) -> object:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

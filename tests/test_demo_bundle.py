@@ -1,0 +1,116 @@
+"""The embedded demo bundle and how `cosyvoice-run` chooses its bundle and prompt."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import soundfile as sf
+from click.testing import CliRunner
+
+from cosyvoice_export.onnx import runtime_bundle as export_module
+from cosyvoice_graphs.bundle_layout import GRAPHS_DIR, MANIFEST
+from cosyvoice_runtime import bundle_source
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.bundle_source import CACHE_DIR_ENV, MODEL_DIR_ENV, choose_bundle
+from cosyvoice_runtime.cli import main
+from cosyvoice_runtime.demo import DEMO_BUNDLE
+
+
+def test_demo_bundle_equals_a_fresh_export(runtime_bundle: Path) -> None:
+    """`cosyvoice-export demo-bundle` output is committed; it must still be what the exporter makes.
+
+    Files must be byte-identical, except graphs, which may differ in bytes with other onnx/onnxslim
+    versions and must then give the same outputs on every validation case of their spec.
+    """
+    demo, fresh = RuntimeBundle.open(DEMO_BUNDLE, verify=True), RuntimeBundle.open(runtime_bundle)
+    for key in ("model", "tables", "prompt", "frontend", "tokenizer", "sources"):
+        assert demo.manifest[key] == fresh.manifest[key], key
+    assert demo.manifest["files"].keys() == fresh.manifest["files"].keys()
+    for rel, entry in demo.manifest["files"].items():
+        if entry["sha256"] == fresh.manifest["files"][rel]["sha256"]:
+            continue
+        assert rel.startswith(f"{GRAPHS_DIR}/"), f"{rel} differs from a fresh export"
+        name = Path(rel).stem
+        s = demo.specs[name]
+        ours, theirs = (ort.InferenceSession(str(b.graph_path(name)), providers=["CPUExecutionProvider"])
+                        for b in (demo, fresh))
+        for case in s.validate:
+            feeds = s.sample_inputs(case)
+            for a, b in zip(ours.run(None, feeds), theirs.run(None, feeds), strict=True):
+                np.testing.assert_allclose(a, b, atol=1e-6, err_msg=f"{name} at {case.dims}")
+
+
+@pytest.fixture
+def no_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(MODEL_DIR_ENV, raising=False)
+
+
+@pytest.mark.usefixtures("no_env")
+def test_run_without_model_or_prompt_uses_the_demo_bundle(tmp_path: Path) -> None:
+    out = tmp_path / "demo.wav"
+    result = CliRunner().invoke(main, ["--text", "Hello there.", "--sampling", "greedy", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "model: the embedded demo bundle" in result.output
+    assert "prompt: the bundle's zero_shot_prompt.wav" in result.output
+    audio, sr = sf.read(str(out), dtype="float32")
+    assert sr == 24000 and audio.size > 0 and audio.std() > 1e-3
+
+
+@pytest.mark.usefixtures("no_env")
+def test_a_bundle_without_a_prompt_needs_prompt_wav(tmp_path: Path) -> None:
+    bundle = shutil.copytree(DEMO_BUNDLE, tmp_path / "bundle")
+    manifest = json.loads((bundle / MANIFEST).read_text())
+    manifest["prompt"] = None
+    (bundle / MANIFEST).write_text(json.dumps(manifest))
+    args = ["--model", str(bundle), "--text", "Hi.", "--out", str(tmp_path / "o.wav")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2
+    assert result.output.strip() == f"error: --prompt-wav is needed: {bundle} carries no prompt of its own"
+    assert not (tmp_path / "o.wav").exists()
+
+
+def test_model_dir_env_is_exported_once_into_the_cache(
+        tiny_bundle: Path, runtime_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model bundle in $COSYVOICE_MODEL_DIR is exported on first use and reused while unchanged."""
+    model = shutil.copytree(tiny_bundle, tmp_path / "model")
+    exports: list[Path] = []
+
+    def fake_export(model_dir: Path, out: Path, **_: Any) -> SimpleNamespace:
+        exports.append(Path(model_dir))
+        shutil.copytree(runtime_bundle, out, dirs_exist_ok=True)
+        return SimpleNamespace(passed=True, failures=[])
+
+    monkeypatch.setattr(export_module, "export_all", fake_export)
+    monkeypatch.setenv(MODEL_DIR_ENV, str(model))
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    first = choose_bundle(None, progress=False)
+    assert first.default and "exported now" in first.origin and exports == [model.resolve()]
+    assert first.path.is_relative_to(tmp_path / "cache") and RuntimeBundle.open(first.path)
+    again = choose_bundle(None, progress=False)
+    assert again.path == first.path and "exported earlier" in again.origin and len(exports) == 1
+    (model / "flow.pt").touch()  # a changed model file (its mtime) means a new export
+    assert bundle_source._stamp(model.resolve())["flow.pt"][1] == (model / "flow.pt").stat().st_mtime_ns
+    assert "exported now" in choose_bundle(None, progress=False).origin and len(exports) == 2
+    explicit = choose_bundle(runtime_bundle)
+    assert explicit.path == runtime_bundle and not explicit.default
+
+
+@pytest.mark.usefixtures("no_env")
+def test_a_tampered_file_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    bundle = shutil.copytree(DEMO_BUNDLE, tmp_path / "bundle")
+    wav = bundle / "asset/zero_shot_prompt.wav"
+    data = bytearray(wav.read_bytes())
+    data[-1] ^= 1  # same size, other bytes
+    wav.write_bytes(bytes(data))
+    args = ["--model", str(bundle), "--text", "Hi.", "--out", str(tmp_path / "o.wav")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and not (tmp_path / "o.wav").exists()
+    assert result.output.startswith(f"error: {wav}: sha256 ") and "the manifest says" in result.output
+    assert CliRunner().invoke(main, [*args, "--no-verify"]).exit_code == 0
