@@ -526,13 +526,13 @@ def test_without_wetext_only_inflect_spells_numbers(real_tokenizer: rt.TextToken
 
 def test_wetext_fsts_are_pinned(monkeypatch: pytest.MonkeyPatch, real_tokenizer: rt.TextTokenizer) -> None:
     rt.TextFrontend(real_tokenizer)  # loads and checks the pinned FSTs
-    rt_text._wetext_normalizers.cache_clear()
+    rt_text._wetext.cache_clear()
     monkeypatch.setitem(rt_text.WETEXT_FST_SHA256, "en/tn/tagger.fst", "0" * 64)
     try:
         with pytest.raises(rt.FrontendError, match=r"tagger\.fst is not the pinned one.*wetext==0\.1\.8"):
             rt.TextFrontend(real_tokenizer)
     finally:
-        rt_text._wetext_normalizers.cache_clear()
+        rt_text._wetext.cache_clear()
 
 
 def test_wetext_failure_is_a_clear_error(text_frontend: rt.TextFrontend) -> None:

@@ -181,8 +181,8 @@ def split_paragraph(text: str, lang: Literal["zh", "en"], length: Callable[[str]
 
 
 @functools.cache
-def _wetext_normalizers() -> tuple[Any, Any]:
-    """wetext's zh and en text normalisers, loaded once per process after checking the pinned FSTs."""
+def _wetext() -> Any:
+    """The wetext module, once its pinned FSTs are checked (once per process)."""
     try:
         import wetext
     except ImportError as exc:
@@ -198,17 +198,27 @@ def _wetext_normalizers() -> tuple[Any, Any]:
             version = importlib.metadata.version("wetext")
             raise FrontendError(f"wetext {version}: FST {name} is not the pinned one (sha256 {digest}); "
                                 f"install wetext=={WETEXT_VERSION}")
-    zh = wetext.Normalizer(lang="zh", operator="tn", remove_erhua=False)
-    en = wetext.Normalizer(lang="en", operator="tn")
-    return zh, en
+    return wetext
 
 
 @functools.cache
-def _number_to_words() -> Callable[[str], str]:
+def _wetext_normalizer(lang: Literal["zh", "en"]) -> Any:
+    """wetext's normaliser for `lang`, built on first use: loading its FSTs takes seconds, and most
+    texts (those without digits) never need it."""
+    if lang == "zh":
+        return _wetext().Normalizer(lang="zh", operator="tn", remove_erhua=False)
+    return _wetext().Normalizer(lang="en", operator="tn")
+
+
+@functools.cache
+def _inflect_engine() -> Any:
     import inflect
 
-    engine = inflect.engine()
-    return lambda digits: str(engine.number_to_words(digits))
+    return inflect.engine()  # seconds to build: only texts with digits pay for it
+
+
+def _number_to_words(digits: str) -> str:
+    return str(_inflect_engine().number_to_words(digits))
 
 
 class TokenEncoder(Protocol):
@@ -224,11 +234,13 @@ class TextFrontend:
         """`tokenizer` counts tokens for English splitting.
 
         `use_wetext=False` skips the wetext step only, like upstream without a normaliser installed; the
-        clean-ups, number spelling and splitting still run. With `use_wetext=True`, wetext is loaded
-        here (once per process) and a missing or unpinned wetext raises `FrontendError`.
+        clean-ups, number spelling and splitting still run. With `use_wetext=True`, a missing or
+        unpinned wetext raises `FrontendError` here; each language's grammar loads on first use.
         """
         self._tokenizer = tokenizer
-        self._normalizers = _wetext_normalizers() if use_wetext else None
+        self._use_wetext = use_wetext
+        if use_wetext:
+            _wetext()
 
     def normalize(self, text: str) -> str:
         """The normalised text as one string (upstream's `split=False`), for prompt texts."""
@@ -255,15 +267,15 @@ class TextFrontend:
         text = text.strip()
         if contains_chinese(text):
             return "zh", _clean_chinese(self._wetext(text, "zh"))
-        return "en", spell_out_numbers(self._wetext(text, "en"), _number_to_words())
+        return "en", spell_out_numbers(self._wetext(text, "en"), _number_to_words)
 
     def _wetext(self, text: str, lang: Literal["zh", "en"]) -> str:
         # wetext 0.0.4 (upstream's pin) leaves text without digits untouched.
-        if self._normalizers is None or not _DIGIT.search(text):
+        if not self._use_wetext or not _DIGIT.search(text):
             return text
-        zh, en = self._normalizers
+        normalizer = _wetext_normalizer(lang)
         try:
-            return str((zh if lang == "zh" else en).normalize(text))
+            return str(normalizer.normalize(text))
         except Exception as exc:  # wetext asserts when its grammar finds no parse
             shown = text if len(text) <= 60 else text[:57] + "..."
             raise FrontendError(f"wetext ({lang}) cannot normalise {shown!r} ({type(exc).__name__}); "
