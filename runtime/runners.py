@@ -19,6 +19,7 @@ import onnxruntime as ort
 from cosyvoice_graphs import GraphSpec
 
 from .bundle import RuntimeBundle, TrtPlan
+from .cuda_device import cuda_device_name
 from .errors import FeedError, ProviderError, RuntimeBundleError
 
 CPU, CUDA, TENSORRT, TRT = "cpu", "cuda", "tensorrt", "trt"
@@ -211,6 +212,12 @@ class TrtRunner(_RunnerBase):
         if plan.tensorrt != trt.__version__:
             raise ProviderError(f"{plan.path}: built with TensorRT {plan.tensorrt} (on {plan.gpu}); this is "
                                 f"TensorRT {trt.__version__}; export again with --trt here")
+        gpu = cuda_device_name()
+        if gpu is None:
+            raise ProviderError("provider 'trt' needs a CUDA device; the CUDA driver reports none")
+        if gpu.strip() != plan.gpu.strip():
+            raise ProviderError(f"{plan.path}: built for {plan.gpu}, this GPU is {gpu}; a plan runs only on "
+                                "the GPU model it was built on: export again with --trt here")
         try:
             self._stream = cuda.Stream()
         except Exception as e:  # polygraphy raises bare exceptions when there is no driver or device

@@ -289,3 +289,17 @@ def test_runtime_runs_without_torch(runtime_bundle: Path) -> None:
                           env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok (1, 80, 74)"
+
+
+def test_cuda_device_name_is_none_without_a_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No libcuda (this machine, or a CPU-only container): None, which the trt provider turns into a
+    one-line error, and which the export's --trt turns into `TrtUnavailable`."""
+    import ctypes
+
+    from cosyvoice_runtime.cuda_device import cuda_device_name
+
+    def no_driver(name: str) -> None:
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    assert cuda_device_name() is None

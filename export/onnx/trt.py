@@ -7,7 +7,6 @@ tensorrt, polygraphy and the CUDA driver are imported only when a plan is built 
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import time
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_graphs import GraphSpec
+from cosyvoice_runtime.cuda_device import cuda_device_name
 
 from .trace import PARTIAL, file_sha256
 from .validate import CPU, GraphValidation, compare_outputs, ort_session, run_ort, validation_cases
@@ -64,25 +64,11 @@ def plan_file_name(graph: str, key: str) -> str:
     return f"{graph}.{key[:16]}{PLAN_SUFFIX}"
 
 
-def cuda_gpu_name() -> str:
-    """Name of CUDA device 0, asked of the driver (libcuda) directly; `TrtUnavailable` if none."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        raise TrtUnavailable("--trt needs a CUDA device; no CUDA driver (libcuda.so.1) was found") from None
-    count = ctypes.c_int(0)
-    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value < 1:
-        raise TrtUnavailable("--trt needs a CUDA device; the CUDA driver reports none")
-    device = ctypes.c_int(0)
-    name = ctypes.create_string_buffer(256)
-    if cuda.cuDeviceGet(ctypes.byref(device), 0) != 0 or cuda.cuDeviceGetName(name, 256, device) != 0:
-        raise TrtUnavailable("--trt: the CUDA driver could not name device 0")
-    return name.value.decode(errors="replace")
-
-
 def require_trt() -> TrtEnv:
     """Check that plans can be built here (a CUDA device, tensorrt and polygraphy importable)."""
-    gpu = cuda_gpu_name()
+    gpu = cuda_device_name()
+    if gpu is None:
+        raise TrtUnavailable("--trt needs a CUDA device; the CUDA driver (libcuda.so.1) reports none")
     try:
         import polygraphy  # noqa: F401
         import tensorrt
