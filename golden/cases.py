@@ -1,0 +1,235 @@
+"""The golden cases: `cases.toml` read into frozen dataclasses, every field checked.
+
+Plain data, torch-free. A case pins everything a synthesis depends on (bundle, text, prompt, mode,
+offline or streaming, chunk policy, sampling, speed, provider, precision) and the audio bounds per
+backend; `GoldenCase.to_json` is what a golden file records of it.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from cosyvoice_graphs import SPECS
+from cosyvoice_runtime.runners import PROVIDERS
+from cosyvoice_runtime.sampling import SAMPLINGS
+from cosyvoice_runtime.synthesis import ChunkPolicy, Mode
+
+from .errors import GoldenError
+
+CASES_FILE = Path(__file__).with_name("cases.toml")
+"""The cases shipped with the package, recorded against the demo bundle."""
+DATA_DIR = "data"
+"""Beside a cases file: its golden data (`<case>.json`, `<case>.npz`, `graphs/<graph>.*`)."""
+FORMAT_VERSION = 1
+DEMO = "demo"
+"""`bundle = "demo"`: the runtime's embedded demo bundle (`cosyvoice_runtime.demo.DEMO_BUNDLE`)."""
+FROM_BUNDLE = "bundle"
+"""`prompt_wav` / `prompt_text` = "bundle": the bundle's own prompt and transcript."""
+PRECISIONS = ("fp32", "fp16")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How far a backend's audio may be from the torch reference's; every bound must hold."""
+
+    max_abs: float
+    """Largest |a - b| over all samples."""
+    l1: float
+    """Mean |a - b|."""
+    snr_db: float
+    """Least 10 log10(sum b^2 / sum (a - b)^2)."""
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The backend whose output is pinned bit for bit (PCM16 hashes, graph statistics), on the export a
+    golden was recorded from."""
+
+    provider: str
+    threads: int
+    """onnxruntime's intra-op threads (a different count may round differently)."""
+
+
+@dataclass(frozen=True)
+class GoldenCase:
+    """One fully pinned synthesis."""
+
+    name: str
+    bundle: str
+    """`DEMO`, or a runtime bundle's folder (relative to the cases file)."""
+    text: str
+    prompt_wav: str
+    """`FROM_BUNDLE`, or a recording's path (relative to the cases file)."""
+    prompt_text: str
+    """The prompt's transcript (zero-shot only), or `FROM_BUNDLE`."""
+    instruct: str
+    mode: Mode
+    stream: bool
+    chunk_policy: ChunkPolicy | None
+    """Streaming cases only."""
+    sampling: str
+    seed: int
+    speed: float
+    max_tokens: int | None
+    """LLM steps per segment instead of upstream's max_len (for the tiny random LLM, which rarely stops)."""
+    provider: str
+    precision: str
+    tolerance: Mapping[str, Bounds]
+    """Per provider."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The case as a golden file records it (what `update` compares to see what changed)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["mode"] = self.mode.value
+        out["chunk_policy"] = asdict(self.chunk_policy) if self.chunk_policy else None
+        out["tolerance"] = {p: asdict(b) for p, b in self.tolerance.items()}
+        return out
+
+
+@dataclass(frozen=True)
+class Cases:
+    """A cases file: its reference backend, graph selections and cases, by name in file order."""
+
+    path: Path
+    reference: Reference
+    graphs: Mapping[str, tuple[int, ...]]
+    """Graph name -> indices of its spec's validation cases stored as its golden bundle."""
+    graph_bundle: str
+    """The bundle graph goldens are recorded on and checked against: the defaults' `bundle`."""
+    cases: Mapping[str, GoldenCase]
+
+    @property
+    def data_dir(self) -> Path:
+        """Where the golden data of these cases lives."""
+        return self.path.parent / DATA_DIR
+
+    def select(self, names: tuple[str, ...]) -> list[GoldenCase]:
+        """The named cases (all of them for no names); an unknown name is a `GoldenError`."""
+        for name in names:
+            if name not in self.cases:
+                raise GoldenError(f"unknown case {name!r}; {self.path.name} has {', '.join(self.cases)}")
+        return [self.cases[n] for n in names] if names else list(self.cases.values())
+
+    def select_graphs(self, names: tuple[str, ...]) -> list[str]:
+        """The named graphs (all of them for no names); a graph without golden cases is a `GoldenError`."""
+        for name in names:
+            if name not in self.graphs:
+                raise GoldenError(f"unknown graph {name!r}; {self.path.name} has golden bundles for "
+                                  f"{', '.join(self.graphs)}")
+        return list(names) if names else list(self.graphs)
+
+    def resolve(self, value: str) -> Path:
+        """A path from the cases file, relative to its folder."""
+        path = Path(value).expanduser()
+        return path if path.is_absolute() else self.path.parent / path
+
+
+_CASE_TYPES: dict[str, type | tuple[type, ...]] = {
+    "name": str, "bundle": str, "text": str, "prompt_wav": str, "prompt_text": str, "instruct": str,
+    "mode": str, "stream": bool, "chunk_policy": dict, "sampling": str, "seed": int,
+    "speed": (int, float), "max_tokens": int, "provider": str, "precision": str, "tolerance": dict,
+}
+_OPTIONAL = {"max_tokens"}
+
+
+def load_cases(path: Path = CASES_FILE) -> Cases:
+    """Read and check a cases file; any problem is a one-line `GoldenError` naming the case and field."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise GoldenError(f"{path}: no such cases file") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise GoldenError(f"{path}: unreadable ({e})") from None
+    where = str(path)
+    if data.get("format_version") != FORMAT_VERSION:
+        raise GoldenError(f"{where}: format_version is {data.get('format_version')!r}, expected "
+                          f"{FORMAT_VERSION}")
+    ref = _table(data, "reference", where)
+    reference = Reference(_get(ref, "provider", str, f"{where}: reference"),
+                          _get(ref, "threads", int, f"{where}: reference"))
+    _choice(reference.provider, PROVIDERS, f"{where}: reference.provider")
+    default_bounds = {p: _bounds(b, f"{where}: tolerance.{p}")
+                      for p, b in _table(data, "tolerance", where).items()}
+    for provider in default_bounds:
+        _choice(provider, PROVIDERS, f"{where}: tolerance")
+    graphs = {}
+    for graph, indices in _table(data, "graphs", where).items():
+        _choice(graph, tuple(SPECS), f"{where}: graphs")
+        if not isinstance(indices, list) or not indices or not all(isinstance(i, int) for i in indices):
+            raise GoldenError(f"{where}: graphs.{graph} is {indices!r}, expected a list of case indices")
+        graphs[graph] = tuple(indices)
+    defaults = _table(data, "defaults", where)
+    cases: dict[str, GoldenCase] = {}
+    for i, raw in enumerate(data.get("case", [])):
+        case = _case({**defaults, **raw}, default_bounds, f"{where}: case {i + 1}")
+        if case.name in cases:
+            raise GoldenError(f"{where}: case {case.name!r} is defined twice")
+        cases[case.name] = case
+    if not cases:
+        raise GoldenError(f"{where}: no [[case]]")
+    return Cases(path, reference, graphs, _get(defaults, "bundle", str, f"{where}: defaults"), cases)
+
+
+def _case(raw: dict[str, Any], default_bounds: Mapping[str, Bounds], where: str) -> GoldenCase:
+    unknown = sorted(set(raw) - set(_CASE_TYPES))
+    if unknown:
+        raise GoldenError(f"{where}: unknown field {unknown[0]!r}; fields are {', '.join(_CASE_TYPES)}")
+    where = f"{where} ({raw['name']!r})" if isinstance(raw.get("name"), str) else where
+    v = {k: _get(raw, k, t, where) for k, t in _CASE_TYPES.items() if k not in _OPTIONAL or k in raw}
+    _choice(v["mode"], tuple(m.value for m in Mode), f"{where}: mode")
+    _choice(v["sampling"], SAMPLINGS, f"{where}: sampling")
+    _choice(v["provider"], PROVIDERS, f"{where}: provider")
+    _choice(v["precision"], PRECISIONS, f"{where}: precision")
+    if not v["name"] or not v["text"].strip():
+        raise GoldenError(f"{where}: name and text must not be empty")
+    if v["stream"] and v["speed"] != 1.0:
+        raise GoldenError(f"{where}: speed works offline only (upstream ignores it when streaming)")
+    if not v["stream"] and v["chunk_policy"]:
+        raise GoldenError(f"{where}: chunk_policy is for streaming cases")
+    policy = None
+    if v["stream"]:
+        try:
+            policy = ChunkPolicy(**v["chunk_policy"])
+        except (TypeError, ValueError) as e:
+            raise GoldenError(f"{where}: chunk_policy {v['chunk_policy']!r}: {e}") from None
+    tolerance = dict(default_bounds)
+    for provider, override in v["tolerance"].items():
+        _choice(provider, PROVIDERS, f"{where}: tolerance")
+        base = asdict(tolerance[provider]) if provider in tolerance else {}
+        tolerance[provider] = _bounds({**base, **override}, f"{where}: tolerance.{provider}")
+    return GoldenCase(
+        name=v["name"], bundle=v["bundle"], text=v["text"], prompt_wav=v["prompt_wav"],
+        prompt_text=v["prompt_text"], instruct=v["instruct"], mode=Mode(v["mode"]), stream=v["stream"],
+        chunk_policy=policy, sampling=v["sampling"], seed=v["seed"], speed=float(v["speed"]),
+        max_tokens=v.get("max_tokens"), provider=v["provider"], precision=v["precision"], tolerance=tolerance)
+
+
+def _bounds(raw: Any, where: str) -> Bounds:
+    if not isinstance(raw, dict) or set(raw) != {f.name for f in fields(Bounds)}:
+        raise GoldenError(f"{where} is {raw!r}, expected {{max_abs, l1, snr_db}}")
+    return Bounds(**{k: float(_get(raw, k, (int, float), where)) for k in raw})
+
+
+def _table(data: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
+    value = data.get(key)
+    if not isinstance(value, dict):
+        raise GoldenError(f"{where}: [{key}] is missing or not a table")
+    return value
+
+
+def _get(raw: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in raw:
+        raise GoldenError(f"{where}: {key} is missing")
+    value = raw[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise GoldenError(f"{where}: {key} is {value!r}, of the wrong type")
+    return value
+
+
+def _choice(value: str, known: tuple[str, ...], where: str) -> None:
+    if value not in known:
+        raise GoldenError(f"{where}: {value!r} is not one of {', '.join(known)}")

@@ -1,0 +1,259 @@
+"""`cosyvoice-golden`: check the runtime against the golden cases, or record them again.
+
+`check` runs on the runtime alone (numpy + onnxruntime); `update` also needs the `export` extra (torch),
+which is imported only when it runs. Exit status: 0 all passed, 1 a case or graph failed (or was not
+recorded), 2 bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+from tqdm import tqdm
+
+from cosyvoice_graphs.bundle_layout import MANIFEST
+from cosyvoice_runtime.cli import USER_ERRORS
+from cosyvoice_runtime.runners import PROVIDERS, open_runner
+
+from .cases import CASES_FILE, DEMO, Cases, GoldenCase, load_cases
+from .compare import Verdict, compare_case, compare_graph, not_exact
+from .errors import GoldenError
+from .run import Runtime
+from .store import (
+    EXPECTATION_FIELDS,
+    CaseGolden,
+    GraphGolden,
+    case_paths,
+    check_same_model,
+    fingerprint,
+    graph_paths,
+    read_case,
+    read_graph,
+)
+
+if TYPE_CHECKING:  # update imports torch only when it runs
+    from cosyvoice_export.reference.pipeline import ReferencePipeline
+
+
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """Bad input -> one line on stderr and exit status 2."""
+    try:
+        yield
+    except (GoldenError, *USER_ERRORS) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+
+
+def _selection(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The options `check` and `update` share: which cases file, cases, graphs and bundle."""
+    options = [
+        click.option("--cases", "cases_file", type=click.Path(dir_okay=False, path_type=Path),
+                     default=CASES_FILE, show_default="the package's cases.toml",
+                     help="Cases file; its golden data lives in data/ beside it."),
+        click.option("--case", "case_names", multiple=True, metavar="NAME",
+                     help="Only this case (repeatable). Default: every case and graph."),
+        click.option("--graph", "graph_names", multiple=True, metavar="NAME",
+                     help="Only this graph's golden bundle (repeatable)."),
+        click.option("--model", type=click.Path(file_okay=False, path_type=Path),
+                     help="Runtime bundle to use instead of every case's own, or a model bundle (exported on "
+                          "first use, as cosyvoice-run --model does; needs the export extra)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _select(cases: Cases, case_names: tuple[str, ...], graph_names: tuple[str, ...]
+            ) -> tuple[list[GoldenCase], list[str]]:
+    """The cases and graphs asked for: all of both when neither is named."""
+    if not case_names and not graph_names:
+        return cases.select(()), cases.select_graphs(())
+    return (cases.select(case_names) if case_names else [],
+            cases.select_graphs(graph_names) if graph_names else [])
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Golden-output regression for the CosyVoice3 runtime.
+
+    Each case of cases.toml pins a synthesis (bundle, text, prompt, mode, streaming and chunk policy,
+    sampling, speed, provider, precision); its golden holds the torch reference's speech tokens, chunk
+    boundaries and audio, and the reference backend's PCM16 hashes and graph statistics. Each graph of
+    the specs has a golden bundle of inputs and torch outputs.
+    """
+
+
+@main.command()
+@_selection
+@click.option("--provider", type=click.Choice(PROVIDERS),
+              help="Backend to check on instead of each case's own: cpu, cuda, tensorrt (onnxruntime) or "
+                   "trt (the bundle's TensorRT plans).")
+@click.option("--threads", type=click.IntRange(min=1),
+              help="onnxruntime intra-op threads. Default: the reference backend's (cases.toml).")
+def check(cases_file: Path, case_names: tuple[str, ...], graph_names: tuple[str, ...], model: Path | None,
+          provider: str | None, threads: int | None) -> None:
+    """Replay the golden cases on the runtime (no torch) and judge them: one line per case and graph.
+
+    Speech tokens and chunk boundaries must equal the golden's, the audio must be within the backend's
+    bounds of the torch reference's, and on the reference backend every chunk's PCM16 sha256 and every
+    graph's output statistics must be identical.
+    """
+    start = time.perf_counter()
+    with _user_errors():
+        cases = load_cases(cases_file)
+        selected, graphs = _select(cases, case_names, graph_names)
+        threads = threads or cases.reference.threads
+        with Runtime(cases, model=model, provider=provider, threads=threads) as runtime:
+            # every golden is read and matched to its bundle before anything runs
+            goldens = [(case, _case_golden(cases, runtime, case)) for case in selected]
+            graph_goldens = [_graph_golden(cases, runtime, g) for g in graphs]
+            verdicts = []
+            with tqdm(total=len(goldens) + len(graph_goldens), desc="golden check", unit="case",
+                      disable=None, leave=False) as bar:
+                for case, golden in goldens:
+                    verdicts.append(_check_case(cases, runtime, case, golden))
+                    _report(bar, verdicts[-1])
+                for golden_graph in graph_goldens:
+                    verdicts.append(_check_graph(cases, runtime, golden_graph))
+                    _report(bar, verdicts[-1])
+    failed = sum(not v.passed for v in verdicts)
+    where = f"{provider or 'each case’s provider'}, {threads} thread{'s' * (threads > 1)}"
+    click.echo(f"{len(verdicts) - failed} of {len(verdicts)} passed ({where}) in "
+               f"{time.perf_counter() - start:.1f} s")
+    if failed:
+        sys.exit(1)
+
+
+def _report(bar: tqdm, verdict: Verdict) -> None:
+    with bar.external_write_mode():
+        click.echo(verdict.line())
+    bar.update()
+
+
+def _case_golden(cases: Cases, runtime: Runtime, case: GoldenCase) -> CaseGolden:
+    """The golden of `case`, checked against the case as it now reads and against its bundle."""
+    golden = read_case(cases.data_dir, case.name)
+    where = str(case_paths(cases.data_dir, case.name)[0])
+    bundle = runtime.bundle(case)
+    check_same_model(golden.bundle, bundle, where)
+    precision = fingerprint(bundle)["precision"]
+    if precision != case.precision:
+        raise GoldenError(f"case {case.name} is for {case.precision} graphs; {bundle.root} is {precision}")
+    now = case.to_json()
+    stale = [k for k in EXPECTATION_FIELDS if golden.case.get(k) != now[k]]
+    prompt = runtime.prompt(case)
+    if golden.prompt != {"wav_sha256": prompt.wav_sha256, "text": prompt.text}:
+        stale.append(f"prompt {prompt.wav.name}")
+    if stale:
+        raise GoldenError(f"{where} is stale: {', '.join(stale)} changed since it was recorded (record it "
+                          f"again with `cosyvoice-golden update --case {case.name}`)")
+    return golden
+
+
+def _graph_golden(cases: Cases, runtime: Runtime, graph: str) -> GraphGolden:
+    """The golden bundle of `graph`, checked against the cases file, the bundle and its spec."""
+    golden = read_graph(cases.data_dir, graph)
+    where = str(graph_paths(cases.data_dir, graph)[0])
+    remedy = f"record it again with `cosyvoice-golden update --graph {graph}`"
+    bundle = runtime.open_bundle(cases.graph_bundle)
+    check_same_model(golden.bundle, bundle, where)
+    version = bundle.specs[graph].version
+    if golden.spec_version != version:
+        raise GoldenError(f"{where} holds spec {graph} version {golden.spec_version}; {bundle.root} has "
+                          f"version {version} ({remedy})")
+    if tuple(c.index for c in golden.cases) != cases.graphs[graph]:
+        raise GoldenError(f"{where} holds cases {[c.index for c in golden.cases]}, {cases.path.name} asks "
+                          f"for {list(cases.graphs[graph])} ({remedy})")
+    return golden
+
+
+def _check_case(cases: Cases, runtime: Runtime, case: GoldenCase, golden: CaseGolden) -> Verdict:
+    provider, bundle = runtime.provider_of(case), runtime.bundle(case)
+    bounds = case.tolerance.get(provider)
+    if bounds is None:
+        return Verdict(case.name, False, f"{provider}: no tolerance", f"{cases.path.name} gives no bounds "
+                       f"for {provider} (add [tolerance] {provider} or the case's own)")
+    return compare_case(golden, runtime.run(case), provider, bounds,
+                        not_exact(golden, bundle, provider, runtime.threads, cases.reference))
+
+
+def _check_graph(cases: Cases, runtime: Runtime, golden: GraphGolden) -> Verdict:
+    bundle = runtime.open_bundle(cases.graph_bundle)
+    spec = bundle.specs[golden.graph]
+    fp16 = bundle.manifest["graphs"][golden.graph].get("precision") == "fp16"
+    provider = runtime.provider or cases.reference.provider
+    with open_runner(bundle, golden.graph, provider, threads=runtime.threads) as runner:
+        return compare_graph(golden, runner, spec.fp16_tolerances if fp16 else spec.tolerances)
+
+
+@main.command()
+@_selection
+@click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="The model bundle (upstream's model directory) the runtime bundle was exported from, "
+                   "for the torch reference. Not needed for the demo bundle (its model is rebuilt from its "
+                   "recipe: cosyvoice-export tiny-bundle, seed 0) nor when --model is the model bundle.")
+def update(cases_file: Path, case_names: tuple[str, ...], graph_names: tuple[str, ...], model: Path | None,
+           model_dir: Path | None) -> None:
+    """Record the golden data of the selected cases and graphs from the torch reference pipeline.
+
+    The runtime must agree with torch on the reference backend (tokens and chunk boundaries exactly, the
+    audio within the case's bounds) or nothing is written for that case. A golden is rewritten only when
+    it changed; each line says what changed. Needs the export extra (torch).
+    """
+    with _user_errors():
+        try:
+            from .reference import demo_model, open_pipeline
+            from .update import record_case, record_graph
+        except ImportError as e:
+            raise GoldenError(f"update needs the export extra (pip install 'cosyvoice-onnx[export]'): "
+                              f"{e.name} is not installed") from None
+        cases = load_cases(cases_file)
+        selected, graphs = _select(cases, case_names, graph_names)
+        ref = cases.reference
+        failed = 0
+        with (Runtime(cases, model=model, provider=ref.provider, threads=ref.threads) as runtime,
+              tempfile.TemporaryDirectory(prefix="cosyvoice-golden-") as work):
+            pipes: dict[Path, ReferencePipeline] = {}
+
+            def pipeline(value: str) -> ReferencePipeline:
+                """The torch reference of the model bundle `value` (a cases-file bundle) was exported from."""
+                bundle = runtime.open_bundle(value)
+                if bundle.root not in pipes:
+                    if model_dir is not None:
+                        source = model_dir
+                    elif model is not None and not (model / MANIFEST).is_file():
+                        source = model  # a model bundle, exported for the runtime by `open_bundle`
+                    elif model is None and value == DEMO:
+                        source = demo_model(Path(work))
+                    else:
+                        raise GoldenError(f"update needs --model-dir: the model bundle {bundle.root} was "
+                                          "exported from")
+                    pipes[bundle.root] = open_pipeline(source, bundle)
+                return pipes[bundle.root]
+
+            with tqdm(total=len(selected) + len(graphs), desc="golden update", unit="case", disable=None,
+                      leave=False) as bar:
+                for case in selected:
+                    bar.set_postfix_str(case.name)
+                    precision = fingerprint(runtime.bundle(case))["precision"]
+                    if precision != case.precision:
+                        raise GoldenError(f"case {case.name} is for {case.precision} graphs; "
+                                          f"{runtime.bundle(case).root} is {precision}")
+                    recorded = record_case(cases, runtime, pipeline(case.bundle), case)
+                    failed += not recorded.verdict.passed
+                    _report(bar, recorded.verdict)
+                for graph in graphs:
+                    bar.set_postfix_str(graph)
+                    recorded = record_graph(cases, runtime.open_bundle(cases.graph_bundle),
+                                            pipeline(cases.graph_bundle), graph)
+                    _report(bar, recorded.verdict)
+    if failed:
+        sys.exit(1)

@@ -1,0 +1,157 @@
+"""The torch side of `cosyvoice-golden update`: expectations from the torch reference pipeline.
+
+Offline segments are `ReferencePipeline`'s synthesis; streaming ones are upstream's CosyVoice3 streaming
+over the torch networks (block-causal flow over each token prefix, HiFT re-run over the accumulated mel,
+a full-attention finalizing last chunk) on the chunk schedule of the case's `ChunkPolicy`. Graph goldens
+hold each spec's sample inputs and its torch wrapper's outputs. This module imports torch and
+`cosyvoice_export`; `check` never imports it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cosyvoice_export.bundle.errors import BundleError
+from cosyvoice_export.bundle.model_dir import ModelBundle
+from cosyvoice_export.bundle.tiny import write_bundle
+from cosyvoice_export.onnx.graphs import WRAPPERS, Networks
+from cosyvoice_export.onnx.validate import case_label, run_torch
+from cosyvoice_export.reference.frontend import PromptFeatures
+from cosyvoice_export.reference.llm_decode import GreedySampler, RasSampler, Sampler, generate_speech_tokens
+from cosyvoice_export.reference.pipeline import Mode as ReferenceMode
+from cosyvoice_export.reference.pipeline import ReferencePipeline
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.cli import Segment
+from cosyvoice_runtime.demo import DEMO_SEED
+from cosyvoice_runtime.synthesis import ChunkPolicy
+
+from .cases import GoldenCase
+from .errors import GoldenError
+from .store import GraphCaseGolden, GraphGolden, fingerprint
+
+
+def demo_model(folder: Path) -> Path:
+    """The model bundle the demo runtime bundle is exported from (`cosyvoice-export tiny-bundle`, seed
+    `DEMO_SEED`), written into `folder`."""
+    return write_bundle(folder / "model", size="tiny", seed=DEMO_SEED, progress=False)
+
+
+def open_pipeline(model_dir: Path, bundle: RuntimeBundle) -> ReferencePipeline:
+    """The torch reference over `model_dir`, which must be the model `bundle` was exported from (every
+    source file the bundle's manifest names, with its sha256).
+
+    torch runs on one thread from here on: its float rounding depends on the thread count, and a golden
+    recorded again must come out the same.
+    """
+    torch.set_num_threads(1)
+    for name, entry in bundle.manifest.get("sources", {}).items():
+        path = model_dir / name
+        try:
+            with open(path, "rb") as f:
+                sha = hashlib.file_digest(f, "sha256").hexdigest()
+        except OSError as e:
+            raise GoldenError(f"{path}: unreadable ({e.strerror}); --model-dir must be the model "
+                              f"{bundle.root} was exported from") from None
+        if sha != entry.get("sha256"):
+            raise GoldenError(f"{path} is not the {name} {bundle.root} was exported from (sha256 differs); "
+                              "--model-dir must be that model")
+    try:
+        return ReferencePipeline(ModelBundle.open(model_dir))
+    except BundleError as e:
+        raise GoldenError(str(e)) from None
+
+
+@dataclass(frozen=True)
+class ReferenceSegment:
+    """One segment as the torch reference synthesises it."""
+
+    speech_tokens: list[int]
+    chunks: list[tuple[tuple[int, int], np.ndarray]]
+    """(token range, float32 samples) per chunk; offline: one chunk."""
+
+
+def _sampler(pipe: ReferencePipeline, case: GoldenCase) -> Sampler:
+    if case.sampling == "greedy":
+        return GreedySampler()
+    return RasSampler(pipe.config.llm.sampling, np.random.Generator(np.random.PCG64(case.seed)))
+
+
+def reference_segments(pipe: ReferencePipeline, case: GoldenCase, pieces: list[Segment], prompt_wav: Path,
+                       prompt_text: str) -> list[ReferenceSegment]:
+    """Synthesise `case`'s segments (as `cosyvoice-run` splits them) with the torch reference: each with a
+    fresh sampler, offline or streamed."""
+    prompt = pipe.prompt_features(prompt_wav)
+    mode = ReferenceMode(case.mode.value)
+    out = []
+    for piece in pieces:
+        inputs = pipe.llm_inputs(mode, piece.text, prompt, prompt_text=prompt_text,
+                                 instruct_text=case.instruct)
+        if (inputs.text_ids, inputs.prompt_text_ids) != (piece.text_ids, piece.prompt_text_ids):
+            raise GoldenError(f"case {case.name}: the runtime's and the reference's tokenizers disagree on "
+                              f"{piece.text!r}")
+        tokens = generate_speech_tokens(pipe.llm, inputs.text_ids, inputs.prompt_text_ids,
+                                        inputs.prompt_speech_tokens, pipe.eop_id, _sampler(pipe, case),
+                                        max_tokens=case.max_tokens)
+        if case.chunk_policy is None:
+            audio = pipe.token2wav(tokens, prompt, speed=case.speed)[1]
+            out.append(ReferenceSegment(tokens, [((0, len(tokens)), audio)]))
+        else:
+            out.append(ReferenceSegment(tokens, stream(pipe, tokens, prompt, case.chunk_policy)))
+    return out
+
+
+@torch.no_grad()
+def stream(pipe: ReferencePipeline, tokens: list[int], prompt: PromptFeatures, policy: ChunkPolicy
+           ) -> list[tuple[tuple[int, int], np.ndarray]]:
+    """Upstream's CosyVoice3 streaming token2wav over the torch networks for a finished token list.
+
+    Chunk k covers hop_k tokens and fires once hop_k + lookahead tokens follow the previous chunk (all
+    tokens are known here, so the schedule is the runtime's); the remaining tokens form the final chunk.
+    Each non-final chunk runs the block-causal flow over tokens[:offset + hop + lookahead] and keeps the
+    frames after ratio·offset; HiFT re-runs over the whole accumulated mel and the new samples are kept.
+    """
+    ratio, noise = pipe.config.token_mel_ratio, pipe.noise
+    hops = policy.hops(prompt.speech_tokens.shape[1])
+    plan: list[int | None] = []
+    offset, hop = 0, next(hops)
+    while len(tokens) - offset >= hop + policy.lookahead:
+        plan.append(hop)
+        offset, hop = offset + hop, next(hops)
+    plan.append(None)
+    acc = torch.zeros(1, pipe.config.feat.num_mels, 0)  # (1, 80, frames so far)
+    out: list[tuple[tuple[int, int], np.ndarray]] = []
+    offset = emitted = 0
+    for hop_k in plan:
+        final = hop_k is None
+        part = tokens if hop_k is None else tokens[:offset + hop_k + policy.lookahead]
+        mel = pipe.flow.inference(torch.tensor([part]), prompt.speech_tokens, prompt.mel, prompt.embedding,
+                                  noise.flow_noise, streaming=not final, finalize=final)  # (1, 80, T)
+        acc = torch.cat([acc, mel[:, :, ratio * offset:]], dim=2)
+        wav = pipe.hift.inference(acc, noise.sine_waves, finalize=final)[0].numpy()
+        end = len(tokens) if hop_k is None else offset + hop_k
+        out.append(((offset, end), wav[emitted:]))
+        offset, emitted = end, len(wav)
+    return out
+
+
+def graph_golden(pipe: ReferencePipeline, bundle: RuntimeBundle, graph: str, indices: tuple[int, ...]
+                 ) -> GraphGolden:
+    """Graph `graph`'s golden bundle: its spec's validation cases `indices`, their sample inputs (seed 0,
+    as the exporter validates) and the torch wrapper's outputs."""
+    spec = bundle.specs[graph]
+    bad = [i for i in indices if not 0 <= i < len(spec.validate)]
+    if bad:
+        raise GoldenError(f"graph {graph}: its spec has validation cases 0..{len(spec.validate) - 1}, "
+                          f"not {bad[0]}")
+    wrapper = WRAPPERS[graph](Networks(pipe.config, pipe.llm, pipe.flow, pipe.hift))
+    cases = []
+    for i in indices:
+        case = spec.validate[i]
+        feeds = spec.sample_inputs(case)
+        cases.append(GraphCaseGolden(i, case_label(case), feeds, run_torch(wrapper, spec, feeds)))
+    return GraphGolden(graph, spec.version, fingerprint(bundle), tuple(cases))

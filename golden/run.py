@@ -1,0 +1,235 @@
+"""Replay golden cases on the torch-free runtime, as `cosyvoice-run` would synthesise them.
+
+The text is split and formatted by `cosyvoice-run`'s own `segments`, each segment gets a fresh sampler
+from the case's seed, and streaming cases run the LLM interleaved with the chunks. Bundles, synthesizers,
+prompts and text front ends are opened once per `Runtime` and shared by the cases that use them.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import numpy as np
+import soundfile as sf
+
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.bundle_source import choose_bundle
+from cosyvoice_runtime.cli import Segment, _chunk_record, segments
+from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.frontend import (
+    PromptFeatures,
+    TextFrontend,
+    TextTokenizer,
+    extract_prompt,
+    open_session,
+)
+from cosyvoice_runtime.sampling import make_sampler
+from cosyvoice_runtime.synthesis import AudioChunk, ChunkTimings, Mode, Synthesizer, llm_request
+
+from .cases import DEMO, FROM_BUNDLE, Cases, GoldenCase
+from .errors import GoldenError
+from .stats import GraphRecorder
+
+ISA_FLAGS = frozenset({
+    "sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl",
+    "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
+    "asimd", "asimdhp", "asimddp", "i8mm", "bf16", "sve", "sve2",
+})
+"""CPU features onnxruntime's CPU kernels choose their code paths by (x86-64 and arm64 names)."""
+
+
+def cpu_signature() -> str:
+    """The machine and its kernel-relevant CPU features: two CPUs with the same signature run the same
+    onnxruntime CPU kernels, so only they can be expected to give the same bits."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            line = next((line for line in f if line.startswith(("flags", "Features"))), "")
+            flags = set(line.partition(":")[2].split())
+    except OSError:  # no /proc (macOS): the machine alone
+        pass
+    return " ".join([platform.machine(), *sorted(flags & ISA_FLAGS)])
+
+
+def pcm16_sha256(samples: np.ndarray, sample_rate: int) -> str:
+    """sha256 of `samples` as the 16-bit PCM that `cosyvoice-run` writes to its WAV (same conversion)."""
+    buffer = io.BytesIO()
+    sf.write(buffer, samples, sample_rate, subtype="PCM_16", format="RAW")
+    return hashlib.sha256(buffer.getvalue()).hexdigest()
+
+
+def chunk_record(segment: int, chunk: AudioChunk) -> dict[str, Any]:
+    """`cosyvoice-run --chunks-out`'s record of a chunk without its timings, plus its PCM16 sha256."""
+    record = _chunk_record(segment, chunk)
+    del record["timings"]
+    return {**record, "pcm16_sha256": pcm16_sha256(chunk.samples, chunk.sample_rate)}
+
+
+@dataclass(frozen=True)
+class SegmentRun:
+    """One segment as the runtime synthesised it."""
+
+    speech_tokens: list[int]
+    chunks: list[AudioChunk]
+    """Offline: one final chunk with the whole segment."""
+
+
+@dataclass(frozen=True)
+class CaseRun:
+    """One case as the runtime synthesised it."""
+
+    segments: list[SegmentRun]
+    graph_stats: dict[str, Any]
+    seconds: float
+
+    @property
+    def audio(self) -> np.ndarray:
+        """Every segment's samples, concatenated."""
+        return np.concatenate([c.samples for s in self.segments for c in s.chunks])
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A case's prompt recording, resolved."""
+
+    wav: Path
+    text: str
+    """The transcript (zero-shot), or ""."""
+    features: PromptFeatures
+
+    @property
+    def wav_sha256(self) -> str:
+        """The recording's sha256: a golden is stale once its prompt changed."""
+        with open(self.wav, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+class Runtime:
+    """The runtime side of golden cases: which bundle each case uses, on which backend, opened once."""
+
+    def __init__(self, cases: Cases, *, model: Path | None, provider: str | None, threads: int) -> None:
+        """`model` replaces every case's bundle (see `open_bundle`); `provider` every case's provider;
+        `threads` is onnxruntime's intra-op thread count."""
+        self.cases = cases
+        self.model, self.provider, self.threads = model, provider, threads
+        self._bundles: dict[Path, RuntimeBundle] = {}
+        self._synths: dict[tuple[Path, str], tuple[Synthesizer, GraphRecorder]] = {}
+        self._prompts: dict[tuple[Path, Path], PromptFeatures] = {}
+        self._text: dict[Path, tuple[TextTokenizer, TextFrontend]] = {}
+
+    def provider_of(self, case: GoldenCase) -> str:
+        """The backend `case` runs on: `provider`, else the case's own."""
+        return self.provider or case.provider
+
+    def bundle(self, case: GoldenCase) -> RuntimeBundle:
+        """The runtime bundle `case` runs on."""
+        return self.open_bundle(case.bundle)
+
+    def open_bundle(self, value: str) -> RuntimeBundle:
+        """The runtime bundle a cases file names (`DEMO` or a folder), unless `model` replaces it (a
+        runtime bundle, or a model bundle exported on first use as `cosyvoice-run --model` does)."""
+        if self.model is not None:
+            root = self._model_root
+        elif value == DEMO:
+            root = DEMO_BUNDLE
+        else:
+            root = self.cases.resolve(value)
+        root = root.resolve()
+        if root not in self._bundles:
+            self._bundles[root] = RuntimeBundle.open(root)
+        return self._bundles[root]
+
+    @functools.cached_property
+    def _model_root(self) -> Path:
+        assert self.model is not None
+        return choose_bundle(self.model).path
+
+    def prompt(self, case: GoldenCase) -> Prompt:
+        """The case's prompt recording, transcript and features."""
+        bundle = self.bundle(case)
+        default = bundle.default_prompt()
+        if FROM_BUNDLE in (case.prompt_wav, case.prompt_text) and default is None:
+            raise GoldenError(f"case {case.name}: {bundle.root} carries no prompt of its own; give the "
+                              "case a prompt_wav and prompt_text")
+        own = default is not None and case.prompt_wav == FROM_BUNDLE
+        wav = default[0] if own and default else self.cases.resolve(case.prompt_wav)
+        text = ""
+        if case.mode is Mode.ZERO_SHOT:
+            text = default[1] if default and case.prompt_text == FROM_BUNDLE else case.prompt_text
+        key = (bundle.root, wav.resolve())
+        if key not in self._prompts:
+            self._prompts[key] = extract_prompt(wav, open_session(bundle.frontend_path("campplus")),
+                                                open_session(bundle.frontend_path("speech_tokenizer")),
+                                                bundle.dims.token_mel_ratio)
+        return Prompt(wav, text, self._prompts[key])
+
+    def segments(self, case: GoldenCase) -> list[Segment]:
+        """The case's text, split and formatted for its mode as `cosyvoice-run` does."""
+        bundle = self.bundle(case)
+        if bundle.root not in self._text:
+            tokenizer = TextTokenizer(bundle.tokenizer_dir)
+            self._text[bundle.root] = tokenizer, TextFrontend(tokenizer)
+        tokenizer, frontend = self._text[bundle.root]
+        pieces = segments(case.text, case.mode, tokenizer, frontend, prompt_text=self.prompt(case).text,
+                          instruct=case.instruct)
+        if not pieces:
+            raise GoldenError(f"case {case.name}: the text has nothing to speak after normalisation")
+        return pieces
+
+    def synthesizer(self, case: GoldenCase) -> tuple[Synthesizer, GraphRecorder]:
+        """The bundle's graphs on the case's provider, with a recorder of their outputs."""
+        bundle, provider = self.bundle(case), self.provider_of(case)
+        key = (bundle.root, provider)
+        if key not in self._synths:
+            synth = Synthesizer(bundle, provider, threads=self.threads)
+            self._synths[key] = synth, GraphRecorder(synth)
+        return self._synths[key]
+
+    def run(self, case: GoldenCase) -> CaseRun:
+        """Synthesise `case`: every segment with a fresh sampler, offline or streamed."""
+        synth, recorder = self.synthesizer(case)
+        prompt, pieces = self.prompt(case).features, self.segments(case)
+        start = time.perf_counter()
+        done = []
+        with recorder.record() as stats:
+            for piece in pieces:
+                done.append(self._segment(synth, case, piece, prompt))
+        return CaseRun(done, stats.to_json(), time.perf_counter() - start)
+
+    @staticmethod
+    def _segment(synth: Synthesizer, case: GoldenCase, piece: Segment, prompt: PromptFeatures) -> SegmentRun:
+        sampler = make_sampler(case.sampling, case.seed)
+        if case.stream:
+            decoding = synth.lm.decode(llm_request(case.mode, piece.text_ids, prompt, piece.prompt_text_ids),
+                                       sampler, max_tokens=case.max_tokens)
+            chunks = list(synth.stream_tokens(decoding, prompt, policy=case.chunk_policy))
+            return SegmentRun(list(decoding.tokens), chunks)
+        done = synth.synthesize(piece.text_ids, prompt, sampler=sampler, mode=case.mode,
+                                prompt_text_ids=piece.prompt_text_ids, speed=case.speed,
+                                max_tokens=case.max_tokens)
+        t = done.timings
+        timings = ChunkTimings(t["llm"], t["flow"], t["vocoder"], sum(t.values()))
+        whole = AudioChunk(0, done.audio, done.sample_rate, True, (0, len(done.speech_tokens)),
+                           (0, len(done.audio)), timings)
+        return SegmentRun(done.speech_tokens, [whole])
+
+    def close(self) -> None:
+        """Release every synthesizer."""
+        for synth, _ in self._synths.values():
+            synth.close()
+        self._synths.clear()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

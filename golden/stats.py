@@ -1,0 +1,135 @@
+"""Per-graph output statistics of a synthesis: how often each graph ran and what its outputs held.
+
+On the reference backend they are pinned bit for bit next to the PCM16 hashes; elsewhere they show which
+graph drifted first when the audio is off.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cosyvoice_graphs import cache_pairs
+from cosyvoice_runtime.synthesis import Synthesizer
+
+STAT_NAMES = ("mean", "rms", "min", "max")
+
+
+@dataclass
+class _Accumulator:
+    """Float64 running sums over every value one output took in every call."""
+
+    count: int = 0
+    total: float = 0.0
+    squares: float = 0.0
+    low: float = math.inf
+    high: float = -math.inf
+
+    def add(self, value: np.ndarray) -> None:
+        v = np.asarray(value, dtype=np.float64)
+        if v.size:
+            self.count += v.size
+            self.total += float(v.sum())
+            self.squares += float(np.square(v).sum())
+            self.low = min(self.low, float(v.min()))
+            self.high = max(self.high, float(v.max()))
+
+    def to_json(self) -> dict[str, float | int]:
+        n = max(self.count, 1)
+        return {"values": self.count, "mean": self.total / n, "rms": math.sqrt(self.squares / n),
+                "min": self.low if self.count else 0.0, "max": self.high if self.count else 0.0}
+
+
+@dataclass
+class GraphStats:
+    """Calls and output statistics per graph, in call order of first use."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+    outputs: dict[str, dict[str, _Accumulator]] = field(default_factory=dict)
+
+    def add(self, graph: str, outputs: Mapping[str, np.ndarray]) -> None:
+        """One call of `graph` and the outputs it returned."""
+        self.calls[graph] = self.calls.get(graph, 0) + 1
+        per_output = self.outputs.setdefault(graph, {})
+        for name, value in outputs.items():
+            per_output.setdefault(name, _Accumulator()).add(value)
+
+    def to_json(self) -> dict[str, Any]:
+        """{graph: {"calls": n, "outputs": {output: {"values", "mean", "rms", "min", "max"}}}}."""
+        return {g: {"calls": self.calls[g], "outputs": {o: a.to_json() for o, a in self.outputs[g].items()}}
+                for g in self.calls}
+
+
+def stats_difference(got: Mapping[str, Any], want: Mapping[str, Any]) -> str | None:
+    """The first difference between two `GraphStats.to_json()`, in words (None if equal)."""
+    for graph in sorted(set(got) | set(want)):
+        if graph not in got or graph not in want:
+            return f"graph {graph} ran {got.get(graph, {}).get('calls', 0)} times, golden " \
+                   f"{want.get(graph, {}).get('calls', 0)}"
+        g, w = got[graph], want[graph]
+        if g["calls"] != w["calls"]:
+            return f"graph {graph} ran {g['calls']} times, golden {w['calls']}"
+        for output, ws in w["outputs"].items():
+            gs = g["outputs"].get(output, {})
+            for stat in ("values", *STAT_NAMES):
+                if gs.get(stat) != ws[stat]:
+                    return f"{graph}.{output} {stat} {gs.get(stat)!r}, golden {ws[stat]!r}"
+    return None
+
+
+def largest_drift(got: Mapping[str, Any], want: Mapping[str, Any]) -> tuple[str, float] | None:
+    """The output statistic furthest from the golden's, relative to the output's golden rms:
+    ("graph.output stat", drift), or None when no graph ran in both."""
+    worst: tuple[str, float] | None = None
+    for graph in set(got) & set(want):
+        for output, ws in want[graph]["outputs"].items():
+            gs = got[graph]["outputs"].get(output)
+            if gs is None:
+                continue
+            scale = max(abs(ws["rms"]), float(np.finfo(np.float32).tiny))
+            for stat in STAT_NAMES:
+                drift = abs(gs[stat] - ws[stat]) / scale
+                if worst is None or drift > worst[1]:
+                    worst = (f"{graph}.{output} {stat}", drift)
+    return worst
+
+
+class GraphRecorder:
+    """Feeds every graph call of a `Synthesizer` into the current `GraphStats`.
+
+    The synthesizer's runners are wrapped in place (their `infer` shadowed on the instance), so every
+    object holding a runner (the LM, the flow, the vocoder and its streams) is observed. `Synthesizer`
+    has no public view of its runners nor an observer hook, hence its private `_runners`. Cache outputs
+    (`present_*`) are left out: they grow with every step (quadratic cost) and feed the outputs that are
+    kept.
+    """
+
+    def __init__(self, synth: Synthesizer) -> None:
+        self._stats: GraphStats | None = None
+        for name, runner in synth._runners.items():
+            caches = {present for _, present in cache_pairs(runner.spec)}
+            runner.infer = self._observer(name, runner.infer, caches)  # type: ignore[method-assign]
+
+    def _observer(self, graph: str, infer: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]],
+                  caches: set[str]) -> Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]:
+        def observed(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+            outputs = infer(feeds)
+            if self._stats is not None:
+                self._stats.add(graph, {k: v for k, v in outputs.items() if k not in caches})
+            return outputs
+
+        return observed
+
+    @contextmanager
+    def record(self) -> Iterator[GraphStats]:
+        """Statistics of the graph calls made inside the block."""
+        self._stats = stats = GraphStats()
+        try:
+            yield stats
+        finally:
+            self._stats = None

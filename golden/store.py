@@ -1,0 +1,306 @@
+"""Golden files: what `update` records and `check` reads. Torch-free; every file is written atomically.
+
+    data/<case>.json    the case as recorded, the runtime bundle's fingerprint, the prompt, per segment
+                        the speech tokens and chunks (token and sample ranges; the sha256 of the float32
+                        samples, as `cosyvoice-run --chunks-out` writes it; the PCM16 sha256), the graphs'
+                        output statistics, and the reference backend's audio metrics against torch
+    data/<case>.npz     `audio`: the torch reference's float32 samples, the segments concatenated
+    data/graphs/<graph>.json, .npz
+                        a graph's golden bundle: its spec version, the bundle's fingerprint, and per stored
+                        validation case the spec's sample inputs and the torch wrapper's outputs
+
+A JSON file names its npz file's sha256, so a pair that does not belong together is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cosyvoice_graphs.bundle_layout import TRT_DIR
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.cli import _atomic, _write_json_atomic
+
+from .errors import GoldenError
+
+FORMAT = "cosyvoice-golden"
+FORMAT_VERSION = 1
+GRAPHS_DIR = "graphs"
+AUDIO = "audio"
+"""The torch reference's samples in a case's npz file."""
+EXPECTATION_FIELDS = ("text", "prompt_text", "instruct", "mode", "stream", "chunk_policy", "sampling", "seed",
+                      "speed", "max_tokens", "precision")
+"""The case fields that change what is synthesised: a golden recorded with other values is stale."""
+
+
+# --- the bundle a golden belongs to -------------------------------------------------------------------------
+
+def fingerprint(bundle: RuntimeBundle) -> dict[str, Any]:
+    """What a golden records of the runtime bundle it was made with, from its manifest: the model
+    constants, the source model's file hashes, the precision, and every file's hash (TensorRT plans left
+    out: they belong to one GPU, not to the export)."""
+    manifest = bundle.manifest
+    return {
+        "model": dict(manifest["model"]),
+        "sources": {name: entry.get("sha256") for name, entry in manifest.get("sources", {}).items()},
+        "precision": manifest.get("precision", "fp32"),
+        "files": {rel: entry.get("sha256") for rel, entry in manifest["files"].items()
+                  if not rel.startswith(f"{TRT_DIR}/")},
+    }
+
+
+def check_same_model(recorded: Mapping[str, Any], bundle: RuntimeBundle, where: str) -> None:
+    """Raise `GoldenError` unless `bundle` was exported from the model the golden at `where` was recorded
+    from (same model constants and source files): expectations from torch hold for any export of it."""
+    now = fingerprint(bundle)
+    for key in ("model", "sources"):
+        name = _first_difference(recorded.get(key, {}), now[key])
+        if name is not None:
+            raise GoldenError(
+                f"{where} was recorded from another model than {bundle.root}: {key} {name} is "
+                f"{_short(recorded.get(key, {}).get(name))} there and {_short(now[key].get(name))} here "
+                "(record goldens for this model with `cosyvoice-golden update`)")
+
+
+def export_difference(recorded: Mapping[str, Any], bundle: RuntimeBundle) -> str | None:
+    """Why `bundle` is not the export the golden was recorded on (None if it is): only there are the PCM16
+    hashes and graph statistics expected bit for bit. Files the bundle has gained (a new graph) do not
+    count: should the runtime start to use them and its output change, the hashes say so."""
+    now = fingerprint(bundle)
+    if recorded.get("precision") != now["precision"]:
+        return f"a {now['precision']} bundle, recorded on {recorded.get('precision')}"
+    files = recorded.get("files", {})
+    name = _first_difference(files, {k: v for k, v in now["files"].items() if k in files})
+    return None if name is None else f"{name} differs from the recorded export"
+
+
+def _first_difference(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
+    return next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), None)
+
+
+def _short(value: Any) -> str:
+    if value is None:
+        return "missing"
+    text = str(value)
+    return f"{text[:12]}…" if len(text) > 16 else text
+
+
+# --- case goldens -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ChunkGolden:
+    """One chunk of a segment (offline: the whole segment, as one final chunk)."""
+
+    index: int
+    is_final: bool
+    token_range: tuple[int, int]
+    sample_range: tuple[int, int]
+    """[start, end) within the segment's samples."""
+    sha256: str
+    """sha256 of the runtime's float32 samples on the reference backend (`cosyvoice-run --chunks-out`)."""
+    pcm16_sha256: str
+    """sha256 of the same samples as the PCM16 a WAV file holds: the exact check."""
+    reference_max_abs: float
+    """Largest |runtime - torch| in the chunk on the reference backend when recorded: a sample further
+    than this from torch is where a changed output diverged."""
+
+
+@dataclass(frozen=True)
+class SegmentGolden:
+    """One text segment: its speech tokens (the torch reference's) and chunks."""
+
+    text: str
+    speech_tokens: tuple[int, ...]
+    chunks: tuple[ChunkGolden, ...]
+
+    @property
+    def samples(self) -> int:
+        return self.chunks[-1].sample_range[1]
+
+
+@dataclass(frozen=True)
+class CaseGolden:
+    """The expectation of one case."""
+
+    name: str
+    case: dict[str, Any]
+    """`GoldenCase.to_json()` when recorded."""
+    bundle: dict[str, Any]
+    """`fingerprint` of the runtime bundle it was recorded with."""
+    prompt: dict[str, str]
+    """`wav_sha256` and `text` (the transcript used, after resolving "bundle")."""
+    reference: dict[str, Any]
+    """The backend the hashes and statistics come from, and the library versions."""
+    segments: tuple[SegmentGolden, ...]
+    graph_stats: dict[str, Any]
+    """`stats.GraphStats.to_json()` on the reference backend."""
+    metrics: dict[str, float]
+    """The reference backend's audio metrics against torch when recorded."""
+    audio: np.ndarray = field(repr=False)
+    """The torch reference's float32 samples, the segments concatenated."""
+
+    @property
+    def samples(self) -> int:
+        return sum(s.samples for s in self.segments)
+
+    def layout(self) -> list[tuple[tuple[int, ...], list[tuple[tuple[int, int], tuple[int, int]]]]]:
+        """Per segment: its speech tokens, and per chunk its token and sample ranges."""
+        return [(s.speech_tokens, [(c.token_range, c.sample_range) for c in s.chunks]) for s in self.segments]
+
+    def to_json(self, audio_sha256: str) -> dict[str, Any]:
+        return {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "name": self.name, "case": self.case,
+            "bundle": self.bundle, "prompt": self.prompt, "reference": self.reference,
+            "samples": self.samples,
+            "segments": [{"text": s.text, "speech_tokens": list(s.speech_tokens),
+                          "chunks": [{**vars(c), "token_range": list(c.token_range),
+                                      "sample_range": list(c.sample_range)} for c in s.chunks]}
+                         for s in self.segments],
+            "graph_stats": self.graph_stats, "metrics": self.metrics,
+            "audio": {"file": f"{self.name}.npz", "sha256": audio_sha256},
+        }
+
+
+def case_paths(data_dir: Path, name: str) -> tuple[Path, Path]:
+    """The JSON and npz files of case `name`."""
+    return data_dir / f"{name}.json", data_dir / f"{name}.npz"
+
+
+def write_case(data_dir: Path, golden: CaseGolden) -> None:
+    """Write a case's golden files atomically, the npz first (the JSON names its hash)."""
+    json_path, npz_path = case_paths(data_dir, golden.name)
+    sha = _write_npz(npz_path, {AUDIO: golden.audio})
+    _write_json_atomic(json_path, golden.to_json(sha))
+
+
+def read_case(data_dir: Path, name: str) -> CaseGolden:
+    """Read a case's golden files; a missing, damaged or mismatched file is a `GoldenError`."""
+    json_path, npz_path = case_paths(data_dir, name)
+    data = _read_json(json_path, f"cosyvoice-golden update --case {name}")
+    try:
+        arrays = _read_npz(npz_path, data["audio"]["sha256"], json_path)
+        segments = tuple(
+            SegmentGolden(s["text"], tuple(s["speech_tokens"]), tuple(
+                ChunkGolden(c["index"], c["is_final"], tuple(c["token_range"]), tuple(c["sample_range"]),
+                            c["sha256"], c["pcm16_sha256"], c["reference_max_abs"]) for c in s["chunks"]))
+            for s in data["segments"])
+        golden = CaseGolden(data["name"], data["case"], data["bundle"], data["prompt"], data["reference"],
+                            segments, data["graph_stats"], data["metrics"], arrays[AUDIO])
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise GoldenError(f"{json_path}: not a golden case file ({type(e).__name__}: {e})") from None
+    if golden.name != name or golden.audio.shape != (golden.samples,):
+        raise GoldenError(f"{json_path}: inconsistent (name {golden.name!r}, {golden.samples} samples, "
+                          f"audio {golden.audio.shape}); record it again with `cosyvoice-golden update`")
+    return golden
+
+
+# --- graph goldens ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GraphCaseGolden:
+    """One stored validation case of a graph: its inputs and the torch wrapper's outputs."""
+
+    index: int
+    """Index of the case in the spec's `validate`."""
+    label: str
+    inputs: dict[str, np.ndarray] = field(repr=False)
+    outputs: dict[str, np.ndarray] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class GraphGolden:
+    """A graph's golden bundle."""
+
+    graph: str
+    spec_version: int
+    bundle: dict[str, Any]
+    cases: tuple[GraphCaseGolden, ...]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {f"{i}/{kind}/{name}": value for i, c in enumerate(self.cases)
+                for kind, tensors in (("inputs", c.inputs), ("outputs", c.outputs))
+                for name, value in tensors.items()}
+
+
+def graph_paths(data_dir: Path, graph: str) -> tuple[Path, Path]:
+    """The JSON and npz files of graph `graph`'s golden bundle."""
+    return data_dir / GRAPHS_DIR / f"{graph}.json", data_dir / GRAPHS_DIR / f"{graph}.npz"
+
+
+def write_graph(data_dir: Path, golden: GraphGolden) -> None:
+    """Write a graph's golden bundle atomically, the npz first."""
+    json_path, npz_path = graph_paths(data_dir, golden.graph)
+    sha = _write_npz(npz_path, golden.arrays())
+    _write_json_atomic(json_path, {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "graph": golden.graph,
+        "spec_version": golden.spec_version, "bundle": golden.bundle,
+        "cases": [{"index": c.index, "label": c.label, "inputs": list(c.inputs), "outputs": list(c.outputs)}
+                  for c in golden.cases],
+        "arrays": {"file": npz_path.name, "sha256": sha},
+    })
+
+
+def read_graph(data_dir: Path, graph: str) -> GraphGolden:
+    """Read a graph's golden bundle; a missing, damaged or mismatched file is a `GoldenError`."""
+    json_path, npz_path = graph_paths(data_dir, graph)
+    data = _read_json(json_path, f"cosyvoice-golden update --graph {graph}")
+    try:
+        arrays = _read_npz(npz_path, data["arrays"]["sha256"], json_path)
+        cases = tuple(GraphCaseGolden(c["index"], c["label"],
+                                      {n: arrays[f"{i}/inputs/{n}"] for n in c["inputs"]},
+                                      {n: arrays[f"{i}/outputs/{n}"] for n in c["outputs"]})
+                      for i, c in enumerate(data["cases"]))
+        golden = GraphGolden(data["graph"], data["spec_version"], data["bundle"], cases)
+    except (KeyError, TypeError, ValueError) as e:
+        raise GoldenError(f"{json_path}: not a golden graph file ({type(e).__name__}: {e})") from None
+    if golden.graph != graph:
+        raise GoldenError(f"{json_path}: holds graph {golden.graph!r}, expected {graph!r}")
+    return golden
+
+
+# --- files --------------------------------------------------------------------------------------------------
+
+def _write_npz(path: Path, arrays: Mapping[str, np.ndarray]) -> str:
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, allow_pickle=False, **arrays)
+    data = buffer.getvalue()
+    with _atomic(path) as tmp:
+        tmp.write_bytes(data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def _read_json(path: Path, remedy: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise GoldenError(f"{path}: missing; record it with `{remedy}`") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GoldenError(f"{path}: unreadable ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise GoldenError(f"{path}: not a {FORMAT} file")
+    if data.get("format_version") != FORMAT_VERSION:
+        raise GoldenError(f"{path}: format_version {data.get('format_version')!r}, this tool reads "
+                          f"{FORMAT_VERSION}; record it again with `{remedy}`")
+    return data
+
+
+def _read_npz(path: Path, sha256: str, json_path: Path) -> dict[str, np.ndarray]:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise GoldenError(f"{path}: missing (named by {json_path.name}); record both again with "
+                          "`cosyvoice-golden update`") from None
+    except OSError as e:
+        raise GoldenError(f"{path}: unreadable ({e})") from None
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise GoldenError(f"{path}: sha256 is not the one {json_path.name} records; the pair is damaged or "
+                          "mixed (record it again with `cosyvoice-golden update`)")
+    with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+        return {k: npz[k] for k in npz.files}

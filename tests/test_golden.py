@@ -1,0 +1,179 @@
+"""`cosyvoice-golden`: every golden case and graph passes on the CPU (bit for bit on the reference backend),
+without torch; every graph spec and mode has a golden; a divergence is located; bad input gives one line
+and exit status 2; `update` reproduces a stored expectation from the torch reference."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from cosyvoice_golden.cases import CASES_FILE, DATA_DIR, Cases, load_cases
+from cosyvoice_golden.cli import main
+from cosyvoice_golden.store import case_paths, graph_paths, read_case, write_case
+from cosyvoice_graphs import SPECS
+from cosyvoice_runtime.frontend import contains_chinese
+from cosyvoice_runtime.synthesis import Mode
+
+SHORT = "zero-shot-en-greedy"
+STREAMED = "zero-shot-en-stream-greedy"
+
+
+@pytest.fixture(scope="module")
+def cases() -> Cases:
+    return load_cases()
+
+
+def _golden(*args: str) -> Result:
+    return CliRunner().invoke(main, list(args))
+
+
+def _copy(folder: Path, *names: str) -> Path:
+    """The package's cases file with the golden files of `names`, in `folder`; returns the cases file."""
+    (folder / DATA_DIR).mkdir(parents=True)
+    shutil.copy(CASES_FILE, folder / CASES_FILE.name)
+    for name in names:
+        for path in case_paths(CASES_FILE.parent / DATA_DIR, name):
+            shutil.copy(path, folder / DATA_DIR / path.name)
+    return folder / CASES_FILE.name
+
+
+def _one_error_line(result: Result, message: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
+
+
+# --- coverage -----------------------------------------------------------------------------------------
+
+
+def test_every_graph_spec_and_mode_has_a_golden(cases: Cases) -> None:
+    assert set(cases.graphs) == set(SPECS), "a registered graph spec has no golden bundle in cases.toml"
+    for graph in SPECS:
+        assert all(p.is_file() for p in graph_paths(cases.data_dir, graph)), graph
+    for case in cases.cases.values():
+        assert all(p.is_file() for p in case_paths(cases.data_dir, case.name)), case.name
+    all_cases = list(cases.cases.values())
+    for mode in Mode:
+        assert {c.stream for c in all_cases if c.mode is mode} == {False, True}, f"{mode}: offline, streamed"
+    assert {c.sampling for c in all_cases} == {"greedy", "ras"}
+    assert {contains_chinese(c.text) for c in all_cases} == {True, False}
+    assert any(c.speed != 1.0 for c in all_cases)
+    assert any(len(read_case(cases.data_dir, c.name).segments) > 1 for c in all_cases), "a long text"
+
+
+# --- the check ----------------------------------------------------------------------------------------
+
+
+def test_check_passes_every_case_bit_for_bit(cases: Cases) -> None:
+    result = _golden("check")
+    print(result.output)
+    assert result.exit_code == 0, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == len(cases.cases) + len(cases.graphs) + 1
+    for name in cases.cases:
+        line = next(line for line in lines if line.split()[1] == name)
+        assert line.startswith("✓") and "cpu · exact:" in line, line
+    assert all(any(line.startswith(f"✓ graph {g} ") for line in lines) for g in cases.graphs)
+
+
+def test_check_runs_without_torch() -> None:
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules.update(dict.fromkeys(("torch", "cosyvoice_export", "transformers"), None))  # unimportable
+        from cosyvoice_golden.cli import main
+        main(["check", "--case", {SHORT!r}, "--graph", "hift_f0"])
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "2 of 2 passed" in proc.stdout
+
+
+def test_other_threads_are_judged_by_tolerance() -> None:
+    result = _golden("check", "--case", SHORT, "--threads", "2")
+    assert result.exit_code == 0, result.output
+    assert "cpu · tolerance (2 threads, the reference has 1)" in result.output
+
+
+def test_a_divergence_names_the_chunk_and_sample(tmp_path: Path) -> None:
+    cases_file = _copy(tmp_path, STREAMED)
+    data = tmp_path / DATA_DIR
+    golden = read_case(data, STREAMED)
+    assert len(golden.segments[0].chunks) >= 3
+    chunk = golden.segments[0].chunks[1]
+    audio = golden.audio.copy()
+    audio[chunk.sample_range[0] + 1234] += 0.5  # the torch reference "moved" there
+    write_case(data, replace(golden, audio=audio))
+    result = _golden("check", "--cases", str(cases_file), "--case", STREAMED)
+    assert result.exit_code == 1, result.output
+    line = result.output.splitlines()[0]
+    assert line.startswith(f"✗ {STREAMED}") and "max_abs" in line, line
+    assert f"diverges at segment 0 chunk 1, sample {chunk.sample_range[0] + 1234}" in line, line
+
+    # a changed hash on the reference backend: located where the output leaves its recorded distance
+    last = golden.segments[0].chunks[2]
+    chunks = (*golden.segments[0].chunks[:2], replace(last, pcm16_sha256="0" * 64, reference_max_abs=0.0))
+    write_case(data, replace(golden, segments=(replace(golden.segments[0], chunks=chunks),)))
+    result = _golden("check", "--cases", str(cases_file), "--case", STREAMED)
+    assert result.exit_code == 1, result.output
+    line = result.output.splitlines()[0]
+    assert "PCM16 sha256 differs; diverges at segment 0 chunk 2, sample" in line, line
+
+
+# --- bad input ----------------------------------------------------------------------------------------
+
+
+def test_unknown_case_or_graph() -> None:
+    _one_error_line(_golden("check", "--case", "no-such-case"), "unknown case 'no-such-case'")
+    _one_error_line(_golden("check", "--graph", "no-such-graph"), "unknown graph 'no-such-graph'")
+    _one_error_line(_golden("update", "--case", "no-such-case"), "unknown case 'no-such-case'")
+
+
+def test_missing_golden_file(tmp_path: Path) -> None:
+    cases_file = _copy(tmp_path / "none")
+    _one_error_line(_golden("check", "--cases", str(cases_file), "--case", SHORT),
+                    f"{SHORT}.json: missing; record it with `cosyvoice-golden update --case {SHORT}`")
+    cases_file = _copy(tmp_path / "json-only", SHORT)
+    (cases_file.parent / DATA_DIR / f"{SHORT}.npz").unlink()
+    _one_error_line(_golden("check", "--cases", str(cases_file), "--case", SHORT), f"{SHORT}.npz: missing")
+
+
+def test_golden_from_another_model(tmp_path: Path) -> None:
+    cases_file = _copy(tmp_path, SHORT)
+    path = case_paths(tmp_path / DATA_DIR, SHORT)[0]
+    data = json.loads(path.read_text())
+    data["bundle"]["sources"]["llm.pt"] = "0" * 64
+    path.write_text(json.dumps(data))
+    _one_error_line(_golden("check", "--cases", str(cases_file), "--case", SHORT),
+                    "was recorded from another model than")
+
+
+def test_stale_golden(tmp_path: Path) -> None:
+    cases_file = _copy(tmp_path, SHORT)
+    text = cases_file.read_text()
+    cases_file.write_text(text.replace('text = "Hello there, how are you today?"', 'text = "Hello there."'))
+    _one_error_line(_golden("check", "--cases", str(cases_file), "--case", SHORT),
+                    "is stale: text changed since it was recorded")
+
+
+# --- update -------------------------------------------------------------------------------------------
+
+
+def test_update_reproduces_the_stored_expectation(tmp_path: Path) -> None:
+    """The demo model rebuilt from its recipe, the torch reference, the runtime on the reference backend:
+    the stored golden, unchanged and not rewritten."""
+    cases_file = _copy(tmp_path, SHORT)
+    before = {p: p.read_bytes() for p in case_paths(tmp_path / DATA_DIR, SHORT)}
+    result = _golden("update", "--cases", str(cases_file), "--case", SHORT)
+    print(result.output)
+    assert result.exit_code == 0, result.output
+    assert result.output.strip().splitlines()[0].startswith(f"✓ {SHORT}")
+    assert result.output.strip().endswith("unchanged")
+    assert {p: p.read_bytes() for p in before} == before
