@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/pip install --quiet --disable-pip-version-check -e '.[export,dev]'
-.venv/bin/ruff check export runtime graphs golden tests
-.venv/bin/mypy runtime graphs golden
+.venv/bin/ruff check export runtime graphs golden bench tests
+.venv/bin/mypy runtime graphs golden bench
 .venv/bin/pytest "$@"

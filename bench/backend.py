@@ -1,0 +1,74 @@
+"""What a benchmarked pipeline offers (`Backend`) and what its runs return.
+
+The runtime and the torch reference each implement `Backend`; the suite times both through it, case by
+case, interleaved. Every run starts from text (its front end inside the timed region) and a prompt
+whose features were extracted before, unless the suite times the extraction with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from .cases import Case
+
+Figures = dict[str, float | int | None]
+
+
+@dataclass(frozen=True)
+class FirstChunk:
+    """The first streamed chunk of a run."""
+
+    seconds: float
+    """From the request (text, before its front end) to the chunk's samples."""
+    audio_s: float
+    """Seconds of audio the chunk holds."""
+
+
+@dataclass(frozen=True)
+class StreamRun:
+    """A whole streamed synthesis."""
+
+    first: FirstChunk
+    seconds: float
+    """From the request to the final chunk."""
+    audio_s: float
+    sha256: str
+    """Of the concatenated float32 samples: equal runs give equal audio."""
+
+
+@dataclass(frozen=True)
+class OfflineRun:
+    """An offline synthesis with its per-stage figures (keys of `report.FIGURES`)."""
+
+    figures: Figures
+    speech_tokens: list[int]
+
+
+class Backend(Protocol):
+    """A pipeline opened once, then run on cases. `prompt` is the backend's own prompt-features type."""
+
+    name: str
+    load_s: float
+    """Seconds the pipeline took to open."""
+
+    def prompt_features(self, wav: Path) -> Any:
+        """The prompt recording's speech tokens, mel and x-vector."""
+        ...
+
+    def first_chunk(self, case: Case, prompt: Any) -> FirstChunk:
+        """Synthesise `case` up to its first streamed chunk."""
+        ...
+
+    def stream(self, case: Case, prompt: Any) -> StreamRun | None:
+        """Synthesise `case` streamed, to the end; None where the backend has no streaming path."""
+        ...
+
+    def offline(self, case: Case, prompt: Any) -> OfflineRun:
+        """Synthesise `case` offline, timing each stage."""
+        ...
+
+    def close(self) -> None:
+        """Release the pipeline."""
+        ...

@@ -1,0 +1,89 @@
+"""Hardware bounds of the two heavy stages, from the model's shapes as the bundle states them.
+
+- LLM decode: every weight of the `llm` graph is read once per token, plus the KV cache so far; the
+  bound is those bytes / measured memory bandwidth.
+- DiT: the FLOPs of one `flow_estimator` call (one ODE step, both CFG rows) at a frame count, full
+  attention; the bound is those FLOPs / measured matmul GFLOP/s.
+
+The shapes come from the runtime bundle's copy of the model yaml and the Qwen config (`tokenizer/`),
+read with the exporter's torch-free yaml reader, so the counts are those of the exported networks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cosyvoice_export.bundle.yaml_config import model_config_from_yaml
+from cosyvoice_export.config import DiTConfig, Qwen2Config
+from cosyvoice_runtime.bundle import RuntimeBundle
+
+DTYPE_BYTES = {"fp32": 4, "fp16": 2}
+"""Bytes per weight by the manifest's graph precision."""
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """The shapes the bounds are counted from."""
+
+    qwen: Qwen2Config
+    dit: DiTConfig
+    speech_vocab: int
+    llm_weight_dtype_bytes: int
+
+    @classmethod
+    def of(cls, bundle: RuntimeBundle) -> ModelShapes:
+        """Read from `bundle`'s model yaml and Qwen config."""
+        config = model_config_from_yaml(bundle.root / bundle.manifest["config"],
+                                        bundle.tokenizer_dir / "config.json")
+        precision = bundle.manifest["graphs"]["llm"].get("precision", "fp32")
+        return cls(config.llm.qwen, config.flow.dit, bundle.dims.speech_vocab, DTYPE_BYTES.get(precision, 4))
+
+
+def llm_weight_count(qwen: Qwen2Config, speech_vocab: int) -> int:
+    """Weights of the `llm` graph: the Qwen2 layers and final norm (its embedding table and 151,936-way
+    `lm_head` are not in the graph) and `llm_decoder` (hidden -> speech_vocab, no bias)."""
+    d, inner, kv = qwen.hidden_size, qwen.num_attention_heads * qwen.head_dim, qwen.num_key_value_heads
+    kv_width = kv * qwen.head_dim
+    attention = d * inner + inner + 2 * (d * kv_width + kv_width) + inner * d  # q, k, v with bias; o
+    mlp = 3 * d * qwen.intermediate_size  # gate, up, down
+    layer = attention + mlp + 2 * d  # two RMSNorms
+    return qwen.num_hidden_layers * layer + d + d * speech_vocab
+
+
+def llm_bytes_per_token(shapes: ModelShapes, past_len: float) -> float:
+    """Bytes a decode step reads at a cache of `past_len` positions: all weights plus keys and values
+    (float32) of every layer."""
+    q = shapes.qwen
+    kv_bytes = 2 * q.num_hidden_layers * q.num_key_value_heads * q.head_dim * past_len * 4
+    return llm_weight_count(q, shapes.speech_vocab) * shapes.llm_weight_dtype_bytes + kv_bytes
+
+
+def dit_flops_per_step(dit: DiTConfig, frames: int, batch: int = 2) -> int:
+    """FLOPs (2 per multiply-add) of one DiT evaluation over `frames` frames for a CFG batch of 2, full
+    attention: input projection, conv position embedding, per block q/k/v/o, scores and weighted sum, the
+    feed-forward and the AdaLN modulation, then the final modulation and output projection, and the
+    time embedding."""
+    t, d, inner, ff = frames, dit.dim, dit.heads * dit.dim_head, dit.dim * dit.ff_mult
+    per_frame_in = 2 * dit.mel_dim + dit.mu_dim + dit.spk_dim
+    macs = t * per_frame_in * d  # input projection
+    macs += 2 * t * d * (d // dit.conv_pos_groups) * dit.conv_pos_kernel  # two grouped convs
+    block = 4 * t * d * inner  # q, k, v, out
+    block += 2 * t * t * inner  # q k^T and attention-weighted v over all heads
+    block += 2 * t * d * ff  # feed-forward in and out
+    block += d * 6 * d  # AdaLayerNormZero (once per row, not per frame)
+    macs += dit.depth * block
+    macs += d * 2 * d + t * d * dit.out_channels  # final modulation, output projection
+    macs += dit.time_embed_dim * d + d * d  # time embedding MLP
+    return 2 * batch * macs
+
+
+def dit_matmul_shape(dit: DiTConfig, frames: int, batch: int = 2) -> tuple[int, int, int]:
+    """(m, k, n) of the DiT's largest matmul, the feed-forward's first layer, for `matmul_gflops`."""
+    return batch * frames, dit.dim, dit.dim * dit.ff_mult
+
+
+def fraction_of_bound(bound_s: float | None, measured_s: float | None) -> float | None:
+    """bound / measured: 1.0 is running at the hardware bound."""
+    if bound_s is None or not measured_s:
+        return None
+    return bound_s / measured_s

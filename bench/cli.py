@@ -1,0 +1,94 @@
+"""`cosyvoice-bench`: a thin command over `suite.run`; the table goes to stdout, `--json` to a file."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import click
+
+from cosyvoice_export.bundle.errors import BundleError
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.cli import USER_ERRORS, _prompt, _write_json_atomic
+from cosyvoice_runtime.runners import CPU, PROVIDERS
+
+from .cases import LENGTHS, default_long_tokens, make_cases, parse_lengths, parse_levels
+from .errors import BenchError
+from .machine import usable_cpus
+from .report import render
+from .suite import Settings, run
+
+USER_ERRORS_BENCH = (BenchError, BundleError, *USER_ERRORS)
+"""Bad input or environment: the runtime's user errors, a model directory's (yaml, `--model-dir`), ours."""
+
+
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """Bad input: one line on stderr and exit status 2."""
+    try:
+        yield
+    except USER_ERRORS_BENCH as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", "model", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Runtime bundle (cosyvoice-export all).")
+@click.option("--prompt-wav", type=click.Path(dir_okay=False, path_type=Path),
+              help="Prompt recording (zero-shot)  [default: the bundle's own]")
+@click.option("--prompt-text", default=None,
+              help="Transcript of the prompt recording  [default: the bundle's own prompt's]")
+@click.option("--vs-torch", is_flag=True, help="Also run every case on the torch reference, interleaved.")
+@click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="The model directory the runtime bundle was exported from (torch reference).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="onnxruntime intra-op threads, and torch threads  [default: usable CPUs]")
+@click.option("--provider", type=click.Choice(PROVIDERS), default=CPU, show_default=True,
+              help="The runtime's provider (the torch reference always runs on the CPU).")
+@click.option("--lengths", default=",".join(LENGTHS), show_default=True,
+              help="Text lengths to run, comma-separated.")
+@click.option("--concurrency", default="1,2,4", show_default=True,
+              help="Parallel streamed sessions through the runtime, comma-separated levels.")
+@click.option("--tokens", type=int, default=None,
+              help="LLM steps pinned for the long case (shorter cases take a share)  "
+                   "[default: 10 s of audio, 250; 50 with --quick]")
+@click.option("--repeat", type=click.IntRange(min=1), default=None,
+              help="Warm rounds per case; medians are reported  [default: 3; 1 with --quick]")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the RAS sampler.")
+@click.option("--quick", is_flag=True, help="Smoke run: few tokens, one round, short machine probes.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write the results as JSON (atomically).")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
+def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch: bool,
+         model_dir: Path | None, threads: int | None, provider: str, lengths: str, concurrency: str,
+         tokens: int | None, repeat: int | None, seed: int, quick: bool, json_out: Path | None,
+         progress: bool) -> None:
+    """Benchmark a CosyVoice3 runtime bundle: first-chunk latency, RTF, per-stage times, LLM tokens/s,
+    memory, concurrency, hardware bounds and onnxruntime levers, optionally beside the torch reference."""
+    with _user_errors():
+        names, levels = parse_lengths(lengths), parse_levels(concurrency)
+        if vs_torch != (model_dir is not None):
+            raise BenchError("--vs-torch and --model-dir go together (the torch reference loads "
+                             "--model-dir)")
+        bundle = RuntimeBundle.open(model)
+        if model_dir is not None:  # fail before the run starts, not when the torch side first loads
+            from cosyvoice_export.bundle.model_dir import ModelBundle
+
+            ModelBundle.open(model_dir)
+        prompt_wav, prompt_text = _prompt(bundle, prompt_wav, prompt_text)
+        if not prompt_wav.is_file():
+            raise BenchError(f"--prompt-wav {prompt_wav}: file not found")
+        long_tokens = default_long_tokens(bundle.dims, quick=quick) if tokens is None else tokens
+        settings = Settings(
+            model=model, prompt_wav=prompt_wav, prompt_text=prompt_text, cases=make_cases(names, long_tokens),
+            concurrency=levels, threads=threads or usable_cpus(), provider=provider,
+            repeat=repeat or (1 if quick else 3), quick=quick, seed=seed, model_dir=model_dir)
+        result = run(settings, progress=progress)
+        if json_out is not None:
+            _write_json_atomic(json_out, result)
+    click.echo(render(result))
+    if json_out is not None:
+        click.echo(f"\nwrote {json_out}")

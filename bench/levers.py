@@ -1,0 +1,123 @@
+"""CPU speed levers of the fp32 path: onnxruntime's graph optimisation level and intra-op threads,
+measured per graph; and what the exported graphs already do about the levers named in issue 6."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from cosyvoice_graphs import Case
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.runners import CPU, OPTIMIZATION, OrtRunner
+
+LEVER_THREADS = (1, 2)
+"""Intra-op thread counts tried per graph and optimisation level."""
+RUNTIME_OPTIMIZATION: str = inspect.signature(OrtRunner).parameters["optimization"].default
+"""The level `OrtRunner` uses unless told otherwise, which is what `Synthesizer` runs with."""
+
+
+def onnxruntime_levers(bundle: RuntimeBundle, *, frames: int, past_len: int, runtime_threads: int,
+                       repeats: int, on_row: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
+    """Median seconds per call of `flow_estimator` (one ODE step at `frames` frames, full attention) and
+    `llm` (one decode step after `past_len` cached positions) for every optimisation level and thread
+    count, each in a fresh CPU session; the row the runtime uses is marked."""
+    points = {"flow_estimator": Case({"frames": frames}, {"block_frames": (float(frames),)}),
+              "llm": Case({"new_len": 1, "past_len": past_len})}
+    rows = []
+    for graph, case in points.items():
+        spec = bundle.specs[graph]
+        feeds = spec.sample_inputs(case)
+        for level in OPTIMIZATION:
+            for threads in LEVER_THREADS:
+                with OrtRunner(bundle.graph_path(graph), spec, CPU, threads=threads, optimization=level) as r:
+                    seconds = _median_call(r, feeds, repeats)
+                rows.append({"graph": graph, "shape": dict(case.dims), "optimization": level,
+                             "threads": threads, "seconds_per_call": seconds,
+                             "runtime_default": level == RUNTIME_OPTIMIZATION and threads == runtime_threads})
+                on_row()
+    return rows
+
+
+def _median_call(runner: OrtRunner, feeds: Mapping[str, np.ndarray], repeats: int) -> float:
+    """Median seconds of `repeats` calls after one warm-up call."""
+    runner.infer(feeds)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.infer(feeds)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+MASK_FREE_OPS = frozenset({"MatMul", "FusedMatMul", "Softmax"})
+"""Ops over (..., T, T) tensors that attention needs without a mask; every other one is the mask's."""
+
+
+def attention_mask_cost(bundle: RuntimeBundle, *, frames: int, threads: int) -> dict[str, Any]:
+    """What `flow_estimator`'s attention mask costs one full-attention call at `frames` frames, from an
+    onnxruntime profile of a call after a warm-up: the nodes that read or write a (..., T, T) tensor,
+    other than the attention's matmuls and softmax (building the mask, turning it into an additive bias,
+    adding it to the scores, and the NaN guard after the softmax). With an all-ones mask none of it
+    changes the result."""
+    spec = bundle.specs["flow_estimator"]
+    feeds = spec.sample_inputs(Case({"frames": frames}, {"block_frames": (float(frames),)}))
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.graph_optimization_level = OPTIMIZATION[RUNTIME_OPTIMIZATION]
+    with tempfile.TemporaryDirectory() as tmp:
+        options.enable_profiling = True
+        options.profile_file_prefix = str(Path(tmp) / "flow_estimator")
+        session = ort.InferenceSession(str(bundle.graph_path("flow_estimator")), options,
+                                       providers=["CPUExecutionProvider"])
+        session.run(None, feeds)
+        session.run(None, feeds)
+        events = json.loads(Path(session.end_profiling()).read_text())
+    last = max((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])
+    nodes = [e for e in events if e.get("cat") == "Node" and e["ts"] >= last["ts"]]
+    mask_us = sum(e["dur"] for e in nodes if e["args"].get("op_name") not in MASK_FREE_OPS
+                  and any(_is_square(shape, frames) for shape in _shapes(e["args"])))
+    return {"frames": frames, "threads": threads, "call_s": last["dur"] / 1e6, "mask_s": mask_us / 1e6,
+            "share": mask_us / last["dur"]}
+
+
+def _shapes(args: Mapping[str, Any]) -> list[list[int]]:
+    """The input and output shapes of a profiled node ([{dtype: shape}, ...] each)."""
+    return [shape for key in ("input_type_shape", "output_type_shape")
+            for entry in args.get(key, []) for shape in entry.values()]
+
+
+def _is_square(shape: Sequence[int], frames: int) -> bool:
+    return len(shape) >= 2 and shape[-1] == shape[-2] == frames
+
+
+def export_levers(bundle: RuntimeBundle, mask_cost: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The export-side levers, as our graphs stand (read from their specs and exporters, not re-done);
+    `mask_cost` is `attention_mask_cost`'s measurement, None where it was not taken."""
+    logp_shape = bundle.specs["llm"].outputs[0].shape
+    mask = ("not measured (--provider is not cpu)" if mask_cost is None else
+            f"measured: {mask_cost['share']:.1%} of a full-attention call at {mask_cost['frames']} frames "
+            f"({mask_cost['mask_s'] * 1e3:.3g} of {mask_cost['call_s'] * 1e3:.3g} ms, onnxruntime profile)")
+    return [
+        {"lever": "skip Qwen's 151,936-way output layer", "status": "done in the export",
+         "detail": f"the llm graph's only logits are `logp` {tuple(logp_shape)}: llm_decoder over the "
+                   f"{bundle.dims.speech_vocab} speech ids at the last position; Qwen's embedding and "
+                   "lm_head are not in the graph (embeddings are the runtime's tables)"},
+        {"lever": "remove the all-ones attention mask (DiT)", "status": "not done", "measured": mask_cost,
+         "detail": "flow_estimator takes `mask` and `block_frames` and builds a (2, 1, T, T) boolean "
+                   "attention mask in the graph, applied in every block as an additive bias with a NaN "
+                   "guard after the softmax (it carries the block-causal streaming pattern), so offline "
+                   f"full-attention calls pay for it too; {mask}"},
+        {"lever": "IOBinding and pre-allocated KV caches", "status": "not done",
+         "detail": "OrtRunner calls InferenceSession.run with numpy feeds; the llm graph returns "
+                   "present = concat(past, new) per layer, so every step allocates and copies the whole "
+                   "cache; pre-allocating it needs a graph contract with a cache written in place"},
+    ]

@@ -1,0 +1,187 @@
+"""The figures, how repeats are summarised and compared, and the table printed on stdout.
+
+`FIGURES` is the one list of per-case figures: the JSON keys, the table rows and the direction of each
+runtime-vs-torch ratio all come from it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .backend import Figures
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One per-case figure of a backend."""
+
+    key: str
+    label: str
+    unit: str
+    """As printed; `scale` converts the stored value (seconds, bytes) into it."""
+    better: Literal["lower", "higher"] | None
+    """Which way is faster; None: a description of the work, with no ratio."""
+    scale: float = 1.0
+
+
+FIGURES: tuple[Figure, ...] = (
+    Figure("first_chunk_cold_uncached_s", "first chunk, cold, prompt extracted", "s", "lower"),
+    Figure("first_chunk_cold_cached_s", "first chunk, cold, cached prompt", "s", "lower"),
+    Figure("first_chunk_warm_uncached_s", "first chunk, warm, prompt extracted", "s", "lower"),
+    Figure("first_chunk_warm_cached_s", "first chunk, warm, cached prompt", "s", "lower"),
+    Figure("first_chunk_audio_s", "first chunk's audio", "s", None),
+    Figure("rtf_offline", "RTF offline", "", "lower"),
+    Figure("rtf_stream", "RTF streaming", "", "lower"),
+    Figure("front_end_s", "front end (text)", "ms", "lower", 1e3),
+    Figure("prompt_s", "prompt features", "ms", "lower", 1e3),
+    Figure("llm_prefill_s", "LLM prefill", "ms", "lower", 1e3),
+    Figure("llm_per_token_s", "LLM per token", "ms", "lower", 1e3),
+    Figure("llm_tokens_per_s", "LLM tokens/s", "1/s", "higher"),
+    Figure("llm_s", "LLM total", "s", "lower"),
+    Figure("flow_s", "flow (encoder + ODE)", "s", "lower"),
+    Figure("flow_per_step_s", "flow per ODE step", "ms", "lower", 1e3),
+    Figure("hift_s", "HiFT", "s", "lower"),
+    Figure("llm_prefill_len", "LLM prefill positions", "", None),
+    Figure("llm_steps", "LLM steps (pinned)", "", None),
+    Figure("speech_tokens", "speech tokens kept", "", None),
+    Figure("audio_s", "audio", "s", None),
+    Figure("load_s", "open (cold)", "s", "lower"),
+    Figure("peak_rss_mib", "peak RSS (cold run)", "MiB", "lower"),
+    Figure("rss_baseline_mib", "RSS before opening", "MiB", None),
+    Figure("gpu_memory_peak_mib", "GPU memory peak", "MiB", "lower"),
+    Figure("gpu_utilization_mean_pct", "GPU utilisation mean", "%", None),
+)
+FIGURE_KEYS = tuple(f.key for f in FIGURES)
+
+
+def summarize(samples: Sequence[Figures]) -> Figures:
+    """Every figure's median over the repeats (None where no repeat has it); counts stay integers."""
+    out: Figures = {}
+    for key in FIGURE_KEYS:
+        values = [v for s in samples if (v := s.get(key)) is not None]
+        if not values:
+            out[key] = None
+        elif all(isinstance(v, int) for v in values):
+            out[key] = statistics.median_low(values)
+        else:
+            out[key] = float(statistics.median(values))
+    return out
+
+
+def speedups(runtime: Figures, torch: Figures) -> dict[str, float | None]:
+    """How many times faster the runtime is, per figure: torch / runtime for times, runtime / torch for
+    rates; None where either side lacks the figure or it describes the work."""
+    out: dict[str, float | None] = {}
+    for f in FIGURES:
+        a, b = runtime.get(f.key), torch.get(f.key)
+        if f.better is None or a is None or b is None or a <= 0 or b <= 0:
+            out[f.key] = None
+        else:
+            out[f.key] = b / a if f.better == "lower" else a / b
+    return out
+
+
+# --- the table ---------------------------------------------------------------------------------------
+
+
+def _num(value: Any, scale: float = 1.0) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, int) and scale == 1.0:
+        return str(value)
+    v = float(value) * scale
+    if v == 0 or not math.isfinite(v):
+        return f"{v:g}"
+    digits = max(0, 3 - int(math.floor(math.log10(abs(v)))) - 1)
+    return f"{v:.{min(digits, 6)}f}"
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    rows = [list(header), *map(list, rows)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                       for i, (cell, w) in enumerate(zip(r, widths, strict=True))) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def render(result: dict[str, Any]) -> str:
+    """The benchmark's JSON result as text tables."""
+    m, s = result["machine"], result["settings"]
+    lines = [
+        f"cosyvoice-bench on {m['cpu']} ({m['usable_cpus']} usable CPUs, {m['memory_gib']} GiB), "
+        f"provider {s['provider']}, {s['threads']} threads, onnxruntime {m['onnxruntime']}"
+        + (f", torch {m['torch']}" if m["torch"] else ""),
+        f"bundle {result['bundle']['path']} ({result['bundle']['precision']}), prompt "
+        f"{result['prompt']['seconds']:.2f} s / {result['prompt']['speech_tokens']} tokens, "
+        f"{s['repeat']} warm repeat(s), median shown",
+        f"memory bandwidth {_num(m['memory_bandwidth_gbs'])} GB/s (numpy copy, {s['threads']} threads)",
+        "first pipeline of the process: " + "; ".join(
+            f"{name} opened in {_num(f['load_s'])} s, first chunk after {_num(f['first_chunk_s'])} s"
+            for name, f in result["first_use"].items()),
+        "",
+    ]
+    vs_torch = any(c["torch"] is not None for c in result["cases"])
+    if vs_torch:
+        lines[-1:-1] = ["runtime ×: how many times faster (smaller) the runtime is: torch ÷ runtime for "
+                        "times and memory, runtime ÷ torch for tokens/s"]
+    for case in result["cases"]:
+        lines.append(f"{case['length']}: {case['pinned_tokens']} LLM steps pinned; text: {case['text']!r}")
+        header = ["figure", "unit", "runtime"] + (["torch", "runtime ×"] if vs_torch else [])
+        rows = []
+        for f in FIGURES:
+            rt, th = case["runtime"][f.key], (case["torch"] or {}).get(f.key)
+            if rt is None and th is None:
+                continue
+            row = [f.label, f.unit, _num(rt, f.scale)]
+            if vs_torch:
+                row += [_num(th, f.scale), _num((case["speedup"] or {}).get(f.key))]
+            rows.append(row)
+        lines += ["  " + line for line in _table(header, rows)]
+        if vs_torch:
+            lines.append(f"  same speech tokens as torch: {_num(case['same_speech_tokens'])}")
+        lines += ["  " + line for line in _bounds(case["bounds"], vs_torch)] + [""]
+    if result["concurrency"]:
+        lines.append("concurrency (runtime, streamed sessions in threads, cached prompt)")
+        header = ["sessions", "length", "shared", "wall s", "audio s", "audio s/s", "session RTF",
+                  "first chunk mean s", "max s", "outputs match"]
+        lines += ["  " + line for line in _table(header, (
+            [str(r["level"]), r["length"], _num(r["shared_synthesizer"]), _num(r["wall_s"]),
+             _num(r["audio_s"]), _num(r["audio_s_per_s"]), _num(r["session_rtf_mean"]),
+             _num(r["first_chunk_mean_s"]), _num(r["first_chunk_max_s"]), _num(r["outputs_match"])]
+            for r in result["concurrency"]))] + [""]
+    levers = result["levers"]
+    if levers["onnxruntime"]:
+        lines.append("onnxruntime levers (CPU, ms per call, median; * = what the runtime uses)")
+        lines += ["  " + line for line in _table(
+            ["graph", "shape", "optimization", "threads", "ms"],
+            ([r["graph"], ", ".join(f"{k}={v}" for k, v in r["shape"].items()), r["optimization"],
+              str(r["threads"]), _num(r["seconds_per_call"], 1e3) + (" *" if r["runtime_default"] else "")]
+             for r in levers["onnxruntime"]))]
+        lines.append("")
+    lines.append("export levers")
+    lines += [f"  {e['lever']}: {e['status']}. {e['detail']}" for e in levers["export"]]
+    if result["notes"]:
+        lines += ["", "notes"] + [f"  {k}: {v}" for k, v in result["notes"].items()]
+    return "\n".join(lines)
+
+
+def _bounds(b: dict[str, Any], vs_torch: bool) -> list[str]:
+    m, k, n = b["matmul_shape"]
+    torch_llm = f", torch {_num(b['llm_fraction_torch'])}" if vs_torch else ""
+    torch_dit = f", torch {_num(b['dit_fraction_torch'])}" if vs_torch else ""
+    return [
+        f"bound LLM: {_num(b['llm_bytes_per_token'], 1e-6)} MB read per token / "
+        f"{_num(b['memory_bandwidth_gbs'])} GB/s = {_num(b['llm_bound_s_per_token'], 1e3)} ms per token; "
+        f"fraction reached: runtime {_num(b['llm_fraction_runtime'])}{torch_llm}",
+        f"bound DiT: {_num(b['dit_flops_per_step'], 1e-9)} GFLOP per ODE step at {b['frames']} frames / "
+        f"{_num(b['matmul_gflops'])} GFLOP/s (MatMul ({m}, {k}) x ({k}, {n})) = "
+        f"{_num(b['dit_bound_s_per_step'], 1e3)} ms per step; fraction reached: runtime "
+        f"{_num(b['dit_fraction_runtime'])}{torch_dit}",
+    ]

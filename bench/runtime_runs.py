@@ -1,0 +1,191 @@
+"""The runtime's side: a `Synthesizer` with its front end, run through the `Backend` interface, and
+concurrent sessions.
+
+Sharing one `Synthesizer` between threads is safe for the onnxruntime providers: onnxruntime's
+`InferenceSession.run` is thread-safe, and every per-request state (the `Decoding`, the stream's
+accumulated mel and vocoder window) is created per call; the `Synthesizer`, `Flow`, `Vocoder` and
+runners only read their own attributes while running. A `TrtRunner` keeps device buffers and an
+execution context per runner, so under `--provider trt` every session gets its own `Synthesizer`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.cli import segments
+from cosyvoice_runtime.frontend import (
+    PromptFeatures,
+    TextFrontend,
+    TextTokenizer,
+    extract_prompt,
+    open_session,
+)
+from cosyvoice_runtime.runners import TRT
+from cosyvoice_runtime.sampling import make_sampler
+from cosyvoice_runtime.synthesis import AudioChunk, Mode, Synthesizer
+
+from .backend import FirstChunk, OfflineRun, StreamRun
+from .cases import Case
+from .measure import CallLog, llm_figures, mean, prefill_length
+
+
+@dataclass(frozen=True)
+class _Request:
+    """A case's text after the front end: what the LLM request is built from."""
+
+    text_ids: list[int]
+    prompt_text_ids: list[int]
+
+
+class RuntimeBackend:
+    """The torch-free runtime on one provider: `Synthesizer`, prompt models, tokenizer and normaliser."""
+
+    name = "runtime"
+
+    def __init__(self, bundle: RuntimeBundle, *, provider: str, threads: int, prompt_text: str, seed: int
+                 ) -> None:
+        """Open every graph on `provider` with `threads` intra-op threads; `prompt_text` is the prompt
+        recording's transcript (zero-shot), `seed` the RAS sampler's."""
+        start = time.perf_counter()
+        self.bundle, self.provider, self.threads = bundle, provider, threads
+        self.prompt_text, self.seed = prompt_text, seed
+        self.synth = Synthesizer(bundle, provider, threads=threads)
+        try:
+            self._campplus = open_session(bundle.frontend_path("campplus"))
+            self._speech_tokenizer = open_session(bundle.frontend_path("speech_tokenizer"))
+            self._tokenizer = TextTokenizer(bundle.tokenizer_dir)
+            self._frontend = TextFrontend(self._tokenizer)
+        except BaseException:
+            self.synth.close()
+            raise
+        self._log = CallLog()
+        self.load_s = time.perf_counter() - start
+
+    def prompt_features(self, wav: Path) -> PromptFeatures:
+        return extract_prompt(wav, self._campplus, self._speech_tokenizer, self.synth.dims.token_mel_ratio)
+
+    def _request(self, case: Case) -> _Request:
+        """The front end: normalise, split and tokenise as `cosyvoice-run` does; the segments' ids are
+        joined into one LLM request (the bench texts are one segment with the real tokenizer)."""
+        pieces = segments(case.text, Mode.ZERO_SHOT, self._tokenizer, self._frontend,
+                          prompt_text=self.prompt_text)
+        return _Request([i for p in pieces for i in p.text_ids], pieces[0].prompt_text_ids)
+
+    def _chunks(self, synth: Synthesizer, request: _Request, prompt: PromptFeatures, tokens: int
+                ) -> Iterator[AudioChunk]:
+        return synth.stream(request.text_ids, prompt, sampler=make_sampler("ras", self.seed),
+                            prompt_text_ids=request.prompt_text_ids, max_tokens=tokens, ignore_stop=True)
+
+    def first_chunk(self, case: Case, prompt: PromptFeatures) -> FirstChunk:
+        start = time.perf_counter()
+        chunk = next(self._chunks(self.synth, self._request(case), prompt, case.tokens))
+        return FirstChunk(time.perf_counter() - start, len(chunk.samples) / self.synth.sample_rate)
+
+    def stream(self, case: Case, prompt: PromptFeatures) -> StreamRun:
+        start = time.perf_counter()
+        first: FirstChunk | None = None
+        parts = []
+        for chunk in self._chunks(self.synth, self._request(case), prompt, case.tokens):
+            if first is None:
+                first = FirstChunk(time.perf_counter() - start, len(chunk.samples) / self.synth.sample_rate)
+            parts.append(chunk.samples)
+        seconds = time.perf_counter() - start
+        assert first is not None  # a stream always ends with a final chunk
+        audio = np.concatenate(parts)
+        return StreamRun(first, seconds, len(audio) / self.synth.sample_rate,
+                         hashlib.sha256(audio.tobytes()).hexdigest())
+
+    def offline(self, case: Case, prompt: PromptFeatures) -> OfflineRun:
+        start = time.perf_counter()
+        request = self._request(case)
+        front_end_s = time.perf_counter() - start
+        synth = self.synth
+        calls = {"llm": (synth.lm.runner, "infer"), "estimator": (synth.flow.estimator, "infer")}
+        with self._log.wrap(calls):
+            result = synth.synthesize(request.text_ids, prompt, sampler=make_sampler("ras", self.seed),
+                                      prompt_text_ids=request.prompt_text_ids, max_tokens=case.tokens,
+                                      ignore_stop=True)
+        seconds = time.perf_counter() - start
+        audio_s = len(result.audio) / synth.sample_rate
+        figures = {
+            "front_end_s": front_end_s,
+            "llm_prefill_len": prefill_length(request.text_ids, request.prompt_text_ids,
+                                              prompt.speech_tokens.shape[1]),
+            **llm_figures(result.timings["llm"], self._log.seconds("llm")),
+            "speech_tokens": len(result.speech_tokens),
+            "flow_s": result.timings["flow"],
+            "flow_per_step_s": mean(self._log.seconds("estimator")),
+            "hift_s": result.timings["vocoder"],
+            "audio_s": audio_s,
+            "rtf_offline": seconds / audio_s,
+        }
+        return OfflineRun(figures, list(result.speech_tokens))
+
+    def concurrent(self, case: Case, prompt: PromptFeatures, level: int, reference_sha256: str
+                   ) -> dict[str, Any]:
+        """`level` streamed sessions of `case` started together on `level` threads, from tokenised text
+        and a cached prompt (the front end stays outside: wetext's thread safety is not ours to claim).
+
+        `outputs_match` compares every session's audio with `reference_sha256` (a single stream of the
+        same case and seed): sessions that share the `Synthesizer` must not disturb each other.
+        """
+        request = self._request(case)
+        shared = self.provider != TRT
+        synths = ([self.synth] * level if shared else
+                  [Synthesizer(self.bundle, self.provider, threads=self.threads) for _ in range(level)])
+        barrier = threading.Barrier(level)
+
+        def session(synth: Synthesizer) -> tuple[float, float, float, float, str]:
+            barrier.wait()
+            start = time.perf_counter()
+            first = None
+            parts = []
+            for chunk in self._chunks(synth, request, prompt, case.tokens):
+                first = time.perf_counter() - start if first is None else first
+                parts.append(chunk.samples)
+            end = time.perf_counter()
+            audio = np.concatenate(parts)
+            assert first is not None
+            return (start, end, first, len(audio) / synth.sample_rate,
+                    hashlib.sha256(audio.tobytes()).hexdigest())
+
+        try:
+            with ThreadPoolExecutor(level) as pool:
+                runs = list(pool.map(session, synths))
+        finally:
+            for synth in synths:
+                if synth is not self.synth:
+                    synth.close()
+        return _concurrency_row(case, level, shared, runs, reference_sha256)
+
+    def close(self) -> None:
+        self.synth.close()
+
+
+def _concurrency_row(case: Case, level: int, shared: bool,
+                     runs: Sequence[tuple[float, float, float, float, str]], reference_sha256: str
+                     ) -> dict[str, Any]:
+    wall = max(r[1] for r in runs) - min(r[0] for r in runs)
+    audio = sum(r[3] for r in runs)
+    return {
+        "level": level,
+        "length": case.name,
+        "shared_synthesizer": shared,
+        "wall_s": wall,
+        "audio_s": audio,
+        "audio_s_per_s": audio / wall,
+        "session_rtf_mean": mean([(r[1] - r[0]) / r[3] for r in runs]),
+        "first_chunk_mean_s": mean([r[2] for r in runs]),
+        "first_chunk_max_s": max(r[2] for r in runs),
+        "outputs_match": all(r[4] == reference_sha256 for r in runs),
+    }

@@ -1,0 +1,341 @@
+"""The benchmark run: returns the JSON-ready result that `report.render` prints.
+
+Order: every case cold on fresh pipelines, one pipeline in the process at a time (where peak RSS is
+taken); then each backend opened once and warmed up, and per case `repeat` rounds in which the runtime
+and the torch reference run the same work back to back; concurrency (runtime); with the pipelines
+closed, the onnxruntime levers (CPU provider) and last the machine's bandwidth and matmul speed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.runners import CPU, OPTIMIZATION
+
+from .backend import Backend, Figures
+from .bounds import (
+    ModelShapes,
+    dit_flops_per_step,
+    dit_matmul_shape,
+    fraction_of_bound,
+    llm_bytes_per_token,
+    llm_weight_count,
+)
+from .cases import Case
+from .levers import LEVER_THREADS, attention_mask_cost, export_levers, onnxruntime_levers
+from .machine import describe, matmul_gflops, memory_bandwidth
+from .measure import GpuSampler, GpuUsage, peak_rss_bytes, reset_peak_rss, rss_bytes
+from .report import speedups, summarize
+from .runtime_runs import RuntimeBackend
+
+SCHEMA = "cosyvoice-bench/1"
+MIB = 2**20
+Step = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One benchmark run, as the command line gave it."""
+
+    model: Path
+    """The runtime bundle."""
+    prompt_wav: Path
+    prompt_text: str
+    cases: list[Case]
+    concurrency: list[int]
+    threads: int
+    provider: str
+    repeat: int
+    quick: bool
+    seed: int = 0
+    model_dir: Path | None = None
+    """The torch reference's model directory (`--vs-torch`), None for the runtime alone."""
+
+
+@dataclass
+class _Warm:
+    """What the warm phase leaves for the report."""
+
+    figures: dict[str, dict[str, list[Figures]]]
+    """backend -> case -> one figures dict per repeat."""
+    tokens: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    """backend -> case -> the offline speech tokens of the first repeat."""
+    stream_sha256: dict[str, str] = field(default_factory=dict)
+    """case -> the runtime's streamed audio hash (first repeat)."""
+    prompt_frames: int = 0
+    prompt_tokens: int = 0
+    concurrency: list[dict[str, Any]] = field(default_factory=list)
+
+
+def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
+    """Run the benchmark of `s` and return its result (the `--json` document)."""
+    bundle = RuntimeBundle.open(s.model)
+    shapes = ModelShapes.of(bundle)
+    factories: dict[str, Callable[[], Backend]] = {
+        "runtime": lambda: RuntimeBackend(bundle, provider=s.provider, threads=s.threads,
+                                          prompt_text=s.prompt_text, seed=s.seed)}
+    torch_version = None
+    if s.model_dir is not None:
+        import torch
+
+        from .torch_runs import TorchBackend
+
+        torch_version = torch.__version__
+        model_dir = s.model_dir
+        factories["torch"] = lambda: TorchBackend(model_dir, threads=s.threads, prompt_text=s.prompt_text,
+                                                  seed=s.seed)
+    measure_levers = s.provider == CPU
+    steps = (1 + len(s.cases) * len(factories) * (2 + s.repeat) + len(factories) + len(s.concurrency)
+             + (2 * len(OPTIMIZATION) * len(LEVER_THREADS) if measure_levers else 0) + 2 + len(s.cases))
+    with tqdm(total=steps, desc="cosyvoice-bench", unit="step", disable=not progress, leave=False) as bar:
+        def step(what: str) -> None:
+            bar.set_postfix_str(what)
+            bar.update()
+
+        first_use = {name: _first_use(f, s.cases[0], s.prompt_wav) for name, f in factories.items()}
+        step("first use in the process")
+        cold = {name: {c.name: _cold(f, c, s.prompt_wav, step) for c in s.cases}
+                for name, f in factories.items()}
+        gpu = GpuSampler() if s.provider != CPU else None
+        warm = _warm_phase(s, factories, gpu, step)
+        summary = {name: {c.name: {**summarize(warm.figures[name][c.name]), **cold[name][c.name]}
+                          for c in s.cases} for name in factories}
+        ratio = bundle.dims.token_mel_ratio
+        frames = {c.name: warm.prompt_frames + ratio * int(summary["runtime"][c.name]["speech_tokens"] or 0)
+                  for c in s.cases}
+        decode_past = {c.name: int(summary["runtime"][c.name]["llm_prefill_len"] or 0) + c.tokens // 2
+                       for c in s.cases}
+        longest = max(s.cases, key=lambda c: c.tokens).name
+        ort_levers = (onnxruntime_levers(bundle, frames=frames[longest], past_len=decode_past[longest],
+                                         runtime_threads=s.threads, repeats=1 if s.quick else 3,
+                                         on_row=lambda: step("onnxruntime levers"))
+                      if measure_levers else None)
+        mask_cost = (attention_mask_cost(bundle, frames=frames[longest], threads=s.threads)
+                     if measure_levers else None)
+        step("attention mask cost")
+        bandwidth = memory_bandwidth(s.threads, mib=64 if s.quick else 512, repeats=2 if s.quick else 5)
+        step("memory bandwidth")
+        cases = []
+        for case in s.cases:
+            matmul = dit_matmul_shape(shapes.dit, frames[case.name])
+            gflops = matmul_gflops(*matmul, s.threads, repeats=2 if s.quick else 5)
+            step(f"matmul {case.name}")
+            rt, th = summary["runtime"][case.name], summary.get("torch", {}).get(case.name)
+            cases.append({
+                "length": case.name, "text": case.text, "pinned_tokens": case.tokens,
+                "runtime": rt, "torch": th, "speedup": speedups(rt, th) if th is not None else None,
+                "same_speech_tokens": (warm.tokens["runtime"][case.name] == warm.tokens["torch"][case.name]
+                                       if th is not None else None),
+                "bounds": _bounds(shapes, frames[case.name], decode_past[case.name], bandwidth, matmul,
+                                  gflops, rt, th),
+            })
+    return {
+        "schema": SCHEMA,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "settings": {
+            "model": str(s.model), "model_dir": str(s.model_dir) if s.model_dir else None,
+            "prompt_wav": str(s.prompt_wav), "prompt_text": s.prompt_text, "mode": "zero-shot",
+            "sampling": "ras", "seed": s.seed, "threads": s.threads, "provider": s.provider,
+            "lengths": [c.name for c in s.cases], "concurrency": s.concurrency, "repeat": s.repeat,
+            "quick": s.quick,
+        },
+        "machine": {**describe(s.threads, torch_version), "memory_bandwidth_gbs": bandwidth},
+        "bundle": {
+            "path": str(s.model), "precision": bundle.manifest.get("precision"),
+            "format_version": bundle.manifest.get("format_version"), "dims": asdict(bundle.dims),
+            "llm_weights": llm_weight_count(shapes.qwen, shapes.speech_vocab), "dit": asdict(shapes.dit),
+        },
+        "prompt": {"wav": str(s.prompt_wav), "speech_tokens": warm.prompt_tokens,
+                   "seconds": warm.prompt_frames * bundle.dims.samples_per_frame / bundle.dims.sample_rate},
+        "first_use": first_use,
+        "cases": cases,
+        "concurrency": warm.concurrency,
+        "levers": {"onnxruntime": ort_levers, "export": export_levers(bundle, mask_cost)},
+        "notes": _notes(s, gpu),
+    }
+
+
+def _first_use(factory: Callable[[], Backend], case: Case, wav: Path) -> dict[str, float]:
+    """The first pipeline of the process, up to its first chunk with the prompt extracted: it also pays
+    what a process loads once (the text normaliser's grammars, libraries' first calls), which the
+    cold figures then leave out."""
+    backend = factory()
+    try:
+        start = time.perf_counter()
+        prompt = backend.prompt_features(wav)
+        prompt_s = time.perf_counter() - start
+        first = backend.first_chunk(case, prompt)
+        return {"load_s": backend.load_s, "first_chunk_s": prompt_s + first.seconds}
+    finally:
+        backend.close()
+
+
+def _cold(factory: Callable[[], Backend], case: Case, wav: Path, step: Step) -> Figures:
+    """Two fresh pipelines, each alone in the process. The first extracts the prompt inside the timed
+    region and synthesises the whole case (streamed where the backend can, else its first chunk and then
+    offline), which is where the peak RSS is taken; the second starts from the prompt the first
+    extracted."""
+    baseline = rss_bytes()
+    reset_peak_rss()
+    backend = factory()
+    try:
+        start = time.perf_counter()
+        prompt = backend.prompt_features(wav)
+        prompt_s = time.perf_counter() - start
+        streamed = backend.stream(case, prompt)
+        if streamed is None:
+            first = backend.first_chunk(case, prompt)
+            backend.offline(case, prompt)
+        else:
+            first = streamed.first
+        load_s, peak = backend.load_s, peak_rss_bytes()
+    finally:
+        backend.close()
+    step(f"{backend.name} cold {case.name}")
+    backend = factory()
+    try:
+        cached = backend.first_chunk(case, prompt)
+    finally:
+        backend.close()
+    step(f"{backend.name} cold {case.name}, cached prompt")
+    return {"first_chunk_cold_uncached_s": prompt_s + first.seconds,
+            "first_chunk_cold_cached_s": cached.seconds, "load_s": load_s,
+            "peak_rss_mib": peak / MIB, "rss_baseline_mib": baseline / MIB if baseline is not None else None}
+
+
+def _warm_phase(s: Settings, factories: dict[str, Callable[[], Backend]], gpu: GpuSampler | None,
+                step: Step) -> _Warm:
+    """Open every backend, warm each up on the first case, run the rounds, then the concurrency levels."""
+    backends: dict[str, Backend] = {}
+    try:
+        for name, factory in factories.items():
+            backends[name] = factory()
+        prompts = {name: b.prompt_features(s.prompt_wav) for name, b in backends.items()}
+        for name, b in backends.items():
+            b.first_chunk(s.cases[0], prompts[name])
+            b.offline(s.cases[0], prompts[name])
+            step(f"{name} warm-up")
+        warm = _Warm({name: {c.name: [] for c in s.cases} for name in backends},
+                     {name: {} for name in backends})
+        for case in s.cases:
+            for r in range(s.repeat):
+                for name, b in backends.items():
+                    figures, sha, tokens = _warm(b, case, s.prompt_wav, prompts[name],
+                                                 gpu if name == "runtime" else None)
+                    warm.figures[name][case.name].append(figures)
+                    warm.tokens[name].setdefault(case.name, tokens)
+                    if sha is not None:
+                        warm.stream_sha256.setdefault(case.name, sha)
+                    step(f"{name} {case.name} {r + 1}/{s.repeat}")
+        runtime = backends["runtime"]
+        assert isinstance(runtime, RuntimeBackend)
+        prompt = prompts["runtime"]
+        warm.prompt_frames, warm.prompt_tokens = prompt.mel.shape[1], prompt.speech_tokens.shape[1]
+        longest = max(s.cases, key=lambda c: c.tokens)
+        for level in s.concurrency:
+            warm.concurrency.append(runtime.concurrent(longest, prompt, level,
+                                                       warm.stream_sha256[longest.name]))
+            step(f"concurrency {level}")
+        return warm
+    finally:
+        for b in backends.values():
+            b.close()
+
+
+def _warm(b: Backend, case: Case, wav: Path, prompt: Any, gpu: GpuSampler | None
+          ) -> tuple[Figures, str | None, list[int]]:
+    """One warm round of `case`: the first chunk with the prompt extracted in the timed region; streamed
+    with the cached prompt (just the first chunk where the backend cannot stream); offline with stage
+    timings. Returns the figures, the streamed audio's sha256 and the offline speech tokens."""
+    none: Callable[[], GpuUsage | None] = lambda: None  # noqa: E731
+    with gpu.sample() if gpu is not None else nullcontext(none) as usage:
+        start = time.perf_counter()
+        fresh = b.prompt_features(wav)
+        prompt_s = time.perf_counter() - start
+        uncached = b.first_chunk(case, fresh)
+        streamed = b.stream(case, prompt)
+        cached = streamed.first if streamed is not None else b.first_chunk(case, prompt)
+        offline = b.offline(case, prompt)
+    gpu_usage = usage()
+    figures: Figures = {
+        "prompt_s": prompt_s,
+        "first_chunk_warm_uncached_s": prompt_s + uncached.seconds,
+        "first_chunk_warm_cached_s": cached.seconds,
+        "first_chunk_audio_s": cached.audio_s,
+        "rtf_stream": streamed.seconds / streamed.audio_s if streamed is not None else None,
+        **offline.figures,
+        "gpu_memory_peak_mib": gpu_usage.memory_peak_mib if gpu_usage else None,
+        "gpu_utilization_mean_pct": gpu_usage.utilization_mean_pct if gpu_usage else None,
+    }
+    return figures, streamed.sha256 if streamed is not None else None, offline.speech_tokens
+
+
+def _bounds(shapes: ModelShapes, frames: int, decode_past: int, bandwidth_gbs: float,
+            matmul: tuple[int, int, int], gflops: float, rt: Figures, th: Figures | None) -> dict[str, Any]:
+    """The case's LLM and DiT bounds and the fraction of each that the backends reach."""
+    llm_bytes = llm_bytes_per_token(shapes, decode_past)
+    llm_bound = llm_bytes / (bandwidth_gbs * 1e9)
+    dit_flops = dit_flops_per_step(shapes.dit, frames)
+    dit_bound = dit_flops / (gflops * 1e9)
+
+    def reached(bound: float, key: str, figures: Figures | None) -> float | None:
+        value = figures.get(key) if figures is not None else None
+        return fraction_of_bound(bound, float(value) if value is not None else None)
+
+    return {
+        "llm_decode_past_len": decode_past, "llm_bytes_per_token": llm_bytes,
+        "memory_bandwidth_gbs": bandwidth_gbs, "llm_bound_s_per_token": llm_bound,
+        "llm_fraction_runtime": reached(llm_bound, "llm_per_token_s", rt),
+        "llm_fraction_torch": reached(llm_bound, "llm_per_token_s", th),
+        "frames": frames, "dit_flops_per_step": dit_flops, "matmul_shape": list(matmul),
+        "matmul_gflops": gflops, "dit_bound_s_per_step": dit_bound,
+        "dit_fraction_runtime": reached(dit_bound, "flow_per_step_s", rt),
+        "dit_fraction_torch": reached(dit_bound, "flow_per_step_s", th),
+    }
+
+
+def _notes(s: Settings, gpu: GpuSampler | None) -> dict[str, str]:
+    """What the figures mean where the table cannot say it, and why some are null."""
+    notes = {
+        "first_use": "the process's first pipeline, opened and run to its first chunk (prompt extracted, "
+                     f"{s.cases[0].name} case) before the cold runs: it also pays the process's one-time "
+                     "loads (e.g. the text normaliser's grammars)",
+        "first_chunk": "from the request (text, before its front end) to the first chunk's samples; "
+                       "'prompt extracted' adds the prompt's feature extraction, 'cached prompt' starts "
+                       "from features extracted before; cold = the first synthesis of a freshly opened "
+                       "pipeline, warm = after a warm-up",
+        "llm_per_token": "(LLM time - prefill call) / (steps - 1): a decode step with its embedding lookup "
+                         "and sampling; tokens/s = steps / LLM time, prefill included",
+        "rtf": "wall time from the request (text front end included, prompt cached) to the last sample, "
+               "divided by the audio's duration",
+        "peak_rss": "process peak while a fresh pipeline opened and synthesised the case cold, no other "
+                    "pipeline loaded; it includes the interpreter and every imported library",
+        "bounds": "fraction reached = bound / measured (1 = at the hardware bound); LLM: weights (the "
+                  "exported graph's, from the bundle's dims) plus the KV cache at the mean decode "
+                  "position, read once per token; DiT: one ODE step (both CFG rows, full attention) "
+                  "over the case's frames",
+    }
+    if s.concurrency:
+        notes["concurrency"] = ("runtime only: sessions start from tokenised text and a cached prompt; "
+                                "outputs match = every session's audio equals a single stream's")
+    if s.model_dir is not None:
+        notes["torch"] = ("eager float32 on the CPU, torch.set_num_threads = --threads; no streaming path, "
+                          "so its first chunk is the first hop + look-ahead decoded, the block-causal "
+                          "flow and the non-final HiFT back to back, and its streaming RTF is not "
+                          "measured; its front end tokenises only (no text normalisation)")
+    if gpu is None:
+        notes["gpu"] = f"provider {s.provider}: no GPU in use, GPU figures are null"
+    elif not gpu.available:
+        notes["gpu"] = "nvidia-smi not found: GPU figures are null"
+    if s.provider != CPU:
+        notes["levers"] = f"onnxruntime's CPU levers are measured with --provider {CPU} only"
+    return notes

@@ -1,0 +1,222 @@
+"""`cosyvoice-bench` on the tiny bundle: the pinned LLM step count (runtime and torch reference), a quick
+run of the runtime alone without torch, a quick `--vs-torch` run, and bad input. No timing assertions:
+only that every figure is there, with the right type and a sane value."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cosyvoice_bench.cli import main
+from cosyvoice_bench.measure import CallLog
+from cosyvoice_bench.report import FIGURE_KEYS
+from cosyvoice_export.bundle.layout import PROMPT_TEXT, PROMPT_WAV
+from cosyvoice_export.bundle.model_dir import ModelBundle
+from cosyvoice_export.nets.llm import CosyVoice3LM
+from cosyvoice_export.reference.llm_decode import GreedySampler as TorchGreedy
+from cosyvoice_export.reference.llm_decode import generate_speech_tokens
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.llm import LlmRequest, SpeechTokenLM
+from cosyvoice_runtime.sampling import GreedySampler, SilentTokenLimiter
+from cosyvoice_runtime.synthesis import Synthesizer
+
+PINNED = 37
+
+# --- the pinned step count ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lm(runtime_bundle: Path) -> Iterator[SpeechTokenLM]:
+    with Synthesizer(RuntimeBundle.open(runtime_bundle), threads=1) as synth:
+        yield synth.lm
+
+
+@pytest.fixture(scope="module")
+def torch_lm(tiny_bundle: Path) -> CosyVoice3LM:
+    net = ModelBundle.open(tiny_bundle).load_network("llm")
+    assert isinstance(net, CosyVoice3LM)
+    return net
+
+
+def _request(lm: SpeechTokenLM) -> LlmRequest:
+    return LlmRequest(text_ids=(5, 6, 7, lm.endofprompt_id), prompt_text_ids=(8, 9),
+                      prompt_speech_tokens=(11, 12, 13, 14))
+
+
+class _StopFirst:
+    """Picks eos whenever it may, else the argmax: decoding ends at once unless the stop ids are masked."""
+
+    def __init__(self, eos: int) -> None:
+        self.eos = eos
+
+    def __call__(self, logp: Any, history: Sequence[int]) -> int:
+        scores = np.asarray(logp)
+        return self.eos if np.isfinite(scores[self.eos]) else int(np.argmax(scores))
+
+
+def test_pinned_decoding_runs_exactly_n_steps_without_stop_ids(lm: SpeechTokenLM) -> None:
+    eos = lm.speech_token_size + 1
+    default = lm.decode(_request(lm), _StopFirst(eos), max_tokens=PINNED)
+    assert default.run() == [] and default.steps == 1 and default.stop_id == eos  # unchanged by default
+    pinned = lm.decode(_request(lm), _StopFirst(eos), max_tokens=PINNED, ignore_stop=True)
+    tokens = pinned.run()
+    assert pinned.steps == len(pinned.history) == PINNED and pinned.stop_id is None
+    assert max(pinned.history) < lm.speech_token_size
+    limiter = SilentTokenLimiter()
+    assert tokens == [t for t in pinned.history if limiter.keep(t)]
+
+
+def test_pinned_greedy_tokens_equal_the_reference(lm: SpeechTokenLM, torch_lm: CosyVoice3LM) -> None:
+    request = _request(lm)
+    runtime = lm.decode(request, GreedySampler(), max_tokens=PINNED, ignore_stop=True)
+    tokens = runtime.run()
+    log = CallLog()
+    with log.wrap({"step": (torch_lm, "forward_step")}):
+        reference = generate_speech_tokens(torch_lm, request.text_ids, request.prompt_text_ids,
+                                           request.prompt_speech_tokens, lm.endofprompt_id, TorchGreedy(),
+                                           max_tokens=PINNED, ignore_stop=True)
+    assert reference == tokens and len(log.seconds("step")) == runtime.steps == PINNED
+    eos = lm.speech_token_size + 1
+    stop_first = _StopFirst(eos)
+    assert generate_speech_tokens(torch_lm, request.text_ids, request.prompt_text_ids,
+                                  request.prompt_speech_tokens, lm.endofprompt_id, stop_first,
+                                  max_tokens=PINNED) == []
+    pinned = generate_speech_tokens(torch_lm, request.text_ids, request.prompt_text_ids,
+                                    request.prompt_speech_tokens, lm.endofprompt_id, stop_first,
+                                    max_tokens=PINNED, ignore_stop=True)
+    assert pinned == lm.decode(request, stop_first, max_tokens=PINNED, ignore_stop=True).run()
+    assert "forward_step" not in vars(torch_lm)  # CallLog put the method back
+
+
+# --- the benchmark -------------------------------------------------------------------------------------
+
+
+def _args(runtime_bundle: Path, out: Path) -> list[str]:
+    return ["--model", str(runtime_bundle), "--quick", "--threads", "1", "--json", str(out), "--no-progress"]
+
+
+def _prompt_args(tiny_bundle: Path) -> list[str]:
+    return ["--prompt-wav", str(tiny_bundle / PROMPT_WAV),
+            "--prompt-text", (tiny_bundle / PROMPT_TEXT).read_text().strip()]
+
+
+def _check_figures(figures: dict[str, Any], pinned: int, *, torch_side: bool) -> None:
+    assert set(figures) == set(FIGURE_KEYS)
+    absent = {"gpu_memory_peak_mib", "gpu_utilization_mean_pct"} | ({"rtf_stream"} if torch_side else set())
+    for key, value in figures.items():
+        if key in absent:
+            assert value is None, key
+        else:
+            assert isinstance(value, int | float) and not isinstance(value, bool) and value > 0, (key, value)
+    assert figures["llm_steps"] == pinned and 0 < figures["speech_tokens"] <= pinned
+    assert figures["first_chunk_audio_s"] <= figures["audio_s"]
+    assert figures["audio_s"] == pytest.approx(figures["speech_tokens"] * 2 * 480 / 24000)
+
+
+def _check_common(result: dict[str, Any], lengths: list[str], levels: list[int]) -> None:
+    assert result["schema"] == "cosyvoice-bench/1" and result["settings"]["lengths"] == lengths
+    machine = result["machine"]
+    assert machine["threads"] == 1 and machine["memory_bandwidth_gbs"] > 0 and machine["onnxruntime"]
+    assert [c["length"] for c in result["cases"]] == lengths
+    for case in result["cases"]:
+        bounds = case["bounds"]
+        for key in ("llm_bytes_per_token", "llm_bound_s_per_token", "llm_fraction_runtime", "frames",
+                    "dit_flops_per_step", "matmul_gflops", "dit_bound_s_per_step", "dit_fraction_runtime"):
+            assert bounds[key] > 0, key
+        _check_figures(case["runtime"], case["pinned_tokens"], torch_side=False)
+    assert [r["level"] for r in result["concurrency"]] == levels
+    for row in result["concurrency"]:
+        assert row["shared_synthesizer"] is True and row["outputs_match"] is True
+        assert row["wall_s"] > 0 and row["audio_s"] > 0 and row["first_chunk_max_s"] > 0
+    levers = result["levers"]["onnxruntime"]
+    assert len(levers) == 2 * 4 * 2 and all(r["seconds_per_call"] > 0 for r in levers)
+    assert sorted(r["graph"] for r in levers if r["runtime_default"]) == ["flow_estimator", "llm"]
+    assert {e["lever"] for e in result["levers"]["export"]} and "gpu" in result["notes"]
+    assert set(result["first_use"]) == ({"runtime", "torch"} if result["settings"]["model_dir"] else
+                                        {"runtime"})
+
+
+_BLOCK_TORCH = """
+import importlib.abc, sys
+
+class _Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "torchaudio", "transformers"):
+            raise ImportError(f"{name} is blocked in this test")
+        return None
+
+sys.meta_path.insert(0, _Block())
+"""
+
+
+def test_quick_run_of_the_runtime_without_torch(runtime_bundle: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"  # the prompt: the bundle's own
+    args = [*_args(runtime_bundle, out), "--lengths", "medium", "--concurrency", "1,2"]
+    script = _BLOCK_TORCH + textwrap.dedent(f"""
+        from cosyvoice_bench.cli import main
+        try:
+            main({args!r})
+        finally:
+            leaked = sorted(m for m in sys.modules if m.split(".")[0] == "torch")
+            assert not leaked, leaked
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RTF offline" in done.stdout and "first chunk, cold, cached prompt" in done.stdout
+    result = json.loads(out.read_text())
+    _check_common(result, ["medium"], [1, 2])
+    assert Path(result["settings"]["prompt_wav"]) == runtime_bundle / PROMPT_WAV
+    case = result["cases"][0]
+    assert case["torch"] is None and case["speedup"] is None and case["same_speech_tokens"] is None
+    assert case["pinned_tokens"] == 25  # half of --quick's 50
+
+
+def test_quick_run_beside_the_torch_reference(runtime_bundle: Path, tiny_bundle: Path, tmp_path: Path
+                                              ) -> None:
+    threads = torch.get_num_threads()
+    out = tmp_path / "bench.json"
+    args = [*_args(runtime_bundle, out), *_prompt_args(tiny_bundle), "--vs-torch",
+            "--model-dir", str(tiny_bundle), "--lengths", "short,long", "--concurrency", "1"]
+    done = CliRunner().invoke(main, args)
+    assert done.exit_code == 0, done.output
+    assert torch.get_num_threads() == threads  # the bench gives torch its thread count back
+    assert "runtime ×" in done.stdout and "same speech tokens as torch: yes" in done.stdout
+    result = json.loads(out.read_text())
+    _check_common(result, ["short", "long"], [1])
+    assert result["machine"]["torch"] == torch.__version__
+    for case in result["cases"]:
+        _check_figures(case["torch"], case["pinned_tokens"], torch_side=True)
+        assert case["same_speech_tokens"] is True
+        assert case["torch"]["first_chunk_audio_s"] == pytest.approx(case["runtime"]["first_chunk_audio_s"])
+        assert case["bounds"]["llm_fraction_torch"] > 0 and case["bounds"]["dit_fraction_torch"] > 0
+        speedup = case["speedup"]
+        assert set(speedup) == set(FIGURE_KEYS)
+        assert speedup["rtf_offline"] > 0 and speedup["rtf_stream"] is None and speedup["audio_s"] is None
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--lengths", "short,huge"], "--lengths: unknown length 'huge'; known: short, medium, long"),
+    (["--concurrency", "1,0"], "--concurrency: '0' is not a positive integer"),
+    (["--vs-torch"], "--vs-torch and --model-dir go together"),
+])
+def test_bad_input_is_one_line(runtime_bundle: Path, tmp_path: Path, extra: list[str], message: str) -> None:
+    done = CliRunner().invoke(main, [*_args(runtime_bundle, tmp_path / "x.json"), *extra])
+    assert done.exit_code == 2 and done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"error: {message}")
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_missing_bundle_is_one_line(tmp_path: Path) -> None:
+    done = CliRunner().invoke(main, _args(tmp_path / "nothing", tmp_path / "x.json"))
+    assert done.exit_code == 2 and done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"error: {tmp_path / 'nothing' / 'manifest.json'}: missing")
