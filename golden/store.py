@@ -58,10 +58,11 @@ def fingerprint(bundle: RuntimeBundle) -> dict[str, Any]:
 
 def check_same_model(recorded: Mapping[str, Any], bundle: RuntimeBundle, where: str) -> None:
     """Raise `GoldenError` unless `bundle` was exported from the model the golden at `where` was recorded
-    from (same model constants and source files): expectations from torch hold for any export of it."""
+    from (every model constant and source file the golden records, the same): expectations from torch
+    hold for any export of it. Constants or sources a later exporter records besides do not count."""
     now = fingerprint(bundle)
     for key in ("model", "sources"):
-        name = _first_difference(recorded.get(key, {}), now[key])
+        name = _recorded_difference(recorded.get(key, {}), now[key])
         if name is not None:
             raise GoldenError(
                 f"{where} was recorded from another model than {bundle.root}: {key} {name} is "
@@ -76,13 +77,13 @@ def export_difference(recorded: Mapping[str, Any], bundle: RuntimeBundle) -> str
     now = fingerprint(bundle)
     if recorded.get("precision") != now["precision"]:
         return f"a {now['precision']} bundle, recorded on {recorded.get('precision')}"
-    files = recorded.get("files", {})
-    name = _first_difference(files, {k: v for k, v in now["files"].items() if k in files})
+    name = _recorded_difference(recorded.get("files", {}), now["files"])
     return None if name is None else f"{name} differs from the recorded export"
 
 
-def _first_difference(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
-    return next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), None)
+def _recorded_difference(recorded: Mapping[str, Any], now: Mapping[str, Any]) -> str | None:
+    """The first key of `recorded` whose value `now` does not have."""
+    return next((k for k in sorted(recorded) if now.get(k) != recorded[k]), None)
 
 
 def _short(value: Any) -> str:
