@@ -1,0 +1,79 @@
+"""The FastAPI app: upstream's, the bridge's and OpenAI-style routes over one `Engine`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from . import routes_bridge, routes_openai, routes_speakers, routes_upstream
+from .engine import Engine
+from .errors import install_error_handlers
+from .metrics import ServerMetrics
+from .queue import SessionQueue
+from .responses import CANCELLED, OUTCOME, SYNTHESIS_TAG
+from .settings import ServerSettings
+from .speakers import SpeakerRegistry
+from .state import ServerState
+
+
+def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
+    """An app serving `engine` (which the caller opens and closes; several apps may share one).
+
+    Speakers are read from `settings.speakers_dir` now; the session workers stop with the app.
+    """
+    settings = settings or ServerSettings()
+    sessions = SessionQueue(settings.max_concurrency, settings.queue_depth, settings.timeout)
+    metrics = ServerMetrics(running=lambda: sessions.running, waiting=lambda: sessions.waiting)
+    state = ServerState(engine, settings, sessions, SpeakerRegistry(settings.speakers_dir,
+                                                                     engine.frontend_fingerprint), metrics)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        sessions.shutdown()
+
+    app = FastAPI(title="cosyvoice-serve", summary="CosyVoice3 text-to-speech over the torch-free runtime",
+                  lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    routers = [m.router for m in (routes_upstream, routes_bridge, routes_openai, routes_speakers)]
+    for router in routers:
+        app.include_router(router)
+    paths = frozenset(route.path for router in routers for route in router.routes
+                      if isinstance(route, APIRoute) and SYNTHESIS_TAG in route.tags)
+    app.add_middleware(CountSynthesisRequests, metrics=metrics, paths=paths)
+    return app
+
+
+class CountSynthesisRequests:
+    """Counts every request to a synthesis route once it is answered: success (2xx, the whole stream
+    sent), error (an error status, or a stream cut by an error), or neither when the client left."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, paths: frozenset[str]) -> None:
+        self.app, self.metrics, self.paths = app, metrics, paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        self.metrics.requests_total.inc()
+        status = 0
+
+        async def watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except BaseException:
+            self.metrics.requests_error.inc()
+            raise
+        if scope.get("state", {}).get(OUTCOME) == CANCELLED:
+            return
+        (self.metrics.requests_error if status >= 400 else self.metrics.requests_success).inc()

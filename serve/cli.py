@@ -1,0 +1,91 @@
+"""`cosyvoice-serve`: the HTTP server over the torch-free runtime (uvicorn)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import click
+import uvicorn
+
+from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
+from cosyvoice_runtime.cli import USER_ERRORS
+from cosyvoice_runtime.runners import CPU
+from cosyvoice_runtime.sampling import SAMPLINGS
+
+from .app import create_app
+from .engine import SERVER_PROVIDERS, Engine
+from .settings import (
+    DEFAULT_PORT,
+    HOST_ENV,
+    PORT_ENV,
+    SPEAKERS_DIR_ENV,
+    ServerSettings,
+    load_dotenv,
+)
+from .speakers import SpeakerError
+
+DOTENV = Path(".env")
+DEFAULTS = ServerSettings()
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--host", default="127.0.0.1", envvar=HOST_ENV, show_envvar=True,
+              help="Address to bind; 0.0.0.0 serves every interface (an explicit choice).")
+@click.option("--port", type=click.IntRange(1, 65535), default=DEFAULT_PORT, envvar=PORT_ENV,
+              show_envvar=True)
+@click.option("--model", type=click.Path(file_okay=False, path_type=Path),
+              help=f"Runtime bundle, or a model bundle to export on first use. Default: ${MODEL_DIR_ENV}, "
+                   "else the embedded demo bundle (as cosyvoice-run).")
+@click.option("--provider", type=click.Choice(SERVER_PROVIDERS), default=CPU, help="onnxruntime provider.")
+@click.option("--max-conc", type=click.IntRange(min=1), default=DEFAULTS.max_concurrency,
+              help="Sessions synthesising at once (one on the CPU: each graph call uses every core).")
+@click.option("--queue", "queue_depth", type=click.IntRange(min=0), default=DEFAULTS.queue_depth,
+              help="Sessions waiting for a slot; beyond them the server answers 503 at once.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=DEFAULTS.timeout,
+              help="Seconds a request may take from admission to its last sample.")
+@click.option("--speakers", "speakers_dir", type=click.Path(file_okay=False, path_type=Path),
+              envvar=SPEAKERS_DIR_ENV, show_envvar=True,
+              help=f"Registered speakers' folder [default: {DEFAULTS.speakers_dir}]")
+@click.option("--sampling", type=click.Choice(SAMPLINGS), default=DEFAULTS.sampling,
+              help="ras: upstream's repetition-aware sampling; greedy: argmax (exact comparisons).")
+@click.option("--seed", type=int, default=None,
+              help="Seed of requests that carry none [default: a random seed per request, as upstream].")
+@click.option("--max-text", type=click.IntRange(min=1), default=DEFAULTS.max_text_chars,
+              help="Longest text accepted (characters).")
+def serve(host: str, port: int, model: Path | None, provider: str, max_conc: int, queue_depth: int,
+          timeout: float, speakers_dir: Path | None, sampling: str, seed: int | None, max_text: int) -> None:
+    """Serve CosyVoice3 over HTTP: upstream's /inference_* endpoints, the bridge's /synthesize, /health,
+    /speakers and /metrics, and OpenAI-style /v1/audio/speech (no torch).
+
+    Options not given are read from the environment and then from ./.env (COSYVOICE_PORT,
+    COSYVOICE_HOST, COSYVOICE_MODEL_DIR, COSYVOICE_SPEAKERS_DIR).
+    """
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
+    settings = ServerSettings(max_concurrency=max_conc, queue_depth=queue_depth, timeout=timeout,
+                              max_text_chars=max_text, sampling=sampling, seed=seed,
+                              speakers_dir=speakers_dir or DEFAULTS.speakers_dir)
+    try:
+        engine = Engine.open(model, provider=provider)
+    except USER_ERRORS as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    try:
+        click.echo(f"model: {engine.origin}", err=True)
+        try:
+            app = create_app(engine, settings)
+        except SpeakerError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        click.echo(f"speakers: {settings.speakers_dir} ({len(app.state.server.speakers.names())} registered)",
+                   err=True)
+        uvicorn.run(app, host=host, port=port, log_level="info")
+    finally:
+        engine.close()
+
+
+def main() -> None:
+    """Console entry point: load ./.env (without overriding the environment), then run the command."""
+    load_dotenv(DOTENV)
+    serve()

@@ -1,0 +1,76 @@
+"""The server's error type and how every error reaches the client: a status and a one-line JSON body.
+
+Bodies are `{"detail": ..., "error": ..., "code": ...}`: `detail` is FastAPI's convention, `error` and
+`code` the bridge server's `ErrorResponse`, so clients of either read them unchanged. A `detail` names
+the request field at fault. Nothing answers with a traceback: an unexpected exception is logged and
+answers 500 with its type only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """An error with its HTTP status and one-line detail."""
+
+    def __init__(self, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = " ".join(detail.split())
+        self.headers = headers
+
+
+class FieldError(ApiError):
+    """Bad input in request field `field`; the detail starts with the field's name (prefixed if need be)."""
+
+    def __init__(self, field: str, message: str, status: int = 400) -> None:
+        super().__init__(status, message if message.startswith(field) else f"{field}: {message}")
+
+
+def error_response(status: int, detail: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """The JSON error body every route answers with."""
+    return JSONResponse({"detail": detail, "error": detail, "code": status}, status_code=status,
+                        headers=headers)
+
+
+def _validation_detail(error: RequestValidationError) -> str:
+    """FastAPI's validation errors as one line: `field: message; field: message`."""
+    parts = []
+    for item in error.errors():
+        loc = [str(p) for p in item.get("loc", ()) if p not in ("body", "query", "path")]
+        parts.append(f"{'.'.join(loc) or 'body'}: {item.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer `ApiError`, validation errors, Starlette's HTTP errors and anything unexpected alike."""
+
+    async def api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ApiError)
+        return error_response(exc.status, exc.detail, exc.headers)
+
+    async def validation_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return error_response(422, _validation_detail(exc))
+
+    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)
+        return error_response(exc.status_code, " ".join(str(exc.detail).split()), exc.headers)
+
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return error_response(500, f"internal error ({type(exc).__name__}); the server keeps serving")
+
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)

@@ -1,0 +1,124 @@
+"""Prometheus metrics in the text exposition format (version 0.0.4), written here in a few lines.
+
+Not prometheus_client: it renames every counter to end in `_total`, and the bridge server's counters
+are `tts_requests_success` and `tts_requests_error` (its Prometheus exporter keeps names as given);
+dashboards built on those names must keep working. Every metric is a process-wide number without
+labels, updated from any thread.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+RTF_BUCKETS = (0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+
+
+def _number(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value)) if value != int(value) else str(int(value))
+
+
+@dataclass
+class Counter:
+    """A number that only goes up."""
+
+    name: str
+    help: str
+    value: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def inc(self, amount: float = 1.0) -> None:
+        with self._lock:
+            self.value += amount
+
+    def render(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter",
+                f"{self.name} {_number(self.value)}"]
+
+
+@dataclass
+class Gauge:
+    """A number read when the metrics are scraped."""
+
+    name: str
+    help: str
+    read: Callable[[], float]
+
+    def render(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} gauge",
+                f"{self.name} {_number(self.read())}"]
+
+
+@dataclass
+class Histogram:
+    """Observations counted into cumulative buckets, with their sum and count."""
+
+    name: str
+    help: str
+    buckets: Sequence[float]
+    counts: list[int] = field(init=False)
+    sum: float = 0.0
+    count: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.buckets = tuple(sorted(self.buckets))
+        self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            index = bisect.bisect_left(self.buckets, value)
+            if index < len(self.counts):
+                self.counts[index] += 1
+            self.sum += value
+            self.count += 1
+
+    def render(self) -> list[str]:
+        with self._lock:
+            counts, total, count = list(self.counts), self.sum, self.count
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        running = 0
+        for bound, n in zip(self.buckets, counts, strict=True):
+            running += n
+            lines.append(f'{self.name}_bucket{{le="{_number(bound)}"}} {running}')
+        lines += [f'{self.name}_bucket{{le="+Inf"}} {count}', f"{self.name}_sum {_number(total)}",
+                  f"{self.name}_count {count}"]
+        return lines
+
+
+class ServerMetrics:
+    """The server's metrics: the bridge's five, first-chunk latency, the queue and session outcomes."""
+
+    def __init__(self, running: Callable[[], float], waiting: Callable[[], float]) -> None:
+        """`running` and `waiting` read the session queue's current counts."""
+        self.requests_total = Counter("tts_requests_total", "Synthesis requests received.")
+        self.requests_success = Counter("tts_requests_success", "Synthesis requests answered with audio.")
+        self.requests_error = Counter("tts_requests_error", "Synthesis requests answered with an error "
+                                                            "(rejections and timeouts included).")
+        self.requests_rejected = Counter("tts_requests_rejected", "Synthesis requests refused with 503 "
+                                                                  "because the queue was full.")
+        self.sessions_cancelled = Counter("tts_sessions_cancelled", "Sessions stopped because their client "
+                                                                    "went away.")
+        self.synthesis_seconds = Histogram("tts_synthesis_duration_seconds", "Seconds a session spent "
+                                           "synthesising (queue wait excluded).", SECONDS_BUCKETS)
+        self.rtf = Histogram("tts_rtf", "Real-time factor: synthesis seconds per second of audio.",
+                             RTF_BUCKETS)
+        self.first_chunk_seconds = Histogram("tts_first_chunk_latency_seconds", "Seconds from admission to "
+                                             "the first audio (queue wait included).", SECONDS_BUCKETS)
+        self.queue_depth = Gauge("tts_queue_depth", "Sessions admitted and waiting for a worker.", waiting)
+        self.active_sessions = Gauge("tts_active_sessions", "Sessions synthesising now.", running)
+        self._all: list[Counter | Gauge | Histogram] = [
+            self.requests_total, self.requests_success, self.requests_error, self.requests_rejected,
+            self.sessions_cancelled, self.synthesis_seconds, self.rtf, self.first_chunk_seconds,
+            self.queue_depth, self.active_sessions]
+
+    def render(self) -> str:
+        """Every metric in the text exposition format."""
+        return "\n".join(line for metric in self._all for line in metric.render()) + "\n"

@@ -1,0 +1,153 @@
+"""From a validated job to an HTTP response: admission, the wait for the first audio, streaming, metrics.
+
+Every synthesis route builds a `SynthesisJob` and hands it to `stream_response` or `offline_audio`.
+Both wait for the job's first audio before answering, so an error found before any audio (bad text or
+prompt, a timeout in the queue) is a proper 4xx/5xx rather than a cut stream; while they wait they watch
+the connection, and a client that goes away cancels its session, queued or running. During a stream,
+Starlette cancels the response when the client disconnects; the session is cancelled with it and its
+worker stops within one LLM step or one chunk's flow and vocoder call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import TypeVar
+
+import numpy as np
+from fastapi import Request, UploadFile
+from fastapi.responses import StreamingResponse
+
+from .audio import check_upload, pcm16
+from .engine import AudioUpload, Sampling, SynthesisJob
+from .errors import ApiError, FieldError
+from .queue import QueueFull, Session, SessionStream
+from .settings import ServerSettings
+from .state import ServerState
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+SYNTHESIS_TAG = "synthesis"
+"""The tag of the synthesis routes: the `tts_requests_*` counters count their requests."""
+OUTCOME = "synthesis_outcome"
+"""`request.state` key: "cancelled" when the client went away (the metrics middleware reads it)."""
+CANCELLED = "cancelled"
+
+
+class ClientGone(ApiError):
+    """The client closed the connection before any audio: nobody reads this answer."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "client closed the request")
+
+
+def require_text(value: str, field: str, settings: ServerSettings) -> str:
+    """`value` if it is non-blank and within the length limit, else a `FieldError` naming `field`."""
+    if not value.strip():
+        raise FieldError(field, f"{field} is empty")
+    if len(value) > settings.max_text_chars:
+        raise FieldError(field, f"{field} has {len(value)} characters; the limit is "
+                                f"{settings.max_text_chars}")
+    return value
+
+
+def request_sampling(settings: ServerSettings, seed: int | None) -> Sampling:
+    """The server's sampling with the request's seed, else the server's, else a fresh random one
+    (upstream samples unseeded)."""
+    if seed is None:
+        seed = settings.seed if settings.seed is not None else secrets.randbelow(2**31)
+    return Sampling(settings.sampling, seed)
+
+
+async def read_upload(upload: UploadFile, field: str) -> AudioUpload:
+    """An uploaded prompt recording's bytes, checked for size."""
+    return AudioUpload(check_upload(await upload.read(), field), field)
+
+
+def submit(state: ServerState, work: Callable[[Session], Iterable[T]]) -> SessionStream[T]:
+    """Admit `work` to the session queue (503 when full, counted)."""
+    try:
+        return state.sessions.submit(work)
+    except QueueFull:
+        state.metrics.requests_rejected.inc()
+        raise
+
+
+async def first_item(state: ServerState, request: Request, stream: SessionStream[T]) -> T:
+    """The session's first item, waiting for it while watching the connection (`ClientGone`)."""
+    item = asyncio.ensure_future(stream.next())
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({item, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not item.done():
+            item.cancel()
+            stream.cancel()
+    if not item.done():
+        _mark_cancelled(state, request)
+        raise ClientGone
+    first = item.result()
+    if first is None:
+        raise ApiError(500, "synthesis ended without audio")
+    return first
+
+
+async def offline_audio(state: ServerState, request: Request, job: SynthesisJob) -> np.ndarray:
+    """The job synthesised offline (`Engine.synthesize`): all of its samples."""
+    stream = submit(state, lambda session: state.engine.synthesize(job, session))
+    audio = await first_item(state, request, stream)
+    _record(state, stream.session, len(audio))
+    return audio
+
+
+async def stream_response(state: ServerState, request: Request, job: SynthesisJob, *, media_type: str,
+                          header: bytes = b"", headers: dict[str, str] | None = None) -> StreamingResponse:
+    """A response streaming the job's PCM16 as the runtime yields chunks, after `header`."""
+    stream = submit(state, lambda session: state.engine.stream(job, session))
+    first = await first_item(state, request, stream)
+    state.metrics.first_chunk_seconds.observe(time.monotonic() - stream.session.admitted)
+
+    async def body() -> AsyncIterator[bytes]:
+        samples = len(first)
+        try:
+            yield header + pcm16(first)
+            while (chunk := await stream.next()) is not None:
+                samples += len(chunk)
+                yield pcm16(chunk)
+        except (asyncio.CancelledError, GeneratorExit):
+            _mark_cancelled(state, request)
+            raise
+        except ApiError as e:  # after the status line: all that is left is to cut the stream
+            log.warning("%s: stream cut after %d samples: %s", request.url.path, samples, e.detail)
+            raise
+        finally:
+            stream.cancel()
+        _record(state, stream.session, samples)
+
+    return StreamingResponse(body(), media_type=media_type, headers=headers)
+
+
+def _record(state: ServerState, session: Session, samples: int) -> None:
+    """Duration and RTF of a session that finished with `samples` samples."""
+    if session.started is None or session.finished is None:
+        return
+    seconds = session.finished - session.started
+    state.metrics.synthesis_seconds.observe(seconds)
+    if samples:
+        state.metrics.rtf.observe(seconds / (samples / state.engine.sample_rate))
+
+
+def _mark_cancelled(state: ServerState, request: Request) -> None:
+    setattr(request.state, OUTCOME, CANCELLED)
+    state.metrics.sessions_cancelled.inc()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has disconnected (the request body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

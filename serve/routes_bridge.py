@@ -1,0 +1,81 @@
+"""The bridge server's API: `POST /synthesize` (JSON in, a WAV file out), `/health`, `/metrics`.
+
+`/synthesize` takes `text`, `prompt_audio`, `prompt_text`, `instruct`/`speaker`, `speed` (and `seed`).
+`prompt_audio` is the prompt recording's file, base64-encoded (a `data:` URL too). The bridge took a
+path on the server's disk; reading paths a client names is not safe on a shared server, so paths are
+refused. With a non-blank `prompt_text` it is zero-shot cloning; otherwise instruct2, with the
+instruction `instruct`, else `speaker` (the bridge passes its `speaker` field as the instruction),
+else "Speak naturally in English.". Synthesis is offline (upstream's non-streaming path, which honours
+`speed`); the answer is `audio/wav` with the audio's length in seconds in `X-Audio-Duration`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel, Field
+
+from cosyvoice_runtime.synthesis import Mode
+
+from .audio import decode_base64_audio, wav_bytes
+from .engine import AudioUpload, SynthesisJob
+from .errors import FieldError
+from .metrics import CONTENT_TYPE
+from .responses import SYNTHESIS_TAG, offline_audio, request_sampling, require_text
+from .state import State
+
+router = APIRouter()
+DEFAULT_INSTRUCTION = "Speak naturally in English."
+MISSING_PROMPT = "prompt_audio is required for CosyVoice3 synthesis"
+
+
+class SynthesizeRequest(BaseModel):
+    """The bridge's `SynthesizeRequest`, plus `instruct` and `seed`."""
+
+    text: str
+    prompt_audio: str | None = Field(None, description="The prompt recording's file, base64-encoded.")
+    prompt_text: str | None = Field(None, description="Its transcript: zero-shot cloning when given.")
+    instruct: str | None = Field(None, description="Instruction when prompt_text is not given.")
+    speaker: str | None = Field(None, description="The bridge's instruction field (if no instruct).")
+    speed: float = Field(1.0, ge=0.5, le=2.0, description="Speaking rate.")
+    seed: int | None = Field(None, description="Sampler seed; default --seed, else random.")
+
+
+@router.post("/synthesize", tags=[SYNTHESIS_TAG])
+async def synthesize(body: SynthesizeRequest, request: Request, state: State) -> Response:
+    """Text to a WAV file, zero-shot or instructed, in the voice of `prompt_audio`."""
+    settings = state.settings
+    text = require_text(body.text, "text", settings)
+    if body.prompt_audio is None or not body.prompt_audio.strip():
+        raise FieldError("prompt_audio", MISSING_PROMPT)
+    prompt = AudioUpload(decode_base64_audio(body.prompt_audio, "prompt_audio"), "prompt_audio")
+    sampling = request_sampling(settings, body.seed)
+    if body.prompt_text and body.prompt_text.strip():
+        job = SynthesisJob(Mode.ZERO_SHOT, text, prompt, sampling, speed=body.speed,
+                           prompt_text=require_text(body.prompt_text, "prompt_text", settings))
+    else:
+        field = "instruct" if body.instruct else "speaker"
+        instruct = body.instruct or body.speaker or DEFAULT_INSTRUCTION
+        job = SynthesisJob(Mode.INSTRUCT2, text, prompt, sampling, speed=body.speed,
+                           instruct=require_text(instruct, field, settings))
+    audio = await offline_audio(state, request, job)
+    rate = state.engine.sample_rate
+    return Response(wav_bytes(audio, rate), media_type="audio/wav",
+                    headers={"X-Audio-Duration": f"{len(audio) / rate:g}", "X-Seed": str(sampling.seed)})
+
+
+@router.get("/health")
+async def health(state: State) -> dict[str, object]:
+    """Liveness, the package version, the served speakers, the model and the session counts."""
+    return {"status": "healthy", "version": importlib.metadata.version("cosyvoice-onnx"),
+            "speakers": state.speakers.names(), "model": state.engine.origin,
+            "sample_rate": state.engine.sample_rate, "provider": state.engine.provider,
+            "sessions": {"running": state.sessions.running, "waiting": state.sessions.waiting,
+                         "max_concurrency": state.sessions.concurrency, "queue_depth": state.sessions.depth}}
+
+
+@router.get("/metrics")
+async def metrics(state: State) -> Response:
+    """Prometheus metrics (text format 0.0.4)."""
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,58 @@
+"""Speaker registration: `GET /speakers` (names, as the bridge), `POST /speakers`, `GET`/`DELETE
+/speakers/{name}`. A registered speaker's prompt features are computed once and kept on disk
+(`SpeakerRegistry`); `/v1/audio/speech` uses them by name."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, File, Form, Request, Response, UploadFile
+from starlette.concurrency import run_in_threadpool
+
+from .errors import FieldError
+from .responses import first_item, read_upload, require_text, submit
+from .speakers import SpeakerError, check_name
+from .state import State
+
+router = APIRouter()
+
+
+@router.get("/speakers")
+async def list_speakers(state: State) -> list[str]:
+    """The registered speakers' names."""
+    return state.speakers.names()
+
+
+@router.post("/speakers", status_code=201)
+async def register_speaker(request: Request, state: State,
+                           name: Annotated[str, Form(description="The speaker's name (1 to 64 characters).")],
+                           prompt_text: Annotated[str, Form(description="Transcript of prompt_wav.")],
+                           prompt_wav: Annotated[UploadFile, File(description="The speaker's recording.")]
+                           ) -> dict[str, Any]:
+    """Register (or replace) a speaker: its recording's features are computed now and kept on disk."""
+    try:
+        name = check_name(name)
+    except SpeakerError as e:
+        raise FieldError("name", str(e)) from None
+    prompt_text = require_text(prompt_text, "prompt_text", state.settings)
+    upload = await read_upload(prompt_wav, "prompt_wav")
+    features = await first_item(state, request, submit(state, lambda _: [state.engine.extract(upload)]))
+    speaker = await run_in_threadpool(state.speakers.add, name, prompt_text, features)
+    return speaker.describe()
+
+
+@router.get("/speakers/{name}")
+async def get_speaker(name: str, state: State) -> dict[str, Any]:
+    """A registered speaker's transcript, size and time of registration."""
+    speaker = state.speakers.get(name)
+    if speaker is None:
+        raise FieldError("name", f"unknown speaker {name!r}", status=404)
+    return speaker.describe()
+
+
+@router.delete("/speakers/{name}", status_code=204)
+async def delete_speaker(name: str, state: State) -> Response:
+    """Forget a speaker (its features file too)."""
+    if not await run_in_threadpool(state.speakers.remove, name):
+        raise FieldError("name", f"unknown speaker {name!r}", status=404)
+    return Response(status_code=204)

@@ -1,0 +1,88 @@
+"""Server settings and where they come from: flags, then the environment, then a `.env` file.
+
+`cosyvoice-serve` loads `./.env` into the environment first, without overriding variables that are
+set already (python-dotenv's rule), and its options read `COSYVOICE_*` variables when not given; so
+a flag beats the environment, which beats `.env`. The model directory follows `cosyvoice-run`:
+`--model`, else `$COSYVOICE_MODEL_DIR`, else the embedded demo bundle.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cosyvoice_runtime.sampling import SAMPLINGS
+
+HOST_ENV = "COSYVOICE_HOST"
+PORT_ENV = "COSYVOICE_PORT"
+SPEAKERS_DIR_ENV = "COSYVOICE_SPEAKERS_DIR"
+DEFAULT_PORT = 50000
+"""Upstream's FastAPI and gRPC servers listen on 50000."""
+
+
+def default_speakers_dir() -> Path:
+    """`$XDG_DATA_HOME/cosyvoice/speakers`, default `~/.local/share/cosyvoice/speakers`."""
+    xdg = os.environ.get("XDG_DATA_HOME", "").strip()
+    return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "cosyvoice" / "speakers"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How the server admits and bounds work; the model side is `Engine`'s."""
+
+    max_concurrency: int = 1
+    """Sessions synthesising at once. One on the CPU: every graph call already uses all cores."""
+    queue_depth: int = 8
+    """Sessions admitted to wait for a slot; one more is refused with 503 at once."""
+    timeout: float = 300.0
+    """Seconds from admission to the last sample; a session past it is stopped (504, or a cut stream)."""
+    max_text_chars: int = 2000
+    """Longest text accepted (characters), so that one request cannot hold a slot for hours."""
+    sampling: str = "ras"
+    """Speech-token sampling of every request: "ras" (upstream's) or "greedy" (exact comparisons)."""
+    seed: int | None = None
+    """Seed of every request that names none; None: a fresh random seed per request (as upstream)."""
+    speakers_dir: Path = field(default_factory=default_speakers_dir)
+    """Where registered speakers are kept (`SpeakerRegistry`)."""
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.queue_depth < 0:
+            raise ValueError(f"queue_depth must be >= 0, got {self.queue_depth}")
+        if self.timeout <= 0:
+            raise ValueError(f"timeout must be > 0, got {self.timeout}")
+        if self.sampling not in SAMPLINGS:
+            raise ValueError(f"sampling must be one of {', '.join(SAMPLINGS)}, got {self.sampling!r}")
+        if self.max_text_chars < 1:
+            raise ValueError(f"max_text_chars must be >= 1, got {self.max_text_chars}")
+
+
+def read_dotenv(path: Path) -> dict[str, str]:
+    """`KEY=VALUE` lines of `path` (missing: none); blank lines, `#` comments and an `export ` prefix are
+    skipped, one pair of matching quotes around a value is removed."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return {}
+    pairs = {}
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        key, value = line.removeprefix("export ").split("=", 1)
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        pairs[key.strip()] = value
+    return pairs
+
+
+def load_dotenv(path: Path) -> list[str]:
+    """Set the variables of `path` that the environment lacks; returns their names."""
+    values = read_dotenv(path)
+    added = [key for key in values if key not in os.environ]
+    for key in added:
+        os.environ[key] = values[key]
+    return added

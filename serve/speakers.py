@@ -1,0 +1,174 @@
+"""Registered speakers: a prompt recording's features computed once, kept on disk, used by name.
+
+The folder holds `registry.json` (name -> transcript, feature file, front-end fingerprint, time) and one
+`.npz` per speaker (speech tokens, prompt mel, x-vector). Every file is written to a temporary file,
+flushed to disk and renamed over its target, and a speaker's features are written before the registry
+names them; so a crash leaves either the old registry or the new one, never a half-written one, and at
+worst an unreferenced `.npz` (removed at the next start). Features depend on the bundle's front-end
+models: speakers registered with other ones are kept on disk but not served. One server per folder.
+
+Upstream's `spk2info.pt` (its built-in speakers) is a pickled torch file that cannot be read without
+torch, and runtime bundles carry no exported form of it; so it is not loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from cosyvoice_runtime.cli import _atomic
+from cosyvoice_runtime.frontend import PromptFeatures, PromptMelConfig
+
+log = logging.getLogger(__name__)
+
+REGISTRY = "registry.json"
+FORMAT = "cosyvoice-serve-speakers"
+VERSION = 1
+MAX_NAME_CHARS = 64
+
+
+class SpeakerError(ValueError):
+    """A registry that cannot be read, or a name that cannot be used."""
+
+
+@dataclass(frozen=True)
+class Speaker:
+    """A registered voice: the features of its recording and the recording's transcript."""
+
+    name: str
+    prompt_text: str
+    features: PromptFeatures
+    created: str
+    """UTC time of registration, ISO 8601."""
+
+    def describe(self) -> dict[str, Any]:
+        """What the API shows of a speaker."""
+        mel = PromptMelConfig()
+        return {"name": self.name, "prompt_text": self.prompt_text, "created": self.created,
+                "speech_tokens": int(self.features.speech_tokens.shape[1]),
+                "seconds": round(self.features.mel.shape[1] * mel.hop_size / mel.sampling_rate, 3)}
+
+
+def check_name(name: str) -> str:
+    """`name` stripped, if it is a usable speaker name (1 to 64 printable characters)."""
+    name = name.strip()
+    if not name or len(name) > MAX_NAME_CHARS or not name.isprintable():
+        raise SpeakerError(f"a speaker name is 1 to {MAX_NAME_CHARS} printable characters, got {name!r}")
+    return name
+
+
+class SpeakerRegistry:
+    """The speakers of one folder, for one front end (`fingerprint`); safe to use from any thread."""
+
+    def __init__(self, root: Path, fingerprint: str) -> None:
+        """Read `root` (created if missing); `SpeakerError` if its registry is not ours or not readable."""
+        self.root, self.fingerprint = root, fingerprint
+        self._lock = threading.Lock()
+        root.mkdir(parents=True, exist_ok=True)
+        self._entries = self._read_registry()
+        """Every entry of the registry file, those of other front ends included."""
+        self._speakers: dict[str, Speaker] = {}
+        for name, entry in self._entries.items():
+            if entry.get("frontend") != fingerprint:
+                log.warning("speaker %r was registered with other front-end models; not served", name)
+                continue
+            try:
+                self._speakers[name] = Speaker(name, str(entry["prompt_text"]), self._read_features(entry),
+                                               str(entry.get("created", "")))
+            except (OSError, KeyError, ValueError) as e:
+                log.warning("speaker %r: %s is unreadable (%s); not served", name, entry.get("file"), e)
+        self._remove_unreferenced()
+
+    def names(self) -> list[str]:
+        """The served speakers' names, sorted."""
+        with self._lock:
+            return sorted(self._speakers)
+
+    def get(self, name: str) -> Speaker | None:
+        """Speaker `name`, or None."""
+        with self._lock:
+            return self._speakers.get(name)
+
+    def add(self, name: str, prompt_text: str, features: PromptFeatures) -> Speaker:
+        """Register (or replace) speaker `name`: its features file first, then the registry."""
+        name = check_name(name)
+        file = f"{hashlib.sha256(name.encode()).hexdigest()[:16]}-{secrets.token_hex(4)}.npz"
+        with _atomic(self.root / file) as tmp, tmp.open("wb") as out:
+            np.savez(out, speech_tokens=features.speech_tokens, mel=features.mel,
+                     embedding=features.embedding)
+            _flush_to_disk(out)
+        speaker = Speaker(name, prompt_text, features, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        with self._lock:
+            old = self._entries.get(name)
+            entries = {**self._entries, name: {"file": file, "prompt_text": prompt_text,
+                                               "created": speaker.created, "frontend": self.fingerprint}}
+            self._write_registry(entries)
+            self._entries, self._speakers[name] = entries, speaker
+        if old is not None:
+            (self.root / str(old.get("file"))).unlink(missing_ok=True)
+        return speaker
+
+    def remove(self, name: str) -> bool:
+        """Forget speaker `name` (registry first, then its file); False if there is none."""
+        with self._lock:
+            if name not in self._speakers:
+                return False
+            entries = {k: v for k, v in self._entries.items() if k != name}
+            self._write_registry(entries)
+            old = self._entries[name]
+            self._entries = entries
+            del self._speakers[name]
+        (self.root / str(old.get("file"))).unlink(missing_ok=True)
+        return True
+
+    # --- files ------------------------------------------------------------------------------------------
+
+    def _read_registry(self) -> dict[str, dict[str, Any]]:
+        path = self.root / REGISTRY
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            raise SpeakerError(f"{path}: not a readable speaker registry ({e})") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
+            raise SpeakerError(f"{path}: not a {FORMAT} registry version {VERSION}")
+        speakers = data.get("speakers")
+        if not isinstance(speakers, dict) or not all(isinstance(v, dict) for v in speakers.values()):
+            raise SpeakerError(f"{path}: 'speakers' is not a mapping of names to entries")
+        return speakers
+
+    def _write_registry(self, entries: dict[str, dict[str, Any]]) -> None:
+        text = json.dumps({"format": FORMAT, "version": VERSION, "speakers": entries}, indent=1,
+                          ensure_ascii=False)
+        with _atomic(self.root / REGISTRY) as tmp, tmp.open("w", encoding="utf-8") as out:
+            out.write(text)
+            _flush_to_disk(out)
+
+    def _read_features(self, entry: dict[str, Any]) -> PromptFeatures:
+        with np.load(self.root / str(entry["file"]), allow_pickle=False) as data:
+            return PromptFeatures(speech_tokens=data["speech_tokens"], mel=data["mel"],
+                                  embedding=data["embedding"])
+
+    def _remove_unreferenced(self) -> None:
+        """Feature files no entry names: left by a crash between writing one and the registry."""
+        named = {str(e.get("file")) for e in self._entries.values()}
+        for path in self.root.glob("*.npz"):
+            if path.name not in named:
+                path.unlink(missing_ok=True)
+
+
+def _flush_to_disk(out: IO[Any]) -> None:
+    """Flush a file to disk before it is renamed into place, so that a power cut cannot leave it empty."""
+    out.flush()
+    os.fsync(out.fileno())

@@ -1,0 +1,437 @@
+"""`cosyvoice-serve` on the demo bundle: every endpoint over HTTP, exactness against `cosyvoice-run`,
+speakers across a restart, the queue under load, client disconnects, bad input, metrics, settings."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+import uvicorn
+from click.testing import CliRunner
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
+from cosyvoice_runtime.cli import main as run_main
+from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.frontend import PromptFeatures
+from cosyvoice_serve import Engine, ServerSettings, create_app
+from cosyvoice_serve import cli as serve_cli
+from cosyvoice_serve.routes_bridge import MISSING_PROMPT
+from cosyvoice_serve.settings import PORT_ENV, read_dotenv
+from cosyvoice_serve.speakers import REGISTRY, SpeakerRegistry
+
+SHORT = "Hi."
+"""60 speech tokens on the demo model (2.4 s of audio, two streamed chunks): about a second of work."""
+LONG = "Hello there, this is a test of the server."
+"""340 speech tokens (13.6 s of audio): several seconds of work, long enough to interrupt."""
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    engine = Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle")
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def prompt() -> tuple[bytes, str]:
+    """The demo bundle's prompt recording (file bytes) and transcript."""
+    default = RuntimeBundle.open(DEMO_BUNDLE).default_prompt()
+    assert default is not None
+    return default[0].read_bytes(), default[1]
+
+
+def make_app(engine: Engine, folder: Path, **settings: Any) -> FastAPI:
+    """An app with greedy sampling (exact comparisons) and its speakers in `folder`."""
+    return create_app(engine, ServerSettings(speakers_dir=folder / "speakers", sampling="greedy", **settings))
+
+
+def form(prompt: tuple[bytes, str], text: str = SHORT) -> dict[str, Any]:
+    """Upstream's zero-shot form fields and upload, as its client sends them."""
+    return {"data": {"tts_text": text, "prompt_text": prompt[1]},
+            "files": {"prompt_wav": ("prompt_wav", prompt[0], "application/octet-stream")}}
+
+
+def metric(text: str, name: str) -> float:
+    """A metric's value in the Prometheus text format."""
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+@contextmanager
+def serving(app: FastAPI) -> Iterator[httpx.Client]:
+    """`app` on uvicorn on a free loopback port (a real socket, for streaming and disconnects)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=60) as client:
+            yield client
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+# --- upstream's endpoints ----------------------------------------------------------------------------
+
+
+def cosyvoice_run(folder: Path, *args: str) -> np.ndarray:
+    """`cosyvoice-run` on the demo bundle and its prompt, greedy: the samples of its WAV (int16)."""
+    out = folder / "cli.wav"
+    args = ("--model", str(DEMO_BUNDLE), "--sampling", "greedy", "--out", str(out), *args)
+    result = CliRunner().invoke(run_main, args)
+    assert result.exit_code == 0, result.output
+    samples, rate = sf.read(out, dtype="int16")
+    assert rate == 24000
+    return samples
+
+
+@pytest.fixture(scope="module")
+def cli_stream(tmp_path_factory: pytest.TempPathFactory) -> np.ndarray:
+    """`cosyvoice-run --stream --text Hi.` (zero-shot, the demo prompt)."""
+    return cosyvoice_run(tmp_path_factory.mktemp("cli"), "--stream", "--text", SHORT)
+
+
+def test_zero_shot_stream_equals_cosyvoice_run_stream(engine: Engine, prompt: tuple[bytes, str],
+                                                      cli_stream: np.ndarray, tmp_path: Path) -> None:
+    with TestClient(make_app(engine, tmp_path)) as client:
+        response = client.request("GET", "/inference_zero_shot", **form(prompt))  # upstream's client uses GET
+    assert response.status_code == 200, response.text
+    assert response.headers["x-sample-rate"] == "24000" and response.headers["x-seed"].isdigit()
+    assert np.array_equal(np.frombuffer(response.content, "<i2"), cli_stream)
+
+
+def test_concurrent_sessions_share_one_synthesizer_exactly(engine: Engine, prompt: tuple[bytes, str],
+                                                          cli_stream: np.ndarray, tmp_path: Path) -> None:
+    with serving(make_app(engine, tmp_path, max_concurrency=2)) as client, ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(lambda _: client.post("/inference_zero_shot", **form(prompt)), range(2)))
+        text = client.get("/metrics").text
+    assert [r.status_code for r in both] == [200, 200]
+    assert all(np.array_equal(np.frombuffer(r.content, "<i2"), cli_stream) for r in both)
+    assert metric(text, "tts_synthesis_duration_seconds_count") == 2
+
+
+def test_instruct2_streams_pcm(engine: Engine, prompt: tuple[bytes, str], tmp_path: Path) -> None:
+    with TestClient(make_app(engine, tmp_path)) as client:
+        response = client.post("/inference_instruct2", data={"tts_text": SHORT, "instruct_text": "Slowly."},
+                               files={"prompt_wav": ("p.wav", prompt[0], "audio/wav")})
+    assert response.status_code == 200, response.text
+    pcm = np.frombuffer(response.content, "<i2")
+    assert len(response.content) % 2 == 0 and pcm.size > 24000 // 2 and np.abs(pcm).max() > 0
+
+
+# --- the bridge's API ---------------------------------------------------------------------------------
+
+
+def test_synthesize_is_cosyvoice_run_offline_as_a_wav(engine: Engine, prompt: tuple[bytes, str],
+                                                     tmp_path: Path) -> None:
+    expected = cosyvoice_run(tmp_path, "--text", SHORT)
+    audio = base64.b64encode(prompt[0]).decode()
+    with TestClient(make_app(engine, tmp_path)) as client:
+        zero_shot = {"text": SHORT, "prompt_audio": audio, "prompt_text": prompt[1]}
+        normal = client.post("/synthesize", json=zero_shot)
+        fast = client.post("/synthesize", json={**zero_shot, "speed": 2.0})
+        instructed = client.post("/synthesize", json={"text": SHORT, "prompt_audio": f"data:;base64,{audio}"})
+        missing = client.post("/synthesize", json={"text": SHORT, "prompt_text": prompt[1]})
+    assert normal.status_code == 200 and normal.headers["content-type"] == "audio/wav"
+    samples, rate = sf.read(io.BytesIO(normal.content), dtype="int16")
+    assert np.array_equal(samples, expected)
+    assert float(normal.headers["x-audio-duration"]) == pytest.approx(len(samples) / rate, abs=1e-3)
+    assert len(sf.read(io.BytesIO(fast.content))[0]) == len(samples) // 2  # the same tokens, half the mel
+    assert instructed.status_code == 200, instructed.text  # instruct2, "Speak naturally in English."
+    assert len(sf.read(io.BytesIO(instructed.content))[0]) > 0
+    assert missing.status_code == 400
+    assert missing.json()["detail"] == MISSING_PROMPT == missing.json()["error"]
+
+
+# --- speakers and the OpenAI-style endpoint ----------------------------------------------------------
+
+
+def test_speakers_serve_v1_audio_speech_and_persist_across_a_restart(
+        engine: Engine, prompt: tuple[bytes, str], tmp_path: Path) -> None:
+    speech = {"input": SHORT, "voice": "demo", "response_format": "pcm", "stream": True}
+    with TestClient(make_app(engine, tmp_path)) as client:
+        added = client.post("/speakers", data={"name": "demo", "prompt_text": prompt[1]},
+                            files={"prompt_wav": ("p.wav", prompt[0], "audio/wav")})
+        assert added.status_code == 201, added.text
+        assert added.json()["prompt_text"] == prompt[1] and client.get("/speakers").json() == ["demo"]
+        streamed = client.post("/v1/audio/speech", json=speech)
+        uploaded = client.post("/inference_zero_shot", **form(prompt))
+        wav = client.post("/v1/audio/speech", json={"input": SHORT, "voice": "demo"})
+    assert streamed.status_code == 200 and streamed.headers["content-type"] == "audio/pcm"
+    assert streamed.content == uploaded.content  # registered features = the upload's, same stream
+    samples, rate = sf.read(io.BytesIO(wav.content), dtype="int16")
+    assert wav.headers["content-type"] == "audio/wav" and rate == 24000 and len(samples) > 0
+
+    with TestClient(make_app(engine, tmp_path)) as client:  # a restart: a new app on the same folder
+        assert client.get("/speakers").json() == ["demo"]
+        assert client.get("/health").json()["speakers"] == ["demo"]
+        assert client.post("/v1/audio/speech", json=speech).content == streamed.content
+        assert client.delete("/speakers/demo").status_code == 204
+        unknown = client.post("/v1/audio/speech", json=speech)
+        assert unknown.status_code == 400
+        assert unknown.json()["detail"].startswith("voice: unknown speaker 'demo'")
+        assert client.delete("/speakers/demo").status_code == 404
+    with TestClient(make_app(engine, tmp_path)) as client:
+        assert client.get("/speakers").json() == []
+    assert [p.name for p in (tmp_path / "speakers").iterdir()] == [REGISTRY]
+
+
+def test_a_crash_while_registering_leaves_the_registry_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    features = PromptFeatures(np.arange(4, dtype=np.int64)[None], np.zeros((1, 8, 80), np.float32),
+                              np.ones((1, 192), np.float32))
+    SpeakerRegistry(tmp_path, "fp").add("first", "one", features)
+    before = (tmp_path / REGISTRY).read_text()
+    real_replace = os.replace
+
+    def crash_on_registry(src: str, dst: str) -> None:
+        if Path(dst).name == REGISTRY:
+            raise KeyboardInterrupt  # the process dies between the features file and the registry
+        real_replace(src, dst)
+
+    monkeypatch.setattr("os.replace", crash_on_registry)
+    with pytest.raises(KeyboardInterrupt):
+        SpeakerRegistry(tmp_path, "fp").add("second", "two", features)
+    monkeypatch.undo()
+    assert (tmp_path / REGISTRY).read_text() == before
+    assert len(list(tmp_path.glob("*.npz"))) == 2  # the second speaker's features, not referenced
+    registry = SpeakerRegistry(tmp_path, "fp")
+    assert registry.names() == ["first"] and len(list(tmp_path.glob("*.npz"))) == 1  # orphan removed
+    speaker = registry.get("first")
+    assert speaker is not None and np.array_equal(speaker.features.speech_tokens, features.speech_tokens)
+    assert SpeakerRegistry(tmp_path, "other front end").names() == []
+
+
+# --- behaviour under load -------------------------------------------------------------------------------
+
+
+def wait_until(client: httpx.Client, running: int, waiting: int, within: float = 5.0) -> float:
+    """Seconds until /health shows `running` and `waiting` sessions (fails after `within`)."""
+    start = time.monotonic()
+    while True:
+        sessions = client.get("/health").json()["sessions"]
+        if (sessions["running"], sessions["waiting"]) == (running, waiting):
+            return time.monotonic() - start
+        assert time.monotonic() - start < within, f"sessions stay at {sessions}"
+        time.sleep(0.02)
+
+
+def test_the_queue_is_bounded_and_clients_that_leave_free_their_sessions(
+        engine: Engine, prompt: tuple[bytes, str], tmp_path: Path) -> None:
+    app = make_app(engine, tmp_path, max_concurrency=1, queue_depth=1)
+    upload = {"prompt_wav": ("p.wav", prompt[0], "audio/wav")}
+    with serving(app) as client, ThreadPoolExecutor(1) as pool:
+        # cross-lingual "Hi." carries the system prompt: 400 tokens, 16 s of audio, many seconds of work
+        with client.stream("POST", "/inference_cross_lingual", data={"tts_text": SHORT},
+                           files=upload) as running:
+            assert running.status_code == 200
+            chunks = running.iter_raw()
+            assert next(chunks)  # the first chunk is here, the session goes on
+            queued = pool.submit(client.post, "/inference_zero_shot", **form(prompt), timeout=1.5)
+            wait_until(client, running=1, waiting=1)
+            start = time.monotonic()
+            busy = client.post("/inference_zero_shot", **form(prompt))
+            assert time.monotonic() - start < 2.0  # at once, not after the sessions ahead (seconds)
+            assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+            assert busy.json()["detail"].startswith("server busy")
+            with pytest.raises(httpx.ReadTimeout):
+                queued.result()  # that client gives up while queued: its session never runs
+            wait_until(client, running=1, waiting=0)
+        wait_until(client, running=0, waiting=0)  # closed mid-utterance: the session stops
+        assert client.post("/inference_zero_shot", **form(prompt)).status_code == 200
+        text = client.get("/metrics").text
+    assert metric(text, "tts_requests_total") == 4
+    assert metric(text, "tts_requests_success") == 1
+    assert metric(text, "tts_requests_error") == 1 and metric(text, "tts_requests_rejected") == 1
+    assert metric(text, "tts_sessions_cancelled") == 2
+    assert metric(text, "tts_synthesis_duration_seconds_count") == 1 == metric(text, "tts_rtf_count")
+    assert metric(text, "tts_first_chunk_latency_seconds_count") == 2
+    assert metric(text, "tts_queue_depth") == 0 == metric(text, "tts_active_sessions")
+    assert "# TYPE tts_rtf histogram" in text and 'tts_rtf_bucket{le="+Inf"} 1' in text
+
+
+def test_a_request_past_the_timeout_answers_504(engine: Engine, prompt: tuple[bytes, str], tmp_path: Path
+                                                ) -> None:
+    audio = base64.b64encode(prompt[0]).decode()
+    with TestClient(make_app(engine, tmp_path, timeout=0.3)) as client:
+        late = client.post("/synthesize", json={"text": LONG, "prompt_audio": audio,
+                                                "prompt_text": prompt[1]})
+        assert late.status_code == 504 and "timeout of 0.3 s" in late.json()["detail"]
+        start = time.monotonic()
+        while client.get("/health").json()["sessions"]["running"]:
+            assert time.monotonic() - start < 5
+            time.sleep(0.02)
+
+
+# --- bad input -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    with TestClient(make_app(engine, tmp_path_factory.mktemp("serve"), max_text_chars=100)) as client:
+        yield client
+
+
+def _upload(data: bytes) -> dict[str, Any]:
+    return {"prompt_wav": ("p.wav", data, "audio/wav")}
+
+
+BAD_REQUESTS = [
+    ("empty text", "/inference_zero_shot",
+     {"data": {"tts_text": "  ", "prompt_text": "x"}, "files": "prompt"}, 400, "tts_text is empty"),
+    ("missing field", "/inference_zero_shot", {"data": {"tts_text": "Hi."}, "files": "prompt"},
+     422, "prompt_text: Field required"),
+    ("not audio", "/inference_cross_lingual", {"data": {"tts_text": "Hi."}, "files": _upload(b"not a wav")},
+     400, "prompt_wav: cannot read the audio file"),
+    ("empty upload", "/inference_instruct2", {"data": {"tts_text": "Hi.", "instruct_text": "x"},
+                                              "files": _upload(b"")}, 400, "prompt_wav is empty"),
+    ("too long", "/inference_cross_lingual", {"data": {"tts_text": "a" * 101}, "files": "prompt"},
+     400, "tts_text has 101 characters; the limit is 100"),
+    ("bad base64", "/synthesize", {"json": {"text": "Hi.", "prompt_audio": "/srv/prompt.wav!"}},
+     400, "prompt_audio is not base64"),
+    ("not json", "/synthesize", {"content": b"text=Hi.", "headers": {"content-type": "text/plain"}},
+     422, "body:"),
+    ("unknown voice", "/v1/audio/speech", {"json": {"input": "Hi.", "voice": "nobody"}},
+     400, "voice: unknown speaker 'nobody'"),
+    ("format", "/v1/audio/speech", {"json": {"input": "Hi.", "voice": "x", "response_format": "mp3"}},
+     422, "response_format: Input should be 'wav' or 'pcm'"),
+    ("speed", "/synthesize", {"json": {"text": "Hi.", "speed": 9}}, 422, "speed: Input should be less than"),
+    ("speaker name", "/speakers", {"data": {"name": " ", "prompt_text": "x"}, "files": "prompt"},
+     400, "name: a speaker name is 1 to 64"),
+]
+
+
+@pytest.mark.parametrize(("path", "request_args", "status", "detail"), [c[1:] for c in BAD_REQUESTS],
+                         ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_input_is_a_4xx_naming_the_field(client: TestClient, prompt: tuple[bytes, str], path: str,
+                                            request_args: dict[str, Any], status: int, detail: str) -> None:
+    if request_args.get("files") == "prompt":
+        request_args = {**request_args, "files": _upload(prompt[0])}
+    response = client.post(path, **request_args)
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert detail in body["detail"] and "\n" not in body["detail"] and body["code"] == status
+    assert client.get("/health").json()["status"] == "healthy"
+
+
+def test_metrics_count_bad_requests_as_errors(client: TestClient) -> None:
+    before = client.get("/metrics").text
+    assert client.post("/v1/audio/speech", json={"input": "", "voice": "x"}).status_code == 400
+    assert client.get("/speakers/nobody").status_code == 404  # not a synthesis request: not counted
+    after = client.get("/metrics").text
+    assert metric(after, "tts_requests_total") == metric(before, "tts_requests_total") + 1
+    assert metric(after, "tts_requests_error") == metric(before, "tts_requests_error") + 1
+    assert after.startswith("# HELP tts_requests_total")
+
+
+# --- torch-free ----------------------------------------------------------------------------------------
+
+
+def test_the_server_runs_without_torch() -> None:
+    script = textwrap.dedent("""
+        import base64, sys, tempfile
+        from importlib.abc import MetaPathFinder
+        from pathlib import Path
+
+        class Refuse(MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("torch", "cosyvoice_export"):
+                    raise ImportError(f"{name} is off limits for the server", name=name)
+                return None
+
+        sys.meta_path.insert(0, Refuse())
+        from fastapi.testclient import TestClient
+        from cosyvoice_runtime.bundle import RuntimeBundle
+        from cosyvoice_runtime.demo import DEMO_BUNDLE
+        from cosyvoice_serve import Engine, ServerSettings, create_app
+
+        wav, text = RuntimeBundle.open(DEMO_BUNDLE).default_prompt()
+        engine = Engine.open(None)
+        settings = ServerSettings(speakers_dir=Path(tempfile.mkdtemp()) / "speakers")
+        with TestClient(create_app(engine, settings)) as client:
+            audio = base64.b64encode(wav.read_bytes()).decode()
+            body = {"text": "Hi.", "prompt_text": text, "prompt_audio": audio}
+            response = client.post("/synthesize", json=body)
+        leaked = [m for m in sys.modules if m.split(".")[0] in ("torch", "cosyvoice_export")]
+        assert not leaked, leaked
+        print(response.status_code, response.headers["x-audio-duration"])
+    """)
+    env = {k: v for k, v in os.environ.items() if k != MODEL_DIR_ENV}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("200 ")
+
+
+# --- settings ------------------------------------------------------------------------------------------
+
+
+class _Unclosable:
+    """The module's engine, lent to the CLI, which closes what it opened."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("environment", "flags", "port"), [
+    ({}, [], 50001), ({PORT_ENV: "50002"}, [], 50002), ({PORT_ENV: "50002"}, ["--port", "50003"], 50003)])
+def test_port_and_model_from_flags_then_environment_then_dotenv(
+        engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, environment: dict[str, str],
+        flags: list[str], port: int) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".env").write_text(f"# the server's settings\nCOSYVOICE_PORT=50001\n"
+                                   f"export {MODEL_DIR_ENV}='{DEMO_BUNDLE}'\n\n")
+    assert read_dotenv(tmp_path / ".env") == {PORT_ENV: "50001", MODEL_DIR_ENV: str(DEMO_BUNDLE)}
+    for key in (PORT_ENV, MODEL_DIR_ENV):  # recorded, so that the variables .env sets are removed again
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+    opened: list[tuple[Path | None, str | None]] = []
+
+    def open_engine(model: Path | None, provider: str) -> _Unclosable:
+        opened.append((model, os.environ.get(MODEL_DIR_ENV)))
+        return _Unclosable(engine)
+
+    served: list[tuple[str, int]] = []
+    monkeypatch.setattr(serve_cli.Engine, "open", open_engine)
+    monkeypatch.setattr(serve_cli.uvicorn, "run", lambda app, host, port, **_: served.append((host, port)))
+    monkeypatch.setattr(sys, "argv", ["cosyvoice-serve", "--speakers", str(tmp_path / "speakers"), *flags])
+    with pytest.raises(SystemExit) as exit_:
+        serve_cli.main()
+    assert exit_.value.code == 0
+    assert served == [("127.0.0.1", port)]
+    assert opened == [(None, str(DEMO_BUNDLE))]  # choose_bundle reads $COSYVOICE_MODEL_DIR, set by .env
