@@ -34,6 +34,14 @@ class ModelDims:
     token_mel_ratio: int
     dit_block_frames: int
     """Frames per block of the DiT's block-causal streaming mask."""
+    dit_dim: int
+    """Width of the DiT's residual stream (and of its conv position embedding)."""
+    dit_depth: int
+    """DiT blocks, each with one key/value cache pair in `flow_estimator_cached`."""
+    dit_heads: int
+    dit_head_dim: int
+    dit_conv_kernel: int
+    """Kernel of the DiT's two causal conv position-embedding layers (each reads kernel - 1 frames back)."""
     harmonics: int
     """Sine harmonics of the NSF source, fundamental included."""
     samples_per_frame: int
@@ -140,6 +148,69 @@ def flow_estimator_spec(d: ModelDims) -> GraphSpec:
     )
 
 
+def flow_estimator_cached_spec(d: ModelDims) -> GraphSpec:
+    """`flow_estimator` over a streaming chunk's new frames only, the earlier frames given as caches.
+
+    Per DiT block i, `past_key_i`/`past_value_i` hold the keys (after RoPE) and values of the cached
+    frames and `present_*` those followed by the new frames'. The new frames have positions offset ..
+    offset + new_frames - 1 (RoPE); they see every cached key, and among themselves query p sees key q
+    iff q < (p // b + 1) * b (b = block_frames; b > the last position is full attention).
+    `past_pos_conv1/2` are the last kernel - 1 input frames of the causal conv position embedding's
+    first and second conv (zeros before the first frame: upstream's left padding); `present_*` the
+    same after the new frames. One set of caches per ODE step: the inputs differ between steps.
+    Fed back chunk after chunk on boundaries of the block-causal mask (where no earlier frame sees a
+    later one), the velocities equal `flow_estimator`'s streaming call over all frames."""
+    # The conv position embedding's left context is carried as its two convs' input frames rather
+    # than recomputed from the earlier frames' raw x/cond/mu: the zero padding applies to the conv
+    # inputs (upstream pads the projected frames, not the raw ones), so zero caches reproduce it
+    # exactly with no position test in the graph, nothing is computed twice, and the caches follow
+    # the one past_/present_ rule.
+    mel, ctx = d.mel_bins, d.dit_conv_kernel - 1
+    kv = (2, d.dit_heads, "past_frames", d.dit_head_dim)
+    present = (2, d.dit_heads, "total_frames", d.dit_head_dim)
+    inputs = [
+        _f32("x", (2, mel, "new_frames"), "The ODE state of the new frames.", -3.0, 3.0),
+        _f32("mu", (2, mel, "new_frames"), "Encoder output (row 1 zeros).", -3.0, 3.0),
+        _f32("t", (2,), "ODE time in [0, 1].", 0.0, 1.0),
+        _f32("spks", (2, mel), "Speaker projection (row 1 zeros)."),
+        _f32("cond", (2, mel, "new_frames"), "Prompt mel then zeros (row 1 zeros).", -8.0, 2.0),
+        TensorSpec("offset", "int64", (1,), "Position of the first new frame (prompt frames included).",
+                   0, 1000),
+        TensorSpec("block_frames", "int64", (1,), "Attention block size among the new frames.",
+                   d.dit_block_frames, d.dit_block_frames + 1),
+    ]
+    outputs = [_f32("velocity", (2, mel, "new_frames"), "Estimated velocity of the new frames per row.")]
+    for conv in ("pos_conv1", "pos_conv2"):
+        inputs.append(_f32(f"past_{conv}", (2, d.dit_dim, ctx), f"Last {ctx} input frames of {conv}."))
+        outputs.append(_f32(f"present_{conv}", (2, d.dit_dim, ctx)))
+    for i in range(d.dit_depth):
+        inputs += [_f32(f"past_key_{i}", kv, f"Block {i} keys of the cached frames, after RoPE."),
+                   _f32(f"past_value_{i}", kv, f"Block {i} values of the cached frames.")]
+        outputs += [_f32(f"present_key_{i}", present), _f32(f"present_value_{i}", present)]
+    b = d.dit_block_frames
+
+    def case(new: int, past: int, offset: int, block: int = b) -> Case:
+        return Case({"new_frames": new, "past_frames": past}, {"offset": (offset,), "block_frames": (block,)})
+
+    return GraphSpec(
+        name="flow_estimator_cached", version=1, opset=OPSET, doc=flow_estimator_cached_spec.__doc__ or "",
+        inputs=tuple(inputs), outputs=tuple(outputs),
+        # new_frames: a later chunk is one hop of at most 100 tokens (200 frames); the first one holds
+        # the prompt's frames too
+        dims={"new_frames": DimRange(1, 200, 3000), "past_frames": DimRange(0, 500, 3000)},
+        derived={"total_frames": DerivedDim({"new_frames": 1, "past_frames": 1})},
+        tolerances={o.name: Tolerance("max_abs", 1e-4) for o in outputs},
+        trace=case(64, 100, 100),
+        validate=(case(123, 0, 0),  # a first chunk: several blocks, no cache
+                  case(37, 150, 150),  # a later chunk, in step with its cache
+                  case(20, 100, 600),  # a bounded window: cached frames dropped in between
+                  case(45, 50, 50, 10_000)),  # full attention among the new frames
+        # as flow_estimator's velocity; the caches are its keys/values (fp16-rounded once stored)
+        fp16_tolerances={o.name: Tolerance("rel_max_abs", 2e-2 if o.name == "velocity" else 1e-2)
+                         for o in outputs},
+    )
+
+
 def hift_f0_spec(d: ModelDims) -> GraphSpec:
     """The F0 predictor (upstream computes it in float64; this graph is float32, its drift is measured,
     and it has no fp16 body).
@@ -194,6 +265,7 @@ SPECS: dict[str, Callable[[ModelDims], GraphSpec]] = {
     "llm": llm_spec,
     "flow_encoder": flow_encoder_spec,
     "flow_estimator": flow_estimator_spec,
+    "flow_estimator_cached": flow_estimator_cached_spec,
     "hift_f0": hift_f0_spec,
     "hift_decoder": hift_decoder_spec,
 }

@@ -215,3 +215,12 @@ def cache_pairs(spec: GraphSpec) -> list[tuple[str, str]]:
                 raise ValueError(f"{spec.name}: cache input {name} has no output {out}")
             pairs.append((name, out))
     return pairs
+
+
+def empty_caches(spec: GraphSpec) -> dict[str, np.ndarray]:
+    """The `past_*` inputs before the first call: zero-length along their symbolic dims (nothing cached
+    yet), zeros where the cache has a fixed size (a causal conv's left padding)."""
+    shapes = {t.name: t for t in spec.inputs}
+    return {past: np.zeros(tuple(0 if isinstance(d, str) else d for d in shapes[past].shape),
+                           dtype=shapes[past].np_dtype)
+            for past, _ in cache_pairs(spec)}

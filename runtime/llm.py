@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cosyvoice_graphs import cache_pairs
+from cosyvoice_graphs import cache_pairs, empty_caches
 
 from .runners import Runner
 from .sampling import Sampler, SilentTokenLimiter
@@ -58,12 +58,7 @@ class SpeechTokenLM:
 
     def empty_cache(self) -> dict[str, np.ndarray]:
         """Zero-length `past_*` inputs: (1, kv_heads, 0, head_dim) each."""
-        shapes = {t.name: t.shape for t in self.spec.inputs}
-        cache = {}
-        for past, _ in self.pairs:
-            shape = tuple(0 if isinstance(d, str) else d for d in shapes[past])
-            cache[past] = np.zeros(shape, dtype=np.float32)
-        return cache
+        return empty_caches(self.spec)
 
     def prompt_embeds(self, request: LlmRequest) -> np.ndarray:
         """`[E_speech[sos], E_text(prompt_text ++ text), E_speech[task_id], E_speech(prompt_speech)]`

@@ -12,6 +12,11 @@ Upstream's `CosyVoice3Model.token2wav` with `CausalMaskedDiffWithDiT.inference`,
 - `hift_f0` -> the harmonic phase (`sine_phase`, numpy) -> `hift_decoder` with the `sine_noise`
   table; a non-final call keeps the samples that no longer depend on future frames.
 
+`FlowStream` streams the flow: a non-final chunk runs `flow_estimator_cached` over its new frames only,
+fed per ODE step with the keys/values and conv context of the earlier frames, and gives the frames of
+`Flow` over the whole prefix (the earlier frames are whole blocks that the block-causal mask never lets
+attend forward); with a `window` it bounds the cost per chunk, at a deviation from upstream.
+
 `VocoderStream` streams the vocoder at a bounded cost per chunk: every HiFT layer is causal with a
 finite reach (`HiftLayout`), so it re-runs the two graphs only over the new frames plus a fixed left
 margin, and feeds what is absolute in time (the phase, from a running float64 sum, and the noise
@@ -23,11 +28,12 @@ and onnxruntime's f0 rounding can depend on the input's length).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from cosyvoice_graphs import ModelDims
+from cosyvoice_graphs import ModelDims, cache_pairs, empty_caches
 
 from .frontend import PromptFeatures
 from .noise import UniformNoise
@@ -111,12 +117,33 @@ def interpolate_linear(mel: np.ndarray, size: int) -> np.ndarray:
     return (x0.astype(np.float64) * w0 + (x1 * w1)).astype(np.float32)
 
 
-class Flow:
-    """`flow_encoder` + the Euler/CFG loop over `flow_estimator`: tokens -> mel frames after the prompt."""
+ENCODER_LEFT_CONTEXT = 2
+"""Tokens before a token that its `mu` reads: the pre-lookahead layer's second conv is causal with
+kernel 3 (upstream's `PreLookaheadLayer`, not a yaml value); its first conv reads only the token and
+the look-ahead after it."""
 
-    def __init__(self, encoder: Runner, estimator: Runner, noise: np.ndarray, dims: ModelDims) -> None:
-        """`noise` is the bundle's `flow_noise` table (1, mel_bins, max frames), read from frame 0."""
-        self.encoder, self.estimator = encoder, estimator
+Velocity = Callable[[int, np.ndarray, np.ndarray], np.ndarray]
+"""The estimator inside the Euler loop: (step index, x (2, 80, T), t (2,)) -> velocity (2, 80, T)."""
+
+
+def _cfg_rows(mu: np.ndarray, spks: np.ndarray, cond: np.ndarray) -> dict[str, np.ndarray]:
+    """The estimator's conditioning for the CFG batch [conditional; unconditional]: row 1 zeros."""
+    return {"mu": np.concatenate([mu, np.zeros_like(mu)]),  # (2, 80, T)
+            "spks": np.concatenate([spks, np.zeros_like(spks)]),  # (2, 80)
+            "cond": np.concatenate([cond, np.zeros_like(cond)])}  # (2, 80, T)
+
+
+class Flow:
+    """`flow_encoder` + the Euler/CFG loop over `flow_estimator`: tokens -> mel frames after the prompt.
+
+    `stream` starts a `FlowStream`, which runs the loop over `flow_estimator_cached` instead.
+    """
+
+    def __init__(self, encoder: Runner, estimator: Runner, noise: np.ndarray, dims: ModelDims,
+                 cached: Runner | None = None) -> None:
+        """`noise` is the bundle's `flow_noise` table (1, mel_bins, max frames), read from frame 0;
+        `cached` is the `flow_estimator_cached` graph, which `stream` needs."""
+        self.encoder, self.estimator, self.cached = encoder, estimator, cached
         self.noise = noise
         self.dims = dims
         self.t_span = time_grid()
@@ -128,52 +155,188 @@ class Flow:
         `finalize=False` uses the last `pre_lookahead_len` tokens as look-ahead only, giving
         2(N - 3) frames instead of 2N; `streaming` selects the 50-frame block-causal DiT mask.
         """
+        all_tokens = self.tokens_with_prompt(tokens, prompt, finalize=finalize)
+        mu, spks = self.encode(all_tokens, 0, prompt, finalize=finalize)  # (1, 80, T), (1, 80)
+        frames = mu.shape[2]
+        block = self.dims.dit_block_frames if streaming else frames
+        feeds: dict[str, np.ndarray] = {"mask": np.ones((2, 1, frames), dtype=np.float32),
+                                        "block_frames": np.array([block], dtype=np.int64),
+                                        **_cfg_rows(mu, spks, self.cond(prompt, 0, frames))}
+        mel = self.solve(self.initial_x(0, frames), lambda _, x, t: self.estimator.infer(
+            {"x": x, "t": t, **feeds})["velocity"])
+        return mel[:, :, prompt.mel.shape[1]:]
+
+    def stream(self, prompt: PromptFeatures, *, window: int | None = None) -> FlowStream:
+        """A new utterance's `FlowStream`: exact caches (`window=None`), or attention bounded to the
+        prompt's blocks and the last `window` blocks (see `FlowStream`)."""
+        if self.cached is None:
+            raise ValueError("streaming with flow caches needs the flow_estimator_cached graph")
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1 block, got {window}")
+        if prompt.mel.shape[1] != self.dims.token_mel_ratio * prompt.speech_tokens.shape[1]:
+            raise ValueError(f"the prompt has {prompt.mel.shape[1]} mel frames for "
+                             f"{prompt.speech_tokens.shape[1]} tokens; the flow needs "
+                             f"{self.dims.token_mel_ratio} per token")
+        return FlowStream(self, self.cached, prompt, window,
+                          [empty_caches(self.cached.spec) for _ in self.t_span[1:]])
+
+    def tokens_with_prompt(self, tokens: Sequence[int] | np.ndarray, prompt: PromptFeatures, *,
+                           finalize: bool) -> np.ndarray:
+        """The prompt's tokens then `tokens`, (P + N,) int64; a non-final call needs look-ahead tokens."""
         lookahead = self.dims.pre_lookahead_len
-        all_tokens = np.concatenate([prompt.speech_tokens[0], np.asarray(tokens, dtype=np.int64)])
+        if not finalize and len(tokens) <= lookahead:
+            raise ValueError(f"a non-final flow call needs more than {lookahead} tokens, got {len(tokens)}")
+        return np.concatenate([prompt.speech_tokens[0], np.asarray(tokens, dtype=np.int64)])
+
+    def encode(self, all_tokens: np.ndarray, start: int, prompt: PromptFeatures, *, finalize: bool
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """`mu` (1, 80, ratio·(end - start)) of tokens [start, end) of `all_tokens` and `spks` (1, 80).
+
+        end is the last token, or the last before the look-ahead when not finalizing. The encoder runs
+        from `ENCODER_LEFT_CONTEXT` tokens before `start`, which is all that those frames read.
+        """
+        lookahead = self.dims.pre_lookahead_len
+        first = max(0, start - ENCODER_LEFT_CONTEXT)
         if finalize:
-            body, ahead = all_tokens, np.full(lookahead, -1, dtype=np.int64)
+            body, ahead = all_tokens[first:], np.full(lookahead, -1, dtype=np.int64)
         else:
-            if len(tokens) <= lookahead:
-                raise ValueError(f"a non-final flow call needs more than {lookahead} tokens, "
-                                 f"got {len(tokens)}")
-            body, ahead = all_tokens[:-lookahead], all_tokens[-lookahead:]
+            body, ahead = all_tokens[first:-lookahead], all_tokens[-lookahead:]
         enc = self.encoder.infer({"tokens": body[None], "lookahead_tokens": ahead[None],
                                   "embedding": prompt.embedding.astype(np.float32)})
-        mu, spks = enc["mu"], enc["spks"]  # (1, 80, T), (1, 80)
-        frames, prompt_frames = mu.shape[2], prompt.mel.shape[1]
-        if frames > self.noise.shape[2]:
-            raise SynthesisError(f"{frames} mel frames (prompt included) exceed the flow noise table's "
-                                 f"{self.noise.shape[2]}; use a shorter text or prompt")
-        cond = np.zeros_like(mu)
-        cond[:, :, :prompt_frames] = prompt.mel.transpose(0, 2, 1)
-        block = self.dims.dit_block_frames if streaming else frames
-        x = np.array(self.noise[:, :, :frames], dtype=np.float32)  # (1, 80, T), position-locked
-        mel = self._solve(x, mu, spks, cond, block)
-        return mel[:, :, prompt_frames:]
+        skip = self.dims.token_mel_ratio * (start - first)
+        return enc["mu"][:, :, skip:], enc["spks"]
 
-    def _solve(self, x: np.ndarray, mu: np.ndarray, spks: np.ndarray, cond: np.ndarray, block: int
-               ) -> np.ndarray:
-        """Euler over `t_span` with the CFG batch [conditional; unconditional]; x (1, 80, T)."""
-        frames = x.shape[2]
-        feeds = {
-            "mask": np.ones((2, 1, frames), dtype=np.float32),
-            "mu": np.concatenate([mu, np.zeros_like(mu)]),  # (2, 80, T)
-            "spks": np.concatenate([spks, np.zeros_like(spks)]),  # (2, 80)
-            "cond": np.concatenate([cond, np.zeros_like(cond)]),  # (2, 80, T)
-            "block_frames": np.array([block], dtype=np.int64),
-        }
+    def cond(self, prompt: PromptFeatures, start: int, end: int) -> np.ndarray:
+        """`cond` (1, 80, end - start) of frames [start, end): the prompt's mel on its frames, else 0."""
+        cond = np.zeros((1, self.dims.mel_bins, end - start), dtype=np.float32)
+        prompt_part = prompt.mel[0, start:end].T  # (80, frames of the prompt in range)
+        cond[0, :, :prompt_part.shape[1]] = prompt_part
+        return cond
+
+    def initial_x(self, start: int, end: int) -> np.ndarray:
+        """The initial x (1, 80, end - start) of frames [start, end): the position-locked noise table."""
+        if end > self.noise.shape[2]:
+            raise SynthesisError(f"{end} mel frames (prompt included) exceed the flow noise table's "
+                                 f"{self.noise.shape[2]}; use a shorter text or prompt")
+        return np.array(self.noise[:, :, start:end], dtype=np.float32)
+
+    def solve(self, x: np.ndarray, velocity: Velocity) -> np.ndarray:
+        """Euler over `t_span` from x (1, 80, T), CFG-guided: v = 1.7 v_cond - 0.7 v_uncond."""
         t_span = self.t_span
         guided, unguided = np.float32(1.0 + CFG_RATE), np.float32(CFG_RATE)
         # t accumulates and dt is re-read from the grid against it, as upstream's solve_euler does.
         t, dt = t_span[0], t_span[1] - t_span[0]
         for step in range(1, len(t_span)):
-            v = self.estimator.infer({"x": np.concatenate([x, x]), "t": np.full(2, t, dtype=np.float32),
-                                      **feeds})["velocity"]  # (2, 80, T)
+            v = velocity(step - 1, np.concatenate([x, x]), np.full(2, t, dtype=np.float32))  # (2, 80, T)
             x = x + dt * (guided * v[:1] - unguided * v[1:])
             t = t + dt
             if step < len(t_span) - 1:
                 dt = t_span[step + 1] - t
         return x
+
+
+@dataclass
+class FlowStream:
+    """One streamed utterance's flow state, all of it in these fields (make one with `Flow.stream`).
+
+    A `push` runs `flow_encoder` over the new tokens (plus its left context) and, at every ODE step,
+    `flow_estimator_cached` over the new frames only, with that step's caches: per DiT block the keys
+    and values of the frames before, and the conv position embedding's left context. The outputs
+    become the next push's caches. Why this equals upstream's re-run of every frame for a non-final
+    chunk: the frames before it are whole 50-frame blocks (the first hop's pad and every hop are
+    multiples of a block; `push` checks), so under the block-causal mask none of them attends to a
+    later frame; every other part of the DiT is per frame (AdaLN from t, LayerNorm over channels, the
+    FF) or causal (the conv position embedding); their noise is position-locked and their `mu` and
+    `cond` do not change (their look-ahead tokens existed already). So at every step, in both CFG rows,
+    their keys, values and velocities are the ones the re-run computes again.
+
+    With `window=None` (exact) the final push re-runs the full-attention flow over every token, as
+    upstream does (its full attention changes every frame, so nothing cached applies). With a window,
+    the caches keep the prompt's blocks and the last `window` blocks (older keys/values are dropped
+    after each step), and the final push is cached too, with full attention among its new frames: the
+    cost of every push is bounded, at a deviation from upstream that the README states.
+    """
+
+    flow: Flow = field(repr=False)
+    estimator: Runner = field(repr=False)
+    """The `flow_estimator_cached` graph."""
+    prompt: PromptFeatures = field(repr=False)
+    window: int | None
+    """Blocks of generated frames whose keys/values attention keeps besides the prompt's blocks;
+    None keeps every frame (exact)."""
+    caches: list[dict[str, np.ndarray]] = field(repr=False)
+    """Per ODE step, the `past_*` inputs of `flow_estimator_cached` for the next push."""
+    frames: int = 0
+    """Frames (prompt included) run so far: the position of the next new frame."""
+    tokens: int = 0
+    """Generated tokens whose mel frames `push` has returned."""
+    finished: bool = False
+
+    @property
+    def growing(self) -> list[str]:
+        """The caches that grow with the frames (keys and values, frames on axis 2): those with a
+        symbolic dim in the spec; the conv caches have a fixed size."""
+        return [t.name for t in self.estimator.spec.inputs if t.name in self.caches[0] and t.symbols()]
+
+    @property
+    def cached_frames(self) -> int:
+        """Frames whose keys/values the caches hold: `frames`, or fewer if the window dropped some."""
+        return self.caches[0][self.growing[0]].shape[2]
+
+    @property
+    def cache_bytes(self) -> int:
+        """Memory held by the caches (every ODE step, both CFG rows)."""
+        return sum(a.nbytes for step in self.caches for a in step.values())
+
+    def push(self, tokens: Sequence[int], *, finalize: bool) -> np.ndarray:
+        """Every generated token so far (N,) -> the mel (1, 80, n) of those after the first `self.tokens`:
+        up to N - 3 (the rest are look-ahead) or, when finalizing, N. Exact mode: the frames that
+        `Flow` over all tokens gives there (to the graphs' float rounding on other shapes, ~1e-6)."""
+        if self.finished:
+            raise ValueError("this flow stream is finalized already")
+        flow, d = self.flow, self.flow.dims
+        ratio, block = d.token_mel_ratio, d.dit_block_frames
+        covered = len(tokens) - (0 if finalize else d.pre_lookahead_len)  # tokens with frames after this push
+        if covered <= self.tokens:
+            raise ValueError(f"no new tokens: {self.tokens} have their frames already, {len(tokens)} given")
+        if finalize and self.window is None:
+            mel = flow(np.asarray(tokens, dtype=np.int64), self.prompt, finalize=True, streaming=False)
+            emitted, self.tokens, self.finished = ratio * self.tokens, covered, True
+            return mel[:, :, emitted:]
+        all_tokens = flow.tokens_with_prompt(tokens, self.prompt, finalize=finalize)
+        mu, spks = flow.encode(all_tokens, self.frames // ratio, self.prompt, finalize=finalize)  # (1, 80, n)
+        first, end = self.frames, self.frames + mu.shape[2]
+        if not finalize and end % block:
+            raise ValueError(f"a non-final chunk ends at frame {end}, not on a {block}-frame block boundary: "
+                             "its frames would see later ones, so caching them would change the result")
+        feeds = {"offset": np.array([first], dtype=np.int64),
+                 "block_frames": np.array([end if finalize else block], dtype=np.int64),
+                 **_cfg_rows(mu, spks, flow.cond(self.prompt, first, end))}
+        pairs = cache_pairs(self.estimator.spec)
+
+        def velocity(step: int, x: np.ndarray, t: np.ndarray) -> np.ndarray:
+            out = self.estimator.infer({"x": x, "t": t, **feeds, **self.caches[step]})
+            self.caches[step] = self._windowed({past: out[present] for past, present in pairs})
+            return out["velocity"]
+
+        x = flow.solve(flow.initial_x(first, end), velocity)  # (1, 80, end - first)
+        emitted = self.prompt.mel.shape[1] + ratio * self.tokens  # the first frame not returned yet
+        self.frames, self.tokens, self.finished = end, covered, finalize
+        return x[:, :, emitted - first:]
+
+    def _windowed(self, caches: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`caches` with the keys/values of frames outside the window dropped (all kept without one)."""
+        if self.window is None:
+            return caches
+        block = self.flow.dims.dit_block_frames
+        head = -(-self.prompt.mel.shape[1] // block) * block  # the prompt's blocks
+        tail = self.window * block
+        out = dict(caches)
+        for name in self.growing:
+            a = caches[name]  # (2, H, frames, Dh)
+            if a.shape[2] > head + tail:
+                out[name] = np.concatenate([a[:, :, :head], a[:, :, a.shape[2] - tail:]], axis=2)
+        return out
 
 
 def _resblock_reach(kernel: int, dilations: tuple[int, ...]) -> int:

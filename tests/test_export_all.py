@@ -68,7 +68,8 @@ TOY = GraphSpec(
 )
 TOY_DIMS = ModelDims(llm_hidden=8, llm_layers=1, llm_kv_heads=1, llm_head_dim=8, speech_vocab=10,
                      speech_token_size=8, mel_bins=4, spk_embed_dim=4, pre_lookahead_len=3, token_mel_ratio=2,
-                     dit_block_frames=4, harmonics=2, samples_per_frame=4, sample_rate=16000)
+                     dit_block_frames=4, dit_dim=8, dit_depth=1, dit_heads=2, dit_head_dim=4,
+                     dit_conv_kernel=3, harmonics=2, samples_per_frame=4, sample_rate=16000)
 
 
 class Toy(nn.Module):

@@ -86,7 +86,7 @@ def test_rope_inv_freq_full_size() -> None:
 def test_rope_rotates_adjacent_pairs_of_the_first_head_only() -> None:
     dim_head, width, T = 16, 64, 9
     x = torch.randn(2, T, width, generator=torch.Generator().manual_seed(3))
-    freqs = _RotaryEmbedding(dim_head)(T)
+    freqs = _RotaryEmbedding(dim_head)(torch.arange(T))
     y = _apply_rope(x, freqs.cos(), freqs.sin())
     assert torch.equal(y[..., dim_head:], x[..., dim_head:])
     # Pair (2m, 2m+1) as a complex number, turned by p * 10000^(-2m/dim_head) at position p.
@@ -168,7 +168,7 @@ def test_dit_padding_keys_ignored_and_query_rows_zeroed(flow: CausalMaskedDiffWi
     mask[1, :, 21:] = 0.0
     attn = dit_attention_mask(mask, False, 50)
     outs: list[Tensor] = []
-    hook = dit.transformer_blocks[0].attn.register_forward_hook(lambda m, a, o: outs.append(o))
+    hook = dit.transformer_blocks[0].attn.register_forward_hook(lambda m, a, o: outs.append(o[0]))
     try:
         base = dit(x, mask, mu, t, spks, cond, attn)
     finally:

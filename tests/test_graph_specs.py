@@ -31,7 +31,8 @@ def test_full_size_dims() -> None:
     assert FULL == ModelDims(
         llm_hidden=896, llm_layers=24, llm_kv_heads=2, llm_head_dim=64, speech_vocab=6761,
         speech_token_size=6561, mel_bins=80, spk_embed_dim=192, pre_lookahead_len=3, token_mel_ratio=2,
-        dit_block_frames=50, harmonics=9, samples_per_frame=480, sample_rate=24000,
+        dit_block_frames=50, dit_dim=1024, dit_depth=22, dit_heads=16, dit_head_dim=64, dit_conv_kernel=31,
+        harmonics=9, samples_per_frame=480, sample_rate=24000,
     )
     assert ModelDims.from_metadata(FULL.to_metadata()) == FULL
 

@@ -3,12 +3,14 @@
 Module and attribute names follow upstream so that `flow.pt`'s `decoder.estimator.*` keys load
 unchanged. Unlike upstream, the attention mask is an input of `DiT.forward` rather than derived
 from a Python `streaming` flag, so one traced graph serves both offline and streaming synthesis;
-`dit_attention_mask` builds it.
+`dit_attention_mask` builds it. `DiT.forward_cached` runs the same network over a chunk of new frames
+given the caches of the frames before it (per-layer keys/values, the causal convs' left context).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -48,9 +50,9 @@ class _RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", 1.0 / base ** (torch.arange(0, dim, 2).float() / dim))
 
-    def forward(self, seq_len: int) -> Tensor:
-        """Angles for positions 0..seq_len-1, interleaved [θ0, θ0, θ1, θ1, ...]: (T, dim)."""
-        pos = torch.arange(seq_len, device=self.inv_freq.device).to(self.inv_freq.dtype)
+    def forward(self, positions: Tensor) -> Tensor:
+        """Angles for integer `positions` (T,), interleaved [θ0, θ0, θ1, θ1, ...]: (T, dim)."""
+        pos = positions.to(self.inv_freq.dtype)
         freqs = pos[:, None] * self.inv_freq[None, :]  # (T, dim/2)
         return torch.stack((freqs, freqs), dim=-1).flatten(-2)
 
@@ -96,11 +98,20 @@ class _CausalConvPositionEmbedding(nn.Module):
         self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
         self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x.transpose(1, 2)  # (B, C, T)
-        x = self.conv1(F.pad(x, (self.kernel_size - 1, 0)))  # left pad only: causal
-        x = self.conv2(F.pad(x, (self.kernel_size - 1, 0)))
-        return x.transpose(1, 2)  # (B, T, C)
+    def forward(self, x: Tensor, past: tuple[Tensor, Tensor] | None = None
+                ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """x (B, T, C) -> (B, T, C), and the last kernel - 1 input frames of each conv (B, C, kernel - 1).
+
+        `past` holds those of the frames before x; None is the start of the sequence, whose left
+        context is upstream's zero padding (so zero caches are the same thing).
+        """
+        ctx = self.kernel_size - 1
+        h = x.transpose(1, 2)  # (B, C, T)
+        h1 = F.pad(h, (ctx, 0)) if past is None else torch.cat((past[0], h), dim=2)  # (B, C, ctx + T)
+        h = self.conv1(h1)  # (B, C, T); left context only: causal
+        h2 = F.pad(h, (ctx, 0)) if past is None else torch.cat((past[1], h), dim=2)
+        h = self.conv2(h2)
+        return h.transpose(1, 2), (h1[:, :, -ctx:], h2[:, :, -ctx:])
 
 
 class _InputEmbedding(nn.Module):
@@ -109,10 +120,13 @@ class _InputEmbedding(nn.Module):
         self.proj = nn.Linear(2 * cfg.mel_dim + cfg.mu_dim + cfg.spk_dim, cfg.dim)
         self.conv_pos_embed = _CausalConvPositionEmbedding(cfg.dim, cfg.conv_pos_kernel, cfg.conv_pos_groups)
 
-    def forward(self, x: Tensor, cond: Tensor, mu: Tensor, spks: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cond: Tensor, mu: Tensor, spks: Tensor,
+                past_conv: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """(B, T, dim), and the conv position embedding's caches (see `_CausalConvPositionEmbedding`)."""
         spks = spks[:, None, :].expand(-1, x.shape[1], -1)  # (B, T, spk_dim)
         x = self.proj(torch.cat((x, cond, mu, spks), dim=-1))  # (B, T, dim); upstream's column order
-        return self.conv_pos_embed(x) + x
+        pos, conv = self.conv_pos_embed(x, past_conv)
+        return pos + x, conv
 
 
 class _AdaLayerNormZero(nn.Module):
@@ -149,15 +163,23 @@ class _Attention(nn.Module):
         self.to_v = nn.Linear(dim, inner)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor, keep: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor, keep: Tensor,
+                past: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, dim) -> (B, T, dim), and the keys (after RoPE) and values (B, H, S, Dh) attended to.
+
+        `past` holds the keys and values (B, H, P, Dh) of earlier frames, which come first: S = P + T
+        and `attn_mask` is (B, 1, T, S). cos/sin (T, dim_head) are the angles of x's positions.
+        """
         B, T, _ = x.shape
         q = _apply_rope(self.to_q(x), cos, sin)  # (B, T, inner)
         k = _apply_rope(self.to_k(x), cos, sin)
         v = self.to_v(x)
         q, k, v = (y.view(B, T, self.heads, -1).transpose(1, 2) for y in (q, k, v))  # (B, H, T, Dh)
+        if past is not None:
+            k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)  # (B, H, P + T, Dh)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, H, T, Dh)
         y = self.to_out[0](y.transpose(1, 2).reshape(B, T, -1))  # (B, T, dim)
-        return y.masked_fill(~keep, 0.0)  # padded query rows are zeroed, as upstream
+        return y.masked_fill(~keep, 0.0), k, v  # padded query rows are zeroed, as upstream
 
 
 class _FeedForward(nn.Module):
@@ -183,11 +205,13 @@ class _DiTBlock(nn.Module):
         self.ff = _FeedForward(dim, ff_mult)
 
     def forward(self, x: Tensor, c: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor,
-                keep: Tensor) -> Tensor:
+                keep: Tensor, past: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, dim) -> (B, T, dim), and the attention's keys and values (see `_Attention`)."""
         norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(x, c)
-        x = x + gate_msa[:, None] * self.attn(norm, cos, sin, attn_mask, keep)
+        attn, k, v = self.attn(norm, cos, sin, attn_mask, keep, past)
+        x = x + gate_msa[:, None] * attn
         norm = F.layer_norm(x, (self.dim,), eps=LN_EPS) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
-        return x + gate_mlp[:, None] * self.ff(norm)
+        return x + gate_mlp[:, None] * self.ff(norm), k, v
 
 
 class DiT(nn.Module):
@@ -212,13 +236,33 @@ class DiT(nn.Module):
         x, mu, cond: (B, 80, T); mask: (B, 1, T), nonzero on valid frames; t: (B,); spks: (B, 80);
         attn_mask: (B, 1, T, T) bool from `dit_attention_mask`. Returns (B, 80, T).
         """
+        positions = torch.arange(x.shape[2], device=x.device)  # (T,)
+        keep = mask.bool().transpose(1, 2)  # (B, T, 1)
+        return self.forward_cached(x, mu, t, spks, cond, positions, attn_mask, keep, None, None)[0]
+
+    def forward_cached(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, positions: Tensor,
+                       attn_mask: Tensor, keep: Tensor, past_conv: tuple[Tensor, Tensor] | None,
+                       past_kv: Sequence[tuple[Tensor, Tensor]] | None
+                       ) -> tuple[Tensor, tuple[Tensor, Tensor], list[tuple[Tensor, Tensor]]]:
+        """Velocity of T new frames that continue earlier ones, given the earlier frames' caches.
+
+        x, mu, cond: (B, 80, T); t: (B,); spks: (B, 80); positions: (T,) int, the new frames' indices
+        in the sequence (RoPE); attn_mask: (B or 1, 1, T, P + T) bool over [cached | new] keys;
+        keep: (B, T, 1) bool, False on padded query rows. `past_conv`: the last kernel - 1 input frames
+        of the conv position embedding's two convs (B, dim, kernel - 1), None at the sequence start;
+        `past_kv`: per block, keys (after RoPE) and values (B, H, P, Dh), None for P = 0. Returns the velocity
+        (B, 80, T), the conv caches after the new frames and each block's keys/values (B, H, P + T, Dh):
+        fed back, they make a sequence of chunks equal one forward over all frames whenever no earlier
+        frame may attend to a later one (the block-causal mask on block boundaries).
+        """
         x, mu, cond = x.transpose(1, 2), mu.transpose(1, 2), cond.transpose(1, 2)  # (B, T, 80)
         c = self.time_embed(t)  # (B, dim)
-        h = self.input_embed(x, cond, mu, spks)  # (B, T, dim)
-        freqs = self.rotary_embed(h.shape[1])  # (T, dim_head)
+        h, conv = self.input_embed(x, cond, mu, spks, past_conv)  # (B, T, dim)
+        freqs = self.rotary_embed(positions)  # (T, dim_head)
         cos, sin = freqs.cos(), freqs.sin()
-        keep = mask.bool().transpose(1, 2)  # (B, T, 1)
-        for block in self.transformer_blocks:
-            h = block(h, c, cos, sin, attn_mask, keep)
+        kv = []
+        for i, block in enumerate(self.transformer_blocks):
+            h, k, v = block(h, c, cos, sin, attn_mask, keep, None if past_kv is None else past_kv[i])
+            kv.append((k, v))
         h = self.norm_out(h, c)
-        return self.proj_out(h).transpose(1, 2)  # (B, 80, T)
+        return self.proj_out(h).transpose(1, 2), conv, kv  # (B, 80, T)

@@ -26,7 +26,7 @@ from torch import nn
 
 from cosyvoice_graphs import GraphSpec, ModelDims, TensorSpec, metadata
 
-EXPORT_REVISION = 1
+EXPORT_REVISION = 2
 """Bump when this module changes what it writes for unchanged wrappers (it forces a re-export)."""
 EXPORTER_VERSION = (
     f"cosyvoice-onnx {version('cosyvoice-onnx')} rev {EXPORT_REVISION}; torch {torch.__version__}; "

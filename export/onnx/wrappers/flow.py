@@ -1,7 +1,9 @@
-"""The `flow_encoder` and `flow_estimator` graphs of `CausalMaskedDiffWithDiT`.
+"""The `flow_encoder`, `flow_estimator` and `flow_estimator_cached` graphs of `CausalMaskedDiffWithDiT`.
 
 The CFM's Euler loop stays outside the graphs (the runtime runs it), so the flow is exported as the
-front (tokens -> `mu`, x-vector -> `spks`) and one DiT evaluation of the CFG batch.
+front (tokens -> `mu`, x-vector -> `spks`) and one DiT evaluation of the CFG batch, over every frame
+(`flow_estimator`) or over a streaming chunk's new frames with the caches of the earlier ones
+(`flow_estimator_cached`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ class FlowEncoderGraph(nn.Module):
         return h.transpose(1, 2), spks
 
 
+def _block_visible(query_pos: Tensor, key_pos: Tensor, block_frames: Tensor) -> Tensor:
+    """Query position p sees key position q iff ``q < (p // b + 1) * b``: (Tq,), (Tk,), (1,) -> (Tq, Tk)."""
+    block_end = (torch.div(query_pos, block_frames, rounding_mode="floor") + 1) * block_frames  # (Tq,)
+    return key_pos[None, :] < block_end[:, None]
+
+
 def block_attention_mask(mask: Tensor, block_frames: Tensor) -> Tensor:
     """`dit_attention_mask` with the block size as a tensor: (B, 1, T) pad mask, (1,) int64 -> (B, 1, T, T).
 
@@ -49,8 +57,7 @@ def block_attention_mask(mask: Tensor, block_frames: Tensor) -> Tensor:
     """
     keys = mask.bool()  # (B, 1, T)
     pos = torch.arange(mask.shape[-1], device=mask.device)  # (T,)
-    block_end = (torch.div(pos, block_frames, rounding_mode="floor") + 1) * block_frames  # (T,)
-    visible = keys & (pos[None, :] < block_end[:, None])  # (B, T, T)
+    visible = keys & _block_visible(pos, pos, block_frames)  # (B, T, T)
     visible = visible | ~visible.any(dim=-1, keepdim=True)
     return visible.unsqueeze(1)
 
@@ -66,3 +73,45 @@ class FlowEstimatorGraph(nn.Module):
                 block_frames: Tensor) -> Tensor:
         """x, mu, cond (2, 80, T); mask (2, 1, T); t (2,); spks (2, 80); block_frames (1,) -> (2, 80, T)."""
         return self.dit(x, mask, mu, t, spks, cond, block_attention_mask(mask, block_frames))
+
+
+def cached_attention_mask(past_frames: int | Tensor, positions: Tensor, block_frames: Tensor) -> Tensor:
+    """The new frames' mask over [cached | new] keys: (1, 1, T, P + T) for `positions` (T,) of the new frames.
+
+    Every cached key is visible (the caller caches only frames that the block-causal mask shows to every
+    later frame); among the new frames, `_block_visible` by absolute position, so b >= the last
+    position + 1 is full attention.
+    """
+    cached = torch.ones(positions.shape[0], past_frames, dtype=torch.bool, device=positions.device)  # (T, P)
+    new = _block_visible(positions, positions, block_frames)  # (T, T)
+    return torch.cat((cached, new), dim=1)[None, None]
+
+
+class FlowEstimatorCachedGraph(nn.Module):
+    """`DiT.forward_cached` for the CFG batch, its caches flattened into the spec's I/O order.
+
+    Inputs: x, mu (2, 80, T), t (2,), spks (2, 80), cond (2, 80, T), offset (1,) (the position of the
+    first new frame), block_frames (1,), past_pos_conv1/2 (2, dim, kernel - 1), then past_key_i,
+    past_value_i (2, H, P, Dh) per block i. Outputs: velocity (2, 80, T), present_pos_conv1/2, then
+    present_key_i, present_value_i (2, H, P + T, Dh).
+    """
+
+    def __init__(self, dit: DiT) -> None:
+        super().__init__()
+        self.dit = dit
+        self.depth = dit.cfg.depth
+
+    def forward(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, offset: Tensor,
+                block_frames: Tensor, past_pos_conv1: Tensor, past_pos_conv2: Tensor, *past_kv: Tensor
+                ) -> tuple[Tensor, ...]:
+        """x, mu, t, spks, cond, offset, block_frames, past_pos_conv1, past_pos_conv2, past_key_0,
+        past_value_0, past_key_1, ... -> velocity, present_pos_conv1, present_pos_conv2, present_key_0, ..."""
+        if len(past_kv) != 2 * self.depth:
+            raise ValueError(f"expected {2 * self.depth} past key/value tensors, got {len(past_kv)}")
+        positions = offset + torch.arange(x.shape[2], device=x.device)  # (T,)
+        attn_mask = cached_attention_mask(past_kv[0].shape[2], positions, block_frames)  # (1, 1, T, P + T)
+        keep = torch.ones(x.shape[0], x.shape[2], 1, dtype=torch.bool, device=x.device)  # (2, T, 1)
+        pairs = list(zip(past_kv[0::2], past_kv[1::2], strict=True))
+        velocity, conv, kv = self.dit.forward_cached(x, mu, t, spks, cond, positions, attn_mask, keep,
+                                                     (past_pos_conv1, past_pos_conv2), pairs)
+        return (velocity, *conv, *[y for pair in kv for y in pair])  # key_0, value_0, key_1, ...

@@ -1,0 +1,321 @@
+"""Streaming with flow caches (`FlowStream` over the `flow_estimator_cached` graph) against upstream's re-run
+of the flow over every frame per chunk, and the deviation of the bounded `window` policy.
+
+Why the cache is exact for a non-final chunk (checked here numerically, argued in `FlowStream`): the frames
+before it are whole 50-frame blocks, which the block-causal mask never lets attend to a later frame; the
+rest of the DiT is per frame or causal, the noise is position-locked and their mu/cond do not change. The
+tests chain the cached DiT over chunks against one block-causal forward (torch and onnxruntime), show that
+a chunk boundary inside a block breaks the equality, and compare the runtime's streams frame for frame and
+sample for sample.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cosyvoice_export.bundle.layout import PROMPT_WAV
+from cosyvoice_export.bundle.model_dir import ModelBundle
+from cosyvoice_export.config import full_size, tiny
+from cosyvoice_export.nets import flow as flow_net
+from cosyvoice_export.nets.dit import DiT, dit_attention_mask
+from cosyvoice_export.onnx.wrappers.flow import cached_attention_mask
+from cosyvoice_export.reference.pipeline import ReferencePipeline
+from cosyvoice_graphs import empty_caches
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.frontend import PromptFeatures
+from cosyvoice_runtime.synthesis import AudioChunk, ChunkPolicy, Synthesizer
+from cosyvoice_runtime.token2wav import ENCODER_LEFT_CONTEXT, N_TIMESTEPS
+
+MEL_MAX = 1e-5  # cache vs re-run, measured ~3e-6: the graphs' float rounding on other shapes
+AUDIO_MEAN = 2e-3  # hift_decoder's tolerance; measured ~2e-5 (an ulp of mel can move f0: vocoder tests)
+BLOCK = 50
+
+
+# --- fixtures ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def synth(runtime_bundle: Path) -> Iterator[Synthesizer]:
+    """One intra-op thread: the graphs round alike run after run."""
+    with Synthesizer(RuntimeBundle.open(runtime_bundle), threads=1) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_bundle: Path) -> ReferencePipeline:
+    return ReferencePipeline(ModelBundle.open(tiny_bundle))
+
+
+@pytest.fixture(scope="module")
+def prompt(pipe: ReferencePipeline, tiny_bundle: Path) -> PromptFeatures:
+    p = pipe.prompt_features(tiny_bundle / PROMPT_WAV)
+    return PromptFeatures(p.speech_tokens.numpy(), p.mel.numpy(), p.embedding.numpy())
+
+
+@pytest.fixture(scope="module")
+def dit() -> DiT:
+    net = flow_net.CausalMaskedDiffWithDiT(tiny(832).flow).eval().requires_grad_(False)
+    flow_net.init_random_(net, torch.Generator().manual_seed(0))
+    return net.decoder.estimator
+
+
+def _tokens(n: int, seed: int = 2) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 6561, n)]
+
+
+# --- the DiT with caches ----------------------------------------------------------------------------
+
+
+def test_encoder_left_context_is_the_pre_lookahead_layers() -> None:
+    """mu of a token reads 2 tokens back (conv2, causal k 3) and only forward in conv1 (k 4, unpadded)."""
+    for cfg in (full_size().flow, tiny(100).flow):
+        pll = flow_net.PreLookaheadLayer(cfg.input_size, 8, cfg.pre_lookahead_len)
+        assert ENCODER_LEFT_CONTEXT == pll.conv2.kernel_size[0] - 1
+        assert pll.conv1.kernel_size[0] == cfg.pre_lookahead_len + 1 and pll.conv1.padding == (0,)
+
+
+def _dit_inputs(T: int, seed: int = 1) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x, mu, cond = (torch.randn(2, 80, T, generator=g) for _ in range(3))
+    return x, mu, torch.full((2,), 0.37), torch.randn(2, 80, generator=g), cond
+
+
+def _chained(dit: DiT, inputs: tuple[torch.Tensor, ...], schedule: list[int]) -> torch.Tensor:
+    """`DiT.forward_cached` chunk after chunk (block-causal among each chunk's frames), caches fed back."""
+    x, mu, t, spks, cond = inputs
+    conv, kv, start, out = None, None, 0, []
+    for n in schedule:
+        part = slice(start, start + n)
+        positions = torch.arange(start, start + n)
+        past = 0 if kv is None else kv[0][0].shape[2]
+        mask = cached_attention_mask(past, positions, torch.tensor([BLOCK]))
+        keep = torch.ones(2, n, 1, dtype=torch.bool)
+        v, conv, kv = dit.forward_cached(x[:, :, part], mu[:, :, part], t, spks, cond[:, :, part], positions,
+                                         mask, keep, conv, kv)
+        out.append(v)
+        start += n
+    return torch.cat(out, dim=2)
+
+
+SCHEDULES = {
+    "upstream": [300, 100, 200, 200],  # prompt + first hop, then hops of 50, 100, 100 tokens
+    "blocks": [50, 50, 150, 50],
+    "one-chunk": [250],
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_chained_dit_equals_the_block_causal_forward(dit: DiT, name: str) -> None:
+    schedule = SCHEDULES[name]
+    inputs = _dit_inputs(sum(schedule))
+    x, mu, t, spks, cond = inputs
+    mask = torch.ones(2, 1, x.shape[2])
+    with torch.no_grad():
+        want = dit(x, mask, mu, t, spks, cond, dit_attention_mask(mask, True, BLOCK))
+        got = _chained(dit, inputs, schedule)
+    err = float((got - want).abs().max())
+    print(f"{name}: chained vs one forward max abs {err:.2e}")
+    assert err < 1e-5
+
+
+def test_a_chunk_boundary_inside_a_block_breaks_the_equality(dit: DiT) -> None:
+    """Frames 100..119 see frames 120..149 in the one forward, which their cached keys never did."""
+    inputs = _dit_inputs(300)
+    x, mu, t, spks, cond = inputs
+    mask = torch.ones(2, 1, 300)
+    with torch.no_grad():
+        want = dit(x, mask, mu, t, spks, cond, dit_attention_mask(mask, True, BLOCK))
+        got = _chained(dit, inputs, [120, 180])
+    assert float((got[:, :, :100] - want[:, :, :100]).abs().max()) < 1e-5  # whole blocks before it
+    assert float((got[:, :, 100:120] - want[:, :, 100:120]).abs().max()) > 1e-3
+
+
+def test_cached_graph_chain_equals_the_estimator_graph(synth: Synthesizer) -> None:
+    """The exported graphs: `flow_estimator_cached` chained over chunks = one `flow_estimator` call."""
+    cached, full = synth.flow.cached, synth.flow.estimator
+    assert cached is not None
+    x, mu, t, spks, cond = (a.numpy() for a in _dit_inputs(400, seed=4))
+    want = full.infer({"x": x, "mask": np.ones((2, 1, 400), dtype=np.float32), "mu": mu, "t": t, "spks": spks,
+                       "cond": cond, "block_frames": np.array([BLOCK])})["velocity"]
+    caches, start, got = empty_caches(cached.spec), 0, []
+    for n in [250, 50, 100]:
+        part = slice(start, start + n)
+        out = cached.infer({"x": x[:, :, part], "mu": mu[:, :, part], "t": t, "spks": spks,
+                            "cond": cond[:, :, part], "offset": np.array([start]),
+                            "block_frames": np.array([BLOCK]), **caches})
+        caches = {name: out["present_" + name.removeprefix("past_")] for name in caches}
+        got.append(out["velocity"])
+        start += n
+    err = float(np.abs(np.concatenate(got, axis=2) - want).max())
+    print(f"graphs: chained flow_estimator_cached vs flow_estimator max abs {err:.2e}")
+    assert err < 1e-5
+
+
+# --- the runtime: cached stream vs the re-run -------------------------------------------------------
+
+
+def _cache_bytes(synth: Synthesizer, frames: int) -> int:
+    """What the caches should hold: per ODE step, two conv caches (2, dim, kernel - 1) and per block
+    keys and values (2, heads, frames, head_dim), float32."""
+    d = synth.dims
+    conv = 2 * 2 * d.dit_dim * (d.dit_conv_kernel - 1)
+    kv = d.dit_depth * 2 * 2 * d.dit_heads * frames * d.dit_head_dim
+    return N_TIMESTEPS * 4 * (conv + kv)
+
+
+def _schedule(policy: ChunkPolicy, prompt_tokens: int, n: int) -> Iterator[tuple[list[int], int, bool]]:
+    """(tokens so far, the chunk's offset, final) per chunk, as `Synthesizer.stream_tokens` fires them."""
+    hops, offset = policy.hops(prompt_tokens), 0
+    hop = next(hops)
+    while n - offset >= hop + policy.lookahead:
+        yield _tokens(n)[: offset + hop + policy.lookahead], offset, False
+        offset, hop = offset + hop, next(hops)
+    yield _tokens(n), offset, True
+
+
+@pytest.mark.parametrize("n", [20, 250, 420])
+def test_flow_stream_equals_the_rerun_chunk_by_chunk(synth: Synthesizer, prompt: PromptFeatures, n: int
+                                                     ) -> None:
+    stream, p = synth.flow.stream(prompt), prompt.speech_tokens.shape[1]
+    assert stream.cache_bytes == _cache_bytes(synth, 0) and stream.frames == stream.tokens == 0
+    worst, chunks = 0.0, 0
+    for tokens, offset, final in _schedule(ChunkPolicy(), p, n):
+        want = synth.flow(np.asarray(tokens), prompt, finalize=final, streaming=not final)[:, :, 2 * offset:]
+        got = stream.push(tokens, finalize=final)
+        assert got.shape == want.shape and got.dtype == np.float32
+        worst = max(worst, float(np.abs(got - want).max()))
+        chunks += 1
+        if not final:  # explicit state: every frame so far cached, nothing else
+            assert stream.tokens == len(tokens) - 3 and stream.frames == 2 * (p + stream.tokens)
+            assert stream.frames % BLOCK == 0 and stream.cached_frames == stream.frames
+            assert stream.cache_bytes == _cache_bytes(synth, stream.frames)
+    assert stream.finished and stream.tokens == n
+    print(f"{n} tokens, {chunks} chunks: cache vs re-run mel max abs {worst:.2e}; "
+          f"cache {stream.cache_bytes / 2**20:.1f} MiB")
+    assert worst < MEL_MAX
+
+
+def _digests(chunks: list[AudioChunk]) -> list[str]:
+    return [hashlib.sha256(c.samples.tobytes()).hexdigest() for c in chunks]
+
+
+def test_synthesizer_stream_cache_equals_rerun(synth: Synthesizer, prompt: PromptFeatures) -> None:
+    tokens = _tokens(250)  # 10 s of speech
+    cache = list(synth.stream_tokens(tokens, prompt))
+    assert ChunkPolicy().flow == "cache"
+    rerun = list(synth.stream_tokens(tokens, prompt, policy=ChunkPolicy(flow="rerun")))
+    assert len(cache) == len(rerun) >= 4
+    for c, r in zip(cache, rerun, strict=True):
+        assert (c.index, c.is_final, c.token_range, c.sample_range) == \
+            (r.index, r.is_final, r.token_range, r.sample_range)
+    got, want = (np.concatenate([c.samples for c in chunks]) for chunks in (cache, rerun))
+    diff = np.abs(got - want)
+    flow_s = [(round(c.timings.flow, 3), round(r.timings.flow, 3)) for c, r in zip(cache, rerun, strict=True)]
+    print(f"stream: cache vs re-run audio max abs {diff.max():.2e}, mean {diff.mean():.2e}; "
+          f"flow s per chunk (cache, re-run): {flow_s}")
+    assert diff.mean() < AUDIO_MEAN
+    assert _digests(list(synth.stream_tokens(tokens, prompt))) == _digests(cache)  # repeatable, per chunk
+
+
+def test_offline_flow_is_unchanged(synth: Synthesizer, pipe: ReferencePipeline, prompt: PromptFeatures
+                                   ) -> None:
+    """The refactored `Flow` (shared encoder, cond, noise and Euler helpers) still equals torch offline."""
+    tokens = _tokens(90, seed=5)
+    got = synth.flow(np.asarray(tokens), prompt, finalize=True, streaming=False)
+    with torch.no_grad():
+        want = pipe.flow.inference(torch.tensor([tokens]), torch.from_numpy(prompt.speech_tokens),
+                                   torch.from_numpy(prompt.mel), torch.from_numpy(prompt.embedding),
+                                   pipe.noise.flow_noise, streaming=False, finalize=True).numpy()
+    assert got.shape == want.shape == (1, 80, 180)
+    assert float(np.abs(got - want).max()) < MEL_MAX
+
+
+def test_streams_check_their_inputs(synth: Synthesizer, prompt: PromptFeatures) -> None:
+    stream = synth.flow.stream(prompt)
+    pad = -prompt.speech_tokens.shape[1] % 25
+    with pytest.raises(ValueError, match="block boundary"):
+        stream.push(_tokens(pad + 10 + 3), finalize=False)  # ends 10 tokens into a block
+    first = _tokens(pad + 25 + 3)
+    stream.push(first, finalize=False)
+    with pytest.raises(ValueError, match="no new tokens"):
+        stream.push(first, finalize=False)
+    stream.push(_tokens(60), finalize=True)
+    with pytest.raises(ValueError, match="finalized"):
+        stream.push(_tokens(60), finalize=True)
+    with pytest.raises(ValueError, match="window"):
+        synth.flow.stream(prompt, window=0)
+    with pytest.raises(ValueError, match="whole 50-frame DiT blocks"):
+        synth.stream_tokens(_tokens(100), prompt, policy=ChunkPolicy(token_hop=20))
+    synth.stream_tokens(_tokens(100), prompt, policy=ChunkPolicy(token_hop=20, flow="rerun"))  # fine re-run
+    with pytest.raises(ValueError, match="flow must be"):
+        ChunkPolicy(flow="cached")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="flow_window"):
+        ChunkPolicy(flow_window=0)
+
+
+# --- the bounded window -----------------------------------------------------------------------------
+
+LONG = 500  # 20 s of speech: 7 chunks, the window drops blocks from the third on
+
+
+def _snr_db(got: np.ndarray, want: np.ndarray) -> float:
+    noise = float(np.sum((got.astype(np.float64) - want) ** 2))
+    return 10 * np.log10(float(np.sum(want.astype(np.float64) ** 2)) / max(noise, 1e-30))
+
+
+def _vocode(synth: Synthesizer, mels: list[np.ndarray]) -> np.ndarray:
+    """The streamed audio of mel chunks (the last one final), as `Synthesizer.stream_tokens` vocodes it."""
+    vocoder = synth.vocoder.stream()
+    return np.concatenate([vocoder.push(m, finalize=i == len(mels) - 1) for i, m in enumerate(mels)])
+
+
+Rerun = tuple[list[np.ndarray], np.ndarray]
+
+
+@pytest.fixture(scope="module")
+def long_rerun(synth: Synthesizer, prompt: PromptFeatures) -> Rerun:
+    """Upstream's stream of `LONG` tokens: the mel of each chunk and the audio."""
+    mels = [synth.flow(np.asarray(tokens), prompt, finalize=final, streaming=not final)[:, :, 2 * offset:]
+            for tokens, offset, final in _schedule(ChunkPolicy(), prompt.speech_tokens.shape[1], LONG)]
+    return mels, _vocode(synth, mels)
+
+
+@pytest.mark.parametrize("window", [2, 8])
+def test_window_bounds_the_cache_and_its_deviation_is_measured(synth: Synthesizer, prompt: PromptFeatures,
+                                                                long_rerun: Rerun, window: int) -> None:
+    """The caches never hold more than the prompt's blocks and `window` blocks, so every chunk costs the
+    same; mel and audio deviate from upstream's re-run (figures printed; the README has them)."""
+    p = prompt.speech_tokens.shape[1]
+    head = -(-2 * p // BLOCK) * BLOCK
+    stream = synth.flow.stream(prompt, window=window)
+    mels = []
+    for tokens, _, final in _schedule(ChunkPolicy(), p, LONG):
+        mels.append(stream.push(tokens, finalize=final))
+        assert stream.cached_frames <= head + window * BLOCK
+    assert stream.frames == 2 * (p + LONG)
+    want_mels, want_audio = long_rerun
+    assert [m.shape for m in mels] == [m.shape for m in want_mels]
+    mel_diff = np.abs(np.concatenate(mels, axis=2) - np.concatenate(want_mels, axis=2))
+    audio = _vocode(synth, mels)
+    print(f"window {window}: {len(mels)} chunks, mel vs re-run max abs {mel_diff.max():.3g}, mean "
+          f"{mel_diff.mean():.3g}; audio SNR {_snr_db(audio, want_audio):.1f} dB; cache "
+          f"{stream.cache_bytes / 2**20:.1f} MiB")
+    assert np.isfinite(audio).all() and audio.shape == want_audio.shape
+    assert 0 < mel_diff.mean() < 0.1  # an approximation, not a failure: random weights attend everywhere
+
+
+def test_window_policy_streams_through_the_synthesizer(synth: Synthesizer, prompt: PromptFeatures) -> None:
+    """`flow="window"` in `Synthesizer.stream_tokens` is `FlowStream` with the policy's window, vocoded."""
+    policy = ChunkPolicy(flow="window")
+    stream = synth.flow.stream(prompt, window=policy.flow_window)
+    mels = [stream.push(tokens, finalize=final)
+            for tokens, _, final in _schedule(policy, prompt.speech_tokens.shape[1], LONG)]
+    chunks = list(synth.stream_tokens(_tokens(LONG), prompt, policy=policy))
+    assert len(chunks) == len(mels) and chunks[-1].is_final
+    assert np.array_equal(np.concatenate([c.samples for c in chunks]), _vocode(synth, mels))
