@@ -10,8 +10,10 @@ from pathlib import Path
 import click
 
 from cosyvoice_export.bundle.errors import BundleError
+from cosyvoice_runtime.atomic_files import write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
-from cosyvoice_runtime.cli import USER_ERRORS, _prompt, _write_json_atomic
+from cosyvoice_runtime.bundle_source import choose_prompt
+from cosyvoice_runtime.cli import USER_ERRORS
 from cosyvoice_runtime.runners import CPU, PROVIDERS
 
 from .cases import LENGTHS, default_long_tokens, make_cases, parse_lengths, parse_levels
@@ -78,7 +80,8 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
             from cosyvoice_export.bundle.model_dir import ModelBundle
 
             ModelBundle.open(model_dir)
-        prompt_wav, prompt_text = _prompt(bundle, prompt_wav, prompt_text)
+        chosen = choose_prompt(bundle, prompt_wav, prompt_text)
+        prompt_wav, prompt_text = chosen.wav, chosen.text
         if not prompt_wav.is_file():
             raise BenchError(f"--prompt-wav {prompt_wav}: file not found")
         long_tokens = default_long_tokens(bundle.dims, quick=quick) if tokens is None else tokens
@@ -88,7 +91,7 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
             repeat=repeat or (1 if quick else 3), quick=quick, seed=seed, model_dir=model_dir)
         result = run(settings, progress=progress)
         if json_out is not None:
-            _write_json_atomic(json_out, result)
+            write_json_atomic(json_out, result)
     click.echo(render(result))
     if json_out is not None:
         click.echo(f"\nwrote {json_out}")

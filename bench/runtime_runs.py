@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_runtime.bundle import RuntimeBundle
-from cosyvoice_runtime.cli import segments
 from cosyvoice_runtime.frontend import (
     PromptFeatures,
     TextFrontend,
@@ -32,6 +31,7 @@ from cosyvoice_runtime.frontend import (
 )
 from cosyvoice_runtime.runners import TRT
 from cosyvoice_runtime.sampling import make_sampler
+from cosyvoice_runtime.segments import segments
 from cosyvoice_runtime.synthesis import AudioChunk, Mode, Synthesizer
 
 from .backend import FirstChunk, OfflineRun, StreamRun

@@ -154,7 +154,7 @@ def _synthesize(model_dir: Path, text: str, prompt_wav: Path | None, prompt_text
                 instruct: str, sampling: str, seed: int, speed: float, out: Path) -> None:
     import numpy as np
 
-    from cosyvoice_runtime.cli import write_wav_atomic
+    from cosyvoice_runtime.atomic_files import write_wav_atomic
 
     from .bundle.model_dir import ModelBundle
     from .reference.llm_decode import GreedySampler, RasSampler

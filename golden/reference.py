@@ -26,8 +26,8 @@ from cosyvoice_export.reference.llm_decode import GreedySampler, RasSampler, Sam
 from cosyvoice_export.reference.pipeline import Mode as ReferenceMode
 from cosyvoice_export.reference.pipeline import ReferencePipeline
 from cosyvoice_runtime.bundle import RuntimeBundle
-from cosyvoice_runtime.cli import Segment
 from cosyvoice_runtime.demo import DEMO_SEED
+from cosyvoice_runtime.segments import Segment
 from cosyvoice_runtime.synthesis import ChunkPolicy
 
 from .cases import GoldenCase

@@ -22,7 +22,6 @@ import soundfile as sf
 
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import choose_bundle
-from cosyvoice_runtime.cli import Segment, _chunk_record, segments
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.frontend import (
     PromptFeatures,
@@ -32,6 +31,7 @@ from cosyvoice_runtime.frontend import (
     open_session,
 )
 from cosyvoice_runtime.sampling import make_sampler
+from cosyvoice_runtime.segments import Segment, segments
 from cosyvoice_runtime.synthesis import AudioChunk, ChunkTimings, Mode, Synthesizer, llm_request
 
 from .cases import DEMO, FROM_BUNDLE, Cases, GoldenCase
@@ -68,7 +68,7 @@ def pcm16_sha256(samples: np.ndarray, sample_rate: int) -> str:
 
 def chunk_record(segment: int, chunk: AudioChunk) -> dict[str, Any]:
     """`cosyvoice-run --chunks-out`'s record of a chunk without its timings, plus its PCM16 sha256."""
-    record = _chunk_record(segment, chunk)
+    record = chunk.record(segment)
     del record["timings"]
     return {**record, "pcm16_sha256": pcm16_sha256(chunk.samples, chunk.sample_rate)}
 

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_graphs.bundle_layout import TRT_DIR
+from cosyvoice_runtime.atomic_files import atomic_path, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
-from cosyvoice_runtime.cli import _atomic, _write_json_atomic
 
 from .errors import GoldenError
 
@@ -178,7 +178,7 @@ def write_case(data_dir: Path, golden: CaseGolden) -> None:
     """Write a case's golden files atomically, the npz first (the JSON names its hash)."""
     json_path, npz_path = case_paths(data_dir, golden.name)
     sha = _write_npz(npz_path, {AUDIO: golden.audio})
-    _write_json_atomic(json_path, golden.to_json(sha))
+    write_json_atomic(json_path, golden.to_json(sha))
 
 
 def read_case(data_dir: Path, name: str) -> CaseGolden:
@@ -239,7 +239,7 @@ def write_graph(data_dir: Path, golden: GraphGolden) -> None:
     """Write a graph's golden bundle atomically, the npz first."""
     json_path, npz_path = graph_paths(data_dir, golden.graph)
     sha = _write_npz(npz_path, golden.arrays())
-    _write_json_atomic(json_path, {
+    write_json_atomic(json_path, {
         "format": FORMAT, "format_version": FORMAT_VERSION, "graph": golden.graph,
         "spec_version": golden.spec_version, "bundle": golden.bundle,
         "cases": [{"index": c.index, "label": c.label, "inputs": list(c.inputs), "outputs": list(c.outputs)}
@@ -272,7 +272,7 @@ def _write_npz(path: Path, arrays: Mapping[str, np.ndarray]) -> str:
     buffer = io.BytesIO()
     np.savez_compressed(buffer, allow_pickle=False, **arrays)
     data = buffer.getvalue()
-    with _atomic(path) as tmp:
+    with atomic_path(path) as tmp:
         tmp.write_bytes(data)
     return hashlib.sha256(data).hexdigest()
 

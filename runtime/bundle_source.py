@@ -1,4 +1,5 @@
-"""Which runtime bundle a command runs: `--model`, else `$COSYVOICE_MODEL_DIR`, else the demo bundle.
+"""Which runtime bundle a command runs (`--model`, else `$COSYVOICE_MODEL_DIR`, else the demo bundle), and
+which prompt (`--prompt-wav`, else the bundle's own).
 
 `--model` may name a runtime bundle or a model bundle (upstream's model directory). A model bundle is
 exported on first use into a cache folder (`$COSYVOICE_CACHE_DIR`, default `~/.cache/cosyvoice`), which
@@ -16,8 +17,9 @@ from pathlib import Path
 
 from cosyvoice_graphs.bundle_layout import MANIFEST, MODEL_YAML
 
+from .bundle import RuntimeBundle
 from .demo import DEMO_BUNDLE
-from .errors import RuntimeBundleError
+from .errors import RuntimeBundleError, UserError
 
 MODEL_DIR_ENV = "COSYVOICE_MODEL_DIR"
 CACHE_DIR_ENV = "COSYVOICE_CACHE_DIR"
@@ -45,6 +47,25 @@ def choose_bundle(model: Path | None, *, progress: bool = True) -> BundleChoice:
         return _runtime_bundle(Path(env), f"${MODEL_DIR_ENV}", progress, default=True)
     return BundleChoice(DEMO_BUNDLE, "the embedded demo bundle (tiny, random weights: noise, not speech)",
                         default=True)
+
+
+@dataclass(frozen=True)
+class PromptChoice:
+    wav: Path
+    text: str
+    """The transcript ("" when none was given: cross-lingual and instruct2 need none)."""
+    default: bool
+    """The bundle's own prompt (worth telling the user)."""
+
+
+def choose_prompt(bundle: RuntimeBundle, wav: Path | None, text: str | None) -> PromptChoice:
+    """The given prompt, else the bundle's own with its transcript (unless `text` is given)."""
+    if wav is not None:
+        return PromptChoice(wav, text or "", default=False)
+    default = bundle.default_prompt()
+    if default is None:
+        raise UserError(f"--prompt-wav is needed: {bundle.root} carries no prompt of its own")
+    return PromptChoice(default[0], default[1] if text is None else text, default=True)
 
 
 def cache_root() -> Path:

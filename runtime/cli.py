@@ -6,11 +6,7 @@ formatted for the mode, tokenised and synthesised in turn, and the segments' aud
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,102 +16,19 @@ from typing import IO, Any
 
 import click
 import numpy as np
-import soundfile as sf
 
+from .atomic_files import write_json_atomic, write_wav_atomic
 from .bundle import RuntimeBundle
-from .bundle_source import MODEL_DIR_ENV, choose_bundle
-from .errors import ProviderError, RuntimeBundleError
-from .frontend import (
-    ENDOFPROMPT,
-    FrontendError,
-    PromptFeatures,
-    TextFrontend,
-    TextTokenizer,
-    cross_lingual_text,
-    extract_prompt,
-    instruct_prompt,
-    open_session,
-    zero_shot_prompt,
-)
+from .bundle_source import MODEL_DIR_ENV, choose_bundle, choose_prompt
+from .errors import ProviderError, RuntimeBundleError, UserError
+from .frontend import FrontendError, PromptFeatures, TextFrontend, TextTokenizer, extract_prompt, open_session
 from .runners import CPU, PROVIDERS
 from .sampling import SAMPLINGS, make_sampler
-from .synthesis import AudioChunk, Mode, SynthesisError, Synthesizer, llm_request
-
-
-class UserError(ValueError):
-    """Bad command-line input (empty text, a missing transcript or instruction, ...)."""
-
+from .segments import Segment, segments
+from .synthesis import Mode, SynthesisError, Synthesizer, llm_request
 
 USER_ERRORS = (UserError, RuntimeBundleError, ProviderError, FrontendError, SynthesisError)
 """Errors caused by the input or the environment: one line on stderr, exit status 2."""
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One piece of the text, tokenised for the LLM."""
-
-    text: str
-    text_ids: list[int]
-    prompt_text_ids: list[int]
-
-
-def segments(text: str, mode: Mode, tokenizer: TextTokenizer, frontend: TextFrontend, *,
-             prompt_text: str = "", instruct: str = "") -> list[Segment]:
-    """Normalise and split `text` as upstream does, and format each piece for `mode`.
-
-    Zero-shot: prompt text = system prompt + `<|endofprompt|>` + transcript; cross-lingual: each
-    piece gets that prefix itself; instruct2: prompt text = system prompt + instruction +
-    `<|endofprompt|>`. A transcript or instruction that already holds `<|endofprompt|>` is used as is.
-    """
-    if mode is Mode.ZERO_SHOT:
-        if not prompt_text.strip():
-            raise UserError("zero-shot needs --prompt-text (the transcript of --prompt-wav)")
-        prompt = prompt_text if ENDOFPROMPT in prompt_text else zero_shot_prompt(prompt_text)
-    elif mode is Mode.INSTRUCT2:
-        if not instruct.strip():
-            raise UserError("instruct2 needs --instruct")
-        prompt = instruct if ENDOFPROMPT in instruct else instruct_prompt(instruct)
-    else:
-        prompt = ""
-    prompt_ids = tokenizer.encode(prompt) if prompt else []
-    out = []
-    for piece in frontend.split(text):
-        if mode is Mode.CROSS_LINGUAL and ENDOFPROMPT not in piece:
-            piece = cross_lingual_text(piece)
-        out.append(Segment(piece, tokenizer.encode(piece), prompt_ids))
-    return out
-
-
-@contextmanager
-def _atomic(path: Path) -> Iterator[Path]:
-    """A temporary path beside `path`, renamed onto it if the block succeeds and removed otherwise."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def write_wav_atomic(path: Path, audio: np.ndarray, sample_rate: int) -> None:
-    """Write mono 16-bit PCM WAV to `path` through a temporary file, so no partial file is left."""
-    with _atomic(path) as tmp:
-        sf.write(tmp, audio, sample_rate, subtype="PCM_16", format="WAV")
-
-
-def _write_json_atomic(path: Path, data: Any) -> None:
-    with _atomic(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=1))
-
-
-def _chunk_record(segment: int, chunk: AudioChunk) -> dict[str, Any]:
-    return {"segment": segment, "index": chunk.index, "is_final": chunk.is_final,
-            "token_range": list(chunk.token_range), "sample_range": list(chunk.sample_range),
-            "sha256": hashlib.sha256(chunk.samples.tobytes()).hexdigest(),
-            "timings": {k: round(v, 6) for k, v in vars(chunk.timings).items()}}
 
 
 @contextmanager
@@ -186,13 +99,15 @@ def main(model: Path | None, text: str, prompt_wav: Path | None, prompt_text: st
         if choice.default:
             click.echo(f"model: {choice.origin}", err=True)
         bundle = RuntimeBundle.open(choice.path, verify=verify)
-        prompt_wav, prompt_text = _prompt(bundle, prompt_wav, prompt_text)
+        chosen = choose_prompt(bundle, prompt_wav, prompt_text)
+        if chosen.default:
+            click.echo(f"prompt: the bundle's {chosen.wav.name} ({chosen.text!r})", err=True)
         tokenizer = TextTokenizer(bundle.tokenizer_dir)
-        pieces = segments(text, Mode(mode), tokenizer, TextFrontend(tokenizer), prompt_text=prompt_text,
+        pieces = segments(text, Mode(mode), tokenizer, TextFrontend(tokenizer), prompt_text=chosen.text,
                           instruct=instruct)
         if not pieces:
             raise UserError("--text has nothing to speak after normalisation")
-        prompt = extract_prompt(prompt_wav, open_session(bundle.frontend_path("campplus")),
+        prompt = extract_prompt(chosen.wav, open_session(bundle.frontend_path("campplus")),
                                 open_session(bundle.frontend_path("speech_tokenizer")),
                                 bundle.dims.token_mel_ratio)
         with Synthesizer(bundle, provider) as synth:
@@ -201,27 +116,16 @@ def main(model: Path | None, text: str, prompt_wav: Path | None, prompt_text: st
         audio = np.concatenate(result.audio) if result.audio else np.zeros(0, np.float32)
         write_wav_atomic(out, audio, synth.sample_rate)
         if tokens_out is not None:
-            _write_json_atomic(tokens_out, [{"text": p.text, "speech_tokens": t}
+            write_json_atomic(tokens_out, [{"text": p.text, "speech_tokens": t}
                                             for p, t in zip(pieces, result.tokens, strict=True)])
         if chunks_out is not None:
-            _write_json_atomic(chunks_out, result.chunks)
+            write_json_atomic(chunks_out, result.chunks)
     seconds = len(audio) / synth.sample_rate
     work = time.perf_counter() - ready
     latency = f", first chunk after {result.first_chunk:.3f} s" if result.first_chunk is not None else ""
     click.echo(f"wrote {out}: {seconds:.2f} s at {synth.sample_rate} Hz, {len(pieces)} segment(s), "
                f"{sum(len(t) for t in result.tokens)} speech tokens ({mode}, {sampling}, seed {seed}); "
                f"RTF {work / max(seconds, 1e-9):.3f}{latency}; load {ready - start:.2f} s")
-
-
-def _prompt(bundle: RuntimeBundle, wav: Path | None, text: str | None) -> tuple[Path, str]:
-    """The given prompt, else the bundle's own with its transcript (unless --prompt-text is given)."""
-    if wav is not None:
-        return wav, text or ""
-    default = bundle.default_prompt()
-    if default is None:
-        raise UserError(f"--prompt-wav is needed: {bundle.root} carries no prompt of its own")
-    click.echo(f"prompt: the bundle's {default[0].name} ({default[1]!r})", err=True)
-    return default[0], default[1] if text is None else text
 
 
 @dataclass
@@ -253,7 +157,7 @@ def _run(synth: Synthesizer, pieces: list[Segment], prompt: PromptFeatures, mode
                 if result.first_chunk is None:
                     result.first_chunk = time.perf_counter() - start
                 result.audio.append(chunk.samples)
-                result.chunks.append(_chunk_record(i, chunk))
+                result.chunks.append(chunk.record(i))
             result.tokens.append(list(decoding.tokens))
     return result
 

@@ -14,3 +14,7 @@ class ProviderError(RuntimeError):
 
 class FeedError(ValueError):
     """Feeds that do not match a graph's spec: names the graph, the tensor, what was expected and found."""
+
+
+class UserError(ValueError):
+    """Bad input from the user (empty text, a missing transcript or instruction, ...)."""

@@ -16,6 +16,7 @@ fires as soon as its tokens exist, so the boundaries depend on the token sequenc
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -23,7 +24,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import TracebackType
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
 import numpy as np
 
@@ -153,6 +154,13 @@ class AudioChunk:
     sample_range: tuple[int, int]
     """[start, end) of `samples` in the utterance's waveform."""
     timings: ChunkTimings
+
+    def record(self, segment: int) -> dict[str, Any]:
+        """A JSON-able summary (for `--chunks-out`, goldens): ranges, the samples' sha256, timings."""
+        return {"segment": segment, "index": self.index, "is_final": self.is_final,
+                "token_range": list(self.token_range), "sample_range": list(self.sample_range),
+                "sha256": hashlib.sha256(self.samples.tobytes()).hexdigest(),
+                "timings": {k: round(v, 6) for k, v in vars(self.timings).items()}}
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ import numpy as np
 
 from cosyvoice_runtime.bundle import FRONTEND_MODELS, RuntimeBundle
 from cosyvoice_runtime.bundle_source import choose_bundle
-from cosyvoice_runtime.cli import Segment, segments
 from cosyvoice_runtime.frontend import (
     FrontendError,
     PromptFeatures,
@@ -38,6 +37,7 @@ from cosyvoice_runtime.frontend import (
 from cosyvoice_runtime.llm import Decoding
 from cosyvoice_runtime.runners import CPU, ORT_PROVIDERS
 from cosyvoice_runtime.sampling import make_sampler
+from cosyvoice_runtime.segments import Segment, segments
 from cosyvoice_runtime.synthesis import Mode, SynthesisError, Synthesizer, llm_request
 
 from .errors import FieldError

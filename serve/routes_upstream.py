@@ -3,7 +3,7 @@ fields, the response a stream of raw PCM16 (mono, little-endian, 24 kHz) without
 
 As upstream's CosyVoice3 servers do, a transcript or instruction without `<|endofprompt|>` gets the
 system prompt (`You are a helpful assistant.<|endofprompt|>`) put in front, and cross-lingual text gets
-it too (`cosyvoice_runtime.cli.segments`). The audio is the runtime's stream, chunk by chunk. Upstream
+it too (`cosyvoice_runtime.segments.segments`). The audio is the runtime's stream, chunk by chunk. Upstream
 samples every request from an unseeded generator; here the optional form field `seed` (else
 `--seed`, else a random one, sent back in `X-Seed`) seeds it, and `--sampling greedy` makes it exact.
 """

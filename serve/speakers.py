@@ -26,7 +26,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from cosyvoice_runtime.cli import _atomic
+from cosyvoice_runtime.atomic_files import atomic_path
 from cosyvoice_runtime.frontend import PromptFeatures, PromptMelConfig
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class SpeakerRegistry:
         """Register (or replace) speaker `name`: its features file first, then the registry."""
         name = check_name(name)
         file = f"{hashlib.sha256(name.encode()).hexdigest()[:16]}-{secrets.token_hex(4)}.npz"
-        with _atomic(self.root / file) as tmp, tmp.open("wb") as out:
+        with atomic_path(self.root / file) as tmp, tmp.open("wb") as out:
             np.savez(out, speech_tokens=features.speech_tokens, mel=features.mel,
                      embedding=features.embedding)
             _flush_to_disk(out)
@@ -151,7 +151,7 @@ class SpeakerRegistry:
     def _write_registry(self, entries: dict[str, dict[str, Any]]) -> None:
         text = json.dumps({"format": FORMAT, "version": VERSION, "speakers": entries}, indent=1,
                           ensure_ascii=False)
-        with _atomic(self.root / REGISTRY) as tmp, tmp.open("w", encoding="utf-8") as out:
+        with atomic_path(self.root / REGISTRY) as tmp, tmp.open("w", encoding="utf-8") as out:
             out.write(text)
             _flush_to_disk(out)
 

@@ -1,0 +1,53 @@
+"""Text to what the LLM is fed, segment by segment: upstream's normalisation and splitting, then each
+piece formatted for the inference mode and tokenised."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import UserError
+from .frontend import (
+    ENDOFPROMPT,
+    TextFrontend,
+    TextTokenizer,
+    cross_lingual_text,
+    instruct_prompt,
+    zero_shot_prompt,
+)
+from .synthesis import Mode
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One piece of the text, tokenised for the LLM."""
+
+    text: str
+    text_ids: list[int]
+    prompt_text_ids: list[int]
+
+
+def segments(text: str, mode: Mode, tokenizer: TextTokenizer, frontend: TextFrontend, *,
+             prompt_text: str = "", instruct: str = "") -> list[Segment]:
+    """Normalise and split `text` as upstream does, and format each piece for `mode`.
+
+    Zero-shot: prompt text = system prompt + `<|endofprompt|>` + transcript; cross-lingual: each
+    piece gets that prefix itself; instruct2: prompt text = system prompt + instruction +
+    `<|endofprompt|>`. A transcript or instruction that already holds `<|endofprompt|>` is used as is.
+    """
+    if mode is Mode.ZERO_SHOT:
+        if not prompt_text.strip():
+            raise UserError("zero-shot needs --prompt-text (the transcript of --prompt-wav)")
+        prompt = prompt_text if ENDOFPROMPT in prompt_text else zero_shot_prompt(prompt_text)
+    elif mode is Mode.INSTRUCT2:
+        if not instruct.strip():
+            raise UserError("instruct2 needs --instruct")
+        prompt = instruct if ENDOFPROMPT in instruct else instruct_prompt(instruct)
+    else:
+        prompt = ""
+    prompt_ids = tokenizer.encode(prompt) if prompt else []
+    out = []
+    for piece in frontend.split(text):
+        if mode is Mode.CROSS_LINGUAL and ENDOFPROMPT not in piece:
+            piece = cross_lingual_text(piece)
+        out.append(Segment(piece, tokenizer.encode(piece), prompt_ids))
+    return out
