@@ -1,4 +1,4 @@
-"""The FastAPI app: upstream's, the bridge's and OpenAI-style routes over one `Engine`."""
+"""The FastAPI app: upstream's, the bridge's and OpenAI-style routes and the web page over one `Engine`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import routes_bridge, routes_openai, routes_speakers, routes_upstream
+from . import routes_bridge, routes_openai, routes_page, routes_speakers, routes_upstream
 from .engine import Engine
 from .errors import install_error_handlers
 from .metrics import ServerMetrics
@@ -40,7 +40,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
                   lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
-    routers = [m.router for m in (routes_upstream, routes_bridge, routes_openai, routes_speakers)]
+    routers = [m.router for m in (routes_upstream, routes_bridge, routes_openai, routes_speakers,
+                                    routes_page)]
     for router in routers:
         app.include_router(router)
     paths = frozenset(route.path for router in routers for route in router.routes

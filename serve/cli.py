@@ -1,4 +1,5 @@
-"""`cosyvoice-serve`: the HTTP server over the torch-free runtime (uvicorn)."""
+"""`cosyvoice-serve`: the HTTP server (uvicorn) or, with `--grpc`, the gRPC service over the torch-free
+runtime."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from cosyvoice_runtime.sampling import SAMPLINGS
 
 from .app import create_app
 from .engine import SERVER_PROVIDERS, Engine
+from .grpc_server import run_grpc
 from .settings import (
     DEFAULT_PORT,
     HOST_ENV,
@@ -35,6 +37,8 @@ DEFAULTS = ServerSettings()
               help="Address to bind; 0.0.0.0 serves every interface (an explicit choice).")
 @click.option("--port", type=click.IntRange(1, 65535), default=DEFAULT_PORT, envvar=PORT_ENV,
               show_envvar=True)
+@click.option("--grpc", "grpc_service", is_flag=True,
+              help="Serve upstream's gRPC service (cosyvoice.CosyVoice) on --port instead of HTTP.")
 @click.option("--model", type=click.Path(file_okay=False, path_type=Path),
               help=f"Runtime bundle, or a model bundle to export on first use. Default: ${MODEL_DIR_ENV}, "
                    "else the embedded demo bundle (as cosyvoice-run).")
@@ -42,7 +46,8 @@ DEFAULTS = ServerSettings()
 @click.option("--max-conc", type=click.IntRange(min=1), default=DEFAULTS.max_concurrency,
               help="Sessions synthesising at once (one on the CPU: each graph call uses every core).")
 @click.option("--queue", "queue_depth", type=click.IntRange(min=0), default=DEFAULTS.queue_depth,
-              help="Sessions waiting for a slot; beyond them the server answers 503 at once.")
+              help="Sessions waiting for a slot; beyond them the server answers 503 (gRPC: "
+                   "RESOURCE_EXHAUSTED) at once.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=DEFAULTS.timeout,
               help="Seconds a request may take from admission to its last sample.")
 @click.option("--speakers", "speakers_dir", type=click.Path(file_okay=False, path_type=Path),
@@ -54,10 +59,12 @@ DEFAULTS = ServerSettings()
               help="Seed of requests that carry none [default: a random seed per request, as upstream].")
 @click.option("--max-text", type=click.IntRange(min=1), default=DEFAULTS.max_text_chars,
               help="Longest text accepted (characters).")
-def serve(host: str, port: int, model: Path | None, provider: str, max_conc: int, queue_depth: int,
-          timeout: float, speakers_dir: Path | None, sampling: str, seed: int | None, max_text: int) -> None:
+def serve(host: str, port: int, grpc_service: bool, model: Path | None, provider: str, max_conc: int,
+          queue_depth: int, timeout: float, speakers_dir: Path | None, sampling: str, seed: int | None,
+          max_text: int) -> None:
     """Serve CosyVoice3 over HTTP: upstream's /inference_* endpoints, the bridge's /synthesize, /health,
-    /speakers and /metrics, and OpenAI-style /v1/audio/speech (no torch).
+    /speakers and /metrics, OpenAI-style /v1/audio/speech and a web page at / (no torch); or, with --grpc,
+    upstream's gRPC service.
 
     Options not given are read from the environment and then from ./.env (COSYVOICE_PORT,
     COSYVOICE_HOST, COSYVOICE_MODEL_DIR, COSYVOICE_SPEAKERS_DIR).
@@ -73,6 +80,13 @@ def serve(host: str, port: int, model: Path | None, provider: str, max_conc: int
         sys.exit(2)
     try:
         click.echo(f"model: {engine.origin}", err=True)
+        if grpc_service:
+            try:
+                run_grpc(engine, settings, host, port, announce=lambda line: click.echo(line, err=True))
+            except OSError as e:
+                click.echo(f"error: {e}", err=True)
+                sys.exit(1)
+            return
         try:
             app = create_app(engine, settings)
         except SpeakerError as e:

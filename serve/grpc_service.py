@@ -1,0 +1,156 @@
+"""The gRPC service `cosyvoice.CosyVoice` (upstream's streamed `Inference`) over the engine and session queue
+that HTTP uses.
+
+A request's kind is the member of its `RequestPayload` oneof that it sets. CosyVoice3 synthesises three:
+`zero_shot_request`, `cross_lingual_request` and `instruct2_request` (ours, oneof field 5: upstream's .proto
+has no instruct2). Upstream's `sft_request` and `instruct_request` name a built-in speaker of `spk2info.pt`,
+which runtime bundles do not have; they are answered UNIMPLEMENTED. A prompt comes as PCM16 at 16 kHz
+(upstream's client resamples and converts it so); it is wrapped in a WAV file and extracted as an HTTP
+upload is. The text is prepared as upstream's CosyVoice3 servers prepare it (`Engine.stream`), and every
+chunk the runtime streams goes back as one `Response` of PCM16 at 24 kHz, converted as HTTP converts it:
+the samples of `cosyvoice-run --stream` for the same input.
+
+Statuses: bad input is INVALID_ARGUMENT with a one-line message naming the field as the .proto does
+(`zero_shot_request.tts_text is empty`); a full queue RESOURCE_EXHAUSTED at once; the server's timeout
+DEADLINE_EXCEEDED. A client that cancels, disconnects or passes its own deadline has its handler cancelled
+by grpc, which cancels its session, queued or running. An error after some audio ends the stream with its
+status (unlike HTTP, gRPC has a status after the body). Sampling: the server's (`--sampling`), seeded by
+the request metadata `seed`, else `--seed`, else a random seed; the initial metadata sends it back as
+`x-seed`, with `x-sample-rate`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import grpc
+import numpy as np
+
+from cosyvoice_runtime.synthesis import Mode
+
+from .audio import PCM16_BYTES, pcm16, wav_bytes
+from .engine import AudioUpload, Engine, SynthesisJob
+from .errors import ApiError, FieldError
+from .proto import cosyvoice_pb2, cosyvoice_pb2_grpc
+from .queue import SessionQueue
+from .responses import request_sampling, require_text
+from .settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+PAYLOAD = "RequestPayload"
+"""The request's oneof: which kind of synthesis it asks for."""
+PROMPT_SAMPLE_RATE = 16000
+"""Sample rate of `prompt_audio` (PCM16), as upstream's client sends it."""
+SEED_KEY = "seed"
+"""Request metadata: the sampler's seed (not upstream's)."""
+NEEDS_SPK2INFO = {
+    "sft_request": "sft_request needs a built-in speaker of upstream's spk2info.pt, which CosyVoice3 "
+                   "runtime bundles do not have; send zero_shot_request, cross_lingual_request or "
+                   "instruct2_request",
+    "instruct_request": "instruct_request (CosyVoice-300M's instruct) needs a built-in speaker of "
+                        "spk2info.pt; for CosyVoice3 send instruct2_request (tts_text, instruct_text, "
+                        "prompt_audio)",
+}
+STATUS_CODES = {404: grpc.StatusCode.NOT_FOUND, 501: grpc.StatusCode.UNIMPLEMENTED,
+                503: grpc.StatusCode.RESOURCE_EXHAUSTED, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+"""gRPC codes of the HTTP statuses that have their own; other 4xx are INVALID_ARGUMENT, 5xx INTERNAL."""
+
+
+class Unimplemented(ApiError):
+    """A request kind this model cannot serve: 501, UNIMPLEMENTED."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(501, detail)
+
+
+def status_code(status: int) -> grpc.StatusCode:
+    """The gRPC status code of an `ApiError`'s HTTP status."""
+    if status in STATUS_CODES:
+        return STATUS_CODES[status]
+    return grpc.StatusCode.INVALID_ARGUMENT if status < 500 else grpc.StatusCode.INTERNAL
+
+
+def prompt_upload(data: bytes, field: str) -> AudioUpload:
+    """A `prompt_audio` (PCM16 at 16 kHz) as a WAV file, for `Engine.extract` to read like an upload."""
+    if not data:
+        raise FieldError(field, f"{field} is empty; send the prompt recording as 16 kHz mono PCM16 "
+                                "(int16 bytes)")
+    if len(data) % PCM16_BYTES:
+        raise FieldError(field, f"{field} has {len(data)} bytes, not a whole number of 16-bit samples")
+    return AudioUpload(wav_bytes(np.frombuffer(data, "<i2"), PROMPT_SAMPLE_RATE), field)
+
+
+def request_seed(metadata: Iterable[tuple[str, str | bytes]] | None) -> int | None:
+    """The `seed` of the request metadata, if it has one (a non-negative integer)."""
+    values = [value for key, value in metadata or () if key == SEED_KEY]
+    if not values:
+        return None
+    text = values[-1].decode() if isinstance(values[-1], bytes) else values[-1]
+    if not text.strip().isdigit():
+        raise FieldError(SEED_KEY, f"seed metadata must be a non-negative integer, got {text!r}")
+    return int(text)
+
+
+def synthesis_job(request: cosyvoice_pb2.Request, settings: ServerSettings, seed: int | None
+                  ) -> SynthesisJob:
+    """The job `request` asks for: a `FieldError` for bad input, `Unimplemented` for spk2info kinds."""
+    kind = request.WhichOneof(PAYLOAD)
+    if kind is None:
+        raise FieldError(PAYLOAD, f"{PAYLOAD} is empty: set zero_shot_request, cross_lingual_request or "
+                                  "instruct2_request")
+    if kind in NEEDS_SPK2INFO:
+        raise Unimplemented(NEEDS_SPK2INFO[kind])
+    sampling = request_sampling(settings, seed)
+    text_field = f"{kind}.tts_text"
+
+    def text(value: str, field: str) -> str:
+        return require_text(value, f"{kind}.{field}", settings)
+
+    if kind == "zero_shot_request":
+        zero_shot = request.zero_shot_request
+        return SynthesisJob(Mode.ZERO_SHOT, text(zero_shot.tts_text, "tts_text"),
+                            prompt_upload(zero_shot.prompt_audio, f"{kind}.prompt_audio"), sampling,
+                            prompt_text=text(zero_shot.prompt_text, "prompt_text"), text_field=text_field)
+    if kind == "cross_lingual_request":
+        cross_lingual = request.cross_lingual_request
+        return SynthesisJob(Mode.CROSS_LINGUAL, text(cross_lingual.tts_text, "tts_text"),
+                            prompt_upload(cross_lingual.prompt_audio, f"{kind}.prompt_audio"), sampling,
+                            text_field=text_field)
+    instruct2 = request.instruct2_request
+    return SynthesisJob(Mode.INSTRUCT2, text(instruct2.tts_text, "tts_text"),
+                        prompt_upload(instruct2.prompt_audio, f"{kind}.prompt_audio"), sampling,
+                        instruct=text(instruct2.instruct_text, "instruct_text"), text_field=text_field)
+
+
+class CosyVoiceService(cosyvoice_pb2_grpc.CosyVoiceServicer):
+    """`cosyvoice.CosyVoice` over `engine`, its sessions bounded by `settings` (a queue of its own)."""
+
+    def __init__(self, engine: Engine, settings: ServerSettings) -> None:
+        self.engine, self.settings = engine, settings
+        self.sessions = SessionQueue(settings.max_concurrency, settings.queue_depth, settings.timeout)
+
+    async def Inference(self, request: cosyvoice_pb2.Request, context: grpc.aio.ServicerContext) -> None:
+        """Synthesise `request`, writing each streamed chunk's PCM16 as one `Response`."""
+        try:
+            job = synthesis_job(request, self.settings, request_seed(context.invocation_metadata()))
+            stream = self.sessions.submit(lambda session: self.engine.stream(job, session))
+        except ApiError as e:
+            log.info("Inference refused: %s", e.detail)
+            await context.abort(status_code(e.status), e.detail)
+            return
+        try:
+            await context.send_initial_metadata((("x-seed", str(job.sampling.seed)),
+                                                 ("x-sample-rate", str(self.engine.sample_rate))))
+            while (chunk := await stream.next()) is not None:
+                await context.write(cosyvoice_pb2.Response(tts_audio=pcm16(chunk)))
+        except ApiError as e:
+            log.info("Inference failed: %s", e.detail)
+            await context.abort(status_code(e.status), e.detail)
+        except Exception as e:
+            log.exception("Inference failed")
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"internal error ({type(e).__name__}); the server keeps serving")
+        finally:
+            stream.cancel()  # a no-op once the work has ended; else (grpc cancelled us) it stops the session

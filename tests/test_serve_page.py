@@ -1,0 +1,150 @@
+"""The web page at `/`: its form, endpoints and policy without a browser; in headless Chromium against a
+running server: a prompt file, a click, the audio streamed and played, the WAV equal to `cosyvoice-run
+--stream`, a server error shown, a recorded prompt (Chromium's fake microphone), a screenshot."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import soundfile as sf
+from fastapi.routing import APIRoute
+from fastapi.testclient import TestClient
+from test_serve import SHORT, cosyvoice_run, make_app, serving
+
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_serve import Engine, routes_upstream
+
+ENDPOINTS = {"/inference_zero_shot", "/inference_cross_lingual", "/inference_instruct2"}
+CHROMIUM_FLAGS = ["--autoplay-policy=no-user-gesture-required", "--use-fake-ui-for-media-stream",
+                  "--use-fake-device-for-media-stream"]
+"""Play without a gesture; grant the microphone, which is Chromium's fake device (a beep)."""
+SYSTEM_CHROMIUMS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    engine = Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle")
+    yield engine
+    engine.close()
+
+
+def test_the_page_has_its_form_and_uses_only_this_servers_endpoints(engine: Engine, tmp_path: Path) -> None:
+    app = make_app(engine, tmp_path)
+    with TestClient(app) as client:
+        response = client.get("/")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
+    html = response.text
+    for name in ("prompt_wav", "mode", "prompt_text", "instruct_text", "tts_text"):
+        assert f'id="{name}" name="{name}"' in html, name
+    assert re.findall(r'<option value="(\w+)"', html) == ["zero_shot", "cross_lingual", "instruct2"]
+    assert 'id="record"' in html and 'download="cosyvoice.wav"' in html
+    [script] = re.findall(r"<script>(.*?)</script>", html, flags=re.DOTALL)
+    [style] = re.findall(r"<style>(.*?)</style>", html, flags=re.DOTALL)
+    assert all(word in script for word in ("getUserMedia", "MediaRecorder", "AudioContext", "getReader"))
+
+    # Nothing from elsewhere: no absolute or protocol-relative URL, no file but the empty icon.
+    assert re.findall(r"""(?:https?|wss?|ftp):|["'`(]//""", html) == []
+    assert re.findall(r'\b(?:src|href)="([^"]*)"', html) == ["data:,"]
+    # The script fetches this server's streaming endpoints, by POST, and nothing else.
+    assert set(re.findall(r'"(/[^"]*)"', script)) == ENDPOINTS
+    assert re.findall(r"fetch\(([^,)]+)", script) == ["mode.path"]
+    assert ENDPOINTS <= {r.path for r in routes_upstream.router.routes
+                         if isinstance(r, APIRoute) and "POST" in r.methods}  # create_app includes them
+    # ...and the browser holds it to that.
+    policy = dict(part.split(" ", 1) for part in response.headers["content-security-policy"].split("; "))
+    assert policy["default-src"] == "'none'" and policy["connect-src"] == "'self' blob:"
+
+    def digest(text: str) -> str:
+        return f"'sha256-{base64.b64encode(hashlib.sha256(text.encode()).digest()).decode()}'"
+
+    assert policy["script-src"] == digest(script) and policy["style-src"] == digest(style)
+
+
+def launch_chromium(playwright: Any) -> Any:
+    """Playwright's own Chromium, else a system one; skips the test, saying why, when none starts."""
+    from playwright.sync_api import Error
+
+    tried = []
+    try:
+        return playwright.chromium.launch(args=CHROMIUM_FLAGS)
+    except Error as e:
+        tried.append(f"playwright's Chromium: {str(e).splitlines()[0]}")
+    for name in SYSTEM_CHROMIUMS:
+        if (path := shutil.which(name)) is None:
+            continue
+        try:
+            return playwright.chromium.launch(executable_path=path, args=CHROMIUM_FLAGS)
+        except Error as e:
+            tried.append(f"{path}: {str(e).splitlines()[0]}")
+    tried.append(f"no {', '.join(SYSTEM_CHROMIUMS)} on PATH")
+    pytest.skip("no headless Chromium to test the page in (`playwright install chromium`, or "
+                f"`apt-get install chromium`): {'; '.join(tried)}")
+
+
+RUN_ENDED = ", ".join(f"body[data-state={state}]" for state in ("done", "error", "stopped"))
+"""The page's state once a run has ended. (Waiting by selector: the page's policy forbids eval, which
+Playwright's wait_for_function uses.)"""
+DOWNLOADED_WAV = """async () => {
+  const bytes = new Uint8Array(await (await fetch(document.getElementById("download").href)).arrayBuffer());
+  let text = "";
+  for (const byte of bytes) text += String.fromCharCode(byte);
+  return btoa(text);
+}"""
+
+
+def test_the_page_streams_plays_and_offers_the_wav_in_chromium(engine: Engine, tmp_path: Path) -> None:
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (dev extra)")
+    default = RuntimeBundle.open(DEMO_BUNDLE).default_prompt()
+    assert default is not None
+    expected = cosyvoice_run(tmp_path, "--stream", "--text", SHORT)
+    screenshot = tmp_path / "page.png"
+    with serving(make_app(engine, tmp_path)) as client, sync_api.sync_playwright() as playwright:
+        browser = launch_chromium(playwright)
+        try:
+            page = browser.new_page()
+            page.goto(str(client.base_url))
+            page.set_input_files("#prompt_wav", str(default[0]))
+            page.fill("#prompt_text", default[1])
+            page.fill("#tts_text", SHORT)
+            page.click("#speak")
+            page.wait_for_selector(RUN_ENDED, state="attached", timeout=60_000)
+            assert page.text_content("#error") == ""
+            assert page.evaluate("document.body.dataset.samples") == str(len(expected))
+            assert page.evaluate("playback.state") == "running"  # Web Audio played it
+            assert page.text_content("#status").startswith(f"Done: {len(expected) / 24000:.2f} s of audio")
+            wav = base64.b64decode(page.evaluate(DOWNLOADED_WAV))
+            page.screenshot(path=screenshot, full_page=True)
+
+            page.fill("#tts_text", "  ")  # passes the browser's `required`, not the server
+            page.click("#speak")
+            page.wait_for_selector(RUN_ENDED, state="attached", timeout=30_000)
+            assert page.text_content("#error") == "400: tts_text is empty"
+
+            page.select_option("#mode", "instruct2")
+            assert page.is_hidden("#prompt_text") and page.is_visible("#instruct_text")
+            page.click("#record")
+            page.wait_for_timeout(1500)
+            page.click("#record")
+            page.wait_for_selector("#prompt-status:has-text('Prompt: a recording')", timeout=10_000)
+            page.fill("#instruct_text", "Speak slowly.")
+            page.fill("#tts_text", SHORT)
+            page.click("#speak")
+            page.wait_for_selector(RUN_ENDED, state="attached", timeout=60_000)
+            assert page.text_content("#error") == ""
+            assert int(page.evaluate("document.body.dataset.samples")) > 0
+        finally:
+            browser.close()
+    samples, rate = sf.read(io.BytesIO(wav), dtype="int16")
+    assert rate == 24000 and np.array_equal(samples, expected)
+    assert screenshot.stat().st_size > 0
+    print(f"screenshot: {screenshot}")
