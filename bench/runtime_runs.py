@@ -110,7 +110,8 @@ class RuntimeBackend:
         request = self._request(case)
         front_end_s = time.perf_counter() - start
         synth = self.synth
-        calls = {"llm": (synth.lm.runner, "infer"), "estimator": (synth.flow.estimator, "infer")}
+        # `lm.step` is one llm graph call whichever runner method it uses (IOBinding on onnxruntime)
+        calls = {"llm": (synth.lm, "step"), "estimator": (synth.flow.estimator, "infer")}
         with self._log.wrap(calls):
             result = synth.synthesize(request.text_ids, prompt, sampler=make_sampler("ras", self.seed),
                                       prompt_text_ids=request.prompt_text_ids, max_tokens=case.tokens,

@@ -14,14 +14,14 @@ silent-token limiter of `llm_job` (`cosyvoice/cli/model.py`):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from cosyvoice_graphs import cache_pairs, empty_caches
 
-from .runners import Runner
+from .runners import Feed, OrtRunner, Runner
 from .sampling import Sampler, SilentTokenLimiter
 
 MIN_TOKEN_TEXT_RATIO = 2.0
@@ -74,11 +74,17 @@ class SpeechTokenLM:
                 self.speech_embedding[[self.task_id]], self.speech_embedding[speech]]
         return np.concatenate(rows, axis=0)[None].astype(np.float32, copy=False)  # (1, T, C)
 
-    def step(self, embeds: np.ndarray, cache: dict[str, np.ndarray]
-             ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """One graph call: embeds (1, T, C) + `past_*` -> logp (V,) at the last position, next `past_*`."""
-        out = self.runner.infer({"inputs_embeds": embeds, **cache})
-        return out["logp"][0], {past: out[present] for past, present in self.pairs}
+    def step(self, embeds: np.ndarray, cache: Mapping[str, Feed]) -> tuple[np.ndarray, dict[str, Feed]]:
+        """One graph call: embeds (1, T, C) + `past_*` -> logp (V,) at the last position, next `past_*`.
+
+        On onnxruntime the cache stays where the session keeps it (IOBinding; on a GPU it never crosses
+        to the host); other runners exchange numpy arrays."""
+        feeds = {"inputs_embeds": embeds, **cache}
+        if isinstance(self.runner, OrtRunner):
+            out, kept = self.runner.infer_kept(feeds, keep=[present for _, present in self.pairs])
+            return out["logp"][0], {past: kept[present] for past, present in self.pairs}
+        host = self.runner.infer(feeds)
+        return host["logp"][0], {past: host[present] for past, present in self.pairs}
 
     def decode(self, request: LlmRequest, sampler: Sampler, *, max_tokens: int | None = None,
                ignore_stop: bool = False) -> Decoding:
@@ -100,7 +106,8 @@ class SpeechTokenLM:
 class Decoding(Iterator[int]):
     """One segment's decoding in progress: an iterator of kept speech ids with its state in the open.
 
-    `cache` holds the `past_*` arrays for the next call, `history` every sampled id (limiter-dropped
+    `cache` holds the `past_*` values for the next call (`OrtValue`s left where onnxruntime computed
+    them, or numpy arrays from other runners), `history` every sampled id (limiter-dropped
     ones included: upstream's RAS history), `tokens` the kept ids so far, `steps` the graph calls made
     after the prefill, and `stop_id` the id that ended decoding (None if `max_len` did).
     """

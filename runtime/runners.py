@@ -8,10 +8,10 @@ another execution provider: what was asked for runs, or `ProviderError` says why
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from types import ModuleType, TracebackType
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import Any, Protocol, Self, TypeAlias, runtime_checkable
 
 import numpy as np
 import onnxruntime as ort
@@ -35,6 +35,10 @@ OPTIMIZATION = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
 """onnxruntime graph optimisation levels by name."""
 
 
+Feed: TypeAlias = np.ndarray | ort.OrtValue
+"""A graph input: a numpy array, or an onnxruntime value left on its device by `OrtRunner.infer_kept`."""
+
+
 @runtime_checkable
 class Runner(Protocol):
     """Runs one graph of the bundle; use as a context manager or call `close`."""
@@ -42,7 +46,7 @@ class Runner(Protocol):
     @property
     def spec(self) -> GraphSpec: ...
 
-    def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def infer(self, feeds: Mapping[str, Feed]) -> dict[str, np.ndarray]:
         """Run the graph on `feeds` (every spec input, by name); returns every spec output, by name."""
         ...
 
@@ -54,7 +58,22 @@ class Runner(Protocol):
                  tb: TracebackType | None) -> None: ...
 
 
-def check_feeds(spec: GraphSpec, feeds: Mapping[str, np.ndarray]) -> None:
+_ORT_DTYPES: dict[str, np.dtype[Any]] = {
+    "tensor(float)": np.dtype(np.float32), "tensor(float16)": np.dtype(np.float16),
+    "tensor(int64)": np.dtype(np.int64), "tensor(int32)": np.dtype(np.int32),
+    "tensor(bool)": np.dtype(np.bool_)}
+
+
+def _shape_dtype(value: object) -> tuple[tuple[int, ...], np.dtype[Any]] | None:
+    """Shape and dtype of a feed (numpy or `OrtValue`); None for anything else."""
+    if isinstance(value, np.ndarray):
+        return value.shape, value.dtype
+    if isinstance(value, ort.OrtValue):
+        return tuple(value.shape()), _ORT_DTYPES.get(value.data_type(), np.dtype(object))
+    return None
+
+
+def check_feeds(spec: GraphSpec, feeds: Mapping[str, Feed]) -> None:
     """Raise `FeedError` unless `feeds` are exactly the spec's inputs with its dtypes, ranks and fixed
     dims, and every symbolic dim (free or derived) has one size across them."""
     unknown = [name for name in feeds if name not in spec.input_names]
@@ -66,18 +85,19 @@ def check_feeds(spec: GraphSpec, feeds: Mapping[str, np.ndarray]) -> None:
         raise FeedError(f"{spec.name}: missing input {missing[0]!r}")
     seen: dict[str, tuple[int, str]] = {}  # symbolic dim -> (size, the input that set it)
     for t in spec.inputs:
-        value = feeds[t.name]
         where = f"{spec.name}.{t.name}"
-        if not isinstance(value, np.ndarray):
-            raise FeedError(f"{where}: expected a numpy array, got {type(value).__name__}")
-        if value.dtype != t.np_dtype:
-            raise FeedError(f"{where}: dtype {value.dtype}, expected {t.dtype}")
-        if value.ndim != len(t.shape):
-            raise FeedError(f"{where}: shape {value.shape} has rank {value.ndim}, expected {t.shape}")
-        for axis, (want, got) in enumerate(zip(t.shape, value.shape, strict=True)):
+        described = _shape_dtype(feeds[t.name])
+        if described is None:
+            raise FeedError(f"{where}: expected a numpy array, got {type(feeds[t.name]).__name__}")
+        shape, dtype = described
+        if dtype != t.np_dtype:
+            raise FeedError(f"{where}: dtype {dtype}, expected {t.dtype}")
+        if len(shape) != len(t.shape):
+            raise FeedError(f"{where}: shape {shape} has rank {len(shape)}, expected {t.shape}")
+        for axis, (want, got) in enumerate(zip(t.shape, shape, strict=True)):
             if isinstance(want, int):
                 if got != want:
-                    raise FeedError(f"{where}: shape {value.shape}, dim {axis} must be {want}; "
+                    raise FeedError(f"{where}: shape {shape}, dim {axis} must be {want}; "
                                     f"expected {t.shape}")
             elif want in seen and seen[want][0] != got:
                 raise FeedError(f"{where}: {want} = {got} (dim {axis}), but {seen[want][1]} has "
@@ -104,14 +124,15 @@ class _RunnerBase(ABC):
         """The graph's spec: what `infer` takes and returns."""
         return self._spec
 
-    def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def infer(self, feeds: Mapping[str, Feed]) -> dict[str, np.ndarray]:
         """Run the graph on `feeds` (every spec input, by name); returns every spec output, by name.
 
-        Raises `FeedError` naming the graph and tensor when a feed does not match the spec."""
+        `OrtValue` feeds are copied to the host here. Raises `FeedError` naming the graph and tensor
+        when a feed does not match the spec."""
         if self._closed:
             raise RuntimeError(f"{self._spec.name}: runner is closed")
         check_feeds(self._spec, feeds)
-        return self._run(feeds)
+        return self._run({k: v.numpy() if isinstance(v, ort.OrtValue) else v for k, v in feeds.items()})
 
     @abstractmethod
     def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
@@ -186,6 +207,31 @@ class OrtRunner(_RunnerBase):
     def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         outputs = self.session.run(self.spec.output_names, dict(feeds))
         return dict(zip(self.spec.output_names, outputs, strict=True))
+
+    def infer_kept(self, feeds: Mapping[str, Feed], keep: Collection[str]
+                   ) -> tuple[dict[str, np.ndarray], dict[str, ort.OrtValue]]:
+        """`infer` through IOBinding: the outputs named in `keep` stay where the session computed them
+        (the GPU for "cuda"/"tensorrt") as `OrtValue`s, which later calls take back as feeds without a
+        copy; the other outputs come back as numpy arrays. For the LLM's KV cache, which would otherwise
+        cross to the host and back at every token."""
+        if self._closed:
+            raise RuntimeError(f"{self.spec.name}: runner is closed")
+        check_feeds(self.spec, feeds)
+        unknown = set(keep) - set(self.spec.output_names)
+        if unknown:
+            raise ValueError(f"{self.spec.name}: keep names no output: {sorted(unknown)}")
+        binding = self.session.io_binding()
+        for name, value in feeds.items():
+            if isinstance(value, ort.OrtValue):
+                binding.bind_ortvalue_input(name, value)
+            else:
+                binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        for name in self.spec.output_names:
+            binding.bind_output(name, self.device_type if name in keep else CPU, self.device_id)
+        self.session.run_with_iobinding(binding)
+        values = dict(zip(self.spec.output_names, binding.get_outputs(), strict=True))
+        host = {name: v.numpy() for name, v in values.items() if name not in keep}
+        return host, {name: values[name] for name in keep}
 
     def _release(self) -> None:
         del self.session

@@ -16,7 +16,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from cosyvoice_graphs import SPECS
+from cosyvoice_graphs import SPECS, cache_pairs, empty_caches
 from cosyvoice_graphs.bundle_layout import FORMAT_VERSION, MANIFEST, SPEECH_EMBEDDING
 from cosyvoice_runtime.bundle import RuntimeBundle, TrtPlan
 from cosyvoice_runtime.errors import FeedError, ProviderError, RuntimeBundleError
@@ -303,3 +303,29 @@ def test_cuda_device_name_is_none_without_a_driver(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(ctypes, "CDLL", no_driver)
     assert cuda_device_name() is None
+
+
+def test_io_binding_keeps_the_kv_cache_and_equals_plain_runs(runtime_bundle: Path) -> None:
+    """`infer_kept` leaves the cache outputs as OrtValues that the next call takes back without a copy;
+    outputs equal plain `infer` with numpy caches, step after step."""
+    bundle = RuntimeBundle.open(runtime_bundle)
+    with open_runner(bundle, "llm", threads=1) as runner:
+        assert isinstance(runner, OrtRunner)
+        pairs = cache_pairs(runner.spec)
+        rng = np.random.default_rng(0)
+        plain: dict[str, Any] = empty_caches(runner.spec)
+        kept: dict[str, Any] = dict(plain)
+        for length in (5, 1, 1):
+            embeds = rng.standard_normal((1, length, bundle.dims.llm_hidden)).astype(np.float32)
+            want = runner.infer({"inputs_embeds": embeds, **plain})
+            host, device = runner.infer_kept({"inputs_embeds": embeds, **kept}, keep=[n for _, n in pairs])
+            assert set(host) == {"logp"} and all(isinstance(v, ort.OrtValue) for v in device.values())
+            np.testing.assert_array_equal(host["logp"], want["logp"])
+            for _, present in pairs:
+                np.testing.assert_array_equal(device[present].numpy(), want[present])
+            plain = {p: want[n] for p, n in pairs}
+            kept = {p: device[n] for p, n in pairs}
+        assert runner.infer({"inputs_embeds": embeds, **kept})["logp"].shape == want["logp"].shape
+        wrong = {**kept, pairs[0][0]: ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 1, 1, 1), np.float32))}
+        with pytest.raises(FeedError, match=rf"llm\.{pairs[0][0]}: shape \(1, 1, 1, 1\), dim 1"):
+            runner.infer_kept({"inputs_embeds": embeds, **wrong}, keep=[])

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 import soundfile as sf
 import torch
@@ -237,8 +238,11 @@ def test_llm_state_is_explicit(synth: Synthesizer, prompt: PromptFeatures) -> No
     assert tokens == decoding.tokens == [t for t in decoding.history if limiter.keep(t)]
     names = {f"past_{kv}_{i}" for i in range(dims.llm_layers) for kv in ("key", "value")}
     assert set(decoding.cache) == names
-    # the last sampled id was never fed back: prefill + 8 single steps
-    assert decoding.cache["past_key_0"].shape == (1, dims.llm_kv_heads, prefill + 8, dims.llm_head_dim)
+    # the last sampled id was never fed back: prefill + 8 single steps; onnxruntime keeps the cache
+    # where it computed it (IOBinding), as OrtValues
+    cache = decoding.cache["past_key_0"]
+    assert isinstance(cache, ort.OrtValue)
+    assert tuple(cache.shape()) == (1, dims.llm_kv_heads, prefill + 8, dims.llm_head_dim)
     with pytest.raises(ValueError, match="endofprompt"):
         synth.lm.decode(llm_request(Mode.CROSS_LINGUAL, [5, 6], prompt), make_sampler("greedy"))
 
