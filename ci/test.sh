@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
-.venv/bin/pip install --quiet --disable-pip-version-check -e '.[export,serve,dev]'
+.venv/bin/pip install --quiet --disable-pip-version-check -c ci/constraints.txt -e '.[export,serve,dev]'
 .venv/bin/ruff check export runtime graphs golden bench serve tests
 .venv/bin/mypy runtime graphs golden bench serve
 .venv/bin/pytest "$@"
