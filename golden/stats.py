@@ -7,15 +7,21 @@ graph drifted first when the audio is off.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 
 from cosyvoice_graphs import cache_pairs
+from cosyvoice_runtime.runners import Feed, OrtRunner
 from cosyvoice_runtime.synthesis import Synthesizer
+
+KeptInfer = Callable[[Mapping[str, Feed], Collection[str]],
+                     tuple[dict[str, np.ndarray], dict[str, ort.OrtValue]]]
+"""`OrtRunner.infer_kept`'s signature."""
 
 STAT_NAMES = ("mean", "rms", "min", "max")
 
@@ -114,6 +120,9 @@ class GraphRecorder:
         for name, runner in synth._runners.items():
             caches = {present for _, present in cache_pairs(runner.spec)}
             runner.infer = self._observer(name, runner.infer, caches)  # type: ignore[method-assign]
+            if isinstance(runner, OrtRunner):  # the LLM's calls with its cache kept on the device
+                runner.infer_kept = self._kept_observer(  # type: ignore[method-assign]
+                    name, runner.infer_kept, caches)
 
     def _observer(self, graph: str, infer: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]],
                   caches: set[str]) -> Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]:
@@ -122,6 +131,16 @@ class GraphRecorder:
             if self._stats is not None:
                 self._stats.add(graph, {k: v for k, v in outputs.items() if k not in caches})
             return outputs
+
+        return observed
+
+    def _kept_observer(self, graph: str, infer_kept: KeptInfer, caches: set[str]) -> KeptInfer:
+        def observed(feeds: Mapping[str, Feed], keep: Collection[str]
+                     ) -> tuple[dict[str, np.ndarray], dict[str, ort.OrtValue]]:
+            host, kept = infer_kept(feeds, keep)
+            if self._stats is not None:
+                self._stats.add(graph, {k: v for k, v in host.items() if k not in caches})
+            return host, kept
 
         return observed
 
