@@ -2,9 +2,9 @@
 which prompt (`--prompt-wav`, else the bundle's own).
 
 `--model` may name a runtime bundle or a model bundle (upstream's model directory). A model bundle is
-exported on first use into a cache folder (`$COSYVOICE_CACHE_DIR`, default `~/.cache/cosyvoice`), which
-needs the `export` extra (torch); later runs reuse that export while the model's files keep their sizes
-and modification times.
+exported on first use into a cache folder (`$COSYVOICE_CACHE_DIR`, default `~/.cache/cosyvoice`) by the
+`cosyvoice-export all` command of the `export` extra (torch; run as a command, never imported); later
+runs reuse that export while the model's files keep their sizes and modification times.
 """
 
 from __future__ import annotations
@@ -12,11 +12,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from cosyvoice_graphs.bundle_layout import MANIFEST, MODEL_YAML
 
+from .atomic_files import write_json_atomic
 from .bundle import RuntimeBundle
 from .demo import DEMO_BUNDLE
 from .errors import RuntimeBundleError, UserError
@@ -88,22 +92,24 @@ def _runtime_bundle(path: Path, origin: str, progress: bool, *, default: bool) -
     out, stamp = folder / "runtime", _stamp(resolved)
     if (out / MANIFEST).is_file() and _read_stamp(folder / STAMP) == stamp:
         return BundleChoice(out, f"{origin} ({path}), exported earlier to {out}", default)
-    try:
-        from cosyvoice_export.bundle.errors import BundleError
-        from cosyvoice_export.onnx.runtime_bundle import export_all
-    except ImportError:
-        raise RuntimeBundleError(f"{path} is a model bundle ({origin}); exporting it needs the export "
-                                 "extra: pip install 'cosyvoice-onnx[export]'") from None
-    try:
-        report = export_all(resolved, out, progress=progress)
-    except BundleError as e:
-        raise RuntimeBundleError(str(e)) from None
-    if not report.passed:
-        raise RuntimeBundleError(f"exporting {path} failed: {'; '.join(map(str, report.failures))}")
-    tmp = folder / f".{STAMP}.tmp"
-    tmp.write_text(json.dumps(stamp, indent=1, sort_keys=True))
-    os.replace(tmp, folder / STAMP)
+    _export(resolved, out, f"{path} ({origin})", progress)
+    write_json_atomic(folder / STAMP, stamp)
     return BundleChoice(out, f"{origin} ({path}), exported now to {out}", default)
+
+
+def _export(model_dir: Path, out: Path, what: str, progress: bool) -> None:
+    """`cosyvoice-export all` as a command: the runtime never imports the exporter (or torch)."""
+    exporter = Path(sys.executable).with_name("cosyvoice-export")
+    command = str(exporter) if exporter.is_file() else shutil.which("cosyvoice-export")
+    if command is None:
+        raise RuntimeBundleError(f"{what} is a model bundle; exporting it needs the export extra "
+                                 "(pip install 'cosyvoice-onnx[export]'), which provides cosyvoice-export")
+    args = [command, "all", "--model-dir", str(model_dir), "--out", str(out)]
+    done = subprocess.run(args, stdout=None if progress else subprocess.DEVNULL,
+                          stderr=None if progress else subprocess.PIPE, text=True, check=False)
+    if done.returncode != 0:
+        detail = (done.stderr or "").strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
+        raise RuntimeBundleError(f"exporting {what} failed: {detail[0]}")
 
 
 def _stamp(model_dir: Path) -> dict[str, list[int]]:

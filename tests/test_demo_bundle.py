@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -14,7 +13,6 @@ import pytest
 import soundfile as sf
 from click.testing import CliRunner
 
-from cosyvoice_export.onnx import runtime_bundle as export_module
 from cosyvoice_graphs.bundle_layout import GRAPHS_DIR, MANIFEST
 from cosyvoice_runtime import bundle_source
 from cosyvoice_runtime.bundle import RuntimeBundle
@@ -82,12 +80,11 @@ def test_model_dir_env_is_exported_once_into_the_cache(
     model = shutil.copytree(tiny_bundle, tmp_path / "model")
     exports: list[Path] = []
 
-    def fake_export(model_dir: Path, out: Path, **_: Any) -> SimpleNamespace:
+    def fake_export(model_dir: Path, out: Path, *_: Any) -> None:
         exports.append(Path(model_dir))
         shutil.copytree(runtime_bundle, out, dirs_exist_ok=True)
-        return SimpleNamespace(passed=True, failures=[])
 
-    monkeypatch.setattr(export_module, "export_all", fake_export)
+    monkeypatch.setattr(bundle_source, "_export", fake_export)
     monkeypatch.setenv(MODEL_DIR_ENV, str(model))
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
     first = choose_bundle(None, progress=False)
