@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from cosyvoice_graphs import PRECISIONS
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
 
 from .bundle.errors import BundleError
@@ -99,10 +100,13 @@ def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:
               help="Also build a TensorRT plan per graph (cached by ONNX sha256 + GPU + TensorRT version) "
                    "and validate it against onnxruntime. Needs a CUDA device and the gpu extra.")
 @click.option("--force", is_flag=True, help="Export every graph again, even unchanged ones.")
-@click.option("--precision", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
               help="fp16: float16 weights and matmul/conv compute, fragile ops (norms, softmax, time "
                    "embedding, output projections, HiFT's source and Snake) and all graph I/O in float32; "
-                   "hift_f0 stays float32. Validated with fp16 bounds. OUT holds one precision.")
+                   "hift_f0 stays float32. int8: the llm graph's matmul weights in int8 (KV cache, norms, "
+                   "rotary, softmax, its output head and I/O in float32), the other graphs float32. "
+                   "Validated with the specs' bounds for the precision (and the llm's decode gates). "
+                   "OUT holds one precision.")
 def all_cmd(model_dir: Path, out: Path, trt: bool, force: bool, precision: str) -> None:
     """Export every graph to ONNX and assemble a torch-free runtime bundle in OUT.
 

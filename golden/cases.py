@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from cosyvoice_graphs import SPECS
+from cosyvoice_graphs import PRECISIONS, SPECS
 from cosyvoice_runtime.runners import PROVIDERS
 from cosyvoice_runtime.sampling import SAMPLINGS
 from cosyvoice_runtime.synthesis import ChunkPolicy, Mode
@@ -29,7 +29,6 @@ DEMO = "demo"
 """`bundle = "demo"`: the runtime's embedded demo bundle (`cosyvoice_runtime.demo.DEMO_BUNDLE`)."""
 FROM_BUNDLE = "bundle"
 """`prompt_wav` / `prompt_text` = "bundle": the bundle's own prompt and transcript."""
-PRECISIONS = ("fp32", "fp16")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from tqdm import tqdm
 
+from cosyvoice_graphs import PRECISIONS
 from cosyvoice_graphs.bundle_layout import MANIFEST
 from cosyvoice_runtime.cli import USER_ERRORS
 from cosyvoice_runtime.runners import PROVIDERS, open_runner
@@ -98,13 +99,18 @@ def main() -> None:
                    "trt (the bundle's TensorRT plans).")
 @click.option("--threads", type=click.IntRange(min=1),
               help="onnxruntime intra-op threads. Default: the reference backend's (cases.toml).")
+@click.option("--precision", type=click.Choice(PRECISIONS),
+              help="Judge the cases on a bundle of this precision (an export of the same model, e.g. "
+                   "cosyvoice-export all --precision int8) by tolerance, whatever precision they were "
+                   "recorded on. Default: a case runs only on a bundle of its own precision.")
 def check(cases_file: Path, case_names: tuple[str, ...], graph_names: tuple[str, ...], model: Path | None,
-          provider: str | None, threads: int | None) -> None:
+          provider: str | None, threads: int | None, precision: str | None) -> None:
     """Replay the golden cases on the runtime (no torch) and judge them: one line per case and graph.
 
     Speech tokens and chunk boundaries must equal the golden's, the audio must be within the backend's
     bounds of the torch reference's, and on the reference backend every chunk's PCM16 sha256 and every
-    graph's output statistics must be identical.
+    graph's output statistics must be identical. A graph is judged with its spec's bounds for the
+    precision the bundle's manifest gives it.
     """
     start = time.perf_counter()
     with _user_errors():
@@ -113,7 +119,7 @@ def check(cases_file: Path, case_names: tuple[str, ...], graph_names: tuple[str,
         threads = threads or cases.reference.threads
         with Runtime(cases, model=model, provider=provider, threads=threads) as runtime:
             # every golden is read and matched to its bundle before anything runs
-            goldens = [(case, _case_golden(cases, runtime, case)) for case in selected]
+            goldens = [(case, _case_golden(cases, runtime, case, precision)) for case in selected]
             graph_goldens = [_graph_golden(cases, runtime, g) for g in graphs]
             verdicts = []
             with tqdm(total=len(goldens) + len(graph_goldens), desc="golden check", unit="case",
@@ -138,15 +144,17 @@ def _report(bar: tqdm, verdict: Verdict) -> None:
     bar.update()
 
 
-def _case_golden(cases: Cases, runtime: Runtime, case: GoldenCase) -> CaseGolden:
-    """The golden of `case`, checked against the case as it now reads and against its bundle."""
+def _case_golden(cases: Cases, runtime: Runtime, case: GoldenCase, precision: str | None) -> CaseGolden:
+    """The golden of `case`, checked against the case as it now reads and against its bundle, which must
+    have the case's precision or `precision` (judged by tolerance)."""
     golden = read_case(cases.data_dir, case.name)
     where = str(case_paths(cases.data_dir, case.name)[0])
     bundle = runtime.bundle(case)
     check_same_model(golden.bundle, bundle, where)
-    precision = fingerprint(bundle)["precision"]
-    if precision != case.precision:
-        raise GoldenError(f"case {case.name} is for {case.precision} graphs; {bundle.root} is {precision}")
+    found = fingerprint(bundle)["precision"]
+    if found not in (case.precision, precision):
+        raise GoldenError(f"case {case.name} is for {case.precision} graphs; {bundle.root} is {found} (to "
+                          f"judge it by tolerance: --precision {found})")
     now = case.to_json()
     stale = [k for k in EXPECTATION_FIELDS if golden.case.get(k) != now[k]]
     prompt = runtime.prompt(case)
@@ -188,10 +196,10 @@ def _check_case(cases: Cases, runtime: Runtime, case: GoldenCase, golden: CaseGo
 def _check_graph(cases: Cases, runtime: Runtime, golden: GraphGolden) -> Verdict:
     bundle = runtime.open_bundle(cases.graph_bundle)
     spec = bundle.specs[golden.graph]
-    fp16 = bundle.manifest["graphs"][golden.graph].get("precision") == "fp16"
+    precision = bundle.manifest["graphs"][golden.graph].get("precision", "fp32")
     provider = runtime.provider or cases.reference.provider
     with open_runner(bundle, golden.graph, provider, threads=runtime.threads) as runner:
-        return compare_graph(golden, runner, spec.fp16_tolerances if fp16 else spec.tolerances)
+        return compare_graph(golden, runner, spec.tolerances_for(precision))
 
 
 @main.command()

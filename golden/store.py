@@ -76,7 +76,7 @@ def export_difference(recorded: Mapping[str, Any], bundle: RuntimeBundle) -> str
     count: should the runtime start to use them and its output change, the hashes say so."""
     now = fingerprint(bundle)
     if recorded.get("precision") != now["precision"]:
-        return f"a {now['precision']} bundle, recorded on {recorded.get('precision')}"
+        return f"{now['precision']} graphs, recorded on {recorded.get('precision')}"
     name = _recorded_difference(recorded.get("files", {}), now["files"])
     return None if name is None else f"{name} differs from the recorded export"
 

@@ -1,7 +1,18 @@
 """Declarative contracts of the exported graphs: plain data, no torch, no onnxruntime."""
 
 from .registry import SPECS, ModelDims, metadata, spec
-from .spec import Case, DerivedDim, DimRange, GraphSpec, TensorSpec, Tolerance, cache_pairs, empty_caches
+from .spec import (
+    PRECISIONS,
+    Case,
+    DecodeGates,
+    DerivedDim,
+    DimRange,
+    GraphSpec,
+    TensorSpec,
+    Tolerance,
+    cache_pairs,
+    empty_caches,
+)
 
-__all__ = ["SPECS", "Case", "DerivedDim", "DimRange", "GraphSpec", "ModelDims", "TensorSpec", "Tolerance",
-           "cache_pairs", "empty_caches", "metadata", "spec"]
+__all__ = ["PRECISIONS", "SPECS", "Case", "DecodeGates", "DerivedDim", "DimRange", "GraphSpec", "ModelDims",
+           "TensorSpec", "Tolerance", "cache_pairs", "empty_caches", "metadata", "spec"]

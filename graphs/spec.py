@@ -8,7 +8,7 @@ optimisation profiles from it, and the runtime binds tensors by its names.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -19,6 +19,10 @@ DTYPES: dict[str, type[np.generic]] = {
     "int32": np.int32,
     "bool": np.bool_,
 }
+
+PRECISIONS = ("fp32", "fp16", "int8")
+"""What a runtime bundle is exported in. fp32: every graph as traced; fp16 or int8: each graph whose spec
+bounds that precision (`GraphSpec.precision_tolerances`) gets a body in it, the others stay fp32."""
 
 Shape = tuple[int | str, ...]
 """Each dim is a fixed size or the name of a symbolic dim of the graph."""
@@ -112,6 +116,43 @@ class Case:
 
 
 @dataclass(frozen=True)
+class DecodeGates:
+    """Bounds on a reduced-precision autoregressive graph against the float32 reference, over one
+    teacher-forced sequence: a prefill call, then `steps` one-position calls, each fed the float32
+    reference's greedy id, so that both see the same history and every call's next-id distribution can
+    be compared. Every bound is an upper bound on a figure of `measure`."""
+
+    output: str
+    """The log-probability output: one next-id distribution per call, (1, vocab)."""
+    steps: int
+    """Decode calls after the prefill; the gates cover their distributions and the prefill's."""
+    mean_kl: float
+    """Mean over calls of KL(p_fp32 || p_reduced), in nats."""
+    top_k: int
+    top_logp_error: float
+    """Largest |log p_reduced - log p_fp32| over the float32 distribution's `top_k` most likely ids, at any
+    call: the ids sampling actually chooses among."""
+    greedy_mismatches: int
+    """Calls whose most likely id differs from the float32 one."""
+
+    def measure(self, got: np.ndarray, want: np.ndarray) -> dict[str, float]:
+        """The gates' figures for log-probs `got` (reduced) and `want` (float32), (calls, vocab) each:
+        `mean_kl`, `top_logp_error`, `greedy_mismatches`."""
+        got64, want64 = got.astype(np.float64), want.astype(np.float64)
+        kl = (np.exp(want64) * (want64 - got64)).sum(axis=-1)
+        top = np.argsort(-want64, axis=-1)[:, :self.top_k]
+        error = np.abs(np.take_along_axis(got64, top, -1) - np.take_along_axis(want64, top, -1))
+        mismatches = int((got.argmax(axis=-1) != want.argmax(axis=-1)).sum())
+        return {"mean_kl": float(kl.mean()), "top_logp_error": float(error.max()),
+                "greedy_mismatches": float(mismatches)}
+
+    def bounds(self) -> dict[str, float]:
+        """The bound of each figure of `measure`, by the same names."""
+        return {"mean_kl": self.mean_kl, "top_logp_error": self.top_logp_error,
+                "greedy_mismatches": float(self.greedy_mismatches)}
+
+
+@dataclass(frozen=True)
 class GraphSpec:
     """Everything about one exported graph's interface."""
 
@@ -131,9 +172,11 @@ class GraphSpec:
     trace: Case
     validate: tuple[Case, ...]
     """Validation points; each must differ from the trace point in at least one dim."""
-    fp16_tolerances: Mapping[str, Tolerance] = field(default_factory=dict)
-    """Bounds for a float16 body (float32 I/O) against the float32 torch reference, per output; empty
-    means the graph stays float32 at every precision."""
+    precision_tolerances: Mapping[str, Mapping[str, Tolerance]] = field(default_factory=dict)
+    """Reduced precision ("fp16", "int8") -> bounds per output for a body in it (float32 I/O) against the
+    float32 torch reference. A graph without bounds for a precision stays float32 in a bundle of it."""
+    decode_gates: Mapping[str, DecodeGates] = field(default_factory=dict)
+    """Reduced precision -> sequence-level bounds that its body must also meet (autoregressive graphs)."""
 
     def __post_init__(self) -> None:
         names = [t.name for t in (*self.inputs, *self.outputs)]
@@ -149,13 +192,39 @@ class GraphSpec:
                 raise ValueError(f"{self.name}: derived dim based on unknown free dims {sorted(d.terms)}")
         if set(self.tolerances) != {t.name for t in self.outputs}:
             raise ValueError(f"{self.name}: tolerances must cover exactly the outputs")
-        if self.fp16_tolerances and set(self.fp16_tolerances) != {t.name for t in self.outputs}:
-            raise ValueError(f"{self.name}: fp16 tolerances must cover exactly the outputs")
+        for precision, tolerances in self.precision_tolerances.items():
+            if precision not in PRECISIONS[1:]:
+                raise ValueError(f"{self.name}: {precision!r} is not a reduced precision {PRECISIONS[1:]}")
+            if set(tolerances) != {t.name for t in self.outputs}:
+                raise ValueError(f"{self.name}: {precision} tolerances must cover exactly the outputs")
+        for precision, gates in self.decode_gates.items():
+            if precision not in self.precision_tolerances:
+                raise ValueError(f"{self.name}: decode gates for {precision}, which has no tolerances")
+            if gates.output not in {t.name for t in self.outputs}:
+                raise ValueError(f"{self.name}: decode gates on unknown output {gates.output!r}")
         for case in (self.trace, *self.validate):
             if set(case.dims) != set(self.dims):
                 raise ValueError(f"{self.name}: a case must size every free dim {sorted(self.dims)}")
         if any(dict(c.dims) == dict(self.trace.dims) for c in self.validate):
             raise ValueError(f"{self.name}: validation must use shapes other than the trace shape")
+
+    def precision_in(self, bundle_precision: str) -> str:
+        """This graph's precision in a bundle exported in `bundle_precision`: that one where the spec
+        bounds it, else fp32."""
+        return bundle_precision if bundle_precision in self.precision_tolerances else "fp32"
+
+    def tolerances_for(self, precision: str) -> Mapping[str, Tolerance]:
+        """The bounds a body in `precision` is validated with: `tolerances` for fp32."""
+        if precision == "fp32":
+            return self.tolerances
+        if precision not in self.precision_tolerances:
+            raise ValueError(f"{self.name}: its spec has no {precision} tolerances, so it has no {precision} "
+                             "body")
+        return self.precision_tolerances[precision]
+
+    def at_precision(self, precision: str) -> GraphSpec:
+        """This spec with the bounds of a body in `precision` as its `tolerances`."""
+        return replace(self, tolerances=self.tolerances_for(precision))
 
     @property
     def input_names(self) -> list[str]:

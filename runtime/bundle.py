@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from cosyvoice_graphs import SPECS, GraphSpec, ModelDims, spec
+from cosyvoice_graphs import PRECISIONS, SPECS, GraphSpec, ModelDims, spec
 from cosyvoice_graphs.bundle_layout import FORMAT, FORMAT_VERSION, MANIFEST
 
 from .errors import RuntimeBundleError
@@ -197,6 +197,14 @@ class RuntimeBundle:
 
     # --- provenance --------------------------------------------------------------------------------
 
+    def graph_precision(self, name: str) -> str:
+        """Graph `name`'s precision as the manifest records it: fp32, fp16 or int8 (float32 I/O always)."""
+        precision = self._graph_entry(name).get("precision", "fp32")
+        if precision not in PRECISIONS:
+            raise RuntimeBundleError(f"{self.root / MANIFEST}: graphs.{name}.precision is {precision!r}; "
+                                     f"this runtime runs {', '.join(PRECISIONS)}")
+        return str(precision)
+
     def graph_metadata(self, name: str) -> dict[str, str]:
         """Graph `name`'s ONNX `metadata_props` (read without loading its weights), checked by
         `check_metadata`."""
@@ -209,12 +217,14 @@ class RuntimeBundle:
 
     def check_metadata(self, name: str, meta: Mapping[str, str]) -> None:
         """Check a graph's metadata (from the file, or from a session that loaded it) against the
-        manifest: spec name, spec version and every model constant."""
+        manifest: spec name, spec version, every model constant and the graph's precision (a graph that
+        records none is fp32)."""
         where = f"{self.graph_path(name)}: metadata"
         s = self.specs[name]
-        want = {"spec_name": s.name, "spec_version": str(s.version), **self.dims.to_metadata()}
+        want = {"spec_name": s.name, "spec_version": str(s.version), **self.dims.to_metadata(),
+                "precision": self.graph_precision(name)}
         for key, value in want.items():
-            if meta.get(key) != value:
+            if meta.get(key, "fp32" if key == "precision" else None) != value:
                 raise RuntimeBundleError(f"{where} {key} is {meta.get(key)!r}, the manifest says {value!r}")
 
     # --- helpers -----------------------------------------------------------------------------------

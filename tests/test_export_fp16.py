@@ -53,10 +53,8 @@ def test_fp16_bundle_validates_with_fp16_bounds(fp16_bundle: Path) -> None:
         assert g["precision"] == ("fp16" if name in fp16.FP16_GRAPHS else "fp32")
         assert g["validation"]["passed"]
         for output, figure in g["validation"]["outputs"].items():
-            s = spec(name, tiny_dims())
-            want = fp16.fp16_spec(s) if name in fp16.FP16_GRAPHS else s
-            assert (figure["metric"], figure["bound"]) == (want.tolerances[output].metric,
-                                                            want.tolerances[output].bound)
+            want = spec(name, tiny_dims()).tolerances_for(g["precision"])[output]
+            assert (figure["metric"], figure["bound"]) == (want.metric, want.bound)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -97,8 +95,9 @@ def test_bad_bound_fails_naming_graph_and_output(fp16_bundle: Path, tiny_bundle:
     bundle = ModelBundle.open(tiny_bundle)
     nets = Networks(bundle.config, *(bundle.load_network(n) for n in ("llm", "flow", "hift")))
     loose = spec("flow_encoder", model_dims(bundle.config))
-    tight = replace(loose, fp16_tolerances={**loose.fp16_tolerances, "mu": Tolerance("rel_max_abs", 1e-9)})
-    s = fp16.fp16_spec(tight)
+    bounds = loose.precision_tolerances["fp16"]
+    tight = replace(loose, precision_tolerances={"fp16": {**bounds, "mu": Tolerance("rel_max_abs", 1e-9)}})
+    s = tight.at_precision("fp16")
     validation = validate_graph(fp16_bundle / "graphs" / "flow_encoder.onnx", WRAPPERS["flow_encoder"](nets),
                                 s)
     with pytest.raises(ValidationError, match=r"flow_encoder: output mu at .*rel_max_abs") as e:
@@ -108,6 +107,6 @@ def test_bad_bound_fails_naming_graph_and_output(fp16_bundle: Path, tiny_bundle:
 
 def test_fp16_bodies_are_exactly_the_specs_with_fp16_bounds() -> None:
     dims = tiny_dims()
-    assert set(fp16.FP16_GRAPHS) == {n for n in SPECS if spec(n, dims).fp16_tolerances}
-    with pytest.raises(fp16.Fp16Error, match="hift_f0: its spec has no fp16 tolerances"):
-        fp16.fp16_spec(spec("hift_f0", dims))
+    assert set(fp16.FP16_GRAPHS) == {n for n in SPECS if "fp16" in spec(n, dims).precision_tolerances}
+    with pytest.raises(ValueError, match="hift_f0: its spec has no fp16 tolerances"):
+        spec("hift_f0", dims).at_precision("fp16")

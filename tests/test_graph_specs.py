@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from cosyvoice_export.onnx.dims import model_dims
 from cosyvoice_graphs import (
     SPECS,
     Case,
+    DecodeGates,
     DerivedDim,
     DimRange,
     GraphSpec,
@@ -141,9 +143,33 @@ def test_tolerance_metrics() -> None:
         Tolerance("rms", 1)
 
 
-def test_fp16_bounds_cover_exactly_the_outputs() -> None:
+def test_reduced_precision_bounds_cover_exactly_the_outputs() -> None:
     with pytest.raises(ValueError, match="fp16 tolerances must cover exactly the outputs"):
-        _tiny_spec(fp16_tolerances={"zz": Tolerance("rel_max_abs", 1e-2)})
+        _tiny_spec(precision_tolerances={"fp16": {"zz": Tolerance("rel_max_abs", 1e-2)}})
+    with pytest.raises(ValueError, match="'bf16' is not a reduced precision"):
+        _tiny_spec(precision_tolerances={"bf16": {"b": Tolerance("rel_max_abs", 1e-2)}})
     for name in SPECS:
         s = spec(name, FULL)
-        assert not s.fp16_tolerances or set(s.fp16_tolerances) == set(s.output_names)
+        assert all(set(bounds) == set(s.output_names) for bounds in s.precision_tolerances.values())
+        assert set(s.decode_gates) <= set(s.precision_tolerances)
+
+
+def test_decode_gates() -> None:
+    gates = DecodeGates("b", steps=2, mean_kl=0.1, top_k=2, top_logp_error=0.5, greedy_mismatches=0)
+    want = np.log(np.array([[0.7, 0.2, 0.1], [0.2, 0.5, 0.3], [0.05, 0.15, 0.8]]))
+    got = np.log(np.array([[0.6, 0.3, 0.1], [0.2, 0.5, 0.3], [0.1, 0.5, 0.4]]))
+    figures = gates.measure(got, want)
+    kl = [0.7 * np.log(0.7 / 0.6) + 0.2 * np.log(0.2 / 0.3), 0.0,
+          0.05 * np.log(0.05 / 0.1) + 0.15 * np.log(0.15 / 0.5) + 0.8 * np.log(0.8 / 0.4)]
+    assert figures["mean_kl"] == pytest.approx(np.mean(kl))
+    assert figures["top_logp_error"] == pytest.approx(np.log(0.5 / 0.15))  # id 1 is in row 2's top 2
+    assert figures["greedy_mismatches"] == 1
+    assert set(gates.bounds()) == set(figures)
+    bounds = {"b": Tolerance("rel_max_abs", 1e-2)}
+    with pytest.raises(ValueError, match="decode gates for int8, which has no tolerances"):
+        _tiny_spec(decode_gates={"int8": gates})
+    with pytest.raises(ValueError, match="decode gates on unknown output 'zz'"):
+        _tiny_spec(precision_tolerances={"int8": bounds}, decode_gates={"int8": replace(gates, output="zz")})
+    s = _tiny_spec(precision_tolerances={"int8": bounds}, decode_gates={"int8": gates})
+    assert (s.precision_in("int8"), s.precision_in("fp16")) == ("int8", "fp32")
+    assert s.at_precision("int8").tolerances == bounds and s.tolerances_for("fp32") == s.tolerances

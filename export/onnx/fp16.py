@@ -6,15 +6,13 @@ A node is converted only if its op type is on an allowlist of ops whose float in
 one type (so float16 in means float16 out) and its module scope is not a fragile one; every other node
 stays float32. Each float value then has one home precision, and a Cast is inserted wherever a node
 reads a value of the other precision. fp16 graphs are validated against the torch fp32 wrapper with
-its spec's `fp16_tolerances`.
+its spec's fp16 bounds (`GraphSpec.precision_tolerances`).
 """
 
 from __future__ import annotations
 
-import os
 import re
 from collections import defaultdict
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +21,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from cosyvoice_graphs import GraphSpec
 
-from .trace import EXTERNAL_DATA_BYTES, MAX_IR_VERSION, PARTIAL, ExportError, check_contract
+from .trace import ExportError, replace_graph
 
-PRECISIONS = ("fp32", "fp16")
 FP16_REVISION = 1
 """Bump when the conversion changes (it forces fp16 graphs to be exported again)."""
 
@@ -66,13 +63,6 @@ here: upstream runs the F0 predictor in float64, so it stays float32 entirely.""
 
 class Fp16Error(ExportError):
     """A graph cannot be converted to fp16 as this module promises."""
-
-
-def fp16_spec(s: GraphSpec) -> GraphSpec:
-    """`s` validated with its fp16 bounds (`GraphSpec.fp16_tolerances`); `Fp16Error` if it has none."""
-    if not s.fp16_tolerances:
-        raise Fp16Error(f"{s.name}: its spec has no fp16 tolerances, so it has no fp16 body")
-    return replace(s, tolerances=s.fp16_tolerances)
 
 
 def _value_types(model: onnx.ModelProto) -> dict[str, int]:
@@ -167,19 +157,4 @@ def write_fp16(path: Path, s: GraphSpec) -> Path:
     the I/O `s` says, atomically; returns `path`."""
     model = onnx.load(str(path))
     convert(model, s.name)
-    check_contract(model, s)
-    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
-    onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, "precision": "fp16",
-                                        "fp16_revision": str(FP16_REVISION)})
-    if model.ByteSize() > EXTERNAL_DATA_BYTES:  # fp16 halves the weights: the 0.5B LLM is ~1 GB
-        raise Fp16Error(f"{s.name}: fp16 graph over {EXTERNAL_DATA_BYTES} bytes; external data unsupported")
-    tmp = path.with_name(f".{path.name}{PARTIAL}")
-    try:
-        onnx.save_model(model, str(tmp))
-        del model
-        onnx.checker.check_model(str(tmp), full_check=True)  # strict type inference must agree too
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    path.with_name(path.name + ".data").unlink(missing_ok=True)  # the fp32 graph's weights, if large
-    return path
+    return replace_graph(path, model, s, {"precision": "fp16", "fp16_revision": str(FP16_REVISION)})

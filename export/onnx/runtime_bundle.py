@@ -15,9 +15,9 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
@@ -27,7 +27,7 @@ import numpy as np
 from torch import nn
 from tqdm import tqdm
 
-from cosyvoice_graphs import SPECS, GraphSpec, ModelDims, spec
+from cosyvoice_graphs import PRECISIONS, SPECS, GraphSpec, ModelDims, spec
 from cosyvoice_graphs.bundle_layout import (
     FLOW_NOISE,
     FORMAT,
@@ -58,9 +58,11 @@ from ..nets.flow import CausalMaskedDiffWithDiT
 from ..nets.hift import CausalHiFTGenerator
 from ..nets.llm import CosyVoice3LM
 from ..noise import noise_tables
+from .decode_gates import SEQUENCES, validate_decode
 from .dims import model_dims
-from .fp16 import FP16_GRAPHS, FP16_REVISION, PRECISIONS, fp16_spec, write_fp16
+from .fp16 import FP16_REVISION, write_fp16
 from .graphs import WRAPPERS, Networks
+from .int8 import INT8_REVISION, write_int8
 from .trace import EXPORTER_VERSION, PARTIAL, export_graph, file_sha256
 from .validate import Figure, GraphValidation, ValidationError, validate_graph
 
@@ -112,7 +114,8 @@ class GraphResult:
     """The TensorRT plan (--trt): file, size, sha256, cache key, GPU, TensorRT version, timings."""
     trt_validation: GraphValidation | None = None
     precision: str = "fp32"
-    """fp16: float16 body with fragile ops in float32 (see `fp16`); the I/O is the spec's either way."""
+    """fp16: float16 body with fragile ops in float32 (see `fp16`); int8: int8 weights for the matmuls
+    (see `int8`); the I/O is the spec's either way."""
 
     @property
     def size(self) -> int:
@@ -143,17 +146,23 @@ class Report:
         return not self.failures
 
     def table(self) -> str:
-        """The summary table: one row per graph (and per TensorRT plan), its worst output."""
+        """The summary table: one row per graph (and per decode-gate set and TensorRT plan), its worst
+        output or gate."""
         rows = [("graph", "size", "output", "error", "tolerance", "run", "ok")]
+
+        def row(label: str, figures: Iterable[Figure], size: str, run: str) -> None:
+            f = max(figures, key=lambda fig: fig.ratio)
+            error = f.problem[:24] if f.problem else f"{f.measured:.2e}"
+            rows.append((label, size, f.output, error, f"{f.metric} <= {f.bound:.0e}", run,
+                         "✓" if f.passed else "✗"))
+
         for g in self.graphs:
-            for label, v, size, run in ((g.name, g.validation, g.size, "reused" if g.reused else "exported"),
-                                        (f"{g.name} [trt]", g.trt_validation, _plan_size(g), _plan_run(g))):
-                if v is None:
-                    continue
-                f = max(v.worst().values(), key=lambda fig: fig.ratio)
-                error = f.problem[:24] if f.problem else f"{f.measured:.2e}"
-                rows.append((label, _human(size), f.output, error, f"{f.metric} <= {f.bound:.0e}", run,
-                             "✓" if v.passed else "✗"))
+            run = "reused" if g.reused else "exported"
+            row(g.name, g.validation.worst().values(), _human(g.size), run)
+            if g.validation.gates:  # the gate closest to (or furthest past) its bound
+                row(f"{g.name} [{g.precision} decode]", g.validation.gates, "", run)
+            if g.trt_validation is not None:
+                row(f"{g.name} [trt]", g.trt_validation.worst().values(), _human(_plan_size(g)), _plan_run(g))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         status = f"manifest: {self.manifest}" if self.manifest else "no manifest written: validation failed"
@@ -282,14 +291,16 @@ def _checkpoints_of(wrapper: nn.Module, nets: _Networks) -> list[str]:
     return [f"{n}.pt" for n in (used or NETWORKS)]
 
 
-def _graph_precision(s: GraphSpec, precision: str) -> str:
-    """fp16 where the bundle is fp16 and the graph has an fp16 body (hift_f0 never has)."""
-    return "fp16" if precision == "fp16" and s.name in FP16_GRAPHS else "fp32"
+CONVERSIONS: dict[str, tuple[int, Callable[[Path, GraphSpec], Path]]] = {
+    "fp16": (FP16_REVISION, write_fp16),
+    "int8": (INT8_REVISION, write_int8),
+}
+"""Reduced precision -> the revision of its conversion and the rewrite of an exported fp32 graph into it."""
 
 
 def _graph_inputs(s: GraphSpec, sources: Mapping[str, str], precision: str) -> dict[str, Any]:
     """What a graph is a function of: when none of it changed, the graph need not be exported again."""
-    conversion = f"fp16 rev {FP16_REVISION}" if precision == "fp16" else "fp32"
+    conversion = f"{precision} rev {CONVERSIONS[precision][0]}" if precision in CONVERSIONS else "fp32"
     return {"spec_name": s.name, "spec_version": s.version, "exporter_version": EXPORTER_VERSION,
             "sources": dict(sorted(sources.items())), "precision": conversion}
 
@@ -315,7 +326,8 @@ def _reuse(out: Path, s: GraphSpec, source_sha: Mapping[str, FileEntry], precisi
             return None
     v = record["validation"]
     validation = GraphValidation(s.name, v["provider"], v["against"],
-                                 tuple(Figure.from_json(f) for f in v["figures"]))
+                                 tuple(Figure.from_json(f) for f in v["figures"]),
+                                 tuple(Figure.from_json(f) for f in v.get("gates", ())))
     return GraphResult(s.name, s, files, current, validation, reused=True, simplified=record["simplified"],
                        simplify_error=record["simplify_error"], timings=record["timings"],
                        precision=precision)
@@ -323,8 +335,8 @@ def _reuse(out: Path, s: GraphSpec, source_sha: Mapping[str, FileEntry], precisi
 
 def _export(out: Path, s: GraphSpec, dims: ModelDims, nets: _Networks, source_sha: Mapping[str, FileEntry],
             bar: tqdm, precision: str) -> GraphResult:
-    """Export and validate one graph (an fp16 graph: against its fp16 bounds), then record it for later
-    runs."""
+    """Export and validate one graph (a reduced-precision graph: against its bounds for that precision,
+    and its decode gates where the spec has them), then record it for later runs."""
     (out / _record_rel(f"graph-{s.name}")).unlink(missing_ok=True)  # the record must never outlive its file
     bar.set_postfix_str(f"{s.name}: load")
     wrapper = WRAPPERS[s.name](nets.all())
@@ -335,13 +347,17 @@ def _export(out: Path, s: GraphSpec, dims: ModelDims, nets: _Networks, source_sh
             "model_yaml_sha256": sources[YAML]}
     bar.set_postfix_str(f"{s.name}: export")
     result = export_graph(wrapper, s, dims, out / graph_file(s.name), extra_metadata=meta)
-    paths, tolerances = result.files, s
-    if precision == "fp16":
-        bar.set_postfix_str(f"{s.name}: fp16")
-        paths, tolerances = (write_fp16(result.path, s),), fp16_spec(s)
+    paths = result.files
+    if precision in CONVERSIONS:
+        bar.set_postfix_str(f"{s.name}: {precision}")
+        paths = (CONVERSIONS[precision][1](result.path, s),)
     bar.set_postfix_str(f"{s.name}: validate")
     start = time.perf_counter()
-    validation = validate_graph(result.path, wrapper, tolerances)
+    validation = validate_graph(result.path, wrapper, s.at_precision(precision))
+    if precision in s.decode_gates:
+        bar.set_postfix_str(f"{s.name}: decode gates")
+        gates = validate_decode(result.path, wrapper, s, precision, SEQUENCES[s.name](nets.all()))
+        validation = replace(validation, gates=gates)
     timings = {"export_s": round(result.seconds, 3), "validate_s": round(time.perf_counter() - start, 3)}
     files = {str(p.relative_to(out)): FileEntry.of(p) for p in reversed(paths)}
     _write_json(out, _record_rel(f"graph-{s.name}"), {
@@ -351,7 +367,8 @@ def _export(out: Path, s: GraphSpec, dims: ModelDims, nets: _Networks, source_sh
         "simplified": result.simplified,
         "simplify_error": result.simplify_error,
         "validation": {"provider": validation.provider, "against": validation.against,
-                       "figures": [f.to_json() for f in validation.figures]},
+                       "figures": [f.to_json() for f in validation.figures],
+                       "gates": [f.to_json() for f in validation.gates]},
         "timings": timings,
     })
     return GraphResult(s.name, s, files, sources, validation, reused=False, simplified=result.simplified,
@@ -446,12 +463,16 @@ def _build_plans(out: Path, results: list[GraphResult], env: TrtEnv, progress: b
 
 def _validation_json(v: GraphValidation) -> dict[str, Any]:
     worst = v.worst()
-    return {
+    out = {
         "provider": v.provider, "against": v.against, "passed": v.passed,
         "outputs": {o: {"metric": f.metric, "measured": f.measured, "bound": f.bound, "passed": f.passed,
                         "worst_case": f.case} for o, f in worst.items()},
         "cases": sorted({f.case for f in v.figures}),
     }
+    if v.gates:
+        out["gates"] = {f.metric: {"output": f.output, "measured": f.measured, "bound": f.bound,
+                                   "passed": f.passed, "case": f.case} for f in v.gates}
+    return out
 
 
 def _graph_json(g: GraphResult) -> dict[str, Any]:
@@ -489,20 +510,25 @@ def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, t
     A graph whose inputs (spec version, source hashes, exporter version) are unchanged since an
     earlier run into `out`, that passed then and whose files are intact, is reused unless `force`.
     Bad bundles raise `BundleError` (the one-line errors of `check-bundle`); a foreign or unwritable
-    `out` raises `RuntimeBundleError`; with `trt` and no CUDA device or TensorRT, `TrtUnavailable`
-    is raised before anything is read or written. Validation failures do not raise: they are in the
-    report, and no manifest is written.
+    `out` raises `RuntimeBundleError`; with `trt` and no CUDA device or TensorRT, or `precision="int8"`,
+    `TrtUnavailable` is raised before anything is read or written. Validation failures do not raise: they
+    are in the report, and no manifest is written.
 
-    `precision="fp16"` gives the graphs of `fp16.FP16_GRAPHS` float16 bodies (float32 I/O), validated
-    with their specs' `fp16_tolerances`; `out` must not hold a bundle of the other precision.
+    `precision="fp16"` or `"int8"` gives each graph whose spec bounds that precision
+    (`GraphSpec.precision_tolerances`) a body in it (float32 I/O; see `fp16`, `int8`), validated with
+    those bounds and, where the spec has them, its decode gates; the other graphs stay fp32. `out` must
+    not hold a bundle of another precision.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
     start = time.perf_counter()
     trt_env = None
     if trt:
-        from .trt import require_trt
+        from .trt import TrtUnavailable, require_trt
 
+        if precision == "int8":
+            raise TrtUnavailable("--trt with --precision int8: the int8 llm graph is made of onnxruntime's "
+                                 "int8 operators, which TensorRT does not build; export int8 without --trt")
         trt_env = require_trt()
     model_dir, out = Path(model_dir), Path(out)
     bundle = check_bundle(model_dir, report=lambda line: None)
@@ -516,7 +542,7 @@ def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, t
     with tqdm(total=len(specs) + 2, desc="runtime bundle", unit="step", disable=not progress) as bar:
         for s in specs.values():
             with _step(bar, s.name):
-                p = _graph_precision(s, precision)
+                p = s.precision_in(precision)
                 reused = None if force else _reuse(out, s, source_sha, p)
                 results.append(reused or _export(out, s, dims, nets, source_sha, bar, p))
         with _step(bar, "tables"):

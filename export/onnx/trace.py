@@ -217,6 +217,27 @@ def export_graph(wrapper: nn.Module, spec: GraphSpec, dims: ModelDims, out: Path
                         simplify_error=simplify_error, seconds=time.perf_counter() - start)
 
 
+def replace_graph(path: Path, model: onnx.ModelProto, spec: GraphSpec, props: Mapping[str, str]) -> Path:
+    """Replace the graph at `path` (and its external data) by `model`, a rewrite of it (fp16, int8): its
+    I/O checked against `spec`, `props` added to its metadata, saved as one file and checked with full
+    type inference, atomically; returns `path`."""
+    check_contract(model, spec)
+    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+    onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, **props})
+    if model.ByteSize() > EXTERNAL_DATA_BYTES:  # reduced precisions shrink the weights: the LLM is <= 1 GB
+        raise ExportError(f"{spec.name}: rewritten graph over {EXTERNAL_DATA_BYTES} bytes; external data "
+                          "unsupported")
+    tmp = path.with_name(f".{path.name}{PARTIAL}")
+    try:
+        onnx.save_model(model, str(tmp))
+        onnx.checker.check_model(str(tmp), full_check=True)  # strict type inference must agree too
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    path.with_name(path.name + ".data").unlink(missing_ok=True)  # the fp32 graph's weights, if large
+    return path
+
+
 def file_sha256(path: Path, progress: Callable[[int], object] | None = None) -> str:
     """sha256 (hex) of a file, read in 16 MiB chunks; `progress` gets each chunk's size."""
     h = hashlib.sha256()

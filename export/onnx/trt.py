@@ -27,7 +27,8 @@ PLAN_SUFFIX = ".plan"
 
 
 class TrtUnavailable(RuntimeError):
-    """No CUDA device, or TensorRT / polygraphy are not installed; the message is one line."""
+    """No CUDA device, TensorRT / polygraphy are not installed, or the graphs' precision is one TensorRT does
+    not build; the message is one line."""
 
 
 @dataclass(frozen=True)

@@ -87,14 +87,19 @@ class GraphValidation:
     provider: str
     against: str
     figures: tuple[Figure, ...]
+    """Per validation case and output, with the output's tolerance."""
+    gates: tuple[Figure, ...] = ()
+    """Sequence-level figures of a reduced-precision body, one per gate (`decode_gates.validate_decode`);
+    the metric names the gate."""
 
     @property
     def passed(self) -> bool:
-        return all(f.passed for f in self.figures)
+        return all(f.passed for f in (*self.figures, *self.gates))
 
     @property
     def failures(self) -> list[ValidationError]:
-        return [ValidationError(self.graph, f, self.against) for f in self.figures if not f.passed]
+        return [ValidationError(self.graph, f, self.against) for f in (*self.figures, *self.gates)
+                if not f.passed]
 
     def worst(self) -> dict[str, Figure]:
         """Per output, the figure closest to (or furthest past) its bound."""
