@@ -10,6 +10,7 @@ from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import routes_bridge, routes_openai, routes_page, routes_speakers, routes_upstream
+from .auth import RequireApiKey
 from .engine import Engine
 from .errors import install_error_handlers
 from .metrics import ServerMetrics
@@ -23,7 +24,8 @@ from .state import ServerState
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
     """An app serving `engine` (which the caller opens and closes; several apps may share one).
 
-    Speakers are read from `settings.speakers_dir` now; the session workers stop with the app.
+    Speakers are read from `settings.speakers_dir` now; the session workers stop with the app. With
+    `settings.api_key`, every request but `/health` and the page must carry the key (`serve/auth.py`).
     """
     settings = settings or ServerSettings()
     sessions = SessionQueue(settings.max_concurrency, settings.queue_depth, settings.timeout)
@@ -47,6 +49,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     paths = frozenset(route.path for router in routers for route in router.routes
                       if isinstance(route, APIRoute) and SYNTHESIS_TAG in route.tags)
     app.add_middleware(CountSynthesisRequests, metrics=metrics, paths=paths)
+    if settings.api_key is not None:  # added last, so outermost: a refused request is not counted
+        app.add_middleware(RequireApiKey, key=settings.api_key)
     return app
 
 

@@ -19,6 +19,7 @@ from .app import create_app
 from .engine import SERVER_PROVIDERS, Engine
 from .grpc_server import run_grpc
 from .settings import (
+    API_KEY_ENV,
     DEFAULT_PORT,
     HOST_ENV,
     PORT_ENV,
@@ -30,6 +31,15 @@ from .speakers import SpeakerError
 
 DOTENV = Path(".env")
 DEFAULTS = ServerSettings()
+
+
+def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | None:
+    """The key without surrounding blanks (as a .env line may leave them); None when unset."""
+    if value is None:
+        return None
+    if not value.strip():
+        raise click.BadParameter("the API key is blank; give a key or leave the option unset")
+    return value.strip()
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -57,22 +67,25 @@ DEFAULTS = ServerSettings()
               help="ras: upstream's repetition-aware sampling; greedy: argmax (exact comparisons).")
 @click.option("--seed", type=int, default=None,
               help="Seed of requests that carry none [default: a random seed per request, as upstream].")
+@click.option("--api-key", envvar=API_KEY_ENV, show_envvar=True, callback=_api_key,
+              help="Require this key on every endpoint but /health and the page (HTTP: 'Authorization: "
+                   "Bearer KEY' or 'X-API-Key: KEY'; gRPC: the same as metadata) [default: none].")
 @click.option("--max-text", type=click.IntRange(min=1), default=DEFAULTS.max_text_chars,
               help="Longest text accepted (characters).")
 def serve(host: str, port: int, grpc_service: bool, model: Path | None, provider: str, max_conc: int,
           queue_depth: int, timeout: float, speakers_dir: Path | None, sampling: str, seed: int | None,
-          max_text: int) -> None:
+          max_text: int, api_key: str | None) -> None:
     """Serve CosyVoice3 over HTTP: upstream's /inference_* endpoints, the bridge's /synthesize, /health,
     /speakers and /metrics, OpenAI-style /v1/audio/speech and a web page at / (no torch); or, with --grpc,
     upstream's gRPC service.
 
     Options not given are read from the environment and then from ./.env (COSYVOICE_PORT,
-    COSYVOICE_HOST, COSYVOICE_MODEL_DIR, COSYVOICE_SPEAKERS_DIR).
+    COSYVOICE_HOST, COSYVOICE_MODEL_DIR, COSYVOICE_SPEAKERS_DIR, COSYVOICE_API_KEY).
     """
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
     settings = ServerSettings(max_concurrency=max_conc, queue_depth=queue_depth, timeout=timeout,
                               max_text_chars=max_text, sampling=sampling, seed=seed,
-                              speakers_dir=speakers_dir or DEFAULTS.speakers_dir)
+                              speakers_dir=speakers_dir or DEFAULTS.speakers_dir, api_key=api_key)
     try:
         engine = Engine.open(model, provider=provider)
     except USER_ERRORS as e:
@@ -80,6 +93,7 @@ def serve(host: str, port: int, grpc_service: bool, model: Path | None, provider
         sys.exit(2)
     try:
         click.echo(f"model: {engine.origin}", err=True)
+        click.echo(f"API key: {'required' if api_key else 'none (every endpoint is open)'}", err=True)
         if grpc_service:
             try:
                 run_grpc(engine, settings, host, port, announce=lambda line: click.echo(line, err=True))

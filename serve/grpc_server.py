@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from .auth import GrpcApiKey
 from .engine import Engine
 from .grpc_service import CosyVoiceService
 from .proto import cosyvoice_pb2_grpc
@@ -44,8 +45,9 @@ class GrpcServer:
     @classmethod
     async def start(cls, engine: Engine, settings: ServerSettings, host: str, port: int) -> GrpcServer:
         """Serve `engine` on `host:port` (port 0: any free one), on the running event loop; `OSError` if the
-        address cannot be bound."""
-        server = grpc.aio.server(options=OPTIONS)
+        address cannot be bound. With `settings.api_key`, every call must carry the key as metadata."""
+        interceptors = [GrpcApiKey(settings.api_key)] if settings.api_key is not None else []
+        server = grpc.aio.server(interceptors=interceptors, options=OPTIONS)
         service = CosyVoiceService(engine, settings)
         cosyvoice_pb2_grpc.add_CosyVoiceServicer_to_server(service, server)
         try:

@@ -2,7 +2,8 @@
 step, nothing loaded from elsewhere).
 
 The page posts to upstream's streaming endpoints (`/inference_zero_shot`, `/inference_cross_lingual`,
-`/inference_instruct2`), plays the PCM16 as it arrives (Web Audio) and offers the WAV afterwards. Its
+`/inference_instruct2`) with the API key its user typed, if any (`X-API-Key`; the page itself is served
+without one), plays the PCM16 as it arrives (Web Audio) and offers the WAV afterwards. Its
 Content-Security-Policy lets it run its own inline script and style only (by hash) and connect to this
 server only, so a browser refuses any other origin the page might name.
 """

@@ -17,6 +17,7 @@ from cosyvoice_runtime.sampling import SAMPLINGS
 HOST_ENV = "COSYVOICE_HOST"
 PORT_ENV = "COSYVOICE_PORT"
 SPEAKERS_DIR_ENV = "COSYVOICE_SPEAKERS_DIR"
+API_KEY_ENV = "COSYVOICE_API_KEY"
 DEFAULT_PORT = 50000
 """Upstream's FastAPI and gRPC servers listen on 50000."""
 
@@ -45,6 +46,9 @@ class ServerSettings:
     """Seed of every request that names none; None: a fresh random seed per request (as upstream)."""
     speakers_dir: Path = field(default_factory=default_speakers_dir)
     """Where registered speakers are kept (`SpeakerRegistry`)."""
+    api_key: str | None = field(default=None, repr=False)
+    """The key every endpoint but `/health` and the page requires (`serve/auth.py`); None: no key.
+    Left out of the repr so that logging the settings never logs it."""
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
@@ -57,6 +61,8 @@ class ServerSettings:
             raise ValueError(f"sampling must be one of {', '.join(SAMPLINGS)}, got {self.sampling!r}")
         if self.max_text_chars < 1:
             raise ValueError(f"max_text_chars must be >= 1, got {self.max_text_chars}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be blank (None: no key)")
 
 
 def read_dotenv(path: Path) -> dict[str, str]:

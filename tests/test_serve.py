@@ -26,6 +26,7 @@ import soundfile as sf
 import uvicorn
 from click.testing import CliRunner
 from fastapi import FastAPI
+from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
 from cosyvoice_runtime.bundle import RuntimeBundle
@@ -35,14 +36,16 @@ from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_serve import Engine, ServerSettings, create_app
 from cosyvoice_serve import cli as serve_cli
+from cosyvoice_serve.auth import MISSING_KEY, OPEN_PATHS
 from cosyvoice_serve.routes_bridge import MISSING_PROMPT
-from cosyvoice_serve.settings import PORT_ENV, read_dotenv
+from cosyvoice_serve.settings import API_KEY_ENV, PORT_ENV, read_dotenv
 from cosyvoice_serve.speakers import REGISTRY, SpeakerRegistry
 
 SHORT = "Hi."
 """60 speech tokens on the demo model (2.4 s of audio, two streamed chunks): about a second of work."""
 LONG = "Hello there, this is a test of the server."
 """340 speech tokens (13.6 s of audio): several seconds of work, long enough to interrupt."""
+API_KEY = "test-key-0123456789"
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +232,37 @@ def test_a_crash_while_registering_leaves_the_registry_whole(tmp_path: Path, mon
     assert SpeakerRegistry(tmp_path, "other front end").names() == []
 
 
+# --- the API key ---------------------------------------------------------------------------------------
+
+
+def test_an_api_key_guards_every_endpoint_but_health_and_the_page(
+        engine: Engine, prompt: tuple[bytes, str], cli_stream: np.ndarray, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    app = make_app(engine, tmp_path, api_key=API_KEY)
+    routes = [(method, re.sub(r"{\w+}", "x", route.path)) for route in app.routes
+              if isinstance(route, APIRoute) for method in sorted(route.methods)]
+    routes += [("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/no-such-path")]
+    refused = {"detail": MISSING_KEY, "error": MISSING_KEY, "code": 401}
+    wrong = [{}, {"X-API-Key": "wrong"}, {"Authorization": "Bearer wrong"},
+             {"Authorization": f"Basic {API_KEY}"}, {"Authorization": API_KEY}]
+    with TestClient(app) as client:
+        for open_path in sorted(OPEN_PATHS):
+            assert client.get(open_path).status_code == 200, open_path
+        for method, path in routes:
+            if path in OPEN_PATHS:
+                continue
+            for headers in wrong:
+                response = client.request(method, path, headers=headers)
+                assert response.status_code == 401, (method, path, headers, response.text)
+                assert response.json() == refused and response.headers["www-authenticate"] == "Bearer"
+        assert client.get("/speakers", headers={"Authorization": f"bearer  {API_KEY} "}).json() == []
+        streamed = client.post("/inference_zero_shot", headers={"x-api-key": API_KEY}, **form(prompt))
+        text = client.get("/metrics", headers={"X-API-Key": API_KEY}).text
+    assert streamed.status_code == 200 and np.array_equal(np.frombuffer(streamed.content, "<i2"), cli_stream)
+    assert metric(text, "tts_requests_total") == 1  # refused requests are not synthesis requests
+    assert API_KEY not in caplog.text and API_KEY not in repr(app.state.server.settings)
+
+
 # --- behaviour under load -------------------------------------------------------------------------------
 
 
@@ -408,14 +442,15 @@ class _Unclosable:
 
 @pytest.mark.parametrize(("environment", "flags", "port"), [
     ({}, [], 50001), ({PORT_ENV: "50002"}, [], 50002), ({PORT_ENV: "50002"}, ["--port", "50003"], 50003)])
-def test_port_and_model_from_flags_then_environment_then_dotenv(
-        engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, environment: dict[str, str],
-        flags: list[str], port: int) -> None:
+def test_port_model_and_api_key_from_flags_then_environment_then_dotenv(
+        engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        environment: dict[str, str], flags: list[str], port: int) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / ".env").write_text(f"# the server's settings\nCOSYVOICE_PORT=50001\n"
-                                   f"export {MODEL_DIR_ENV}='{DEMO_BUNDLE}'\n\n")
-    assert read_dotenv(tmp_path / ".env") == {PORT_ENV: "50001", MODEL_DIR_ENV: str(DEMO_BUNDLE)}
-    for key in (PORT_ENV, MODEL_DIR_ENV):  # recorded, so that the variables .env sets are removed again
+                                   f"export {MODEL_DIR_ENV}='{DEMO_BUNDLE}'\n\n{API_KEY_ENV}={API_KEY}\n")
+    assert read_dotenv(tmp_path / ".env") == {PORT_ENV: "50001", MODEL_DIR_ENV: str(DEMO_BUNDLE),
+                                              API_KEY_ENV: API_KEY}
+    for key in (PORT_ENV, MODEL_DIR_ENV, API_KEY_ENV):  # recorded, so that the variables .env sets go again
         monkeypatch.setenv(key, "")
         monkeypatch.delenv(key)
     for key, value in environment.items():
@@ -426,12 +461,18 @@ def test_port_and_model_from_flags_then_environment_then_dotenv(
         opened.append((model, os.environ.get(MODEL_DIR_ENV)))
         return _Unclosable(engine)
 
-    served: list[tuple[str, int]] = []
+    served: list[tuple[str, int, str | None]] = []
+
+    def run(app: FastAPI, host: str, port: int, **_: Any) -> None:
+        served.append((host, port, app.state.server.settings.api_key))
+
     monkeypatch.setattr(serve_cli.Engine, "open", open_engine)
-    monkeypatch.setattr(serve_cli.uvicorn, "run", lambda app, host, port, **_: served.append((host, port)))
+    monkeypatch.setattr(serve_cli.uvicorn, "run", run)
     monkeypatch.setattr(sys, "argv", ["cosyvoice-serve", "--speakers", str(tmp_path / "speakers"), *flags])
     with pytest.raises(SystemExit) as exit_:
         serve_cli.main()
     assert exit_.value.code == 0
-    assert served == [("127.0.0.1", port)]
+    assert served == [("127.0.0.1", port, API_KEY)]
+    err = capsys.readouterr().err
+    assert "API key: required" in err and API_KEY not in err
     assert opened == [(None, str(DEMO_BUNDLE))]  # choose_bundle reads $COSYVOICE_MODEL_DIR, set by .env

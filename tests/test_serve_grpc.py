@@ -24,12 +24,13 @@ import pytest
 import soundfile as sf
 import soxr
 from google.protobuf import descriptor_pb2
-from test_serve import LONG, SHORT, cosyvoice_run
+from test_serve import API_KEY, LONG, SHORT, cosyvoice_run
 
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_serve import Engine, ServerSettings
+from cosyvoice_serve.auth import MISSING_KEY
 from cosyvoice_serve.grpc_server import GrpcServer
 from cosyvoice_serve.grpc_service import CosyVoiceService
 from cosyvoice_serve.proto import cosyvoice_pb2, cosyvoice_pb2_grpc
@@ -277,6 +278,21 @@ def test_a_bad_seed_is_invalid_argument(stub: cosyvoice_pb2_grpc.CosyVoiceStub,
         list(stub.Inference(request, metadata=(("seed", "-1"),)))
     assert error.value.code() == INVALID
     assert error.value.details() == "seed metadata must be a non-negative integer, got '-1'"
+
+
+def test_an_api_key_is_required_as_metadata(engine: Engine, prompt: tuple[bytes, str, Path]) -> None:
+    request = upstream_request("zero_shot", "  ", prompt[0], prompt_text="x")  # bad input: no synthesis
+    with grpc_serving(engine, api_key=API_KEY) as (stub, _):
+        for metadata in [(), (("x-api-key", "wrong"),), (("authorization", "Bearer wrong"),),
+                         (("authorization", API_KEY),)]:
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Inference(request, metadata=metadata))
+            assert (refused.value.code(), refused.value.details()) == (grpc.StatusCode.UNAUTHENTICATED,
+                                                                       MISSING_KEY)
+        for metadata in [(("x-api-key", API_KEY),), (("authorization", f"Bearer {API_KEY}"),)]:
+            with pytest.raises(grpc.RpcError) as passed:  # past the key, the service answers
+                list(stub.Inference(request, metadata=metadata))
+            assert passed.value.code() == INVALID, metadata
 
 
 # --- the command ------------------------------------------------------------------------------------------

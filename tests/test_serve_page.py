@@ -18,11 +18,12 @@ import pytest
 import soundfile as sf
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
-from test_serve import SHORT, cosyvoice_run, make_app, serving
+from test_serve import API_KEY, SHORT, cosyvoice_run, make_app, serving
 
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_serve import Engine, routes_upstream
+from cosyvoice_serve.auth import MISSING_KEY
 
 ENDPOINTS = {"/inference_zero_shot", "/inference_cross_lingual", "/inference_instruct2"}
 CHROMIUM_FLAGS = ["--autoplay-policy=no-user-gesture-required", "--use-fake-ui-for-media-stream",
@@ -44,7 +45,7 @@ def test_the_page_has_its_form_and_uses_only_this_servers_endpoints(engine: Engi
         response = client.get("/")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
     html = response.text
-    for name in ("prompt_wav", "mode", "prompt_text", "instruct_text", "tts_text"):
+    for name in ("prompt_wav", "mode", "prompt_text", "instruct_text", "tts_text", "api_key"):
         assert f'id="{name}" name="{name}"' in html, name
     assert re.findall(r'<option value="(\w+)"', html) == ["zero_shot", "cross_lingual", "instruct2"]
     assert 'id="record"' in html and 'download="cosyvoice.wav"' in html
@@ -58,6 +59,7 @@ def test_the_page_has_its_form_and_uses_only_this_servers_endpoints(engine: Engi
     # The script fetches this server's streaming endpoints, by POST, and nothing else.
     assert set(re.findall(r'"(/[^"]*)"', script)) == ENDPOINTS
     assert re.findall(r"fetch\(([^,)]+)", script) == ["mode.path"]
+    assert 'headers = key ? {"X-API-Key": key} : {}' in script  # the key typed in, if any
     assert ENDPOINTS <= {r.path for r in routes_upstream.router.routes
                          if isinstance(r, APIRoute) and "POST" in r.methods}  # create_app includes them
     # ...and the browser holds it to that.
@@ -108,7 +110,8 @@ def test_the_page_streams_plays_and_offers_the_wav_in_chromium(engine: Engine, t
     assert default is not None
     expected = cosyvoice_run(tmp_path, "--stream", "--text", SHORT)
     screenshot = tmp_path / "page.png"
-    with serving(make_app(engine, tmp_path)) as client, sync_api.sync_playwright() as playwright:
+    with serving(make_app(engine, tmp_path, api_key=API_KEY)) as client, \
+            sync_api.sync_playwright() as playwright:
         browser = launch_chromium(playwright)
         try:
             page = browser.new_page()
@@ -116,6 +119,10 @@ def test_the_page_streams_plays_and_offers_the_wav_in_chromium(engine: Engine, t
             page.set_input_files("#prompt_wav", str(default[0]))
             page.fill("#prompt_text", default[1])
             page.fill("#tts_text", SHORT)
+            page.click("#speak")  # the page is served without the key; its API calls need it
+            page.wait_for_selector(RUN_ENDED, state="attached", timeout=30_000)
+            assert page.text_content("#error") == f"401: {MISSING_KEY}"
+            page.fill("#api_key", API_KEY)
             page.click("#speak")
             page.wait_for_selector(RUN_ENDED, state="attached", timeout=60_000)
             assert page.text_content("#error") == ""
