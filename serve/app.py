@@ -20,6 +20,10 @@ from .settings import ServerSettings
 from .speakers import SpeakerRegistry
 from .state import ServerState
 
+ROUTERS = tuple(module.router for module in (routes_upstream, routes_bridge, routes_openai, routes_speakers,
+                                             routes_page))
+"""Every route of the app (FastAPI's docs and schema aside)."""
+
 
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
     """An app serving `engine` (which the caller opens and closes; several apps may share one).
@@ -42,11 +46,9 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
                   lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
-    routers = [m.router for m in (routes_upstream, routes_bridge, routes_openai, routes_speakers,
-                                    routes_page)]
-    for router in routers:
+    for router in ROUTERS:
         app.include_router(router)
-    paths = frozenset(route.path for router in routers for route in router.routes
+    paths = frozenset(route.path for router in ROUTERS for route in router.routes
                       if isinstance(route, APIRoute) and SYNTHESIS_TAG in route.tags)
     app.add_middleware(CountSynthesisRequests, metrics=metrics, paths=paths)
     if settings.api_key is not None:  # added last, so outermost: a refused request is not counted

@@ -10,7 +10,8 @@ samples every request from an unseeded generator; here the optional form field `
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import StreamingResponse
@@ -23,6 +24,22 @@ from .state import ServerState, State
 
 router = APIRouter(tags=[SYNTHESIS_TAG])
 PCM_MEDIA_TYPE = "application/octet-stream"
+METHODS = ("GET", "POST")
+"""Upstream serves each endpoint to both; its own client uses GET (with a form body)."""
+Endpoint = TypeVar("Endpoint", bound=Callable[..., Any])
+
+
+def get_and_post(path: str) -> Callable[[Endpoint], Endpoint]:
+    """Register an endpoint for GET and for POST as two routes, each with its own OpenAPI operation id
+    (`<name>_get`, `<name>_post`): one route for both methods would give both operations one id."""
+
+    def register(endpoint: Endpoint) -> Endpoint:
+        for method in METHODS:
+            router.add_api_route(path, endpoint, methods=[method],
+                                 operation_id=f"{endpoint.__name__}_{method.lower()}")
+        return endpoint
+
+    return register
 
 TtsText = Annotated[str, Form(description="Text to speak.")]
 PromptWav = Annotated[UploadFile, File(description="Prompt recording (audio file, >= 16 kHz, <= 30 s).")]
@@ -34,7 +51,7 @@ async def _pcm_stream(state: ServerState, request: Request, job: SynthesisJob) -
     return await stream_response(state, request, job, media_type=PCM_MEDIA_TYPE, headers=headers)
 
 
-@router.api_route("/inference_zero_shot", methods=["GET", "POST"])
+@get_and_post("/inference_zero_shot")
 async def inference_zero_shot(request: Request, state: State, tts_text: TtsText,
                               prompt_text: Annotated[str, Form(description="Transcript of prompt_wav.")],
                               prompt_wav: PromptWav, seed: Seed = None) -> StreamingResponse:
@@ -46,7 +63,7 @@ async def inference_zero_shot(request: Request, state: State, tts_text: TtsText,
     return await _pcm_stream(state, request, job)
 
 
-@router.api_route("/inference_cross_lingual", methods=["GET", "POST"])
+@get_and_post("/inference_cross_lingual")
 async def inference_cross_lingual(request: Request, state: State, tts_text: TtsText, prompt_wav: PromptWav,
                                   seed: Seed = None) -> StreamingResponse:
     """Cross-lingual cloning: `tts_text` (any language) in the voice of `prompt_wav`, no transcript."""
@@ -56,7 +73,7 @@ async def inference_cross_lingual(request: Request, state: State, tts_text: TtsT
     return await _pcm_stream(state, request, job)
 
 
-@router.api_route("/inference_instruct2", methods=["GET", "POST"])
+@get_and_post("/inference_instruct2")
 async def inference_instruct2(request: Request, state: State, tts_text: TtsText,
                               instruct_text: Annotated[str, Form(description="e.g. 'Speak slowly.'")],
                               prompt_wav: PromptWav, seed: Seed = None) -> StreamingResponse:

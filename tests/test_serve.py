@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -36,6 +37,7 @@ from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_serve import Engine, ServerSettings, create_app
 from cosyvoice_serve import cli as serve_cli
+from cosyvoice_serve.app import ROUTERS
 from cosyvoice_serve.auth import MISSING_KEY, OPEN_PATHS
 from cosyvoice_serve.routes_bridge import MISSING_PROMPT
 from cosyvoice_serve.settings import API_KEY_ENV, PORT_ENV, read_dotenv
@@ -232,6 +234,55 @@ def test_a_crash_while_registering_leaves_the_registry_whole(tmp_path: Path, mon
     assert SpeakerRegistry(tmp_path, "other front end").names() == []
 
 
+# --- the app and its schema ----------------------------------------------------------------------------
+
+
+def api_routes() -> list[APIRoute]:
+    """Every route `create_app` serves (FastAPI's docs and schema aside)."""
+    return [route for router in ROUTERS for route in router.routes if isinstance(route, APIRoute)]
+
+
+def refs(node: object) -> Iterator[str]:
+    """Every `$ref` in a JSON document."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "$ref":
+                yield value
+            yield from refs(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from refs(item)
+
+
+def test_the_app_builds_without_warnings_and_its_openapi_lists_every_route(engine: Engine, tmp_path: Path
+                                                                            ) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        app = make_app(engine, tmp_path)
+        with TestClient(app) as client:
+            response = client.get("/openapi.json")
+    assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
+    assert response.status_code == 200
+    schema = response.json()
+    assert schema["openapi"].startswith("3.") and schema["info"]["title"] == "cosyvoice-serve"
+    operations = {(method.upper(), path): operation for path, item in schema["paths"].items()
+                  for method, operation in item.items()}
+    routes = {(method, route.path) for route in api_routes() if route.include_in_schema
+              for method in route.methods}
+    assert set(operations) == routes
+    assert {("GET", "/inference_zero_shot"), ("POST", "/inference_zero_shot")} <= routes  # upstream's methods
+    ids = [operation["operationId"] for operation in operations.values()]
+    assert len(ids) == len(set(ids)), sorted(ids)
+    assert all(operation.get("responses") for operation in operations.values())
+    components = schema["components"]["schemas"]
+    assert all(ref.startswith("#/components/schemas/") and ref.rsplit("/", 1)[1] in components
+               for ref in refs(schema))
+    for method in ("get", "post"):  # both describe upstream's form
+        body = schema["paths"]["/inference_zero_shot"][method]["requestBody"]["content"]
+        [form_schema] = [components[ref.rsplit("/", 1)[1]] for ref in refs(body["multipart/form-data"])]
+        assert set(form_schema["required"]) == {"tts_text", "prompt_text", "prompt_wav"}
+
+
 # --- the API key ---------------------------------------------------------------------------------------
 
 
@@ -239,8 +290,8 @@ def test_an_api_key_guards_every_endpoint_but_health_and_the_page(
         engine: Engine, prompt: tuple[bytes, str], cli_stream: np.ndarray, tmp_path: Path,
         caplog: pytest.LogCaptureFixture) -> None:
     app = make_app(engine, tmp_path, api_key=API_KEY)
-    routes = [(method, re.sub(r"{\w+}", "x", route.path)) for route in app.routes
-              if isinstance(route, APIRoute) for method in sorted(route.methods)]
+    routes = [(method, re.sub(r"{\w+}", "x", route.path)) for route in api_routes()
+              for method in sorted(route.methods)]
     routes += [("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/no-such-path")]
     refused = {"detail": MISSING_KEY, "error": MISSING_KEY, "code": 401}
     wrong = [{}, {"X-API-Key": "wrong"}, {"Authorization": "Bearer wrong"},
