@@ -18,6 +18,7 @@ from cosyvoice_runtime.sampling import SAMPLINGS
 from .app import create_app
 from .engine import SERVER_PROVIDERS, Engine
 from .grpc_server import run_grpc
+from .queue import SessionQueue
 from .settings import (
     API_KEY_ENV,
     DEFAULT_PORT,
@@ -49,6 +50,9 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
               show_envvar=True)
 @click.option("--grpc", "grpc_service", is_flag=True,
               help="Serve upstream's gRPC service (cosyvoice.CosyVoice) on --port instead of HTTP.")
+@click.option("--grpc-port", type=click.IntRange(1, 65535), default=None,
+              help="Also serve the gRPC service on this port, beside HTTP in the same process: one model, "
+                   "and --max-conc and --queue bound both together [default: HTTP only].")
 @click.option("--model", type=click.Path(file_okay=False, path_type=Path),
               help=f"Runtime bundle, or a model bundle to export on first use. Default: ${MODEL_DIR_ENV}, "
                    "else the embedded demo bundle (as cosyvoice-run).")
@@ -72,16 +76,20 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
                    "Bearer KEY' or 'X-API-Key: KEY'; gRPC: the same as metadata) [default: none].")
 @click.option("--max-text", type=click.IntRange(min=1), default=DEFAULTS.max_text_chars,
               help="Longest text accepted (characters).")
-def serve(host: str, port: int, grpc_service: bool, model: Path | None, provider: str, max_conc: int,
+def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model: Path | None, provider: str,
+          max_conc: int,
           queue_depth: int, timeout: float, speakers_dir: Path | None, sampling: str, seed: int | None,
           max_text: int, api_key: str | None) -> None:
     """Serve CosyVoice3 over HTTP: upstream's /inference_* endpoints, the bridge's /synthesize, /health,
-    /speakers and /metrics, OpenAI-style /v1/audio/speech and a web page at / (no torch); or, with --grpc,
-    upstream's gRPC service.
+    /speakers and /metrics, OpenAI-style /v1/audio/speech and a web page at / (no torch); with --grpc-port,
+    upstream's gRPC service beside it; or, with --grpc, that service alone.
 
     Options not given are read from the environment and then from ./.env (COSYVOICE_PORT,
     COSYVOICE_HOST, COSYVOICE_MODEL_DIR, COSYVOICE_SPEAKERS_DIR, COSYVOICE_API_KEY).
     """
+    if grpc_port is not None and (grpc_service or grpc_port == port):
+        raise click.UsageError("--grpc-port serves gRPC beside HTTP on another port than --port; --grpc "
+                               "serves gRPC alone on --port")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
     settings = ServerSettings(max_concurrency=max_conc, queue_depth=queue_depth, timeout=timeout,
                               max_text_chars=max_text, sampling=sampling, seed=seed,
@@ -95,11 +103,7 @@ def serve(host: str, port: int, grpc_service: bool, model: Path | None, provider
         click.echo(f"model: {engine.origin}", err=True)
         click.echo(f"API key: {'required' if api_key else 'none (every endpoint is open)'}", err=True)
         if grpc_service:
-            try:
-                run_grpc(engine, settings, host, port, announce=lambda line: click.echo(line, err=True))
-            except OSError as e:
-                click.echo(f"error: {e}", err=True)
-                sys.exit(1)
+            _run_grpc(engine, settings, host, port)
             return
         try:
             app = create_app(engine, settings)
@@ -108,9 +112,24 @@ def serve(host: str, port: int, grpc_service: bool, model: Path | None, provider
             sys.exit(2)
         click.echo(f"speakers: {settings.speakers_dir} ({len(app.state.server.speakers.names())} registered)",
                    err=True)
-        uvicorn.run(app, host=host, port=port, log_level="info")
+        if grpc_port is None:
+            uvicorn.run(app, host=host, port=port, log_level="info")
+            return
+        http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+        _run_grpc(engine, settings, host, grpc_port, http=http, sessions=app.state.server.sessions)
     finally:
         engine.close()
+
+
+def _run_grpc(engine: Engine, settings: ServerSettings, host: str, port: int, *,
+              http: uvicorn.Server | None = None, sessions: SessionQueue | None = None) -> None:
+    """`run_grpc`, its lines on stderr; an address that cannot be bound is one line and exit status 1."""
+    try:
+        run_grpc(engine, settings, host, port, announce=lambda line: click.echo(line, err=True), http=http,
+                 sessions=sessions)
+    except OSError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
 
 
 def main() -> None:

@@ -125,11 +125,14 @@ def synthesis_job(request: cosyvoice_pb2.Request, settings: ServerSettings, seed
 
 
 class CosyVoiceService(cosyvoice_pb2_grpc.CosyVoiceServicer):
-    """`cosyvoice.CosyVoice` over `engine`, its sessions bounded by `settings` (a queue of its own)."""
+    """`cosyvoice.CosyVoice` over `engine`, its sessions admitted to `sessions` (HTTP's, so that both share
+    one concurrency limit), else to a queue of its own bounded by `settings`."""
 
-    def __init__(self, engine: Engine, settings: ServerSettings) -> None:
+    def __init__(self, engine: Engine, settings: ServerSettings, sessions: SessionQueue | None = None
+                 ) -> None:
         self.engine, self.settings = engine, settings
-        self.sessions = SessionQueue(settings.max_concurrency, settings.queue_depth, settings.timeout)
+        self.sessions = sessions if sessions is not None else SessionQueue(
+            settings.max_concurrency, settings.queue_depth, settings.timeout)
 
     async def Inference(self, request: cosyvoice_pb2.Request, context: grpc.aio.ServicerContext) -> None:
         """Synthesise `request`, writing each streamed chunk's PCM16 as one `Response`."""

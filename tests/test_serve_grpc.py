@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 import soundfile as sf
@@ -34,6 +35,7 @@ from cosyvoice_serve.auth import MISSING_KEY
 from cosyvoice_serve.grpc_server import GrpcServer
 from cosyvoice_serve.grpc_service import CosyVoiceService
 from cosyvoice_serve.proto import cosyvoice_pb2, cosyvoice_pb2_grpc
+from cosyvoice_serve.settings import API_KEY_ENV
 
 PROMPT_RATE = 16000
 INSTRUCTION = "Speak slowly."
@@ -304,34 +306,96 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@contextmanager
+def cosyvoice_serve(*args: str, env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen[str],
+                                                                                  queue.Queue[str]]]:
+    """`cosyvoice-serve ARGS` on the demo bundle (greedy) in a process of its own, and its stderr's lines
+    (read on a thread, so that the pipe never fills up; "" at the end). Killed at the end if still running."""
+    command = [sys.executable, "-c", "from cosyvoice_serve.cli import main; main()",
+               "--model", str(DEMO_BUNDLE), "--sampling", "greedy", *args]
+    env = {**{k: v for k, v in os.environ.items() if k != MODEL_DIR_ENV}, **(env or {})}
+    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env) as server:
+        lines: queue.Queue[str] = queue.Queue()
+
+        def read_stderr() -> None:
+            for line in server.stderr or ():
+                lines.put(line)
+            lines.put("")
+
+        threading.Thread(target=read_stderr, daemon=True).start()
+        try:
+            yield server, lines
+        finally:
+            server.kill()
+
+
+def wait_for_line(lines: queue.Queue[str], text: str, within: float = 60) -> list[str]:
+    """The lines up to the first that holds `text` (fails if the process ends first)."""
+    seen: list[str] = []
+    while text not in (seen or [""])[-1]:
+        seen.append(lines.get(timeout=within))
+        assert seen[-1], f"cosyvoice-serve ended: {''.join(seen)}"
+    return seen
+
+
 def test_cosyvoice_serve_grpc_serves_until_interrupted(engine: Engine, prompt: tuple[bytes, str, Path],
                                                        expected: np.ndarray) -> None:
     port = free_port()
-    command = [sys.executable, "-c", "from cosyvoice_serve.cli import main; main()", "--grpc",
-               "--port", str(port), "--model", str(DEMO_BUNDLE), "--sampling", "greedy", "--max-conc", "2"]
-    env = {k: v for k, v in os.environ.items() if k != MODEL_DIR_ENV}
-    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env) as server:
-        try:
-            lines: queue.Queue[str] = queue.Queue()  # stderr, read on a thread (it must never fill up)
+    with cosyvoice_serve("--grpc", "--port", str(port), "--max-conc", "2") as (server, lines):
+        seen = wait_for_line(lines, "cosyvoice.CosyVoice on")
+        assert f"gRPC: cosyvoice.CosyVoice on 127.0.0.1:{port}" in seen[-1]
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):  # the port is taken
+            asyncio.run(GrpcServer.start(engine, ServerSettings(), "127.0.0.1", port))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = cosyvoice_pb2_grpc.CosyVoiceStub(channel)
+            request = upstream_request("zero_shot", SHORT, prompt[0], prompt_text=prompt[1])
+            assert np.array_equal(pcm(stub.Inference(request)), expected)
+        server.send_signal(signal.SIGINT)
+        assert server.wait(30) == 0
 
-            def read_stderr() -> None:
-                for line in server.stderr or ():
-                    lines.put(line)
-                lines.put("")  # the end
 
-            threading.Thread(target=read_stderr, daemon=True).start()
-            seen: list[str] = []
-            while "cosyvoice.CosyVoice on" not in (seen or [""])[-1]:
-                seen.append(lines.get(timeout=60))
-                assert seen[-1], f"cosyvoice-serve --grpc ended: {''.join(seen)}"
-            assert f"gRPC: cosyvoice.CosyVoice on 127.0.0.1:{port}" in seen[-1]
-            with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):  # the port is taken
-                asyncio.run(GrpcServer.start(engine, ServerSettings(), "127.0.0.1", port))
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = cosyvoice_pb2_grpc.CosyVoiceStub(channel)
-                request = upstream_request("zero_shot", SHORT, prompt[0], prompt_text=prompt[1])
-                assert np.array_equal(pcm(stub.Inference(request)), expected)
-            server.send_signal(signal.SIGINT)
-            assert server.wait(30) == 0
-        finally:
-            server.kill()
+def http_up(client: httpx.Client) -> bool:
+    """Whether the server answers `GET /health` yet."""
+    try:
+        return client.get("/health").status_code == 200
+    except httpx.ConnectError:
+        return False
+
+
+def test_http_and_grpc_in_one_process_share_the_engine_and_the_queue(
+        prompt: tuple[bytes, str, Path], expected: np.ndarray) -> None:
+    http_port, grpc_port = free_port(), free_port()
+    key = (("x-api-key", API_KEY),)
+    args = ("--port", str(http_port), "--grpc-port", str(grpc_port), "--max-conc", "1", "--queue", "0")
+    with cosyvoice_serve(*args, env={API_KEY_ENV: API_KEY}) as (server, lines), \
+            httpx.Client(base_url=f"http://127.0.0.1:{http_port}", headers={"X-API-Key": API_KEY},
+                         timeout=60) as client, grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        seen = wait_for_line(lines, "cosyvoice.CosyVoice on")
+        assert f"gRPC: cosyvoice.CosyVoice on 127.0.0.1:{grpc_port} beside HTTP" in seen[-1]
+        start = time.monotonic()
+        while not http_up(client):
+            assert time.monotonic() - start < 30, "HTTP did not start"
+            time.sleep(0.05)
+        stub = cosyvoice_pb2_grpc.CosyVoiceStub(channel)
+        request = upstream_request("zero_shot", SHORT, prompt[0], prompt_text=prompt[1])
+        # cross-lingual "Hi." carries the system prompt: 400 tokens, many seconds of work
+        with client.stream("POST", "/inference_cross_lingual", data={"tts_text": SHORT},
+                           files={"prompt_wav": ("p.wav", prompt[2].read_bytes(), "audio/wav")}) as running:
+            chunks = running.iter_raw()  # (kept: dropping the iterator would close the stream)
+            assert running.status_code == 200 and next(chunks)  # HTTP holds the one slot...
+            with pytest.raises(grpc.RpcError) as busy:
+                list(stub.Inference(request, metadata=key))
+            assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # ...which gRPC shares
+        start = time.monotonic()  # closed mid-utterance: the session stops and frees the slot
+        while (sessions := client.get("/health").json()["sessions"])["running"]:
+            assert time.monotonic() - start < 10, sessions
+            time.sleep(0.02)
+        assert np.array_equal(pcm(stub.Inference(request, metadata=key)), expected)
+        with pytest.raises(grpc.RpcError) as refused:  # the key from the environment guards gRPC too
+            list(stub.Inference(request))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert client.get("/metrics").status_code == 200
+        server.send_signal(signal.SIGINT)  # stops both
+        assert server.wait(30) == 0
+        output = "".join(seen) + "".join(iter(lines.get, ""))
+    assert "Traceback" not in output and API_KEY not in output
