@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,10 @@ def _validation_detail(error: RequestValidationError) -> str:
     """FastAPI's validation errors as one line: `field: message; field: message`."""
     parts = []
     for item in error.errors():
+        if item.get("type") == "json_invalid":  # loc is ("body", offset): say where and why
+            reason = item.get("ctx", {}).get("error", "invalid")
+            parts.append(f"body: not valid JSON ({reason} at character {item['loc'][-1]})")
+            continue
         loc = [str(p) for p in item.get("loc", ()) if p not in ("body", "query", "path")]
         parts.append(f"{'.'.join(loc) or 'body'}: {item.get('msg', 'invalid')}")
     return "; ".join(parts) or "invalid request"
@@ -64,7 +69,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def http_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
-        return error_response(exc.status_code, " ".join(str(exc.detail).split()), exc.headers)
+        detail = " ".join(str(exc.detail).split())
+        if isinstance(exc.__context__, MultiPartException):  # Starlette's form parser turned it into a 400
+            detail = f"body: malformed multipart/form-data ({detail.rstrip('.')})"
+        return error_response(exc.status_code, detail, exc.headers)
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("%s %s failed", request.method, request.url.path)

@@ -1,11 +1,15 @@
 """`cosyvoice-serve` on the demo bundle: every endpoint over HTTP, exactness against `cosyvoice-run`,
-speakers across a restart, the queue under load, client disconnects, bad input, metrics, settings."""
+speakers across a restart, the schema, the API key, the queue under load, client disconnects, a session
+failing mid-stream, 16 streams at concurrency 4 with the server's memory, bad and malformed input,
+metrics, settings."""
 
 from __future__ import annotations
 
 import base64
 import io
+import json
 import os
+import queue
 import re
 import socket
 import subprocess
@@ -39,6 +43,8 @@ from cosyvoice_serve import Engine, ServerSettings, create_app
 from cosyvoice_serve import cli as serve_cli
 from cosyvoice_serve.app import ROUTERS
 from cosyvoice_serve.auth import MISSING_KEY, OPEN_PATHS
+from cosyvoice_serve.engine import SynthesisJob
+from cosyvoice_serve.queue import Session
 from cosyvoice_serve.routes_bridge import MISSING_PROMPT
 from cosyvoice_serve.settings import API_KEY_ENV, PORT_ENV, read_dotenv
 from cosyvoice_serve.speakers import REGISTRY, SpeakerRegistry
@@ -101,6 +107,58 @@ def serving(app: FastAPI) -> Iterator[httpx.Client]:
         server.should_exit = True
         thread.join(10)
         sock.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def cosyvoice_serve(folder: Path, *args: str, env: dict[str, str] | None = None
+                    ) -> Iterator[tuple[subprocess.Popen[str], queue.Queue[str]]]:
+    """`cosyvoice-serve ARGS` on the demo bundle (greedy, its speakers in `folder`) in a process of its own,
+    and its stderr's lines (read on a thread, so that the pipe never fills up; "" at the end). Killed at the
+    end if still running."""
+    command = [sys.executable, "-c", "from cosyvoice_serve.cli import main; main()", "--model",
+               str(DEMO_BUNDLE), "--sampling", "greedy", "--speakers", str(folder / "speakers"), *args]
+    env = {**{k: v for k, v in os.environ.items() if k != MODEL_DIR_ENV}, **(env or {})}
+    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env) as server:
+        lines: queue.Queue[str] = queue.Queue()
+
+        def read_stderr() -> None:
+            for line in server.stderr or ():
+                lines.put(line)
+            lines.put("")
+
+        threading.Thread(target=read_stderr, daemon=True).start()
+        try:
+            yield server, lines
+        finally:
+            server.kill()
+
+
+def wait_for_line(lines: queue.Queue[str], text: str, within: float = 60) -> list[str]:
+    """The lines up to the first that holds `text` (fails if the process ends first)."""
+    seen: list[str] = []
+    while text not in (seen or [""])[-1]:
+        seen.append(lines.get(timeout=within))
+        assert seen[-1], f"cosyvoice-serve ended: {''.join(seen)}"
+    return seen
+
+
+def wait_for_http(client: httpx.Client, within: float = 30) -> None:
+    """Return once the server answers `GET /health` (fails after `within` seconds)."""
+    start = time.monotonic()
+    while True:
+        try:
+            if client.get("/health").status_code == 200:
+                return
+        except httpx.ConnectError:
+            pass
+        assert time.monotonic() - start < within, "the HTTP server did not start"
+        time.sleep(0.05)
 
 
 # --- upstream's endpoints ----------------------------------------------------------------------------
@@ -375,6 +433,114 @@ def test_a_request_past_the_timeout_answers_504(engine: Engine, prompt: tuple[by
             time.sleep(0.02)
 
 
+# --- faults and load -----------------------------------------------------------------------------------
+
+FAIL = "Fail here."
+"""A text whose stream `FailsMidStream` breaks after the first chunk."""
+
+
+class FailsMidStream:
+    """The engine, except that a stream of `FAIL` raises after its first chunk: a session whose synthesis
+    dies mid-utterance, injected where `create_app` and the gRPC service take their engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def stream(self, job: SynthesisJob, session: Session) -> Iterator[np.ndarray]:
+        chunks = self._engine.stream(job, session)
+        yield next(chunks)
+        if job.text == FAIL:
+            raise RuntimeError("injected: synthesis failed mid-stream")
+        yield from chunks
+
+
+def test_a_session_failing_mid_stream_cuts_only_its_own_stream_and_frees_its_slot(
+        engine: Engine, prompt: tuple[bytes, str], cli_stream: np.ndarray, tmp_path: Path) -> None:
+    app = make_app(FailsMidStream(engine), tmp_path, max_concurrency=2, queue_depth=0)
+    with serving(app) as client, ThreadPoolExecutor(2) as pool:
+        failing = pool.submit(client.post, "/inference_zero_shot", **form(prompt, FAIL))
+        healthy = pool.submit(client.post, "/inference_zero_shot", **form(prompt))
+        with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):
+            failing.result()  # the status was 200 already: the stream is cut, the client sees it unfinished
+        assert np.array_equal(np.frombuffer(healthy.result().content, "<i2"), cli_stream)  # its neighbour
+        wait_until(client, running=0, waiting=0)
+        # Both slots are free again: with no queue, a slot still held would make one of these a 503.
+        again = list(pool.map(lambda _: client.post("/inference_zero_shot", **form(prompt)), range(2)))
+        text = client.get("/metrics").text
+    assert [r.status_code for r in again] == [200, 200]
+    assert all(np.array_equal(np.frombuffer(r.content, "<i2"), cli_stream) for r in again)
+    assert metric(text, "tts_requests_total") == 4 and metric(text, "tts_requests_error") == 1
+    assert metric(text, "tts_requests_success") == 3 and metric(text, "tts_active_sessions") == 0
+
+
+def rss_mib(pid: int) -> float:
+    """Resident set size of process `pid` (`VmRSS` in /proc/PID/status), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS in /proc/{pid}/status")
+
+
+LOAD_STREAMS, LOAD_CONCURRENCY, LOAD_QUEUE = 16, 4, 4
+RSS_SLACK_MIB = 32
+"""How far above its post-warm-up baseline the server's RSS may stay after the load. The warm-up is the
+same load once, so the allocators (a glibc arena per worker thread, onnxruntime's arena, the buffers of
+16 uploads parsed at once) have grown to what it needs and keep their freed pages; what the measured
+round may add is churn, 2 to 12 MiB in runs here, a third of the bound at most. A session of the demo
+model holds well under 1 MiB (its upload, prompt features, KV cache and queued chunks), so this bound
+catches what piles up per request at scale (sessions, threads or buffers never released, a copy of a
+model graph), not a leak of a few small objects per session."""
+
+
+def test_16_streams_at_concurrency_4_complete_or_get_a_prompt_503_and_memory_returns(
+        prompt: tuple[bytes, str], cli_stream: np.ndarray, tmp_path: Path) -> None:
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    args = ("--port", str(port), "--max-conc", str(LOAD_CONCURRENCY), "--queue", str(LOAD_QUEUE))
+
+    def stream(start: threading.Barrier) -> tuple[int, bytes, httpx.Headers, float]:
+        """One streaming request, upstream's way (form upload, read as it comes); when it ended."""
+        with httpx.Client(base_url=base_url, timeout=60) as own:  # a connection of its own
+            start.wait(30)
+            with own.stream("POST", "/inference_zero_shot", **form(prompt)) as response:
+                body = b"".join(response.iter_bytes())
+            return response.status_code, body, response.headers, time.monotonic()
+
+    def at_once(n: int) -> list[tuple[int, bytes, httpx.Headers, float]]:
+        start = threading.Barrier(n)
+        with ThreadPoolExecutor(n) as pool:
+            futures = [pool.submit(stream, start) for _ in range(n)]
+            return [future.result(timeout=180) for future in futures]  # none hangs
+
+    with cosyvoice_serve(tmp_path, *args) as (server, _), \
+            httpx.Client(base_url=base_url, timeout=60) as client:
+        wait_for_http(client)
+        # Warm-up: the same load once, so that the allocators have grown to what it needs.
+        assert {status for status, *_ in at_once(LOAD_STREAMS)} == {200, 503}
+        wait_until(client, running=0, waiting=0)
+        baseline = rss_mib(server.pid)
+        results = at_once(LOAD_STREAMS)
+        wait_until(client, running=0, waiting=0)
+        after = rss_mib(server.pid)
+        text = client.get("/metrics").text
+    done = [r for r in results if r[0] == 200]
+    busy = [r for r in results if r[0] == 503]
+    print(f"load: {len(done)} completed, {len(busy)} refused; RSS {baseline:.0f} MiB after warm-up, "
+          f"{after:.0f} MiB after the load")
+    assert len(done) + len(busy) == LOAD_STREAMS and done and busy
+    assert all(np.array_equal(np.frombuffer(body, "<i2"), cli_stream) for _, body, _, _ in done)
+    for _, body, headers, _ in busy:
+        assert json.loads(body)["detail"].startswith("server busy") and headers["retry-after"] == "1"
+    # Prompt: a refusal came while the sessions it queued behind still ran, not once they had ended.
+    assert max(ended for *_, ended in busy) < max(ended for *_, ended in done)
+    assert metric(text, "tts_requests_total") == 2 * LOAD_STREAMS
+    assert metric(text, "tts_requests_rejected") == metric(text, "tts_requests_error") >= len(busy)
+    assert after - baseline < RSS_SLACK_MIB, f"RSS {baseline:.0f} MiB -> {after:.0f} MiB"
+
+
 # --- bad input -----------------------------------------------------------------------------------------
 
 
@@ -386,6 +552,12 @@ def client(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 def _upload(data: bytes) -> dict[str, Any]:
     return {"prompt_wav": ("p.wav", data, "audio/wav")}
+
+
+def multipart(body: bytes, boundary: str | None = "b0") -> dict[str, Any]:
+    """A request whose body is `body` as is, sent as multipart/form-data (with `boundary`, if any)."""
+    content_type = "multipart/form-data" + (f"; boundary={boundary}" if boundary else "")
+    return {"content": body, "headers": {"content-type": content_type}}
 
 
 BAD_REQUESTS = [
@@ -410,6 +582,19 @@ BAD_REQUESTS = [
     ("speed", "/synthesize", {"json": {"text": "Hi.", "speed": 9}}, 422, "speed: Input should be less than"),
     ("speaker name", "/speakers", {"data": {"name": " ", "prompt_text": "x"}, "files": "prompt"},
      400, "name: a speaker name is 1 to 64"),
+    ("multipart without boundary", "/inference_zero_shot", multipart(b"--x\r\n", boundary=None),
+     400, "body: malformed multipart/form-data (Missing boundary in multipart)"),
+    ("multipart garbage", "/inference_cross_lingual", multipart(b"not a multipart body"),
+     400, "body: malformed multipart/form-data (Invalid multipart data)"),
+    ("multipart part without name", "/inference_zero_shot",
+     multipart(b"--b0\r\nContent-Disposition: form-data\r\n\r\nHi.\r\n--b0--\r\n"), 400,
+     'body: malformed multipart/form-data (The Content-Disposition header field "name" must be provided)'),
+    ("multipart cut short", "/inference_instruct2",
+     multipart(b'--b0\r\nContent-Disposition: form-data; name="tts_text"\r\n\r\nHi.'),
+     422, "tts_text: Field required; instruct_text: Field required; prompt_wav: Field required"),
+    ("json cut short", "/synthesize",
+     {"content": b'{"text": "Hi.", ', "headers": {"content-type": "application/json"}}, 422,
+     "body: not valid JSON (Expecting property name enclosed in double quotes at character 16)"),
 ]
 
 

@@ -5,12 +5,7 @@ cancellation, the server's timeout, bad input, and the command itself."""
 from __future__ import annotations
 
 import asyncio
-import os
-import queue
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,10 +20,20 @@ import pytest
 import soundfile as sf
 import soxr
 from google.protobuf import descriptor_pb2
-from test_serve import API_KEY, LONG, SHORT, cosyvoice_run
+from test_serve import (
+    API_KEY,
+    FAIL,
+    LONG,
+    SHORT,
+    FailsMidStream,
+    cosyvoice_run,
+    cosyvoice_serve,
+    free_port,
+    wait_for_http,
+    wait_for_line,
+)
 
 from cosyvoice_runtime.bundle import RuntimeBundle
-from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_serve import Engine, ServerSettings
 from cosyvoice_serve.auth import MISSING_KEY
@@ -233,6 +238,20 @@ def test_the_servers_timeout_is_deadline_exceeded(engine: Engine, prompt: tuple[
     assert "timeout of 0.3 s" in late.value.details()
 
 
+def test_a_session_failing_mid_stream_ends_its_call_internal_and_frees_its_slot(
+        engine: Engine, prompt: tuple[bytes, str, Path], expected: np.ndarray) -> None:
+    with grpc_serving(FailsMidStream(engine), max_concurrency=1, queue_depth=0) as (stub, service):
+        call = stub.Inference(upstream_request("zero_shot", FAIL, prompt[0], prompt_text=prompt[1]))
+        assert next(call).tts_audio  # the first chunk came...
+        with pytest.raises(grpc.RpcError) as failed:
+            list(call)  # ...then the status, after the audio
+        assert failed.value.code() == grpc.StatusCode.INTERNAL
+        assert failed.value.details() == "internal error (RuntimeError); the server keeps serving"
+        wait_for_sessions(service, running=0, waiting=0)
+        request = upstream_request("zero_shot", SHORT, prompt[0], prompt_text=prompt[1])
+        assert np.array_equal(pcm(stub.Inference(request)), expected)  # the one slot serves the next call
+
+
 # --- bad input --------------------------------------------------------------------------------------------
 
 INVALID, UNIMPLEMENTED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED
@@ -300,48 +319,10 @@ def test_an_api_key_is_required_as_metadata(engine: Engine, prompt: tuple[bytes,
 # --- the command ------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextmanager
-def cosyvoice_serve(*args: str, env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen[str],
-                                                                                  queue.Queue[str]]]:
-    """`cosyvoice-serve ARGS` on the demo bundle (greedy) in a process of its own, and its stderr's lines
-    (read on a thread, so that the pipe never fills up; "" at the end). Killed at the end if still running."""
-    command = [sys.executable, "-c", "from cosyvoice_serve.cli import main; main()",
-               "--model", str(DEMO_BUNDLE), "--sampling", "greedy", *args]
-    env = {**{k: v for k, v in os.environ.items() if k != MODEL_DIR_ENV}, **(env or {})}
-    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env) as server:
-        lines: queue.Queue[str] = queue.Queue()
-
-        def read_stderr() -> None:
-            for line in server.stderr or ():
-                lines.put(line)
-            lines.put("")
-
-        threading.Thread(target=read_stderr, daemon=True).start()
-        try:
-            yield server, lines
-        finally:
-            server.kill()
-
-
-def wait_for_line(lines: queue.Queue[str], text: str, within: float = 60) -> list[str]:
-    """The lines up to the first that holds `text` (fails if the process ends first)."""
-    seen: list[str] = []
-    while text not in (seen or [""])[-1]:
-        seen.append(lines.get(timeout=within))
-        assert seen[-1], f"cosyvoice-serve ended: {''.join(seen)}"
-    return seen
-
-
 def test_cosyvoice_serve_grpc_serves_until_interrupted(engine: Engine, prompt: tuple[bytes, str, Path],
-                                                       expected: np.ndarray) -> None:
+                                                       expected: np.ndarray, tmp_path: Path) -> None:
     port = free_port()
-    with cosyvoice_serve("--grpc", "--port", str(port), "--max-conc", "2") as (server, lines):
+    with cosyvoice_serve(tmp_path, "--grpc", "--port", str(port), "--max-conc", "2") as (server, lines):
         seen = wait_for_line(lines, "cosyvoice.CosyVoice on")
         assert f"gRPC: cosyvoice.CosyVoice on 127.0.0.1:{port}" in seen[-1]
         with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):  # the port is taken
@@ -354,28 +335,17 @@ def test_cosyvoice_serve_grpc_serves_until_interrupted(engine: Engine, prompt: t
         assert server.wait(30) == 0
 
 
-def http_up(client: httpx.Client) -> bool:
-    """Whether the server answers `GET /health` yet."""
-    try:
-        return client.get("/health").status_code == 200
-    except httpx.ConnectError:
-        return False
-
-
 def test_http_and_grpc_in_one_process_share_the_engine_and_the_queue(
-        prompt: tuple[bytes, str, Path], expected: np.ndarray) -> None:
+        prompt: tuple[bytes, str, Path], expected: np.ndarray, tmp_path: Path) -> None:
     http_port, grpc_port = free_port(), free_port()
     key = (("x-api-key", API_KEY),)
     args = ("--port", str(http_port), "--grpc-port", str(grpc_port), "--max-conc", "1", "--queue", "0")
-    with cosyvoice_serve(*args, env={API_KEY_ENV: API_KEY}) as (server, lines), \
+    with cosyvoice_serve(tmp_path, *args, env={API_KEY_ENV: API_KEY}) as (server, lines), \
             httpx.Client(base_url=f"http://127.0.0.1:{http_port}", headers={"X-API-Key": API_KEY},
                          timeout=60) as client, grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
         seen = wait_for_line(lines, "cosyvoice.CosyVoice on")
         assert f"gRPC: cosyvoice.CosyVoice on 127.0.0.1:{grpc_port} beside HTTP" in seen[-1]
-        start = time.monotonic()
-        while not http_up(client):
-            assert time.monotonic() - start < 30, "HTTP did not start"
-            time.sleep(0.05)
+        wait_for_http(client)
         stub = cosyvoice_pb2_grpc.CosyVoiceStub(channel)
         request = upstream_request("zero_shot", SHORT, prompt[0], prompt_text=prompt[1])
         # cross-lingual "Hi." carries the system prompt: 400 tokens, many seconds of work
