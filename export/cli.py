@@ -11,6 +11,7 @@ import click
 
 from cosyvoice_graphs import PRECISIONS
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
+from cosyvoice_serve.settings import SPEAKERS_DIR_ENV
 
 from .bundle.errors import BundleError
 from .reference.pipeline import Mode
@@ -250,6 +251,40 @@ def demo(ctx: click.Context, text: str, prompt_wav: Path | None, prompt_text: st
         sys.exit(1)
     ctx.invoke(run_main, model=runtime_dir, text=text, prompt_wav=prompt_wav,
                prompt_text=prompt_text or "", stream=stream, out=out)
+
+
+@main.command("speakers")
+@click.argument("spk2info", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), envvar=SPEAKERS_DIR_ENV,
+              show_envvar=True, help="The server's speakers folder (cosyvoice-serve --speakers) "
+                                     "[default: the server's]")
+@click.option("--model", type=click.Path(file_okay=False, path_type=Path),
+              help=f"The bundle the server serves (its --model); default: ${MODEL_DIR_ENV}, else the demo "
+                   "bundle, as cosyvoice-serve.")
+def speakers_cmd(spk2info: Path, out: Path | None, model: Path | None) -> None:
+    """Add the speakers of upstream's SPK2INFO (spk2info.pt, torch) to cosyvoice-serve's speaker registry.
+
+    Each zero-shot speaker (add_zero_shot_spk) becomes a registered speaker of the same name, its prompt
+    tokens, mel, x-vector and transcript as upstream stored them, replacing one of that name; the server
+    loads them at start. Everything is checked before anything is written; a problem is one line naming
+    the file, speaker and key, and exit status 2.
+    """
+    from cosyvoice_runtime.cli import USER_ERRORS
+    from cosyvoice_serve.settings import default_speakers_dir
+    from cosyvoice_serve.speakers import SpeakerError
+
+    from .speakers import convert_spk2info
+
+    out = out or default_speakers_dir()
+    try:
+        speakers = convert_spk2info(spk2info, out, model)
+    except (*USER_ERRORS, SpeakerError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    for speaker in speakers:
+        click.echo(f"{speaker.name}: {speaker.features.speech_tokens.shape[1]} prompt tokens, "
+                   f"transcript {speaker.prompt_text!r}")
+    click.echo(f"{len(speakers)} speakers added to {out}")
 
 
 @main.command("demo-bundle")

@@ -15,7 +15,6 @@ synthesis. Prompt extraction uses two onnxruntime sessions of its own, safe the 
 
 from __future__ import annotations
 
-import hashlib
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cosyvoice_runtime.bundle import FRONTEND_MODELS, RuntimeBundle
+from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import choose_bundle
 from cosyvoice_runtime.frontend import (
     FrontendError,
@@ -42,6 +41,7 @@ from cosyvoice_runtime.synthesis import Mode, SynthesisError, Synthesizer, llm_r
 
 from .errors import FieldError
 from .queue import Session
+from .speakers import frontend_fingerprint
 
 SERVER_PROVIDERS = tuple(ORT_PROVIDERS)
 """Providers whose runners are safe to share between sessions (see the module docstring)."""
@@ -113,11 +113,7 @@ class Engine:
     @property
     def frontend_fingerprint(self) -> str:
         """What prompt features depend on: the front-end models' hashes and the token/mel ratio."""
-        files = self.bundle.manifest["files"]
-        paths = [self.bundle.frontend_path(m).relative_to(self.bundle.root).as_posix()
-                 for m in FRONTEND_MODELS]
-        parts = [str(files[p].get("sha256")) for p in paths] + [str(self.bundle.dims.token_mel_ratio)]
-        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+        return frontend_fingerprint(self.bundle)
 
     def close(self) -> None:
         """Release the graphs."""

@@ -7,8 +7,9 @@ names them; so a crash leaves either the old registry or the new one, never a ha
 worst an unreferenced `.npz` (removed at the next start). Features depend on the bundle's front-end
 models: speakers registered with other ones are kept on disk but not served. One server per folder.
 
-Upstream's `spk2info.pt` (its built-in speakers) is a pickled torch file that cannot be read without
-torch, and runtime bundles carry no exported form of it; so it is not loaded.
+Upstream's `spk2info.pt` (the speakers its `add_zero_shot_spk` keeps) is a torch pickle, which the server
+cannot read without torch; `cosyvoice-export speakers` converts it into this registry once
+(`cosyvoice_export.speakers`), and the server loads those speakers at start like any other.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import IO, Any
 import numpy as np
 
 from cosyvoice_runtime.atomic_files import atomic_path
+from cosyvoice_runtime.bundle import FRONTEND_MODELS, RuntimeBundle
 from cosyvoice_runtime.frontend import PromptFeatures, PromptMelConfig
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,15 @@ class Speaker:
         return {"name": self.name, "prompt_text": self.prompt_text, "created": self.created,
                 "speech_tokens": int(self.features.speech_tokens.shape[1]),
                 "seconds": round(self.features.mel.shape[1] * mel.hop_size / mel.sampling_rate, 3)}
+
+
+def frontend_fingerprint(bundle: RuntimeBundle) -> str:
+    """What a speaker's features depend on: the bundle's front-end models (their hashes) and its token/mel
+    ratio. A registry serves the speakers registered with the fingerprint it is opened with."""
+    files = bundle.manifest["files"]
+    paths = [bundle.frontend_path(m).relative_to(bundle.root).as_posix() for m in FRONTEND_MODELS]
+    parts = [str(files[p].get("sha256")) for p in paths] + [str(bundle.dims.token_mel_ratio)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def check_name(name: str) -> str:

@@ -28,22 +28,24 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 import uvicorn
 from click.testing import CliRunner
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
+from cosyvoice_export.cli import main as export_main
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
-from cosyvoice_runtime.frontend import PromptFeatures
+from cosyvoice_runtime.frontend import PromptFeatures, zero_shot_prompt
 from cosyvoice_serve import Engine, ServerSettings, create_app
 from cosyvoice_serve import cli as serve_cli
 from cosyvoice_serve.app import ROUTERS
 from cosyvoice_serve.auth import MISSING_KEY, OPEN_PATHS
-from cosyvoice_serve.engine import SynthesisJob
+from cosyvoice_serve.engine import AudioUpload, SynthesisJob
 from cosyvoice_serve.queue import Session
 from cosyvoice_serve.routes_bridge import MISSING_PROMPT
 from cosyvoice_serve.settings import API_KEY_ENV, PORT_ENV, read_dotenv
@@ -264,6 +266,58 @@ def test_speakers_serve_v1_audio_speech_and_persist_across_a_restart(
     with TestClient(make_app(engine, tmp_path)) as client:
         assert client.get("/speakers").json() == []
     assert [p.name for p in (tmp_path / "speakers").iterdir()] == [REGISTRY]
+
+
+def write_upstream_spk2info(path: Path, engine: Engine, prompt: tuple[bytes, str]) -> None:
+    """`spk2info.pt` as upstream's `add_zero_shot_spk("You are a helpful assistant.<|endofprompt|>" +
+    transcript, prompt_wav, "upstream_spk")` and `save_spkinfo` write it for CosyVoice3: the keys, shapes
+    and dtypes of `frontend_zero_shot` (the features of the demo prompt, computed by our front end)."""
+    features = engine.extract(AudioUpload(prompt[0], "prompt_wav"))
+    text = torch.tensor([engine.tokenizer.encode(zero_shot_prompt(prompt[1]))], dtype=torch.int32)
+    tokens = torch.from_numpy(features.speech_tokens).to(torch.int32)
+    mel, embedding = torch.from_numpy(features.mel), torch.from_numpy(features.embedding)
+
+    def length(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([tensor.shape[1]], dtype=torch.int32)
+
+    entry = {"prompt_text": text, "prompt_text_len": length(text),
+             "llm_prompt_speech_token": tokens, "llm_prompt_speech_token_len": length(tokens),
+             "flow_prompt_speech_token": tokens, "flow_prompt_speech_token_len": length(tokens),
+             "prompt_speech_feat": mel, "prompt_speech_feat_len": length(mel),
+             "llm_embedding": embedding, "flow_embedding": embedding}
+    assert tokens.shape == (1, tokens.shape[1]) and mel.shape == (1, 2 * tokens.shape[1], 80)
+    assert embedding.shape == (1, 192) and mel.dtype == embedding.dtype == torch.float32
+    torch.save({"upstream_spk": entry}, path)
+
+
+def test_upstream_spk2info_speakers_are_converted_and_served_from_start(
+        engine: Engine, prompt: tuple[bytes, str], cli_stream: np.ndarray, tmp_path: Path) -> None:
+    spk2info = tmp_path / "spk2info.pt"
+    write_upstream_spk2info(spk2info, engine, prompt)
+    args = ["speakers", str(spk2info), "--out", str(tmp_path / "speakers"), "--model", str(DEMO_BUNDLE)]
+    converted = CliRunner().invoke(export_main, args)
+    assert converted.exit_code == 0, converted.output
+    assert converted.output.endswith(f"1 speakers added to {tmp_path / 'speakers'}\n")
+    speech = {"input": SHORT, "voice": "upstream_spk", "response_format": "pcm", "stream": True}
+    with TestClient(make_app(engine, tmp_path)) as client:  # a server started on that folder
+        assert client.get("/speakers").json() == ["upstream_spk"]
+        speaker = client.get("/speakers/upstream_spk").json()
+        streamed = client.post("/v1/audio/speech", json=speech)
+    assert speaker["prompt_text"] == zero_shot_prompt(prompt[1])  # the ids decoded, <|endofprompt|> kept
+    assert streamed.status_code == 200, streamed.text
+    # Upstream's stored features and prompt ids: the same stream as a zero-shot upload of the prompt.
+    assert np.array_equal(np.frombuffer(streamed.content, "<i2"), cli_stream)
+
+    sft = tmp_path / "sft.pt"  # upstream's built-in voices: an x-vector only, nothing to clone from
+    torch.save({"中文女": {"embedding": torch.zeros(1, 192)}}, sft)
+    refused = CliRunner().invoke(export_main, ["speakers", str(sft), "--out", str(tmp_path / "speakers"),
+                                               "--model", str(DEMO_BUNDLE)])
+    assert refused.exit_code == 2
+    assert refused.output.startswith(f"error: {sft}: speaker '中文女': lacks prompt_text, ")
+    assert "(an sft speaker" in refused.output and len(refused.output.splitlines()) == 1
+    not_torch = CliRunner().invoke(export_main, ["speakers", str(tmp_path / "speakers" / REGISTRY),
+                                                 "--model", str(DEMO_BUNDLE), "--out", str(tmp_path)])
+    assert not_torch.exit_code == 2 and "not a torch file of speakers" in not_torch.output
 
 
 def test_a_crash_while_registering_leaves_the_registry_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -1,0 +1,135 @@
+"""`cosyvoice-export speakers`: upstream's `spk2info.pt` speakers into `cosyvoice-serve`'s speaker registry.
+
+Upstream's `CosyVoice.add_zero_shot_spk(prompt_text, prompt_wav, spk_id)` keeps the front end's model
+input for a prompt (`frontend_zero_shot`, less the text to speak) under `spk_id`, and `save_spkinfo`
+writes that dict with `torch.save` as `<model_dir>/spk2info.pt`. The server never imports torch, so this
+command (the exporter has torch) reads the file once and adds each speaker to the server's registry
+folder through `cosyvoice_serve.speakers.SpeakerRegistry`, the registry's one writer (atomic files, the
+front-end fingerprint of the bundle the server will serve); the server loads them at start like
+speakers registered over HTTP.
+
+A command of its own rather than a step of `cosyvoice-export all`: `spk2info.pt` changes whenever a
+speaker is added upstream, independently of the weights, and its speakers belong in the server's
+registry folder, not in the runtime bundle; as a step of `all` a new speaker would mean an export (and a
+new manifest) to carry it, and the server would need a second, read-only speaker source.
+
+An entry, as upstream's front end makes it for CosyVoice3, and what it becomes:
+
+- `prompt_text` (1, L) int32: the transcript, its ids decoded with the bundle's tokenizer (special tokens
+  such as `<|endofprompt|>` kept) and required to encode back to the same ids, so that the server's LLM
+  prompt is upstream's (a transcript without `<|endofprompt|>` gets the system prompt in front, as every
+  transcript the server is given);
+- `llm_prompt_speech_token` (1, N) int32: the speech tokens (`flow_prompt_speech_token` must be equal);
+- `prompt_speech_feat` (1, ratio * N, 80) float32: the prompt mel, already cut to the token alignment;
+- `llm_embedding` (1, 192) float32: the x-vector (`flow_embedding` must be equal).
+
+The `*_len` entries repeat the shapes and are not needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cosyvoice_runtime.bundle import ModelDims, RuntimeBundle
+from cosyvoice_runtime.bundle_source import choose_bundle
+from cosyvoice_runtime.frontend import PromptFeatures, TextTokenizer
+from cosyvoice_serve.speakers import SpeakerError, SpeakerRegistry, check_name, frontend_fingerprint
+
+from .bundle.errors import BundleError
+
+SPK2INFO = "spk2info.pt"
+REQUIRED = ("prompt_text", "llm_prompt_speech_token", "flow_prompt_speech_token", "prompt_speech_feat",
+            "llm_embedding", "flow_embedding")
+"""The keys a zero-shot speaker's entry must have."""
+
+
+@dataclass(frozen=True)
+class UpstreamSpeaker:
+    """One speaker of `spk2info.pt`, as the server's registry keeps it."""
+
+    name: str
+    prompt_text: str
+    features: PromptFeatures
+
+
+def read_spk2info(path: Path, tokenizer: TextTokenizer, dims: ModelDims) -> list[UpstreamSpeaker]:
+    """Every speaker of upstream's `spk2info.pt` at `path`, checked; `BundleError` (one line naming the file,
+    the speaker and the key) for anything that is not a CosyVoice3 zero-shot speaker."""
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise BundleError(f"{path}: no such file") from None
+    except Exception as e:  # torch's unpickling and zip errors have no common type
+        reason = " ".join(str(e).split())[:200]
+        raise BundleError(f"{path}: not a torch file of speakers ({reason})") from None
+    if not isinstance(data, dict) or not data:
+        raise BundleError(f"{path}: not upstream's spk2info (a non-empty dict of speaker id -> front-end "
+                          f"inputs), got {type(data).__name__}")
+    return [_speaker(f"{path}: speaker {spk_id!r}", spk_id, entry, tokenizer, dims)
+            for spk_id, entry in data.items()]
+
+
+def convert_spk2info(spk2info: Path, out: Path, model: Path | None) -> list[UpstreamSpeaker]:
+    """Add the speakers of `spk2info` to the registry in `out` for the bundle `cosyvoice-serve --model
+    model` serves (the same default), replacing speakers of the same names; returns them.
+
+    Every speaker is checked before the first is written."""
+    bundle = RuntimeBundle.open(choose_bundle(model).path)
+    speakers = read_spk2info(spk2info, TextTokenizer(bundle.tokenizer_dir, skip_special_tokens=False),
+                             bundle.dims)
+    registry = SpeakerRegistry(out, frontend_fingerprint(bundle))
+    for speaker in speakers:
+        registry.add(speaker.name, speaker.prompt_text, speaker.features)
+    return speakers
+
+
+def _speaker(where: str, spk_id: object, entry: object, tokenizer: TextTokenizer, dims: ModelDims
+             ) -> UpstreamSpeaker:
+    if not isinstance(entry, dict):
+        raise BundleError(f"{where}: not a dict of front-end inputs ({type(entry).__name__})")
+    missing = [key for key in REQUIRED if key not in entry]
+    if missing:
+        sft = " (an sft speaker: only an x-vector, no prompt to clone)" if "embedding" in entry else ""
+        raise BundleError(f"{where}: lacks {', '.join(missing)}{sft}; only zero-shot speakers "
+                          "(add_zero_shot_spk) can be served")
+    arrays = {key: _array(where, key, entry[key]) for key in REQUIRED}
+    text_ids, tokens = arrays["prompt_text"], arrays["llm_prompt_speech_token"]
+    mel, embedding = arrays["prompt_speech_feat"], arrays["llm_embedding"]
+    n = tokens.shape[-1]
+    _shape(where, "prompt_text", text_ids, (1, text_ids.shape[-1]), integer=True)
+    _shape(where, "llm_prompt_speech_token", tokens, (1, n), integer=True)
+    _shape(where, "prompt_speech_feat", mel, (1, dims.token_mel_ratio * n, dims.mel_bins))
+    _shape(where, "llm_embedding", embedding, (1, dims.spk_embed_dim))
+    for key, same_as in (("flow_prompt_speech_token", tokens), ("flow_embedding", embedding)):
+        if not np.array_equal(arrays[key], same_as):  # zero-shot speakers prompt the LLM and the flow alike
+            raise BundleError(f"{where}: {key} differs from its llm_ counterpart; not a zero-shot speaker")
+    ids = text_ids[0].tolist()
+    transcript = tokenizer.decode(ids)
+    if tokenizer.encode(transcript) != ids:
+        raise BundleError(f"{where}: prompt_text does not decode to a text that encodes back to its ids "
+                          "(made with another tokenizer than the bundle's?)")
+    try:
+        name = check_name(str(spk_id))
+    except SpeakerError as e:
+        raise BundleError(f"{where}: {e}") from None
+    features = PromptFeatures(speech_tokens=tokens.astype(np.int64), mel=mel.astype(np.float32),
+                              embedding=embedding.astype(np.float32))
+    return UpstreamSpeaker(name, transcript, features)
+
+
+def _array(where: str, key: str, value: Any) -> np.ndarray:
+    if not isinstance(value, torch.Tensor):
+        raise BundleError(f"{where}: {key} is not a tensor ({type(value).__name__})")
+    return value.detach().cpu().numpy()
+
+
+def _shape(where: str, key: str, array: np.ndarray, shape: tuple[int, ...], integer: bool = False) -> None:
+    kind_ok = np.issubdtype(array.dtype, np.integer) if integer else np.issubdtype(array.dtype, np.floating)
+    if array.shape != shape or not kind_ok or 0 in shape:
+        raise BundleError(f"{where}: {key} is {array.dtype} {tuple(array.shape)}, expected "
+                          f"{'integer' if integer else 'float'} {shape}")
