@@ -2,11 +2,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from cosyvoice_export.bundle.tiny import write_bundle
+
+if TYPE_CHECKING:
+    from cosyvoice_serve import Engine
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +27,18 @@ def runtime_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) 
     report = export_all(tiny_bundle, tmp_path_factory.mktemp("runtime") / "tiny", progress=False)
     assert report.manifest is not None, report.table()
     return report.out
+
+
+@pytest.fixture(scope="session")
+def engine() -> Iterator[Engine]:
+    """The embedded demo bundle opened for serving, shared by the serve tests; tests must not close it."""
+    from cosyvoice_runtime.bundle import RuntimeBundle
+    from cosyvoice_runtime.demo import DEMO_BUNDLE
+    from cosyvoice_serve import Engine
+
+    engine = Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle")
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -59,13 +59,6 @@ API_KEY = "test-key-0123456789"
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    engine = Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle")
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module")
 def prompt() -> tuple[bytes, str]:
     """The demo bundle's prompt recording (file bytes) and transcript."""
     default = RuntimeBundle.open(DEMO_BUNDLE).default_prompt()

@@ -47,13 +47,6 @@ INSTRUCTION = "Speak slowly."
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    engine = Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle")
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module")
 def prompt(tmp_path_factory: pytest.TempPathFactory) -> tuple[bytes, str, Path]:
     """The demo prompt as upstream's client sends it (`load_wav(path, 16000)`, then
     `(x * 2**15).astype(np.int16).tobytes()`), its transcript, and a WAV of those samples (cosyvoice-run)."""

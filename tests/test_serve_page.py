@@ -9,7 +9,6 @@ import hashlib
 import io
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +29,6 @@ CHROMIUM_FLAGS = ["--autoplay-policy=no-user-gesture-required", "--use-fake-ui-f
                   "--use-fake-device-for-media-stream"]
 """Play without a gesture; grant the microphone, which is Chromium's fake device (a beep)."""
 SYSTEM_CHROMIUMS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    engine = Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle")
-    yield engine
-    engine.close()
 
 
 def test_the_page_has_its_form_and_uses_only_this_servers_endpoints(engine: Engine, tmp_path: Path) -> None:
