@@ -100,6 +100,9 @@ class Cases:
     graph_bundle: str
     """The bundle graph goldens are recorded on and checked against: the defaults' `bundle`."""
     cases: Mapping[str, GoldenCase]
+    precision_tolerance: Mapping[str, Bounds]
+    """Reduced precision -> the audio bounds of a case judged on a bundle of that precision instead of
+    the case's own (`check --precision`), on any backend."""
 
     @property
     def data_dir(self) -> Path:
@@ -155,6 +158,10 @@ def load_cases(path: Path = CASES_FILE) -> Cases:
                       for p, b in _table(data, "tolerance", where).items()}
     for provider in default_bounds:
         _choice(provider, PROVIDERS, f"{where}: tolerance")
+    precision_bounds = {p: _bounds(b, f"{where}: precision_tolerance.{p}")
+                        for p, b in _table(data, "precision_tolerance", where).items()}
+    for precision in precision_bounds:
+        _choice(precision, PRECISIONS[1:], f"{where}: precision_tolerance")
     graphs = {}
     for graph, indices in _table(data, "graphs", where).items():
         _choice(graph, tuple(SPECS), f"{where}: graphs")
@@ -170,7 +177,8 @@ def load_cases(path: Path = CASES_FILE) -> Cases:
         cases[case.name] = case
     if not cases:
         raise GoldenError(f"{where}: no [[case]]")
-    return Cases(path, reference, graphs, _get(defaults, "bundle", str, f"{where}: defaults"), cases)
+    return Cases(path, reference, graphs, _get(defaults, "bundle", str, f"{where}: defaults"), cases,
+                 precision_bounds)
 
 
 def _case(raw: dict[str, Any], default_bounds: Mapping[str, Bounds], where: str) -> GoldenCase:

@@ -185,10 +185,17 @@ def _graph_golden(cases: Cases, runtime: Runtime, graph: str) -> GraphGolden:
 
 def _check_case(cases: Cases, runtime: Runtime, case: GoldenCase, golden: CaseGolden) -> Verdict:
     provider, bundle = runtime.provider_of(case), runtime.bundle(case)
-    bounds = case.tolerance.get(provider)
-    if bounds is None:
-        return Verdict(case.name, False, f"{provider}: no tolerance", f"{cases.path.name} gives no bounds "
-                       f"for {provider} (add [tolerance] {provider} or the case's own)")
+    precision = fingerprint(bundle)["precision"]
+    if precision != case.precision:
+        bounds = cases.precision_tolerance.get(precision)
+        if bounds is None:
+            return Verdict(case.name, False, f"{precision}: no tolerance", f"{cases.path.name} gives no "
+                           f"bounds for {precision} bundles (add [precision_tolerance] {precision})")
+    else:
+        bounds = case.tolerance.get(provider)
+        if bounds is None:
+            return Verdict(case.name, False, f"{provider}: no tolerance", f"{cases.path.name} gives no "
+                           f"bounds for {provider} (add [tolerance] {provider} or the case's own)")
     return compare_case(golden, runtime.run(case), provider, bounds,
                         not_exact(golden, bundle, provider, runtime.threads, cases.reference))
 

@@ -8,6 +8,7 @@ from .spec import (
     DerivedDim,
     DimRange,
     GraphSpec,
+    SolveGates,
     TensorSpec,
     Tolerance,
     cache_pairs,
@@ -15,4 +16,4 @@ from .spec import (
 )
 
 __all__ = ["PRECISIONS", "SPECS", "Case", "DecodeGates", "DerivedDim", "DimRange", "GraphSpec", "ModelDims",
-           "TensorSpec", "Tolerance", "cache_pairs", "empty_caches", "metadata", "spec"]
+           "SolveGates", "TensorSpec", "Tolerance", "cache_pairs", "empty_caches", "metadata", "spec"]

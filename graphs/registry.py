@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .spec import Case, DecodeGates, DerivedDim, DimRange, GraphSpec, TensorSpec, Tolerance
+from .spec import Case, DecodeGates, DerivedDim, DimRange, GraphSpec, SolveGates, TensorSpec, Tolerance
 
 OPSET = 17
 FP16_REL_MAX = Tolerance("rel_max_abs", 1e-2)
@@ -21,6 +21,9 @@ INT8_DECODE_GATES = DecodeGates("logp", steps=200, mean_kl=2e-2, top_k=25, top_l
 """Measured on the full-size random bundle: mean KL 6.8e-3, top-25 error 0.62, 14 of 201 greedy ids
 different (tiny: 9.1e-4, 0.24, 7). Random weights flatten the distributions (top id ~0.33 on average),
 which makes near-ties and so greedy flips common; a trained LLM's are peakier."""
+INT8_VELOCITY = Tolerance("rel_max_abs", 5e-2)
+INT8_SOLVE_GATES = SolveGates("velocity", frames=250, min_snr_db=30.0)
+"""Issue 8's flow gate: the mel of a 10 s-scale solve within 30 dB of float32's."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,9 @@ def flow_estimator_spec(d: ModelDims) -> GraphSpec:
         trace=Case({"frames": 64}),
         validate=(Case({"frames": 123}), Case({"frames": 37}, {"block_frames": (10_000.0,)})),
         # integrated over 10 Euler steps: a 2e-2 relative error per evaluation stays inaudible
-        precision_tolerances={"fp16": {"velocity": Tolerance("rel_max_abs", 2e-2)}},
+        precision_tolerances={"fp16": {"velocity": Tolerance("rel_max_abs", 2e-2)},
+                              "int8": {"velocity": INT8_VELOCITY}},
+        solve_gates={"int8": INT8_SOLVE_GATES},
     )
 
 
@@ -218,8 +223,12 @@ def flow_estimator_cached_spec(d: ModelDims) -> GraphSpec:
                   case(20, 100, 600),  # a bounded window: cached frames dropped in between
                   case(45, 50, 50, 10_000)),  # full attention among the new frames
         # as flow_estimator's velocity; the caches are its keys/values (fp16-rounded once stored)
+        # int8: the keys and values come out of int8 projections, as the llm's caches do
         precision_tolerances={"fp16": {o.name: Tolerance("rel_max_abs", 2e-2 if o.name == "velocity"
-                                                         else 1e-2) for o in outputs}},
+                                                         else 1e-2) for o in outputs},
+                              "int8": {o.name: INT8_VELOCITY if o.name == "velocity" else INT8_CACHE
+                                       for o in outputs}},
+        solve_gates={"int8": INT8_SOLVE_GATES},
     )
 
 

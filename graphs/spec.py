@@ -153,6 +153,31 @@ class DecodeGates:
 
 
 @dataclass(frozen=True)
+class SolveGates:
+    """Bounds on a reduced-precision flow estimator against the float32 reference over whole ODE solves:
+    the flow's Euler steps with classifier-free guidance, from the same noise and conditioning, each side
+    integrating its own velocities, so that per-step errors are judged by what they do to the mel."""
+
+    output: str
+    """The velocity output the solver integrates."""
+    frames: int
+    """Mel frames of the solved utterance (prompt included)."""
+    min_snr_db: float
+    """Lowest mel SNR against the float32 mel, 10 log10(sum ref^2 / sum (got - ref)^2), in dB."""
+
+    def measure(self, got: np.ndarray, want: np.ndarray) -> dict[str, float]:
+        """The gate's figure for the mel `got` (reduced) against `want` (float32): `mel_rel_rms`,
+        |got - want| / |want| over all values, which is the SNR as an upper bound: -20 log10 of it."""
+        diff = float(np.linalg.norm(got.astype(np.float64) - want.astype(np.float64)))
+        return {"mel_rel_rms": diff / max(float(np.linalg.norm(want.astype(np.float64))),
+                                          float(np.finfo(np.float32).tiny))}
+
+    def bounds(self) -> dict[str, float]:
+        """The bound of each figure of `measure`, by the same names."""
+        return {"mel_rel_rms": 10 ** (-self.min_snr_db / 20)}
+
+
+@dataclass(frozen=True)
 class GraphSpec:
     """Everything about one exported graph's interface."""
 
@@ -177,6 +202,8 @@ class GraphSpec:
     float32 torch reference. A graph without bounds for a precision stays float32 in a bundle of it."""
     decode_gates: Mapping[str, DecodeGates] = field(default_factory=dict)
     """Reduced precision -> sequence-level bounds that its body must also meet (autoregressive graphs)."""
+    solve_gates: Mapping[str, SolveGates] = field(default_factory=dict)
+    """Reduced precision -> ODE-level bounds that its body must also meet (flow estimators)."""
 
     def __post_init__(self) -> None:
         names = [t.name for t in (*self.inputs, *self.outputs)]
@@ -197,11 +224,13 @@ class GraphSpec:
                 raise ValueError(f"{self.name}: {precision!r} is not a reduced precision {PRECISIONS[1:]}")
             if set(tolerances) != {t.name for t in self.outputs}:
                 raise ValueError(f"{self.name}: {precision} tolerances must cover exactly the outputs")
-        for precision, gates in self.decode_gates.items():
+        gated: list[tuple[str, DecodeGates | SolveGates]] = [*self.decode_gates.items(),
+                                                             *self.solve_gates.items()]
+        for precision, gates in gated:
             if precision not in self.precision_tolerances:
-                raise ValueError(f"{self.name}: decode gates for {precision}, which has no tolerances")
+                raise ValueError(f"{self.name}: gates for {precision}, which has no tolerances")
             if gates.output not in {t.name for t in self.outputs}:
-                raise ValueError(f"{self.name}: decode gates on unknown output {gates.output!r}")
+                raise ValueError(f"{self.name}: gates on unknown output {gates.output!r}")
         for case in (self.trace, *self.validate):
             if set(case.dims) != set(self.dims):
                 raise ValueError(f"{self.name}: a case must size every free dim {sorted(self.dims)}")

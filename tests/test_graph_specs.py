@@ -19,6 +19,7 @@ from cosyvoice_graphs import (
     DimRange,
     GraphSpec,
     ModelDims,
+    SolveGates,
     TensorSpec,
     Tolerance,
     cache_pairs,
@@ -151,7 +152,7 @@ def test_reduced_precision_bounds_cover_exactly_the_outputs() -> None:
     for name in SPECS:
         s = spec(name, FULL)
         assert all(set(bounds) == set(s.output_names) for bounds in s.precision_tolerances.values())
-        assert set(s.decode_gates) <= set(s.precision_tolerances)
+        assert set(s.decode_gates) | set(s.solve_gates) <= set(s.precision_tolerances)
 
 
 def test_decode_gates() -> None:
@@ -166,10 +167,23 @@ def test_decode_gates() -> None:
     assert figures["greedy_mismatches"] == 1
     assert set(gates.bounds()) == set(figures)
     bounds = {"b": Tolerance("rel_max_abs", 1e-2)}
-    with pytest.raises(ValueError, match="decode gates for int8, which has no tolerances"):
+    with pytest.raises(ValueError, match="gates for int8, which has no tolerances"):
         _tiny_spec(decode_gates={"int8": gates})
-    with pytest.raises(ValueError, match="decode gates on unknown output 'zz'"):
+    with pytest.raises(ValueError, match="gates on unknown output 'zz'"):
         _tiny_spec(precision_tolerances={"int8": bounds}, decode_gates={"int8": replace(gates, output="zz")})
     s = _tiny_spec(precision_tolerances={"int8": bounds}, decode_gates={"int8": gates})
     assert (s.precision_in("int8"), s.precision_in("fp16")) == ("int8", "fp32")
     assert s.at_precision("int8").tolerances == bounds and s.tolerances_for("fp32") == s.tolerances
+
+
+def test_solve_gates() -> None:
+    gates = SolveGates("b", frames=8, min_snr_db=20.0)
+    want = np.array([[3.0, -4.0]])
+    got = want + np.array([[0.3, 0.4]])  # |error| 0.5 of |want| 5: 20 dB exactly
+    assert gates.measure(got, want) == {"mel_rel_rms": pytest.approx(0.1)}
+    assert gates.bounds() == {"mel_rel_rms": pytest.approx(0.1)}
+    bounds = {"b": Tolerance("rel_max_abs", 1e-2)}
+    with pytest.raises(ValueError, match="gates for int8, which has no tolerances"):
+        _tiny_spec(solve_gates={"int8": gates})
+    with pytest.raises(ValueError, match="gates on unknown output 'zz'"):
+        _tiny_spec(precision_tolerances={"int8": bounds}, solve_gates={"int8": replace(gates, output="zz")})

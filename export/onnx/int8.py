@@ -1,20 +1,31 @@
 """int8 graphs: an exported fp32 graph whose weight matmuls read int8 weights, everything else float32.
 
-Each MatMul with a constant weight becomes onnxruntime's `MatMulNBits` with 8-bit weights: symmetric,
-one float32 scale per block of `BLOCK_SIZE` input channels of each output column, and
-`accuracy_level` 4, under which onnxruntime's CPU kernels quantize the activations to int8 per block too
-and multiply in integers. Per-block activation scales are what keep an outlier in one channel from
-costing the others their precision. Attention's activation matmuls, the KV cache, RMSNorm, rotary
-embedding, softmax and the graph's I/O stay float32, and so do the nodes of `INT8_GRAPHS`' scopes (the
-llm's output head). Why this operator and not `quantize_dynamic`'s: docs/performance.md, int8.
+Two schemes, chosen per graph by measurement on this project's CPU (docs/performance.md, int8):
 
-int8 graphs are validated against the torch fp32 wrapper with their spec's int8 bounds and decode gates.
+- `NBITS`, for the llm, whose decode multiplies one row at a time (memory-bound): each MatMul with a
+  constant weight becomes onnxruntime's `MatMulNBits` with 8-bit weights, symmetric, one float32 scale per
+  block of `BLOCK_SIZE` input channels of each output column, and `accuracy_level` 4, under which
+  onnxruntime's CPU kernels quantize the activations to int8 per block too and multiply in integers.
+  Per-block activation scales keep an outlier in one channel from costing the others their precision.
+- `DYNAMIC`, for the DiT estimators, which multiply hundreds of rows at once (compute-bound), where
+  `MatMulNBits`' AVX2 kernels are slower than float32: onnxruntime's dynamic quantization (weights int8
+  per output channel with 7-bit range, activations uint8 per tensor at run time, `DynamicQuantizeMatMul`
+  after graph optimisation). 7 bits because AVX2 without VNNI multiplies u8 x s8 pairs into saturating
+  16-bit sums.
+
+Attention's activation matmuls, the KV caches, norms, rotary embedding, softmax and the graph's I/O stay
+float32, and so do the nodes of each scheme's float32 scopes. int8 graphs are validated against the
+torch fp32 wrapper with their spec's int8 bounds and gates.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,49 +39,110 @@ INT8_REVISION = 1
 """Bump when the quantization changes (it forces int8 graphs to be exported again)."""
 BITS = 8
 BLOCK_SIZE = 32
-"""Input channels per weight scale (and per activation scale)."""
+"""`NBITS`: input channels per weight scale (and per activation scale)."""
 ACCURACY_LEVEL = 4
-"""`MatMulNBits.accuracy_level`: 4 = int8 activations and integer compute (0/1 = float32 compute, 12x
-slower here)."""
+"""`NBITS`: `MatMulNBits.accuracy_level`: 4 = int8 activations and integer compute (0/1 = float32
+compute, 12x slower here)."""
+NBITS = "MatMulNBits"
+DYNAMIC = "DynamicQuantizeMatMul"
 
-INT8_GRAPHS: dict[str, tuple[str, ...]] = {
+
+@dataclass(frozen=True)
+class Int8Scheme:
+    """How one graph's weight matmuls become int8."""
+
+    operator: str
+    """`NBITS` or `DYNAMIC`."""
+    fp32_scopes: tuple[str, ...]
+    """Regexes of node names (module scopes) whose matmuls stay float32."""
+
+    def describe(self) -> str:
+        """The scheme as recorded in the graph's metadata."""
+        if self.operator == NBITS:
+            return (f"MatMulNBits bits={BITS} block_size={BLOCK_SIZE} symmetric "
+                    f"accuracy_level={ACCURACY_LEVEL}")
+        return "DynamicQuantizeMatMul weights=int8 per-channel reduce_range activations=uint8 per-tensor"
+
+
+_DIT_FP32 = (
+    # the time embedding, AdaLN modulation and the input/output projections: a few rows each (cheap)
+    # whose errors would reach every frame of every block
+    r"/time_embed/", r"/input_embed/", r"/attn_norm/", r"/norm_out/", r"/proj_out/",
+)
+INT8_GRAPHS: dict[str, Int8Scheme] = {
     # llm_decoder: 2% of the full-size weights, and its output is the log-probs themselves
-    "llm": (r"/llm_decoder/",),
+    "llm": Int8Scheme(NBITS, (r"/llm_decoder/",)),
+    "flow_estimator": Int8Scheme(DYNAMIC, _DIT_FP32),
+    "flow_estimator_cached": Int8Scheme(DYNAMIC, _DIT_FP32),
 }
-"""Graphs exported with int8 weights -> regexes of node names (module scopes) kept float32."""
+"""Graphs exported with int8 weights, and how."""
 
 
 class Int8Error(ExportError):
     """A graph cannot be quantized as this module promises."""
 
 
-def _quantizer_class() -> Any:
-    """onnxruntime's `MatMulNBitsQuantizer`, its module imported without the root-logger setup it does at
-    import (`logging.basicConfig` at INFO, which would print a line for every node it visits)."""
+@contextmanager
+def _quiet_root_logger() -> Iterator[None]:
+    """onnxruntime's quantization modules call `logging.basicConfig` at INFO on import and warn through
+    the root logger (a line per node, advice on pre-processing): keep the root logger as it was, at
+    ERROR while inside."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
+    root.setLevel(logging.ERROR)
     try:
-        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+        yield
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
+
+
+def _quantizer_class() -> Any:
+    """onnxruntime's `MatMulNBitsQuantizer`."""
+    with _quiet_root_logger():
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
     return MatMulNBitsQuantizer
 
 
 def quantize(model: onnx.ModelProto, graph: str) -> onnx.ModelProto:
-    """The fp32 `model` of `graph` (a key of `INT8_GRAPHS`) with its weight MatMuls as 8-bit
-    `MatMulNBits`, except in the graph's float32 scopes."""
+    """The fp32 `model` of `graph` (a key of `INT8_GRAPHS`) with its weight MatMuls in int8 by the graph's
+    scheme, except in its float32 scopes."""
     if graph not in INT8_GRAPHS:
         raise Int8Error(f"{graph}: not exported in int8 (int8 graphs: {', '.join(INT8_GRAPHS)})")
-    kept = re.compile("|".join(INT8_GRAPHS[graph]))
+    scheme = INT8_GRAPHS[graph]
+    kept = re.compile("|".join(scheme.fp32_scopes))
     excluded = [n.name for n in model.graph.node if kept.search(n.name)]
+    out = _nbits(model, excluded) if scheme.operator == NBITS else _dynamic(model, excluded)
+    if not any(n.op_type in QUANTIZED_OPS[scheme.operator] for n in out.graph.node):
+        raise Int8Error(f"{graph}: no MatMul with a constant weight was quantized")
+    return out
+
+
+QUANTIZED_OPS = {NBITS: {"MatMulNBits"}, DYNAMIC: {"MatMulInteger", "DynamicQuantizeMatMul"}}
+"""Operators a scheme's quantized matmuls are written as."""
+
+
+def _nbits(model: onnx.ModelProto, excluded: list[str]) -> onnx.ModelProto:
     quantizer = _quantizer_class()(model, bits=BITS, block_size=BLOCK_SIZE, is_symmetric=True,
                                    accuracy_level=ACCURACY_LEVEL, nodes_to_exclude=excluded)
     quantizer.process()
     out: onnx.ModelProto = quantizer.model.model
-    if not any(n.op_type == "MatMulNBits" for n in out.graph.node):
-        raise Int8Error(f"{graph}: no MatMul with a constant weight was quantized")
     return out
+
+
+def _dynamic(model: onnx.ModelProto, excluded: list[str]) -> onnx.ModelProto:
+    with _quiet_root_logger():
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+    weights = {t.name for t in model.graph.initializer}
+    # an allow-list, not an exclusion list: the quantizer rewrites Gemms as MatMuls under new names
+    chosen = [n.name for n in model.graph.node
+              if n.op_type == "MatMul" and n.input[1] in weights and n.name not in excluded]
+    with tempfile.TemporaryDirectory(prefix="int8-") as tmp, _quiet_root_logger():
+        path = Path(tmp) / "int8.onnx"
+        quantize_dynamic(model, path, op_types_to_quantize=["MatMul"], per_channel=True,
+                         reduce_range=True, weight_type=QuantType.QInt8, nodes_to_quantize=chosen,
+                         use_external_data_format=True)
+        return onnx.load(str(path))
 
 
 def write_int8(path: Path, s: GraphSpec) -> Path:
@@ -78,5 +150,4 @@ def write_int8(path: Path, s: GraphSpec) -> Path:
     the I/O `s` says, atomically; returns `path`."""
     model = quantize(onnx.load(str(path)), s.name)
     return replace_graph(path, model, s, {"precision": "int8", "int8_revision": str(INT8_REVISION),
-                                          "int8_scheme": f"MatMulNBits bits={BITS} block_size={BLOCK_SIZE} "
-                                                         f"symmetric accuracy_level={ACCURACY_LEVEL}"})
+                                          "int8_scheme": INT8_GRAPHS[s.name].describe()})

@@ -63,6 +63,7 @@ from .dims import model_dims
 from .fp16 import FP16_REVISION, write_fp16
 from .graphs import WRAPPERS, Networks
 from .int8 import INT8_REVISION, write_int8
+from .solve_gates import validate_solve
 from .trace import EXPORTER_VERSION, PARTIAL, export_graph, file_sha256
 from .validate import Figure, GraphValidation, ValidationError, validate_graph
 
@@ -146,7 +147,7 @@ class Report:
         return not self.failures
 
     def table(self) -> str:
-        """The summary table: one row per graph (and per decode-gate set and TensorRT plan), its worst
+        """The summary table: one row per graph (and per gate set and TensorRT plan), its worst
         output or gate."""
         rows = [("graph", "size", "output", "error", "tolerance", "run", "ok")]
 
@@ -160,7 +161,8 @@ class Report:
             run = "reused" if g.reused else "exported"
             row(g.name, g.validation.worst().values(), _human(g.size), run)
             if g.validation.gates:  # the gate closest to (or furthest past) its bound
-                row(f"{g.name} [{g.precision} decode]", g.validation.gates, "", run)
+                kind = "decode" if g.precision in g.spec.decode_gates else "solve"
+                row(f"{g.name} [{g.precision} {kind}]", g.validation.gates, "", run)
             if g.trt_validation is not None:
                 row(f"{g.name} [trt]", g.trt_validation.worst().values(), _human(_plan_size(g)), _plan_run(g))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -336,7 +338,7 @@ def _reuse(out: Path, s: GraphSpec, source_sha: Mapping[str, FileEntry], precisi
 def _export(out: Path, s: GraphSpec, dims: ModelDims, nets: _Networks, source_sha: Mapping[str, FileEntry],
             bar: tqdm, precision: str) -> GraphResult:
     """Export and validate one graph (a reduced-precision graph: against its bounds for that precision,
-    and its decode gates where the spec has them), then record it for later runs."""
+    and its decode or solve gates where the spec has them), then record it for later runs."""
     (out / _record_rel(f"graph-{s.name}")).unlink(missing_ok=True)  # the record must never outlive its file
     bar.set_postfix_str(f"{s.name}: load")
     wrapper = WRAPPERS[s.name](nets.all())
@@ -358,6 +360,9 @@ def _export(out: Path, s: GraphSpec, dims: ModelDims, nets: _Networks, source_sh
         bar.set_postfix_str(f"{s.name}: decode gates")
         gates = validate_decode(result.path, wrapper, s, precision, SEQUENCES[s.name](nets.all()))
         validation = replace(validation, gates=gates)
+    if precision in s.solve_gates:
+        bar.set_postfix_str(f"{s.name}: solve gates")
+        validation = replace(validation, gates=validate_solve(result.path, nets.all(), s, precision))
     timings = {"export_s": round(result.seconds, 3), "validate_s": round(time.perf_counter() - start, 3)}
     files = {str(p.relative_to(out)): FileEntry.of(p) for p in reversed(paths)}
     _write_json(out, _record_rel(f"graph-{s.name}"), {
@@ -516,8 +521,8 @@ def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, t
 
     `precision="fp16"` or `"int8"` gives each graph whose spec bounds that precision
     (`GraphSpec.precision_tolerances`) a body in it (float32 I/O; see `fp16`, `int8`), validated with
-    those bounds and, where the spec has them, its decode gates; the other graphs stay fp32. `out` must
-    not hold a bundle of another precision.
+    those bounds and, where the spec has them, its decode or solve gates; the other graphs stay fp32.
+    `out` must not hold a bundle of another precision.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
@@ -527,7 +532,7 @@ def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, t
         from .trt import TrtUnavailable, require_trt
 
         if precision == "int8":
-            raise TrtUnavailable("--trt with --precision int8: the int8 llm graph is made of onnxruntime's "
+            raise TrtUnavailable("--trt with --precision int8: the int8 graphs are made of onnxruntime's "
                                  "int8 operators, which TensorRT does not build; export int8 without --trt")
         trt_env = require_trt()
     model_dir, out = Path(model_dir), Path(out)

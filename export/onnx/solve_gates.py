@@ -1,0 +1,126 @@
+"""ODE-level fidelity of a reduced-precision flow estimator: the torch reference flow solved twice on the
+same tokens, prompt and noise, once with its float32 DiT and once with the ONNX graph in the DiT's place,
+judged by the spec's `SolveGates`.
+
+Per-output tolerances at random inputs say little about the mel: the Euler loop feeds every step's
+velocity into the next step's state, and classifier-free guidance scales the conditional row's error by
+1.7. Here both solves run upstream's loop (`CausalConditionalCFM.solve_euler`, offline full attention)
+on the model's own encoder output, and the gate compares the mels they end at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from torch import Tensor, nn
+
+from cosyvoice_graphs import GraphSpec, empty_caches
+
+from ..nets.flow import CausalMaskedDiffWithDiT
+from .graphs import Networks
+from .trace import ExportError
+from .validate import Figure, ort_session, run_ort
+
+SEED = 0
+PROMPT_SHARE = 4
+"""A quarter of the solved frames are the prompt's (cond holds its mel there), as in zero-shot use."""
+PROMPT_MEL_RANGE = (-8.0, 2.0)
+"""The prompt mel's values: log-mel levels, as the spec's `cond` range."""
+
+
+@dataclass(frozen=True)
+class SolveInputs:
+    """What one solve is fed: `CausalMaskedDiffWithDiT.inference`'s arguments."""
+
+    token: Tensor
+    """(1, N) speech ids after the prompt."""
+    prompt_token: Tensor
+    """(1, P) prompt speech ids."""
+    prompt_feat: Tensor
+    """(1, P * token_mel_ratio, 80) prompt mel."""
+    embedding: Tensor
+    """(1, spk_embed_dim) x-vector."""
+    noise: Tensor
+    """(1, 80, frames) initial ODE state."""
+
+
+def solve_inputs(flow: CausalMaskedDiffWithDiT, frames: int) -> SolveInputs:
+    """Random ids, prompt mel, x-vector and noise for a `frames`-frame solve, drawn with `SEED`."""
+    cfg = flow.cfg
+    tokens = frames // cfg.token_mel_ratio
+    prompt = tokens // PROMPT_SHARE
+    if prompt < 1 or tokens - prompt < 1:
+        raise ExportError(f"a solve of {frames} frames is too short to hold a prompt and generated tokens")
+    rng = np.random.default_rng(SEED)
+    ids = torch.from_numpy(rng.integers(0, cfg.vocab_size, (1, tokens)))
+    low, high = PROMPT_MEL_RANGE
+    mel = rng.uniform(low, high, (1, prompt * cfg.token_mel_ratio, cfg.output_size))
+    embedding = rng.standard_normal((1, cfg.spk_embed_dim))
+    noise = rng.standard_normal((1, cfg.output_size, tokens * cfg.token_mel_ratio))
+    return SolveInputs(ids[:, prompt:], ids[:, :prompt], torch.from_numpy(mel).float(),
+                       torch.from_numpy(embedding).float(), torch.from_numpy(noise).float())
+
+
+class OnnxEstimator(nn.Module):
+    """An exported DiT graph with the torch DiT's call signature, for offline (full-attention) solves: a
+    cached graph is called with empty caches, all frames new."""
+
+    def __init__(self, session: ort.InferenceSession, spec: GraphSpec) -> None:
+        super().__init__()
+        self.session, self.spec = session, spec
+
+    def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
+                attn_mask: Tensor) -> Tensor:
+        if not bool(attn_mask.all()):
+            raise ExportError(f"{self.spec.name}: solve gates run offline solves (full attention) only")
+        frames = x.shape[2]
+        given = {"x": x, "mask": mask, "mu": mu, "t": t, "spks": spks, "cond": cond}
+        feeds = {n: v.numpy() for n, v in given.items()}
+        feeds |= {"block_frames": np.array([frames], dtype=np.int64), "offset": np.zeros(1, dtype=np.int64),
+                  **empty_caches(self.spec)}
+        unknown = set(self.spec.input_names) - set(feeds)
+        if unknown:
+            raise ExportError(f"{self.spec.name}: solve gates cannot feed inputs {sorted(unknown)}")
+        velocity = run_ort(self.session, self.spec, feeds)["velocity"]
+        return torch.from_numpy(velocity)
+
+
+@contextmanager
+def estimator_replaced(flow: CausalMaskedDiffWithDiT, estimator: nn.Module) -> Iterator[None]:
+    """`flow` solving with `estimator` in its DiT's place, inside the block only."""
+    original = flow.decoder.estimator
+    flow.decoder.estimator = estimator
+    try:
+        yield
+    finally:
+        flow.decoder.estimator = original
+
+
+def solve(flow: CausalMaskedDiffWithDiT, inputs: SolveInputs) -> np.ndarray:
+    """The mel (1, 80, generated frames) of an offline, final solve of `inputs`."""
+    with torch.no_grad():
+        mel = flow.inference(inputs.token, inputs.prompt_token, inputs.prompt_feat, inputs.embedding,
+                             inputs.noise, streaming=False, finalize=True)
+    return mel.numpy()
+
+
+def validate_solve(path: Path, nets: Networks, spec: GraphSpec, precision: str) -> tuple[Figure, ...]:
+    """The figure of each of `spec.solve_gates[precision]` for the ONNX graph at `path` (onnxruntime CPU)
+    in the flow's solve against the torch float32 DiT. Failures are figures, not raised."""
+    gates = spec.solve_gates[precision]
+    inputs = solve_inputs(nets.flow, gates.frames)
+    want = solve(nets.flow, inputs)
+    with estimator_replaced(nets.flow, OnnxEstimator(ort_session(path), spec)):
+        got = solve(nets.flow, inputs)
+    bad = int(got.size - np.isfinite(got).sum())
+    problem = f"{bad} non-finite mel values" if bad else ""
+    measured = {} if bad else gates.measure(got, want)
+    label = f"flow solve: {gates.frames} frames, {nets.flow.decoder.cfm.n_timesteps} Euler steps"
+    return tuple(Figure(label, gates.output, metric, measured.get(metric, float("inf")), bound, problem)
+                 for metric, bound in gates.bounds().items())
