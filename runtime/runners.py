@@ -8,7 +8,7 @@ another execution provider: what was asked for runs, or `ProviderError` says why
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType, TracebackType
 from typing import Any, Protocol, Self, TypeAlias, runtime_checkable
@@ -48,6 +48,10 @@ class Runner(Protocol):
 
     def infer(self, feeds: Mapping[str, Feed]) -> dict[str, np.ndarray]:
         """Run the graph on `feeds` (every spec input, by name); returns every spec output, by name."""
+        ...
+
+    def infer_outputs(self, feeds: Mapping[str, Feed], names: Sequence[str]) -> dict[str, np.ndarray]:
+        """`infer` returning only the outputs in `names`."""
         ...
 
     def close(self) -> None: ...
@@ -112,8 +116,9 @@ def check_feeds(spec: GraphSpec, feeds: Mapping[str, Feed]) -> None:
                             f"{derived.size(free)} for {basis}")
 
 
-class _RunnerBase(ABC):
-    """What every runner shares: the feed check, the closed state and the context manager."""
+class RunnerBase(ABC):
+    """What every runner shares: the feed check, the closed state and the context manager. A subclass
+    implements `_run` (outputs by name from checked host feeds) and `_release`."""
 
     def __init__(self, spec: GraphSpec) -> None:
         self._spec = spec
@@ -129,13 +134,24 @@ class _RunnerBase(ABC):
 
         `OrtValue` feeds are copied to the host here. Raises `FeedError` naming the graph and tensor
         when a feed does not match the spec."""
+        return self.infer_outputs(feeds, self._spec.output_names)
+
+    def infer_outputs(self, feeds: Mapping[str, Feed], names: Sequence[str]) -> dict[str, np.ndarray]:
+        """`infer` returning only the outputs in `names` (spec outputs, in any order): the others are
+        not copied out (for a caller that drops a graph's caches)."""
         if self._closed:
             raise RuntimeError(f"{self._spec.name}: runner is closed")
+        unknown = [name for name in names if name not in self._spec.output_names]
+        if unknown:
+            raise ValueError(f"{self._spec.name}: unknown output {unknown[0]!r}; "
+                             f"outputs are {', '.join(self._spec.output_names)}")
         check_feeds(self._spec, feeds)
-        return self._run({k: v.numpy() if isinstance(v, ort.OrtValue) else v for k, v in feeds.items()})
+        return self._run({k: v.numpy() if isinstance(v, ort.OrtValue) else v for k, v in feeds.items()},
+                         list(names))
 
     @abstractmethod
-    def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+    def _run(self, feeds: Mapping[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
+        """The outputs `names` of the graph on checked host `feeds`."""
 
     def close(self) -> None:
         """Release the session or engine; `infer` refuses afterwards. Closing twice is harmless."""
@@ -154,7 +170,7 @@ class _RunnerBase(ABC):
         self.close()
 
 
-class OrtRunner(_RunnerBase):
+class OrtRunner(RunnerBase):
     """A graph on onnxruntime with exactly the requested execution provider.
 
     `session`, `device_type` and `device_id` are there for IOBinding (tensors kept on the device)."""
@@ -204,9 +220,8 @@ class OrtRunner(_RunnerBase):
         """The graph's `metadata_props`, as the session read them."""
         return dict(self.session.get_modelmeta().custom_metadata_map)
 
-    def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        outputs = self.session.run(self.spec.output_names, dict(feeds))
-        return dict(zip(self.spec.output_names, outputs, strict=True))
+    def _run(self, feeds: Mapping[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
+        return dict(zip(names, self.session.run(names, dict(feeds)), strict=True))
 
     def infer_kept(self, feeds: Mapping[str, Feed], keep: Collection[str]
                    ) -> tuple[dict[str, np.ndarray], dict[str, ort.OrtValue]]:
@@ -248,7 +263,7 @@ def _import_trt() -> tuple[ModuleType, ModuleType]:
     return tensorrt, cuda
 
 
-class TrtRunner(_RunnerBase):
+class TrtRunner(RunnerBase):
     """A graph's TensorRT plan (TensorRT 10 API): input shapes set per call, outputs sized by the
     engine's shape inference, run on one CUDA stream. Device buffers grow as needed and are reused."""
 
@@ -284,7 +299,7 @@ class TrtRunner(_RunnerBase):
         self._buffers = {n: cuda.DeviceArray(dtype=np.dtype(trt.nptype(self._engine.get_tensor_dtype(n))))
                          for n in names}
 
-    def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _run(self, feeds: Mapping[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
         for name in self.spec.input_names:
             host = np.ascontiguousarray(feeds[name])
             if not self._context.set_input_shape(name, host.shape):
@@ -293,16 +308,17 @@ class TrtRunner(_RunnerBase):
             device.copy_from(host, self._stream)
             self._context.set_tensor_address(name, device.ptr)
         results = {}
-        for name in self.spec.output_names:
+        for name in self.spec.output_names:  # the engine writes every output; only `names` come back
             shape = tuple(self._context.get_tensor_shape(name))
             if any(d < 0 for d in shape):
                 raise RuntimeError(f"{self.spec.name}.{name}: TensorRT could not infer the shape ({shape})")
             self._context.set_tensor_address(name, self._buffers[name].resize(shape).ptr)
-            results[name] = np.empty(shape, dtype=self._buffers[name].dtype)
+            if name in names:
+                results[name] = np.empty(shape, dtype=self._buffers[name].dtype)
         if not self._context.execute_async_v3(self._stream.ptr):
             raise RuntimeError(f"{self.spec.name}: TensorRT execution failed")
-        for name, host in results.items():
-            self._buffers[name].copy_to(host, self._stream)
+        for name in names:
+            self._buffers[name].copy_to(results[name], self._stream)
         self._stream.synchronize()
         return results
 

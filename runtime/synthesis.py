@@ -1,17 +1,17 @@
 """Offline and streaming synthesis over a runtime bundle: LLM -> flow -> vocoder.
 
-`Synthesizer` opens the five graphs once. `synthesize` is upstream's non-streaming path: all tokens,
-one full-attention flow call, one final vocoder call. `stream` is upstream's CosyVoice3 streaming
-(`CosyVoice2Model.tts` + `CosyVoice3Model.token2wav`): chunks on the schedule of a `ChunkPolicy`,
-each non-final chunk running the block-causal flow, the last one a full-attention, finalizing call
-over all tokens; each chunk carries only the samples that are new. Upstream re-runs the flow over
-the whole token prefix per chunk (`"rerun"`); by default only the new frames run, against per-step
-key/value caches of the earlier ones (`"cache"`, `token2wav.FlowStream`), which gives the same frames;
-`"window"` bounds the cost per chunk by attending to the prompt and the last few blocks only.
-The vocoder either re-runs over the whole accumulated mel as upstream does (`"rerun"`), or over the
-new frames and a fixed left margin (`"window"`, `token2wav.VocoderStream`), which gives the same
-samples at a bounded cost per chunk. The LLM runs interleaved with the chunks, and a chunk
-fires as soon as its tokens exist, so the boundaries depend on the token sequence only.
+`Synthesizer` opens the graphs once (the DiT's two as one session). `synthesize` is upstream's
+non-streaming path: all tokens, one full-attention flow call, one final vocoder call. `stream` is
+upstream's CosyVoice3 streaming (`CosyVoice2Model.tts` + `CosyVoice3Model.token2wav`): chunks on the
+schedule of a `ChunkPolicy`, each non-final chunk running the block-causal flow, the last one a
+full-attention, finalizing call over all tokens; each chunk carries only the samples that are new.
+Upstream re-runs the flow over the whole token prefix per chunk (`"rerun"`); by default only the new
+frames run, against per-step key/value caches of the earlier ones (`"cache"`, `token2wav.FlowStream`),
+which gives the same frames; `"window"` bounds the cost per chunk by attending to the prompt and the
+last few blocks only. The vocoder either re-runs over the whole accumulated mel as upstream does
+(`"rerun"`), or over the new frames and a fixed left margin (`"window"`, `token2wav.VocoderStream`),
+which gives the same samples at a bounded cost per chunk. The LLM runs interleaved with the chunks, and
+a chunk fires as soon as its tokens exist, so the boundaries depend on the token sequence only.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import numpy as np
 from cosyvoice_graphs.bundle_layout import FLOW_NOISE, SINE_NOISE, SPEECH_EMBEDDING, TEXT_EMBEDDING
 
 from .bundle import RuntimeBundle
+from .estimator import EstimatorOnCached
 from .frontend import PromptFeatures
 from .llm import LlmRequest, SpeechTokenLM
 from .runners import CPU, Runner, open_runner
@@ -178,16 +179,24 @@ class Synthesis:
 
 
 class Synthesizer:
-    """The bundle's graphs, opened once on one provider, and the tables they read."""
+    """The bundle's graphs, opened once on one provider, and the tables they read.
+
+    The DiT is opened once: `flow_estimator`'s calls run on the `flow_estimator_cached` session
+    (`estimator.EstimatorOnCached`, bit-identical), which keeps one copy of its weights in memory.
+    """
 
     def __init__(self, bundle: RuntimeBundle, provider: str = CPU, *, threads: int | None = None) -> None:
-        """Open every graph of `bundle` on `provider` (see `cosyvoice_runtime.runners.PROVIDERS`)."""
+        """Open every graph of `bundle` on `provider` (see `cosyvoice_runtime.runners.PROVIDERS`), the
+        `flow_estimator` graph as a view of `flow_estimator_cached`."""
         self.bundle = bundle
         self.dims = bundle.dims
         self._runners: dict[str, Runner] = {}
         try:
             for name in bundle.specs:
-                self._runners[name] = open_runner(bundle, name, provider, threads=threads)
+                if name != "flow_estimator":
+                    self._runners[name] = open_runner(bundle, name, provider, threads=threads)
+            self._runners["flow_estimator"] = EstimatorOnCached(self._runners["flow_estimator_cached"],
+                                                                bundle.specs["flow_estimator"])
         except BaseException:
             self.close()
             raise
