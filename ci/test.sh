@@ -5,6 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/pip install --quiet --disable-pip-version-check -c ci/constraints.txt -e '.[export,serve,dev]'
+# the web page's browser test needs a headless Chromium: Debian's, where this runs as root with apt
+# (the test skips, saying why, where there is none)
+if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium; } >/dev/null 2>&1 \
+        || echo "ci/test.sh: could not install Chromium; the page's browser test will skip" >&2
+fi
 .venv/bin/ruff check export runtime graphs golden bench serve tests
 .venv/bin/mypy runtime graphs golden bench serve
 .venv/bin/pytest "$@"

@@ -104,9 +104,10 @@ def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
               help="fp16: float16 weights and matmul/conv compute, fragile ops (norms, softmax, time "
                    "embedding, output projections, HiFT's source and Snake) and all graph I/O in float32; "
-                   "hift_f0 stays float32. int8: the llm graph's matmul weights in int8 (KV cache, norms, "
-                   "rotary, softmax, its output head and I/O in float32), the other graphs float32. "
-                   "Validated with the specs' bounds for the precision (and the llm's decode gates). "
+                   "hift_f0 stays float32. int8: the llm's and the DiT blocks' matmul weights in int8 "
+                   "(caches, norms, rotary, softmax, time embedding, AdaLN, output heads and I/O in "
+                   "float32), the other graphs float32. Validated with the specs' bounds for the "
+                   "precision (and the llm's decode gates, the DiT's solve gates). "
                    "OUT holds one precision.")
 def all_cmd(model_dir: Path, out: Path, trt: bool, force: bool, precision: str) -> None:
     """Export every graph to ONNX and assemble a torch-free runtime bundle in OUT.
