@@ -109,15 +109,14 @@ class GraphRecorder:
     """Feeds every graph call of a `Synthesizer` into the current `GraphStats`.
 
     The synthesizer's runners are wrapped in place (their `infer` shadowed on the instance), so every
-    object holding a runner (the LM, the flow, the vocoder and its streams) is observed. `Synthesizer`
-    has no public view of its runners nor an observer hook, hence its private `_runners`. Cache outputs
+    object holding a runner (the LM, the flow, the vocoder and its streams) is observed. Cache outputs
     (`present_*`) are left out: they grow with every step (quadratic cost) and feed the outputs that are
     kept.
     """
 
     def __init__(self, synth: Synthesizer) -> None:
         self._stats: GraphStats | None = None
-        for name, runner in synth._runners.items():
+        for name, runner in synth.runners.items():
             caches = {present for _, present in cache_pairs(runner.spec)}
             runner.infer = self._observer(name, runner.infer, caches)  # type: ignore[method-assign]
             if isinstance(runner, OrtRunner):  # the LLM's calls with its cache kept on the device

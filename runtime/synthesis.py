@@ -20,10 +20,10 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from types import TracebackType
+from types import MappingProxyType, TracebackType
 from typing import Any, Literal, Self
 
 import numpy as np
@@ -207,6 +207,12 @@ class Synthesizer:
         self.flow = Flow(r["flow_encoder"], r["flow_estimator"], bundle.table(FLOW_NOISE), self.dims,
                          cached=r["flow_estimator_cached"])
         self.vocoder = Vocoder(r["hift_f0"], r["hift_decoder"], bundle.uniform_noise(SINE_NOISE), self.dims)
+
+    @property
+    def runners(self) -> Mapping[str, Runner]:
+        """Graph name -> the runner its calls go through (read-only; `flow_estimator`'s is the view of
+        `flow_estimator_cached`), for observers such as golden's graph statistics."""
+        return MappingProxyType(self._runners)
 
     @property
     def sample_rate(self) -> int:
