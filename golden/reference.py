@@ -105,38 +105,18 @@ def reference_segments(pipe: ReferencePipeline, case: GoldenCase, pieces: list[S
     return out
 
 
-@torch.no_grad()
 def stream(pipe: ReferencePipeline, tokens: list[int], prompt: PromptFeatures, policy: ChunkPolicy
            ) -> list[tuple[tuple[int, int], np.ndarray]]:
-    """Upstream's CosyVoice3 streaming token2wav over the torch networks for a finished token list.
-
-    Chunk k covers hop_k tokens and fires once hop_k + lookahead tokens follow the previous chunk (all
-    tokens are known here, so the schedule is the runtime's); the remaining tokens form the final chunk.
-    Each non-final chunk runs the block-causal flow over tokens[:offset + hop + lookahead] and keeps the
-    frames after ratio·offset; HiFT re-runs over the whole accumulated mel and the new samples are kept.
-    """
-    ratio, noise = pipe.config.token_mel_ratio, pipe.noise
+    """Upstream's CosyVoice3 streaming token2wav over the torch networks for a finished token list, on
+    the runtime's schedule: chunk k covers hop_k tokens and fires once hop_k + lookahead tokens follow
+    the previous chunk (all tokens are known here); the remaining tokens form the final chunk."""
     hops = policy.hops(prompt.speech_tokens.shape[1])
-    plan: list[int | None] = []
+    plan: list[int] = []
     offset, hop = 0, next(hops)
     while len(tokens) - offset >= hop + policy.lookahead:
         plan.append(hop)
         offset, hop = offset + hop, next(hops)
-    plan.append(None)
-    acc = torch.zeros(1, pipe.config.feat.num_mels, 0)  # (1, 80, frames so far)
-    out: list[tuple[tuple[int, int], np.ndarray]] = []
-    offset = emitted = 0
-    for hop_k in plan:
-        final = hop_k is None
-        part = tokens if hop_k is None else tokens[:offset + hop_k + policy.lookahead]
-        mel = pipe.flow.inference(torch.tensor([part]), prompt.speech_tokens, prompt.mel, prompt.embedding,
-                                  noise.flow_noise, streaming=not final, finalize=final)  # (1, 80, T)
-        acc = torch.cat([acc, mel[:, :, ratio * offset:]], dim=2)
-        wav = pipe.hift.inference(acc, noise.sine_waves, finalize=final)[0].numpy()
-        end = len(tokens) if hop_k is None else offset + hop_k
-        out.append(((offset, end), wav[emitted:]))
-        offset, emitted = end, len(wav)
-    return out
+    return pipe.token2wav_stream(tokens, prompt, plan, policy.lookahead)
 
 
 def graph_golden(pipe: ReferencePipeline, bundle: RuntimeBundle, graph: str, indices: tuple[int, ...]

@@ -275,24 +275,9 @@ def _upstream_hops(prompt_tokens: int, n_tokens: int) -> list[int]:
 
 
 def _torch_stream(pipe: ReferencePipeline, tokens: list[int], prompt: TorchPrompt) -> list[np.ndarray]:
-    """Upstream's CosyVoice3 streaming over the torch networks: block-causal flow on prefixes, HiFT
-    re-run on the accumulated mel, a full-attention finalizing last call; new samples per chunk."""
-    noise = pipe.noise
-    acc = torch.zeros(1, 80, 0)
-    out: list[np.ndarray] = []
-    offset = emitted = 0
+    """Upstream's CosyVoice3 streaming over the torch networks, on upstream's hops written out here."""
     hops = _upstream_hops(prompt.speech_tokens.shape[1], len(tokens))
-    for hop in [*hops, None]:
-        final = hop is None
-        part = tokens if final else tokens[: offset + hop + 3]
-        mel = pipe.flow.inference(torch.tensor([part]), prompt.speech_tokens, prompt.mel, prompt.embedding,
-                                  noise.flow_noise, streaming=not final, finalize=final)
-        acc = torch.cat([acc, mel[:, :, 2 * offset:]], dim=2)
-        wav = pipe.hift.inference(acc, noise.sine_waves, finalize=final)[0].numpy()
-        out.append(wav[emitted:])
-        emitted = len(wav)
-        offset += hop or 0
-    return out
+    return [samples for _, samples in pipe.token2wav_stream(tokens, prompt, hops, lookahead=3)]
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ explicit: the LLM sampler takes a `torch.Generator`, and the flow / vocoder read
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -119,6 +120,33 @@ class ReferencePipeline:
             mel = F.interpolate(mel, size=int(mel.shape[2] / speed), mode="linear")
         wav = self.hift.inference(mel, self.noise.sine_waves, finalize=True)  # (1, 480 T)
         return mel, wav[0].numpy()
+
+    @torch.no_grad()
+    def token2wav_stream(self, speech_tokens: list[int], prompt: PromptFeatures, hops: Sequence[int],
+                         lookahead: int) -> list[tuple[tuple[int, int], np.ndarray]]:
+        """Upstream's CosyVoice3 streaming `token2wav` over a finished token list, chunk by chunk.
+
+        Chunk k covers `hops[k]` tokens: the block-causal flow over tokens[:offset + hop + lookahead],
+        keeping the frames after token_mel_ratio·offset, then HiFT re-run over the whole accumulated
+        mel. A final chunk takes the remaining tokens with full attention and the finalizing HiFT.
+        Returns each chunk's token range and its new samples.
+        """
+        ratio = self.config.token_mel_ratio
+        acc = torch.zeros(1, self.config.feat.num_mels, 0)  # (1, 80, frames so far)
+        out: list[tuple[tuple[int, int], np.ndarray]] = []
+        offset = emitted = 0
+        for hop in [*hops, None]:
+            final = hop is None
+            part = speech_tokens if hop is None else speech_tokens[:offset + hop + lookahead]
+            mel = self.flow.inference(torch.tensor([part]), prompt.speech_tokens, prompt.mel,
+                                      prompt.embedding, self.noise.flow_noise, streaming=not final,
+                                      finalize=final)  # (1, 80, T)
+            acc = torch.cat([acc, mel[:, :, ratio * offset:]], dim=2)
+            wav = self.hift.inference(acc, self.noise.sine_waves, finalize=final)[0].numpy()
+            end = len(speech_tokens) if hop is None else offset + hop
+            out.append(((offset, end), wav[emitted:]))
+            offset, emitted = end, len(wav)
+        return out
 
     def synthesize(self, mode: Mode, tts_text: str, prompt: PromptFeatures, sampler: Sampler, *,
                    prompt_text: str = "", instruct_text: str = "", speed: float = 1.0,
