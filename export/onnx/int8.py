@@ -65,8 +65,8 @@ class Int8Scheme:
 
 
 _DIT_FP32 = (
-    # the time embedding, AdaLN modulation and the input/output projections: a few rows each (cheap)
-    # whose errors would reach every frame of every block
+    # the time embedding and AdaLN modulation (two rows each: cheap), whose errors would reach every frame
+    # of every block, and the input/output projections (80 channels wide: little to gain at the ends)
     r"/time_embed/", r"/input_embed/", r"/attn_norm/", r"/norm_out/", r"/proj_out/",
 )
 INT8_GRAPHS: dict[str, Int8Scheme] = {
