@@ -21,7 +21,7 @@ from cosyvoice_graphs import GraphSpec, cache_pairs, empty_caches
 
 from .graphs import Networks
 from .trace import ExportError
-from .validate import Figure, ort_session, run_ort, run_torch
+from .validate import Figure, gate_figures, ort_session, run_ort, run_torch
 
 PROMPT_TEXT_IDS = 30
 """Text positions of the prefill: a sentence's worth of ids."""
@@ -81,10 +81,5 @@ def validate_decode(path: Path, wrapper: nn.Module, spec: GraphSpec, precision: 
             caches[who] = {past: out[present] for past, present in pairs}
         chosen = int(np.argmax(logps["torch"][-1][:sequence.choices]))
         step = sequence.rows[[chosen]][None]  # (1, 1, C)
-    got, want = np.stack(logps["onnx"]), np.stack(logps["torch"])
-    bad = int(got.size - np.isfinite(got).sum())
-    problem = f"{bad} non-finite log-probs" if bad else ""
-    measured = {} if bad else gates.measure(got, want)
     label = f"teacher-forced decode: {sequence.prefill.shape[1]}-position prefill + {gates.steps} steps"
-    return tuple(Figure(label, gates.output, metric, measured.get(metric, float("inf")), bound, problem)
-                 for metric, bound in gates.bounds().items())
+    return gate_figures(label, gates, np.stack(logps["onnx"]), np.stack(logps["torch"]), "log-probs")

@@ -25,13 +25,11 @@ from cosyvoice_graphs import GraphSpec, empty_caches
 from ..nets.flow import CausalMaskedDiffWithDiT
 from .graphs import Networks
 from .trace import ExportError
-from .validate import Figure, ort_session, run_ort
+from .validate import Figure, gate_figures, ort_session, run_ort
 
 SEED = 0
 PROMPT_SHARE = 4
 """A quarter of the solved frames are the prompt's (cond holds its mel there), as in zero-shot use."""
-PROMPT_MEL_RANGE = (-8.0, 2.0)
-"""The prompt mel's values: log-mel levels, as the spec's `cond` range."""
 
 
 @dataclass(frozen=True)
@@ -50,8 +48,9 @@ class SolveInputs:
     """(1, 80, frames) initial ODE state."""
 
 
-def solve_inputs(flow: CausalMaskedDiffWithDiT, frames: int) -> SolveInputs:
-    """Random ids, prompt mel, x-vector and noise for a `frames`-frame solve, drawn with `SEED`."""
+def solve_inputs(flow: CausalMaskedDiffWithDiT, frames: int, mel_range: tuple[float, float]) -> SolveInputs:
+    """Random ids, prompt mel (uniform in `mel_range`), x-vector and noise for a `frames`-frame solve,
+    drawn with `SEED`."""
     cfg = flow.cfg
     tokens = frames // cfg.token_mel_ratio
     prompt = tokens // PROMPT_SHARE
@@ -59,7 +58,7 @@ def solve_inputs(flow: CausalMaskedDiffWithDiT, frames: int) -> SolveInputs:
         raise ExportError(f"a solve of {frames} frames is too short to hold a prompt and generated tokens")
     rng = np.random.default_rng(SEED)
     ids = torch.from_numpy(rng.integers(0, cfg.vocab_size, (1, tokens)))
-    low, high = PROMPT_MEL_RANGE
+    low, high = mel_range
     mel = rng.uniform(low, high, (1, prompt * cfg.token_mel_ratio, cfg.output_size))
     embedding = rng.standard_normal((1, cfg.spk_embed_dim))
     noise = rng.standard_normal((1, cfg.output_size, tokens * cfg.token_mel_ratio))
@@ -95,7 +94,7 @@ class OnnxEstimator(nn.Module):
 def estimator_replaced(flow: CausalMaskedDiffWithDiT, estimator: nn.Module) -> Iterator[None]:
     """`flow` solving with `estimator` in its DiT's place, inside the block only."""
     original = flow.decoder.estimator
-    flow.decoder.estimator = estimator
+    flow.decoder.estimator = estimator  # type: ignore[assignment]  # any module with the DiT's call
     try:
         yield
     finally:
@@ -114,13 +113,10 @@ def validate_solve(path: Path, nets: Networks, spec: GraphSpec, precision: str) 
     """The figure of each of `spec.solve_gates[precision]` for the ONNX graph at `path` (onnxruntime CPU)
     in the flow's solve against the torch float32 DiT. Failures are figures, not raised."""
     gates = spec.solve_gates[precision]
-    inputs = solve_inputs(nets.flow, gates.frames)
+    cond = next(t for t in spec.inputs if t.name == "cond")  # the prompt mel's levels
+    inputs = solve_inputs(nets.flow, gates.frames, (cond.low, cond.high))
     want = solve(nets.flow, inputs)
     with estimator_replaced(nets.flow, OnnxEstimator(ort_session(path), spec)):
         got = solve(nets.flow, inputs)
-    bad = int(got.size - np.isfinite(got).sum())
-    problem = f"{bad} non-finite mel values" if bad else ""
-    measured = {} if bad else gates.measure(got, want)
     label = f"flow solve: {gates.frames} frames, {nets.flow.decoder.cfm.n_timesteps} Euler steps"
-    return tuple(Figure(label, gates.output, metric, measured.get(metric, float("inf")), bound, problem)
-                 for metric, bound in gates.bounds().items())
+    return gate_figures(label, gates, got, want, "mel values")

@@ -17,7 +17,7 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from cosyvoice_graphs import Case, GraphSpec
+from cosyvoice_graphs import Case, DecodeGates, GraphSpec, SolveGates
 
 from .trace import ExportError, torch_inputs
 
@@ -62,6 +62,17 @@ class Figure:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Figure:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+
+def gate_figures(label: str, gates: DecodeGates | SolveGates, got: np.ndarray, want: np.ndarray,
+                 what: str) -> tuple[Figure, ...]:
+    """One figure per gate of `gates` for `got` (reduced precision) against `want` (float32) at `label`;
+    non-finite values in `got` (`what` names them) fail every gate."""
+    bad = int(got.size - np.isfinite(got).sum())
+    problem = f"{bad} non-finite {what}" if bad else ""
+    measured = {} if bad else gates.measure(got, want)
+    return tuple(Figure(label, gates.output, metric, measured.get(metric, float("inf")), bound, problem)
+                 for metric, bound in gates.bounds().items())
 
 
 class ValidationError(ExportError):
