@@ -163,12 +163,13 @@ class _Attention(nn.Module):
         self.to_v = nn.Linear(dim, inner)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor, keep: Tensor,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_bias: Tensor, keep: Tensor,
                 past: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, dim) -> (B, T, dim), and the keys (after RoPE) and values (B, H, S, Dh) attended to.
 
         `past` holds the keys and values (B, H, P, Dh) of earlier frames, which come first: S = P + T
-        and `attn_mask` is (B, 1, T, S). cos/sin (T, dim_head) are the angles of x's positions.
+        and `attn_bias` (B, 1, T, S) is added to the scores (0 where visible, -inf where not). cos/sin
+        (T, dim_head) are the angles of x's positions.
         """
         B, T, _ = x.shape
         q = _apply_rope(self.to_q(x), cos, sin)  # (B, T, inner)
@@ -177,7 +178,7 @@ class _Attention(nn.Module):
         q, k, v = (y.view(B, T, self.heads, -1).transpose(1, 2) for y in (q, k, v))  # (B, H, T, Dh)
         if past is not None:
             k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)  # (B, H, P + T, Dh)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, H, T, Dh)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias)  # (B, H, T, Dh)
         y = self.to_out[0](y.transpose(1, 2).reshape(B, T, -1))  # (B, T, dim)
         return y.masked_fill(~keep, 0.0), k, v  # padded query rows are zeroed, as upstream
 
@@ -204,11 +205,11 @@ class _DiTBlock(nn.Module):
         self.attn = _Attention(dim, heads, dim_head)
         self.ff = _FeedForward(dim, ff_mult)
 
-    def forward(self, x: Tensor, c: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor,
+    def forward(self, x: Tensor, c: Tensor, cos: Tensor, sin: Tensor, attn_bias: Tensor,
                 keep: Tensor, past: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, dim) -> (B, T, dim), and the attention's keys and values (see `_Attention`)."""
         norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(x, c)
-        attn, k, v = self.attn(norm, cos, sin, attn_mask, keep, past)
+        attn, k, v = self.attn(norm, cos, sin, attn_bias, keep, past)
         x = x + gate_msa[:, None] * attn
         norm = F.layer_norm(x, (self.dim,), eps=LN_EPS) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
         return x + gate_mlp[:, None] * self.ff(norm), k, v
@@ -260,9 +261,14 @@ class DiT(nn.Module):
         h, conv = self.input_embed(x, cond, mu, spks, past_conv)  # (B, T, dim)
         freqs = self.rotary_embed(positions)  # (T, dim_head)
         cos, sin = freqs.cos(), freqs.sin()
+        # The additive form of the mask, built once: scaled_dot_product_attention turns a boolean mask
+        # into exactly this, but its ONNX export does so per block and then guards every block's
+        # softmax against all-masked rows (IsNaN + Where over (B, H, T, S), 17% of a 650-frame call),
+        # and no row is all-masked here (the masks open any row that would be).
+        bias = torch.zeros_like(attn_mask, dtype=h.dtype).masked_fill(~attn_mask, float("-inf"))
         kv = []
         for i, block in enumerate(self.transformer_blocks):
-            h, k, v = block(h, c, cos, sin, attn_mask, keep, None if past_kv is None else past_kv[i])
+            h, k, v = block(h, c, cos, sin, bias, keep, None if past_kv is None else past_kv[i])
             kv.append((k, v))
         h = self.norm_out(h, c)
         return self.proj_out(h).transpose(1, 2), conv, kv  # (B, 80, T)

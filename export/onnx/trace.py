@@ -26,8 +26,9 @@ from torch import nn
 
 from cosyvoice_graphs import GraphSpec, ModelDims, TensorSpec, metadata
 
-EXPORT_REVISION = 2
-"""Bump when this module changes what it writes for unchanged wrappers (it forces a re-export)."""
+EXPORT_REVISION = 3
+"""Bump when what is written for an unchanged spec changes (this module, a wrapper or a network's traced
+graph; 3: the DiT's additive attention mask): it forces a re-export."""
 EXPORTER_VERSION = (
     f"cosyvoice-onnx {version('cosyvoice-onnx')} rev {EXPORT_REVISION}; torch {torch.__version__}; "
     f"onnx {onnx.__version__}; onnxslim {onnxslim.__version__}"
