@@ -4,6 +4,9 @@
   bound is those bytes / measured memory bandwidth.
 - DiT: the FLOPs of one `flow_estimator` call (one ODE step, both CFG rows) at a frame count, full
   attention; the bound is those FLOPs / measured matmul GFLOP/s.
+- HiFT: the FLOPs of the vocoder's convolutions over the generated mel frames, at the same measured
+  matmul GFLOP/s (onnxruntime runs a convolution as im2col + the same GEMM); its elementwise work (the
+  Snake activations' sines) comes on top.
 
 The shapes come from the runtime bundle's copy of the model yaml and the Qwen config (`tokenizer/`),
 read with the exporter's torch-free yaml reader, so the counts are those of the exported networks.
@@ -14,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cosyvoice_export.bundle.yaml_config import model_config_from_yaml
-from cosyvoice_export.config import DiTConfig, Qwen2Config
+from cosyvoice_export.config import DiTConfig, HiFTConfig, Qwen2Config
 from cosyvoice_runtime.bundle import RuntimeBundle
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "int8": 1}
@@ -28,6 +31,7 @@ class ModelShapes:
 
     qwen: Qwen2Config
     dit: DiTConfig
+    hift: HiFTConfig
     speech_vocab: int
     llm_weight_dtype_bytes: int
 
@@ -37,7 +41,8 @@ class ModelShapes:
         config = model_config_from_yaml(bundle.root / bundle.manifest["config"],
                                         bundle.tokenizer_dir / "config.json")
         precision = bundle.manifest["graphs"]["llm"].get("precision", "fp32")
-        return cls(config.llm.qwen, config.flow.dit, bundle.dims.speech_vocab, DTYPE_BYTES.get(precision, 4))
+        return cls(config.llm.qwen, config.flow.dit, config.hift, bundle.dims.speech_vocab,
+                   DTYPE_BYTES.get(precision, 4))
 
 
 def llm_weight_count(qwen: Qwen2Config, speech_vocab: int) -> int:
@@ -76,6 +81,34 @@ def dit_flops_per_step(dit: DiTConfig, frames: int, batch: int = 2) -> int:
     macs += d * 2 * d + t * d * dit.out_channels  # final modulation, output projection
     macs += dit.time_embed_dim * d + d * d  # time embedding MLP
     return 2 * batch * macs
+
+
+def hift_flops(hift: HiFTConfig, frames: int) -> int:
+    """FLOPs (2 per multiply-add) of the vocoder's GEMM-shaped work over `frames` mel frames: the F0
+    predictor, the NSF source's harmonic mix, conv_pre, each stage's upsampling conv, source downsampling
+    conv and residual blocks (two convs per dilation), and conv_post. The elementwise work (Snake's sines,
+    the source's sines and noise, STFT and iSTFT) is not counted."""
+    f0 = hift.f0
+    macs = frames * f0.in_channels * f0.cond_channels * 4 + 4 * frames * f0.cond_channels ** 2 * 3
+    macs += frames * hift.upsample_scale * (hift.nb_harmonics + 1)  # l_linear, per sample
+    macs += frames * hift.in_channels * hift.base_channels * (hift.conv_pre_look_right + 1)
+    stft_frames = frames * hift.upsample_scale // hift.istft_hop_len + 1  # centred STFT of the source
+    spectrum = hift.istft_n_fft + 2  # real and imaginary halves
+    length, channels = frames, hift.base_channels
+    stages = zip(hift.upsample_rates, hift.upsample_kernel_sizes, hift.source_resblock_kernel_sizes,
+                 hift.source_resblock_dilation_sizes, strict=True)
+    for i, (rate, kernel, source_kernel, source_dilations) in enumerate(stages):
+        length, out = length * rate, channels // 2
+        macs += length * channels * out * kernel  # nearest upsampling, then a stride-1 conv
+        # the source STFT, downsampled to this stage's length: a strided conv of kernel 2 * stride, which
+        # is stft_frames * spectrum * 2 multiply-adds per output channel whatever the stride (1: 1x1 conv)
+        macs += stft_frames * spectrum * out * (1 if i == len(hift.upsample_rates) - 1 else 2)
+        macs += 2 * len(source_dilations) * length * out * out * source_kernel
+        for kernel_j, dilations in zip(hift.resblock_kernel_sizes, hift.resblock_dilation_sizes, strict=True):
+            macs += 2 * len(dilations) * length * out * out * kernel_j
+        channels = out
+    macs += stft_frames * channels * spectrum * 7  # conv_post
+    return 2 * macs
 
 
 def dit_matmul_shape(dit: DiTConfig, frames: int, batch: int = 2) -> tuple[int, int, int]:

@@ -176,6 +176,7 @@ def _bounds(b: dict[str, Any], vs_torch: bool) -> list[str]:
     m, k, n = b["matmul_shape"]
     torch_llm = f", torch {_num(b['llm_fraction_torch'])}" if vs_torch else ""
     torch_dit = f", torch {_num(b['dit_fraction_torch'])}" if vs_torch else ""
+    torch_hift = f", torch {_num(b['hift_fraction_torch'])}" if vs_torch else ""
     return [
         f"bound LLM: {_num(b['llm_bytes_per_token'], 1e-6)} MB read per token / "
         f"{_num(b['memory_bandwidth_gbs'])} GB/s = {_num(b['llm_bound_s_per_token'], 1e3)} ms per token; "
@@ -184,4 +185,7 @@ def _bounds(b: dict[str, Any], vs_torch: bool) -> list[str]:
         f"{_num(b['matmul_gflops'])} GFLOP/s (MatMul ({m}, {k}) x ({k}, {n})) = "
         f"{_num(b['dit_bound_s_per_step'], 1e3)} ms per step; fraction reached: runtime "
         f"{_num(b['dit_fraction_runtime'])}{torch_dit}",
+        f"bound HiFT: {_num(b['hift_flops'], 1e-9)} GFLOP of convolutions over {b['hift_frames']} frames / "
+        f"{_num(b['matmul_gflops'])} GFLOP/s = {_num(b['hift_bound_s'])} s; fraction reached: runtime "
+        f"{_num(b['hift_fraction_runtime'])}{torch_hift}",
     ]

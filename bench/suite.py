@@ -27,6 +27,7 @@ from .bounds import (
     dit_flops_per_step,
     dit_matmul_shape,
     fraction_of_bound,
+    hift_flops,
     llm_bytes_per_token,
     llm_weight_count,
 )
@@ -135,8 +136,8 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
                 "runtime": rt, "torch": th, "speedup": speedups(rt, th) if th is not None else None,
                 "same_speech_tokens": (warm.tokens["runtime"][case.name] == warm.tokens["torch"][case.name]
                                        if th is not None else None),
-                "bounds": _bounds(shapes, frames[case.name], decode_past[case.name], bandwidth, matmul,
-                                  gflops, rt, th),
+                "bounds": _bounds(shapes, frames[case.name], ratio * int(rt["speech_tokens"] or 0),
+                                  decode_past[case.name], bandwidth, matmul, gflops, rt, th),
             })
     return {
         "schema": SCHEMA,
@@ -279,13 +280,16 @@ def _warm(b: Backend, case: Case, wav: Path, prompt: Any, gpu: GpuSampler | None
     return figures, streamed.sha256 if streamed is not None else None, offline.speech_tokens
 
 
-def _bounds(shapes: ModelShapes, frames: int, decode_past: int, bandwidth_gbs: float,
+def _bounds(shapes: ModelShapes, frames: int, vocoded_frames: int, decode_past: int, bandwidth_gbs: float,
             matmul: tuple[int, int, int], gflops: float, rt: Figures, th: Figures | None) -> dict[str, Any]:
-    """The case's LLM and DiT bounds and the fraction of each that the backends reach."""
+    """The case's LLM, DiT and HiFT bounds and the fraction of each that the backends reach. `frames`:
+    the DiT's (prompt and generated); `vocoded_frames`: HiFT's (generated only)."""
     llm_bytes = llm_bytes_per_token(shapes, decode_past)
     llm_bound = llm_bytes / (bandwidth_gbs * 1e9)
     dit_flops = dit_flops_per_step(shapes.dit, frames)
     dit_bound = dit_flops / (gflops * 1e9)
+    vocoder_flops = hift_flops(shapes.hift, vocoded_frames)
+    hift_bound = vocoder_flops / (gflops * 1e9)
 
     def reached(bound: float, key: str, figures: Figures | None) -> float | None:
         value = figures.get(key) if figures is not None else None
@@ -300,6 +304,9 @@ def _bounds(shapes: ModelShapes, frames: int, decode_past: int, bandwidth_gbs: f
         "matmul_gflops": gflops, "dit_bound_s_per_step": dit_bound,
         "dit_fraction_runtime": reached(dit_bound, "flow_per_step_s", rt),
         "dit_fraction_torch": reached(dit_bound, "flow_per_step_s", th),
+        "hift_frames": vocoded_frames, "hift_flops": vocoder_flops, "hift_bound_s": hift_bound,
+        "hift_fraction_runtime": reached(hift_bound, "hift_s", rt),
+        "hift_fraction_torch": reached(hift_bound, "hift_s", th),
     }
 
 

@@ -16,12 +16,16 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
+from cosyvoice_bench.bounds import dit_flops_per_step, hift_flops
 from cosyvoice_bench.cli import main
 from cosyvoice_bench.measure import CallLog
 from cosyvoice_bench.report import FIGURE_KEYS
 from cosyvoice_export.bundle.layout import PROMPT_TEXT, PROMPT_WAV
 from cosyvoice_export.bundle.model_dir import ModelBundle
+from cosyvoice_export.nets.dit import dit_attention_mask
 from cosyvoice_export.nets.llm import CosyVoice3LM
 from cosyvoice_export.reference.llm_decode import GreedySampler as TorchGreedy
 from cosyvoice_export.reference.llm_decode import generate_speech_tokens
@@ -98,6 +102,30 @@ def test_pinned_greedy_tokens_equal_the_reference(lm: SpeechTokenLM, torch_lm: C
     assert "forward_step" not in vars(torch_lm)  # CallLog put the method back
 
 
+# --- the hardware bounds' FLOP counts -------------------------------------------------------------------
+
+
+def test_flop_counts_equal_torchs_count_of_the_networks(tiny_bundle: Path) -> None:
+    """`dit_flops_per_step` and `hift_flops` count what torch's flop counter counts running the networks
+    (HiFT's last stage runs one frame more than it counts)."""
+    bundle = ModelBundle.open(tiny_bundle)
+    frames = 37
+    dit = bundle.load_network("flow").decoder.estimator
+    x, mu, cond = (torch.randn(2, dit.cfg.mel_dim, frames) for _ in range(3))
+    mask = torch.ones(2, 1, frames)
+    # the math backend's matmuls are counted; the CPU flash attention kernel is not
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as dit_count:
+        dit(x, mask, mu, torch.rand(2), torch.randn(2, dit.cfg.spk_dim), cond,
+            dit_attention_mask(mask, False, frames))
+    assert dit_flops_per_step(dit.cfg, frames) == pytest.approx(dit_count.get_total_flops(), rel=1e-4)
+    hift = bundle.load_network("hift")
+    mel = torch.randn(1, hift.cfg.in_channels, frames)
+    noise = torch.rand(1, frames * hift.cfg.upsample_scale, hift.cfg.nb_harmonics + 1)
+    with torch.no_grad(), FlopCounterMode(display=False) as hift_count:
+        hift.inference(mel, noise, finalize=True)
+    assert hift_flops(hift.cfg, frames) == pytest.approx(hift_count.get_total_flops(), rel=1e-4)
+
+
 # --- the benchmark -------------------------------------------------------------------------------------
 
 
@@ -131,7 +159,8 @@ def _check_common(result: dict[str, Any], lengths: list[str], levels: list[int])
     for case in result["cases"]:
         bounds = case["bounds"]
         for key in ("llm_bytes_per_token", "llm_bound_s_per_token", "llm_fraction_runtime", "frames",
-                    "dit_flops_per_step", "matmul_gflops", "dit_bound_s_per_step", "dit_fraction_runtime"):
+                    "dit_flops_per_step", "matmul_gflops", "dit_bound_s_per_step", "dit_fraction_runtime",
+                    "hift_frames", "hift_flops", "hift_bound_s", "hift_fraction_runtime"):
             assert bounds[key] > 0, key
         _check_figures(case["runtime"], case["pinned_tokens"], torch_side=False)
     assert [r["level"] for r in result["concurrency"]] == levels
@@ -198,7 +227,7 @@ def test_quick_run_beside_the_torch_reference(runtime_bundle: Path, tiny_bundle:
         _check_figures(case["torch"], case["pinned_tokens"], torch_side=True)
         assert case["same_speech_tokens"] is True
         assert case["torch"]["first_chunk_audio_s"] == pytest.approx(case["runtime"]["first_chunk_audio_s"])
-        assert case["bounds"]["llm_fraction_torch"] > 0 and case["bounds"]["dit_fraction_torch"] > 0
+        assert all(case["bounds"][f"{stage}_fraction_torch"] > 0 for stage in ("llm", "dit", "hift"))
         speedup = case["speedup"]
         assert set(speedup) == set(FIGURE_KEYS)
         assert speedup["rtf_offline"] > 0 and speedup["rtf_stream"] is None and speedup["audio_s"] is None
