@@ -98,8 +98,8 @@ def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:
 @click.option("--out", type=click.Path(path_type=Path), required=True,
               help="The runtime bundle to write: a new or empty directory, or one this command wrote.")
 @click.option("--trt", is_flag=True,
-              help="Also build a TensorRT plan per graph (cached by ONNX sha256 + GPU + TensorRT version) "
-                   "and validate it against onnxruntime. Needs a CUDA device and the gpu extra.")
+              help="Also build a TensorRT plan per graph (cached by ONNX sha256 + profile + GPU + TensorRT "
+                   "version) and validate it against onnxruntime. Needs a CUDA device and the gpu extra.")
 @click.option("--force", is_flag=True, help="Export every graph again, even unchanged ones.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
               help="fp16: float16 weights and matmul/conv compute, fragile ops (norms, softmax, time "

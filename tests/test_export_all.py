@@ -369,14 +369,18 @@ def test_input_profiles_cover_exactly_the_symbolic_inputs() -> None:
         assert all(a <= b <= c for a, b, c in zip(lo, opt, hi, strict=True))
 
 
-def test_plan_cache_key_depends_on_onnx_gpu_and_trt_version_only() -> None:
-    key = trt.plan_cache_key("a" * 64, "NVIDIA H100 80GB HBM3", "10.9.0")
-    assert key == trt.plan_cache_key("a" * 64, "NVIDIA H100 80GB HBM3", "10.9.0")
+def test_plan_cache_key_depends_on_onnx_profile_gpu_and_trt_version_only() -> None:
+    profiles = trt.input_profiles(TOY)
+    key = trt.plan_cache_key("a" * 64, profiles, "NVIDIA H100 80GB HBM3", "10.9.0")
+    assert key == trt.plan_cache_key("a" * 64, dict(reversed(profiles.items())), "NVIDIA H100 80GB HBM3",
+                                     "10.9.0")
     assert len(key) == 64 and int(key, 16) >= 0
-    others = {trt.plan_cache_key("b" * 64, "NVIDIA H100 80GB HBM3", "10.9.0"),
-              trt.plan_cache_key("a" * 64, "NVIDIA L4", "10.9.0"),
-              trt.plan_cache_key("a" * 64, "NVIDIA H100 80GB HBM3", "10.10.0")}
-    assert key not in others and len(others) == 3
+    retuned = trt.input_profiles(replace(TOY, dims={"n": DimRange(1, 16, 64)}))  # the same graph, opt moved
+    others = {trt.plan_cache_key("b" * 64, profiles, "NVIDIA H100 80GB HBM3", "10.9.0"),
+              trt.plan_cache_key("a" * 64, retuned, "NVIDIA H100 80GB HBM3", "10.9.0"),
+              trt.plan_cache_key("a" * 64, profiles, "NVIDIA L4", "10.9.0"),
+              trt.plan_cache_key("a" * 64, profiles, "NVIDIA H100 80GB HBM3", "10.10.0")}
+    assert key not in others and len(others) == 4
     assert trt.plan_file_name("llm", key) == f"llm.{key[:16]}.plan"
 
 

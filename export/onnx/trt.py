@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,9 +55,12 @@ def input_profiles(spec: GraphSpec) -> dict[str, tuple[Shape, Shape, Shape]]:
     return {t.name: spec.profile(t) for t in spec.inputs if t.symbols()}
 
 
-def plan_cache_key(onnx_sha256: str, gpu_name: str, trt_version: str) -> str:
-    """The cache key of a plan: a plan is valid only for these ONNX bytes, GPU model and TensorRT."""
-    text = "\n".join(("cosyvoice-trt-plan", onnx_sha256, gpu_name.strip(), trt_version.strip()))
+def plan_cache_key(onnx_sha256: str, profiles: Mapping[str, tuple[Shape, Shape, Shape]], gpu_name: str,
+                   trt_version: str) -> str:
+    """The cache key of a plan: a plan is valid only for these ONNX bytes, GPU model and TensorRT, and
+    tuned for these profiles (`input_profiles`), which a spec can change without changing the graph."""
+    shapes = ";".join(f"{name}={lo}/{opt}/{hi}" for name, (lo, opt, hi) in sorted(profiles.items()))
+    text = "\n".join(("cosyvoice-trt-plan", onnx_sha256, shapes, gpu_name.strip(), trt_version.strip()))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -81,7 +85,8 @@ def require_trt() -> TrtEnv:
 
 def build_plan(onnx_path: Path, spec: GraphSpec, cache_dir: Path, env: TrtEnv) -> PlanResult:
     """The fp32 plan of `onnx_path` with one optimisation profile from the spec, from the cache if
-    there is one for (ONNX sha256, GPU, TensorRT version), else built and written there atomically.
+    there is one for (ONNX sha256, profile, GPU, TensorRT version), else built and written there
+    atomically.
 
     TF32 is off: the plan is held to the fp32 tolerances of the spec.
     """
@@ -89,12 +94,13 @@ def build_plan(onnx_path: Path, spec: GraphSpec, cache_dir: Path, env: TrtEnv) -
     from polygraphy.backend.trt import network_from_onnx_path as parse_onnx
 
     start = time.perf_counter()
-    key = plan_cache_key(file_sha256(onnx_path), env.gpu_name, env.trt_version)
+    profiles = input_profiles(spec)
+    key = plan_cache_key(file_sha256(onnx_path), profiles, env.gpu_name, env.trt_version)
     path = Path(cache_dir) / plan_file_name(spec.name, key)
     if path.is_file():
         return PlanResult(path, key, cached=True, seconds=time.perf_counter() - start)
     profile = Profile()
-    for name, (lo, opt, hi) in input_profiles(spec).items():
+    for name, (lo, opt, hi) in profiles.items():
         profile.add(name, min=lo, opt=opt, max=hi)
     # parse by path so the parser finds a large graph's external-data file beside it
     plan = engine_bytes_from_network(parse_onnx(str(onnx_path)),
