@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from cosyvoice_graphs import Case
+from cosyvoice_graphs import Case, GraphSpec, empty_caches
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.runners import CPU, OPTIMIZATION, OrtRunner
 
@@ -23,23 +23,27 @@ LEVER_THREADS = (1, 2)
 """Intra-op thread counts tried per graph and optimisation level."""
 RUNTIME_OPTIMIZATION: str = inspect.signature(OrtRunner).parameters["optimization"].default
 """The level `OrtRunner` uses unless told otherwise, which is what `Synthesizer` runs with."""
+DIT = "flow_estimator_cached"
+DIT_OUTPUTS = ["velocity"]
+"""What the runtime's offline flow fetches from the DiT: its caches are never read."""
 
 
 def onnxruntime_levers(bundle: RuntimeBundle, *, frames: int, past_len: int, runtime_threads: int,
                        repeats: int, on_row: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
-    """Median seconds per call of `flow_estimator` (one ODE step at `frames` frames, full attention) and
-    `llm` (one decode step after `past_len` cached positions) for every optimisation level and thread
-    count, each in a fresh CPU session; the row the runtime uses is marked."""
-    points = {"flow_estimator": Case({"frames": frames}, {"block_frames": (float(frames),)}),
-              "llm": Case({"new_len": 1, "past_len": past_len})}
+    """Median seconds per call of `flow_estimator_cached` (one ODE step over `frames` frames with nothing
+    cached, full attention: an offline call) and `llm` (one decode step after `past_len` cached positions)
+    for every optimisation level and thread count, each in a fresh CPU session; the row the runtime uses
+    is marked."""
+    decode = Case({"new_len": 1, "past_len": past_len})
+    points = {DIT: (*_offline_dit_call(bundle.specs[DIT], frames), DIT_OUTPUTS),
+              "llm": (decode, bundle.specs["llm"].sample_inputs(decode), bundle.specs["llm"].output_names)}
     rows = []
-    for graph, case in points.items():
+    for graph, (case, feeds, outputs) in points.items():
         spec = bundle.specs[graph]
-        feeds = spec.sample_inputs(case)
         for level in OPTIMIZATION:
             for threads in LEVER_THREADS:
                 with OrtRunner(bundle.graph_path(graph), spec, CPU, threads=threads, optimization=level) as r:
-                    seconds = _median_call(r, feeds, repeats)
+                    seconds = _median_call(r, feeds, outputs, repeats)
                 rows.append({"graph": graph, "shape": dict(case.dims), "optimization": level,
                              "threads": threads, "seconds_per_call": seconds,
                              "runtime_default": level == RUNTIME_OPTIMIZATION and threads == runtime_threads})
@@ -47,13 +51,21 @@ def onnxruntime_levers(bundle: RuntimeBundle, *, frames: int, past_len: int, run
     return rows
 
 
-def _median_call(runner: OrtRunner, feeds: Mapping[str, np.ndarray], repeats: int) -> float:
-    """Median seconds of `repeats` calls after one warm-up call."""
-    runner.infer(feeds)
+def _offline_dit_call(spec: GraphSpec, frames: int) -> tuple[Case, dict[str, np.ndarray]]:
+    """The point and feeds of the DiT's offline call over `frames` frames, as the runtime makes it:
+    nothing cached (zero past frames, offset 0, zero conv context), full attention."""
+    case = Case({"new_frames": frames, "past_frames": 0}, {"offset": (0,), "block_frames": (frames,)})
+    return case, spec.sample_inputs(case) | empty_caches(spec)
+
+
+def _median_call(runner: OrtRunner, feeds: Mapping[str, np.ndarray], outputs: Sequence[str], repeats: int
+                 ) -> float:
+    """Median seconds of `repeats` calls fetching `outputs`, after one warm-up call."""
+    runner.infer_outputs(feeds, outputs)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        runner.infer(feeds)
+        runner.infer_outputs(feeds, outputs)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -63,22 +75,22 @@ MASK_FREE_OPS = frozenset({"MatMul", "FusedMatMul", "Softmax"})
 
 
 def attention_mask_cost(bundle: RuntimeBundle, *, frames: int, threads: int) -> dict[str, Any]:
-    """What `flow_estimator`'s attention mask costs one full-attention call at `frames` frames, from an
-    onnxruntime profile of a call after a warm-up: the nodes that read or write a (..., T, T) tensor,
-    other than the attention's matmuls and softmax (building the mask, turning it into an additive bias
-    and adding that to the scores). With an all-ones mask none of it changes the result."""
-    spec = bundle.specs["flow_estimator"]
-    feeds = spec.sample_inputs(Case({"frames": frames}, {"block_frames": (float(frames),)}))
+    """What the DiT's attention mask costs its offline call (`flow_estimator_cached` over `frames` frames
+    with nothing cached, full attention), from an onnxruntime profile of a call after a warm-up: the
+    nodes that read or write a (..., T, T) tensor, other than the attention's matmuls and softmax
+    (building the mask, turning it into an additive bias and adding that to the scores). With full
+    attention none of it changes the result."""
+    _, feeds = _offline_dit_call(bundle.specs[DIT], frames)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.graph_optimization_level = OPTIMIZATION[RUNTIME_OPTIMIZATION]
     with tempfile.TemporaryDirectory() as tmp:
         options.enable_profiling = True
-        options.profile_file_prefix = str(Path(tmp) / "flow_estimator")
-        session = ort.InferenceSession(str(bundle.graph_path("flow_estimator")), options,
+        options.profile_file_prefix = str(Path(tmp) / DIT)
+        session = ort.InferenceSession(str(bundle.graph_path(DIT)), options,
                                        providers=["CPUExecutionProvider"])
-        session.run(None, feeds)
-        session.run(None, feeds)
+        session.run(DIT_OUTPUTS, feeds)
+        session.run(DIT_OUTPUTS, feeds)
         events = json.loads(Path(session.end_profiling()).read_text())
     last = max((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])
     nodes = [e for e in events if e.get("cat") == "Node" and e["ts"] >= last["ts"]]
@@ -115,7 +127,7 @@ def export_levers(bundle: RuntimeBundle, mask_cost: Mapping[str, Any] | None) ->
          "detail": "the NaN guard that a boolean mask brings after every block's softmax (IsNaN + Where "
                    "over (2, H, T, T), 17% of a 650-frame call) is gone: the DiT turns its mask into an "
                    "additive bias once, and no row is all-masked. The mask itself stays, built in the "
-                   "graph from `mask` and `block_frames` and added to every block's scores, because it "
+                   "graph from `offset` and `block_frames` and added to every block's scores, because it "
                    f"carries the block-causal streaming pattern, so offline calls pay for it too; {mask}"},
         {"lever": "IOBinding for the KV cache", "status": "done in the runtime",
          "detail": "SpeechTokenLM.step binds present_* as OrtValues left where the session computed them "

@@ -329,7 +329,8 @@ def _notes(s: Settings, gpu: GpuSampler | None) -> dict[str, str]:
         "bounds": "fraction reached = bound / measured (1 = at the hardware bound); LLM: weights (the "
                   "exported graph's, from the bundle's dims) plus the KV cache at the mean decode "
                   "position, read once per token; DiT: one ODE step (both CFG rows, full attention) "
-                  "over the case's frames",
+                  "over the case's frames; HiFT: its convolutions over the generated frames, at the same "
+                  "matmul rate (its Snake activations' sines, single-threaded in onnxruntime, come on top)",
     }
     if s.concurrency:
         notes["concurrency"] = ("runtime only: sessions start from tokenised text and a cached prompt; "

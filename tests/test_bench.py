@@ -169,7 +169,7 @@ def _check_common(result: dict[str, Any], lengths: list[str], levels: list[int])
         assert row["wall_s"] > 0 and row["audio_s"] > 0 and row["first_chunk_max_s"] > 0
     levers = result["levers"]["onnxruntime"]
     assert len(levers) == 2 * 4 * 2 and all(r["seconds_per_call"] > 0 for r in levers)
-    assert sorted(r["graph"] for r in levers if r["runtime_default"]) == ["flow_estimator", "llm"]
+    assert sorted(r["graph"] for r in levers if r["runtime_default"]) == ["flow_estimator_cached", "llm"]
     assert {e["lever"] for e in result["levers"]["export"]} and "gpu" in result["notes"]
     assert set(result["first_use"]) == ({"runtime", "torch"} if result["settings"]["model_dir"] else
                                         {"runtime"})
