@@ -110,8 +110,9 @@ class RuntimeBackend:
         request = self._request(case)
         front_end_s = time.perf_counter() - start
         synth = self.synth
-        # `lm.step` is one llm graph call whichever runner method it uses (IOBinding on onnxruntime)
-        calls = {"llm": (synth.lm, "step"), "estimator": (synth.flow.estimator, "infer")}
+        # `lm.step` is one llm graph call whichever runner method it uses (IOBinding on onnxruntime); the
+        # offline flow fetches the DiT's velocity only, through `infer_outputs`
+        calls = {"llm": (synth.lm, "step"), "estimator": (synth.flow.estimator, "infer_outputs")}
         with self._log.wrap(calls):
             result = synth.synthesize(request.text_ids, prompt, sampler=make_sampler("ras", self.seed),
                                       prompt_text_ids=request.prompt_text_ids, max_tokens=case.tokens,

@@ -119,7 +119,8 @@ def all_cmd(model_dir: Path, out: Path, trt: bool, force: bool, precision: str) 
     sha256, the graphs' spec versions and validation figures).
 
     A second run into the same OUT skips graphs whose spec version, source checkpoints and exporter
-    are unchanged (unless --force). Prints a summary table; exits 1 if a graph fails validation
+    are unchanged (unless --force), and deletes graphs an earlier exporter made that this one no
+    longer does. Prints a summary table; exits 1 if a graph fails validation
     (no manifest is written then), 2 on a bad bundle or unusable OUT.
     """
     from .onnx.runtime_bundle import export_all

@@ -7,7 +7,7 @@ graph drifted first when the audio is off.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +19,8 @@ from cosyvoice_graphs import cache_pairs
 from cosyvoice_runtime.runners import Feed, OrtRunner
 from cosyvoice_runtime.synthesis import Synthesizer
 
+InferOutputs = Callable[[Mapping[str, Feed], Sequence[str]], dict[str, np.ndarray]]
+"""`Runner.infer_outputs`'s signature."""
 KeptInfer = Callable[[Mapping[str, Feed], Collection[str]],
                      tuple[dict[str, np.ndarray], dict[str, ort.OrtValue]]]
 """`OrtRunner.infer_kept`'s signature."""
@@ -108,8 +110,9 @@ def largest_drift(got: Mapping[str, Any], want: Mapping[str, Any]) -> tuple[str,
 class GraphRecorder:
     """Feeds every graph call of a `Synthesizer` into the current `GraphStats`.
 
-    The synthesizer's runners are wrapped in place (their `infer` shadowed on the instance), so every
-    object holding a runner (the LM, the flow, the vocoder and its streams) is observed. Cache outputs
+    The synthesizer's runners are wrapped in place (their `infer_outputs`, which `infer` calls, shadowed
+    on the instance), so every object holding a runner (the LM, the flow, the vocoder and its streams)
+    is observed, whichever outputs a call fetches. Cache outputs
     (`present_*`) are left out: they grow with every step (quadratic cost) and feed the outputs that are
     kept.
     """
@@ -118,15 +121,15 @@ class GraphRecorder:
         self._stats: GraphStats | None = None
         for name, runner in synth.runners.items():
             caches = {present for _, present in cache_pairs(runner.spec)}
-            runner.infer = self._observer(name, runner.infer, caches)  # type: ignore[method-assign]
+            runner.infer_outputs = self._observer(  # type: ignore[method-assign]
+                name, runner.infer_outputs, caches)
             if isinstance(runner, OrtRunner):  # the LLM's calls with its cache kept on the device
                 runner.infer_kept = self._kept_observer(  # type: ignore[method-assign]
                     name, runner.infer_kept, caches)
 
-    def _observer(self, graph: str, infer: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]],
-                  caches: set[str]) -> Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]:
-        def observed(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-            outputs = infer(feeds)
+    def _observer(self, graph: str, infer_outputs: InferOutputs, caches: set[str]) -> InferOutputs:
+        def observed(feeds: Mapping[str, Feed], names: Sequence[str]) -> dict[str, np.ndarray]:
+            outputs = infer_outputs(feeds, names)
             if self._stats is not None:
                 self._stats.add(graph, {k: v for k, v in outputs.items() if k not in caches})
             return outputs

@@ -33,8 +33,15 @@ SINE_NOISE = "sine_noise"
 """(1, samples, harmonics): the NSF source's uniform noise, read from the utterance's first sample;
 stored as the MT19937 state it is drawn from (`generated_table_file`)."""
 
-NOISE_TABLES = {FLOW_NOISE: ("flow_estimator", "frames"), SINE_NOISE: ("hift_decoder", "samples")}
+NOISE_TABLES = {FLOW_NOISE: ("flow_estimator_cached", "new_frames"),
+                SINE_NOISE: ("hift_decoder", "samples")}
 """Noise table -> (graph, symbolic dim) whose largest profile size is the longest the runtime can read."""
+
+RETIRED_GRAPHS = frozenset({"flow_estimator"})
+"""Graphs that bundles of earlier exporters hold and this runtime no longer runs: a manifest may list
+them (their files are checked as any listed file) and they are never opened; the layout is otherwise
+unchanged, so such a bundle keeps its format version. `flow_estimator` was the one-shot DiT, which
+`flow_estimator_cached` with nothing cached computes bit for bit."""
 
 
 def graph_file(name: str) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_graphs import PRECISIONS, SPECS, GraphSpec, ModelDims, spec
-from cosyvoice_graphs.bundle_layout import FORMAT, FORMAT_VERSION, MANIFEST
+from cosyvoice_graphs.bundle_layout import FORMAT, FORMAT_VERSION, MANIFEST, RETIRED_GRAPHS
 
 from .errors import RuntimeBundleError
 from .noise import MT19937, UniformNoise
@@ -58,7 +58,8 @@ class RuntimeBundle:
     @classmethod
     def open(cls, root: Path | str, *, verify: bool = False) -> RuntimeBundle:
         """Read and check `root/manifest.json`: format and version, model constants, one graph per
-        registered spec at our spec version, and every listed file present with its recorded size.
+        registered spec at our spec version (besides which an older bundle may list `RETIRED_GRAPHS`,
+        never opened), and every listed file present with its recorded size.
 
         `verify` also re-hashes every file against the manifest's sha256 (seconds for a full model).
         """
@@ -74,7 +75,7 @@ class RuntimeBundle:
         ids = {k: _int(model, k, f"{where}: model") for k in SPECIAL_IDS}
         files = _section(manifest, "files", where)
         graphs = _section(manifest, "graphs", where)
-        if set(graphs) != set(SPECS):
+        if not set(SPECS) <= set(graphs) <= set(SPECS) | RETIRED_GRAPHS:
             raise RuntimeBundleError(f"{where}: graphs are {sorted(graphs)}, expected {sorted(SPECS)}")
         specs = {name: spec(name, dims) for name in SPECS}
         for name, s in specs.items():

@@ -1,6 +1,6 @@
 """Offline and streaming synthesis over a runtime bundle: LLM -> flow -> vocoder.
 
-`Synthesizer` opens the graphs once (the DiT's two as one session). `synthesize` is upstream's
+`Synthesizer` opens the graphs once. `synthesize` is upstream's
 non-streaming path: all tokens, one full-attention flow call, one final vocoder call. `stream` is
 upstream's CosyVoice3 streaming (`CosyVoice2Model.tts` + `CosyVoice3Model.token2wav`): chunks on the
 schedule of a `ChunkPolicy`, each non-final chunk running the block-causal flow, the last one a
@@ -31,7 +31,6 @@ import numpy as np
 from cosyvoice_graphs.bundle_layout import FLOW_NOISE, SINE_NOISE, SPEECH_EMBEDDING, TEXT_EMBEDDING
 
 from .bundle import RuntimeBundle
-from .estimator import EstimatorOnCached
 from .frontend import PromptFeatures
 from .llm import LlmRequest, SpeechTokenLM
 from .runners import CPU, Runner, open_runner
@@ -179,24 +178,16 @@ class Synthesis:
 
 
 class Synthesizer:
-    """The bundle's graphs, opened once on one provider, and the tables they read.
-
-    The DiT is opened once: `flow_estimator`'s calls run on the `flow_estimator_cached` session
-    (`estimator.EstimatorOnCached`, bit-identical), which keeps one copy of its weights in memory.
-    """
+    """The bundle's graphs, opened once on one provider, and the tables they read."""
 
     def __init__(self, bundle: RuntimeBundle, provider: str = CPU, *, threads: int | None = None) -> None:
-        """Open every graph of `bundle` on `provider` (see `cosyvoice_runtime.runners.PROVIDERS`), the
-        `flow_estimator` graph as a view of `flow_estimator_cached`."""
+        """Open every graph of `bundle` on `provider` (see `cosyvoice_runtime.runners.PROVIDERS`)."""
         self.bundle = bundle
         self.dims = bundle.dims
         self._runners: dict[str, Runner] = {}
         try:
             for name in bundle.specs:
-                if name != "flow_estimator":
-                    self._runners[name] = open_runner(bundle, name, provider, threads=threads)
-            self._runners["flow_estimator"] = EstimatorOnCached(self._runners["flow_estimator_cached"],
-                                                                bundle.specs["flow_estimator"])
+                self._runners[name] = open_runner(bundle, name, provider, threads=threads)
         except BaseException:
             self.close()
             raise
@@ -204,14 +195,12 @@ class Synthesizer:
         self.lm = SpeechTokenLM(r["llm"], bundle.table(TEXT_EMBEDDING), bundle.table(SPEECH_EMBEDDING),
                                 sos=bundle.sos, task_id=bundle.task_id, endofprompt_id=bundle.endofprompt_id,
                                 speech_token_size=self.dims.speech_token_size)
-        self.flow = Flow(r["flow_encoder"], r["flow_estimator"], bundle.table(FLOW_NOISE), self.dims,
-                         cached=r["flow_estimator_cached"])
+        self.flow = Flow(r["flow_encoder"], r["flow_estimator_cached"], bundle.table(FLOW_NOISE), self.dims)
         self.vocoder = Vocoder(r["hift_f0"], r["hift_decoder"], bundle.uniform_noise(SINE_NOISE), self.dims)
 
     @property
     def runners(self) -> Mapping[str, Runner]:
-        """Graph name -> the runner its calls go through (read-only; `flow_estimator`'s is the view of
-        `flow_estimator_cached`), for observers such as golden's graph statistics."""
+        """Graph name -> its runner (read-only), for observers such as golden's graph statistics."""
         return MappingProxyType(self._runners)
 
     @property

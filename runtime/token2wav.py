@@ -1,4 +1,4 @@
-"""Speech tokens -> mel -> waveform: the flow (encoder + Euler ODE over the DiT estimator) and HiFT.
+"""Speech tokens -> mel -> waveform: the flow (encoder + Euler ODE over the DiT) and HiFT.
 
 Upstream's `CosyVoice3Model.token2wav` with `CausalMaskedDiffWithDiT.inference`,
 `CausalConditionalCFM` and `CausalHiFTGenerator.inference`, over the bundle's graphs:
@@ -7,13 +7,14 @@ Upstream's `CosyVoice3Model.token2wav` with `CausalMaskedDiffWithDiT.inference`,
   last 3 tokens back as look-ahead, a final one passes -1s (zero right padding);
 - 10 Euler steps on the cosine-warped grid, dt recomputed from the accumulated t, classifier-free
   guidance as one batch of 2 (row 1: mu, spks and cond zeroed), v = 1.7 v_cond - 0.7 v_uncond, from
-  the position-locked noise table `flow_noise[:, :, :T]`; `block_frames` 50 is the streaming
-  block-causal mask, T full attention;
+  the position-locked noise table `flow_noise[:, :, :T]`; each step is one `flow_estimator_cached`
+  call over all T frames with nothing cached, `block_frames` 50 the streaming block-causal mask, T full
+  attention;
 - `hift_f0` -> the harmonic phase (`sine_phase`, numpy) -> `hift_decoder` with the `sine_noise`
   table; a non-final call keeps the samples that no longer depend on future frames.
 
-`FlowStream` streams the flow: a non-final chunk runs `flow_estimator_cached` over its new frames only,
-fed per ODE step with the keys/values and conv context of the earlier frames, and gives the frames of
+`FlowStream` streams the flow: a non-final chunk runs the same graph over its new frames only, fed per
+ODE step with the keys/values and conv context of the earlier frames, and gives the frames of
 `Flow` over the whole prefix (the earlier frames are whole blocks that the block-causal mask never lets
 attend forward); with a `window` it bounds the cost per chunk, at a deviation from upstream.
 
@@ -134,16 +135,17 @@ def _cfg_rows(mu: np.ndarray, spks: np.ndarray, cond: np.ndarray) -> dict[str, n
 
 
 class Flow:
-    """`flow_encoder` + the Euler/CFG loop over `flow_estimator`: tokens -> mel frames after the prompt.
+    """`flow_encoder` + the Euler/CFG loop over `flow_estimator_cached`: tokens -> mel frames after the
+    prompt.
 
-    `stream` starts a `FlowStream`, which runs the loop over `flow_estimator_cached` instead.
+    A call runs the DiT over all frames with nothing cached; `stream` starts a `FlowStream`, which feeds
+    it the caches of earlier chunks.
     """
 
-    def __init__(self, encoder: Runner, estimator: Runner, noise: np.ndarray, dims: ModelDims,
-                 cached: Runner | None = None) -> None:
-        """`noise` is the bundle's `flow_noise` table (1, mel_bins, max frames), read from frame 0;
-        `cached` is the `flow_estimator_cached` graph, which `stream` needs."""
-        self.encoder, self.estimator, self.cached = encoder, estimator, cached
+    def __init__(self, encoder: Runner, estimator: Runner, noise: np.ndarray, dims: ModelDims) -> None:
+        """`estimator` is the `flow_estimator_cached` graph; `noise` is the bundle's `flow_noise` table
+        (1, mel_bins, max frames), read from frame 0."""
+        self.encoder, self.estimator = encoder, estimator
         self.noise = noise
         self.dims = dims
         self.t_span = time_grid()
@@ -159,26 +161,23 @@ class Flow:
         mu, spks = self.encode(all_tokens, 0, prompt, finalize=finalize)  # (1, 80, T), (1, 80)
         frames = mu.shape[2]
         block = self.dims.dit_block_frames if streaming else frames
-        feeds: dict[str, np.ndarray] = {"mask": np.ones((2, 1, frames), dtype=np.float32),
-                                        "block_frames": np.array([block], dtype=np.int64),
-                                        **_cfg_rows(mu, spks, self.cond(prompt, 0, frames))}
-        mel = self.solve(self.initial_x(0, frames), lambda _, x, t: self.estimator.infer(
-            {"x": x, "t": t, **feeds})["velocity"])
+        feeds = {"offset": np.zeros(1, dtype=np.int64), "block_frames": np.array([block], dtype=np.int64),
+                 **_cfg_rows(mu, spks, self.cond(prompt, 0, frames)), **empty_caches(self.estimator.spec)}
+        # the velocity only: nothing reads this call's present_* caches, so they are not copied out
+        mel = self.solve(self.initial_x(0, frames), lambda _, x, t: self.estimator.infer_outputs(
+            {"x": x, "t": t, **feeds}, ["velocity"])["velocity"])
         return mel[:, :, prompt.mel.shape[1]:]
 
     def stream(self, prompt: PromptFeatures, *, window: int | None = None) -> FlowStream:
         """A new utterance's `FlowStream`: exact caches (`window=None`), or attention bounded to the
         prompt's blocks and the last `window` blocks (see `FlowStream`)."""
-        if self.cached is None:
-            raise ValueError("streaming with flow caches needs the flow_estimator_cached graph")
         if window is not None and window < 1:
             raise ValueError(f"window must be >= 1 block, got {window}")
         if prompt.mel.shape[1] != self.dims.token_mel_ratio * prompt.speech_tokens.shape[1]:
             raise ValueError(f"the prompt has {prompt.mel.shape[1]} mel frames for "
                              f"{prompt.speech_tokens.shape[1]} tokens; the flow needs "
                              f"{self.dims.token_mel_ratio} per token")
-        return FlowStream(self, self.cached, prompt, window,
-                          [empty_caches(self.cached.spec) for _ in self.t_span[1:]])
+        return FlowStream(self, prompt, window, [empty_caches(self.estimator.spec) for _ in self.t_span[1:]])
 
     def tokens_with_prompt(self, tokens: Sequence[int] | np.ndarray, prompt: PromptFeatures, *,
                            finalize: bool) -> np.ndarray:
@@ -258,8 +257,6 @@ class FlowStream:
     """
 
     flow: Flow = field(repr=False)
-    estimator: Runner = field(repr=False)
-    """The `flow_estimator_cached` graph."""
     prompt: PromptFeatures = field(repr=False)
     window: int | None
     """Blocks of generated frames whose keys/values attention keeps besides the prompt's blocks;
@@ -276,7 +273,7 @@ class FlowStream:
     def growing(self) -> list[str]:
         """The caches that grow with the frames (keys and values, frames on axis 2): those with a
         symbolic dim in the spec; the conv caches have a fixed size."""
-        return [t.name for t in self.estimator.spec.inputs if t.name in self.caches[0] and t.symbols()]
+        return [t.name for t in self.flow.estimator.spec.inputs if t.name in self.caches[0] and t.symbols()]
 
     @property
     def cached_frames(self) -> int:
@@ -312,10 +309,10 @@ class FlowStream:
         feeds = {"offset": np.array([first], dtype=np.int64),
                  "block_frames": np.array([end if finalize else block], dtype=np.int64),
                  **_cfg_rows(mu, spks, flow.cond(self.prompt, first, end))}
-        pairs = cache_pairs(self.estimator.spec)
+        pairs = cache_pairs(flow.estimator.spec)
 
         def velocity(step: int, x: np.ndarray, t: np.ndarray) -> np.ndarray:
-            out = self.estimator.infer({"x": x, "t": t, **feeds, **self.caches[step]})
+            out = flow.estimator.infer({"x": x, "t": t, **feeds, **self.caches[step]})
             self.caches[step] = self._windowed({past: out[present] for past, present in pairs})
             return out["velocity"]
 

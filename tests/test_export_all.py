@@ -245,8 +245,8 @@ def test_runtime_bundle_tables_and_copies(exported: tuple[Path, str], tiny_bundl
     assert all(t.dtype == np.float32 for t in tables.values())
     assert tables["speech_embedding"].shape == (dims.speech_vocab, dims.llm_hidden)
     assert tables["text_embedding"].shape[1] == dims.llm_hidden
-    estimator, decoder = spec("flow_estimator", dims), spec("hift_decoder", dims)
-    assert tables["flow_noise"].shape == (1, dims.mel_bins, estimator.dims["frames"].max)
+    estimator, decoder = spec("flow_estimator_cached", dims), spec("hift_decoder", dims)
+    assert tables["flow_noise"].shape == (1, dims.mel_bins, estimator.dims["new_frames"].max)
     sine = next(t for t in decoder.inputs if t.name == "sine_noise")
     assert RuntimeBundle.open(out).uniform_noise("sine_noise").shape == decoder.profile(sine)[2]
     assert manifest["prompt"] == {"wav": PROMPT_WAV, "text": PROMPT_TEXT}
@@ -284,6 +284,28 @@ def test_second_run_reuses_unchanged_graphs(exported: tuple[Path, str], tmp_path
     assert "reused" in report.table()
     forced = export_all(tiny_bundle, out, progress=False, force=True)
     assert forced.passed and not any(g.reused for g in forced.graphs)
+
+
+def test_export_deletes_the_retired_graphs_of_an_earlier_export(exported: tuple[Path, str], tmp_path: Path,
+                                                                 tiny_bundle: Path) -> None:
+    """An OUT written before `flow_estimator` was retired: its files, record and TensorRT plans go, so the
+    bundle holds exactly what its new manifest lists; the other graphs are reused."""
+    out = tmp_path / "bundle"
+    shutil.copytree(exported[0], out)
+    old = [out / "graphs" / "flow_estimator.onnx", out / "graphs" / "flow_estimator.onnx.data",
+           out / ".export" / "graph-flow_estimator.json", out / "trt" / "flow_estimator.0123456789abcdef.plan"
+           ]
+    for path in old:
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"from an earlier exporter")
+    kept = out / "trt" / "flow_estimator_cached.0123456789abcdef.plan"
+    kept.write_bytes(b"a cached plan of a current graph")
+    report = export_all(tiny_bundle, out, progress=False)
+    assert report.passed and all(g.reused for g in report.graphs)
+    assert not any(path.exists() for path in old) and kept.is_file()
+    on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.name != MANIFEST
+               and p.relative_to(out).parts[0] not in (".export", "trt")}
+    assert on_disk == set(json.loads((out / MANIFEST).read_text())["files"])
 
 
 def test_interrupted_export_leaves_no_manifest(exported: tuple[Path, str], tmp_path: Path, tiny_bundle: Path,
@@ -363,8 +385,10 @@ def test_input_profiles_cover_exactly_the_symbolic_inputs() -> None:
     profiles = trt.input_profiles(s)
     assert set(profiles) == {t.name for t in s.inputs if t.symbols()}
     assert profiles["sine_noise"] == ((1, 4 * 4, 2), (1, 500 * 4, 2), (1, 3000 * 4, 2))  # derived samples
-    estimator = spec("flow_estimator", TOY_DIMS)
-    assert {"t", "spks", "block_frames"}.isdisjoint(trt.input_profiles(estimator))
+    estimator = spec("flow_estimator_cached", TOY_DIMS)
+    fixed = {"t", "spks", "offset", "block_frames", "past_pos_conv1", "past_pos_conv2"}
+    assert fixed.isdisjoint(trt.input_profiles(estimator))
+    assert trt.input_profiles(estimator)["past_key_0"] == ((2, 2, 0, 4), (2, 2, 0, 4), (2, 2, 3000, 4))
     for lo, opt, hi in profiles.values():
         assert all(a <= b <= c for a, b, c in zip(lo, opt, hi, strict=True))
 

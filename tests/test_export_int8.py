@@ -1,4 +1,4 @@
-"""`cosyvoice-export all --precision int8`: the llm and the two DiT graphs with int8 matmul weights,
+"""`cosyvoice-export all --precision int8`: the llm and the DiT graph with int8 matmul weights,
 validated with their int8 bounds and decode or solve gates, recorded as int8 in the manifest and the graph's
 metadata, and run end to end by the runtime, `cosyvoice-run` and `cosyvoice-golden` like any other
 bundle."""
@@ -56,7 +56,7 @@ def int8_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     result = CliRunner().invoke(main, ["all", "--model-dir", str(tiny_bundle), "--out", str(out),
                                        "--precision", "int8"])
     assert result.exit_code == 0, result.output
-    assert "llm [int8 decode]" in result.output and "flow_estimator [int8 solve]" in result.output
+    assert "llm [int8 decode]" in result.output and "flow_estimator_cached [int8 solve]" in result.output
     assert "[INFO]" not in result.output and "WARNING" not in result.output  # no quantizer chatter
     return out
 
@@ -104,8 +104,8 @@ def test_only_the_llm_projections_take_int8_weights(int8_bundle: Path) -> None:
     assert _float_weight_matmuls(model) == ["/llm_decoder/MatMul"]  # the output head stays float32
 
 
-@pytest.mark.parametrize("graph", ["flow_estimator", "flow_estimator_cached"])
-def test_only_the_dit_blocks_linears_take_int8_weights(int8_bundle: Path, graph: str) -> None:
+def test_only_the_dit_blocks_linears_take_int8_weights(int8_bundle: Path) -> None:
+    graph = "flow_estimator_cached"
     model = _int8_body(int8_bundle, graph)
     depth = tiny_dims().dit_depth
     quantized = [n.name for n in model.graph.node if n.op_type == "MatMulInteger"]
@@ -179,21 +179,22 @@ def test_a_missed_gate_fails_naming_graph_and_gate(tiny_bundle: Path, int8_bundl
 def test_a_missed_solve_gate_fails_naming_graph_and_gate(tiny_bundle: Path, int8_bundle: Path) -> None:
     bundle = ModelBundle.open(tiny_bundle)
     nets = Networks(bundle.config, *(bundle.load_network(n) for n in ("llm", "flow", "hift")))
-    s = spec("flow_estimator", model_dims(bundle.config))
+    s = spec("flow_estimator_cached", model_dims(bundle.config))
     tight = replace(s, solve_gates={"int8": replace(s.solve_gates["int8"], min_snr_db=200.0)})
-    gates = validate_solve(int8_bundle / "graphs" / "flow_estimator.onnx", nets, tight, "int8")
+    gates = validate_solve(int8_bundle / "graphs" / "flow_estimator_cached.onnx", nets, tight, "int8")
     assert [f.metric for f in gates if not f.passed] == ["mel_rel_rms"]
-    with pytest.raises(ValidationError, match=r"flow_estimator: output velocity at flow solve: 250 frames, "
-                                              r"10 Euler steps: mel_rel_rms error .* > bound 1e-10"):
-        GraphValidation("flow_estimator", "CPUExecutionProvider", "torch", (), gates).raise_for_failure()
+    with pytest.raises(ValidationError, match=r"flow_estimator_cached: output velocity at flow solve: 250 "
+                                              r"frames, 10 Euler steps: mel_rel_rms error .* > bound 1e-10"):
+        GraphValidation(s.name, "CPUExecutionProvider", "torch", (), gates).raise_for_failure()
 
 
 def test_the_fp32_dit_solves_to_the_torch_mel(tiny_bundle: Path) -> None:
-    """The solve gates' harness itself: the fp32 graph in the DiT's place gives torch's mel."""
+    """The solve gates' harness itself: the fp32 graph (nothing cached, 250 frames, offline full
+    attention) in the DiT's place gives torch's mel."""
     bundle = ModelBundle.open(tiny_bundle)
     nets = Networks(bundle.config, *(bundle.load_network(n) for n in ("llm", "flow", "hift")))
-    s = spec("flow_estimator", model_dims(bundle.config))
-    gates = validate_solve(DEMO_BUNDLE / "graphs" / "flow_estimator.onnx", nets, s, "int8")
+    s = spec("flow_estimator_cached", model_dims(bundle.config))
+    gates = validate_solve(DEMO_BUNDLE / "graphs" / "flow_estimator_cached.onnx", nets, s, "int8")
     assert all(f.measured < 1e-5 for f in gates), gates
 
 

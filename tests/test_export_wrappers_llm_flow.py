@@ -1,4 +1,4 @@
-"""The llm / flow_encoder / flow_estimator export wrappers: spec I/O, exactness against the torch
+"""The llm / flow_encoder / flow_estimator_cached export wrappers: spec I/O, exactness against the torch
 networks they wrap, and a legacy-exporter round trip through onnxruntime at the specs' validation cases."""
 
 from __future__ import annotations
@@ -20,11 +20,15 @@ from cosyvoice_export.nets import flow as flow_net
 from cosyvoice_export.nets import llm as llm_net
 from cosyvoice_export.nets.dit import dit_attention_mask
 from cosyvoice_export.onnx.dims import model_dims
-from cosyvoice_export.onnx.wrappers.flow import FlowEncoderGraph, FlowEstimatorGraph, block_attention_mask
+from cosyvoice_export.onnx.wrappers.flow import (
+    FlowEncoderGraph,
+    FlowEstimatorCachedGraph,
+    cached_attention_mask,
+)
 from cosyvoice_export.onnx.wrappers.llm import LLMGraph
-from cosyvoice_graphs import GraphSpec
+from cosyvoice_graphs import GraphSpec, empty_caches
 
-GRAPHS = ("llm", "flow_encoder", "flow_estimator")
+GRAPHS = ("llm", "flow_encoder", "flow_estimator_cached")
 ONNX_DTYPES = {"float32": onnx.TensorProto.FLOAT, "int64": onnx.TensorProto.INT64}
 
 
@@ -52,7 +56,7 @@ def wrappers(lm: llm_net.CosyVoice3LM, flow: flow_net.CausalMaskedDiffWithDiT) -
     return {
         "llm": LLMGraph(lm).eval(),
         "flow_encoder": FlowEncoderGraph(flow).eval(),
-        "flow_estimator": FlowEstimatorGraph(flow.decoder.estimator).eval(),
+        "flow_estimator_cached": FlowEstimatorCachedGraph(flow.decoder.estimator).eval(),
     }
 
 
@@ -141,30 +145,35 @@ def test_flow_encoder_equals_inference_decoder_inputs(finalize: bool, flow: flow
 
 @pytest.mark.parametrize("T", [23, 64, 137])
 @pytest.mark.parametrize("streaming", [True, False])
-def test_block_attention_mask_equals_dit_attention_mask(T: int, streaming: bool) -> None:
-    chunk = 50
-    pad = torch.ones(4, 1, T)
-    pad[1, 0, T - 9:] = 0.0  # right padding
-    pad[2, 0, : min(T, 60)] = 0.0  # a padded first block: its queries see no key and open fully
-    pad[3] = 0.0
-    b = torch.tensor([chunk if streaming else T + 1000])
-    assert torch.equal(block_attention_mask(pad, b), dit_attention_mask(pad, streaming, chunk))
-
-
-@pytest.mark.parametrize("streaming", [True, False])
-def test_flow_estimator_equals_dit(streaming: bool, flow: flow_net.CausalMaskedDiffWithDiT) -> None:
-    dit = flow.decoder.estimator
-    T = 123
-    g = torch.Generator().manual_seed(3)
-    x, mu, cond = (torch.randn(2, 80, T, generator=g) for _ in range(3))
-    t, spks = torch.rand(2, generator=g), torch.randn(2, 80, generator=g)
-    mask = torch.ones(2, 1, T)
-    mask[1, 0, 100:] = 0.0  # a padded row
+def test_cached_attention_mask_with_nothing_cached_is_dit_attention_mask(T: int, streaming: bool) -> None:
+    """With no cached frames and positions from 0, the block mask is the DiT's (no padding: the runtime
+    never pads), block-causal for b = 50 and full attention for b = T, the runtime's offline call."""
     b = torch.tensor([50 if streaming else T])
+    want = dit_attention_mask(torch.ones(1, 1, T), streaming, 50)  # (1, 1, T, T)
+    assert torch.equal(cached_attention_mask(0, torch.arange(T), b), want)
+
+
+@pytest.mark.parametrize("T", [7, 123, 451])
+@pytest.mark.parametrize("streaming", [True, False])
+def test_cached_graph_with_nothing_cached_equals_dit(T: int, streaming: bool, cfg: ModelConfig,
+                                                     wrappers: dict[str, nn.Module],
+                                                     flow: flow_net.CausalMaskedDiffWithDiT) -> None:
+    """The DiT graph with empty caches and offset 0 is `DiT.forward` over every frame, bit for bit: the
+    runtime's offline flow, a stream's first chunk and its final re-run."""
+    s = _spec("flow_estimator_cached", cfg)
+    rng = np.random.default_rng(T)
+    x, mu, cond = (rng.standard_normal((2, 80, T), dtype=np.float32) for _ in range(3))
+    t, spks = rng.random(2, dtype=np.float32), rng.standard_normal((2, 80), dtype=np.float32)
+    block = np.array([50 if streaming else T])
+    feeds = {"x": x, "mu": mu, "t": t, "spks": spks, "cond": cond, "offset": np.zeros(1, dtype=np.int64),
+             "block_frames": block, **empty_caches(s)}
+    velocity = _run(wrappers["flow_estimator_cached"], s, feeds)[0]
+    mask = torch.ones(2, 1, T)
     with torch.no_grad():
-        got = FlowEstimatorGraph(dit)(x, mask, mu, t, spks, cond, b)
-        want = dit(x, mask, mu, t, spks, cond, dit_attention_mask(mask, streaming, 50))
-    assert torch.equal(got, want)
+        want = flow.decoder.estimator(torch.from_numpy(x), mask, torch.from_numpy(mu), torch.from_numpy(t),
+                                      torch.from_numpy(spks), torch.from_numpy(cond),
+                                      dit_attention_mask(mask, streaming, 50))
+    assert torch.equal(velocity, want)
 
 
 # --- ONNX export + onnxruntime ----------------------------------------------------------------------
@@ -216,22 +225,12 @@ def test_exported_graph_io_matches_spec(name: str, cfg: ModelConfig, exported: d
                            for d, w in zip(dims, t.shape, strict=True)), (t.name, dims)
 
 
-def _ort_cases(name: str, s: GraphSpec) -> list[tuple[str, dict[str, np.ndarray]]]:
-    """The spec's validation feeds; the estimator also gets a padded row under the streaming mask."""
-    cases = [(str(dict(c.dims)), s.sample_inputs(c)) for c in s.validate]
-    if name == "flow_estimator":
-        feeds = s.sample_inputs(s.validate[0], seed=1)
-        feeds["mask"][1, 0, -20:] = 0.0
-        cases.append(("padded", feeds))
-    return cases
-
-
 @pytest.mark.parametrize("name", GRAPHS)
 def test_onnxruntime_matches_torch(name: str, cfg: ModelConfig, wrappers: dict[str, nn.Module],
                                    exported: dict[str, Path]) -> None:
     s = _spec(name, cfg)
     sess = ort.InferenceSession(str(exported[name]), providers=["CPUExecutionProvider"])
-    for label, feeds in _ort_cases(name, s):
+    for label, feeds in [(str(dict(c.dims)), s.sample_inputs(c)) for c in s.validate]:
         got = sess.run(s.output_names, feeds)
         want = _run(wrappers[name], s, feeds)
         for out, g, w in zip(s.outputs, got, want, strict=True):

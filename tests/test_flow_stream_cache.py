@@ -136,24 +136,53 @@ def test_a_chunk_boundary_inside_a_block_breaks_the_equality(dit: DiT) -> None:
     assert float((got[:, :, 100:120] - want[:, :, 100:120]).abs().max()) > 1e-3
 
 
-def test_cached_graph_chain_equals_the_estimator_graph(synth: Synthesizer) -> None:
-    """The exported graphs: `flow_estimator_cached` chained over chunks = one `flow_estimator` call."""
-    cached, full = synth.flow.cached, synth.flow.estimator
-    assert cached is not None
-    x, mu, t, spks, cond = (a.numpy() for a in _dit_inputs(400, seed=4))
-    want = full.infer({"x": x, "mask": np.ones((2, 1, 400), dtype=np.float32), "mu": mu, "t": t, "spks": spks,
-                       "cond": cond, "block_frames": np.array([BLOCK])})["velocity"]
-    caches, start, got = empty_caches(cached.spec), 0, []
+def _one_forward(pipe: ReferencePipeline, inputs: tuple[torch.Tensor, ...], streaming: bool) -> np.ndarray:
+    """The bundle's torch DiT over every frame at once (block-causal or full attention): upstream's call."""
+    x, mu, t, spks, cond = inputs
+    mask = torch.ones(2, 1, x.shape[2])
+    with torch.no_grad():
+        return pipe.flow.decoder.estimator(x, mask, mu, t, spks, cond,
+                                           dit_attention_mask(mask, streaming, BLOCK)).numpy()
+
+
+@pytest.mark.parametrize("frames", [7, 123, 451])
+@pytest.mark.parametrize("streaming", [True, False])
+def test_the_graph_with_nothing_cached_is_one_dit_forward(synth: Synthesizer, pipe: ReferencePipeline,
+                                                          frames: int, streaming: bool) -> None:
+    """The exported graph as the runtime calls it for the offline flow, a stream's first chunk and its
+    final re-run (empty caches, offset 0, the velocity only) against the torch DiT over the same frames;
+    the wrapper it is traced from is `DiT.forward` bit for bit (test_export_wrappers_llm_flow), so this
+    is onnxruntime's rounding."""
+    inputs = _dit_inputs(frames, seed=frames)
+    x, mu, t, spks, cond = (a.numpy() for a in inputs)
+    estimator = synth.flow.estimator
+    got = estimator.infer_outputs({"x": x, "mu": mu, "t": t, "spks": spks, "cond": cond,
+                                   "offset": np.zeros(1, dtype=np.int64),
+                                   "block_frames": np.array([BLOCK if streaming else frames]),
+                                   **empty_caches(estimator.spec)}, ["velocity"])
+    assert list(got) == ["velocity"]
+    err = float(np.abs(got["velocity"] - _one_forward(pipe, inputs, streaming)).max())
+    print(f"{frames} frames, {'block-causal' if streaming else 'full attention'}: graph vs torch max abs "
+          f"{err:.2e}")
+    assert err < 1e-5
+
+
+def test_cached_graph_chain_equals_one_dit_forward(synth: Synthesizer, pipe: ReferencePipeline) -> None:
+    """The exported graph chained over chunks, caches fed back = the torch DiT's one block-causal call."""
+    estimator = synth.flow.estimator
+    inputs = _dit_inputs(400, seed=4)
+    x, mu, t, spks, cond = (a.numpy() for a in inputs)
+    caches, start, got = empty_caches(estimator.spec), 0, []
     for n in [250, 50, 100]:
         part = slice(start, start + n)
-        out = cached.infer({"x": x[:, :, part], "mu": mu[:, :, part], "t": t, "spks": spks,
-                            "cond": cond[:, :, part], "offset": np.array([start]),
-                            "block_frames": np.array([BLOCK]), **caches})
+        out = estimator.infer({"x": x[:, :, part], "mu": mu[:, :, part], "t": t, "spks": spks,
+                               "cond": cond[:, :, part], "offset": np.array([start]),
+                               "block_frames": np.array([BLOCK]), **caches})
         caches = {name: out["present_" + name.removeprefix("past_")] for name in caches}
         got.append(out["velocity"])
         start += n
-    err = float(np.abs(np.concatenate(got, axis=2) - want).max())
-    print(f"graphs: chained flow_estimator_cached vs flow_estimator max abs {err:.2e}")
+    err = float(np.abs(np.concatenate(got, axis=2) - _one_forward(pipe, inputs, streaming=True)).max())
+    print(f"graphs: chained flow_estimator_cached vs one torch forward max abs {err:.2e}")
     assert err < 1e-5
 
 

@@ -26,6 +26,7 @@ from cosyvoice_graphs import (
     metadata,
     spec,
 )
+from cosyvoice_graphs.bundle_layout import FLOW_NOISE, NOISE_TABLES
 
 FULL = model_dims(full_size())
 
@@ -88,11 +89,31 @@ def test_derived_and_pinned_values() -> None:
     assert enc.shape_of(mu, {"tokens": 37}) == (1, 80, 74)
     final = enc.validate[1]
     assert (enc.sample_inputs(final)["lookahead_tokens"] == -1).all()
-    est = spec("flow_estimator", FULL)
+    est = spec("flow_estimator_cached", FULL)
     assert int(est.sample_inputs(est.trace)["block_frames"][0]) == 50
     dec = spec("hift_decoder", FULL)
     noise = next(t for t in dec.inputs if t.name == "sine_noise")
     assert dec.profile(noise) == ((1, 1920, 9), (1, 240000, 9), (1, 1440000, 9))
+
+
+def test_the_dit_graph_covers_offline_and_streaming_calls() -> None:
+    """One DiT graph serves every flow call: its validation covers a first chunk (nothing cached,
+    block-causal), an offline call (nothing cached, full attention: b = offset + new frames), and full
+    attention after a cache; its profile reaches as far as the flow noise table and is tuned for a call
+    with nothing cached over 10 s."""
+    s = spec("flow_estimator_cached", FULL)
+
+    def point(case: Case) -> tuple[int, int, int, int]:
+        return (case.dims["new_frames"], case.dims["past_frames"], int(case.values["offset"][0]),
+                int(case.values["block_frames"][0]))
+
+    points = [point(c) for c in s.validate]
+    assert any(past == offset == 0 and block == 50 < new for new, past, offset, block in points)
+    assert any(past == offset == 0 and block >= new for new, past, offset, block in points)
+    assert any(past > 0 and block >= offset + new for new, past, offset, block in points)
+    assert (s.dims["new_frames"].opt, s.dims["past_frames"].opt) == (500, 0)
+    graph, dim = NOISE_TABLES[FLOW_NOISE]
+    assert (graph, s.dims[dim].max) == ("flow_estimator_cached", 3000)
 
 
 def _tiny_spec(**overrides: object) -> GraphSpec:

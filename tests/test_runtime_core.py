@@ -93,14 +93,20 @@ def test_missing_model_constant(runtime_bundle: Path, tmp_path: Path) -> None:
 
 
 def test_spec_version_mismatch(runtime_bundle: Path, tmp_path: Path) -> None:
-    root = clone(runtime_bundle, tmp_path, lambda m: m["graphs"]["flow_estimator"].update(spec_version=99))
-    one_line_error(root, r"graphs.flow_estimator is spec 'flow_estimator' version 99, this runtime needs "
-                         r"'flow_estimator' version 1")
+    root = clone(runtime_bundle, tmp_path,
+                 lambda m: m["graphs"]["flow_estimator_cached"].update(spec_version=99))
+    one_line_error(root, r"graphs.flow_estimator_cached is spec 'flow_estimator_cached' version 99, this "
+                         r"runtime needs 'flow_estimator_cached' version 1")
 
 
 def test_missing_graph_entry(runtime_bundle: Path, tmp_path: Path) -> None:
     root = clone(runtime_bundle, tmp_path, lambda m: m["graphs"].pop("hift_f0"))
     one_line_error(root, r"graphs are \[.*\], expected \[.*'hift_f0'.*\]")
+
+
+def test_unknown_graph_entry(runtime_bundle: Path, tmp_path: Path) -> None:
+    root = clone(runtime_bundle, tmp_path, lambda m: m["graphs"].update(vocoder=m["graphs"]["hift_f0"]))
+    one_line_error(root, r"graphs are \[.*'vocoder'\], expected \[.*\]")
 
 
 def test_missing_file(runtime_bundle: Path, tmp_path: Path) -> None:
@@ -208,8 +214,8 @@ def test_feed_errors(bundle: RuntimeBundle) -> None:
                 r"hift_f0.mel: shape \(80, 17\) has rank 2, expected \(1, 80, 'frames'\)")
     _feed_error(bundle, "hift_f0", lambda f: f.update(mel=f["mel"][:, :40]),
                 r"hift_f0.mel: shape \(1, 40, 17\), dim 1 must be 80")
-    _feed_error(bundle, "flow_estimator", lambda f: f.update(mu=f["mu"][..., :-1]),
-                r"flow_estimator.mu: frames = 122 \(dim 2\), but x has frames = 123")
+    _feed_error(bundle, "flow_estimator_cached", lambda f: f.update(mu=f["mu"][..., :-1]),
+                r"flow_estimator_cached.mu: new_frames = 122 \(dim 2\), but x has new_frames = 123")
     _feed_error(bundle, "hift_decoder", lambda f: f.update(sine_noise=f["sine_noise"][:, :-1]),
                 r"hift_decoder.sine_noise: samples = 5279, expected 5280 for frames = 11")
     _feed_error(bundle, "hift_f0", lambda f: f.update(mel=f["mel"].tolist()),

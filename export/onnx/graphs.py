@@ -16,7 +16,7 @@ from ..config import ModelConfig
 from ..nets.flow import CausalMaskedDiffWithDiT
 from ..nets.hift import CausalHiFTGenerator
 from ..nets.llm import CosyVoice3LM
-from .wrappers.flow import FlowEncoderGraph, FlowEstimatorCachedGraph, FlowEstimatorGraph
+from .wrappers.flow import FlowEncoderGraph, FlowEstimatorCachedGraph
 from .wrappers.hift import HiFTDecoderGraph, HiFTF0Graph
 from .wrappers.llm import LLMGraph
 
@@ -34,7 +34,6 @@ class Networks:
 WRAPPERS: dict[str, Callable[[Networks], nn.Module]] = {
     "llm": lambda n: LLMGraph(n.llm),
     "flow_encoder": lambda n: FlowEncoderGraph(n.flow),
-    "flow_estimator": lambda n: FlowEstimatorGraph(n.flow.decoder.estimator),
     "flow_estimator_cached": lambda n: FlowEstimatorCachedGraph(n.flow.decoder.estimator),
     "hift_f0": lambda n: HiFTF0Graph(n.hift),
     "hift_decoder": lambda n: HiFTDecoderGraph(n.hift),

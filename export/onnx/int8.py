@@ -72,7 +72,6 @@ _DIT_FP32 = (
 INT8_GRAPHS: dict[str, Int8Scheme] = {
     # llm_decoder: 2% of the full-size weights, and its output is the log-probs themselves
     "llm": Int8Scheme(NBITS, (r"/llm_decoder/",)),
-    "flow_estimator": Int8Scheme(DYNAMIC, _DIT_FP32),
     "flow_estimator_cached": Int8Scheme(DYNAMIC, _DIT_FP32),
 }
 """Graphs exported with int8 weights, and how."""

@@ -33,10 +33,12 @@ from cosyvoice_graphs.bundle_layout import (
     FORMAT,
     FORMAT_VERSION,
     FRONTEND_DIR,
+    GRAPHS_DIR,
     MANIFEST,
     NOISE_TABLES,
     PROMPT_TEXT,
     PROMPT_WAV,
+    RETIRED_GRAPHS,
     SINE_NOISE,
     SPEECH_EMBEDDING,
     TEXT_EMBEDDING,
@@ -237,6 +239,15 @@ def _prepare_out(out: Path, precision: str) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
         else:
             leftover.unlink(missing_ok=True)
+
+
+def _drop_retired_graphs(out: Path) -> None:
+    """Delete what an earlier export wrote for `RETIRED_GRAPHS` (the graph and its external data, its
+    record, its TensorRT plans): the runtime never opens them and the new manifest does not list them."""
+    for name in RETIRED_GRAPHS:
+        for path in (*(out / GRAPHS_DIR).glob(f"{name}.onnx*"), *(out / TRT_DIR).glob(f"{name}.*.plan"),
+                     out / _record_rel(f"graph-{name}")):
+            path.unlink(missing_ok=True)
 
 
 def _record_rel(name: str) -> str:
@@ -513,7 +524,8 @@ def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, t
     runtime bundle in `out`.
 
     A graph whose inputs (spec version, source hashes, exporter version) are unchanged since an
-    earlier run into `out`, that passed then and whose files are intact, is reused unless `force`.
+    earlier run into `out`, that passed then and whose files are intact, is reused unless `force`; the
+    files of graphs an earlier exporter made that this one no longer does (`RETIRED_GRAPHS`) are deleted.
     Bad bundles raise `BundleError` (the one-line errors of `check-bundle`); a foreign or unwritable
     `out` raises `RuntimeBundleError`; with `trt` and no CUDA device or TensorRT, or `precision="int8"`,
     `TrtUnavailable` is raised before anything is read or written. Validation failures do not raise: they
@@ -538,6 +550,7 @@ def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, t
     model_dir, out = Path(model_dir), Path(out)
     bundle = check_bundle(model_dir, report=lambda line: None)
     _prepare_out(out, precision)
+    _drop_retired_graphs(out)
     dims = model_dims(bundle.config)
     specs = {name: spec(name, dims) for name in SPECS}
     source_sha = _hash_sources(_source_files(bundle), progress)

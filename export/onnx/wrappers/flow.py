@@ -1,9 +1,8 @@
-"""The `flow_encoder`, `flow_estimator` and `flow_estimator_cached` graphs of `CausalMaskedDiffWithDiT`.
+"""The `flow_encoder` and `flow_estimator_cached` graphs of `CausalMaskedDiffWithDiT`.
 
 The CFM's Euler loop stays outside the graphs (the runtime runs it), so the flow is exported as the
-front (tokens -> `mu`, x-vector -> `spks`) and one DiT evaluation of the CFG batch, over every frame
-(`flow_estimator`) or over a streaming chunk's new frames with the caches of the earlier ones
-(`flow_estimator_cached`).
+front (tokens -> `mu`, x-vector -> `spks`) and one DiT evaluation of the CFG batch over a call's new
+frames, given the caches of the earlier ones (none for a call over every frame).
 """
 
 from __future__ import annotations
@@ -43,47 +42,16 @@ class FlowEncoderGraph(nn.Module):
         return h.transpose(1, 2), spks
 
 
-def _block_visible(query_pos: Tensor, key_pos: Tensor, block_frames: Tensor) -> Tensor:
-    """Query position p sees key position q iff ``q < (p // b + 1) * b``: (Tq,), (Tk,), (1,) -> (Tq, Tk)."""
-    block_end = (torch.div(query_pos, block_frames, rounding_mode="floor") + 1) * block_frames  # (Tq,)
-    return key_pos[None, :] < block_end[:, None]
-
-
-def block_attention_mask(mask: Tensor, block_frames: Tensor) -> Tensor:
-    """`dit_attention_mask` with the block size as a tensor: (B, 1, T) pad mask, (1,) int64 -> (B, 1, T, T).
-
-    Query i sees key j iff ``j < (i // b + 1) * b`` and j is not padding; a row left with no visible
-    key opens fully, as in `dit_attention_mask`. b >= T gives its offline (key padding only) mask.
-    """
-    keys = mask.bool()  # (B, 1, T)
-    pos = torch.arange(mask.shape[-1], device=mask.device)  # (T,)
-    visible = keys & _block_visible(pos, pos, block_frames)  # (B, T, T)
-    visible = visible | ~visible.any(dim=-1, keepdim=True)
-    return visible.unsqueeze(1)
-
-
-class FlowEstimatorGraph(nn.Module):
-    """One DiT evaluation with its attention mask built in-graph from `block_frames` and `mask`."""
-
-    def __init__(self, dit: DiT) -> None:
-        super().__init__()
-        self.dit = dit
-
-    def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
-                block_frames: Tensor) -> Tensor:
-        """x, mu, cond (2, 80, T); mask (2, 1, T); t (2,); spks (2, 80); block_frames (1,) -> (2, 80, T)."""
-        return self.dit(x, mask, mu, t, spks, cond, block_attention_mask(mask, block_frames))
-
-
 def cached_attention_mask(past_frames: int | Tensor, positions: Tensor, block_frames: Tensor) -> Tensor:
     """The new frames' mask over [cached | new] keys: (1, 1, T, P + T) for `positions` (T,) of the new frames.
 
     Every cached key is visible (the caller caches only frames that the block-causal mask shows to every
-    later frame); among the new frames, `_block_visible` by absolute position, so b >= the last
-    position + 1 is full attention.
+    later frame); among the new frames, position p sees position q iff ``q < (p // b + 1) * b``
+    (b = `block_frames`), so b >= the last position + 1 is full attention.
     """
     cached = torch.ones(positions.shape[0], past_frames, dtype=torch.bool, device=positions.device)  # (T, P)
-    new = _block_visible(positions, positions, block_frames)  # (T, T)
+    block_end = (torch.div(positions, block_frames, rounding_mode="floor") + 1) * block_frames  # (T,)
+    new = positions[None, :] < block_end[:, None]  # (T, T)
     return torch.cat((cached, new), dim=1)[None, None]
 
 

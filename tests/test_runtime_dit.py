@@ -1,0 +1,122 @@
+"""One DiT graph: the `Synthesizer` opens each graph of the bundle once and runs every flow call on
+`flow_estimator_cached` (the offline flow and a stream's final chunk with nothing cached, fetching the
+velocity only), and a bundle of an earlier exporter that still lists the retired `flow_estimator` graph
+works as before without opening it. On the embedded demo bundle; no torch."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from cosyvoice_graphs import SPECS, empty_caches
+from cosyvoice_graphs.bundle_layout import MANIFEST, RETIRED_GRAPHS
+from cosyvoice_runtime import runners
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.frontend import PromptFeatures
+from cosyvoice_runtime.synthesis import ChunkPolicy, Synthesizer
+from cosyvoice_runtime.token2wav import N_TIMESTEPS
+
+
+@pytest.fixture
+def loaded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the files onnxruntime loads while the test runs."""
+    names: list[str] = []
+    real = runners.ort.InferenceSession
+
+    def recording(path: str, *args: Any, **kwargs: Any) -> ort.InferenceSession:
+        names.append(Path(path).name)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(runners.ort, "InferenceSession", recording)
+    return names
+
+
+@pytest.fixture(scope="module")
+def synth() -> Iterator[Synthesizer]:
+    with Synthesizer(RuntimeBundle.open(DEMO_BUNDLE), threads=1) as s:
+        yield s
+
+
+def _prompt(synth: Synthesizer, tokens: int) -> PromptFeatures:
+    rng = np.random.default_rng(3)
+    d = synth.dims
+    return PromptFeatures(rng.integers(0, d.speech_token_size, (1, tokens)).astype(np.int64),
+                          rng.standard_normal((1, d.token_mel_ratio * tokens, d.mel_bins), dtype=np.float32),
+                          rng.standard_normal((1, 192), dtype=np.float32))
+
+
+def _tokens(synth: Synthesizer) -> list[int]:
+    return [int(t) for t in np.random.default_rng(4).integers(0, synth.dims.speech_token_size, 90)]
+
+
+def test_the_synthesizer_opens_each_graph_once(loaded: list[str]) -> None:
+    with Synthesizer(RuntimeBundle.open(DEMO_BUNDLE), threads=1) as synth:
+        assert sorted(loaded) == sorted(f"{name}.onnx" for name in SPECS)
+        assert list(synth.runners) == list(SPECS)
+        assert synth.flow.estimator is synth.runners["flow_estimator_cached"]
+
+
+def test_every_flow_call_runs_on_the_dit_graph(synth: Synthesizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline, each Euler step is one call with nothing cached that fetches the velocity only; streamed,
+    the non-final chunks fetch the caches too and the final chunk is an offline call again. (`infer` goes
+    through `infer_outputs`, so every call is seen here.)"""
+    estimator = synth.flow.estimator
+    fetched: list[int] = []
+    infer_outputs = estimator.infer_outputs
+
+    def counting(feeds: Any, names: Any) -> dict[str, np.ndarray]:
+        fetched.append(len(names))
+        if len(names) == 1:  # nothing cached: zero past frames, offset 0, zero conv context
+            assert int(feeds["offset"][0]) == 0
+            assert all(np.array_equal(feeds[k], v) for k, v in empty_caches(estimator.spec).items())
+        return infer_outputs(feeds, names)
+
+    monkeypatch.setattr(estimator, "infer_outputs", counting)
+    prompt, tokens = _prompt(synth, 20), _tokens(synth)
+    synth.token2wav(tokens, prompt)
+    assert fetched == [1] * N_TIMESTEPS
+    fetched.clear()
+    policy = ChunkPolicy(lookahead=synth.dims.pre_lookahead_len)
+    chunks = list(synth.stream_tokens(tokens, prompt, policy=policy))
+    assert len(chunks) > 1
+    everything = len(estimator.spec.outputs)
+    assert fetched.count(everything) == N_TIMESTEPS * (len(chunks) - 1)
+    assert fetched.count(1) == N_TIMESTEPS and len(fetched) == N_TIMESTEPS * len(chunks)
+    with pytest.raises(ValueError, match="unknown output 'present'"):
+        infer_outputs({}, ["present"])
+
+
+def _with_retired_graph(tmp_path: Path) -> Path:
+    """The demo bundle as an earlier exporter left it: `flow_estimator` in the manifest and its file beside
+    the others (any bytes: it must never be opened)."""
+    (name,) = RETIRED_GRAPHS
+    root = shutil.copytree(DEMO_BUNDLE, tmp_path / "bundle")
+    rel = f"graphs/{name}.onnx"
+    data = b"the one-shot DiT of an earlier exporter"
+    (root / rel).write_bytes(data)
+    manifest = json.loads((root / MANIFEST).read_text())
+    manifest["graphs"][name] = {**manifest["graphs"]["flow_estimator_cached"], "file": rel,
+                                "spec_name": name, "spec_version": 1}
+    manifest["files"][rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (root / MANIFEST).write_text(json.dumps(manifest))
+    return root
+
+
+def test_a_bundle_with_the_retired_graph_works_without_opening_it(synth: Synthesizer, tmp_path: Path,
+                                                                  loaded: list[str]) -> None:
+    old = RuntimeBundle.open(_with_retired_graph(tmp_path), verify=True)
+    assert list(old.specs) == list(SPECS)
+    prompt, tokens = _prompt(synth, 20), _tokens(synth)
+    with Synthesizer(old, threads=1) as from_old:
+        assert sorted(loaded) == sorted(f"{name}.onnx" for name in SPECS)
+        _, audio, _ = from_old.token2wav(tokens, prompt)
+    assert np.array_equal(audio, synth.token2wav(tokens, prompt)[1])
