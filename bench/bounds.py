@@ -2,8 +2,8 @@
 
 - LLM decode: every weight of the `llm` graph is read once per token, plus the KV cache so far; the
   bound is those bytes / measured memory bandwidth.
-- DiT: the FLOPs of one `flow_estimator` call (one ODE step, both CFG rows) at a frame count, full
-  attention; the bound is those FLOPs / measured matmul GFLOP/s.
+- DiT: the FLOPs of one `flow_estimator_cached` call with nothing cached (one ODE step, both CFG
+  rows) at a frame count, full attention; the bound is those FLOPs / measured matmul GFLOP/s.
 - HiFT: the FLOPs of the vocoder's convolutions over the generated mel frames, at the same measured
   matmul GFLOP/s (onnxruntime runs a convolution as im2col + the same GEMM); its elementwise work (the
   Snake activations' sines) comes on top.
