@@ -435,12 +435,9 @@ def wait_until(client: httpx.Client, running: int, waiting: int, within: float =
 
 def test_the_queue_is_bounded_and_clients_that_leave_free_their_sessions(
         engine: Engine, prompt: tuple[bytes, str], tmp_path: Path) -> None:
-    app = make_app(engine, tmp_path, max_concurrency=1, queue_depth=1)
-    upload = {"prompt_wav": ("p.wav", prompt[0], "audio/wav")}
+    app = make_app(MidStreamFaults(engine), tmp_path, max_concurrency=1, queue_depth=1)
     with serving(app) as client, ThreadPoolExecutor(1) as pool:
-        # cross-lingual "Hi." carries the system prompt: 400 tokens, 16 s of audio, many seconds of work
-        with client.stream("POST", "/inference_cross_lingual", data={"tts_text": SHORT},
-                           files=upload) as running:
+        with client.stream("POST", "/inference_zero_shot", **form(prompt, HOLD)) as running:
             assert running.status_code == 200
             chunks = running.iter_raw()
             assert next(chunks)  # the first chunk is here, the session goes on
@@ -483,12 +480,16 @@ def test_a_request_past_the_timeout_answers_504(engine: Engine, prompt: tuple[by
 # --- faults and load -----------------------------------------------------------------------------------
 
 FAIL = "Fail here."
-"""A text whose stream `FailsMidStream` breaks after the first chunk."""
+"""A text whose stream `MidStreamFaults` breaks after the first chunk."""
+HOLD = "Hold here."
+"""A text whose stream `MidStreamFaults` keeps going after the first chunk until its session stops."""
 
 
-class FailsMidStream:
-    """The engine, except that a stream of `FAIL` raises after its first chunk: a session whose synthesis
-    dies mid-utterance, injected where `create_app` and the gRPC service take their engine."""
+class MidStreamFaults:
+    """The engine, except after the first chunk of a stream of `FAIL`, which raises (a session whose
+    synthesis dies mid-utterance), or of `HOLD`, which works on, checking its session, until the session
+    is cancelled (an utterance still under way whenever its client leaves, however fast the machine
+    synthesises the real one). Injected where `create_app` and the gRPC service take their engine."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
@@ -501,12 +502,17 @@ class FailsMidStream:
         yield next(chunks)
         if job.text == FAIL:
             raise RuntimeError("injected: synthesis failed mid-stream")
+        if job.text == HOLD:
+            start = time.monotonic()
+            while time.monotonic() - start < 60:  # a bound, so that a broken cancel fails the test
+                session.check()
+                time.sleep(0.01)
         yield from chunks
 
 
 def test_a_session_failing_mid_stream_cuts_only_its_own_stream_and_frees_its_slot(
         engine: Engine, prompt: tuple[bytes, str], cli_stream: np.ndarray, tmp_path: Path) -> None:
-    app = make_app(FailsMidStream(engine), tmp_path, max_concurrency=2, queue_depth=0)
+    app = make_app(MidStreamFaults(engine), tmp_path, max_concurrency=2, queue_depth=0)
     with serving(app) as client, ThreadPoolExecutor(2) as pool:
         failing = pool.submit(client.post, "/inference_zero_shot", **form(prompt, FAIL))
         healthy = pool.submit(client.post, "/inference_zero_shot", **form(prompt))

@@ -25,7 +25,7 @@ from test_serve import (
     FAIL,
     LONG,
     SHORT,
-    FailsMidStream,
+    MidStreamFaults,
     cosyvoice_run,
     cosyvoice_serve,
     free_port,
@@ -233,7 +233,7 @@ def test_the_servers_timeout_is_deadline_exceeded(engine: Engine, prompt: tuple[
 
 def test_a_session_failing_mid_stream_ends_its_call_internal_and_frees_its_slot(
         engine: Engine, prompt: tuple[bytes, str, Path], expected: np.ndarray) -> None:
-    with grpc_serving(FailsMidStream(engine), max_concurrency=1, queue_depth=0) as (stub, service):
+    with grpc_serving(MidStreamFaults(engine), max_concurrency=1, queue_depth=0) as (stub, service):
         call = stub.Inference(upstream_request("zero_shot", FAIL, prompt[0], prompt_text=prompt[1]))
         assert next(call).tts_audio  # the first chunk came...
         with pytest.raises(grpc.RpcError) as failed:
