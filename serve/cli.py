@@ -18,6 +18,7 @@ from cosyvoice_runtime.sampling import SAMPLINGS
 from .app import create_app
 from .engine import SERVER_PROVIDERS, Engine
 from .grpc_server import run_grpc
+from .metrics import ServerMetrics
 from .queue import SessionQueue
 from .settings import (
     API_KEY_ENV,
@@ -116,17 +117,19 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
             uvicorn.run(app, host=host, port=port, log_level="info")
             return
         http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
-        _run_grpc(engine, settings, host, grpc_port, http=http, sessions=app.state.server.sessions)
+        _run_grpc(engine, settings, host, grpc_port, http=http, sessions=app.state.server.sessions,
+                  metrics=app.state.server.metrics)
     finally:
         engine.close()
 
 
 def _run_grpc(engine: Engine, settings: ServerSettings, host: str, port: int, *,
-              http: uvicorn.Server | None = None, sessions: SessionQueue | None = None) -> None:
+              http: uvicorn.Server | None = None, sessions: SessionQueue | None = None,
+              metrics: ServerMetrics | None = None) -> None:
     """`run_grpc`, its lines on stderr; an address that cannot be bound is one line and exit status 1."""
     try:
         run_grpc(engine, settings, host, port, announce=lambda line: click.echo(line, err=True), http=http,
-                 sessions=sessions)
+                 sessions=sessions, metrics=metrics)
     except OSError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)

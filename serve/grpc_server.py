@@ -28,6 +28,7 @@ import uvicorn
 from .auth import GrpcApiKey
 from .engine import Engine
 from .grpc_service import CosyVoiceService
+from .metrics import ServerMetrics
 from .proto import cosyvoice_pb2_grpc
 from .queue import SessionQueue
 from .settings import ServerSettings
@@ -55,13 +56,14 @@ class GrpcServer:
 
     @classmethod
     async def start(cls, engine: Engine, settings: ServerSettings, host: str, port: int,
-                    sessions: SessionQueue | None = None) -> GrpcServer:
+                    sessions: SessionQueue | None = None, metrics: ServerMetrics | None = None) -> GrpcServer:
         """Serve `engine` on `host:port` (port 0: any free one), on the running event loop; `OSError` if the
         address cannot be bound. Sessions go to `sessions` (the HTTP app's, whose owner shuts it down), else
-        to a queue of the service's own. With `settings.api_key`, every call must carry the key."""
+        to a queue of the service's own; calls count in `metrics` (the HTTP app's) where given. With
+        `settings.api_key`, every call must carry the key."""
         interceptors = [GrpcApiKey(settings.api_key)] if settings.api_key is not None else []
         server = grpc.aio.server(interceptors=interceptors, options=OPTIONS)
-        service = CosyVoiceService(engine, settings, sessions)
+        service = CosyVoiceService(engine, settings, sessions, metrics)
         cosyvoice_pb2_grpc.add_CosyVoiceServicer_to_server(service, server)
         try:
             bound = server.add_insecure_port(grpc_address(host, port))
@@ -80,16 +82,17 @@ class GrpcServer:
 
 def run_grpc(engine: Engine, settings: ServerSettings, host: str, port: int,
              announce: Callable[[str], None] = print, *, http: uvicorn.Server | None = None,
-             sessions: SessionQueue | None = None) -> None:
+             sessions: SessionQueue | None = None, metrics: ServerMetrics | None = None) -> None:
     """Serve `engine` over gRPC on `host:port` until SIGINT or SIGTERM; `announce` gets a line once it
     listens. With `http` (a uvicorn server, not started), serve that too, in the same event loop, until
-    a signal or its end; `sessions` is then its app's queue, which the gRPC service shares."""
+    a signal or its end; `sessions` and `metrics` are then its app's queue and metrics, which the gRPC
+    service shares."""
     # HTTP's socket is bound first, outside the loop: uvicorn reports a failed bind with one line and
     # `sys.exit`, which from inside a task would tear the loop down instead.
     sockets = [http.config.bind_socket()] if http is not None else []
 
     async def serve() -> None:
-        server = await GrpcServer.start(engine, settings, host, port, sessions)
+        server = await GrpcServer.start(engine, settings, host, port, sessions, metrics)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

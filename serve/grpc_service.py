@@ -21,7 +21,9 @@ the request metadata `seed`, else `--seed`, else a random seed; the initial meta
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Iterable
 
 import grpc
@@ -32,9 +34,10 @@ from cosyvoice_runtime.synthesis import Mode
 from .audio import PCM16_BYTES, pcm16, wav_bytes
 from .engine import AudioUpload, Engine, SynthesisJob
 from .errors import ApiError, FieldError
+from .metrics import ServerMetrics
 from .proto import cosyvoice_pb2, cosyvoice_pb2_grpc
-from .queue import SessionQueue
-from .responses import request_sampling, require_text
+from .queue import QueueFull, SessionQueue
+from .responses import record_session, request_sampling, require_text
 from .settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -126,34 +129,58 @@ def synthesis_job(request: cosyvoice_pb2.Request, settings: ServerSettings, seed
 
 class CosyVoiceService(cosyvoice_pb2_grpc.CosyVoiceServicer):
     """`cosyvoice.CosyVoice` over `engine`, its sessions admitted to `sessions` (HTTP's, so that both share
-    one concurrency limit), else to a queue of its own bounded by `settings`."""
+    one concurrency limit), else to a queue of its own bounded by `settings`. Beside HTTP, its calls count
+    in HTTP's `metrics` as the synthesis routes' requests do (alone, no endpoint would show them)."""
 
-    def __init__(self, engine: Engine, settings: ServerSettings, sessions: SessionQueue | None = None
-                 ) -> None:
-        self.engine, self.settings = engine, settings
+    def __init__(self, engine: Engine, settings: ServerSettings, sessions: SessionQueue | None = None,
+                 metrics: ServerMetrics | None = None) -> None:
+        self.engine, self.settings, self.metrics = engine, settings, metrics
         self.sessions = sessions if sessions is not None else SessionQueue(
             settings.max_concurrency, settings.queue_depth, settings.timeout)
 
     async def Inference(self, request: cosyvoice_pb2.Request, context: grpc.aio.ServicerContext) -> None:
         """Synthesise `request`, writing each streamed chunk's PCM16 as one `Response`."""
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.requests_total.inc()
         try:
             job = synthesis_job(request, self.settings, request_seed(context.invocation_metadata()))
             stream = self.sessions.submit(lambda session: self.engine.stream(job, session))
         except ApiError as e:
+            if metrics is not None:
+                if isinstance(e, QueueFull):
+                    metrics.requests_rejected.inc()
+                metrics.requests_error.inc()
             log.info("Inference refused: %s", e.detail)
             await context.abort(status_code(e.status), e.detail)
             return
+        samples = 0
         try:
             await context.send_initial_metadata((("x-seed", str(job.sampling.seed)),
                                                  ("x-sample-rate", str(self.engine.sample_rate))))
             while (chunk := await stream.next()) is not None:
+                if samples == 0 and metrics is not None:
+                    metrics.first_chunk_seconds.observe(time.monotonic() - stream.session.admitted)
+                samples += len(chunk)
                 await context.write(cosyvoice_pb2.Response(tts_audio=pcm16(chunk)))
+        except asyncio.CancelledError:  # the client went away: neither a success nor an error
+            if metrics is not None:
+                metrics.sessions_cancelled.inc()
+            raise
         except ApiError as e:
+            if metrics is not None:
+                metrics.requests_error.inc()
             log.info("Inference failed: %s", e.detail)
             await context.abort(status_code(e.status), e.detail)
         except Exception as e:
+            if metrics is not None:
+                metrics.requests_error.inc()
             log.exception("Inference failed")
             await context.abort(grpc.StatusCode.INTERNAL,
                                 f"internal error ({type(e).__name__}); the server keeps serving")
+        else:
+            if metrics is not None:
+                metrics.requests_success.inc()
+                record_session(metrics, stream.session, samples, self.engine.sample_rate)
         finally:
             stream.cancel()  # a no-op once the work has ended; else (grpc cancelled us) it stops the session

@@ -24,6 +24,7 @@ from fastapi.responses import StreamingResponse
 from .audio import check_upload, pcm16
 from .engine import AudioUpload, Sampling, SynthesisJob
 from .errors import ApiError, FieldError
+from .metrics import ServerMetrics
 from .queue import QueueFull, Session, SessionStream
 from .settings import ServerSettings
 from .state import ServerState
@@ -101,7 +102,7 @@ async def offline_audio(state: ServerState, request: Request, job: SynthesisJob)
     """The job synthesised offline (`Engine.synthesize`): all of its samples."""
     stream = submit(state, lambda session: state.engine.synthesize(job, session))
     audio = await first_item(state, request, stream)
-    _record(state, stream.session, len(audio))
+    record_session(state.metrics, stream.session, len(audio), state.engine.sample_rate)
     return audio
 
 
@@ -127,19 +128,19 @@ async def stream_response(state: ServerState, request: Request, job: SynthesisJo
             raise
         finally:
             stream.cancel()
-        _record(state, stream.session, samples)
+        record_session(state.metrics, stream.session, samples, state.engine.sample_rate)
 
     return StreamingResponse(body(), media_type=media_type, headers=headers)
 
 
-def _record(state: ServerState, session: Session, samples: int) -> None:
+def record_session(metrics: ServerMetrics, session: Session, samples: int, sample_rate: int) -> None:
     """Duration and RTF of a session that finished with `samples` samples."""
     if session.started is None or session.finished is None:
         return
     seconds = session.finished - session.started
-    state.metrics.synthesis_seconds.observe(seconds)
+    metrics.synthesis_seconds.observe(seconds)
     if samples:
-        state.metrics.rtf.observe(seconds / (samples / state.engine.sample_rate))
+        metrics.rtf.observe(seconds / (samples / sample_rate))
 
 
 def _mark_cancelled(state: ServerState, request: Request) -> None:

@@ -29,6 +29,7 @@ from test_serve import (
     cosyvoice_run,
     cosyvoice_serve,
     free_port,
+    metric,
     wait_for_http,
     wait_for_line,
 )
@@ -357,7 +358,17 @@ def test_http_and_grpc_in_one_process_share_the_engine_and_the_queue(
         with pytest.raises(grpc.RpcError) as refused:  # the key from the environment guards gRPC too
             list(stub.Inference(request))
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert client.get("/metrics").status_code == 200
+        # HTTP's metrics count the gRPC calls too: the busy one (rejected, an error), the one that
+        # streamed (a success); the unauthenticated one never reached the service; HTTP's stream closed
+        # mid-utterance is a cancelled session, neither success nor error
+        text = client.get("/metrics").text
+        counts = {name: metric(text, f"tts_{name}") for name in
+                  ("requests_total", "requests_success", "requests_error", "requests_rejected",
+                   "sessions_cancelled")}
+        assert counts == {"requests_total": 3, "requests_success": 1, "requests_error": 1,
+                          "requests_rejected": 1, "sessions_cancelled": 1}
+        assert metric(text, "tts_first_chunk_latency_seconds_count") == 2  # HTTP's stream and gRPC's
+        assert metric(text, "tts_rtf_count") == 1
         server.send_signal(signal.SIGINT)  # stops both
         assert server.wait(30) == 0
         output = "".join(seen) + "".join(iter(lines.get, ""))
