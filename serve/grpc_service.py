@@ -154,14 +154,14 @@ class CosyVoiceService(cosyvoice_pb2_grpc.CosyVoiceServicer):
             log.info("Inference refused: %s", e.detail)
             await context.abort(status_code(e.status), e.detail)
             return
-        samples = 0
+        chunks = samples = 0
         try:
             await context.send_initial_metadata((("x-seed", str(job.sampling.seed)),
                                                  ("x-sample-rate", str(self.engine.sample_rate))))
             while (chunk := await stream.next()) is not None:
-                if samples == 0 and metrics is not None:
+                if chunks == 0 and metrics is not None:
                     metrics.first_chunk_seconds.observe(time.monotonic() - stream.session.admitted)
-                samples += len(chunk)
+                chunks, samples = chunks + 1, samples + len(chunk)
                 await context.write(cosyvoice_pb2.Response(tts_audio=pcm16(chunk)))
         except asyncio.CancelledError:  # the client went away: neither a success nor an error
             if metrics is not None:
