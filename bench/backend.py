@@ -57,6 +57,10 @@ class Backend(Protocol):
         """The prompt recording's speech tokens, mel and x-vector."""
         ...
 
+    def forget_prompts(self) -> None:
+        """Drop whatever the pipeline keeps per prompt, so that the next run derives it from the features."""
+        ...
+
     def first_chunk(self, case: Case, prompt: Any) -> FirstChunk:
         """Synthesise `case` up to its first streamed chunk."""
         ...

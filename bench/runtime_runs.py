@@ -86,6 +86,10 @@ class RuntimeBackend:
         return synth.stream(request.text_ids, prompt, sampler=make_sampler("ras", self.seed),
                             prompt_text_ids=request.prompt_text_ids, max_tokens=tokens, ignore_stop=True)
 
+    def forget_prompts(self) -> None:
+        """Drop the streaming flow's per-prompt prefixes (`Flow.prefixes`)."""
+        self.synth.flow.prefixes.clear()
+
     def first_chunk(self, case: Case, prompt: PromptFeatures) -> FirstChunk:
         start = time.perf_counter()
         chunk = next(self._chunks(self.synth, self._request(case), prompt, case.tokens))

@@ -262,6 +262,7 @@ def _warm(b: Backend, case: Case, wav: Path, prompt: Any, gpu: GpuSampler | None
         start = time.perf_counter()
         fresh = b.prompt_features(wav)
         prompt_s = time.perf_counter() - start
+        b.forget_prompts()  # nothing derived from the prompt is kept either (the flow's prefix)
         uncached = b.first_chunk(case, fresh)
         streamed = b.stream(case, prompt)
         cached = streamed.first if streamed is not None else b.first_chunk(case, prompt)
@@ -317,8 +318,10 @@ def _notes(s: Settings, gpu: GpuSampler | None) -> dict[str, str]:
                      f"{s.cases[0].name} case) before the cold runs: it also pays the process's one-time "
                      "loads (e.g. the text normaliser's grammars)",
         "first_chunk": "from the request (text, before its front end) to the first chunk's samples; "
-                       "'prompt extracted' adds the prompt's feature extraction, 'cached prompt' starts "
-                       "from features extracted before; cold = the first synthesis of a freshly opened "
+                       "'prompt extracted' adds the prompt's feature extraction and derives everything "
+                       "from it, 'cached prompt' starts from features extracted before and, warm, from "
+                       "what the pipeline keeps per prompt (the runtime's flow prefix: the DiT's caches "
+                       "of the prompt's leading blocks); cold = the first synthesis of a freshly opened "
                        "pipeline, warm = after a warm-up",
         "llm_per_token": "(LLM time - prefill call) / (steps - 1): a decode step with its embedding lookup "
                          "and sampling; tokens/s = steps / LLM time, prefill included",

@@ -56,6 +56,9 @@ class TorchBackend:
                                       inputs.prompt_speech_tokens, self.pipe.eop_id, sampler,
                                       max_tokens=steps, ignore_stop=True)
 
+    def forget_prompts(self) -> None:
+        """The reference pipeline keeps nothing per prompt: every stream runs the flow from frame 0."""
+
     @torch.no_grad()
     def first_chunk(self, case: Case, prompt: PromptFeatures) -> FirstChunk:
         start = time.perf_counter()

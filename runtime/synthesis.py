@@ -31,6 +31,7 @@ import numpy as np
 from cosyvoice_graphs.bundle_layout import FLOW_NOISE, SINE_NOISE, SPEECH_EMBEDDING, TEXT_EMBEDDING
 
 from .bundle import RuntimeBundle
+from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from .frontend import PromptFeatures
 from .llm import LlmRequest, SpeechTokenLM
 from .runners import CPU, Runner, open_runner
@@ -180,8 +181,10 @@ class Synthesis:
 class Synthesizer:
     """The bundle's graphs, opened once on one provider, and the tables they read."""
 
-    def __init__(self, bundle: RuntimeBundle, provider: str = CPU, *, threads: int | None = None) -> None:
-        """Open every graph of `bundle` on `provider` (see `cosyvoice_runtime.runners.PROVIDERS`)."""
+    def __init__(self, bundle: RuntimeBundle, provider: str = CPU, *, threads: int | None = None,
+                 flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:
+        """Open every graph of `bundle` on `provider` (see `cosyvoice_runtime.runners.PROVIDERS`);
+        `flow_prefix_bytes` bounds the streaming flow's per-prompt cache (`Flow.prefixes`)."""
         self.bundle = bundle
         self.dims = bundle.dims
         self._runners: dict[str, Runner] = {}
@@ -195,7 +198,8 @@ class Synthesizer:
         self.lm = SpeechTokenLM(r["llm"], bundle.table(TEXT_EMBEDDING), bundle.table(SPEECH_EMBEDDING),
                                 sos=bundle.sos, task_id=bundle.task_id, endofprompt_id=bundle.endofprompt_id,
                                 speech_token_size=self.dims.speech_token_size)
-        self.flow = Flow(r["flow_encoder"], r["flow_estimator_cached"], bundle.table(FLOW_NOISE), self.dims)
+        self.flow = Flow(r["flow_encoder"], r["flow_estimator_cached"], bundle.table(FLOW_NOISE), self.dims,
+                         prefix_cache_bytes=flow_prefix_bytes)
         self.vocoder = Vocoder(r["hift_f0"], r["hift_decoder"], bundle.uniform_noise(SINE_NOISE), self.dims)
 
     @property

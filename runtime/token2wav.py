@@ -16,7 +16,8 @@ Upstream's `CosyVoice3Model.token2wav` with `CausalMaskedDiffWithDiT.inference`,
 `FlowStream` streams the flow: a non-final chunk runs the same graph over its new frames only, fed per
 ODE step with the keys/values and conv context of the earlier frames, and gives the frames of
 `Flow` over the whole prefix (the earlier frames are whole blocks that the block-causal mask never lets
-attend forward); with a `window` it bounds the cost per chunk, at a deviation from upstream.
+attend forward); with a `window` it bounds the cost per chunk, at a deviation from upstream. The first
+chunk starts after the prompt's `FlowPrefix` (`flow_prefix`), computed once per prompt.
 
 `VocoderStream` streams the vocoder at a bounded cost per chunk: every HiFT layer is causal with a
 finite reach (`HiftLayout`), so it re-runs the two graphs only over the new frames plus a fixed left
@@ -36,6 +37,7 @@ import numpy as np
 
 from cosyvoice_graphs import ModelDims, cache_pairs, empty_caches
 
+from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES, FlowPrefix, FlowPrefixCache
 from .frontend import PromptFeatures
 from .noise import UniformNoise
 from .runners import Runner
@@ -139,16 +141,19 @@ class Flow:
     prompt.
 
     A call runs the DiT over all frames with nothing cached; `stream` starts a `FlowStream`, which feeds
-    it the caches of earlier chunks.
+    it the caches of earlier chunks, beginning with the prompt's `prefix`, kept in `prefixes`.
     """
 
-    def __init__(self, encoder: Runner, estimator: Runner, noise: np.ndarray, dims: ModelDims) -> None:
+    def __init__(self, encoder: Runner, estimator: Runner, noise: np.ndarray, dims: ModelDims, *,
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:
         """`estimator` is the `flow_estimator_cached` graph; `noise` is the bundle's `flow_noise` table
-        (1, mel_bins, max frames), read from frame 0."""
+        (1, mel_bins, max frames), read from frame 0; `prefix_cache_bytes` bounds `prefixes` (0: none
+        kept, every stream computes its prompt's prefix)."""
         self.encoder, self.estimator = encoder, estimator
         self.noise = noise
         self.dims = dims
         self.t_span = time_grid()
+        self.prefixes = FlowPrefixCache(prefix_cache_bytes)
 
     def __call__(self, tokens: np.ndarray, prompt: PromptFeatures, *, finalize: bool, streaming: bool
                  ) -> np.ndarray:
@@ -178,6 +183,25 @@ class Flow:
                              f"{prompt.speech_tokens.shape[1]} tokens; the flow needs "
                              f"{self.dims.token_mel_ratio} per token")
         return FlowStream(self, prompt, window, [empty_caches(self.estimator.spec) for _ in self.t_span[1:]])
+
+    def prefix_frames(self, prompt_tokens: int) -> int:
+        """Frames of a prompt of `prompt_tokens` tokens that `prefix` covers: the whole blocks among the
+        frames of its tokens that have their look-ahead tokens in the prompt too."""
+        block = self.dims.dit_block_frames
+        readable = self.dims.token_mel_ratio * (prompt_tokens - self.dims.pre_lookahead_len)
+        return max(0, readable // block * block)
+
+    def prefix(self, prompt: PromptFeatures) -> FlowPrefix:
+        """The caches after `prompt`'s `prefix_frames`, from `prefixes` or computed (and kept there)."""
+        return self.prefixes.get(prompt, lambda: self._compute_prefix(prompt))
+
+    def _compute_prefix(self, prompt: PromptFeatures) -> FlowPrefix:
+        stream = self.stream(prompt)
+        frames = self.prefix_frames(prompt.speech_tokens.shape[1])
+        if frames:
+            mu, spks = self.encode(prompt.speech_tokens[0], 0, prompt, finalize=False)  # (1, 80, >= frames)
+            stream.advance(mu[:, :, :frames], spks, block_frames=self.dims.dit_block_frames)
+        return FlowPrefix(frames, tuple(stream.caches))
 
     def tokens_with_prompt(self, tokens: Sequence[int] | np.ndarray, prompt: PromptFeatures, *,
                            finalize: bool) -> np.ndarray:
@@ -247,7 +271,9 @@ class FlowStream:
     later frame; every other part of the DiT is per frame (AdaLN from t, LayerNorm over channels, the
     FF) or causal (the conv position embedding); their noise is position-locked and their `mu` and
     `cond` do not change (their look-ahead tokens existed already). So at every step, in both CFG rows,
-    their keys, values and velocities are the ones the re-run computes again.
+    their keys, values and velocities are the ones the re-run computes again. The first non-final push
+    starts from the prompt's `FlowPrefix` (`Flow.prefix`), the caches of its leading whole blocks
+    (the same argument: their frames read prompt tokens only), so it runs the frames after them.
 
     With `window=None` (exact) the final push re-runs the full-attention flow over every token, as
     upstream does (its full attention changes every frame, so nothing cached applies). With a window,
@@ -301,13 +327,26 @@ class FlowStream:
             emitted, self.tokens, self.finished = ratio * self.tokens, covered, True
             return mel[:, :, emitted:]
         all_tokens = flow.tokens_with_prompt(tokens, self.prompt, finalize=finalize)
+        if not self.frames and not finalize:  # the first chunk starts after the prompt's prefix
+            prefix = flow.prefix(self.prompt)
+            self.frames, self.caches = prefix.frames, [dict(step) for step in prefix.caches]
         mu, spks = flow.encode(all_tokens, self.frames // ratio, self.prompt, finalize=finalize)  # (1, 80, n)
         first, end = self.frames, self.frames + mu.shape[2]
         if not finalize and end % block:
             raise ValueError(f"a non-final chunk ends at frame {end}, not on a {block}-frame block boundary: "
                              "its frames would see later ones, so caching them would change the result")
+        x = self.advance(mu, spks, block_frames=end if finalize else block)  # (1, 80, end - first)
+        emitted = self.prompt.mel.shape[1] + ratio * self.tokens  # the first frame not returned yet
+        self.tokens, self.finished = covered, finalize
+        return x[:, :, emitted - first:]
+
+    def advance(self, mu: np.ndarray, spks: np.ndarray, *, block_frames: int) -> np.ndarray:
+        """Solve the ODE over the next frames (their `mu` (1, 80, n), `spks` (1, 80)) against the caches,
+        which then cover them too: x (1, 80, n). `block_frames` is the mask's block (counted from frame 0)."""
+        flow, first = self.flow, self.frames
+        end = first + mu.shape[2]
         feeds = {"offset": np.array([first], dtype=np.int64),
-                 "block_frames": np.array([end if finalize else block], dtype=np.int64),
+                 "block_frames": np.array([block_frames], dtype=np.int64),
                  **_cfg_rows(mu, spks, flow.cond(self.prompt, first, end))}
         pairs = cache_pairs(flow.estimator.spec)
 
@@ -316,10 +355,9 @@ class FlowStream:
             self.caches[step] = self._windowed({past: out[present] for past, present in pairs})
             return out["velocity"]
 
-        x = flow.solve(flow.initial_x(first, end), velocity)  # (1, 80, end - first)
-        emitted = self.prompt.mel.shape[1] + ratio * self.tokens  # the first frame not returned yet
-        self.frames, self.tokens, self.finished = end, covered, finalize
-        return x[:, :, emitted - first:]
+        x = flow.solve(flow.initial_x(first, end), velocity)
+        self.frames = end
+        return x
 
     def _windowed(self, caches: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """`caches` with the keys/values of frames outside the window dropped (all kept without one)."""

@@ -33,7 +33,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     """
     settings = settings or ServerSettings()
     sessions = SessionQueue(settings.max_concurrency, settings.queue_depth, settings.timeout)
-    metrics = ServerMetrics(running=lambda: sessions.running, waiting=lambda: sessions.waiting)
+    metrics = ServerMetrics(running=lambda: sessions.running, waiting=lambda: sessions.waiting,
+                            prefixes=engine.synth.flow.prefixes)
     state = ServerState(engine, settings, sessions, SpeakerRegistry(settings.speakers_dir,
                                                                      engine.frontend_fingerprint), metrics)
 

@@ -12,6 +12,7 @@ import uvicorn
 
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
 from cosyvoice_runtime.cli import USER_ERRORS
+from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from cosyvoice_runtime.runners import CPU
 from cosyvoice_runtime.sampling import SAMPLINGS
 
@@ -75,12 +76,17 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
 @click.option("--api-key", envvar=API_KEY_ENV, show_envvar=True, callback=_api_key,
               help="Require this key on every endpoint but /health and the page (HTTP: 'Authorization: "
                    "Bearer KEY' or 'X-API-Key: KEY'; gRPC: the same as metadata) [default: none].")
+@click.option("--flow-prefix-cache", "flow_prefix_mib", type=click.IntRange(min=0),
+              default=DEFAULT_PREFIX_CACHE_BYTES >> 20,
+              help="MiB kept of the streaming flow's per-prompt prefixes (the DiT's caches of a prompt's "
+                   "leading blocks, about 3.6 MB per prompt frame at full size), so that a speaker's next "
+                   "stream starts after them; 0 keeps none.")
 @click.option("--max-text", type=click.IntRange(min=1), default=DEFAULTS.max_text_chars,
               help="Longest text accepted (characters).")
 def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model: Path | None, provider: str,
           max_conc: int,
           queue_depth: int, timeout: float, speakers_dir: Path | None, sampling: str, seed: int | None,
-          max_text: int, api_key: str | None) -> None:
+          flow_prefix_mib: int, max_text: int, api_key: str | None) -> None:
     """Serve CosyVoice3 over HTTP: upstream's /inference_* endpoints, the bridge's /synthesize, /health,
     /speakers and /metrics, OpenAI-style /v1/audio/speech and a web page at / (no torch); with --grpc-port,
     upstream's gRPC service beside it; or, with --grpc, that service alone.
@@ -96,7 +102,7 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
                               max_text_chars=max_text, sampling=sampling, seed=seed,
                               speakers_dir=speakers_dir or DEFAULTS.speakers_dir, api_key=api_key)
     try:
-        engine = Engine.open(model, provider=provider)
+        engine = Engine.open(model, provider=provider, flow_prefix_bytes=flow_prefix_mib << 20)
     except USER_ERRORS as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -25,6 +25,7 @@ import numpy as np
 
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import choose_bundle
+from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from cosyvoice_runtime.frontend import (
     FrontendError,
     PromptFeatures,
@@ -86,8 +87,10 @@ class SynthesisJob:
 class Engine:
     """A runtime bundle opened for serving: synthesis and prompt extraction, callable from any thread."""
 
-    def __init__(self, bundle: RuntimeBundle, origin: str, *, provider: str = CPU) -> None:
-        """Open every graph of `bundle` on `provider` (one of `SERVER_PROVIDERS`)."""
+    def __init__(self, bundle: RuntimeBundle, origin: str, *, provider: str = CPU,
+                 flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:
+        """Open every graph of `bundle` on `provider` (one of `SERVER_PROVIDERS`); `flow_prefix_bytes`
+        bounds the per-prompt flow prefixes that streams from one speaker share (`Flow.prefixes`)."""
         if provider not in SERVER_PROVIDERS:
             raise ValueError(f"the server runs on onnxruntime providers only "
                              f"({', '.join(SERVER_PROVIDERS)}); got {provider!r}")
@@ -97,13 +100,15 @@ class Engine:
         self._text_lock = threading.Lock()
         self._campplus = open_session(bundle.frontend_path("campplus"))
         self._speech_tokenizer = open_session(bundle.frontend_path("speech_tokenizer"))
-        self.synth = Synthesizer(bundle, provider)
+        self.synth = Synthesizer(bundle, provider, flow_prefix_bytes=flow_prefix_bytes)
 
     @classmethod
-    def open(cls, model: Path | None, *, provider: str = CPU) -> Engine:
+    def open(cls, model: Path | None, *, provider: str = CPU,
+             flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> Engine:
         """The bundle `cosyvoice-run` would use for `--model model` (verified), opened for serving."""
         choice = choose_bundle(model)
-        return cls(RuntimeBundle.open(choice.path, verify=True), choice.origin, provider=provider)
+        return cls(RuntimeBundle.open(choice.path, verify=True), choice.origin, provider=provider,
+                   flow_prefix_bytes=flow_prefix_bytes)
 
     @property
     def sample_rate(self) -> int:

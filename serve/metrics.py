@@ -14,6 +14,8 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from cosyvoice_runtime.flow_prefix import FlowPrefixCache
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 RTF_BUCKETS = (0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
@@ -96,8 +98,10 @@ class Histogram:
 class ServerMetrics:
     """The server's metrics: the bridge's five, first-chunk latency, the queue and session outcomes."""
 
-    def __init__(self, running: Callable[[], float], waiting: Callable[[], float]) -> None:
-        """`running` and `waiting` read the session queue's current counts."""
+    def __init__(self, running: Callable[[], float], waiting: Callable[[], float], prefixes: FlowPrefixCache
+                 ) -> None:
+        """`running` and `waiting` read the session queue's current counts; `prefixes` is the engine's
+        per-prompt flow cache."""
         self.requests_total = Counter("tts_requests_total", "Synthesis requests received.")
         self.requests_success = Counter("tts_requests_success", "Synthesis requests answered with audio.")
         self.requests_error = Counter("tts_requests_error", "Synthesis requests answered with an error "
@@ -114,10 +118,19 @@ class ServerMetrics:
                                              "the first audio (queue wait included).", SECONDS_BUCKETS)
         self.queue_depth = Gauge("tts_queue_depth", "Sessions admitted and waiting for a worker.", waiting)
         self.active_sessions = Gauge("tts_active_sessions", "Sessions synthesising now.", running)
+        self.prefix_cache = [
+            Gauge("tts_flow_prefix_cache_bytes", "Memory held by the streaming flow's per-prompt prefixes.",
+                  lambda: prefixes.nbytes),
+            Gauge("tts_flow_prefix_cache_prompts", "Prompts whose flow prefix is kept.",
+                  lambda: len(prefixes)),
+            Gauge("tts_flow_prefix_cache_hits", "Streams that started from a kept flow prefix.",
+                  lambda: prefixes.hits),
+            Gauge("tts_flow_prefix_cache_misses", "Streams that computed their prompt's flow prefix.",
+                  lambda: prefixes.misses)]
         self._all: list[Counter | Gauge | Histogram] = [
             self.requests_total, self.requests_success, self.requests_error, self.requests_rejected,
             self.sessions_cancelled, self.synthesis_seconds, self.rtf, self.first_chunk_seconds,
-            self.queue_depth, self.active_sessions]
+            self.queue_depth, self.active_sessions, *self.prefix_cache]
 
     def render(self) -> str:
         """Every metric in the text exposition format."""

@@ -28,6 +28,7 @@ from cosyvoice_export.onnx.wrappers.flow import cached_attention_mask
 from cosyvoice_export.reference.pipeline import ReferencePipeline
 from cosyvoice_graphs import empty_caches
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.flow_prefix import FlowPrefixCache
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.synthesis import AudioChunk, ChunkPolicy, Synthesizer
 from cosyvoice_runtime.token2wav import ENCODER_LEFT_CONTEXT, N_TIMESTEPS
@@ -250,6 +251,68 @@ def test_synthesizer_stream_cache_equals_rerun(synth: Synthesizer, prompt: Promp
           f"flow s per chunk (cache, re-run): {flow_s}")
     assert diff.mean() < AUDIO_MEAN
     assert _digests(list(synth.stream_tokens(tokens, prompt))) == _digests(cache)  # repeatable, per chunk
+
+
+# --- the per-prompt prefix -------------------------------------------------------------------------
+
+
+def test_the_prefix_covers_the_whole_blocks_that_read_prompt_tokens_only(synth: Synthesizer) -> None:
+    """Frame f's `mu` reads tokens up to f // 2 + 3: a prompt of P tokens has 2(P - 3) such frames."""
+    frames = {p: synth.flow.prefix_frames(p) for p in (0, 3, 27, 28, 52, 53, 112)}
+    assert frames == {0: 0, 3: 0, 27: 0, 28: 50, 52: 50, 53: 100, 112: 200}  # 112: the bench's 4.5 s prompt
+
+
+def _cut(prompt: PromptFeatures, tokens: int) -> PromptFeatures:
+    """The prompt's first `tokens` tokens and their frames: another prompt, for the cache's tests."""
+    return PromptFeatures(prompt.speech_tokens[:, :tokens], prompt.mel[:, :2 * tokens], prompt.embedding)
+
+
+def test_the_prefix_is_the_first_chunks_caches_of_its_frames(synth: Synthesizer, prompt: PromptFeatures
+                                                             ) -> None:
+    """The prefix's keys/values equal those of the same frames in one call over the whole first chunk."""
+    p = prompt.speech_tokens.shape[1]
+    prefix = synth.flow.prefix(prompt)
+    print(f"prompt {p} tokens: prefix {prefix.frames} frames, {prefix.nbytes / 2**20:.2f} MiB")
+    assert prefix.frames == synth.flow.prefix_frames(p) > 0
+    assert prefix.nbytes == _cache_bytes(synth, prefix.frames) and len(prefix.caches) == N_TIMESTEPS
+    assert not any(a.flags.writeable for step in prefix.caches for a in step.values())  # shared
+    whole = synth.flow.stream(prompt)  # no prefix: `advance` over every frame of the first chunk
+    tokens = whole.flow.tokens_with_prompt(_tokens(-p % 25 + 28), prompt, finalize=False)
+    mu, spks = synth.flow.encode(tokens, 0, prompt, finalize=False)
+    whole.advance(mu, spks, block_frames=BLOCK)
+    worst = 0.0
+    for got, want in zip(prefix.caches, whole.caches, strict=True):
+        for name in whole.growing:
+            worst = max(worst, float(np.abs(got[name] - want[name][:, :, :prefix.frames]).max()))
+    print(f"prefix vs one first-chunk call, keys/values max abs {worst:.2e}")
+    assert worst < MEL_MAX
+
+
+def test_streams_share_a_prompts_prefix_through_the_bounded_cache(runtime_bundle: Path, prompt: PromptFeatures
+                                                                   ) -> None:
+    tokens = _tokens(120)
+    with Synthesizer(RuntimeBundle.open(runtime_bundle), threads=1) as s:
+        cache = s.flow.prefixes
+        first = _digests(list(s.stream_tokens(tokens, prompt)))
+        assert (cache.misses, cache.hits, len(cache)) == (1, 0, 1)
+        assert _digests(list(s.stream_tokens(tokens, prompt))) == first  # the same split, cached or not
+        assert (cache.misses, cache.hits) == (1, 1)
+        held = cache.nbytes
+        assert held == s.flow.prefix(prompt).nbytes > 0
+
+        other = _cut(prompt, prompt.speech_tokens.shape[1] - 1)  # another prompt: another entry
+        s.flow.prefix(other)
+        assert (cache.misses, len(cache)) == (2, 2)
+        cache.max_bytes = held  # room for one: a new prompt evicts the least recently used
+        s.flow.prefix(_cut(prompt, prompt.speech_tokens.shape[1] - 2))
+        assert len(cache) == 1 and cache.nbytes <= held
+        cache.clear()
+        assert len(cache) == cache.nbytes == 0
+    with Synthesizer(RuntimeBundle.open(runtime_bundle), threads=1, flow_prefix_bytes=0) as s:
+        assert _digests(list(s.stream_tokens(tokens, prompt))) == first  # nothing kept, the same samples
+        assert (s.flow.prefixes.misses, len(s.flow.prefixes)) == (1, 0)
+    with pytest.raises(ValueError, match="budget must be >= 0"):
+        FlowPrefixCache(-1)
 
 
 def test_offline_flow_is_unchanged(synth: Synthesizer, pipe: ReferencePipeline, prompt: PromptFeatures

@@ -461,6 +461,11 @@ def test_the_queue_is_bounded_and_clients_that_leave_free_their_sessions(
     assert metric(text, "tts_synthesis_duration_seconds_count") == 1 == metric(text, "tts_rtf_count")
     assert metric(text, "tts_first_chunk_latency_seconds_count") == 2
     assert metric(text, "tts_queue_depth") == 0 == metric(text, "tts_active_sessions")
+    prefixes = engine.synth.flow.prefixes  # one prompt here; the engine is shared with other tests
+    assert metric(text, "tts_flow_prefix_cache_bytes") == prefixes.nbytes > 0
+    assert metric(text, "tts_flow_prefix_cache_hits") == prefixes.hits >= 1
+    assert metric(text, "tts_flow_prefix_cache_misses") == prefixes.misses >= 1
+    assert metric(text, "tts_flow_prefix_cache_prompts") == len(prefixes) >= 1
     assert "# TYPE tts_rtf histogram" in text and 'tts_rtf_bucket{le="+Inf"} 1' in text
 
 
@@ -746,7 +751,8 @@ def test_port_model_and_api_key_from_flags_then_environment_then_dotenv(
         monkeypatch.setenv(key, value)
     opened: list[tuple[Path | None, str | None]] = []
 
-    def open_engine(model: Path | None, provider: str) -> _Unclosable:
+    def open_engine(model: Path | None, provider: str, flow_prefix_bytes: int) -> _Unclosable:
+        assert flow_prefix_bytes == 2 << 30  # --flow-prefix-cache's default, 2048 MiB
         opened.append((model, os.environ.get(MODEL_DIR_ENV)))
         return _Unclosable(engine)
 
