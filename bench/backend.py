@@ -24,6 +24,12 @@ class FirstChunk:
     """From the request (text, before its front end) to the chunk's samples."""
     audio_s: float
     """Seconds of audio the chunk holds."""
+    llm_s: float
+    """Of `seconds`: the LLM's prefill and decode of the hop and its look-ahead."""
+    flow_s: float
+    """Of `seconds`: the flow (encoder and ODE; with the runtime, its prompt's prefix where not kept)."""
+    vocoder_s: float
+    """Of `seconds`: the vocoder."""
 
 
 @dataclass(frozen=True)

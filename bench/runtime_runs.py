@@ -93,7 +93,11 @@ class RuntimeBackend:
     def first_chunk(self, case: Case, prompt: PromptFeatures) -> FirstChunk:
         start = time.perf_counter()
         chunk = next(self._chunks(self.synth, self._request(case), prompt, case.tokens))
-        return FirstChunk(time.perf_counter() - start, len(chunk.samples) / self.synth.sample_rate)
+        return self._first(chunk, time.perf_counter() - start)
+
+    def _first(self, chunk: AudioChunk, seconds: float) -> FirstChunk:
+        t = chunk.timings
+        return FirstChunk(seconds, len(chunk.samples) / self.synth.sample_rate, t.llm, t.flow, t.vocoder)
 
     def stream(self, case: Case, prompt: PromptFeatures) -> StreamRun:
         start = time.perf_counter()
@@ -101,7 +105,7 @@ class RuntimeBackend:
         parts = []
         for chunk in self._chunks(self.synth, self._request(case), prompt, case.tokens):
             if first is None:
-                first = FirstChunk(time.perf_counter() - start, len(chunk.samples) / self.synth.sample_rate)
+                first = self._first(chunk, time.perf_counter() - start)
             parts.append(chunk.samples)
         seconds = time.perf_counter() - start
         assert first is not None  # a stream always ends with a final chunk

@@ -65,14 +65,17 @@ class TorchBackend:
         pipe = self.pipe
         inputs = self._inputs(case, prompt)
         needed = next(self.policy.hops(prompt.speech_tokens.shape[1])) + self.policy.lookahead
-        if case.tokens < needed:  # the stream's only chunk is its final one: the offline path
-            _, audio = pipe.token2wav(self._decode(inputs, case.tokens), prompt)
-        else:
-            tokens = torch.tensor([self._decode(inputs, needed)])  # (1, N)
-            mel = pipe.flow.inference(tokens, prompt.speech_tokens, prompt.mel, prompt.embedding,
-                                      pipe.noise.flow_noise, streaming=True, finalize=False)  # (1, 80, T)
-            audio = pipe.hift.inference(mel, pipe.noise.sine_waves, finalize=False)[0].numpy()
-        return FirstChunk(time.perf_counter() - start, len(audio) / pipe.config.sample_rate)
+        finalize = case.tokens < needed  # the stream's only chunk is its final one: the offline path
+        llm_start = time.perf_counter()
+        tokens = torch.tensor([self._decode(inputs, case.tokens if finalize else needed)])  # (1, N)
+        flow_start = time.perf_counter()
+        mel = pipe.flow.inference(tokens, prompt.speech_tokens, prompt.mel, prompt.embedding,  # (1, 80, T)
+                                  pipe.noise.flow_noise, streaming=not finalize, finalize=finalize)
+        vocoder_start = time.perf_counter()
+        audio = pipe.hift.inference(mel, pipe.noise.sine_waves, finalize=finalize)[0].numpy()
+        end = time.perf_counter()
+        return FirstChunk(end - start, len(audio) / pipe.config.sample_rate, flow_start - llm_start,
+                          vocoder_start - flow_start, end - vocoder_start)
 
     def stream(self, case: Case, prompt: PromptFeatures) -> None:
         """The reference has no streaming path."""

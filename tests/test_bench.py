@@ -148,6 +148,8 @@ def _check_figures(figures: dict[str, Any], pinned: int, *, torch_side: bool) ->
             assert isinstance(value, int | float) and not isinstance(value, bool) and value > 0, (key, value)
     assert figures["llm_steps"] == pinned and 0 < figures["speech_tokens"] <= pinned
     assert figures["first_chunk_audio_s"] <= figures["audio_s"]
+    stages = sum(figures[f"first_chunk_{stage}_s"] for stage in ("llm", "flow", "vocoder"))
+    assert stages <= figures["first_chunk_warm_cached_s"]  # the front end and chunking are the rest
     assert figures["audio_s"] == pytest.approx(figures["speech_tokens"] * 2 * 480 / 24000)
 
 
