@@ -5,7 +5,8 @@ whose `infer` checks the feeds and calls `InferenceSession.run`, which onnxrunti
 thread-safe. The Python objects around the runners keep no per-call state: `SpeechTokenLM.decode`
 returns a `Decoding` that owns its KV cache and history, `Synthesizer.stream_tokens` keeps an
 utterance's state (its mel, flow and vocoder streams) in a `_Stream` of its own, `Flow` and `Vocoder`
-only read their tables, and the lazily drawn sine-noise table (`UniformNoise`) takes a lock. A test runs
+only read their tables, and the per-prompt flow prefixes (`FlowPrefixCache`, read-only arrays) and the
+lazily drawn sine-noise table (`UniformNoise`) take a lock. A test runs
 two sessions at once and gets `cosyvoice-run`'s samples from both. The one exception is TensorRT: a
 `TrtRunner` reuses one execution context and its device buffers per call, so the server offers the
 onnxruntime providers only (`cpu`, `cuda`, `tensorrt`). The text front end is used under a lock: the
