@@ -13,6 +13,7 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from cosyvoice_runtime.flow_prefix import FlowPrefixCache
 
@@ -52,10 +53,18 @@ class Gauge:
     name: str
     help: str
     read: Callable[[], float]
+    kind: ClassVar[str] = "gauge"
 
     def render(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} gauge",
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}",
                 f"{self.name} {_number(self.read())}"]
+
+
+class CountReading(Gauge):
+    """A count kept elsewhere that only goes up, read when the metrics are scraped: a counter to
+    Prometheus (whose `rate()` handles its restarts), a gauge's plumbing here."""
+
+    kind: ClassVar[str] = "counter"
 
 
 @dataclass
@@ -123,10 +132,10 @@ class ServerMetrics:
                   lambda: prefixes.nbytes),
             Gauge("tts_flow_prefix_cache_prompts", "Prompts whose flow prefix is kept.",
                   lambda: len(prefixes)),
-            Gauge("tts_flow_prefix_cache_hits", "Streams that started from a kept flow prefix.",
-                  lambda: prefixes.hits),
-            Gauge("tts_flow_prefix_cache_misses", "Streams that computed their prompt's flow prefix.",
-                  lambda: prefixes.misses)]
+            CountReading("tts_flow_prefix_cache_hits", "Streams that started from a kept flow prefix.",
+                         lambda: prefixes.hits),
+            CountReading("tts_flow_prefix_cache_misses", "Streams that computed their prompt's flow prefix.",
+                         lambda: prefixes.misses)]
         self._all: list[Counter | Gauge | Histogram] = [
             self.requests_total, self.requests_success, self.requests_error, self.requests_rejected,
             self.sessions_cancelled, self.synthesis_seconds, self.rtf, self.first_chunk_seconds,

@@ -466,6 +466,8 @@ def test_the_queue_is_bounded_and_clients_that_leave_free_their_sessions(
     assert metric(text, "tts_flow_prefix_cache_hits") == prefixes.hits >= 1
     assert metric(text, "tts_flow_prefix_cache_misses") == prefixes.misses >= 1
     assert metric(text, "tts_flow_prefix_cache_prompts") == len(prefixes) >= 1
+    assert "# TYPE tts_flow_prefix_cache_hits counter" in text
+    assert "# TYPE tts_flow_prefix_cache_bytes gauge" in text
     assert "# TYPE tts_rtf histogram" in text and 'tts_rtf_bucket{le="+Inf"} 1' in text
 
 
