@@ -8,6 +8,7 @@ import platform
 import sys
 import threading
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,18 @@ def describe(threads: int, torch_version: str | None) -> dict[str, Any]:
         "numpy": np.__version__,
         "onnxruntime": ort.__version__,
         "onnxruntime_providers": ort.get_available_providers(),
+        "openvino": _version("openvino"),
         "torch": torch_version,
         "threads": threads,
     }
+
+
+def _version(package: str) -> str | None:
+    """An installed package's version (None when it is not installed), without importing it."""
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def usable_cpus() -> int:

@@ -120,6 +120,7 @@ def render(result: dict[str, Any]) -> str:
     lines = [
         f"cosyvoice-bench on {m['cpu']} ({m['usable_cpus']} usable CPUs, {m['memory_gib']} GiB), "
         f"provider {s['provider']}, {s['threads']} threads, onnxruntime {m['onnxruntime']}"
+        + (f", OpenVINO {m['openvino']}" if m.get("openvino") else "")
         + (f", torch {m['torch']}" if m["torch"] else ""),
         f"bundle {result['bundle']['path']} ({result['bundle']['precision']}), prompt "
         f"{result['prompt']['seconds']:.2f} s / {result['prompt']['speech_tokens']} tokens, "

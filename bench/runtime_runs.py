@@ -1,8 +1,9 @@
 """The runtime's side: a `Synthesizer` with its front end, run through the `Backend` interface, and
 concurrent sessions.
 
-Sharing one `Synthesizer` between threads is safe for the onnxruntime providers: onnxruntime's
-`InferenceSession.run` is thread-safe, and every per-request state (the `Decoding`, the stream's
+Sharing one `Synthesizer` between threads is safe for the onnxruntime providers and OpenVINO:
+onnxruntime's `InferenceSession.run` is thread-safe, an `OpenVinoRunner` gives each thread its own infer
+request, and every per-request state (the `Decoding`, the stream's
 accumulated mel and vocoder window) is created per call; the `Synthesizer`, `Flow`, `Vocoder` and
 runners only read their own attributes while running. A `TrtRunner` keeps device buffers and an
 execution context per runner, so under `--provider trt` every session gets its own `Synthesizer`.

@@ -19,7 +19,7 @@ from typing import Any
 from tqdm import tqdm
 
 from cosyvoice_runtime.bundle import RuntimeBundle
-from cosyvoice_runtime.runners import CPU, OPTIMIZATION
+from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, OPTIMIZATION
 
 from .backend import Backend, Figures
 from .bounds import (
@@ -106,7 +106,7 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
         step("first use in the process")
         cold = {name: {c.name: _cold(f, c, s.prompt_wav, step) for c in s.cases}
                 for name, f in factories.items()}
-        gpu = GpuSampler() if s.provider != CPU else None
+        gpu = GpuSampler() if s.provider not in CPU_PROVIDERS else None
         warm = _warm_phase(s, factories, gpu, step)
         summary = {name: {c.name: {**summarize(warm.figures[name][c.name]), **cold[name][c.name]}
                           for c in s.cases} for name in factories}

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
-.venv/bin/pip install --quiet --disable-pip-version-check -c ci/constraints.txt -e '.[export,serve,dev]'
+.venv/bin/pip install --quiet --disable-pip-version-check -c ci/constraints.txt -e '.[export,serve,openvino,dev]'
 # the web page's browser test needs a headless Chromium: Debian's, where this runs as root with apt
 # (the test skips, saying why, where there is none)
 if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

@@ -106,7 +106,9 @@ def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:
                    "embedding, output projections, HiFT's source and Snake) and all graph I/O in float32; "
                    "hift_f0 stays float32. int8: the llm's and the DiT blocks' matmul weights in int8 "
                    "(caches, norms, rotary, softmax, time embedding, AdaLN, output heads and I/O in "
-                   "float32), the other graphs float32. Validated with the specs' bounds for the "
+                   "float32), the other graphs float32. bf16: the DiT run in bfloat16 by OpenVINO (needs "
+                   "AVX512-BF16 or AMX and the openvino extra), the other graphs float32. Validated with "
+                   "the specs' bounds for the "
                    "precision (and the llm's decode gates, the DiT's solve gates). "
                    "OUT holds one precision.")
 def all_cmd(model_dir: Path, out: Path, trt: bool, force: bool, precision: str) -> None:
@@ -123,13 +125,14 @@ def all_cmd(model_dir: Path, out: Path, trt: bool, force: bool, precision: str) 
     longer does. Prints a summary table; exits 1 if a graph fails validation
     (no manifest is written then), 2 on a bad bundle or unusable OUT.
     """
+    from .onnx.bf16 import Bf16Unavailable
     from .onnx.runtime_bundle import export_all
     from .onnx.trace import ExportError
     from .onnx.trt import TrtUnavailable
 
     try:
         report = export_all(model_dir, out, force=force, trt=trt, precision=precision, progress=True)
-    except TrtUnavailable as e:
+    except (TrtUnavailable, Bf16Unavailable) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     except ExportError as e:

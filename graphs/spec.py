@@ -20,9 +20,10 @@ DTYPES: dict[str, type[np.generic]] = {
     "bool": np.bool_,
 }
 
-PRECISIONS = ("fp32", "fp16", "int8")
-"""What a runtime bundle is exported in. fp32: every graph as traced; fp16 or int8: each graph whose spec
-bounds that precision (`GraphSpec.precision_tolerances`) gets a body in it, the others stay fp32."""
+PRECISIONS = ("fp32", "fp16", "int8", "bf16")
+"""What a runtime bundle is exported in. fp32: every graph as traced; fp16, int8 or bf16: each graph whose
+spec bounds that precision (`GraphSpec.precision_tolerances`) gets a body in it (bf16: run in bf16 by
+OpenVINO), the others stay fp32."""
 
 Shape = tuple[int | str, ...]
 """Each dim is a fixed size or the name of a symbolic dim of the graph."""
@@ -198,8 +199,9 @@ class GraphSpec:
     validate: tuple[Case, ...]
     """Validation points; each must differ from the trace point in at least one dim."""
     precision_tolerances: Mapping[str, Mapping[str, Tolerance]] = field(default_factory=dict)
-    """Reduced precision ("fp16", "int8") -> bounds per output for a body in it (float32 I/O) against the
-    float32 torch reference. A graph without bounds for a precision stays float32 in a bundle of it."""
+    """Reduced precision ("fp16", "int8", "bf16") -> bounds per output for a body in it (float32 I/O)
+    against the float32 torch reference. A graph without bounds for a precision stays float32 in a bundle
+    of it."""
     decode_gates: Mapping[str, DecodeGates] = field(default_factory=dict)
     """Reduced precision -> sequence-level bounds that its body must also meet (autoregressive graphs)."""
     solve_gates: Mapping[str, SolveGates] = field(default_factory=dict)

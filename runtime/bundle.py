@@ -199,7 +199,8 @@ class RuntimeBundle:
     # --- provenance --------------------------------------------------------------------------------
 
     def graph_precision(self, name: str) -> str:
-        """Graph `name`'s precision as the manifest records it: fp32, fp16 or int8 (float32 I/O always)."""
+        """Graph `name`'s precision as the manifest records it: fp32, fp16, int8 or bf16 (float32 I/O
+        always)."""
         precision = self._graph_entry(name).get("precision", "fp32")
         if precision not in PRECISIONS:
             raise RuntimeBundleError(f"{self.root / MANIFEST}: graphs.{name}.precision is {precision!r}; "

@@ -70,7 +70,8 @@ def _read_text(text: str, stdin: IO[str]) -> str:
               help="Speaking rate (offline only, as upstream).")
 @click.option("--stream", is_flag=True, help="Synthesise in streaming chunks (upstream's chunk schedule).")
 @click.option("--provider", type=click.Choice(PROVIDERS), default=CPU, show_default=True,
-              help="onnxruntime cpu/cuda/tensorrt provider, or trt for the bundle's TensorRT plans.")
+              help="onnxruntime cpu/cuda/tensorrt provider, trt for the bundle's TensorRT plans, or openvino "
+                   "(OpenVINO's CPU plugin; bf16 graphs run on it under cpu too).")
 @click.option("--tokens-out", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the speech tokens of every segment as JSON.")
 @click.option("--chunks-out", type=click.Path(dir_okay=False, path_type=Path),

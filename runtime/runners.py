@@ -1,4 +1,4 @@
-"""One runner interface over onnxruntime (CPU, CUDA, its TensorRT provider) and TensorRT plans.
+"""One runner interface over onnxruntime (CPU, CUDA, its TensorRT provider), TensorRT plans and OpenVINO.
 
 A runner runs one graph: `infer(feeds)` takes and returns numpy arrays keyed by the spec's tensor
 names. Feeds are checked against the spec before anything runs, and a runner never falls back to
@@ -22,9 +22,13 @@ from .bundle import RuntimeBundle, TrtPlan
 from .cuda_device import cuda_device_name
 from .errors import FeedError, ProviderError, RuntimeBundleError
 
-CPU, CUDA, TENSORRT, TRT = "cpu", "cuda", "tensorrt", "trt"
-PROVIDERS = (CPU, CUDA, TENSORRT, TRT)
-"""`cpu`, `cuda`, `tensorrt`: onnxruntime and its execution provider; `trt`: the bundle's TensorRT plans."""
+CPU, CUDA, TENSORRT, TRT, OPENVINO = "cpu", "cuda", "tensorrt", "trt", "openvino"
+PROVIDERS = (CPU, CUDA, TENSORRT, TRT, OPENVINO)
+"""`cpu`, `cuda`, `tensorrt`: onnxruntime and its execution provider; `trt`: the bundle's TensorRT plans;
+`openvino`: OpenVINO's CPU plugin. bf16 graphs run on OpenVINO under `cpu` too: it is the only CPU
+runtime here that computes in bf16."""
+CPU_PROVIDERS = (CPU, OPENVINO)
+"""The providers that run a graph on the CPU (where bf16 graphs run)."""
 
 ORT_PROVIDERS = {CPU: "CPUExecutionProvider", CUDA: "CUDAExecutionProvider",
                  TENSORRT: "TensorrtExecutionProvider"}
@@ -332,12 +336,22 @@ class TrtRunner(RunnerBase):
 def open_runner(bundle: RuntimeBundle, graph: str, provider: str = CPU, *, threads: int | None = None
                 ) -> Runner:
     """A runner for `graph` of `bundle` on `provider` (one of `PROVIDERS`), its metadata checked
-    against the manifest. `threads` sets onnxruntime's intra-op threads."""
+    against the manifest. `threads` sets onnxruntime's intra-op threads (OpenVINO's inference threads).
+    A bf16 graph runs on OpenVINO under `cpu` and `openvino`, and is refused on a GPU provider."""
     if graph not in bundle.specs:
         raise KeyError(f"unknown graph {graph!r}; known: {', '.join(bundle.specs)}")
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
     spec = bundle.specs[graph]
+    precision = bundle.graph_precision(graph)
+    if precision == "bf16" and provider not in CPU_PROVIDERS:
+        raise ProviderError(f"{graph} is a bf16 graph, which runs on the CPU (OpenVINO), not on "
+                            f"{provider!r}; for a GPU export --precision fp16")
+    if precision == "bf16" or provider == OPENVINO:
+        from .openvino_runner import OpenVinoRunner  # OpenVINO is optional: imported when asked for
+
+        bundle.graph_metadata(graph)  # checked against the manifest as it is read
+        return OpenVinoRunner(bundle.graph_path(graph), spec, precision, threads=threads)
     if provider == TRT:
         bundle.graph_metadata(graph)  # the plan was built from this graph: its provenance is the plan's
         return TrtRunner(bundle.trt_plan(graph), spec)

@@ -58,7 +58,9 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
 @click.option("--model", type=click.Path(file_okay=False, path_type=Path),
               help=f"Runtime bundle, or a model bundle to export on first use. Default: ${MODEL_DIR_ENV}, "
                    "else the embedded demo bundle (as cosyvoice-run).")
-@click.option("--provider", type=click.Choice(SERVER_PROVIDERS), default=CPU, help="onnxruntime provider.")
+@click.option("--provider", type=click.Choice(SERVER_PROVIDERS), default=CPU,
+              help="onnxruntime provider, or openvino (OpenVINO's CPU plugin; bf16 graphs run on it under "
+                   "cpu too).")
 @click.option("--max-conc", type=click.IntRange(min=1), default=DEFAULTS.max_concurrency,
               help="Sessions synthesising at once (one on the CPU: each graph call uses every core).")
 @click.option("--queue", "queue_depth", type=click.IntRange(min=0), default=DEFAULTS.queue_depth,

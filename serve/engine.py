@@ -2,16 +2,18 @@
 
 Why one `Synthesizer` may serve concurrent sessions: every graph call goes through an `OrtRunner`,
 whose `infer` checks the feeds and calls `InferenceSession.run`, which onnxruntime documents as
-thread-safe. The Python objects around the runners keep no per-call state: `SpeechTokenLM.decode`
-returns a `Decoding` that owns its KV cache and history, `Synthesizer.stream_tokens` keeps an
-utterance's state (its mel, flow and vocoder streams) in a `_Stream` of its own, `Flow` and `Vocoder`
-only read their tables, and the per-prompt flow prefixes (`FlowPrefixCache`, read-only arrays) and the
-lazily drawn sine-noise table (`UniformNoise`) take a lock. A test runs
-two sessions at once and gets `cosyvoice-run`'s samples from both. The one exception is TensorRT: a
-`TrtRunner` reuses one execution context and its device buffers per call, so the server offers the
-onnxruntime providers only (`cpu`, `cuda`, `tensorrt`). The text front end is used under a lock: the
-wetext grammars load on first use and their thread-safety is not documented; it is cheap next to
-synthesis. Prompt extraction uses two onnxruntime sessions of its own, safe the same way.
+thread-safe, or an `OpenVinoRunner` (the `openvino` provider, and bf16 graphs), which shares its
+compiled model and gives each thread an infer request of its own, as OpenVINO requires. The Python
+objects around the runners keep no per-call state: `SpeechTokenLM.decode` returns a `Decoding` that
+owns its KV cache and history, `Synthesizer.stream_tokens` keeps an utterance's state (its mel, flow
+and vocoder streams) in a `_Stream` of its own, `Flow` and `Vocoder` only read their tables, and the
+per-prompt flow prefixes (`FlowPrefixCache`, read-only arrays) and the lazily drawn sine-noise table
+(`UniformNoise`) take a lock. A test runs two sessions at once and gets `cosyvoice-run`'s samples from
+both. The one exception is TensorRT: a `TrtRunner` reuses one execution context and its device buffers
+per call, so the server offers the onnxruntime providers and OpenVINO (`cpu`, `cuda`, `tensorrt`,
+`openvino`). The text front end is used under a lock: the wetext grammars load on first use and their
+thread-safety is not documented; it is cheap next to synthesis. Prompt extraction uses two onnxruntime
+sessions of its own, safe the same way.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from cosyvoice_runtime.frontend import (
     open_session,
 )
 from cosyvoice_runtime.llm import Decoding
-from cosyvoice_runtime.runners import CPU, ORT_PROVIDERS
+from cosyvoice_runtime.runners import CPU, OPENVINO, ORT_PROVIDERS
 from cosyvoice_runtime.sampling import make_sampler
 from cosyvoice_runtime.segments import Segment, segments
 from cosyvoice_runtime.synthesis import Mode, SynthesisError, Synthesizer, llm_request
@@ -45,7 +47,7 @@ from .errors import FieldError
 from .queue import Session
 from .speakers import frontend_fingerprint
 
-SERVER_PROVIDERS = tuple(ORT_PROVIDERS)
+SERVER_PROVIDERS = (*ORT_PROVIDERS, OPENVINO)
 """Providers whose runners are safe to share between sessions (see the module docstring)."""
 
 
@@ -93,7 +95,7 @@ class Engine:
         """Open every graph of `bundle` on `provider` (one of `SERVER_PROVIDERS`); `flow_prefix_bytes`
         bounds the per-prompt flow prefixes that streams from one speaker share (`Flow.prefixes`)."""
         if provider not in SERVER_PROVIDERS:
-            raise ValueError(f"the server runs on onnxruntime providers only "
+            raise ValueError(f"the server runs on providers whose runners sessions can share "
                              f"({', '.join(SERVER_PROVIDERS)}); got {provider!r}")
         self.bundle, self.origin, self.provider = bundle, origin, provider
         self.tokenizer = TextTokenizer(bundle.tokenizer_dir)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator, Sequence
+from importlib.metadata import version
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +159,7 @@ def _check_common(result: dict[str, Any], lengths: list[str], levels: list[int])
     assert result["schema"] == "cosyvoice-bench/1" and result["settings"]["lengths"] == lengths
     machine = result["machine"]
     assert machine["threads"] == 1 and machine["memory_bandwidth_gbs"] > 0 and machine["onnxruntime"]
+    assert machine["openvino"] == (version("openvino") if find_spec("openvino") else None)
     assert [c["length"] for c in result["cases"]] == lengths
     for case in result["cases"]:
         bounds = case["bounds"]

@@ -332,8 +332,8 @@ def test_failing_graph_exits_nonzero_naming_graph_output_and_error(tiny_bundle: 
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     real = runtime_bundle.validate_graph
 
-    def strict(path: Path, wrapper: nn.Module, s: GraphSpec) -> GraphValidation:
-        v = real(path, wrapper, s)  # then hold every output to half the error it has
+    def strict(path: Path, wrapper: nn.Module, s: GraphSpec, *, precision: str) -> GraphValidation:
+        v = real(path, wrapper, s, precision=precision)  # then hold every output to half the error it has
         return replace(v, figures=tuple(replace(f, bound=f.measured / 2) for f in v.figures))
 
     monkeypatch.setattr(runtime_bundle, "SPECS", {"flow_encoder": SPECS["flow_encoder"]})  # one small graph

@@ -167,9 +167,9 @@ def test_precision_bounds_must_name_a_reduced_precision(tmp_path: Path) -> None:
     cases_file = _copy(tmp_path, SHORT)
     text = cases_file.read_text()
     assert "\nfp16 = { max_abs" in text
-    cases_file.write_text(text.replace("\nfp16 = { max_abs", "\nbf16 = { max_abs"))
+    cases_file.write_text(text.replace("\nfp16 = { max_abs", "\nfp8 = { max_abs"))
     _one_error_line(_golden("check", "--cases", str(cases_file), "--case", SHORT),
-                    "precision_tolerance: 'bf16' is not one of fp16, int8")
+                    "precision_tolerance: 'fp8' is not one of fp16, int8, bf16")
 
 
 # --- update -------------------------------------------------------------------------------------------

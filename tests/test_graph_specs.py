@@ -168,8 +168,8 @@ def test_tolerance_metrics() -> None:
 def test_reduced_precision_bounds_cover_exactly_the_outputs() -> None:
     with pytest.raises(ValueError, match="fp16 tolerances must cover exactly the outputs"):
         _tiny_spec(precision_tolerances={"fp16": {"zz": Tolerance("rel_max_abs", 1e-2)}})
-    with pytest.raises(ValueError, match="'bf16' is not a reduced precision"):
-        _tiny_spec(precision_tolerances={"bf16": {"b": Tolerance("rel_max_abs", 1e-2)}})
+    with pytest.raises(ValueError, match="'fp8' is not a reduced precision"):
+        _tiny_spec(precision_tolerances={"fp8": {"b": Tolerance("rel_max_abs", 1e-2)}})
     for name in SPECS:
         s = spec(name, FULL)
         assert all(set(bounds) == set(s.output_names) for bounds in s.precision_tolerances.values())

@@ -195,6 +195,23 @@ def test_concurrent_sessions_share_one_synthesizer_exactly(engine: Engine, promp
     assert metric(text, "tts_synthesis_duration_seconds_count") == 2
 
 
+def test_concurrent_sessions_share_openvino_runners_exactly(prompt: tuple[bytes, str], tmp_path: Path
+                                                           ) -> None:
+    """`--provider openvino`: each thread has its own infer request, so two sessions at once get what
+    `cosyvoice-run --provider openvino` gives."""
+    pytest.importorskip("openvino", reason="the openvino extra is not installed")
+    (tmp_path / "cli").mkdir()
+    want = cosyvoice_run(tmp_path / "cli", "--stream", "--text", SHORT, "--provider", "openvino")
+    engine = Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle", provider="openvino")
+    try:
+        with serving(make_app(engine, tmp_path, max_concurrency=2)) as client, ThreadPoolExecutor(2) as pool:
+            both = list(pool.map(lambda _: client.post("/inference_zero_shot", **form(prompt)), range(2)))
+    finally:
+        engine.close()
+    assert [r.status_code for r in both] == [200, 200]
+    assert all(np.array_equal(np.frombuffer(r.content, "<i2"), want) for r in both)
+
+
 def test_instruct2_streams_pcm(engine: Engine, prompt: tuple[bytes, str], tmp_path: Path) -> None:
     with TestClient(make_app(engine, tmp_path)) as client:
         response = client.post("/inference_instruct2", data={"tts_text": SHORT, "instruct_text": "Slowly."},

@@ -21,7 +21,7 @@ from cosyvoice_graphs import GraphSpec, cache_pairs, empty_caches
 
 from .graphs import Networks
 from .trace import ExportError
-from .validate import Figure, gate_figures, ort_session, run_ort, run_torch
+from .validate import Figure, cpu_graph, gate_figures, run_torch
 
 PROMPT_TEXT_IDS = 30
 """Text positions of the prefill: a sentence's worth of ids."""
@@ -62,19 +62,20 @@ SEQUENCES: dict[str, Callable[[Networks], DecodeSequence]] = {"llm": llm_sequenc
 
 def validate_decode(path: Path, wrapper: nn.Module, spec: GraphSpec, precision: str, sequence: DecodeSequence
                     ) -> tuple[Figure, ...]:
-    """The figure of each of `spec.decode_gates[precision]` for the ONNX graph at `path` (onnxruntime CPU)
-    against `wrapper` (torch float32), teacher-forced on `sequence`. Failures are figures, not raised."""
+    """The figure of each of `spec.decode_gates[precision]` for the ONNX graph at `path` (run as
+    `cpu_graph` runs a `precision` graph) against `wrapper` (torch float32), teacher-forced on `sequence`.
+    Failures are figures, not raised."""
     gates = spec.decode_gates[precision]
     pairs = cache_pairs(spec)
     fed = [n for n in spec.input_names if n not in dict(pairs)]
     if len(fed) != 1:
         raise ExportError(f"{spec.name}: decode gates need one input besides the caches, found {fed}")
-    session = ort_session(path)
+    run, _ = cpu_graph(path, spec, precision)
     caches = {"onnx": empty_caches(spec), "torch": empty_caches(spec)}
     logps: dict[str, list[np.ndarray]] = {"onnx": [], "torch": []}
     step = sequence.prefill
     for _ in range(gates.steps + 1):
-        outputs = {"onnx": run_ort(session, spec, {fed[0]: step, **caches["onnx"]}),
+        outputs = {"onnx": run({fed[0]: step, **caches["onnx"]}),
                    "torch": run_torch(wrapper, spec, {fed[0]: step, **caches["torch"]})}
         for who, out in outputs.items():
             logps[who].append(out[gates.output].reshape(-1))

@@ -60,6 +60,7 @@ from ..nets.flow import CausalMaskedDiffWithDiT
 from ..nets.hift import CausalHiFTGenerator
 from ..nets.llm import CosyVoice3LM
 from ..noise import noise_tables
+from .bf16 import BF16_REVISION, bf16_metadata, require_bf16
 from .decode_gates import SEQUENCES, validate_decode
 from .dims import model_dims
 from .fp16 import FP16_REVISION, write_fp16
@@ -311,9 +312,13 @@ CONVERSIONS: dict[str, tuple[int, Callable[[Path, GraphSpec], Path]]] = {
 """Reduced precision -> the revision of its conversion and the rewrite of an exported fp32 graph into it."""
 
 
+REVISIONS = {p: revision for p, (revision, _) in CONVERSIONS.items()} | {"bf16": BF16_REVISION}
+"""Reduced precision -> the revision of what its graphs are (bf16: the fp32 body, marked; see `bf16`)."""
+
+
 def _graph_inputs(s: GraphSpec, sources: Mapping[str, str], precision: str) -> dict[str, Any]:
     """What a graph is a function of: when none of it changed, the graph need not be exported again."""
-    conversion = f"{precision} rev {CONVERSIONS[precision][0]}" if precision in CONVERSIONS else "fp32"
+    conversion = f"{precision} rev {REVISIONS[precision]}" if precision in REVISIONS else "fp32"
     return {"spec_name": s.name, "spec_version": s.version, "exporter_version": EXPORTER_VERSION,
             "sources": dict(sorted(sources.items())), "precision": conversion}
 
@@ -358,6 +363,8 @@ def _export(out: Path, s: GraphSpec, dims: ModelDims, nets: _Networks, source_sh
     meta = {"source_checkpoint": ",".join(checkpoints),
             "source_sha256": ",".join(sources[c] for c in checkpoints),
             "model_yaml_sha256": sources[YAML]}
+    if precision == "bf16":  # the float32 body, which OpenVINO runs in bf16: marked, not rewritten
+        meta |= bf16_metadata()
     bar.set_postfix_str(f"{s.name}: export")
     result = export_graph(wrapper, s, dims, out / graph_file(s.name), extra_metadata=meta)
     paths = result.files
@@ -366,7 +373,7 @@ def _export(out: Path, s: GraphSpec, dims: ModelDims, nets: _Networks, source_sh
         paths = (CONVERSIONS[precision][1](result.path, s),)
     bar.set_postfix_str(f"{s.name}: validate")
     start = time.perf_counter()
-    validation = validate_graph(result.path, wrapper, s.at_precision(precision))
+    validation = validate_graph(result.path, wrapper, s.at_precision(precision), precision=precision)
     if precision in s.decode_gates:
         bar.set_postfix_str(f"{s.name}: decode gates")
         gates = validate_decode(result.path, wrapper, s, precision, SEQUENCES[s.name](nets.all()))
@@ -527,12 +534,13 @@ def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, t
     earlier run into `out`, that passed then and whose files are intact, is reused unless `force`; the
     files of graphs an earlier exporter made that this one no longer does (`RETIRED_GRAPHS`) are deleted.
     Bad bundles raise `BundleError` (the one-line errors of `check-bundle`); a foreign or unwritable
-    `out` raises `RuntimeBundleError`; with `trt` and no CUDA device or TensorRT, or `precision="int8"`,
-    `TrtUnavailable` is raised before anything is read or written. Validation failures do not raise: they
-    are in the report, and no manifest is written.
+    `out` raises `RuntimeBundleError`; with `trt` and no CUDA device or TensorRT, or `precision="int8"`
+    or `"bf16"`, `TrtUnavailable` is raised before anything is read or written, and so is
+    `Bf16Unavailable` for `precision="bf16"` on a CPU without bf16 instructions. Validation failures do
+    not raise: they are in the report, and no manifest is written.
 
-    `precision="fp16"` or `"int8"` gives each graph whose spec bounds that precision
-    (`GraphSpec.precision_tolerances`) a body in it (float32 I/O; see `fp16`, `int8`), validated with
+    `precision="fp16"`, `"int8"` or `"bf16"` gives each graph whose spec bounds that precision
+    (`GraphSpec.precision_tolerances`) a body in it (float32 I/O; see `fp16`, `int8`, `bf16`), validated with
     those bounds and, where the spec has them, its decode or solve gates; the other graphs stay fp32.
     `out` must not hold a bundle of another precision.
     """
@@ -546,7 +554,12 @@ def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, t
         if precision == "int8":
             raise TrtUnavailable("--trt with --precision int8: the int8 graphs are made of onnxruntime's "
                                  "int8 operators, which TensorRT does not build; export int8 without --trt")
+        if precision == "bf16":
+            raise TrtUnavailable("--trt with --precision bf16: bf16 graphs run on the CPU (OpenVINO); for a "
+                                 "GPU export --precision fp16 --trt")
         trt_env = require_trt()
+    if precision == "bf16":
+        require_bf16()
     model_dir, out = Path(model_dir), Path(out)
     bundle = check_bundle(model_dir, report=lambda line: None)
     _prepare_out(out, precision)

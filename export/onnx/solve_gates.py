@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import torch
 from torch import Tensor, nn
 
@@ -25,7 +24,7 @@ from cosyvoice_graphs import GraphSpec, empty_caches
 from ..nets.flow import CausalMaskedDiffWithDiT
 from .graphs import Networks
 from .trace import ExportError
-from .validate import Figure, gate_figures, ort_session, run_ort
+from .validate import Figure, GraphCall, cpu_graph, gate_figures
 
 SEED = 0
 PROMPT_SHARE = 4
@@ -70,9 +69,9 @@ class OnnxEstimator(nn.Module):
     """The exported `flow_estimator_cached` graph with the torch DiT's call signature, for offline solves
     (full attention, no padding): every frame new, nothing cached, as the runtime's offline flow calls it."""
 
-    def __init__(self, session: ort.InferenceSession, spec: GraphSpec) -> None:
+    def __init__(self, run: GraphCall, spec: GraphSpec) -> None:
         super().__init__()
-        self.session, self.spec = session, spec
+        self.run, self.spec = run, spec
 
     def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                 attn_mask: Tensor) -> Tensor:
@@ -86,7 +85,7 @@ class OnnxEstimator(nn.Module):
         unknown = set(self.spec.input_names) - set(feeds)
         if unknown:
             raise ExportError(f"{self.spec.name}: solve gates cannot feed inputs {sorted(unknown)}")
-        return torch.from_numpy(run_ort(self.session, self.spec, feeds)["velocity"])
+        return torch.from_numpy(self.run(feeds)["velocity"])
 
 
 @contextmanager
@@ -109,13 +108,14 @@ def solve(flow: CausalMaskedDiffWithDiT, inputs: SolveInputs) -> np.ndarray:
 
 
 def validate_solve(path: Path, nets: Networks, spec: GraphSpec, precision: str) -> tuple[Figure, ...]:
-    """The figure of each of `spec.solve_gates[precision]` for the ONNX graph at `path` (onnxruntime CPU)
-    in the flow's solve against the torch float32 DiT. Failures are figures, not raised."""
+    """The figure of each of `spec.solve_gates[precision]` for the ONNX graph at `path` (run as `cpu_graph`
+    runs a `precision` graph) in the flow's solve against the torch float32 DiT. Failures are figures, not
+    raised."""
     gates = spec.solve_gates[precision]
     cond = next(t for t in spec.inputs if t.name == "cond")  # the prompt mel's levels
     inputs = solve_inputs(nets.flow, gates.frames, (cond.low, cond.high))
     want = solve(nets.flow, inputs)
-    with estimator_replaced(nets.flow, OnnxEstimator(ort_session(path), spec)):
+    with estimator_replaced(nets.flow, OnnxEstimator(cpu_graph(path, spec, precision)[0], spec)):
         got = solve(nets.flow, inputs)
     label = f"flow solve: {gates.frames} frames, {nets.flow.decoder.cfm.n_timesteps} Euler steps"
     return gate_figures(label, gates, got, want, "mel values")

@@ -7,10 +7,11 @@ non-finite value fails the graph.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import onnxruntime as ort
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from cosyvoice_graphs import Case, DecodeGates, GraphSpec, SolveGates
+from cosyvoice_runtime.openvino_runner import OpenVinoRunner
 
 from .trace import ExportError, torch_inputs
 
@@ -168,6 +170,21 @@ def run_ort(session: ort.InferenceSession, spec: GraphSpec, feeds: Mapping[str, 
     return dict(zip(spec.output_names, outputs, strict=True))
 
 
+GraphCall: TypeAlias = Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
+"""A graph as a function: its feeds by name -> its outputs by the spec's names."""
+OPENVINO_BF16 = "OpenVINO CPU bf16"
+
+
+def cpu_graph(path: Path, spec: GraphSpec, precision: str) -> tuple[GraphCall, str]:
+    """The graph at `path` run as the runtime runs a graph of `precision` on the CPU (onnxruntime; OpenVINO
+    in bf16 for a bf16 graph), and the name of what runs it."""
+    if precision == "bf16":
+        runner = OpenVinoRunner(path, spec, precision)
+        return runner.infer, OPENVINO_BF16
+    session = ort_session(path)
+    return partial(run_ort, session, spec), CPU
+
+
 def run_torch(wrapper: nn.Module, spec: GraphSpec, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Run the torch wrapper on `feeds`; the outputs by the spec's names."""
     with torch.no_grad():
@@ -185,16 +202,16 @@ def validation_cases(spec: GraphSpec, extra_cases: Iterable[Case] = ()) -> list[
 
 
 def validate_graph(path: Path, wrapper: nn.Module, spec: GraphSpec, *, extra_cases: Sequence[Case] = (),
-                   provider: str = CPU) -> GraphValidation:
-    """Compare the ONNX graph at `path` (run in onnxruntime on `provider`) with `wrapper` at every
-    validation case. Tolerance failures are returned as figures, not raised: see
+                   precision: str = "fp32") -> GraphValidation:
+    """Compare the ONNX graph at `path` (a `precision` graph, run as `cpu_graph` runs it) with `wrapper`
+    at every validation case. Tolerance failures are returned as figures, not raised: see
     `GraphValidation.raise_for_failure`."""
     cases = validation_cases(spec, extra_cases)
     if not cases:
         raise ExportError(f"{spec.name}: no validation cases; the spec must give shapes to validate at")
-    session = ort_session(path, provider)
+    run, provider = cpu_graph(path, spec, precision)
     figures: list[Figure] = []
     for case in cases:
         feeds = spec.sample_inputs(case)
-        figures += compare_outputs(spec, case, run_ort(session, spec, feeds), run_torch(wrapper, spec, feeds))
+        figures += compare_outputs(spec, case, run(feeds), run_torch(wrapper, spec, feeds))
     return GraphValidation(spec.name, provider, "torch", tuple(figures))

@@ -1,0 +1,215 @@
+"""OpenVINO: the `openvino` provider (every graph on OpenVINO's CPU plugin in float32) and bf16 bundles
+(`--precision bf16`: the DiT compiled for bf16 by OpenVINO).
+
+No CPU here has bf16 instructions, so the bf16 arithmetic itself is tested only where it runs
+(`test_bf16_bundle_on_a_bf16_cpu`, skipped elsewhere with the reason). Everything around it runs here:
+the refusals, and a bf16 export and synthesis with OpenVINO's bf16 hint pinned to f32, which exercises
+every step but the rounding."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+pytest.importorskip("openvino", reason="the openvino extra is not installed")
+
+from cosyvoice_export.cli import main as export_main  # noqa: E402
+from cosyvoice_export.onnx import bf16 as export_bf16  # noqa: E402
+from cosyvoice_export.onnx.runtime_bundle import MANIFEST, export_all  # noqa: E402
+from cosyvoice_export.onnx.trt import TrtUnavailable  # noqa: E402
+from cosyvoice_export.onnx.validate import OPENVINO_BF16  # noqa: E402
+from cosyvoice_golden.cli import main as golden_main  # noqa: E402
+from cosyvoice_graphs import SPECS  # noqa: E402
+from cosyvoice_runtime import openvino_runner  # noqa: E402
+from cosyvoice_runtime.bundle import RuntimeBundle, read_onnx_metadata  # noqa: E402
+from cosyvoice_runtime.cli import main as run_main  # noqa: E402
+from cosyvoice_runtime.demo import DEMO_BUNDLE  # noqa: E402
+from cosyvoice_runtime.errors import ProviderError, RuntimeBundleError  # noqa: E402
+from cosyvoice_runtime.frontend import PromptFeatures  # noqa: E402
+from cosyvoice_runtime.openvino_runner import OpenVinoRunner, bf16_unsupported_reason  # noqa: E402
+from cosyvoice_runtime.runners import open_runner  # noqa: E402
+from cosyvoice_runtime.sampling import GreedySampler  # noqa: E402
+from cosyvoice_runtime.synthesis import Synthesizer  # noqa: E402
+
+NO_BF16 = bf16_unsupported_reason()
+DIT = "flow_estimator_cached"
+REL_TO_ONNXRUNTIME = 1e-5
+"""OpenVINO float32 against onnxruntime on one call, relative to the output's largest value (measured on
+the demo bundle: 3.5e-6 at most, hift_decoder's waveform)."""
+
+
+@pytest.fixture(scope="module")
+def demo() -> RuntimeBundle:
+    return RuntimeBundle.open(DEMO_BUNDLE)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_every_graph_runs_on_openvino_as_on_onnxruntime(demo: RuntimeBundle, name: str) -> None:
+    spec = demo.specs[name]
+    for case in spec.validate:
+        feeds = spec.sample_inputs(case)
+        with (open_runner(demo, name, "cpu", threads=1) as ort,
+              open_runner(demo, name, "openvino", threads=1) as ov):
+            assert isinstance(ov, OpenVinoRunner) and ov.precision == "fp32"
+            want, got = ort.infer(feeds), ov.infer(feeds)
+        for t in spec.outputs:
+            assert got[t.name].shape == want[t.name].shape and got[t.name].dtype == t.np_dtype, t.name
+            scale = float(np.abs(want[t.name]).max())
+            error = float(np.abs(got[t.name] - want[t.name]).max())
+            assert error <= REL_TO_ONNXRUNTIME * scale, (t.name, case)
+
+
+def test_openvino_synthesis_gives_onnxruntimes_tokens_and_audio(demo: RuntimeBundle) -> None:
+    """Greedy synthesis end to end (the LLM's KV cache through plain `infer`): the same speech tokens, and
+    audio within 50 dB of onnxruntime's (measured: 70 dB)."""
+    d, rng = demo.dims, np.random.default_rng(5)
+    prompt = PromptFeatures(rng.integers(0, d.speech_token_size, (1, 20)),
+                            rng.uniform(-8, 2, (1, d.token_mel_ratio * 20, d.mel_bins)).astype(np.float32),
+                            rng.standard_normal((1, 192), dtype=np.float32))
+    results = []
+    for provider in ("cpu", "openvino"):
+        with Synthesizer(demo, provider, threads=1) as synth:
+            results.append(synth.synthesize((demo.endofprompt_id, *range(20, 40)), prompt,
+                                            sampler=GreedySampler(), max_tokens=60))
+    want, got = results
+    assert got.speech_tokens == want.speech_tokens and got.audio.shape == want.audio.shape
+    noise = float(np.sum((got.audio - want.audio) ** 2))
+    assert 10 * np.log10(float(np.sum(want.audio ** 2)) / noise) > 50.0
+
+
+def test_one_runner_serves_threads_at_once(demo: RuntimeBundle) -> None:
+    """Each thread has its own infer request: concurrent calls give each caller its own outputs."""
+    spec = demo.specs["flow_encoder"]
+    feeds = [spec.sample_inputs(case) for case in spec.validate]
+    with open_runner(demo, "flow_encoder", "openvino", threads=1) as runner:
+        want = [runner.infer(f)["mu"] for f in feeds]
+        got: dict[int, list[np.ndarray]] = {i: [] for i in range(len(feeds))}
+
+        def work(i: int) -> None:
+            for _ in range(5):
+                got[i].append(runner.infer(feeds[i])["mu"])
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(feeds))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for i, outputs in got.items():
+        assert len(outputs) == 5 and all(np.array_equal(o, want[i]) for o in outputs)
+
+
+def test_openvino_runs_only_fp32_and_bf16_graphs(demo: RuntimeBundle) -> None:
+    with pytest.raises(ProviderError, match="a int8 graph does not run on OpenVINO .*use --provider cpu"):
+        OpenVinoRunner(demo.graph_path("llm"), demo.specs["llm"], "int8")
+
+
+@pytest.mark.skipif(NO_BF16 is None, reason="this CPU has bf16: the refusals below do not happen on it")
+def test_bf16_is_refused_on_a_cpu_without_bf16(demo: RuntimeBundle, tiny_bundle: Path, tmp_path: Path
+                                                ) -> None:
+    with pytest.raises(ProviderError, match="a bf16 graph: this CPU has no bf16 instructions .*AVX512-BF16"):
+        OpenVinoRunner(demo.graph_path(DIT), demo.specs[DIT], "bf16")
+    out = tmp_path / "bf16"
+    result = CliRunner().invoke(export_main, ["all", "--model-dir", str(tiny_bundle), "--out", str(out),
+                                              "--precision", "bf16"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [f"error: --precision bf16: {NO_BF16}"]
+    assert not out.exists()
+
+
+def test_bf16_with_tensorrt_plans_is_refused(tiny_bundle: Path, tmp_path: Path) -> None:
+    with pytest.raises(TrtUnavailable, match="--trt with --precision bf16: bf16 graphs run on the CPU"):
+        export_all(tiny_bundle, tmp_path / "out", trt=True, precision="bf16", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def _pin_bf16_to_f32(patch: pytest.MonkeyPatch) -> None:
+    """OpenVINO's bf16 hint pinned to f32 and the CPU check passed: the bf16 path on a CPU without bf16."""
+    patch.setitem(openvino_runner.INFERENCE_PRECISIONS, "bf16", "f32")
+    for module in (openvino_runner, export_bf16):
+        patch.setattr(module, "bf16_unsupported_reason", lambda: None)
+
+
+@pytest.fixture
+def pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    _pin_bf16_to_f32(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def pinned_bf16_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A bf16 export of the tiny model made under `_pin_bf16_to_f32`."""
+    with pytest.MonkeyPatch.context() as patch:
+        _pin_bf16_to_f32(patch)
+        report = export_all(tiny_bundle, tmp_path_factory.mktemp("runtime") / "tiny-bf16", precision="bf16",
+                            progress=False)
+    assert report.manifest is not None, report.table()
+    return report.out
+
+
+def test_a_bf16_bundle_marks_its_dit_and_validates_it_on_openvino(pinned_bf16_bundle: Path) -> None:
+    manifest = json.loads((pinned_bf16_bundle / MANIFEST).read_text())
+    assert manifest["precision"] == "bf16"
+    for name, g in manifest["graphs"].items():
+        assert g["precision"] == ("bf16" if name == DIT else "fp32"), name
+        meta = read_onnx_metadata(pinned_bf16_bundle / g["file"])
+        assert meta.get("precision", "fp32") == g["precision"]
+        assert g["validation"]["passed"]
+    dit = manifest["graphs"][DIT]
+    assert dit["validation"]["provider"] == OPENVINO_BF16
+    assert dit["validation"]["gates"]["mel_rel_rms"]["bound"] == pytest.approx(10 ** (-30 / 20))
+    meta = read_onnx_metadata(pinned_bf16_bundle / dit["file"])
+    assert meta["bf16_revision"] == str(export_bf16.BF16_REVISION)
+    assert "INFERENCE_PRECISION_HINT=bf16" in meta["bf16_execution"]
+    # the body is the float32 export, byte for byte apart from its metadata
+    assert meta["spec_name"] == DIT
+
+
+def test_a_bf16_bundle_runs_its_dit_on_openvino(pinned_bf16_bundle: Path, pinned: None) -> None:
+    bundle = RuntimeBundle.open(pinned_bf16_bundle, verify=True)
+    with open_runner(bundle, DIT, "cpu") as runner:
+        assert isinstance(runner, OpenVinoRunner) and runner.precision == "bf16"
+    with open_runner(bundle, "llm", "cpu") as runner:
+        assert not isinstance(runner, OpenVinoRunner)
+    with pytest.raises(ProviderError, match=f"{DIT} is a bf16 graph, which runs on the CPU .*not on 'cuda'"):
+        open_runner(bundle, DIT, "cuda")
+    result = CliRunner().invoke(golden_main, ["check", "--model", str(pinned_bf16_bundle), "--precision",
+                                              "bf16", "--case", "cross-lingual-en-greedy"])
+    assert result.exit_code == 0, result.output
+    assert "tolerance (bf16 graphs, recorded on fp32)" in result.output
+
+
+@pytest.mark.skipif(NO_BF16 is None, reason="this CPU has bf16: it runs bf16 graphs")
+def test_a_bf16_bundle_is_refused_on_a_cpu_without_bf16(pinned_bf16_bundle: Path, tmp_path: Path) -> None:
+    result = CliRunner().invoke(run_main, ["--model", str(pinned_bf16_bundle), "--text", "Hello there.",
+                                           "--out", str(tmp_path / "out.wav")])
+    assert result.exit_code == 2 and not (tmp_path / "out.wav").exists()
+    assert f"{DIT}.onnx: a bf16 graph: {NO_BF16}" in result.output
+
+
+@pytest.mark.skipif(NO_BF16 is not None, reason=f"bf16 arithmetic is not tested here: {NO_BF16}")
+def test_bf16_bundle_on_a_bf16_cpu(tiny_bundle: Path, tmp_path: Path) -> None:
+    """The real thing, where the CPU has bf16: export (gates measured in bf16), run, judge."""
+    out = tmp_path / "bf16"
+    result = CliRunner().invoke(export_main, ["all", "--model-dir", str(tiny_bundle), "--out", str(out),
+                                              "--precision", "bf16"])
+    assert result.exit_code == 0, result.output
+    assert f"{DIT} [bf16 solve]" in result.output
+    judged = CliRunner().invoke(golden_main, ["check", "--model", str(out), "--precision", "bf16", "--case",
+                                              "cross-lingual-en-greedy"])
+    assert judged.exit_code == 0, judged.output
+
+
+def test_a_copied_bundle_keeps_its_bf16_marks(pinned_bf16_bundle: Path, tmp_path: Path) -> None:
+    """A manifest that calls the bf16 DiT fp32 is caught by the graph's own metadata."""
+    copy = tmp_path / "bundle"
+    shutil.copytree(pinned_bf16_bundle, copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest["graphs"][DIT]["precision"] = "fp32"
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(RuntimeBundleError, match="metadata precision is 'bf16', the manifest says 'fp32'"):
+        open_runner(RuntimeBundle.open(copy), DIT)
