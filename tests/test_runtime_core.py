@@ -259,6 +259,13 @@ def test_trt_runner_unavailable(bundle: RuntimeBundle) -> None:
         TrtRunner(plan, bundle.specs["hift_f0"])
 
 
+def test_openvino_provider_without_openvino(bundle: RuntimeBundle, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "openvino", None)  # `import openvino` raises ImportError
+    with pytest.raises(ProviderError, match=r"OpenVINO runs the 'openvino' provider and every bf16 graph; it "
+                                            r"is not installed \(pip install 'cosyvoice-onnx\[openvino\]'\)"):
+        open_runner(bundle, "hift_f0", "openvino")
+
+
 def test_bundle_without_plans(bundle: RuntimeBundle) -> None:
     with pytest.raises(RuntimeBundleError, match=r"graphs.hift_f0 has no TensorRT plan \(export with "
                                                  r"`cosyvoice-export all --trt`"):
