@@ -20,9 +20,9 @@ from cosyvoice_export.bundle.yaml_config import model_config_from_yaml
 from cosyvoice_export.config import DiTConfig, HiFTConfig, Qwen2Config
 from cosyvoice_runtime.bundle import RuntimeBundle
 
-DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
-"""Bytes per weight by the manifest's graph precision (bf16: as OpenVINO holds them once compiled; int8:
-its scales and float32 output head, 2% of the full-size llm's weights, not counted)."""
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "int8": 1}
+"""Bytes per weight by the manifest's graph precision (int8: its scales and float32 output head, 2% of
+the full-size llm's weights, not counted)."""
 
 
 @dataclass(frozen=True)
