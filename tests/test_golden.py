@@ -17,6 +17,7 @@ from click.testing import CliRunner, Result
 
 from cosyvoice_golden.cases import CASES_FILE, DATA_DIR, Cases, load_cases
 from cosyvoice_golden.cli import main
+from cosyvoice_golden.run import cpu_signature
 from cosyvoice_golden.store import case_paths, graph_paths, read_case, write_case
 from cosyvoice_graphs import SPECS
 from cosyvoice_runtime.frontend import contains_chinese
@@ -43,6 +44,12 @@ def _copy(folder: Path, *names: str) -> Path:
         for path in case_paths(CASES_FILE.parent / DATA_DIR, name):
             shutil.copy(path, folder / DATA_DIR / path.name)
     return folder / CASES_FILE.name
+
+
+def _recorded_on_this_cpu(name: str) -> bool:
+    """Whether case `name`'s golden was recorded on a CPU with this one's kernel-relevant features: only
+    there can its bits be expected (the CPUs these tests run on vary)."""
+    return read_case(CASES_FILE.parent / DATA_DIR, name).reference.get("cpu") == cpu_signature()
 
 
 def _one_error_line(result: Result, message: str) -> None:
@@ -80,7 +87,8 @@ def test_check_passes_every_case_bit_for_bit(cases: Cases) -> None:
     assert len(lines) == len(cases.cases) + len(cases.graphs) + 1
     for name in cases.cases:
         line = next(line for line in lines if line.split()[1] == name)
-        assert line.startswith("✓") and "cpu · exact:" in line, line
+        judged = "cpu · exact:" if _recorded_on_this_cpu(name) else "cpu · tolerance (recorded on another CPU"
+        assert line.startswith("✓") and judged in line, line
     assert all(any(line.startswith(f"✓ graph {g} ") for line in lines) for g in cases.graphs)
 
 
@@ -117,6 +125,8 @@ def test_a_divergence_names_the_chunk_and_sample(tmp_path: Path) -> None:
     assert line.startswith(f"✗ {STREAMED}") and "max_abs" in line, line
     assert f"diverges at segment 0 chunk 1, sample {chunk.sample_range[0] + 1234}" in line, line
 
+    if not _recorded_on_this_cpu(STREAMED):
+        return  # hashes are compared only on the recording CPU's kind
     # a changed hash on the reference backend: located where the output leaves its recorded distance
     last = golden.segments[0].chunks[2]
     chunks = (*golden.segments[0].chunks[:2], replace(last, pcm16_sha256="0" * 64, reference_max_abs=0.0))
@@ -178,6 +188,9 @@ def test_precision_bounds_must_name_a_reduced_precision(tmp_path: Path) -> None:
 def test_update_reproduces_the_stored_expectation(tmp_path: Path) -> None:
     """The demo model rebuilt from its recipe, the torch reference, the runtime on the reference backend:
     the stored golden, unchanged and not rewritten."""
+    if not _recorded_on_this_cpu(SHORT):
+        pytest.skip(f"{SHORT}'s golden was recorded on another CPU kind (this is {cpu_signature()}): "
+                    f"its bits cannot be reproduced here")
     cases_file = _copy(tmp_path, SHORT)
     before = {p: p.read_bytes() for p in case_paths(tmp_path / DATA_DIR, SHORT)}
     result = _golden("update", "--cases", str(cases_file), "--case", SHORT)
