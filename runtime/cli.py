@@ -21,7 +21,15 @@ from .atomic_files import write_json_atomic, write_wav_atomic
 from .bundle import RuntimeBundle
 from .bundle_source import MODEL_DIR_ENV, choose_bundle, choose_prompt
 from .errors import ProviderError, RuntimeBundleError, UserError
-from .frontend import FrontendError, PromptFeatures, TextFrontend, TextTokenizer, extract_prompt, open_session
+from .frontend import (
+    FrontendError,
+    PromptFeatures,
+    TextFrontend,
+    TextTokenizer,
+    extract_prompt,
+    open_session,
+    read_prompt_audio,
+)
 from .runners import CPU, PROVIDERS
 from .sampling import SAMPLINGS, make_sampler
 from .segments import Segment, segments
@@ -55,7 +63,7 @@ def _read_text(text: str, stdin: IO[str]) -> str:
 @click.option("--text", required=True,
               help="Text to speak; '-' reads stdin. Long text is split into sentences.")
 @click.option("--prompt-wav", type=click.Path(dir_okay=False, path_type=Path),
-              help="Prompt recording (any soundfile format, >= 16 kHz, <= 30 s). "
+              help="Prompt recording (any soundfile format, >= 16 kHz, 0.5-30 s of speech). "
                    "Default: the bundle's own prompt, if it has one (the demo bundle does).")
 @click.option("--prompt-text", default=None,
               help="Transcript of the prompt recording (zero-shot). Default: the bundle prompt's, "
@@ -96,6 +104,8 @@ def main(model: Path | None, text: str, prompt_wav: Path | None, prompt_text: st
         if chunks_out is not None and not stream:
             raise UserError("--chunks-out needs --stream")
         start = time.perf_counter()
+        # a bad recording is refused before the bundle's hashes are checked and its graphs opened
+        given_audio = read_prompt_audio(prompt_wav) if prompt_wav is not None else None
         choice = choose_bundle(model)
         if choice.default:
             click.echo(f"model: {choice.origin}", err=True)
@@ -108,7 +118,8 @@ def main(model: Path | None, text: str, prompt_wav: Path | None, prompt_text: st
                           instruct=instruct)
         if not pieces:
             raise UserError("--text has nothing to speak after normalisation")
-        prompt = extract_prompt(chosen.wav, open_session(bundle.frontend_path("campplus")),
+        prompt = extract_prompt(given_audio if given_audio is not None else chosen.wav,
+                                open_session(bundle.frontend_path("campplus")),
                                 open_session(bundle.frontend_path("speech_tokenizer")),
                                 bundle.dims.token_mel_ratio)
         with Synthesizer(bundle, provider) as synth:

@@ -111,3 +111,26 @@ def test_a_tampered_file_is_refused_before_anything_runs(tmp_path: Path) -> None
     assert result.exit_code == 2 and not (tmp_path / "o.wav").exists()
     assert result.output.startswith(f"error: {wav}: sha256 ") and "the manifest says" in result.output
     assert CliRunner().invoke(main, [*args, "--no-verify"]).exit_code == 0
+
+
+@pytest.mark.parametrize(("samples", "rate", "message"), [
+    (np.zeros(48000, np.float32), 48000,
+     "is silent or nearly so (RMS level -inf dBFS); a prompt needs speech above -60 dBFS"),
+    (np.full(24000, 2**-11, np.float32), 24000, "is silent or nearly so (RMS level -66.2 dBFS)"),
+    (np.full(9000, 0.1, np.float32), 22050, "is too short (0.408 s); a prompt needs at least 0.5 s"),
+    (np.full(12000, 0.1, np.float32), 11025, "has sample rate 11025 Hz; the minimum is 16000 Hz"),
+    (np.full(16000 * 31, 0.1, np.float32), 16000, "lasts 31.00 s; the speech tokenizer takes at most 30 s"),
+], ids=["silent", "near-silent", "short", "11 kHz", "31 s"])
+def test_a_bad_prompt_is_one_line_before_the_bundle_opens(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, samples: np.ndarray, rate: int, message: str
+) -> None:
+    prompt = tmp_path / "prompt.flac"
+    sf.write(prompt, samples, rate)
+    opened: list[Path] = []
+    monkeypatch.setattr(RuntimeBundle, "open", lambda path, **_: opened.append(path))
+    out = tmp_path / "o.wav"
+    result = CliRunner().invoke(main, ["--model", str(DEMO_BUNDLE), "--text", "Hi.",
+                                       "--prompt-wav", str(prompt), "--out", str(out)])
+    assert result.exit_code == 2 and not out.exists() and opened == []
+    assert result.output.startswith(f"error: audio file {prompt} {message}")
+    assert result.output.count("\n") == 1

@@ -631,6 +631,15 @@ def _upload(data: bytes) -> dict[str, Any]:
     return {"prompt_wav": ("p.wav", data, "audio/wav")}
 
 
+def _wav(samples: np.ndarray, rate: int) -> bytes:
+    buffer = io.BytesIO()
+    sf.write(buffer, samples, rate, format="WAV", subtype="FLOAT")
+    return buffer.getvalue()
+
+
+_TONE = (0.3 * np.sin(np.arange(16000) * 0.2)).astype(np.float32)  # 1 s at 16 kHz
+
+
 def multipart(body: bytes, boundary: str | None = "b0") -> dict[str, Any]:
     """A request whose body is `body` as is, sent as multipart/form-data (with `boundary`, if any)."""
     content_type = "multipart/form-data" + (f"; boundary={boundary}" if boundary else "")
@@ -644,6 +653,21 @@ BAD_REQUESTS = [
      422, "prompt_text: Field required"),
     ("not audio", "/inference_cross_lingual", {"data": {"tts_text": "Hi."}, "files": _upload(b"not a wav")},
      400, "prompt_wav: cannot read the audio file"),
+    ("silent prompt", "/inference_cross_lingual",
+     {"data": {"tts_text": "Hi."}, "files": _upload(_wav(np.zeros(16000, np.float32), 16000))},
+     400, "prompt_wav: the audio file is silent or nearly so (RMS level -inf dBFS)"),
+    ("short prompt", "/inference_cross_lingual",
+     {"data": {"tts_text": "Hi."}, "files": _upload(_wav(_TONE[:4000], 16000))},
+     400, "prompt_wav: the audio file is too short (0.250 s); a prompt needs at least 0.5 s"),
+    ("8 kHz prompt", "/inference_zero_shot",
+     {"data": {"tts_text": "Hi.", "prompt_text": "x"}, "files": _upload(_wav(_TONE, 8000))},
+     400, "prompt_wav: the audio file has sample rate 8000 Hz; the minimum is 16000 Hz"),
+    ("31 s prompt", "/inference_instruct2", {"data": {"tts_text": "Hi.", "instruct_text": "x"},
+                                              "files": _upload(_wav(np.tile(_TONE, 31), 16000))},
+     400, "prompt_wav: the audio file lasts 31.00 s; the speech tokenizer takes at most 30 s"),
+    ("silent speaker", "/speakers", {"data": {"name": "quiet", "prompt_text": "x"},
+                                     "files": _upload(_wav(np.full(16000, 1e-4, np.float32), 16000))},
+     400, "prompt_wav: the audio file is silent or nearly so (RMS level -80.0 dBFS)"),
     ("empty upload", "/inference_instruct2", {"data": {"tts_text": "Hi.", "instruct_text": "x"},
                                               "files": _upload(b"")}, 400, "prompt_wav is empty"),
     ("too long", "/inference_cross_lingual", {"data": {"tts_text": "a" * 101}, "files": "prompt"},

@@ -18,7 +18,6 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
-import soxr
 from google.protobuf import descriptor_pb2
 from test_serve import (
     API_KEY,
@@ -36,6 +35,7 @@ from test_serve import (
 
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.frontend import load_wav
 from cosyvoice_serve import Engine, ServerSettings
 from cosyvoice_serve.auth import MISSING_KEY
 from cosyvoice_serve.grpc_server import GrpcServer
@@ -53,8 +53,7 @@ def prompt(tmp_path_factory: pytest.TempPathFactory) -> tuple[bytes, str, Path]:
     `(x * 2**15).astype(np.int16).tobytes()`), its transcript, and a WAV of those samples (cosyvoice-run)."""
     default = RuntimeBundle.open(DEMO_BUNDLE).default_prompt()
     assert default is not None
-    audio, rate = sf.read(default[0], dtype="float32")
-    pcm = (soxr.resample(audio, rate, PROMPT_RATE) * 2**15).astype(np.int16)
+    pcm = (load_wav(default[0], PROMPT_RATE) * 2**15).astype(np.int16)
     path = tmp_path_factory.mktemp("prompt") / "prompt16k.wav"
     sf.write(path, pcm, PROMPT_RATE, subtype="PCM_16")
     return pcm.tobytes(), default[1], path

@@ -39,13 +39,8 @@ def load_wav(path: str | Path, target_sr: int) -> torch.Tensor:
     """Read an audio file as a mono float32 tensor (1, N) at `target_sr`.
 
     Mirrors upstream `load_wav`: any format libsndfile reads, samples as floats in [-1, 1] (no int16
-    scaling), channels averaged in float32 *before* resampling.
-
-    Deviation from upstream: upstream resamples with torchaudio's `Resample` (windowed sinc,
-    sinc_interp_hann, lowpass_filter_width 6, rolloff 0.99), which cannot be installed here; we use soxr
-    at VHQ instead, so resampled prompts differ from upstream's by a small filter-shaped error. The
-    output length is made equal to torchaudio's, ceil(N * target_sr / orig_sr), so frame and token
-    counts match upstream's.
+    scaling), channels averaged in float32 *before* resampling, torchaudio's default `Resample` (the
+    runtime's `resample` reproduces it, and torchaudio cannot be installed beside this project's torch).
 
     Raises `BundleError` (one line, naming the file) if the file cannot be read or its sample rate
     is below 16 kHz.

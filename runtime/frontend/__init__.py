@@ -2,13 +2,26 @@
 
 - `TextTokenizer`: Qwen2 BPE + CosyVoice3 special tokens from a `CosyVoice-BlankEN/` folder.
 - `TextFrontend`: upstream's text normalisation (wetext) and sentence splitting; prompt formats.
-- `extract_prompt`: prompt recording -> speech tokens, prompt mel and x-vector (`PromptFeatures`).
+- `read_prompt_audio`, `extract_prompt`: prompt recording -> checked audio -> speech tokens, prompt mel
+  and x-vector (`PromptFeatures`).
 - `load_wav`, `whisper_log_mel`, `kaldi_fbank`, `prompt_mel`: the audio steps on their own.
 """
 
 from __future__ import annotations
 
-from .audio import MAX_PROMPT_SECONDS, MIN_SAMPLE_RATE, SPEECH_SAMPLE_RATE, load_wav, read_audio, resample
+from .audio import (
+    MAX_PROMPT_SECONDS,
+    MIN_PROMPT_SECONDS,
+    MIN_SAMPLE_RATE,
+    SILENCE_DBFS,
+    SPEECH_SAMPLE_RATE,
+    PromptAudio,
+    check_prompt_audio,
+    load_wav,
+    read_audio,
+    read_prompt_audio,
+    resample,
+)
 from .errors import FrontendError
 from .features import PromptMelConfig, kaldi_fbank, prompt_mel, slaney_mel_filterbank, whisper_log_mel
 from .prompt import (
@@ -37,15 +50,19 @@ __all__ = [
     "ENDOFPROMPT",
     "ENDOFTEXT",
     "MAX_PROMPT_SECONDS",
+    "MIN_PROMPT_SECONDS",
     "MIN_SAMPLE_RATE",
+    "SILENCE_DBFS",
     "SPEECH_SAMPLE_RATE",
     "SYSTEM_PROMPT",
     "FrontendError",
     "PromptFeatures",
+    "PromptAudio",
     "PromptMelConfig",
     "TextFrontend",
     "TextTokenizer",
     "align_prompt",
+    "check_prompt_audio",
     "contains_chinese",
     "cross_lingual_text",
     "extract_prompt",
@@ -56,6 +73,7 @@ __all__ = [
     "open_session",
     "prompt_mel",
     "read_audio",
+    "read_prompt_audio",
     "resample",
     "slaney_mel_filterbank",
     "speaker_embedding",

@@ -1,19 +1,19 @@
-"""Prompt audio: read any soundfile-readable file as mono float32 and resample it.
+"""Prompt audio: read any soundfile-readable file as mono float32, check it, and resample it.
 
-Mirrors upstream's `load_wav` (samples as floats in [-1, 1], channels averaged in float32 before
-resampling, at least 16 kHz), with the reference pipeline's resampler: soxr at VHQ, trimmed or
-extended to torchaudio's output length ceil(N * target / orig) so frame and token counts match
-upstream's.
+Upstream's `load_wav` decodes to floats in [-1, 1], averages the channels in float32, refuses rates
+under 16 kHz and resamples with torchaudio's default `Resample` (Hann-windowed sinc, lowpass filter
+width 6, rolloff 0.99). `resample` reproduces that transform exactly in numpy: the same float32 kernel,
+the same output length.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import soundfile as sf
-import soxr
 
 from .errors import FrontendError
 
@@ -25,6 +25,29 @@ SPEECH_SAMPLE_RATE = 16000
 
 MAX_PROMPT_SECONDS = 30.0
 """The speech tokenizer takes at most 30 s of audio (upstream asserts it)."""
+
+MIN_PROMPT_SECONDS = 0.5
+"""Shorter recordings hold too little speech to clone a voice from."""
+
+SILENCE_DBFS = -60.0
+"""A prompt whose RMS level is below this (dB relative to full scale) is taken as silent."""
+
+LOWPASS_FILTER_WIDTH = 6
+"""torchaudio `Resample`'s default: the sinc's half-width in zero crossings."""
+
+ROLLOFF = 0.99
+"""torchaudio `Resample`'s default: the cutoff as a fraction of the lower Nyquist frequency."""
+
+
+@dataclass(frozen=True)
+class PromptAudio:
+    """A decoded prompt recording that passed `check_prompt_audio`."""
+
+    samples: np.ndarray
+    """float32 (N,): mono samples in [-1, 1] at `sample_rate`."""
+    sample_rate: int
+    source: str
+    """What the audio is called in errors, e.g. "audio file prompt.wav"."""
 
 
 def read_audio(path: str | Path) -> tuple[np.ndarray, int]:
@@ -44,21 +67,81 @@ def read_audio(path: str | Path) -> tuple[np.ndarray, int]:
     return np.ascontiguousarray(mono, dtype=np.float32), int(sr)
 
 
-def resample(x: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
-    """Resample mono float32 `x` from `orig_sr` to `target_sr` (soxr VHQ) -> (ceil(N * target / orig),).
+def read_prompt_audio(path: str | Path) -> PromptAudio:
+    """Read a prompt recording (`read_audio`) and refuse it if it cannot prompt (`check_prompt_audio`)."""
+    samples, sr = read_audio(path)
+    prompt = PromptAudio(samples, sr, f"audio file {path}")
+    check_prompt_audio(prompt)
+    return prompt
 
-    Returns `x` itself when the rates are equal.
+
+def check_prompt_audio(prompt: PromptAudio) -> None:
+    """Raise `FrontendError` (one line naming the audio and the measured value) for a prompt that is
+    shorter than 0.5 s, longer than the speech tokenizer's 30 s, or silent (RMS under -60 dBFS)."""
+    seconds = prompt.samples.shape[0] / prompt.sample_rate
+    if seconds < MIN_PROMPT_SECONDS:
+        raise FrontendError(f"{prompt.source} is too short ({seconds:.3f} s); a prompt needs at least "
+                            f"{MIN_PROMPT_SECONDS:g} s")
+    if seconds > MAX_PROMPT_SECONDS:
+        raise FrontendError(f"{prompt.source} lasts {seconds:.2f} s; the speech tokenizer takes at most "
+                            f"{MAX_PROMPT_SECONDS:g} s")
+    rms = math.sqrt(float(np.mean(np.square(prompt.samples, dtype=np.float64))))
+    level = 20 * math.log10(rms) if rms > 0 else -math.inf
+    if level < SILENCE_DBFS:
+        raise FrontendError(f"{prompt.source} is silent or nearly so (RMS level {level:.1f} dBFS); a prompt "
+                            f"needs speech above {SILENCE_DBFS:g} dBFS")
+
+
+def resample(x: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
+    """Resample mono float32 `x` (N,) from `orig_sr` to `target_sr` as torchaudio's default `Resample` does.
+
+    Returns `x` itself when the rates are equal (torchaudio returns its input unchanged). Otherwise the
+    output has torchaudio's length, ceil of (new * N / orig) rounded to float32 (g = gcd of the rates,
+    new and orig the rates over g), which for long inputs can be one sample under the exact ceiling.
+    Each output phase runs only over its kernel's non-zero taps, in float64.
     """
     if orig_sr == target_sr:
         return x
     g = math.gcd(orig_sr, target_sr)
     orig, new = orig_sr // g, target_sr // g
-    out_len = -(-x.shape[0] * new // orig)
-    # soxr rounds its output length where torchaudio takes the ceiling; trailing zeros (which soxr
-    # assumes past the end anyway, so earlier samples are unchanged) give it the extra sample.
-    padded = np.concatenate([x, np.zeros(orig // new + 2, dtype=np.float32)])
-    y = soxr.resample(padded, orig_sr, target_sr, quality="VHQ")
-    return np.ascontiguousarray(y[:out_len], dtype=np.float32)
+    taps, starts, width = _sinc_kernel(orig, new)
+    n = x.shape[0]
+    out_len = math.ceil(np.float32(new * n / orig))
+    frames = n // orig + 1  # conv1d positions over the input padded by width, width + orig
+    band = taps.shape[1]
+    padded = np.zeros(width + frames * orig + band, dtype=np.float64)
+    padded[width:width + n] = x
+    windows = np.lib.stride_tricks.sliding_window_view(padded, band)  # (len - band + 1, band), no copy
+    out = np.empty((new, frames), dtype=np.float64)
+    for phase in range(new):
+        np.matmul(windows[starts[phase]::orig][:frames], taps[phase], out=out[phase])
+    return out.T.reshape(-1)[:out_len].astype(np.float32)  # frame-major, as conv1d's channels interleave
+
+
+def _sinc_kernel(orig: int, new: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """torchaudio's `sinc_interp_hann` kernel for `orig` -> `new` (rates over their gcd), cut to its band.
+
+    torchaudio's kernel is (new, 2 * width + orig): phase j's taps over input offsets -width .. width +
+    orig - 1. It is computed in float64 except the phase offsets -j / new, which torchaudio divides in
+    float32, and stored as float32. Phase j is non-zero only on taps floor(j * orig / new) + [0, 2 * width
+    + 1], so this returns those taps, float32 values held as float64 (new, 2 * width + 2), the first
+    tap's index per phase (new,), and width.
+    """
+    cutoff = min(orig, new) * ROLLOFF
+    width = math.ceil(LOWPASS_FILTER_WIDTH * orig / cutoff)
+    n_taps = 2 * width + orig
+    starts = np.arange(new, dtype=np.int64) * orig // new  # (new,)
+    tap = starts[:, None] + np.arange(2 * width + 2)[None, :]  # (new, band): index into the full kernel
+    phase_offset = (-np.arange(new, dtype=np.float32) / np.float32(new)).astype(np.float64)
+    t = (phase_offset[:, None] + (np.minimum(tap, n_taps - 1) - width) / orig) * cutoff
+    t = np.clip(t, -LOWPASS_FILTER_WIDTH, LOWPASS_FILTER_WIDTH)
+    window = np.cos(t * math.pi / LOWPASS_FILTER_WIDTH / 2) ** 2
+    t *= math.pi
+    with np.errstate(invalid="ignore", divide="ignore"):
+        sinc = np.where(t == 0, 1.0, np.sin(t) / t)
+    taps = sinc * (window * (cutoff / orig))
+    taps[tap >= n_taps] = 0.0  # past the end of torchaudio's kernel
+    return taps.astype(np.float32).astype(np.float64), starts, width
 
 
 def load_wav(path: str | Path, target_sr: int) -> np.ndarray:

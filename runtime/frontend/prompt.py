@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime
 
-from .audio import SPEECH_SAMPLE_RATE, check_tokenizer_length, read_audio, resample
+from .audio import SPEECH_SAMPLE_RATE, PromptAudio, check_tokenizer_length, read_prompt_audio, resample
 from .errors import FrontendError
 from .features import PromptMelConfig, kaldi_fbank, prompt_mel, whisper_log_mel
 
@@ -72,33 +72,26 @@ class PromptFeatures:
 
 
 def extract_prompt(
-    wav_path: str | Path,
+    prompt: str | Path | PromptAudio,
     campplus_session: onnxruntime.InferenceSession,
     tokenizer_session: onnxruntime.InferenceSession,
     token_mel_ratio: int = 2,
     mel_config: PromptMelConfig | None = None,
 ) -> PromptFeatures:
-    """Load a prompt recording and compute its aligned speech tokens, prompt mel and x-vector.
+    """Compute a prompt recording's aligned speech tokens, prompt mel and x-vector.
 
-    The file is decoded once and resampled to 16 kHz (tokens, x-vector) and to
-    `mel_config.sampling_rate` (mel; `mel_config` defaults to CosyVoice3's settings). Raises
-    `FrontendError` (one line, naming the file) for an unreadable file, a sample rate under 16 kHz,
-    more than 30 s, or audio too short to give one token.
+    `prompt` is a file to read (`read_prompt_audio`) or audio read already. It is resampled to 16 kHz
+    (tokens, x-vector) and to `mel_config.sampling_rate` (mel; `mel_config` defaults to CosyVoice3's
+    settings). Raises `FrontendError` (one line, naming the file) for an unreadable file, a sample rate
+    under 16 kHz, under 0.5 s or over 30 s of audio, silence, or audio that gives no speech tokens.
     """
     mel_config = mel_config or PromptMelConfig()
-    mono, sr = read_audio(wav_path)
-    wav16k = resample(mono, sr, SPEECH_SAMPLE_RATE)
-    check_tokenizer_length(wav16k, f"audio file {wav_path}")
-    wav_mel = resample(mono, sr, mel_config.sampling_rate)
-    # One token needs token_mel_ratio mel hops of audio; shorter input cannot prompt the flow.
-    min_samples = token_mel_ratio * mel_config.hop_size
-    if wav_mel.shape[0] < min_samples:
-        seconds = mono.shape[0] / sr
-        raise FrontendError(f"audio file {wav_path} is too short ({seconds:.3f} s); a prompt needs at least "
-                            f"{min_samples / mel_config.sampling_rate:g} s")
+    audio = prompt if isinstance(prompt, PromptAudio) else read_prompt_audio(prompt)
+    wav16k = resample(audio.samples, audio.sample_rate, SPEECH_SAMPLE_RATE)
+    wav_mel = resample(audio.samples, audio.sample_rate, mel_config.sampling_rate)
     tokens = speech_tokens(tokenizer_session, wav16k)
     mel, tokens = align_prompt(prompt_mel(wav_mel, mel_config), tokens, token_mel_ratio)
     if tokens.shape[1] == 0:
-        raise FrontendError(f"audio file {wav_path} gives no speech tokens")
+        raise FrontendError(f"{audio.source} gives no speech tokens")
     embedding = speaker_embedding(campplus_session, wav16k)
     return PromptFeatures(speech_tokens=tokens, mel=mel, embedding=embedding)

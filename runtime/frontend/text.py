@@ -11,12 +11,12 @@
   tokenizer tokens;
 - segments made only of punctuation or symbols are dropped.
 
-wetext: upstream pins wetext 0.0.4, which downloads its FSTs at start-up. We use wetext 0.1.8, whose
-wheel ships the FSTs; the four FST files we run are pinned by sha256 below and checked when wetext is
-loaded (once per process). wetext 0.0.x only transforms text that contains a digit and (in its last
-0.0.x source) picks the grammar by `contains_chinese`; 0.1.8 would also rewrite English without digits
-("Dr." -> "doctor") and send digit-only text to the Chinese grammar, so we call 0.1.8 with an explicit
-language and only on text that contains a digit, as 0.0.x does.
+wetext: upstream pins wetext 0.0.4, whose FSTs it fetches at start-up from a model hub; at the model's
+release that snapshot was the one of 2025-11-28, which the wetext 0.1.2 wheel ships. We take those FST
+files (checked by sha256 once per process) and wetext's token parser from wetext 0.1.2, and compose
+them as wetext 0.0.4's `Normalizer.normalize` does: only text with a digit is touched, the grammar is
+chosen by `contains_chinese`, tagger -> token reorder -> verbaliser, and the output is not stripped.
+wetext 0.1.x's own `normalize` differs (it strips, and picks the zh grammar for digit-only text).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
-import importlib.resources
 import re
 import unicodedata
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from .errors import FrontendError
@@ -35,16 +35,17 @@ from .special_tokens import ENDOFPROMPT
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 
-WETEXT_VERSION = "0.1.8"
-"""The wetext release whose FSTs the expected outputs in the tests come from."""
+WETEXT_VERSION = "0.1.2"
+"""The wetext release whose wheel ships the FSTs upstream's wetext 0.0.4 ran at the model's release."""
 
 WETEXT_FST_SHA256 = {
-    "zh/tn/tagger.fst": "cf341314c51f7ce59049f3b2c42f0ce8fd71e6d08d4d6969613aad384a5e2ae8",
-    "zh/tn/verbalizer.fst": "5a13cd679dd54637d12d2bd1bd33ee2165d91c867e14468c93195af02256e5da",
-    "en/tn/tagger.fst": "245e2dc9174cdd007a8e9e50f3339773d1adbbc7535b71cf67478dc1683cc3ec",
-    "en/tn/verbalizer.fst": "03155c88f317b2795969e264c19f87faf98b9853d5ac631e419bacdc3b3ee15a",
+    "en": ("bb804f88030153999f154f01950c18dbfd64de2c4cfc5035e21371d4eb4ead8a",
+           "33ad65460a3e8f7fe313994ff0204a218c0fcb5dec9c09b24aeeaa30ef21d67b"),
+    "zh": ("8261de8e6dbb17f2cc8e51067e237c363b3ffc1341fef4080c2c73b850d46d7f",
+           "9fcadad76cafddb2e96b92d892d18249f0ba5fbe60e4d4fc51f466cb6bc7ade9"),
 }
-"""sha256 of the FST files used (zh without erhua removal, en), relative to `wetext/fsts/`."""
+"""sha256 of each grammar's `{lang}/tn/tagger.fst` and `verbalizer.fst` in wetext's `fsts/` folder (the zh
+verbaliser keeps erhua, as upstream's `remove_erhua=False`)."""
 
 # split_paragraph settings upstream passes for every language.
 TOKEN_MAX_N = 80
@@ -181,33 +182,65 @@ def split_paragraph(text: str, lang: Literal["zh", "en"], length: Callable[[str]
 
 
 @functools.cache
-def _wetext() -> Any:
-    """The wetext module, once its pinned FSTs are checked (once per process)."""
+def _wetext_fsts() -> dict[str, tuple[str, str]]:
+    """Each language's (tagger, verbaliser) FST paths in the installed wetext, once their sha256s are
+    checked (once per process)."""
     try:
         import wetext
     except ImportError as exc:
         raise FrontendError(f"text normalisation needs wetext=={WETEXT_VERSION} (pip install "
                             f"wetext=={WETEXT_VERSION}), which cannot be imported: {exc}") from None
-    fsts = importlib.resources.files("wetext").joinpath("fsts")
-    for name, expected in WETEXT_FST_SHA256.items():
-        try:
-            digest = hashlib.sha256(fsts.joinpath(name).read_bytes()).hexdigest()
-        except OSError:
-            digest = "missing"
-        if digest != expected:
-            version = importlib.metadata.version("wetext")
-            raise FrontendError(f"wetext {version}: FST {name} is not the pinned one (sha256 {digest}); "
-                                f"install wetext=={WETEXT_VERSION}")
-    return wetext
+    folder = Path(wetext.__file__).parent / "fsts"
+    found = {}
+    for lang, expected in WETEXT_FST_SHA256.items():
+        paths = (folder / lang / "tn" / "tagger.fst", folder / lang / "tn" / "verbalizer.fst")
+        for path, sha256 in zip(paths, expected, strict=True):
+            try:
+                digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            except OSError:
+                raise FrontendError(f"wetext FST {path} is missing; install wetext=={WETEXT_VERSION}"
+                                    ) from None
+            if digest != sha256:
+                version = importlib.metadata.version("wetext")
+                raise FrontendError(f"wetext {version}: FST {path} is not the pinned one (sha256 {digest}); "
+                                    f"install wetext=={WETEXT_VERSION}")
+        found[lang] = (str(paths[0]), str(paths[1]))
+    return found
+
+
+class _WetextGrammar:
+    """One language's text-normalisation grammar, run as wetext 0.0.4's `Normalizer` runs it."""
+
+    def __init__(self, lang: Literal["zh", "en"]) -> None:
+        import kaldifst
+        from wetext.token_parser import TokenParser
+
+        tagger, verbalizer = _wetext_fsts()[lang]
+        self._lang = lang
+        self._tagger = kaldifst.TextNormalizer(tagger)
+        self._verbalizer = kaldifst.TextNormalizer(verbalizer)
+        self._token_parser = TokenParser
+
+    def __call__(self, text: str) -> str:
+        """wetext 0.0.4's `normalize` for text that has a digit: no strip before or after."""
+        tagged = self._tagger(text)
+        return str(self._verbalizer(self._token_parser(self._lang, "tn").reorder(tagged)))
 
 
 @functools.cache
-def _wetext_normalizer(lang: Literal["zh", "en"]) -> Any:
-    """wetext's normaliser for `lang`, built on first use: loading its FSTs takes seconds, and most
-    texts (those without digits) never need it."""
-    if lang == "zh":
-        return _wetext().Normalizer(lang="zh", operator="tn", remove_erhua=False)
-    return _wetext().Normalizer(lang="en", operator="tn")
+def _wetext_grammar(lang: Literal["zh", "en"]) -> _WetextGrammar:
+    """`lang`'s grammar, loaded on first use: most texts (those without digits) never need it."""
+    return _WetextGrammar(lang)
+
+
+def wetext_normalize(text: str) -> str:
+    """What upstream's wetext normaliser (`Normalizer(remove_erhua=False).normalize`, wetext 0.0.4 with
+    the pinned FSTs) returns for `text`: `text` itself unless it has a digit, else the zh grammar's output
+    if it holds a CJK ideograph, the en grammar's otherwise, unstripped. Raises what the grammar raises
+    when it finds no parse."""
+    if not _DIGIT.search(text):
+        return text
+    return _wetext_grammar("zh" if contains_chinese(text) else "en")(text)
 
 
 @functools.cache
@@ -234,13 +267,13 @@ class TextFrontend:
         """`tokenizer` counts tokens for English splitting.
 
         `use_wetext=False` skips the wetext step only, like upstream without a normaliser installed; the
-        clean-ups, number spelling and splitting still run. With `use_wetext=True`, a missing or
-        unpinned wetext raises `FrontendError` here; each language's grammar loads on first use.
+        clean-ups, number spelling and splitting still run. With `use_wetext=True`, a missing wetext or
+        an FST that is not the pinned one raises `FrontendError` here; each grammar loads on first use.
         """
         self._tokenizer = tokenizer
         self._use_wetext = use_wetext
         if use_wetext:
-            _wetext()
+            _wetext_fsts()
 
     def normalize(self, text: str) -> str:
         """The normalised text as one string (upstream's `split=False`), for prompt texts."""
@@ -266,17 +299,18 @@ class TextFrontend:
     def _normalize(self, text: str) -> tuple[Literal["zh", "en"], str]:
         text = text.strip()
         if contains_chinese(text):
-            return "zh", _clean_chinese(self._wetext(text, "zh"))
-        return "en", spell_out_numbers(self._wetext(text, "en"), _number_to_words)
+            return "zh", _clean_chinese(self._wetext(text))
+        return "en", spell_out_numbers(self._wetext(text), _number_to_words)
 
-    def _wetext(self, text: str, lang: Literal["zh", "en"]) -> str:
-        # wetext 0.0.4 (upstream's pin) leaves text without digits untouched.
-        if not self._use_wetext or not _DIGIT.search(text):
+    def _wetext(self, text: str) -> str:
+        if not self._use_wetext:
             return text
-        normalizer = _wetext_normalizer(lang)
         try:
-            return str(normalizer.normalize(text))
+            return wetext_normalize(text)
+        except FrontendError:
+            raise
         except Exception as exc:  # wetext asserts when its grammar finds no parse
+            lang = "zh" if contains_chinese(text) else "en"
             shown = text if len(text) <= 60 else text[:57] + "..."
             raise FrontendError(f"wetext ({lang}) cannot normalise {shown!r} ({type(exc).__name__}); "
                                 f"rephrase it or turn text normalisation off") from None

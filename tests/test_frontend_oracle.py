@@ -1,0 +1,144 @@
+"""The front end against upstream's own libraries: torchaudio's `Resample` and wetext 0.0.4 with its FSTs.
+
+The oracle (`../shared/reference/frontend-oracle/`, outside the repository) holds those libraries'
+outputs on inputs written for it; its README says how it was made. Tests skip, saying why, without it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import soundfile as sf
+from click.testing import CliRunner
+
+from cosyvoice_runtime import cli
+from cosyvoice_runtime import frontend as rt
+from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.frontend import text as rt_text
+
+ORACLE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "frontend-oracle"
+
+
+def _oracle_file(name: str) -> Path:
+    path = ORACLE / name
+    if not path.is_file():
+        pytest.skip(f"the front-end oracle {path} is absent (it lies beside the repository, in ../shared)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def resample_oracle() -> tuple[Any, dict[str, dict[str, Any]]]:
+    """The npz and its per-case metadata."""
+    npz = np.load(_oracle_file("resample.npz"), allow_pickle=False)
+    return npz, json.loads(str(npz["__meta__"]))["cases"]
+
+
+@pytest.fixture(scope="module")
+def text_oracle() -> list[dict[str, Any]]:
+    return json.loads(_oracle_file("text_normalize.json").read_text(encoding="utf-8"))["cases"]
+
+
+def test_resampler_equals_torchaudio_on_every_case(tmp_path: Path,
+                                                   resample_oracle: tuple[Any, dict[str, dict[str, Any]]]
+                                                   ) -> None:
+    """Each case through the runtime as a prompt goes (a float WAV file read, channels averaged and
+    resampled) where its rate is one upstream accepts, through `resample` alone below 16 kHz."""
+    npz, cases = resample_oracle
+    worst, shorter = 0.0, 0
+    for name, meta in cases.items():
+        source, target = meta["orig_sr"], meta["new_sr"]
+        given = npz[f"{name}__in"]  # (N,) or (N, channels)
+        if source >= rt.MIN_SAMPLE_RATE:
+            path = tmp_path / f"{name}.wav"
+            sf.write(path, given, source, subtype="FLOAT")
+            mono, sr = rt.read_audio(path)
+            assert sr == source
+            if given.ndim == 2:
+                np.testing.assert_array_equal(mono, npz[f"{name}__mono"], err_msg=name)
+            got = rt.load_wav(path, target)
+        else:
+            got = rt.resample(given, source, target)
+        expected = npz[f"{name}__out"]
+        assert got.dtype == np.float32 and got.shape == expected.shape, (name, got.shape, expected.shape)
+        if source == target:
+            np.testing.assert_array_equal(got, expected, err_msg=name)
+        error = float(np.abs(got.astype(np.float64) - expected).max())
+        assert error <= 1e-6, f"{name}: max |Δ| {error:.3g} against torchaudio"
+        worst = max(worst, error)
+        if meta.get("one_shorter_than_exact_ceil"):
+            shorter += 1
+            assert got.shape[0] == meta["exact_ceil_length"] - 1
+    assert len(cases) == 72 and shorter == 6
+    print(f"worst max |Δ| over {len(cases)} cases: {worst:.3g}")
+
+
+def test_resampler_length_rule_rounds_through_float32() -> None:
+    n = 1_102_704  # the oracle's long 44.1 kHz case: exactly 400,074.6... samples, float32 gives 400,074
+    assert rt.resample(np.zeros(n, np.float32), 44100, 16000).shape == (400_074,)
+    assert math.ceil(n * 160 / 441) == 400_075
+
+
+def test_wetext_output_equals_upstreams_on_every_text(text_oracle: list[dict[str, Any]]) -> None:
+    """The raw normaliser output (before upstream's clean-ups): spacing, trailing space and words alike."""
+    got = {case["id"]: rt_text.wetext_normalize(case["input"]) for case in text_oracle}
+    differing = [(case["id"], got[case["id"]], case["upstream"]) for case in text_oracle
+                 if got[case["id"]] != case["upstream"]]
+    assert differing == []
+    assert len(text_oracle) == 50
+
+
+def test_no_escape_reaches_the_llm(text_oracle: list[dict[str, Any]]) -> None:
+    frontend = rt.TextFrontend(rt.TextTokenizer(DEMO_BUNDLE / "tokenizer"))
+    quoted = [case for case in text_oracle if '"' in case["input"] or "“" in case["input"]]
+    assert len(quoted) >= 3
+    for case in text_oracle:
+        for segment in frontend.split(case["input"]):
+            assert "\\" not in segment, (case["id"], segment)
+
+
+@pytest.mark.parametrize(("case", "mel_case"), [
+    ("vowel__22050__to16000", "vowel__22050__to24000"),
+    ("stereo_independent__44100__to16000", None),  # the oracle resamples its stereo cases to 16 kHz only
+    ("vowel__48000__to16000", "vowel__48000__to24000"),
+])
+def test_cosyvoice_run_prompt_features_come_from_torchaudios_waveform(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        resample_oracle: tuple[Any, dict[str, dict[str, Any]]], case: str, mel_case: str | None) -> None:
+    """`cosyvoice-run --prompt-wav` on a 22.05 kHz, a 44.1 kHz stereo and a 48 kHz prompt: the speech
+    tokens and x-vector it conditions on are those of torchaudio's 16 kHz waveform, the prompt mel that
+    of its 24 kHz one."""
+    npz, cases = resample_oracle
+    prompt = tmp_path / "prompt.wav"
+    sf.write(prompt, npz[f"{case}__in"], cases[case]["orig_sr"], subtype="FLOAT")
+    used: list[rt.PromptFeatures] = []
+
+    def observed(*args: Any, **kwargs: Any) -> rt.PromptFeatures:
+        used.append(rt.extract_prompt(*args, **kwargs))
+        return used[-1]
+
+    monkeypatch.setattr(cli, "extract_prompt", observed)
+    out = tmp_path / "out.wav"
+    result = CliRunner().invoke(cli.main, ["--model", str(DEMO_BUNDLE), "--text", "Hello there.",
+                                           "--prompt-wav", str(prompt), "--prompt-text", "Ah.",
+                                           "--sampling", "greedy", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.is_file() and len(used) == 1
+
+    frontend = DEMO_BUNDLE / "frontend"
+    campplus = rt.open_session(frontend / "campplus.onnx")
+    tokenizer = rt.open_session(frontend / "speech_tokenizer_v3.onnx")
+    wav16k = npz[f"{case}__out"]
+    tokens = rt.speech_tokens(tokenizer, wav16k)
+    n = used[0].speech_tokens.shape[1]
+    np.testing.assert_array_equal(used[0].speech_tokens, tokens[:, :n])
+    np.testing.assert_allclose(used[0].embedding, rt.speaker_embedding(campplus, wav16k), rtol=0, atol=1e-5)
+    if mel_case is not None:
+        mel = rt.prompt_mel(npz[f"{mel_case}__out"], rt.PromptMelConfig())
+        assert n == min(mel.shape[1] // 2, tokens.shape[1])
+        # waveforms within 3e-7 of each other; the log mel's bands near its 1e-5 clamp move most
+        np.testing.assert_allclose(used[0].mel, mel[:, :2 * n], rtol=0, atol=1e-3)
