@@ -33,14 +33,17 @@ FROM_BUNDLE = "bundle"
 
 @dataclass(frozen=True)
 class Bounds:
-    """How far a backend's audio may be from the torch reference's; every bound must hold."""
+    """How far a run may be from the torch reference; every bound given must hold (None: not judged)."""
 
-    max_abs: float
+    max_abs: float | None = None
     """Largest |a - b| over all samples."""
-    l1: float
-    """Mean |a - b|."""
-    snr_db: float
-    """Least 10 log10(sum b^2 / sum (a - b)^2)."""
+    l1: float | None = None
+    """Mean |a - b| over all samples."""
+    snr_db: float | None = None
+    """Least 10 log10(sum b^2 / sum (a - b)^2) over all samples."""
+    mel_snr_db: float | None = None
+    """The same SNR over the generated log-mel values that the vocoder read: the judge of a reduced
+    precision, which the waveform magnifies (see cases.toml)."""
 
 
 @dataclass(frozen=True)
@@ -216,8 +219,9 @@ def _case(raw: dict[str, Any], default_bounds: Mapping[str, Bounds], where: str)
 
 
 def _bounds(raw: Any, where: str) -> Bounds:
-    if not isinstance(raw, dict) or set(raw) != {f.name for f in fields(Bounds)}:
-        raise GoldenError(f"{where} is {raw!r}, expected {{max_abs, l1, snr_db}}")
+    names = [f.name for f in fields(Bounds)]
+    if not isinstance(raw, dict) or not raw or not set(raw) <= set(names):
+        raise GoldenError(f"{where} is {raw!r}, expected some of {{{', '.join(names)}}}")
     return Bounds(**{k: float(_get(raw, k, (int, float), where)) for k in raw})
 
 

@@ -41,39 +41,52 @@ class Verdict:
         return f"{text} — {self.problem}" if self.problem else text
 
 
+def snr_db(got: np.ndarray, want: np.ndarray) -> float:
+    """10 log10(sum want^2 / sum (got - want)^2), in float64; inf when they are equal."""
+    diff = got.astype(np.float64) - want.astype(np.float64)
+    noise, signal = float(np.square(diff).sum()), float(np.square(want.astype(np.float64)).sum())
+    return math.inf if noise == 0 else 10 * math.log10(max(signal, 1e-30) / noise)
+
+
 @dataclass(frozen=True)
 class Metrics:
-    """Audio against the torch reference's."""
+    """Audio, and the mel the vocoder read, against the torch reference's."""
 
     max_abs: float
     l1: float
     snr_db: float
+    mel_snr_db: float
 
     @classmethod
-    def of(cls, got: np.ndarray, want: np.ndarray) -> Metrics:
+    def of(cls, got: np.ndarray, want: np.ndarray, got_mel: np.ndarray, want_mel: np.ndarray) -> Metrics:
+        """Samples `got` against `want`, mels (1, 80, frames) `got_mel` against `want_mel`."""
         diff = got.astype(np.float64) - want.astype(np.float64)
-        noise, signal = float(np.square(diff).sum()), float(np.square(want.astype(np.float64)).sum())
-        snr = math.inf if noise == 0 else 10 * math.log10(max(signal, 1e-30) / noise)
         l1 = float(np.abs(diff).mean()) if diff.size else 0.0
-        return cls(float(np.abs(diff).max(initial=0.0)), l1, snr)
+        return cls(float(np.abs(diff).max(initial=0.0)), l1, snr_db(got, want), snr_db(got_mel, want_mel))
+
+    def _judged(self, bounds: Bounds) -> list[tuple[bool, str, str]]:
+        """Per bound given: whether it holds, the figure against it, and the figure as a violation."""
+        out = []
+        for label, value, bound in (("l1", self.l1, bounds.l1), ("max_abs", self.max_abs, bounds.max_abs)):
+            if bound is not None:
+                out.append((value <= bound, f"{label} {value:.2e} ≤ {bound:.0e}",
+                            f"{label} {value:.2e} > {bound:.0e}"))
+        for label, value, bound in (("snr", self.snr_db, bounds.snr_db),
+                                    ("mel snr", self.mel_snr_db, bounds.mel_snr_db)):
+            if bound is not None:
+                out.append((value >= bound, f"{label} {value:.1f} ≥ {bound:g} dB",
+                            f"{label} {value:.1f} < {bound:g} dB"))
+        return out
 
     def violations(self, bounds: Bounds) -> list[str]:
         """Each bound that does not hold, in words."""
-        out = []
-        if not self.l1 <= bounds.l1:
-            out.append(f"l1 {self.l1:.2e} > {bounds.l1:.0e}")
-        if not self.max_abs <= bounds.max_abs:
-            out.append(f"max_abs {self.max_abs:.2e} > {bounds.max_abs:.0e}")
-        if not self.snr_db >= bounds.snr_db:
-            out.append(f"snr {self.snr_db:.1f} < {bounds.snr_db:g} dB")
-        return out
+        return [violated for holds, _, violated in self._judged(bounds) if not holds]
 
     def describe(self, bounds: Bounds) -> str:
-        return (f"l1 {self.l1:.2e} ≤ {bounds.l1:.0e} · max_abs {self.max_abs:.2e} ≤ {bounds.max_abs:.0e} · "
-                f"snr {self.snr_db:.1f} ≥ {bounds.snr_db:g} dB")
+        return " · ".join(figure for _, figure, _ in self._judged(bounds))
 
     def to_json(self) -> dict[str, float]:
-        return {"max_abs": self.max_abs, "l1": self.l1, "snr_db": self.snr_db}
+        return {"max_abs": self.max_abs, "l1": self.l1, "snr_db": self.snr_db, "mel_snr_db": self.mel_snr_db}
 
 
 Layout = list[tuple[tuple[int, ...], list[tuple[tuple[int, int], tuple[int, int]]]]]
@@ -161,8 +174,11 @@ def compare_case(golden: CaseGolden, run: CaseRun, provider: str, bounds: Bounds
     problem = structure_problem(golden.layout(), run)
     if problem is not None:
         return Verdict(golden.name, False, f"{provider}: tokens/boundaries {timing}", problem)
+    if run.mel.shape != golden.mel.shape:
+        return Verdict(golden.name, False, f"{provider}: mel {timing}",
+                       f"{run.mel.shape[2]} generated mel frames, golden {golden.mel.shape[2]}")
     got = run.audio
-    metrics = Metrics.of(got, golden.audio)
+    metrics = Metrics.of(got, golden.audio, run.mel, golden.mel)
     mode = f"{provider} · exact" if inexact is None else f"{provider} · tolerance ({inexact})"
     summary = f"{mode} · {metrics.describe(bounds)} {timing}"
     if inexact is None:
@@ -179,7 +195,8 @@ def compare_case(golden: CaseGolden, run: CaseRun, provider: str, bounds: Bounds
                   f"{metrics.describe(bounds)} {timing}"
     violations = metrics.violations(bounds)
     if violations:
-        where = divergence(golden, got, lambda c: bounds.max_abs) or _worst_chunk(golden, got)
+        where = divergence(golden, got, lambda c: bounds.max_abs if bounds.max_abs is not None else math.inf
+                           ) or _worst_chunk(golden, got)
         drift = largest_drift(run.graph_stats, golden.graph_stats)
         hint = f"; most drifted graph output: {drift[0]} ({drift[1]:.1e} of its rms)" if drift else ""
         return Verdict(golden.name, False, summary, f"{', '.join(violations)}; {where}{hint}")

@@ -73,6 +73,8 @@ class ReferenceSegment:
     speech_tokens: list[int]
     chunks: list[tuple[tuple[int, int], np.ndarray]]
     """(token range, float32 samples) per chunk; offline: one chunk."""
+    mel: np.ndarray
+    """float32 (1, 80, frames): the generated mel the vocoder read (a stream's chunks' accumulated)."""
 
 
 def _sampler(pipe: ReferencePipeline, case: GoldenCase) -> Sampler:
@@ -98,18 +100,19 @@ def reference_segments(pipe: ReferencePipeline, case: GoldenCase, pieces: list[S
                                         inputs.prompt_speech_tokens, pipe.eop_id, _sampler(pipe, case),
                                         max_tokens=case.max_tokens)
         if case.chunk_policy is None:
-            audio = pipe.token2wav(tokens, prompt, speed=case.speed)[1]
-            out.append(ReferenceSegment(tokens, [((0, len(tokens)), audio)]))
+            mel, audio = pipe.token2wav(tokens, prompt, speed=case.speed)
+            out.append(ReferenceSegment(tokens, [((0, len(tokens)), audio)], mel.numpy()))
         else:
-            out.append(ReferenceSegment(tokens, stream(pipe, tokens, prompt, case.chunk_policy)))
+            out.append(ReferenceSegment(tokens, *stream(pipe, tokens, prompt, case.chunk_policy)))
     return out
 
 
 def stream(pipe: ReferencePipeline, tokens: list[int], prompt: PromptFeatures, policy: ChunkPolicy
-           ) -> list[tuple[tuple[int, int], np.ndarray]]:
+           ) -> tuple[list[tuple[tuple[int, int], np.ndarray]], np.ndarray]:
     """Upstream's CosyVoice3 streaming token2wav over the torch networks for a finished token list, on
     the runtime's schedule: chunk k covers hop_k tokens and fires once hop_k + lookahead tokens follow
-    the previous chunk (all tokens are known here); the remaining tokens form the final chunk."""
+    the previous chunk (all tokens are known here); the remaining tokens form the final chunk. Returns the
+    chunks and the accumulated mel."""
     hops = policy.hops(prompt.speech_tokens.shape[1])
     plan: list[int] = []
     offset, hop = 0, next(hops)

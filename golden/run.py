@@ -81,6 +81,11 @@ class SegmentRun:
     chunks: list[AudioChunk]
     """Offline: one final chunk with the whole segment."""
 
+    @property
+    def mel(self) -> np.ndarray:
+        """The segment's generated mel (1, 80, frames), its chunks' concatenated."""
+        return np.concatenate([c.mel for c in self.chunks], axis=2)
+
 
 @dataclass(frozen=True)
 class CaseRun:
@@ -94,6 +99,11 @@ class CaseRun:
     def audio(self) -> np.ndarray:
         """Every segment's samples, concatenated."""
         return np.concatenate([c.samples for s in self.segments for c in s.chunks])
+
+    @property
+    def mel(self) -> np.ndarray:
+        """Every segment's generated mel (1, 80, frames), concatenated."""
+        return np.concatenate([s.mel for s in self.segments], axis=2)
 
 
 @dataclass(frozen=True)
@@ -218,7 +228,7 @@ class Runtime:
         t = done.timings
         timings = ChunkTimings(t["llm"], t["flow"], t["vocoder"], sum(t.values()))
         whole = AudioChunk(0, done.audio, done.sample_rate, True, (0, len(done.speech_tokens)),
-                           (0, len(done.audio)), timings)
+                           (0, len(done.audio)), timings, done.mel)
         return SegmentRun(done.speech_tokens, [whole])
 
     def close(self) -> None:

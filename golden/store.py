@@ -4,7 +4,8 @@
                         the speech tokens and chunks (token and sample ranges; the sha256 of the float32
                         samples, as `cosyvoice-run --chunks-out` writes it; the PCM16 sha256), the graphs'
                         output statistics, and the reference backend's audio metrics against torch
-    data/<case>.npz     `audio`: the torch reference's float32 samples, the segments concatenated
+    data/<case>.npz     `audio`: the torch reference's float32 samples, and `mel`: its generated mel
+                        (1, 80, frames) that the vocoder read, the segments concatenated
     data/graphs/<graph>.json, .npz
                         a graph's golden bundle: its spec version, the bundle's fingerprint, and per stored
                         validation case the spec's sample inputs and the torch wrapper's outputs
@@ -31,10 +32,12 @@ from cosyvoice_runtime.bundle import RuntimeBundle
 from .errors import GoldenError
 
 FORMAT = "cosyvoice-golden"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 GRAPHS_DIR = "graphs"
 AUDIO = "audio"
 """The torch reference's samples in a case's npz file."""
+MEL = "mel"
+"""The torch reference's generated mel in a case's npz file."""
 EXPECTATION_FIELDS = ("text", "prompt_text", "instruct", "mode", "stream", "chunk_policy", "sampling", "seed",
                       "speed", "max_tokens", "precision")
 """The case fields that change what is synthesised: a golden recorded with other values is stale."""
@@ -120,6 +123,8 @@ class SegmentGolden:
     text: str
     speech_tokens: tuple[int, ...]
     chunks: tuple[ChunkGolden, ...]
+    mel_frames: int
+    """Frames of the segment's generated mel."""
 
     @property
     def samples(self) -> int:
@@ -146,6 +151,8 @@ class CaseGolden:
     """The reference backend's audio metrics against torch when recorded."""
     audio: np.ndarray = field(repr=False)
     """The torch reference's float32 samples, the segments concatenated."""
+    mel: np.ndarray = field(repr=False)
+    """The torch reference's generated mel (1, 80, frames), the segments concatenated."""
 
     @property
     def samples(self) -> int:
@@ -160,7 +167,7 @@ class CaseGolden:
             "format": FORMAT, "format_version": FORMAT_VERSION, "name": self.name, "case": self.case,
             "bundle": self.bundle, "prompt": self.prompt, "reference": self.reference,
             "samples": self.samples,
-            "segments": [{"text": s.text, "speech_tokens": list(s.speech_tokens),
+            "segments": [{"text": s.text, "speech_tokens": list(s.speech_tokens), "mel_frames": s.mel_frames,
                           "chunks": [{**vars(c), "token_range": list(c.token_range),
                                       "sample_range": list(c.sample_range)} for c in s.chunks]}
                          for s in self.segments],
@@ -177,7 +184,7 @@ def case_paths(data_dir: Path, name: str) -> tuple[Path, Path]:
 def write_case(data_dir: Path, golden: CaseGolden) -> None:
     """Write a case's golden files atomically, the npz first (the JSON names its hash)."""
     json_path, npz_path = case_paths(data_dir, golden.name)
-    sha = _write_npz(npz_path, {AUDIO: golden.audio})
+    sha = _write_npz(npz_path, {AUDIO: golden.audio, MEL: golden.mel})
     write_json_atomic(json_path, golden.to_json(sha))
 
 
@@ -190,15 +197,18 @@ def read_case(data_dir: Path, name: str) -> CaseGolden:
         segments = tuple(
             SegmentGolden(s["text"], tuple(s["speech_tokens"]), tuple(
                 ChunkGolden(c["index"], c["is_final"], tuple(c["token_range"]), tuple(c["sample_range"]),
-                            c["sha256"], c["pcm16_sha256"], c["reference_max_abs"]) for c in s["chunks"]))
+                            c["sha256"], c["pcm16_sha256"], c["reference_max_abs"]) for c in s["chunks"]),
+                          s["mel_frames"])
             for s in data["segments"])
         golden = CaseGolden(data["name"], data["case"], data["bundle"], data["prompt"], data["reference"],
-                            segments, data["graph_stats"], data["metrics"], arrays[AUDIO])
+                            segments, data["graph_stats"], data["metrics"], arrays[AUDIO], arrays[MEL])
     except (KeyError, TypeError, IndexError, ValueError) as e:
         raise GoldenError(f"{json_path}: not a golden case file ({type(e).__name__}: {e})") from None
-    if golden.name != name or golden.audio.shape != (golden.samples,):
+    frames = sum(s.mel_frames for s in golden.segments)
+    if golden.name != name or golden.audio.shape != (golden.samples,) or golden.mel.shape[::2] != (1, frames):
         raise GoldenError(f"{json_path}: inconsistent (name {golden.name!r}, {golden.samples} samples, "
-                          f"audio {golden.audio.shape}); record it again with `cosyvoice-golden update`")
+                          f"audio {golden.audio.shape}, {frames} mel frames, mel {golden.mel.shape}); record "
+                          "it again with `cosyvoice-golden update`")
     return golden
 
 

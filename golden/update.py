@@ -57,7 +57,11 @@ def record_case(cases: Cases, runtime: Runtime, pipe: ReferencePipeline, case: G
         return Recorded(Verdict(case.name, False, "not written: the runtime disagrees with torch", problem),
                         False)
     want = np.concatenate([audio for ref in reference for _, audio in ref.chunks]).astype(np.float32)
-    metrics = Metrics.of(run.audio, want)
+    want_mel = np.concatenate([ref.mel for ref in reference], axis=2).astype(np.float32)
+    if run.mel.shape != want_mel.shape:
+        return Recorded(Verdict(case.name, False, "not written: the runtime disagrees with torch",
+                                f"{run.mel.shape[2]} generated mel frames, torch {want_mel.shape[2]}"), False)
+    metrics = Metrics.of(run.audio, want, run.mel, want_mel)
     bounds = case.tolerance[runtime.provider_of(case)]
     violations = metrics.violations(bounds)
     if violations:
@@ -71,14 +75,15 @@ def record_case(cases: Cases, runtime: Runtime, pipe: ReferencePipeline, case: G
             distance = float(np.abs(chunk.samples.astype(np.float64) - audio).max(initial=0.0))
             chunks.append(ChunkGolden(chunk.index, chunk.is_final, token_range, chunk.sample_range,
                                       record["sha256"], record["pcm16_sha256"], distance))
-        segments.append(SegmentGolden(piece.text, tuple(ref.speech_tokens), tuple(chunks)))
+        segments.append(SegmentGolden(piece.text, tuple(ref.speech_tokens), tuple(chunks), ref.mel.shape[2]))
     versions = {lib: importlib.metadata.version(lib) for lib in ("onnxruntime", "torch", "numpy")}
     versions["cpu"] = cpu_signature()
     golden = CaseGolden(
         name=case.name, case=case.to_json(), bundle=fingerprint(runtime.bundle(case)),
         prompt={"wav_sha256": prompt.wav_sha256, "text": prompt.text},
         reference={"provider": runtime.provider_of(case), "threads": runtime.threads, **versions},
-        segments=tuple(segments), graph_stats=run.graph_stats, metrics=metrics.to_json(), audio=want)
+        segments=tuple(segments), graph_stats=run.graph_stats, metrics=metrics.to_json(), audio=want,
+        mel=want_mel)
     change = case_changes(_existing(lambda: read_case(cases.data_dir, case.name)), golden)
     if change != "unchanged":
         write_case(cases.data_dir, golden)
@@ -149,6 +154,10 @@ def case_changes(old: CaseGolden | None, new: CaseGolden) -> str:
         parts.append(f"PCM16 hashes ({hashes + abs(len(old_chunks) - len(new_chunks))} of {len(new_chunks)})")
     if old.audio.shape == new.audio.shape and not np.array_equal(old.audio, new.audio):
         parts.append(f"torch audio (max |Δ| {np.abs(old.audio - new.audio).max():.1e})")
+    if old.mel.shape != new.mel.shape or not np.array_equal(old.mel, new.mel):
+        moved = f"max |Δ| {np.abs(old.mel - new.mel).max():.1e}" if old.mel.shape == new.mel.shape else \
+            f"{old.mel.shape[2]} → {new.mel.shape[2]} frames"
+        parts.append(f"torch mel ({moved})")
     if old.graph_stats != new.graph_stats:
         parts.append("graph statistics")
     if old.metrics != new.metrics:

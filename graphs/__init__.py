@@ -1,6 +1,6 @@
 """Declarative contracts of the exported graphs: plain data, no torch, no onnxruntime."""
 
-from .registry import SPECS, ModelDims, metadata, spec
+from .registry import SPECS, ModelDims, metadata, spec, time_sinusoid
 from .spec import (
     PRECISIONS,
     Case,
@@ -16,4 +16,5 @@ from .spec import (
 )
 
 __all__ = ["PRECISIONS", "SPECS", "Case", "DecodeGates", "DerivedDim", "DimRange", "GraphSpec", "ModelDims",
-           "SolveGates", "TensorSpec", "Tolerance", "cache_pairs", "empty_caches", "metadata", "spec"]
+           "SolveGates", "TensorSpec", "Tolerance", "cache_pairs", "empty_caches", "metadata", "spec",
+           "time_sinusoid"]

@@ -155,6 +155,9 @@ class AudioChunk:
     sample_range: tuple[int, int]
     """[start, end) of `samples` in the utterance's waveform."""
     timings: ChunkTimings
+    mel: np.ndarray
+    """float32 (1, 80, frames): the mel frames this chunk added to the utterance's, which the vocoder
+    turned into `samples` and the chunks before."""
 
     def record(self, segment: int) -> dict[str, Any]:
         """A JSON-able summary (for `--chunks-out`, goldens): ranges, the samples' sha256, timings."""
@@ -354,6 +357,7 @@ class _Stream:
             token_range=(self.offset, self.offset + hop),
             sample_range=(self.samples_out, self.samples_out + len(new)),
             timings=ChunkTimings(llm=llm_s, flow=mid - start, vocoder=done - mid, elapsed=done - self.start),
+            mel=added,
         )
         self.offset += hop
         self.samples_out += len(new)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cosyvoice_graphs import ModelDims, cache_pairs, empty_caches
+from cosyvoice_graphs import ModelDims, cache_pairs, empty_caches, time_sinusoid
 
 from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES, FlowPrefix, FlowPrefixCache
 from .frontend import PromptFeatures
@@ -126,7 +126,8 @@ kernel 3 (upstream's `PreLookaheadLayer`, not a yaml value); its first conv read
 the look-ahead after it."""
 
 Velocity = Callable[[int, np.ndarray, np.ndarray], np.ndarray]
-"""The estimator inside the Euler loop: (step index, x (2, 80, T), t (2,)) -> velocity (2, 80, T)."""
+"""The estimator inside the Euler loop: (step index, x (2, 80, T), time_sinusoid (2, D)) -> velocity
+(2, 80, T)."""
 
 
 def _cfg_rows(mu: np.ndarray, spks: np.ndarray, cond: np.ndarray) -> dict[str, np.ndarray]:
@@ -169,8 +170,8 @@ class Flow:
         feeds = {"offset": np.zeros(1, dtype=np.int64), "block_frames": np.array([block], dtype=np.int64),
                  **_cfg_rows(mu, spks, self.cond(prompt, 0, frames)), **empty_caches(self.estimator.spec)}
         # the velocity only: nothing reads this call's present_* caches, so they are not copied out
-        mel = self.solve(self.initial_x(0, frames), lambda _, x, t: self.estimator.infer_outputs(
-            {"x": x, "t": t, **feeds}, ["velocity"])["velocity"])
+        mel = self.solve(self.initial_x(0, frames), lambda _, x, sinusoid: self.estimator.infer_outputs(
+            {"x": x, "time_sinusoid": sinusoid, **feeds}, ["velocity"])["velocity"])
         return mel[:, :, prompt.mel.shape[1]:]
 
     def stream(self, prompt: PromptFeatures, *, window: int | None = None) -> FlowStream:
@@ -244,13 +245,15 @@ class Flow:
         return np.array(self.noise[:, :, start:end], dtype=np.float32)
 
     def solve(self, x: np.ndarray, velocity: Velocity) -> np.ndarray:
-        """Euler over `t_span` from x (1, 80, T), CFG-guided: v = 1.7 v_cond - 0.7 v_uncond."""
+        """Euler over `t_span` from x (1, 80, T), CFG-guided: v = 1.7 v_cond - 0.7 v_uncond. `velocity` is
+        called with the step, both CFG rows' x and their time's `time_sinusoid`."""
         t_span = self.t_span
         guided, unguided = np.float32(1.0 + CFG_RATE), np.float32(CFG_RATE)
         # t accumulates and dt is re-read from the grid against it, as upstream's solve_euler does.
         t, dt = t_span[0], t_span[1] - t_span[0]
         for step in range(1, len(t_span)):
-            v = velocity(step - 1, np.concatenate([x, x]), np.full(2, t, dtype=np.float32))  # (2, 80, T)
+            sinusoid = time_sinusoid(np.full(2, t, dtype=np.float32), self.dims.dit_time_freq_dim)
+            v = velocity(step - 1, np.concatenate([x, x]), sinusoid)  # (2, 80, T)
             x = x + dt * (guided * v[:1] - unguided * v[1:])
             t = t + dt
             if step < len(t_span) - 1:
@@ -350,8 +353,8 @@ class FlowStream:
                  **_cfg_rows(mu, spks, flow.cond(self.prompt, first, end))}
         pairs = cache_pairs(flow.estimator.spec)
 
-        def velocity(step: int, x: np.ndarray, t: np.ndarray) -> np.ndarray:
-            out = flow.estimator.infer({"x": x, "t": t, **feeds, **self.caches[step]})
+        def velocity(step: int, x: np.ndarray, sinusoid: np.ndarray) -> np.ndarray:
+            out = flow.estimator.infer({"x": x, "time_sinusoid": sinusoid, **feeds, **self.caches[step]})
             self.caches[step] = self._windowed({past: out[present] for past, present in pairs})
             return out["velocity"]
 

@@ -165,12 +165,14 @@ def test_cached_graph_with_nothing_cached_equals_dit(T: int, streaming: bool, cf
     x, mu, cond = (rng.standard_normal((2, 80, T), dtype=np.float32) for _ in range(3))
     t, spks = rng.random(2, dtype=np.float32), rng.standard_normal((2, 80), dtype=np.float32)
     block = np.array([50 if streaming else T])
-    feeds = {"x": x, "mu": mu, "t": t, "spks": spks, "cond": cond, "offset": np.zeros(1, dtype=np.int64),
-             "block_frames": block, **empty_caches(s)}
+    dit = flow.decoder.estimator
+    sinusoid = dit.time_embed.time_embed(torch.from_numpy(t)).numpy()  # what DiT.forward computes from t
+    feeds = {"x": x, "mu": mu, "time_sinusoid": sinusoid, "spks": spks, "cond": cond,
+             "offset": np.zeros(1, dtype=np.int64), "block_frames": block, **empty_caches(s)}
     velocity = _run(wrappers["flow_estimator_cached"], s, feeds)[0]
     mask = torch.ones(2, 1, T)
     with torch.no_grad():
-        want = flow.decoder.estimator(torch.from_numpy(x), mask, torch.from_numpy(mu), torch.from_numpy(t),
+        want = dit(torch.from_numpy(x), mask, torch.from_numpy(mu), torch.from_numpy(t),
                                       torch.from_numpy(spks), torch.from_numpy(cond),
                                       dit_attention_mask(mask, streaming, 50))
     assert torch.equal(velocity, want)

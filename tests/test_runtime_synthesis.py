@@ -277,7 +277,7 @@ def _upstream_hops(prompt_tokens: int, n_tokens: int) -> list[int]:
 def _torch_stream(pipe: ReferencePipeline, tokens: list[int], prompt: TorchPrompt) -> list[np.ndarray]:
     """Upstream's CosyVoice3 streaming over the torch networks, on upstream's hops written out here."""
     hops = _upstream_hops(prompt.speech_tokens.shape[1], len(tokens))
-    return [samples for _, samples in pipe.token2wav_stream(tokens, prompt, hops, lookahead=3)]
+    return [samples for _, samples in pipe.token2wav_stream(tokens, prompt, hops, lookahead=3)[0]]
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cosyvoice_graphs.registry import TIME_SINUSOID_SCALE
+
 from ..config import DiTConfig
 
 LN_EPS = 1e-6
-TIME_SCALE = 1000.0
-"""Upstream's sinusoid multiplies t in [0, 1] by 1000 before the frequencies."""
 
 
 def dit_attention_mask(pad_mask: Tensor, streaming: bool, chunk_frames: int) -> Tensor:
@@ -77,18 +77,21 @@ class _SinusPositionEmbedding(nn.Module):
     def forward(self, t: Tensor) -> Tensor:
         half = self.dim // 2
         freqs = torch.exp(torch.arange(half, device=t.device).float() * -(math.log(10000) / (half - 1)))
-        emb = TIME_SCALE * t[:, None] * freqs[None, :]  # (B, half)
+        emb = TIME_SINUSOID_SCALE * t[:, None] * freqs[None, :]  # (B, half)
         return torch.cat((emb.sin(), emb.cos()), dim=-1)  # (B, dim), sin half first
 
 
 class _TimestepEmbedding(nn.Module):
+    """Upstream's `TimestepEmbedding`, in two halves: the sinusoid of t (`time_embed`, no weights), which the
+    exported graph takes as an input, and the MLP over it (`forward`)."""
+
     def __init__(self, dim: int, freq_dim: int) -> None:
         super().__init__()
         self.time_embed = _SinusPositionEmbedding(freq_dim)
         self.time_mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
 
-    def forward(self, t: Tensor) -> Tensor:
-        return self.time_mlp(self.time_embed(t).to(t.dtype))  # (B, dim)
+    def forward(self, sinusoid: Tensor) -> Tensor:
+        return self.time_mlp(sinusoid)  # (B, dim)
 
 
 class _CausalConvPositionEmbedding(nn.Module):
@@ -239,15 +242,18 @@ class DiT(nn.Module):
         """
         positions = torch.arange(x.shape[2], device=x.device)  # (T,)
         keep = mask.bool().transpose(1, 2)  # (B, T, 1)
-        return self.forward_cached(x, mu, t, spks, cond, positions, attn_mask, keep, None, None)[0]
+        sinusoid = self.time_embed.time_embed(t).to(t.dtype)  # (B, time_embed_dim)
+        return self.forward_cached(x, mu, sinusoid, spks, cond, positions, attn_mask, keep, None, None)[0]
 
-    def forward_cached(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, positions: Tensor,
+    def forward_cached(self, x: Tensor, mu: Tensor, sinusoid: Tensor, spks: Tensor, cond: Tensor,
+                       positions: Tensor,
                        attn_mask: Tensor, keep: Tensor, past_conv: tuple[Tensor, Tensor] | None,
                        past_kv: Sequence[tuple[Tensor, Tensor]] | None
                        ) -> tuple[Tensor, tuple[Tensor, Tensor], list[tuple[Tensor, Tensor]]]:
         """Velocity of T new frames that continue earlier ones, given the earlier frames' caches.
 
-        x, mu, cond: (B, 80, T); t: (B,); spks: (B, 80); positions: (T,) int, the new frames' indices
+        x, mu, cond: (B, 80, T); sinusoid: (B, time_embed_dim), the ODE time's sinusoidal embedding;
+        spks: (B, 80); positions: (T,) int, the new frames' indices
         in the sequence (RoPE); attn_mask: (B or 1, 1, T, P + T) bool over [cached | new] keys;
         keep: (B, T, 1) bool, False on padded query rows. `past_conv`: the last kernel - 1 input frames
         of the conv position embedding's two convs (B, dim, kernel - 1), None at the sequence start;
@@ -257,7 +263,7 @@ class DiT(nn.Module):
         frame may attend to a later one (the block-causal mask on block boundaries).
         """
         x, mu, cond = x.transpose(1, 2), mu.transpose(1, 2), cond.transpose(1, 2)  # (B, T, 80)
-        c = self.time_embed(t)  # (B, dim)
+        c = self.time_embed(sinusoid)  # (B, dim)
         h, conv = self.input_embed(x, cond, mu, spks, past_conv)  # (B, T, dim)
         freqs = self.rotary_embed(positions)  # (T, dim_head)
         cos, sin = freqs.cos(), freqs.sin()

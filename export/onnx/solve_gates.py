@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from cosyvoice_graphs import GraphSpec, empty_caches
+from cosyvoice_graphs import GraphSpec, empty_caches, time_sinusoid
 
 from ..nets.flow import CausalMaskedDiffWithDiT
 from .graphs import Networks
@@ -72,14 +72,16 @@ class OnnxEstimator(nn.Module):
     def __init__(self, run: GraphCall, spec: GraphSpec) -> None:
         super().__init__()
         self.run, self.spec = run, spec
+        self.sinusoid_dim = int(next(i for i in spec.inputs if i.name == "time_sinusoid").shape[1])
 
     def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                 attn_mask: Tensor) -> Tensor:
         if not (bool(attn_mask.all()) and bool(mask.all())):
             raise ExportError(f"{self.spec.name}: solve gates run offline solves (full attention, no "
                               "padding) only")
-        given = {"x": x, "mu": mu, "t": t, "spks": spks, "cond": cond}
+        given = {"x": x, "mu": mu, "spks": spks, "cond": cond}
         feeds = {n: v.numpy() for n, v in given.items()} | empty_caches(self.spec)
+        feeds["time_sinusoid"] = time_sinusoid(t.numpy(), self.sinusoid_dim)  # as the runtime feeds it
         feeds |= {"offset": np.zeros(1, dtype=np.int64),
                   "block_frames": np.array([x.shape[2]], dtype=np.int64)}  # full attention
         unknown = set(self.spec.input_names) - set(feeds)

@@ -123,13 +123,13 @@ class ReferencePipeline:
 
     @torch.no_grad()
     def token2wav_stream(self, speech_tokens: list[int], prompt: PromptFeatures, hops: Sequence[int],
-                         lookahead: int) -> list[tuple[tuple[int, int], np.ndarray]]:
+                         lookahead: int) -> tuple[list[tuple[tuple[int, int], np.ndarray]], np.ndarray]:
         """Upstream's CosyVoice3 streaming `token2wav` over a finished token list, chunk by chunk.
 
         Chunk k covers `hops[k]` tokens: the block-causal flow over tokens[:offset + hop + lookahead],
         keeping the frames after token_mel_ratio·offset, then HiFT re-run over the whole accumulated
         mel. A final chunk takes the remaining tokens with full attention and the finalizing HiFT.
-        Returns each chunk's token range and its new samples.
+        Returns each chunk's token range and its new samples, and the accumulated mel (1, 80, frames).
         """
         ratio = self.config.token_mel_ratio
         acc = torch.zeros(1, self.config.feat.num_mels, 0)  # (1, 80, frames so far)
@@ -146,7 +146,7 @@ class ReferencePipeline:
             end = len(speech_tokens) if hop is None else offset + hop
             out.append(((offset, end), wav[emitted:]))
             offset, emitted = end, len(wav)
-        return out
+        return out, acc.numpy()
 
     def synthesize(self, mode: Mode, tts_text: str, prompt: PromptFeatures, sampler: Sampler, *,
                    prompt_text: str = "", instruct_text: str = "", speed: float = 1.0,
