@@ -143,7 +143,7 @@ def _worst_chunk(golden: CaseGolden, got: np.ndarray) -> str:
         return float(np.abs(got[start:end].astype(np.float64) - golden.audio[start:end]).mean())
 
     s, chunk, _ = max(_chunks(golden), key=l1)
-    return f"largest mean |Δ| in segment {s} chunk {chunk.index} (no sample past max_abs)"
+    return f"largest mean |Δ| in segment {s} chunk {chunk.index}"
 
 
 def not_exact(golden: CaseGolden, bundle: RuntimeBundle, provider: str, threads: int, reference: Reference
@@ -195,8 +195,9 @@ def compare_case(golden: CaseGolden, run: CaseRun, provider: str, bounds: Bounds
                   f"{metrics.describe(bounds)} {timing}"
     violations = metrics.violations(bounds)
     if violations:
-        where = divergence(golden, got, lambda c: bounds.max_abs if bounds.max_abs is not None else math.inf
-                           ) or _worst_chunk(golden, got)
+        max_abs = bounds.max_abs
+        where = (divergence(golden, got, lambda c: max_abs) if max_abs is not None else None) or \
+            f"{_worst_chunk(golden, got)}{'' if max_abs is None else ' (no sample past max_abs)'}"
         drift = largest_drift(run.graph_stats, golden.graph_stats)
         hint = f"; most drifted graph output: {drift[0]} ({drift[1]:.1e} of its rms)" if drift else ""
         return Verdict(golden.name, False, summary, f"{', '.join(violations)}; {where}{hint}")

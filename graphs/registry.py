@@ -86,9 +86,8 @@ def time_sinusoid(t: np.ndarray, dim: int) -> np.ndarray:
     of 1000 t f_i, f_i = 10000^(-i / (dim/2 - 1)). Upstream's `SinusPositionEmbedding` computes them in
     float32; here the exponent and the angles are its float32 values and exp, sin and cos are rounded to
     float32 from float64: the frequencies meet torch's within an ulp, the sines within 6.1e-5 (an ulp of a
-    frequency, at 1000 t). The caller computes this
-    because 1000 t reaches ~1000, where a bf16 or fp16 graph's product would be several units off and
-    every sine meaningless."""
+    frequency, at 1000 t). The caller computes this because 1000 t reaches ~1000, where a bf16 or fp16
+    graph's product would be several units off and every sine meaningless."""
     half = dim // 2
     exponent = np.arange(half, dtype=np.float32) * np.float32(-math.log(10000) / (half - 1))
     freqs = np.exp(exponent.astype(np.float64)).astype(np.float32)  # (half,)

@@ -137,6 +137,23 @@ def test_a_divergence_names_the_chunk_and_sample(tmp_path: Path) -> None:
     assert "PCM16 sha256 differs; diverges at segment 0 chunk 2, sample" in line, line
 
 
+def test_a_mel_bound_judges_the_generated_mel(tmp_path: Path) -> None:
+    """The torch reference's mel is stored; a case's mel SNR bound is checked against the runtime's mel."""
+    cases_file = _copy(tmp_path, SHORT)
+    text = cases_file.read_text(encoding="utf-8")
+    entry = f'name = "{SHORT}"\n'
+    for bound, passes in ((60.0, True), (300.0, False)):
+        own = f'{entry}tolerance = {{ cpu = {{ mel_snr_db = {bound} }} }}\n'
+        cases_file.write_text(text.replace(entry, own), encoding="utf-8")
+        result = _golden("check", "--cases", str(cases_file), "--case", SHORT)
+        line = result.output.splitlines()[0]
+        assert (result.exit_code == 0) == passes, result.output
+        snr = float(line.split("mel snr ")[1].split()[0])
+        assert 60 < snr < 300, line  # the runtime's mel within float32 rounding of torch's
+        if not passes:
+            assert f"mel snr {snr:.1f} < 300 dB" in line, line
+
+
 # --- bad input ----------------------------------------------------------------------------------------
 
 

@@ -82,9 +82,7 @@ def check_prompt_audio(prompt: PromptAudio) -> None:
     if seconds < MIN_PROMPT_SECONDS:
         raise FrontendError(f"{prompt.source} is too short ({seconds:.3f} s); a prompt needs at least "
                             f"{MIN_PROMPT_SECONDS:g} s")
-    if seconds > MAX_PROMPT_SECONDS:
-        raise FrontendError(f"{prompt.source} lasts {seconds:.2f} s; the speech tokenizer takes at most "
-                            f"{MAX_PROMPT_SECONDS:g} s")
+    check_tokenizer_length(seconds, prompt.source)
     rms = math.sqrt(float(np.mean(np.square(prompt.samples, dtype=np.float64))))
     level = 20 * math.log10(rms) if rms > 0 else -math.inf
     if level < SILENCE_DBFS:
@@ -153,12 +151,11 @@ def load_wav(path: str | Path, target_sr: int) -> np.ndarray:
     return resample(mono, sr, target_sr)
 
 
-def check_tokenizer_length(wav16k: np.ndarray, source: str) -> None:
-    """Raise `FrontendError` if 16 kHz audio `wav16k` is longer than the speech tokenizer takes (30 s).
+def check_tokenizer_length(seconds: float, source: str) -> None:
+    """Raise `FrontendError` if `seconds` of audio are more than the speech tokenizer takes (30 s).
 
     `source` names the audio in the message, e.g. "audio file prompt.wav".
     """
-    seconds = wav16k.shape[0] / SPEECH_SAMPLE_RATE
     if seconds > MAX_PROMPT_SECONDS:
         raise FrontendError(f"{source} lasts {seconds:.2f} s; the speech tokenizer takes at most "
                             f"{MAX_PROMPT_SECONDS:g} s")

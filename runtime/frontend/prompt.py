@@ -35,7 +35,7 @@ def speech_tokens(session: onnxruntime.InferenceSession, wav16k: np.ndarray) -> 
 
     Audio over 30 s is refused with a `FrontendError`, as upstream asserts.
     """
-    check_tokenizer_length(wav16k, "prompt audio")
+    check_tokenizer_length(wav16k.shape[0] / SPEECH_SAMPLE_RATE, "prompt audio")
     feat = whisper_log_mel(wav16k, n_mels=128)  # (1, 128, T)
     inputs = session.get_inputs()
     length = np.array([feat.shape[2]], dtype=np.int32)
