@@ -17,7 +17,7 @@ import onnxruntime as ort
 
 from cosyvoice_graphs import Case, GraphSpec, empty_caches
 from cosyvoice_runtime.bundle import RuntimeBundle
-from cosyvoice_runtime.runners import CPU, OPTIMIZATION, OrtRunner
+from cosyvoice_runtime.runners import CPU, OPTIMIZATION, OrtRunner, on_openvino
 
 LEVER_THREADS = (1, 2)
 """Intra-op thread counts tried per graph and optimisation level."""
@@ -33,7 +33,7 @@ def onnxruntime_levers(bundle: RuntimeBundle, *, frames: int, past_len: int, run
     """Median seconds per call of `flow_estimator_cached` (one ODE step over `frames` frames with nothing
     cached, full attention: an offline call) and `llm` (one decode step after `past_len` cached positions)
     for every optimisation level and thread count, each in a fresh CPU session; the row the runtime uses
-    is marked."""
+    is marked (none for a graph it runs on OpenVINO: a bf16 graph's rows are its float32 on onnxruntime)."""
     decode = Case({"new_len": 1, "past_len": past_len})
     points = {DIT: (*_offline_dit_call(bundle.specs[DIT], frames), DIT_OUTPUTS),
               "llm": (decode, bundle.specs["llm"].sample_inputs(decode), bundle.specs["llm"].output_names)}
@@ -44,9 +44,10 @@ def onnxruntime_levers(bundle: RuntimeBundle, *, frames: int, past_len: int, run
             for threads in LEVER_THREADS:
                 with OrtRunner(bundle.graph_path(graph), spec, CPU, threads=threads, optimization=level) as r:
                     seconds = _median_call(r, feeds, outputs, repeats)
+                used = (level == RUNTIME_OPTIMIZATION and threads == runtime_threads
+                        and not on_openvino(bundle, graph, CPU))
                 rows.append({"graph": graph, "shape": dict(case.dims), "optimization": level,
-                             "threads": threads, "seconds_per_call": seconds,
-                             "runtime_default": level == RUNTIME_OPTIMIZATION and threads == runtime_threads})
+                             "threads": threads, "seconds_per_call": seconds, "runtime_default": used})
                 on_row()
     return rows
 

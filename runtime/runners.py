@@ -333,6 +333,12 @@ class TrtRunner(RunnerBase):
         del self._context, self._engine, self._runtime
 
 
+def on_openvino(bundle: RuntimeBundle, graph: str, provider: str) -> bool:
+    """Whether `open_runner` runs `graph` on OpenVINO: a bf16 graph (OpenVINO's is the fast x86 bf16), or
+    any graph under the `openvino` provider."""
+    return bundle.graph_precision(graph) == "bf16" or provider == OPENVINO
+
+
 def open_runner(bundle: RuntimeBundle, graph: str, provider: str = CPU, *, threads: int | None = None
                 ) -> Runner:
     """A runner for `graph` of `bundle` on `provider` (one of `PROVIDERS`), its metadata checked
@@ -347,7 +353,7 @@ def open_runner(bundle: RuntimeBundle, graph: str, provider: str = CPU, *, threa
     if precision == "bf16" and provider not in CPU_PROVIDERS:
         raise ProviderError(f"{graph} is a bf16 graph, which runs on the CPU (OpenVINO), not on "
                             f"{provider!r}; for a GPU export --precision fp16")
-    if precision == "bf16" or provider == OPENVINO:
+    if on_openvino(bundle, graph, provider):
         from .openvino_runner import OpenVinoRunner  # OpenVINO is optional: imported when asked for
 
         bundle.graph_metadata(graph)  # checked against the manifest as it is read

@@ -216,3 +216,13 @@ def test_a_copied_bundle_keeps_its_bf16_marks(pinned_bf16_bundle: Path, tmp_path
     (copy / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(RuntimeBundleError, match="metadata precision is 'bf16', the manifest says 'fp32'"):
         open_runner(RuntimeBundle.open(copy), DIT)
+
+
+def test_the_bench_marks_no_onnxruntime_row_for_a_bf16_dit(pinned_bf16_bundle: Path) -> None:
+    """The runtime runs a bf16 DiT on OpenVINO: its onnxruntime lever rows are for comparison only."""
+    from cosyvoice_bench.levers import onnxruntime_levers
+
+    bundle = RuntimeBundle.open(pinned_bf16_bundle)
+    rows = onnxruntime_levers(bundle, frames=20, past_len=4, runtime_threads=1, repeats=1)
+    assert {r["graph"] for r in rows} == {DIT, "llm"}
+    assert [r["graph"] for r in rows if r["runtime_default"]] == ["llm"]

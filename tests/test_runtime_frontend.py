@@ -537,6 +537,22 @@ def test_wetext_fsts_are_pinned(monkeypatch: pytest.MonkeyPatch, real_tokenizer:
         rt_text._wetext_fsts.cache_clear()
 
 
+def test_a_missing_wetext_fst_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                          real_tokenizer: rt.TextTokenizer) -> None:
+    import wetext
+
+    monkeypatch.setattr(wetext, "__file__", str(tmp_path / "wetext" / "__init__.py"))  # no fsts/ there
+    rt_text._wetext_fsts.cache_clear()
+    try:
+        with pytest.raises(rt.FrontendError) as info:
+            rt.TextFrontend(real_tokenizer)
+    finally:
+        rt_text._wetext_fsts.cache_clear()
+    message = str(info.value)
+    assert message == (f"wetext FST {tmp_path / 'wetext/fsts/en/tn/tagger.fst'} is missing; install "
+                       "wetext==0.1.2")
+
+
 def test_wetext_failure_is_a_clear_error(text_frontend: rt.TextFrontend) -> None:
     # the en grammar finds no parse for a leading tab, which the front end strips before it gets there
     with pytest.raises(AssertionError):
