@@ -32,7 +32,7 @@ from cosyvoice_runtime.frontend import (
 )
 from cosyvoice_runtime.sampling import make_sampler
 from cosyvoice_runtime.segments import Segment, segments
-from cosyvoice_runtime.synthesis import AudioChunk, ChunkTimings, Mode, Synthesizer, llm_request
+from cosyvoice_runtime.synthesis import AudioChunk, Mode, Synthesizer, llm_request
 
 from .cases import DEMO, FROM_BUNDLE, Cases, GoldenCase
 from .errors import GoldenError
@@ -225,11 +225,7 @@ class Runtime:
         done = synth.synthesize(piece.text_ids, prompt, sampler=sampler, mode=case.mode,
                                 prompt_text_ids=piece.prompt_text_ids, speed=case.speed,
                                 max_tokens=case.max_tokens)
-        t = done.timings
-        timings = ChunkTimings(t["llm"], t["flow"], t["vocoder"], sum(t.values()))
-        whole = AudioChunk(0, done.audio, done.sample_rate, True, (0, len(done.speech_tokens)),
-                           (0, len(done.audio)), timings, done.mel)
-        return SegmentRun(done.speech_tokens, [whole])
+        return SegmentRun(done.speech_tokens, [done.as_chunk()])
 
     def close(self) -> None:
         """Release every synthesizer."""

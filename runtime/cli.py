@@ -1,7 +1,7 @@
 """`cosyvoice-run`: text + prompt recording -> 24 kHz WAV, offline or streamed, without torch.
 
-A thin layer over `Synthesizer`: the front end normalises and splits the text, each segment is
-formatted for the mode, tokenised and synthesised in turn, and the segments' audio is concatenated.
+A thin layer over `CosyVoice3`: its front end normalises and splits the text, each segment is formatted
+for the mode, tokenised and synthesised in turn, and the segments' audio is concatenated.
 """
 
 from __future__ import annotations
@@ -18,22 +18,14 @@ import click
 import numpy as np
 
 from .atomic_files import write_json_atomic, write_wav_atomic
-from .bundle import RuntimeBundle
 from .bundle_source import MODEL_DIR_ENV, choose_bundle, choose_prompt
+from .cosyvoice3 import CosyVoice3
 from .errors import ProviderError, RuntimeBundleError, UserError
-from .frontend import (
-    FrontendError,
-    PromptFeatures,
-    TextFrontend,
-    TextTokenizer,
-    extract_prompt,
-    open_session,
-    read_prompt_audio,
-)
+from .frontend import FrontendError, PromptFeatures, read_prompt_audio
 from .runners import CPU, PROVIDERS
-from .sampling import SAMPLINGS, make_sampler
-from .segments import Segment, segments
-from .synthesis import Mode, SynthesisError, Synthesizer, llm_request
+from .sampling import SAMPLINGS
+from .segments import Segment
+from .synthesis import Mode, SynthesisError
 
 USER_ERRORS = (UserError, RuntimeBundleError, ProviderError, FrontendError, SynthesisError)
 """Errors caused by the input or the environment: one line on stderr, exit status 2."""
@@ -109,33 +101,26 @@ def main(model: Path | None, text: str, prompt_wav: Path | None, prompt_text: st
         choice = choose_bundle(model)
         if choice.default:
             click.echo(f"model: {choice.origin}", err=True)
-        bundle = RuntimeBundle.open(choice.path, verify=verify)
-        chosen = choose_prompt(bundle, prompt_wav, prompt_text)
-        if chosen.default:
-            click.echo(f"prompt: the bundle's {chosen.wav.name} ({chosen.text!r})", err=True)
-        tokenizer = TextTokenizer(bundle.tokenizer_dir)
-        pieces = segments(text, Mode(mode), tokenizer, TextFrontend(tokenizer), prompt_text=chosen.text,
-                          instruct=instruct)
-        if not pieces:
-            raise UserError("--text has nothing to speak after normalisation")
-        prompt = extract_prompt(given_audio if given_audio is not None else chosen.wav,
-                                open_session(bundle.frontend_path("campplus")),
-                                open_session(bundle.frontend_path("speech_tokenizer")),
-                                bundle.dims.token_mel_ratio)
-        with Synthesizer(bundle, provider) as synth:
+        with CosyVoice3(choice.path, provider=provider, sampling=sampling, seed=seed, verify=verify) as voice:
+            chosen = choose_prompt(voice.bundle, prompt_wav, prompt_text)
+            if chosen.default:
+                click.echo(f"prompt: the bundle's {chosen.wav.name} ({chosen.text!r})", err=True)
+            pieces = voice.segments(Mode(mode), text, prompt_text=chosen.text, instruct=instruct)
+            prompt = voice.prompt_features(given_audio if given_audio is not None else chosen.wav)
             ready = time.perf_counter()
-            result = _run(synth, pieces, prompt, Mode(mode), sampling, seed, speed, stream)
+            result = _run(voice, pieces, prompt, Mode(mode), speed, stream)
+            sample_rate = voice.sample_rate
         audio = np.concatenate(result.audio) if result.audio else np.zeros(0, np.float32)
-        write_wav_atomic(out, audio, synth.sample_rate)
+        write_wav_atomic(out, audio, sample_rate)
         if tokens_out is not None:
             write_json_atomic(tokens_out, [{"text": p.text, "speech_tokens": t}
                                             for p, t in zip(pieces, result.tokens, strict=True)])
         if chunks_out is not None:
             write_json_atomic(chunks_out, result.chunks)
-    seconds = len(audio) / synth.sample_rate
+    seconds = len(audio) / sample_rate
     work = time.perf_counter() - ready
     latency = f", first chunk after {result.first_chunk:.3f} s" if result.first_chunk is not None else ""
-    click.echo(f"wrote {out}: {seconds:.2f} s at {synth.sample_rate} Hz, {len(pieces)} segment(s), "
+    click.echo(f"wrote {out}: {seconds:.2f} s at {sample_rate} Hz, {len(pieces)} segment(s), "
                f"{sum(len(t) for t in result.tokens)} speech tokens ({mode}, {sampling}, seed {seed}); "
                f"RTF {work / max(seconds, 1e-9):.3f}{latency}; load {ready - start:.2f} s")
 
@@ -148,28 +133,19 @@ class _Result:
     first_chunk: float | None
 
 
-def _run(synth: Synthesizer, pieces: list[Segment], prompt: PromptFeatures, mode: Mode, sampling: str,
-         seed: int, speed: float, stream: bool) -> _Result:
-    """Each segment in turn, each with a fresh sampler from `seed` (as a fresh upstream request)."""
+def _run(voice: CosyVoice3, pieces: list[Segment], prompt: PromptFeatures, mode: Mode, speed: float,
+         stream: bool) -> _Result:
+    """Each segment in turn (each with a fresh sampler from the seed, as a fresh upstream request)."""
     result = _Result([], [], [], None)
     start = time.perf_counter()
     with click.progressbar(pieces, label="synthesising", file=sys.stderr) as bar:
         for i, piece in enumerate(bar):
-            sampler = make_sampler(sampling, seed)
-            if not stream:
-                done = synth.synthesize(piece.text_ids, prompt, sampler=sampler, mode=mode,
-                                        prompt_text_ids=piece.prompt_text_ids, speed=speed)
-                result.audio.append(done.audio)
-                result.tokens.append(done.speech_tokens)
-                continue
-            # Decoding in the open, so that its tokens can be reported after the stream.
-            decoding = synth.lm.decode(llm_request(mode, piece.text_ids, prompt, piece.prompt_text_ids),
-                                       sampler)
-            for chunk in synth.stream_tokens(decoding, prompt):
-                if result.first_chunk is None:
-                    result.first_chunk = time.perf_counter() - start
+            speech = voice.speak(piece, prompt, mode, stream=stream, speed=speed)
+            for chunk in speech:
                 result.audio.append(chunk.samples)
-                result.chunks.append(chunk.record(i))
-            result.tokens.append(list(decoding.tokens))
+                if stream:
+                    if result.first_chunk is None:
+                        result.first_chunk = time.perf_counter() - start
+                    result.chunks.append(chunk.record(i))
+            result.tokens.append(list(speech.speech_tokens))
     return result
-

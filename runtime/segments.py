@@ -26,9 +26,10 @@ class Segment:
     prompt_text_ids: list[int]
 
 
-def segments(text: str, mode: Mode, tokenizer: TextTokenizer, frontend: TextFrontend, *,
+def segments(text: str, mode: Mode, tokenizer: TextTokenizer, frontend: TextFrontend | None, *,
              prompt_text: str = "", instruct: str = "") -> list[Segment]:
-    """Normalise and split `text` as upstream does, and format each piece for `mode`.
+    """Normalise and split `text` as upstream does (`frontend` None: one piece, as given, upstream's
+    `text_frontend=False`), and format each piece for `mode`.
 
     Zero-shot: prompt text = system prompt + `<|endofprompt|>` + transcript; cross-lingual: each
     piece gets that prefix itself; instruct2: prompt text = system prompt + instruction +
@@ -46,7 +47,7 @@ def segments(text: str, mode: Mode, tokenizer: TextTokenizer, frontend: TextFron
         prompt = ""
     prompt_ids = tokenizer.encode(prompt) if prompt else []
     out = []
-    for piece in frontend.split(text):
+    for piece in frontend.split(text) if frontend is not None else [text]:
         if mode is Mode.CROSS_LINGUAL and ENDOFPROMPT not in piece:
             piece = cross_lingual_text(piece)
         out.append(Segment(piece, tokenizer.encode(piece), prompt_ids))

@@ -180,6 +180,13 @@ class Synthesis:
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds per stage: llm, flow, vocoder."""
 
+    def as_chunk(self) -> AudioChunk:
+        """The segment as a stream's one final chunk (what offline callers iterate like a stream)."""
+        t = self.timings
+        timings = ChunkTimings(t["llm"], t["flow"], t["vocoder"], sum(t.values()))
+        return AudioChunk(0, self.audio, self.sample_rate, True, (0, len(self.speech_tokens)),
+                          (0, len(self.audio)), timings, self.mel)
+
 
 class Synthesizer:
     """The bundle's graphs, opened once on one provider, and the tables they read."""

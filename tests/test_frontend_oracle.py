@@ -16,7 +16,7 @@ import pytest
 import soundfile as sf
 from click.testing import CliRunner
 
-from cosyvoice_runtime import cli
+from cosyvoice_runtime import CosyVoice3, cli
 from cosyvoice_runtime import frontend as rt
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.frontend import text as rt_text
@@ -116,12 +116,13 @@ def test_cosyvoice_run_prompt_features_come_from_torchaudios_waveform(
     prompt = tmp_path / "prompt.wav"
     sf.write(prompt, npz[f"{case}__in"], cases[case]["orig_sr"], subtype="FLOAT")
     used: list[rt.PromptFeatures] = []
+    extract = CosyVoice3.prompt_features
 
-    def observed(*args: Any, **kwargs: Any) -> rt.PromptFeatures:
-        used.append(rt.extract_prompt(*args, **kwargs))
+    def observed(voice: CosyVoice3, prompt_wav: Any) -> rt.PromptFeatures:
+        used.append(extract(voice, prompt_wav))
         return used[-1]
 
-    monkeypatch.setattr(cli, "extract_prompt", observed)
+    monkeypatch.setattr(CosyVoice3, "prompt_features", observed)
     out = tmp_path / "out.wav"
     result = CliRunner().invoke(cli.main, ["--model", str(DEMO_BUNDLE), "--text", "Hello there.",
                                            "--prompt-wav", str(prompt), "--prompt-text", "Ah.",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import soundfile as sf
@@ -50,29 +51,37 @@ class PromptAudio:
     """What the audio is called in errors, e.g. "audio file prompt.wav"."""
 
 
-def read_audio(path: str | Path) -> tuple[np.ndarray, int]:
-    """Read `path` as mono float32 samples (N,) in [-1, 1] and its sample rate.
+def read_audio(path: str | Path | BinaryIO) -> tuple[np.ndarray, int]:
+    """Read `path` (a file's path, or an open binary file) as mono float32 samples (N,) in [-1, 1] and
+    its sample rate.
 
     Channels are averaged in float32, as upstream does before any resampling. Raises `FrontendError`
     (one line, naming the file) if the file cannot be read or its sample rate is below 16 kHz.
     """
     try:
-        data, sr = sf.read(str(path), dtype="float32", always_2d=True)  # (frames, channels)
+        source = path if hasattr(path, "read") else str(path)
+        data, sr = sf.read(source, dtype="float32", always_2d=True)  # (frames, channels)
     except Exception as exc:  # libsndfile and OS errors come in several types; all mean "unreadable"
         reason = " ".join(str(exc).split())
-        raise FrontendError(f"cannot read audio file {path}: {reason}") from None
+        raise FrontendError(f"cannot read audio file {_name(path)}: {reason}") from None
     if sr < MIN_SAMPLE_RATE:
-        raise FrontendError(f"audio file {path} has sample rate {sr} Hz; the minimum is {MIN_SAMPLE_RATE} Hz")
+        raise FrontendError(f"audio file {_name(path)} has sample rate {sr} Hz; the minimum is "
+                            f"{MIN_SAMPLE_RATE} Hz")
     mono = data[:, 0] if data.shape[1] == 1 else data.mean(axis=1, dtype=np.float32)
     return np.ascontiguousarray(mono, dtype=np.float32), int(sr)
 
 
-def read_prompt_audio(path: str | Path) -> PromptAudio:
+def read_prompt_audio(path: str | Path | BinaryIO) -> PromptAudio:
     """Read a prompt recording (`read_audio`) and refuse it if it cannot prompt (`check_prompt_audio`)."""
     samples, sr = read_audio(path)
-    prompt = PromptAudio(samples, sr, f"audio file {path}")
+    prompt = PromptAudio(samples, sr, f"audio file {_name(path)}")
     check_prompt_audio(prompt)
     return prompt
+
+
+def _name(path: str | Path | BinaryIO) -> str:
+    """How errors call a file: its path, or an open file's name."""
+    return str(getattr(path, "name", "(an open file)")) if hasattr(path, "read") else str(path)
 
 
 def check_prompt_audio(prompt: PromptAudio) -> None:

@@ -1,0 +1,236 @@
+"""`CosyVoice3`: upstream's `CosyVoice3` class without torch, opened on a runtime bundle.
+
+Upstream's public methods keep their names, argument names, order and defaults; each generator yields
+`{"tts_speech": float32 array (1, N)}` per text segment (offline) or per chunk (`stream=True`), numpy
+where upstream yields tensors, so a user of upstream's `example.py` changes one import line:
+
+    from cosyvoice_runtime import CosyVoice3
+    cosyvoice = CosyVoice3("bundles/tiny-runtime")
+    for i, out in enumerate(cosyvoice.inference_zero_shot(text, prompt_text, "prompt.wav", stream=False)):
+        soundfile.write(f"zero_shot_{i}.wav", out["tts_speech"][0], cosyvoice.sample_rate)
+
+The lower level, which `cosyvoice-run` uses too: `segments` (the text as upstream normalises, splits and
+formats it), `prompt_features` (a prompt recording's tokens, mel and x-vector) and `speak` (one
+segment's audio chunks, with its speech tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import BinaryIO, Self
+
+import numpy as np
+
+from .bundle import RuntimeBundle
+from .bundle_source import choose_bundle
+from .errors import UserError
+from .frontend import (
+    PromptAudio,
+    PromptFeatures,
+    TextFrontend,
+    TextTokenizer,
+    check_prompt_audio,
+    extract_prompt,
+    open_session,
+    read_prompt_audio,
+)
+from .frontend.audio import MIN_SAMPLE_RATE
+from .runners import CPU
+from .sampling import SAMPLINGS, make_sampler
+from .segments import Segment, segments
+from .synthesis import AudioChunk, Mode, Synthesizer, llm_request
+
+PromptWav = str | Path | BinaryIO | tuple[np.ndarray, int] | PromptAudio
+"""A prompt recording: a file's path, an open binary file, (samples, sample rate) with samples (N,) or
+(N, channels) in [-1, 1], or audio read already."""
+
+
+@dataclass
+class SegmentSpeech:
+    """One segment's audio as it is made: iterate for its chunks (offline: one final chunk with all of
+    it); `speech_tokens` holds the speech ids decoded so far (all of them once the chunks are exhausted)."""
+
+    chunks: Iterator[AudioChunk]
+    speech_tokens: list[int] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[AudioChunk]:
+        return self.chunks
+
+
+@dataclass(frozen=True)
+class _Speaker:
+    prompt_text: str
+    features: PromptFeatures
+
+
+class CosyVoice3:
+    """A runtime bundle's graphs, front end and speakers, opened once (the runtime's front door)."""
+
+    def __init__(self, model_dir: str | Path, *, provider: str = CPU, threads: int | None = None,
+                 sampling: str = "ras", seed: int = 0, verify: bool = True) -> None:
+        """Open `model_dir`: a runtime bundle, or a model bundle exported on first use as `cosyvoice-run
+        --model` does. `provider` and `threads` place the graphs (`cosyvoice_runtime.runners.PROVIDERS`);
+        `sampling` is upstream's repetition-aware sampling ("ras", seeded by `seed`, each segment from a
+        fresh sampler) or "greedy"; `verify` checks every bundle file's sha256 against the manifest."""
+        if sampling not in SAMPLINGS:
+            raise UserError(f"sampling is {sampling!r}; expected one of {', '.join(SAMPLINGS)}")
+        self.bundle = RuntimeBundle.open(choose_bundle(Path(model_dir)).path, verify=verify)
+        self.tokenizer = TextTokenizer(self.bundle.tokenizer_dir)
+        self.frontend = TextFrontend(self.tokenizer)
+        self.sampling, self.seed = sampling, seed
+        self._campplus = open_session(self.bundle.frontend_path("campplus"))
+        self._speech_tokenizer = open_session(self.bundle.frontend_path("speech_tokenizer"))
+        self.synth = Synthesizer(self.bundle, provider, threads=threads)
+        self._speakers: dict[str, _Speaker] = {}
+
+    @property
+    def sample_rate(self) -> int:
+        return self.synth.sample_rate
+
+    # --- upstream's methods -------------------------------------------------------------------------
+
+    def inference_zero_shot(self, tts_text: str, prompt_text: str, prompt_wav: PromptWav | None,
+                            zero_shot_spk_id: str = "", stream: bool = False, speed: float = 1.0,
+                            text_frontend: bool = True) -> Iterator[dict[str, np.ndarray]]:
+        """Speak `tts_text` in the voice of `prompt_wav`, whose transcript is `prompt_text` (a bare
+        transcript, or upstream's "You are a helpful assistant.<|endofprompt|>" + transcript), or of the
+        speaker `zero_shot_spk_id` (`add_zero_shot_spk`; then `prompt_text` and `prompt_wav` are unused)."""
+        speaker = self._speaker(zero_shot_spk_id)
+        return self._inference(Mode.ZERO_SHOT, tts_text, speaker or prompt_wav, stream, speed, text_frontend,
+                               prompt_text=speaker.prompt_text if speaker else prompt_text)
+
+    def inference_cross_lingual(self, tts_text: str, prompt_wav: PromptWav | None, zero_shot_spk_id: str = "",
+                                stream: bool = False, speed: float = 1.0, text_frontend: bool = True
+                                ) -> Iterator[dict[str, np.ndarray]]:
+        """Speak `tts_text` (any language, fine-grained tags allowed) in the voice of `prompt_wav` or of
+        the speaker `zero_shot_spk_id`, without the prompt's transcript."""
+        speaker = self._speaker(zero_shot_spk_id)
+        return self._inference(Mode.CROSS_LINGUAL, tts_text, speaker or prompt_wav, stream, speed,
+                               text_frontend)
+
+    def inference_instruct2(self, tts_text: str, instruct_text: str, prompt_wav: PromptWav | None,
+                            zero_shot_spk_id: str = "", stream: bool = False, speed: float = 1.0,
+                            text_frontend: bool = True) -> Iterator[dict[str, np.ndarray]]:
+        """Speak `tts_text` as `instruct_text` asks (e.g. "请用广东话表达。"), in the voice of `prompt_wav` or
+        of the speaker `zero_shot_spk_id`."""
+        speaker = self._speaker(zero_shot_spk_id)
+        return self._inference(Mode.INSTRUCT2, tts_text, speaker or prompt_wav, stream, speed, text_frontend,
+                               instruct=instruct_text)
+
+    def add_zero_shot_spk(self, prompt_text: str, prompt_wav: PromptWav, zero_shot_spk_id: str) -> bool:
+        """Keep `prompt_wav`'s features and transcript as speaker `zero_shot_spk_id` (in this object) for
+        the `zero_shot_spk_id` argument of the inference methods. Returns True, as upstream does."""
+        if not zero_shot_spk_id:
+            raise UserError("zero_shot_spk_id is empty")
+        self._speakers[zero_shot_spk_id] = _Speaker(prompt_text, self.prompt_features(prompt_wav))
+        return True
+
+    def list_available_spks(self) -> list[str]:
+        """The speakers added with `add_zero_shot_spk`."""
+        return list(self._speakers)
+
+    # --- the lower level ------------------------------------------------------------------------------
+
+    def segments(self, mode: Mode, tts_text: str, *, prompt_text: str = "", instruct: str = "",
+                 text_frontend: bool = True) -> list[Segment]:
+        """`tts_text` normalised and split as upstream does (`text_frontend=False`: one segment, as
+        given), each piece formatted for `mode` and tokenised; a `UserError` if nothing is left."""
+        if not tts_text.strip():
+            raise UserError("tts_text is empty")
+        pieces = segments(tts_text, mode, self.tokenizer, self.frontend if text_frontend else None,
+                          prompt_text=prompt_text, instruct=instruct)
+        if not pieces:
+            raise UserError("tts_text has nothing to speak after normalisation")
+        return pieces
+
+    def prompt_features(self, prompt_wav: PromptWav) -> PromptFeatures:
+        """The prompt recording's speech tokens, prompt mel and x-vector (upstream's front end)."""
+        return extract_prompt(_prompt_audio(prompt_wav), self._campplus, self._speech_tokenizer,
+                              self.bundle.dims.token_mel_ratio)
+
+    def speak(self, piece: Segment, prompt: PromptFeatures, mode: Mode, *, stream: bool = False,
+              speed: float = 1.0) -> SegmentSpeech:
+        """One segment's audio: upstream's offline path (one final chunk, `speed` applied) or its chunk
+        schedule (`stream`), each segment decoded with a fresh sampler from the seed."""
+        _check_speed(stream, speed)
+        sampler = make_sampler(self.sampling, self.seed)
+        if stream:
+            decoding = self.synth.lm.decode(llm_request(mode, piece.text_ids, prompt, piece.prompt_text_ids),
+                                            sampler)
+            return SegmentSpeech(self.synth.stream_tokens(decoding, prompt), decoding.tokens)
+        speech = SegmentSpeech(iter(()))
+        speech.chunks = self._offline(piece, prompt, mode, speed, speech)
+        return speech
+
+    def close(self) -> None:
+        """Release the graphs."""
+        self.synth.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # --- internals -----------------------------------------------------------------------------------
+
+    def _speaker(self, spk_id: str) -> _Speaker | None:
+        if not spk_id:
+            return None
+        if spk_id not in self._speakers:
+            known = ", ".join(self._speakers) or "none"
+            raise UserError(f"zero_shot_spk_id: unknown speaker {spk_id!r} (added: {known})")
+        return self._speakers[spk_id]
+
+    def _inference(self, mode: Mode, tts_text: str, prompt: _Speaker | PromptWav | None, stream: bool,
+                   speed: float, text_frontend: bool, *, prompt_text: str = "", instruct: str = ""
+                   ) -> Iterator[dict[str, np.ndarray]]:
+        if prompt is None:
+            raise UserError("prompt_wav is needed unless zero_shot_spk_id names an added speaker")
+        _check_speed(stream, speed)
+        # everything is checked before the first segment runs
+        pieces = self.segments(mode, tts_text, prompt_text=prompt_text, instruct=instruct,
+                               text_frontend=text_frontend)
+        features = prompt.features if isinstance(prompt, _Speaker) else self.prompt_features(prompt)
+        return self._yield(pieces, features, mode, stream, speed)
+
+    def _yield(self, pieces: list[Segment], features: PromptFeatures, mode: Mode, stream: bool, speed: float
+               ) -> Iterator[dict[str, np.ndarray]]:
+        for piece in pieces:
+            for chunk in self.speak(piece, features, mode, stream=stream, speed=speed):
+                yield {"tts_speech": chunk.samples[None]}
+
+    def _offline(self, piece: Segment, prompt: PromptFeatures, mode: Mode, speed: float,
+                 speech: SegmentSpeech) -> Iterator[AudioChunk]:
+        done = self.synth.synthesize(piece.text_ids, prompt, sampler=make_sampler(self.sampling, self.seed),
+                                     mode=mode, prompt_text_ids=piece.prompt_text_ids, speed=speed)
+        speech.speech_tokens.extend(done.speech_tokens)
+        yield done.as_chunk()
+
+
+def _check_speed(stream: bool, speed: float) -> None:
+    if stream and speed != 1.0:
+        raise UserError("speed works offline only (upstream ignores it when streaming)")
+
+
+def _prompt_audio(prompt_wav: PromptWav) -> PromptAudio:
+    """`prompt_wav` read and checked (`check_prompt_audio`)."""
+    if isinstance(prompt_wav, PromptAudio):
+        return prompt_wav
+    if not isinstance(prompt_wav, tuple):
+        return read_prompt_audio(prompt_wav)
+    samples, sample_rate = prompt_wav
+    data = np.asarray(samples, dtype=np.float32)
+    if data.ndim not in (1, 2) or not isinstance(sample_rate, int | np.integer):
+        raise UserError(f"prompt_wav is ({data.shape} array, {sample_rate!r}); expected (samples (N,) or "
+                        "(N, channels), sample rate in Hz)")
+    if sample_rate < MIN_SAMPLE_RATE:
+        raise UserError(f"prompt_wav has sample rate {sample_rate} Hz; the minimum is {MIN_SAMPLE_RATE} Hz")
+    mono = data if data.ndim == 1 else data.mean(axis=1, dtype=np.float32)  # float32 mean, as upstream
+    audio = PromptAudio(np.ascontiguousarray(mono), int(sample_rate), "prompt_wav")
+    check_prompt_audio(audio)
+    return audio

@@ -1,0 +1,144 @@
+"""`cosyvoice_runtime.CosyVoice3`: upstream's usage pattern, torch-free, giving `cosyvoice-run`'s samples."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+from click.testing import CliRunner
+
+from cosyvoice_runtime import AutoModel, CosyVoice3
+from cosyvoice_runtime.atomic_files import write_wav_atomic
+from cosyvoice_runtime.cli import main as run_main
+from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.errors import UserError
+
+PROMPT_WAV = DEMO_BUNDLE / "asset" / "zero_shot_prompt.wav"
+TRANSCRIPT = (DEMO_BUNDLE / "asset" / "zero_shot_prompt.txt").read_text(encoding="utf-8").strip()
+TEXT = "Hello there. How are you?"
+
+
+@pytest.fixture(scope="module")
+def cosyvoice() -> Iterator[CosyVoice3]:
+    with CosyVoice3(DEMO_BUNDLE) as voice:
+        yield voice
+
+
+def _pcm16(samples: np.ndarray, rate: int, folder: Path) -> np.ndarray:
+    """`samples` as `cosyvoice-run` stores them (16-bit PCM WAV)."""
+    write_wav_atomic(folder / "object.wav", samples, rate)
+    return sf.read(folder / "object.wav", dtype="int16")[0]
+
+
+def _cli(folder: Path, *args: str) -> tuple[np.ndarray, int]:
+    """`cosyvoice-run`'s samples for the demo prompt and TEXT, and how many pieces it made (chunks when
+    streaming, segments offline)."""
+    out, pieces = folder / "cli.wav", folder / "pieces.json"
+    record = ["--chunks-out" if "--stream" in args else "--tokens-out", str(pieces)]
+    result = CliRunner().invoke(run_main, ["--model", str(DEMO_BUNDLE), "--text", TEXT, "--prompt-wav",
+                                           str(PROMPT_WAV), *args, *record, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return sf.read(out, dtype="int16")[0], len(json.loads(pieces.read_text()))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("mode", ["zero-shot", "cross-lingual", "instruct2"])
+def test_upstream_usage_gives_cosyvoice_runs_samples(cosyvoice: CosyVoice3, tmp_path: Path, mode: str,
+                                                      stream: bool) -> None:
+    if mode == "zero-shot":
+        outputs = cosyvoice.inference_zero_shot(TEXT, TRANSCRIPT, str(PROMPT_WAV), stream=stream)
+        args = ["--prompt-text", TRANSCRIPT]
+    elif mode == "cross-lingual":
+        outputs = cosyvoice.inference_cross_lingual(TEXT, str(PROMPT_WAV), stream=stream)
+        args = ["--mode", mode]
+    else:
+        outputs = cosyvoice.inference_instruct2(TEXT, "Speak slowly.", str(PROMPT_WAV), stream=stream)
+        args = ["--mode", mode, "--instruct", "Speak slowly."]
+    speech = [out["tts_speech"] for out in outputs]
+    assert all(s.dtype == np.float32 and s.ndim == 2 and s.shape[0] == 1 for s in speech)
+    got = _pcm16(np.concatenate(speech, axis=1)[0], cosyvoice.sample_rate, tmp_path)
+    want, pieces = _cli(tmp_path, *args, *(["--stream"] if stream else []))
+    np.testing.assert_array_equal(got, want)
+    assert len(speech) == pieces  # one output per chunk when streaming, per segment offline
+
+
+def test_a_registered_speaker_speaks_as_its_prompt(cosyvoice: CosyVoice3) -> None:
+    assert cosyvoice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "my_zero_shot_spk") is True
+    assert cosyvoice.list_available_spks() == ["my_zero_shot_spk"]
+    by_id = [o["tts_speech"] for o in cosyvoice.inference_zero_shot(TEXT, "", "",
+                                                                    zero_shot_spk_id="my_zero_shot_spk")]
+    by_wav = [o["tts_speech"] for o in cosyvoice.inference_zero_shot(TEXT, TRANSCRIPT, str(PROMPT_WAV))]
+    assert len(by_id) == len(by_wav)
+    for a, b in zip(by_id, by_wav, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_prompt_wav_as_path_file_or_array(cosyvoice: CosyVoice3) -> None:
+    want = cosyvoice.prompt_features(PROMPT_WAV)
+    samples, rate = sf.read(PROMPT_WAV, dtype="float32")
+    stereo = np.stack([samples, samples], axis=1)
+    with open(PROMPT_WAV, "rb") as f:
+        given = [cosyvoice.prompt_features(f), cosyvoice.prompt_features((samples, rate)),
+                 cosyvoice.prompt_features((stereo, rate)), cosyvoice.prompt_features(str(PROMPT_WAV))]
+    for got in given:
+        np.testing.assert_array_equal(got.speech_tokens, want.speech_tokens)
+        np.testing.assert_array_equal(got.mel, want.mel)
+        np.testing.assert_array_equal(got.embedding, want.embedding)
+
+
+def test_bad_input_is_refused_before_synthesis(cosyvoice: CosyVoice3) -> None:
+    cases = [
+        (lambda: cosyvoice.inference_zero_shot(TEXT, TRANSCRIPT, str(PROMPT_WAV), stream=True, speed=1.5),
+         "speed works offline only"),
+        (lambda: cosyvoice.inference_cross_lingual(TEXT, "", zero_shot_spk_id="nobody"),
+         "zero_shot_spk_id: unknown speaker 'nobody'"),
+        (lambda: cosyvoice.inference_cross_lingual(TEXT, (np.zeros(8000, np.float32), 8000)),
+         "prompt_wav has sample rate 8000 Hz; the minimum is 16000 Hz"),
+        (lambda: cosyvoice.inference_cross_lingual(TEXT, (np.zeros(24000, np.float32), 24000)),
+         "prompt_wav is silent or nearly so"),
+        (lambda: cosyvoice.inference_cross_lingual("  ", str(PROMPT_WAV)), "tts_text is empty"),
+        (lambda: cosyvoice.inference_zero_shot(TEXT, "", str(PROMPT_WAV)), "zero-shot needs"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):  # UserError and FrontendError are ValueErrors
+            call()
+    assert issubclass(UserError, ValueError)
+    with pytest.raises(UserError, match="sampling is 'beam'"):
+        CosyVoice3(DEMO_BUNDLE, sampling="beam")
+
+
+def test_auto_model_is_the_same_object() -> None:
+    assert AutoModel is CosyVoice3
+
+
+def test_upstreams_example_runs_without_torch(tmp_path: Path) -> None:
+    """Upstream's `example.py` pattern with its one import line changed, where torch cannot be imported."""
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules.update(dict.fromkeys(("torch", "torchaudio", "cosyvoice_export"), None))  # unimportable
+        import soundfile as sf
+        from cosyvoice_runtime import AutoModel
+
+        cosyvoice = AutoModel(model_dir={str(DEMO_BUNDLE)!r})
+        prompt = "You are a helpful assistant.<|endofprompt|>" + {TRANSCRIPT!r}
+        outputs = cosyvoice.inference_zero_shot({TEXT!r}, prompt, {str(PROMPT_WAV)!r}, stream=False)
+        for i, j in enumerate(outputs):
+            sf.write({str(tmp_path)!r} + f"/zero_shot_{{i}}.wav", j["tts_speech"][0], cosyvoice.sample_rate)
+        for i, j in enumerate(cosyvoice.inference_instruct2({TEXT!r}, "You are a helpful assistant. Speak "
+                                                            "slowly.<|endofprompt|>", {str(PROMPT_WAV)!r},
+                                                            stream=True)):
+            sf.write({str(tmp_path)!r} + f"/instruct_{{i}}.wav", j["tts_speech"][0], cosyvoice.sample_rate)
+        print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "cosyvoice_export")
+                     and sys.modules[m] is not None))
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "[]"
+    assert (tmp_path / "zero_shot_0.wav").is_file() and (tmp_path / "instruct_0.wav").is_file()
