@@ -39,7 +39,7 @@ from .frontend import (
 )
 from .frontend.audio import MIN_SAMPLE_RATE
 from .runners import CPU
-from .sampling import SAMPLINGS, make_sampler
+from .sampling import SAMPLINGS, Sampler, make_sampler
 from .segments import Segment, segments
 from .synthesis import AudioChunk, Mode, Synthesizer, llm_request
 
@@ -161,9 +161,8 @@ class CosyVoice3:
             decoding = self.synth.lm.decode(llm_request(mode, piece.text_ids, prompt, piece.prompt_text_ids),
                                             sampler)
             return SegmentSpeech(self.synth.stream_tokens(decoding, prompt), decoding.tokens)
-        speech = SegmentSpeech(iter(()))
-        speech.chunks = self._offline(piece, prompt, mode, speed, speech)
-        return speech
+        tokens: list[int] = []
+        return SegmentSpeech(self._offline(piece, prompt, mode, speed, sampler, tokens), tokens)
 
     def close(self) -> None:
         """Release the graphs."""
@@ -204,11 +203,12 @@ class CosyVoice3:
             for chunk in self.speak(piece, features, mode, stream=stream, speed=speed):
                 yield {"tts_speech": chunk.samples[None]}
 
-    def _offline(self, piece: Segment, prompt: PromptFeatures, mode: Mode, speed: float,
-                 speech: SegmentSpeech) -> Iterator[AudioChunk]:
-        done = self.synth.synthesize(piece.text_ids, prompt, sampler=make_sampler(self.sampling, self.seed),
-                                     mode=mode, prompt_text_ids=piece.prompt_text_ids, speed=speed)
-        speech.speech_tokens.extend(done.speech_tokens)
+    def _offline(self, piece: Segment, prompt: PromptFeatures, mode: Mode, speed: float, sampler: Sampler,
+                 tokens: list[int]) -> Iterator[AudioChunk]:
+        """The segment as one final chunk, made when first asked for; its speech ids go to `tokens`."""
+        done = self.synth.synthesize(piece.text_ids, prompt, sampler=sampler, mode=mode,
+                                     prompt_text_ids=piece.prompt_text_ids, speed=speed)
+        tokens.extend(done.speech_tokens)
         yield done.as_chunk()
 
 
