@@ -246,8 +246,8 @@ class DiT(nn.Module):
         return self.forward_cached(x, mu, sinusoid, spks, cond, positions, attn_mask, keep, None, None)[0]
 
     def forward_cached(self, x: Tensor, mu: Tensor, sinusoid: Tensor, spks: Tensor, cond: Tensor,
-                       positions: Tensor,
-                       attn_mask: Tensor, keep: Tensor, past_conv: tuple[Tensor, Tensor] | None,
+                       positions: Tensor, attn_mask: Tensor, keep: Tensor,
+                       past_conv: tuple[Tensor, Tensor] | None,
                        past_kv: Sequence[tuple[Tensor, Tensor]] | None
                        ) -> tuple[Tensor, tuple[Tensor, Tensor], list[tuple[Tensor, Tensor]]]:
         """Velocity of T new frames that continue earlier ones, given the earlier frames' caches.

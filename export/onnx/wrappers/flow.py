@@ -58,11 +58,10 @@ def cached_attention_mask(past_frames: int | Tensor, positions: Tensor, block_fr
 class FlowEstimatorCachedGraph(nn.Module):
     """`DiT.forward_cached` for the CFG batch, its caches flattened into the spec's I/O order.
 
-    Inputs: x, mu (2, 80, T), time_sinusoid (2, time_embed_dim), spks (2, 80), cond (2, 80, T), offset (1,)
-    (the position of the
-    first new frame), block_frames (1,), past_pos_conv1/2 (2, dim, kernel - 1), then past_key_i,
-    past_value_i (2, H, P, Dh) per block i. Outputs: velocity (2, 80, T), present_pos_conv1/2, then
-    present_key_i, present_value_i (2, H, P + T, Dh).
+    Inputs: x, mu (2, 80, T), time_sinusoid (2, time_embed_dim), spks (2, 80), cond (2, 80, T), offset
+    (1,) (the position of the first new frame), block_frames (1,), past_pos_conv1/2 (2, dim, kernel - 1),
+    then past_key_i, past_value_i (2, H, P, Dh) per block i. Outputs: velocity (2, 80, T),
+    present_pos_conv1/2, then present_key_i, present_value_i (2, H, P + T, Dh).
     """
 
     def __init__(self, dit: DiT) -> None:
