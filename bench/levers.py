@@ -1,5 +1,6 @@
 """CPU speed levers of the fp32 path: onnxruntime's graph optimisation level and intra-op threads,
-measured per graph; and what the exported graphs already do about the levers named in issue 6."""
+measured per graph; and what the exported graphs already do about the export-side levers (Qwen's unused
+output layer, the DiT's attention mask, IOBinding and pre-allocated KV caches)."""
 
 from __future__ import annotations
 

@@ -114,6 +114,7 @@ def mt19937_state(gen: torch.Generator) -> np.ndarray:
 
 
 def table_sha256(table: Tensor) -> str:
-    """sha256 (hex) of a table's raw little-endian float32 bytes in C order, as in the facts sheet §6."""
+    """sha256 (hex) of a table's raw little-endian float32 bytes in C order: the form in which the
+    tests pin upstream's own tables."""
     array = table.detach().to("cpu", torch.float32).contiguous().numpy()
     return hashlib.sha256(array.astype("<f4", copy=False).data).hexdigest()

@@ -47,7 +47,9 @@ N_TIMESTEPS = 10
 CFG_RATE = 0.7
 """`inference_cfg_rate`: v = (1 + rate) v_cond - rate v_uncond."""
 HIFT_FINAL_LOOKAHEAD = 8
-"""Mel frames at the end of a non-final HiFT call whose samples are not final yet (facts §2.5.5)."""
+"""Mel frames at the end of a non-final HiFT call whose samples are not final yet: upstream's
+`CausalHiFTGenerator.inference(finalize=False)` reads 3 of them as the F0 predictor's look-ahead and 4 as
+`conv_pre`'s, then drops one more frame of samples."""
 
 
 class SynthesisError(ValueError):

@@ -129,8 +129,9 @@ def test_cosyvoice_run_synthesises_from_an_int8_bundle(int8_bundle: Path, tiny_b
 
 
 def test_int8_streams_on_fp32s_chunk_boundaries(int8_bundle: Path) -> None:
-    """Issue 8's end-to-end gate on the tiny model: the same speech tokens streamed through the int8 and
-    the fp32 bundle give the same chunks (token and sample ranges), every sample finite, the audio close."""
+    """The int8 bundle's end-to-end gate on the tiny model: the same speech tokens streamed through the
+    int8 and the fp32 bundle give the same chunks (token and sample ranges), every sample finite, the audio
+    close."""
     d, rng = tiny_dims(), np.random.default_rng(5)
     tokens = [int(t) for t in rng.integers(0, d.speech_token_size, 130)]
     prompt = PromptFeatures(rng.integers(0, d.speech_token_size, (1, 20)),

@@ -184,7 +184,7 @@ def test_stft_and_istft_match_numpy(hift: CausalHiFTGenerator) -> None:
 def _sample_level_source(
     src: SourceModuleHnNSF, f0: torch.Tensor, table: torch.Tensor, rand_ini: torch.Tensor
 ) -> torch.Tensor:
-    """Facts §2.5.3 step by step at sample rate, including the rand_ini offset on sample 0."""
+    """Upstream's causal `SineGen2` source step by step at sample rate, with rand_ini added on sample 0."""
     f0_up = F.interpolate(f0[:, None], scale_factor=U).transpose(1, 2)  # (B, L, 1)
     fn = f0_up * torch.arange(1, 10, dtype=torch.float32)  # (B, L, 9)
     rad = (fn / 24000) % 1
@@ -239,7 +239,8 @@ def test_noise_table_is_position_locked(hift: CausalHiFTGenerator, sine_noise: t
 
 
 def _reference_decode(h: CausalHiFTGenerator, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """Facts §2.5.4 (finalize=True) with functional ops and explicit pads, for the example yaml's layout."""
+    """Upstream's `CausalHiFTGenerator.decode` (finalize=True) with functional ops and explicit pads, for the
+    example yaml's layout."""
 
     def conv(m: nn.Conv1d, x: torch.Tensor, left: int = 0, right: int = 0) -> torch.Tensor:
         return F.conv1d(F.pad(x, (left, right)), m.weight, m.bias, stride=m.stride, dilation=m.dilation)
@@ -292,7 +293,7 @@ def test_decode_matches_reference(hift: CausalHiFTGenerator, sine_noise: torch.T
 
 
 def test_full_size_non_final_prefix_is_bit_identical(sine_noise: torch.Tensor) -> None:
-    """Facts §2.5.5: at full size the non-final output is the final output's prefix bit for bit."""
+    """At full size `inference(finalize=False)` gives the final output's prefix bit for bit."""
     model = CausalHiFTGenerator(full_size().hift).eval()
     init_random_(model, _gen(0))
     mel = _mel(35, 21)

@@ -1,4 +1,5 @@
-"""Construction-time noise tables: upstream's fingerprints (facts §6) and the replayed draw order."""
+"""Construction-time noise tables: the sha256 and first values of the tables upstream's constructors draw
+(example yaml, torch's CPU generator), and the replayed draw order."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Stand-ins for a bundle's `campplus.onnx` and `speech_tokenizer_v3.onnx`, built with `onnx.helper`.
 
 Our test bundles cannot ship the real third-party models, so these small graphs keep upstream's I/O
-contract (facts §3.5) with deterministic random weights:
+contract (as `CosyVoiceFrontEnd._extract_spk_embedding` and `_extract_speech_token` call them) with
+deterministic random weights:
 
 - `campplus.onnx`: input `input` float32 (B, T, 80) Kaldi fbank -> float32 (B, 192) speaker embedding.
   Frame-wise `tanh` projection, mean over time, linear projection: the nonlinearity matters because the
@@ -12,8 +13,8 @@ contract (facts §3.5) with deterministic random weights:
   (batch 1 has no padding to mask).
 
 The input names are the ones third-party tooling reports for the real files; the real output names are
-unknown ([3P] in the facts), so ours (`embedding`, `indices`) are placeholders and consumers must address
-outputs by position, as upstream does.
+unknown (no source we could check names them), so ours (`embedding`, `indices`) are placeholders and
+consumers must address outputs by position, as upstream does.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ weight-norm parametrizations into constants by itself). Their semantics are upst
 Three things differ from the torch network so that the graphs are exportable and the runtime can
 reproduce upstream:
 
-- the F0 predictor runs in float32 (onnxruntime's CPU EP has no float64 Conv; facts §5 item 26);
+- the F0 predictor runs in float32 (onnxruntime's CPU EP has no float64 Conv: a session fails to
+  load with NOT_IMPLEMENTED);
 - the harmonic phase is an input, computed by `sine_phase` (float64 running sum, reduced mod 2π),
   because a float32 phase of a long utterance loses the precision that upstream's sine relies on;
 - the complex `torch.stft` / `torch.istft` are replaced by `RealSTFT`'s real-valued convolutions.
