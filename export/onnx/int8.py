@@ -1,6 +1,7 @@
 """int8 graphs: an exported fp32 graph whose weight matmuls read int8 weights, everything else float32.
 
-Two schemes, chosen per graph by measurement on this project's CPU (docs/performance.md, int8):
+Two schemes, chosen per graph by measurement on this project's CPU (docs/performance-log.md, int8 LLM
+and int8 DiT):
 
 - `NBITS`, for the llm, whose decode multiplies one row at a time (memory-bound): each MatMul with a
   constant weight becomes onnxruntime's `MatMulNBits` with 8-bit weights, symmetric, one float32 scale per
