@@ -13,17 +13,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 
 from cosyvoice_graphs import cache_pairs
-from cosyvoice_runtime.runners import Feed, OrtRunner
+from cosyvoice_runtime.runners import Feed
 from cosyvoice_runtime.synthesis import Synthesizer
 
 InferOutputs = Callable[[Mapping[str, Feed], Sequence[str]], dict[str, np.ndarray]]
 """`Runner.infer_outputs`'s signature."""
-KeptInfer = Callable[[Mapping[str, Feed], Collection[str]],
-                     tuple[dict[str, np.ndarray], dict[str, ort.OrtValue]]]
-"""`OrtRunner.infer_kept`'s signature."""
+KeptInfer = Callable[[Mapping[str, Feed], Collection[str]], tuple[dict[str, np.ndarray], dict[str, Feed]]]
+"""`Runner.infer_kept`'s signature."""
 
 STAT_NAMES = ("mean", "rms", "min", "max")
 
@@ -110,9 +108,10 @@ def largest_drift(got: Mapping[str, Any], want: Mapping[str, Any]) -> tuple[str,
 class GraphRecorder:
     """Feeds every graph call of a `Synthesizer` into the current `GraphStats`.
 
-    The synthesizer's runners are wrapped in place (their `infer_outputs`, which `infer` calls, shadowed
-    on the instance), so every object holding a runner (the LM, the flow, the vocoder and its streams)
-    is observed, whichever outputs a call fetches. Cache outputs
+    The synthesizer's runners are wrapped in place (their `infer_outputs`, which `infer` calls, and
+    `infer_kept`, shadowed on the instance; a call goes through exactly one of them), so every object
+    holding a runner (the LM, the flow, the vocoder and its streams) is observed, whichever outputs a call
+    fetches. Cache outputs
     (`present_*`) are left out: they grow with every step (quadratic cost) and feed the outputs that are
     kept.
     """
@@ -123,9 +122,8 @@ class GraphRecorder:
             caches = {present for _, present in cache_pairs(runner.spec)}
             runner.infer_outputs = self._observer(  # type: ignore[method-assign]
                 name, runner.infer_outputs, caches)
-            if isinstance(runner, OrtRunner):  # the LLM's calls with its cache kept on the device
-                runner.infer_kept = self._kept_observer(  # type: ignore[method-assign]
-                    name, runner.infer_kept, caches)
+            runner.infer_kept = self._kept_observer(  # type: ignore[method-assign]
+                name, runner.infer_kept, caches)
 
     def _observer(self, graph: str, infer_outputs: InferOutputs, caches: set[str]) -> InferOutputs:
         def observed(feeds: Mapping[str, Feed], names: Sequence[str]) -> dict[str, np.ndarray]:
@@ -138,7 +136,7 @@ class GraphRecorder:
 
     def _kept_observer(self, graph: str, infer_kept: KeptInfer, caches: set[str]) -> KeptInfer:
         def observed(feeds: Mapping[str, Feed], keep: Collection[str]
-                     ) -> tuple[dict[str, np.ndarray], dict[str, ort.OrtValue]]:
+                     ) -> tuple[dict[str, np.ndarray], dict[str, Feed]]:
             host, kept = infer_kept(feeds, keep)
             if self._stats is not None:
                 self._stats.add(graph, {k: v for k, v in host.items() if k not in caches})

@@ -21,7 +21,7 @@ import numpy as np
 
 from cosyvoice_graphs import cache_pairs, empty_caches
 
-from .runners import Feed, OrtRunner, Runner
+from .runners import Feed, Runner
 from .sampling import Sampler, SilentTokenLimiter
 
 MIN_TOKEN_TEXT_RATIO = 2.0
@@ -77,14 +77,11 @@ class SpeechTokenLM:
     def step(self, embeds: np.ndarray, cache: Mapping[str, Feed]) -> tuple[np.ndarray, dict[str, Feed]]:
         """One graph call: embeds (1, T, C) + `past_*` -> logp (V,) at the last position, next `past_*`.
 
-        On onnxruntime the cache stays where the session keeps it (IOBinding; on a GPU it never crosses
-        to the host); other runners exchange numpy arrays."""
+        The cache stays where the runner keeps it (`Runner.infer_kept`: on onnxruntime, where the
+        session computed it, so on a GPU it never crosses to the host)."""
         feeds = {"inputs_embeds": embeds, **cache}
-        if isinstance(self.runner, OrtRunner):
-            out, kept = self.runner.infer_kept(feeds, keep=[present for _, present in self.pairs])
-            return out["logp"][0], {past: kept[present] for past, present in self.pairs}
-        host = self.runner.infer(feeds)
-        return host["logp"][0], {past: host[present] for past, present in self.pairs}
+        out, kept = self.runner.infer_kept(feeds, keep=[present for _, present in self.pairs])
+        return out["logp"][0], {past: kept[present] for past, present in self.pairs}
 
     def decode(self, request: LlmRequest, sampler: Sampler, *, max_tokens: int | None = None,
                ignore_stop: bool = False) -> Decoding:

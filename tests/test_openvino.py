@@ -13,32 +13,34 @@ import shutil
 import threading
 from pathlib import Path
 
-import numpy as np
-import onnx
 import pytest
-from click.testing import CliRunner
 
 pytest.importorskip("openvino", reason="the openvino extra is not installed")
+pytest.importorskip("torch", reason="needs torch (the export extra)")
+pytestmark = pytest.mark.torch
 
-from cosyvoice_export.cli import main as export_main  # noqa: E402
-from cosyvoice_export.onnx import bf16 as export_bf16  # noqa: E402
-from cosyvoice_export.onnx.runtime_bundle import MANIFEST, export_all  # noqa: E402
-from cosyvoice_export.onnx.trt import TrtUnavailable  # noqa: E402
-from cosyvoice_export.onnx.validate import OPENVINO_BF16  # noqa: E402
-from cosyvoice_golden.cli import main as golden_main  # noqa: E402
-from cosyvoice_graphs import SPECS  # noqa: E402
-from cosyvoice_runtime import openvino_runner  # noqa: E402
-from cosyvoice_runtime.bundle import RuntimeBundle, read_onnx_metadata  # noqa: E402
-from cosyvoice_runtime.cli import main as run_main  # noqa: E402
-from cosyvoice_runtime.demo import DEMO_BUNDLE  # noqa: E402
-from cosyvoice_runtime.errors import ProviderError, RuntimeBundleError  # noqa: E402
-from cosyvoice_runtime.frontend import PromptFeatures  # noqa: E402
-from cosyvoice_runtime.openvino_runner import OpenVinoRunner, bf16_unsupported_reason  # noqa: E402
-from cosyvoice_runtime.runners import open_runner  # noqa: E402
-from cosyvoice_runtime.sampling import GreedySampler  # noqa: E402
-from cosyvoice_runtime.synthesis import Synthesizer  # noqa: E402
+import numpy as np
+import onnx
+from click.testing import CliRunner
 
-NO_BF16 = bf16_unsupported_reason()
+from cosyvoice_export.cli import main as export_main
+from cosyvoice_export.onnx import bf16 as export_bf16
+from cosyvoice_export.onnx.runtime_bundle import MANIFEST, export_all
+from cosyvoice_export.onnx.trt import TrtUnavailable
+from cosyvoice_export.onnx.validate import OPENVINO_BF16
+from cosyvoice_golden.cli import main as golden_main
+from cosyvoice_graphs import SPECS
+from cosyvoice_runtime.bundle import RuntimeBundle, read_onnx_metadata
+from cosyvoice_runtime.cli import main as run_main
+from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.errors import ProviderError, RuntimeBundleError
+from cosyvoice_runtime.frontend import PromptFeatures
+from cosyvoice_runtime.runners import OpenVinoRunner, open_runner
+from cosyvoice_runtime.runners import openvino as openvino_runner
+from cosyvoice_runtime.sampling import GreedySampler
+from cosyvoice_runtime.synthesis import Synthesizer
+
+NO_BF16 = openvino_runner.bf16_unsupported_reason()
 DIT = "flow_estimator_cached"
 REL_TO_ONNXRUNTIME = 1e-5
 """OpenVINO float32 against onnxruntime on one call, relative to the output's largest value (measured on

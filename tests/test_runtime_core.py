@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from cosyvoice_graphs import SPECS, cache_pairs, empty_caches
 from cosyvoice_graphs.bundle_layout import FORMAT_VERSION, MANIFEST, SPEECH_EMBEDDING
 from cosyvoice_runtime.bundle import RuntimeBundle, TrtPlan
 from cosyvoice_runtime.errors import FeedError, ProviderError, RuntimeBundleError
-from cosyvoice_runtime.runners import OrtRunner, Runner, TrtRunner, open_runner
+from cosyvoice_runtime.runners import OrtRunner, Runner, RunnerBase, TrtRunner, open_runner
 
 
 @pytest.fixture(scope="module")
@@ -342,3 +342,46 @@ def test_io_binding_keeps_the_kv_cache_and_equals_plain_runs(runtime_bundle: Pat
         wrong = {**kept, pairs[0][0]: ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 1, 1, 1), np.float32))}
         with pytest.raises(FeedError, match=rf"llm\.{pairs[0][0]}: shape \(1, 1, 1, 1\), dim 1"):
             runner.infer_kept({"inputs_embeds": embeds, **wrong}, keep=[])
+
+
+class HostRunner(RunnerBase):
+    """A runner with `RunnerBase`'s own `infer_kept`: onnxruntime underneath, called by `infer_outputs`."""
+
+    def __init__(self, inner: OrtRunner) -> None:
+        super().__init__(inner.spec)
+        self.inner = inner
+
+    def _run(self, feeds: Mapping[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
+        return self.inner.infer_outputs(feeds, names)
+
+    def _release(self) -> None:
+        self.inner.close()
+
+
+def test_infer_kept_by_default_returns_the_kept_outputs_as_feeds(bundle: RuntimeBundle) -> None:
+    """`RunnerBase.infer_kept`: the kept outputs come back as numpy arrays, which the next call takes as
+    feeds; step after step they equal `OrtRunner.infer_kept`'s (IOBinding)."""
+    inner = open_runner(bundle, "llm", threads=1)
+    assert isinstance(inner, OrtRunner)
+    with HostRunner(inner) as runner:
+        assert isinstance(runner, Runner)
+        pairs = cache_pairs(runner.spec)
+        keep = [n for _, n in pairs]
+        rng = np.random.default_rng(1)
+        bound: dict[str, Any] = empty_caches(runner.spec)
+        host_cache: dict[str, Any] = dict(bound)
+        for length in (5, 1, 1):
+            embeds = rng.standard_normal((1, length, bundle.dims.llm_hidden)).astype(np.float32)
+            want, device = inner.infer_kept({"inputs_embeds": embeds, **bound}, keep)
+            got, kept = runner.infer_kept({"inputs_embeds": embeds, **host_cache}, keep)
+            assert set(got) == {"logp"} and list(kept) == keep
+            assert all(isinstance(v, np.ndarray) for v in kept.values())
+            np.testing.assert_array_equal(got["logp"], want["logp"])
+            for name in keep:
+                np.testing.assert_array_equal(kept[name], device[name].numpy())
+            bound = {p: device[n] for p, n in pairs}
+            host_cache = {p: kept[n] for p, n in pairs}
+        with pytest.raises(ValueError, match="llm: unknown output 'logits'"):
+            runner.infer_kept({"inputs_embeds": embeds, **host_cache}, keep=["logits"])
+    with pytest.raises(RuntimeError, match="runner is closed"):
+        runner.infer_kept({"inputs_embeds": embeds, **host_cache}, keep)

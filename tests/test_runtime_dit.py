@@ -18,7 +18,6 @@ import pytest
 
 from cosyvoice_graphs import SPECS, empty_caches
 from cosyvoice_graphs.bundle_layout import MANIFEST, RETIRED_GRAPHS
-from cosyvoice_runtime import runners
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.frontend import PromptFeatures
@@ -30,13 +29,13 @@ from cosyvoice_runtime.token2wav import N_TIMESTEPS
 def loaded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the files onnxruntime loads while the test runs."""
     names: list[str] = []
-    real = runners.ort.InferenceSession
+    real = ort.InferenceSession
 
     def recording(path: str, *args: Any, **kwargs: Any) -> ort.InferenceSession:
         names.append(Path(path).name)
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(runners.ort, "InferenceSession", recording)
+    monkeypatch.setattr(ort, "InferenceSession", recording)
     return names
 
 

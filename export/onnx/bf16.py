@@ -2,7 +2,7 @@
 
 onnxruntime has no fast x86 bf16 matmul, and an ONNX graph with bf16 weights would only be cast back to
 float32 by it. OpenVINO converts a float32 graph's weights and computes its matmuls in bf16 when compiled
-with `INFERENCE_PRECISION_HINT=bf16`, on CPUs with AVX512-BF16 or AMX (`cosyvoice_runtime.openvino_runner`).
+with `INFERENCE_PRECISION_HINT=bf16`, on CPUs with AVX512-BF16 or AMX (`cosyvoice_runtime.runners.openvino`).
 So a bf16 graph's file is its float32 export, marked bf16 in its metadata and the manifest; the runtime
 compiles it that way, and the export validates it that way, with the spec's bf16 bounds and gates. A CPU
 without bf16 instructions can neither validate nor run one: the export refuses up front.
@@ -10,7 +10,7 @@ without bf16 instructions can neither validate nor run one: the export refuses u
 
 from __future__ import annotations
 
-from cosyvoice_runtime.openvino_runner import bf16_unsupported_reason, import_openvino
+from cosyvoice_runtime.runners.openvino import bf16_unsupported_reason, import_openvino
 
 from .trace import ExportError
 

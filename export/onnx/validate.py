@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from cosyvoice_graphs import Case, DecodeGates, GraphSpec, SolveGates
-from cosyvoice_runtime.openvino_runner import OpenVinoRunner
+from cosyvoice_runtime.runners import OpenVinoRunner
 
 from .trace import ExportError, torch_inputs
 

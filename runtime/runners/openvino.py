@@ -20,8 +20,8 @@ import numpy as np
 
 from cosyvoice_graphs import GraphSpec
 
-from .errors import ProviderError, RuntimeBundleError
-from .runners import RunnerBase
+from ..errors import ProviderError, RuntimeBundleError
+from .base import RunnerBase
 
 INFERENCE_PRECISIONS = {"fp32": "f32", "bf16": "bf16"}
 """A graph's precision -> the `INFERENCE_PRECISION_HINT` it is compiled with. fp16 and int8 bodies are

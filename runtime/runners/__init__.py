@@ -1,0 +1,57 @@
+"""One runner interface over onnxruntime (CPU, CUDA, its TensorRT provider), TensorRT plans and OpenVINO.
+
+A runner runs one graph: `infer(feeds)` takes and returns numpy arrays keyed by the spec's tensor
+names. Feeds are checked against the spec before anything runs, and a runner never falls back to
+another execution provider: what was asked for runs, or `ProviderError` says why it cannot.
+`open_runner` picks the runner for a graph of a bundle and a provider.
+"""
+
+from __future__ import annotations
+
+from cosyvoice_graphs.providers import CPU, CPU_PROVIDERS, CUDA, OPENVINO, PROVIDERS, TENSORRT, TRT
+
+from ..bundle import RuntimeBundle
+from ..errors import ProviderError, RuntimeBundleError
+from .base import Feed, Runner, RunnerBase, check_feeds
+from .openvino import OpenVinoRunner
+from .ort import OPTIMIZATION, ORT_PROVIDERS, OrtRunner
+from .trt import TrtRunner
+
+__all__ = ["CPU", "CPU_PROVIDERS", "CUDA", "OPENVINO", "OPTIMIZATION", "ORT_PROVIDERS", "PROVIDERS",
+           "TENSORRT", "TRT", "Feed", "OpenVinoRunner", "OrtRunner", "Runner", "RunnerBase", "TrtRunner",
+           "check_feeds", "on_openvino", "open_runner"]
+
+
+def on_openvino(bundle: RuntimeBundle, graph: str, provider: str) -> bool:
+    """Whether `open_runner` runs `graph` on OpenVINO: a bf16 graph (OpenVINO's is the fast x86 bf16), or
+    any graph under the `openvino` provider."""
+    return bundle.graph_precision(graph) == "bf16" or provider == OPENVINO
+
+
+def open_runner(bundle: RuntimeBundle, graph: str, provider: str = CPU, *, threads: int | None = None
+                ) -> Runner:
+    """A runner for `graph` of `bundle` on `provider` (one of `PROVIDERS`), its metadata checked
+    against the manifest. `threads` sets onnxruntime's intra-op threads (OpenVINO's inference threads).
+    A bf16 graph runs on OpenVINO under `cpu` and `openvino`, and is refused on a GPU provider."""
+    if graph not in bundle.specs:
+        raise KeyError(f"unknown graph {graph!r}; known: {', '.join(bundle.specs)}")
+    if provider not in PROVIDERS:
+        raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
+    spec = bundle.specs[graph]
+    precision = bundle.graph_precision(graph)
+    if precision == "bf16" and provider not in CPU_PROVIDERS:
+        raise ProviderError(f"{graph} is a bf16 graph, which runs on the CPU (OpenVINO), not on "
+                            f"{provider!r}; for a GPU export --precision fp16")
+    if on_openvino(bundle, graph, provider):
+        bundle.graph_metadata(graph)  # checked against the manifest as it is read
+        return OpenVinoRunner(bundle.graph_path(graph), spec, precision, threads=threads)
+    if provider == TRT:
+        bundle.graph_metadata(graph)  # the plan was built from this graph: its provenance is the plan's
+        return TrtRunner(bundle.trt_plan(graph), spec)
+    runner = OrtRunner(bundle.graph_path(graph), spec, provider, threads=threads)
+    try:
+        bundle.check_metadata(graph, runner.metadata)
+    except RuntimeBundleError:
+        runner.close()
+        raise
+    return runner

@@ -1,0 +1,102 @@
+"""Graphs on onnxruntime, with exactly the requested execution provider (CPU, CUDA or TensorRT)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from cosyvoice_graphs import GraphSpec
+from cosyvoice_graphs.providers import CPU, CUDA, TENSORRT
+
+from ..errors import ProviderError, RuntimeBundleError
+from .base import Feed, RunnerBase
+
+ORT_PROVIDERS = {CPU: "CPUExecutionProvider", CUDA: "CUDAExecutionProvider",
+                 TENSORRT: "TensorrtExecutionProvider"}
+"""The providers onnxruntime runs -> its execution provider."""
+OPTIMIZATION = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+                "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+"""onnxruntime graph optimisation levels by name."""
+
+
+class OrtRunner(RunnerBase):
+    """A graph on onnxruntime with exactly the requested execution provider.
+
+    `session`, `device_type` and `device_id` are there for IOBinding (tensors kept on the device)."""
+
+    def __init__(self, path: Path | str, spec: GraphSpec, provider: str = CPU, *, threads: int | None = None,
+                 optimization: str = "all", device_id: int = 0) -> None:
+        """`threads`: intra-op threads (None: onnxruntime's default); `optimization`: a key of
+        `OPTIMIZATION`; `device_id`: the CUDA device for "cuda" and "tensorrt"."""
+        super().__init__(spec)
+        if provider not in ORT_PROVIDERS:
+            raise ValueError(f"unknown onnxruntime provider {provider!r}; known: {', '.join(ORT_PROVIDERS)}")
+        if optimization not in OPTIMIZATION:
+            raise ValueError(f"unknown optimization level {optimization!r}; known: {', '.join(OPTIMIZATION)}")
+        wanted = ORT_PROVIDERS[provider]
+        available = ort.get_available_providers()
+        if wanted not in available:
+            raise ProviderError(f"provider {provider!r} needs onnxruntime's {wanted}; this onnxruntime "
+                                f"{ort.__version__} has only {', '.join(available)} "
+                                "(pip install 'cosyvoice-onnx[gpu]')")
+        options = ort.SessionOptions()
+        options.graph_optimization_level = OPTIMIZATION[optimization]
+        if threads is not None:
+            options.intra_op_num_threads = threads
+        device = {"device_id": device_id}
+        # nodes a GPU provider cannot take go to the CPU provider: that is placement, not fallback
+        chains: dict[str, list[Any]] = {
+            CPU: [wanted],
+            CUDA: [(wanted, device), ORT_PROVIDERS[CPU]],
+            TENSORRT: [(wanted, device), (ORT_PROVIDERS[CUDA], device), ORT_PROVIDERS[CPU]],
+        }
+        providers = chains[provider]
+        self.session = ort.InferenceSession(str(path), options, providers=providers)
+        used = self.session.get_providers()
+        if not used or used[0] != wanted:
+            raise ProviderError(f"{path}: asked onnxruntime for {wanted}, the session fell back to "
+                                f"{', '.join(used) or 'nothing'}")
+        self.provider = provider
+        self.device_type = CPU if provider == CPU else CUDA
+        self.device_id = device_id
+        names = ([i.name for i in self.session.get_inputs()], [o.name for o in self.session.get_outputs()])
+        if names != (spec.input_names, spec.output_names):
+            raise RuntimeBundleError(f"{path}: inputs {names[0]}, outputs {names[1]}; spec {spec.name} "
+                                     f"v{spec.version} has {spec.input_names}, {spec.output_names}")
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The graph's `metadata_props`, as the session read them."""
+        return dict(self.session.get_modelmeta().custom_metadata_map)
+
+    def _run(self, feeds: Mapping[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
+        return dict(zip(names, self.session.run(names, dict(feeds)), strict=True))
+
+    def infer_kept(self, feeds: Mapping[str, Feed], keep: Collection[str]
+                   ) -> tuple[dict[str, np.ndarray], dict[str, Feed]]:
+        """`infer` through IOBinding: the outputs named in `keep` stay where the session computed them
+        (the GPU for "cuda"/"tensorrt") as `OrtValue`s, which later calls take back as feeds without a
+        copy; the other outputs come back as numpy arrays. For the LLM's KV cache, which would otherwise
+        cross to the host and back at every token."""
+        self._check_call(feeds, keep)
+        binding = self.session.io_binding()
+        for name, value in feeds.items():
+            if isinstance(value, ort.OrtValue):
+                binding.bind_ortvalue_input(name, value)
+            else:
+                binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        for name in self.spec.output_names:
+            binding.bind_output(name, self.device_type if name in keep else CPU, self.device_id)
+        self.session.run_with_iobinding(binding)
+        values = dict(zip(self.spec.output_names, binding.get_outputs(), strict=True))
+        host = {name: v.numpy() for name, v in values.items() if name not in keep}
+        return host, {name: values[name] for name in keep}
+
+    def _release(self) -> None:
+        del self.session
