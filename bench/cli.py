@@ -13,7 +13,7 @@ from cosyvoice_export.bundle.errors import BundleError
 from cosyvoice_runtime.atomic_files import write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import choose_prompt
-from cosyvoice_runtime.cli import USER_ERRORS
+from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.runners import CPU, PROVIDERS
 
 from .cases import LENGTHS, default_long_tokens, make_cases, parse_lengths, parse_levels

@@ -1,12 +1,11 @@
-"""The runtime's side: a `Synthesizer` with its front end, run through the `Backend` interface, and
-concurrent sessions.
+"""The runtime's side: `CosyVoice3` run through the `Backend` interface, and concurrent sessions.
 
-Sharing one `Synthesizer` between threads is safe for the onnxruntime providers and OpenVINO:
+Sharing one `CosyVoice3` between threads is safe for the onnxruntime providers and OpenVINO:
 onnxruntime's `InferenceSession.run` is thread-safe, an `OpenVinoRunner` gives each thread its own infer
-request, and every per-request state (the `Decoding`, the stream's
-accumulated mel and vocoder window) is created per call; the `Synthesizer`, `Flow`, `Vocoder` and
-runners only read their own attributes while running. A `TrtRunner` keeps device buffers and an
-execution context per runner, so under `--provider trt` every session gets its own `Synthesizer`.
+request, and every per-request state (the `Decoding`, the stream's accumulated mel and vocoder window)
+is created per call; the `Synthesizer`, `Flow`, `Vocoder` and runners only read their own attributes
+while running. A `TrtRunner` keeps device buffers and an execution context per runner, so under
+`--provider trt` every session gets its own `CosyVoice3`.
 """
 
 from __future__ import annotations
@@ -14,42 +13,29 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from cosyvoice_runtime import CosyVoice3
 from cosyvoice_runtime.bundle import RuntimeBundle
-from cosyvoice_runtime.frontend import (
-    PromptFeatures,
-    TextFrontend,
-    TextTokenizer,
-    extract_prompt,
-    open_session,
-)
+from cosyvoice_runtime.cosyvoice3 import SegmentSpeech
+from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.runners import TRT
-from cosyvoice_runtime.sampling import make_sampler
-from cosyvoice_runtime.segments import segments
-from cosyvoice_runtime.synthesis import AudioChunk, Mode, Synthesizer
+from cosyvoice_runtime.segments import Segment
+from cosyvoice_runtime.synthesis import AudioChunk, Mode
 
 from .backend import FirstChunk, OfflineRun, StreamRun
 from .cases import Case
 from .measure import CallLog, llm_figures, mean, prefill_length
 
 
-@dataclass(frozen=True)
-class _Request:
-    """A case's text after the front end: what the LLM request is built from."""
-
-    text_ids: list[int]
-    prompt_text_ids: list[int]
-
-
 class RuntimeBackend:
-    """The torch-free runtime on one provider: `Synthesizer`, prompt models, tokenizer and normaliser."""
+    """The torch-free runtime on one provider: a `CosyVoice3` whose every segment decodes a fixed number
+    of tokens."""
 
     name = "runtime"
 
@@ -59,88 +45,79 @@ class RuntimeBackend:
         recording's transcript (zero-shot), `seed` the RAS sampler's."""
         start = time.perf_counter()
         self.bundle, self.provider, self.threads = bundle, provider, threads
-        self.prompt_text, self.seed = prompt_text, seed
-        self.synth = Synthesizer(bundle, provider, threads=threads)
-        try:
-            self._campplus = open_session(bundle.frontend_path("campplus"))
-            self._speech_tokenizer = open_session(bundle.frontend_path("speech_tokenizer"))
-            self._tokenizer = TextTokenizer(bundle.tokenizer_dir)
-            self._frontend = TextFrontend(self._tokenizer)
-        except BaseException:
-            self.synth.close()
-            raise
+        self.prompt_text = prompt_text
+        self.voice = CosyVoice3(bundle, provider=provider, threads=threads, seed=seed)
         self._log = CallLog()
         self.load_s = time.perf_counter() - start
 
     def prompt_features(self, wav: Path) -> PromptFeatures:
-        return extract_prompt(wav, self._campplus, self._speech_tokenizer, self.synth.dims.token_mel_ratio)
+        return self.voice.prompt_features(wav)
 
-    def _request(self, case: Case) -> _Request:
+    def _segment(self, case: Case) -> Segment:
         """The front end: normalise, split and tokenise as `cosyvoice-run` does; the segments' ids are
         joined into one LLM request (the bench texts are one segment with the real tokenizer)."""
-        pieces = segments(case.text, Mode.ZERO_SHOT, self._tokenizer, self._frontend,
-                          prompt_text=self.prompt_text)
-        return _Request([i for p in pieces for i in p.text_ids], pieces[0].prompt_text_ids)
+        pieces = self.voice.segments(Mode.ZERO_SHOT, case.text, prompt_text=self.prompt_text)
+        return Segment(case.text, [i for p in pieces for i in p.text_ids], pieces[0].prompt_text_ids)
 
-    def _chunks(self, synth: Synthesizer, request: _Request, prompt: PromptFeatures, tokens: int
-                ) -> Iterator[AudioChunk]:
-        return synth.stream(request.text_ids, prompt, sampler=make_sampler("ras", self.seed),
-                            prompt_text_ids=request.prompt_text_ids, max_tokens=tokens, ignore_stop=True)
+    @staticmethod
+    def _speak(voice: CosyVoice3, piece: Segment, prompt: PromptFeatures, tokens: int, *, stream: bool
+               ) -> SegmentSpeech:
+        """Exactly `tokens` decoding steps (the stop ids masked), streamed or offline."""
+        return voice.speak(piece, prompt, Mode.ZERO_SHOT, stream=stream, max_tokens=tokens, ignore_stop=True)
 
     def forget_prompts(self) -> None:
         """Drop the streaming flow's per-prompt prefixes (`Flow.prefixes`)."""
-        self.synth.flow.prefixes.clear()
+        self.voice.synth.flow.prefixes.clear()
 
     def first_chunk(self, case: Case, prompt: PromptFeatures) -> FirstChunk:
         start = time.perf_counter()
-        chunk = next(self._chunks(self.synth, self._request(case), prompt, case.tokens))
+        chunk = next(iter(self._speak(self.voice, self._segment(case), prompt, case.tokens, stream=True)))
         return self._first(chunk, time.perf_counter() - start)
 
     def _first(self, chunk: AudioChunk, seconds: float) -> FirstChunk:
         t = chunk.timings
-        return FirstChunk(seconds, len(chunk.samples) / self.synth.sample_rate, t.llm, t.flow, t.vocoder)
+        return FirstChunk(seconds, len(chunk.samples) / self.voice.sample_rate, t.llm, t.flow, t.vocoder)
 
     def stream(self, case: Case, prompt: PromptFeatures) -> StreamRun:
         start = time.perf_counter()
         first: FirstChunk | None = None
         parts = []
-        for chunk in self._chunks(self.synth, self._request(case), prompt, case.tokens):
+        for chunk in self._speak(self.voice, self._segment(case), prompt, case.tokens, stream=True):
             if first is None:
                 first = self._first(chunk, time.perf_counter() - start)
             parts.append(chunk.samples)
         seconds = time.perf_counter() - start
         assert first is not None  # a stream always ends with a final chunk
         audio = np.concatenate(parts)
-        return StreamRun(first, seconds, len(audio) / self.synth.sample_rate,
+        return StreamRun(first, seconds, len(audio) / self.voice.sample_rate,
                          hashlib.sha256(audio.tobytes()).hexdigest())
 
     def offline(self, case: Case, prompt: PromptFeatures) -> OfflineRun:
         start = time.perf_counter()
-        request = self._request(case)
+        piece = self._segment(case)
         front_end_s = time.perf_counter() - start
-        synth = self.synth
+        synth = self.voice.synth
         # `lm.step` is one llm graph call whichever runner method it uses (IOBinding on onnxruntime); the
         # offline flow fetches the DiT's velocity only, through `infer_outputs`
         calls = {"llm": (synth.lm, "step"), "estimator": (synth.flow.estimator, "infer_outputs")}
         with self._log.wrap(calls):
-            result = synth.synthesize(request.text_ids, prompt, sampler=make_sampler("ras", self.seed),
-                                      prompt_text_ids=request.prompt_text_ids, max_tokens=case.tokens,
-                                      ignore_stop=True)
+            speech = self._speak(self.voice, piece, prompt, case.tokens, stream=False)
+            (chunk,) = list(speech)
         seconds = time.perf_counter() - start
-        audio_s = len(result.audio) / synth.sample_rate
+        audio_s = len(chunk.samples) / self.voice.sample_rate
         figures = {
             "front_end_s": front_end_s,
-            "llm_prefill_len": prefill_length(request.text_ids, request.prompt_text_ids,
+            "llm_prefill_len": prefill_length(piece.text_ids, piece.prompt_text_ids,
                                               prompt.speech_tokens.shape[1]),
-            **llm_figures(result.timings["llm"], self._log.seconds("llm")),
-            "speech_tokens": len(result.speech_tokens),
-            "flow_s": result.timings["flow"],
+            **llm_figures(chunk.timings.llm, self._log.seconds("llm")),
+            "speech_tokens": len(speech.speech_tokens),
+            "flow_s": chunk.timings.flow,
             "flow_per_step_s": mean(self._log.seconds("estimator")),
-            "hift_s": result.timings["vocoder"],
+            "hift_s": chunk.timings.vocoder,
             "audio_s": audio_s,
             "rtf_offline": seconds / audio_s,
         }
-        return OfflineRun(figures, list(result.speech_tokens))
+        return OfflineRun(figures, list(speech.speech_tokens))
 
     def concurrent(self, case: Case, prompt: PromptFeatures, level: int, reference_sha256: str
                    ) -> dict[str, Any]:
@@ -148,39 +125,40 @@ class RuntimeBackend:
         and a cached prompt (the front end stays outside: wetext's thread safety is not ours to claim).
 
         `outputs_match` compares every session's audio with `reference_sha256` (a single stream of the
-        same case and seed): sessions that share the `Synthesizer` must not disturb each other.
+        same case and seed): sessions that share the `CosyVoice3` must not disturb each other.
         """
-        request = self._request(case)
+        piece = self._segment(case)
         shared = self.provider != TRT
-        synths = ([self.synth] * level if shared else
-                  [Synthesizer(self.bundle, self.provider, threads=self.threads) for _ in range(level)])
+        voices = ([self.voice] * level if shared else
+                  [CosyVoice3(self.bundle, provider=self.provider, threads=self.threads,
+                              seed=self.voice.sampling.seed) for _ in range(level)])
         barrier = threading.Barrier(level)
 
-        def session(synth: Synthesizer) -> tuple[float, float, float, float, str]:
+        def session(voice: CosyVoice3) -> tuple[float, float, float, float, str]:
             barrier.wait()
             start = time.perf_counter()
             first = None
             parts = []
-            for chunk in self._chunks(synth, request, prompt, case.tokens):
+            for chunk in self._speak(voice, piece, prompt, case.tokens, stream=True):
                 first = time.perf_counter() - start if first is None else first
                 parts.append(chunk.samples)
             end = time.perf_counter()
             audio = np.concatenate(parts)
             assert first is not None
-            return (start, end, first, len(audio) / synth.sample_rate,
+            return (start, end, first, len(audio) / voice.sample_rate,
                     hashlib.sha256(audio.tobytes()).hexdigest())
 
         try:
             with ThreadPoolExecutor(level) as pool:
-                runs = list(pool.map(session, synths))
+                runs = list(pool.map(session, voices))
         finally:
-            for synth in synths:
-                if synth is not self.synth:
-                    synth.close()
+            for voice in voices:
+                if voice is not self.voice:
+                    voice.close()
         return _concurrency_row(case, level, shared, runs, reference_sha256)
 
     def close(self) -> None:
-        self.synth.close()
+        self.voice.close()
 
 
 def _concurrency_row(case: Case, level: int, shared: bool,

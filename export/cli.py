@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -10,8 +11,8 @@ from typing import Any
 import click
 
 from cosyvoice_graphs import PRECISIONS
-from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
-from cosyvoice_serve.settings import SPEAKERS_DIR_ENV
+from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV, console_script
+from cosyvoice_runtime.speakers import SPEAKERS_DIR_ENV
 
 from .bundle.errors import BundleError
 from .reference.pipeline import Mode
@@ -225,18 +226,14 @@ def synth(model_dir: Path, **kwargs: Any) -> None:
 @click.option("--stream", is_flag=True, help="Synthesise in streaming chunks.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("demo.wav"),
               show_default=True, help="Output WAV (24 kHz PCM16).")
-@click.pass_context
-def demo(ctx: click.Context, text: str, prompt_wav: Path | None, prompt_text: str | None, stream: bool,
-         out: Path) -> None:
+def demo(text: str, prompt_wav: Path | None, prompt_text: str | None, stream: bool, out: Path) -> None:
     """The main job end to end: model bundle -> runtime bundle -> torch-free synthesis.
 
     The model bundle is $COSYVOICE_MODEL_DIR, else a tiny random bundle at bundles/tiny (written
     first if missing, seed 0). It is exported to bundles/<name>-runtime (`all`; unchanged graphs
-    are reused on later runs) and `cosyvoice-run` synthesises TEXT from it. Random weights make
-    noise, not speech: the point is that every stage runs.
+    are reused on later runs) and the `cosyvoice-run` command synthesises TEXT from it. Random
+    weights make noise, not speech: the point is that every stage runs.
     """
-    from cosyvoice_runtime.cli import main as run_main
-
     from .onnx.runtime_bundle import export_all
 
     env = os.environ.get(MODEL_DIR_ENV)
@@ -254,36 +251,40 @@ def demo(ctx: click.Context, text: str, prompt_wav: Path | None, prompt_text: st
         for failure in report.failures:
             click.echo(f"error: {failure}", err=True)
         sys.exit(1)
-    ctx.invoke(run_main, model=runtime_dir, text=text, prompt_wav=prompt_wav,
-               prompt_text=prompt_text or "", stream=stream, out=out)
+    command = console_script("cosyvoice-run")
+    if command is None:
+        raise BundleError("cosyvoice-run is not installed in this environment (pip install -e .)")
+    run = [command, "--model", str(runtime_dir), "--text", text, "--prompt-wav", str(prompt_wav),
+           "--prompt-text", prompt_text or "", "--out", str(out), *(["--stream"] if stream else [])]
+    sys.exit(subprocess.run(run, check=False).returncode)  # the runtime as its users run it
 
 
 @main.command("speakers")
 @click.argument("spk2info", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), envvar=SPEAKERS_DIR_ENV,
-              show_envvar=True, help="The server's speakers folder (cosyvoice-serve --speakers) "
-                                     "[default: the server's]")
+              show_envvar=True,
+              help="The speaker registry folder (cosyvoice-serve --speakers, CosyVoice3(speakers_dir=...)) "
+                   "[default: ~/.local/share/cosyvoice/speakers]")
 @click.option("--model", type=click.Path(file_okay=False, path_type=Path),
-              help=f"The bundle the server serves (its --model); default: ${MODEL_DIR_ENV}, else the demo "
-                   "bundle, as cosyvoice-serve.")
+              help=f"The bundle that will use them (cosyvoice-serve --model); default: ${MODEL_DIR_ENV}, "
+                   "else the demo bundle, as cosyvoice-serve.")
 def speakers_cmd(spk2info: Path, out: Path | None, model: Path | None) -> None:
-    """Add the speakers of upstream's SPK2INFO (spk2info.pt, torch) to cosyvoice-serve's speaker registry.
+    """Add the speakers of upstream's SPK2INFO (spk2info.pt, torch) to the runtime's speaker registry.
 
     Each zero-shot speaker (add_zero_shot_spk) becomes a registered speaker of the same name, its prompt
-    tokens, mel, x-vector and transcript as upstream stored them, replacing one of that name; the server
-    loads them at start. Everything is checked before anything is written; a problem is one line naming
-    the file, speaker and key, and exit status 2.
+    tokens, mel, x-vector and transcript as upstream stored them, replacing one of that name;
+    CosyVoice3.list_available_spks() lists them and cosyvoice-serve serves them. Everything is checked
+    before anything is written; a problem is one line naming the file, speaker and key, and exit status 2.
     """
-    from cosyvoice_runtime.cli import USER_ERRORS
-    from cosyvoice_serve.settings import default_speakers_dir
-    from cosyvoice_serve.speakers import SpeakerError
+    from cosyvoice_runtime.errors import USER_ERRORS
+    from cosyvoice_runtime.speakers import default_speakers_dir
 
     from .speakers import convert_spk2info
 
     out = out or default_speakers_dir()
     try:
         speakers = convert_spk2info(spk2info, out, model)
-    except (*USER_ERRORS, SpeakerError) as e:
+    except USER_ERRORS as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     for speaker in speakers:

@@ -1,24 +1,24 @@
-"""`cosyvoice-export speakers`: upstream's `spk2info.pt` speakers into `cosyvoice-serve`'s speaker registry.
+"""`cosyvoice-export speakers`: upstream's `spk2info.pt` speakers into the runtime's speaker registry.
 
 Upstream's `CosyVoice.add_zero_shot_spk(prompt_text, prompt_wav, spk_id)` keeps the front end's model
 input for a prompt (`frontend_zero_shot`, less the text to speak) under `spk_id`, and `save_spkinfo`
-writes that dict with `torch.save` as `<model_dir>/spk2info.pt`. The server never imports torch, so this
-command (the exporter has torch) reads the file once and adds each speaker to the server's registry
-folder through `cosyvoice_serve.speakers.SpeakerRegistry`, the registry's one writer (atomic files, the
-front-end fingerprint of the bundle the server will serve); the server loads them at start like
-speakers registered over HTTP.
+writes that dict with `torch.save` as `<model_dir>/spk2info.pt`. The runtime never imports torch, so
+this command (the exporter has torch) reads the file once and adds each speaker to a registry folder
+through `cosyvoice_runtime.speakers.SpeakerRegistry` (atomic files, the front-end fingerprint of the
+bundle that will use them); `CosyVoice3` lists them as upstream lists the speakers of `spk2info.pt`, and
+`cosyvoice-serve` serves them like speakers registered over HTTP.
 
 A command of its own rather than a step of `cosyvoice-export all`: `spk2info.pt` changes whenever a
-speaker is added upstream, independently of the weights, and its speakers belong in the server's
+speaker is added upstream, independently of the weights, and its speakers belong in the speakers'
 registry folder, not in the runtime bundle; as a step of `all` a new speaker would mean an export (and a
-new manifest) to carry it, and the server would need a second, read-only speaker source.
+new manifest) to carry it, and the runtime would need a second, read-only speaker source.
 
 An entry, as upstream's front end makes it for CosyVoice3, and what it becomes:
 
 - `prompt_text` (1, L) int32: the transcript, its ids decoded with the bundle's tokenizer (special tokens
-  such as `<|endofprompt|>` kept) and required to encode back to the same ids, so that the server's LLM
+  such as `<|endofprompt|>` kept) and required to encode back to the same ids, so that the runtime's LLM
   prompt is upstream's (a transcript without `<|endofprompt|>` gets the system prompt in front, as every
-  transcript the server is given);
+  transcript the runtime is given);
 - `llm_prompt_speech_token` (1, N) int32: the speech tokens (`flow_prompt_speech_token` must be equal);
 - `prompt_speech_feat` (1, ratio * N, 80) float32: the prompt mel, already cut to the token alignment;
 - `llm_embedding` (1, 192) float32: the x-vector (`flow_embedding` must be equal).
@@ -38,7 +38,7 @@ import torch
 from cosyvoice_runtime.bundle import ModelDims, RuntimeBundle
 from cosyvoice_runtime.bundle_source import choose_bundle
 from cosyvoice_runtime.frontend import PromptFeatures, TextTokenizer
-from cosyvoice_serve.speakers import SpeakerError, SpeakerRegistry, check_name, frontend_fingerprint
+from cosyvoice_runtime.speakers import SpeakerError, SpeakerRegistry, check_name, frontend_fingerprint
 
 from .bundle.errors import BundleError
 
@@ -50,7 +50,7 @@ REQUIRED = ("prompt_text", "llm_prompt_speech_token", "flow_prompt_speech_token"
 
 @dataclass(frozen=True)
 class UpstreamSpeaker:
-    """One speaker of `spk2info.pt`, as the server's registry keeps it."""
+    """One speaker of `spk2info.pt`, as the speaker registry keeps it."""
 
     name: str
     prompt_text: str

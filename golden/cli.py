@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from cosyvoice_graphs import PRECISIONS
 from cosyvoice_graphs.bundle_layout import MANIFEST
-from cosyvoice_runtime.cli import USER_ERRORS
+from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.runners import PROVIDERS, open_runner
 
 from .cases import CASES_FILE, DEMO, Cases, GoldenCase, load_cases

@@ -1,8 +1,9 @@
-"""Replay golden cases on the torch-free runtime, as `cosyvoice-run` would synthesise them.
+"""Replay golden cases on the torch-free runtime, through `CosyVoice3` as `cosyvoice-run` uses it.
 
-The text is split and formatted by `cosyvoice-run`'s own `segments`, each segment gets a fresh sampler
-from the case's seed, and streaming cases run the LLM interleaved with the chunks. Bundles, synthesizers,
-prompts and text front ends are opened once per `Runtime` and shared by the cases that use them.
+The text is split and formatted by `CosyVoice3.segments`, each segment is spoken by `CosyVoice3.speak`
+with a fresh sampler from the case's seed, and streaming cases run the LLM interleaved with the chunks.
+One `CosyVoice3` per bundle and provider, and the prompts' features, are made once per `Runtime` and
+shared by the cases that use them.
 """
 
 from __future__ import annotations
@@ -20,19 +21,15 @@ from typing import Any, Self
 import numpy as np
 import soundfile as sf
 
+from cosyvoice_runtime import CosyVoice3
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import choose_bundle
 from cosyvoice_runtime.demo import DEMO_BUNDLE
-from cosyvoice_runtime.frontend import (
-    PromptFeatures,
-    TextFrontend,
-    TextTokenizer,
-    extract_prompt,
-    open_session,
-)
-from cosyvoice_runtime.sampling import make_sampler
-from cosyvoice_runtime.segments import Segment, segments
-from cosyvoice_runtime.synthesis import AudioChunk, Mode, Synthesizer, llm_request
+from cosyvoice_runtime.errors import UserError
+from cosyvoice_runtime.frontend import PromptFeatures
+from cosyvoice_runtime.sampling import Sampling
+from cosyvoice_runtime.segments import Segment
+from cosyvoice_runtime.synthesis import AudioChunk, Mode
 
 from .cases import DEMO, FROM_BUNDLE, Cases, GoldenCase
 from .errors import GoldenError
@@ -131,9 +128,8 @@ class Runtime:
         self.cases = cases
         self.model, self.provider, self.threads = model, provider, threads
         self._bundles: dict[Path, RuntimeBundle] = {}
-        self._synths: dict[tuple[Path, str], tuple[Synthesizer, GraphRecorder]] = {}
+        self._voices: dict[tuple[Path, str], tuple[CosyVoice3, GraphRecorder]] = {}
         self._prompts: dict[tuple[Path, Path], PromptFeatures] = {}
-        self._text: dict[Path, tuple[TextTokenizer, TextFrontend]] = {}
 
     def provider_of(self, case: GoldenCase) -> str:
         """The backend `case` runs on: `provider`, else the case's own."""
@@ -162,6 +158,15 @@ class Runtime:
         assert self.model is not None
         return choose_bundle(self.model).path
 
+    def voice(self, case: GoldenCase) -> tuple[CosyVoice3, GraphRecorder]:
+        """The case's bundle opened on its provider, with a recorder of its graphs' outputs."""
+        bundle, provider = self.bundle(case), self.provider_of(case)
+        key = (bundle.root, provider)
+        if key not in self._voices:
+            voice = CosyVoice3(bundle, provider=provider, threads=self.threads)
+            self._voices[key] = voice, GraphRecorder(voice.synth)
+        return self._voices[key]
+
     def prompt(self, case: GoldenCase) -> Prompt:
         """The case's prompt recording, transcript and features."""
         bundle = self.bundle(case)
@@ -176,62 +181,37 @@ class Runtime:
             text = default[1] if default and case.prompt_text == FROM_BUNDLE else case.prompt_text
         key = (bundle.root, wav.resolve())
         if key not in self._prompts:
-            self._prompts[key] = extract_prompt(wav, open_session(bundle.frontend_path("campplus")),
-                                                open_session(bundle.frontend_path("speech_tokenizer")),
-                                                bundle.dims.token_mel_ratio)
+            self._prompts[key] = self.voice(case)[0].prompt_features(wav)
         return Prompt(wav, text, self._prompts[key])
 
     def segments(self, case: GoldenCase) -> list[Segment]:
         """The case's text, split and formatted for its mode as `cosyvoice-run` does."""
-        bundle = self.bundle(case)
-        if bundle.root not in self._text:
-            tokenizer = TextTokenizer(bundle.tokenizer_dir)
-            self._text[bundle.root] = tokenizer, TextFrontend(tokenizer)
-        tokenizer, frontend = self._text[bundle.root]
-        pieces = segments(case.text, case.mode, tokenizer, frontend, prompt_text=self.prompt(case).text,
-                          instruct=case.instruct)
-        if not pieces:
-            raise GoldenError(f"case {case.name}: the text has nothing to speak after normalisation")
-        return pieces
-
-    def synthesizer(self, case: GoldenCase) -> tuple[Synthesizer, GraphRecorder]:
-        """The bundle's graphs on the case's provider, with a recorder of their outputs."""
-        bundle, provider = self.bundle(case), self.provider_of(case)
-        key = (bundle.root, provider)
-        if key not in self._synths:
-            synth = Synthesizer(bundle, provider, threads=self.threads)
-            self._synths[key] = synth, GraphRecorder(synth)
-        return self._synths[key]
+        try:
+            return self.voice(case)[0].segments(case.mode, case.text, prompt_text=self.prompt(case).text,
+                                                instruct=case.instruct)
+        except UserError as e:
+            raise GoldenError(f"case {case.name}: {e}") from None
 
     def run(self, case: GoldenCase) -> CaseRun:
         """Synthesise `case`: every segment with a fresh sampler, offline or streamed."""
-        synth, recorder = self.synthesizer(case)
+        voice, recorder = self.voice(case)
         prompt, pieces = self.prompt(case).features, self.segments(case)
         start = time.perf_counter()
         done = []
         with recorder.record() as stats:
             for piece in pieces:
-                done.append(self._segment(synth, case, piece, prompt))
+                speech = voice.speak(piece, prompt, case.mode, stream=case.stream, speed=case.speed,
+                                     sampling=Sampling(case.sampling, case.seed), policy=case.chunk_policy,
+                                     max_tokens=case.max_tokens)
+                chunks = list(speech)
+                done.append(SegmentRun(list(speech.speech_tokens), chunks))
         return CaseRun(done, stats.to_json(), time.perf_counter() - start)
 
-    @staticmethod
-    def _segment(synth: Synthesizer, case: GoldenCase, piece: Segment, prompt: PromptFeatures) -> SegmentRun:
-        sampler = make_sampler(case.sampling, case.seed)
-        if case.stream:
-            decoding = synth.lm.decode(llm_request(case.mode, piece.text_ids, prompt, piece.prompt_text_ids),
-                                       sampler, max_tokens=case.max_tokens)
-            chunks = list(synth.stream_tokens(decoding, prompt, policy=case.chunk_policy))
-            return SegmentRun(list(decoding.tokens), chunks)
-        done = synth.synthesize(piece.text_ids, prompt, sampler=sampler, mode=case.mode,
-                                prompt_text_ids=piece.prompt_text_ids, speed=case.speed,
-                                max_tokens=case.max_tokens)
-        return SegmentRun(done.speech_tokens, [done.as_chunk()])
-
     def close(self) -> None:
-        """Release every synthesizer."""
-        for synth, _ in self._synths.values():
-            synth.close()
-        self._synths.clear()
+        """Release every bundle's graphs."""
+        for voice, _ in self._voices.values():
+            voice.close()
+        self._voices.clear()
 
     def __enter__(self) -> Self:
         return self

@@ -99,8 +99,7 @@ def _runtime_bundle(path: Path, origin: str, progress: bool, *, default: bool) -
 
 def _export(model_dir: Path, out: Path, what: str, progress: bool) -> None:
     """`cosyvoice-export all` as a command: the runtime never imports the exporter (or torch)."""
-    exporter = Path(sys.executable).with_name("cosyvoice-export")
-    command = str(exporter) if exporter.is_file() else shutil.which("cosyvoice-export")
+    command = console_script("cosyvoice-export")
     if command is None:
         raise RuntimeBundleError(f"{what} is a model bundle; exporting it needs the export extra "
                                  "(pip install 'cosyvoice-onnx[export]'), which provides cosyvoice-export")
@@ -110,6 +109,13 @@ def _export(model_dir: Path, out: Path, what: str, progress: bool) -> None:
     if done.returncode != 0:
         detail = (done.stderr or "").strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
         raise RuntimeBundleError(f"exporting {what} failed: {detail[0]}")
+
+
+def console_script(name: str) -> str | None:
+    """The console script `name` of this environment (beside its Python), else the one on PATH, else
+    None."""
+    script = Path(sys.executable).with_name(name)
+    return str(script) if script.is_file() else shutil.which(name)
 
 
 def _stamp(model_dir: Path) -> dict[str, list[int]]:

@@ -20,15 +20,12 @@ import numpy as np
 from .atomic_files import write_json_atomic, write_wav_atomic
 from .bundle_source import MODEL_DIR_ENV, choose_bundle, choose_prompt
 from .cosyvoice3 import CosyVoice3
-from .errors import ProviderError, RuntimeBundleError, UserError
-from .frontend import FrontendError, PromptFeatures, read_prompt_audio
+from .errors import USER_ERRORS, UserError
+from .frontend import PromptFeatures, read_prompt_audio
 from .runners import CPU, PROVIDERS
 from .sampling import SAMPLINGS
 from .segments import Segment
-from .synthesis import Mode, SynthesisError
-
-USER_ERRORS = (UserError, RuntimeBundleError, ProviderError, FrontendError, SynthesisError)
-"""Errors caused by the input or the environment: one line on stderr, exit status 2."""
+from .synthesis import Mode
 
 
 @contextmanager
@@ -105,6 +102,10 @@ def main(model: Path | None, text: str, prompt_wav: Path | None, prompt_text: st
             chosen = choose_prompt(voice.bundle, prompt_wav, prompt_text)
             if chosen.default:
                 click.echo(f"prompt: the bundle's {chosen.wav.name} ({chosen.text!r})", err=True)
+            if Mode(mode) is Mode.ZERO_SHOT and not chosen.text.strip():
+                raise UserError("zero-shot needs --prompt-text (the transcript of --prompt-wav)")
+            if Mode(mode) is Mode.INSTRUCT2 and not instruct.strip():
+                raise UserError("instruct2 needs --instruct")
             pieces = voice.segments(Mode(mode), text, prompt_text=chosen.text, instruct=instruct)
             prompt = voice.prompt_features(given_audio if given_audio is not None else chosen.wav)
             ready = time.perf_counter()

@@ -9,14 +9,20 @@ where upstream yields tensors, so a user of upstream's `example.py` changes one 
     for i, out in enumerate(cosyvoice.inference_zero_shot(text, prompt_text, "prompt.wav", stream=False)):
         soundfile.write(f"zero_shot_{i}.wav", out["tts_speech"][0], cosyvoice.sample_rate)
 
-The lower level, which `cosyvoice-run` uses too: `segments` (the text as upstream normalises, splits and
-formats it), `prompt_features` (a prompt recording's tokens, mel and x-vector) and `speak` (one
-segment's audio chunks, with its speech tokens).
+Speakers that `add_zero_shot_spk` adds live in this object until `save_spkinfo` writes them to a
+speaker registry folder (`cosyvoice_runtime.speakers`; by default the one `cosyvoice-serve` and
+`cosyvoice-export speakers` use), from which a later `CosyVoice3` reads them, as upstream keeps them in
+`spk2info.pt` beside the model.
+
+The lower level, which `cosyvoice-run`, the server, the golden runner and the benchmark use: `segments`
+(the text as upstream normalises, splits and formats it), `prompt_features` (a prompt recording's
+tokens, mel and x-vector) and `speak` (one segment's audio chunks, with its speech tokens).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -27,6 +33,7 @@ import numpy as np
 from .bundle import RuntimeBundle
 from .bundle_source import choose_bundle
 from .errors import UserError
+from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from .frontend import (
     PromptAudio,
     PromptFeatures,
@@ -39,13 +46,17 @@ from .frontend import (
 )
 from .frontend.audio import MIN_SAMPLE_RATE
 from .runners import CPU
-from .sampling import SAMPLINGS, Sampler, make_sampler
+from .sampling import Sampling
 from .segments import Segment, segments
-from .synthesis import AudioChunk, Mode, Synthesizer, llm_request
+from .speakers import Speaker, SpeakerRegistry, check_name, default_speakers_dir, frontend_fingerprint
+from .synthesis import AudioChunk, ChunkPolicy, Mode, Synthesizer, llm_request
 
 PromptWav = str | Path | BinaryIO | tuple[np.ndarray, int] | PromptAudio
 """A prompt recording: a file's path, an open binary file, (samples, sample rate) with samples (N,) or
 (N, channels) in [-1, 1], or audio read already."""
+
+TokenWatch = Callable[[Iterator[int]], Iterator[int]]
+"""Wraps a segment's speech-id iterator, e.g. to stop it between LLM steps (a server's cancellation)."""
 
 
 @dataclass
@@ -60,31 +71,31 @@ class SegmentSpeech:
         return self.chunks
 
 
-@dataclass(frozen=True)
-class _Speaker:
-    prompt_text: str
-    features: PromptFeatures
-
-
 class CosyVoice3:
     """A runtime bundle's graphs, front end and speakers, opened once (the runtime's front door)."""
 
-    def __init__(self, model_dir: str | Path, *, provider: str = CPU, threads: int | None = None,
-                 sampling: str = "ras", seed: int = 0, verify: bool = True) -> None:
-        """Open `model_dir`: a runtime bundle, or a model bundle exported on first use as `cosyvoice-run
-        --model` does. `provider` and `threads` place the graphs (`cosyvoice_runtime.runners.PROVIDERS`);
-        `sampling` is upstream's repetition-aware sampling ("ras", seeded by `seed`, each segment from a
-        fresh sampler) or "greedy"; `verify` checks every bundle file's sha256 against the manifest."""
-        if sampling not in SAMPLINGS:
-            raise UserError(f"sampling is {sampling!r}; expected one of {', '.join(SAMPLINGS)}")
-        self.bundle = RuntimeBundle.open(choose_bundle(Path(model_dir)).path, verify=verify)
+    def __init__(self, model_dir: str | Path | RuntimeBundle, *, provider: str = CPU,
+                 threads: int | None = None, sampling: str = "ras", seed: int = 0, verify: bool = True,
+                 speakers_dir: Path | None = None, flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
+                 ) -> None:
+        """Open `model_dir`: a runtime bundle, a model bundle exported on first use as `cosyvoice-run
+        --model` does, or a bundle opened already. `provider` and `threads` place the graphs
+        (`cosyvoice_runtime.runners.PROVIDERS`); `sampling` is upstream's repetition-aware sampling
+        ("ras", seeded by `seed`, each segment from a fresh sampler) or "greedy"; `verify` checks every
+        bundle file's sha256 against the manifest; `speakers_dir` is the speaker registry folder
+        (default: `default_speakers_dir()`); `flow_prefix_bytes` bounds the per-prompt flow prefixes that
+        streams of one speaker share (`Flow.prefixes`)."""
+        self.sampling = Sampling(sampling, seed)
+        self.bundle = (model_dir if isinstance(model_dir, RuntimeBundle) else
+                       RuntimeBundle.open(choose_bundle(Path(model_dir)).path, verify=verify))
         self.tokenizer = TextTokenizer(self.bundle.tokenizer_dir)
         self.frontend = TextFrontend(self.tokenizer)
-        self.sampling, self.seed = sampling, seed
         self._campplus = open_session(self.bundle.frontend_path("campplus"))
         self._speech_tokenizer = open_session(self.bundle.frontend_path("speech_tokenizer"))
-        self.synth = Synthesizer(self.bundle, provider, threads=threads)
-        self._speakers: dict[str, _Speaker] = {}
+        self.synth = Synthesizer(self.bundle, provider, threads=threads, flow_prefix_bytes=flow_prefix_bytes)
+        self._speakers_dir = speakers_dir
+        self._added: dict[str, Speaker] = {}
+        """Speakers `add_zero_shot_spk` added and `save_spkinfo` has not written yet."""
 
     @property
     def sample_rate(self) -> int:
@@ -121,29 +132,47 @@ class CosyVoice3:
                                instruct=instruct_text)
 
     def add_zero_shot_spk(self, prompt_text: str, prompt_wav: PromptWav, zero_shot_spk_id: str) -> bool:
-        """Keep `prompt_wav`'s features and transcript as speaker `zero_shot_spk_id` (in this object) for
-        the `zero_shot_spk_id` argument of the inference methods. Returns True, as upstream does."""
+        """Keep `prompt_wav`'s features and transcript as speaker `zero_shot_spk_id` (in this object until
+        `save_spkinfo`) for the `zero_shot_spk_id` argument of the inference methods, replacing one of
+        that name. Returns True, as upstream does."""
         if not zero_shot_spk_id:
             raise UserError("zero_shot_spk_id is empty")
-        self._speakers[zero_shot_spk_id] = _Speaker(prompt_text, self.prompt_features(prompt_wav))
+        name = check_name(zero_shot_spk_id)
+        self._added[name] = Speaker(name, prompt_text, self.prompt_features(prompt_wav), created="")
         return True
 
+    def save_spkinfo(self) -> None:
+        """Write the speakers added since the last save to the speaker registry folder, where a later
+        `CosyVoice3` (and `cosyvoice-serve`) finds them."""
+        for speaker in self._added.values():
+            self.speakers.add(speaker.name, speaker.prompt_text, speaker.features)
+        self._added.clear()
+
     def list_available_spks(self) -> list[str]:
-        """The speakers added with `add_zero_shot_spk`."""
-        return list(self._speakers)
+        """The speakers of the registry folder (those made with this bundle's front end) and those added
+        since, in that order."""
+        saved = self.speakers.names()
+        return saved + [name for name in self._added if name not in saved]
+
+    @functools.cached_property
+    def speakers(self) -> SpeakerRegistry:
+        """The speaker registry folder, read when first needed."""
+        folder = self._speakers_dir or default_speakers_dir()
+        return SpeakerRegistry(folder, frontend_fingerprint(self.bundle))
 
     # --- the lower level ------------------------------------------------------------------------------
 
     def segments(self, mode: Mode, tts_text: str, *, prompt_text: str = "", instruct: str = "",
-                 text_frontend: bool = True) -> list[Segment]:
+                 text_frontend: bool = True, text_name: str = "tts_text") -> list[Segment]:
         """`tts_text` normalised and split as upstream does (`text_frontend=False`: one segment, as
-        given), each piece formatted for `mode` and tokenised; a `UserError` if nothing is left."""
+        given), each piece formatted for `mode` and tokenised; a `UserError` (naming the text
+        `text_name`) if nothing is left."""
         if not tts_text.strip():
-            raise UserError("tts_text is empty")
+            raise UserError(f"{text_name} is empty")
         pieces = segments(tts_text, mode, self.tokenizer, self.frontend if text_frontend else None,
                           prompt_text=prompt_text, instruct=instruct)
         if not pieces:
-            raise UserError("tts_text has nothing to speak after normalisation")
+            raise UserError(f"{text_name} has nothing to speak after normalisation")
         return pieces
 
     def prompt_features(self, prompt_wav: PromptWav) -> PromptFeatures:
@@ -152,17 +181,21 @@ class CosyVoice3:
                               self.bundle.dims.token_mel_ratio)
 
     def speak(self, piece: Segment, prompt: PromptFeatures, mode: Mode, *, stream: bool = False,
-              speed: float = 1.0) -> SegmentSpeech:
+              speed: float = 1.0, sampling: Sampling | None = None, policy: ChunkPolicy | None = None,
+              max_tokens: int | None = None, ignore_stop: bool = False, watch: TokenWatch | None = None
+              ) -> SegmentSpeech:
         """One segment's audio: upstream's offline path (one final chunk, `speed` applied) or its chunk
-        schedule (`stream`), each segment decoded with a fresh sampler from the seed."""
+        schedule (`stream`, `policy`: `Synthesizer.stream_tokens`), decoded with a fresh sampler of
+        `sampling` (default: this object's). `max_tokens` and `ignore_stop` are for benchmarks
+        (`SpeechTokenLM.decode`); `watch` wraps the speech-id iterator."""
         _check_speed(stream, speed)
-        sampler = make_sampler(self.sampling, self.seed)
+        request = llm_request(mode, piece.text_ids, prompt, piece.prompt_text_ids)
+        decoding = self.synth.lm.decode(request, (sampling or self.sampling).sampler(), max_tokens=max_tokens,
+                                        ignore_stop=ignore_stop)
+        tokens = watch(decoding) if watch is not None else decoding
         if stream:
-            decoding = self.synth.lm.decode(llm_request(mode, piece.text_ids, prompt, piece.prompt_text_ids),
-                                            sampler)
-            return SegmentSpeech(self.synth.stream_tokens(decoding, prompt), decoding.tokens)
-        tokens: list[int] = []
-        return SegmentSpeech(self._offline(piece, prompt, mode, speed, sampler, tokens), tokens)
+            return SegmentSpeech(self.synth.stream_tokens(tokens, prompt, policy=policy), decoding.tokens)
+        return SegmentSpeech(self._offline(tokens, prompt, speed), decoding.tokens)
 
     def close(self) -> None:
         """Release the graphs."""
@@ -177,15 +210,16 @@ class CosyVoice3:
 
     # --- internals -----------------------------------------------------------------------------------
 
-    def _speaker(self, spk_id: str) -> _Speaker | None:
+    def _speaker(self, spk_id: str) -> Speaker | None:
         if not spk_id:
             return None
-        if spk_id not in self._speakers:
-            known = ", ".join(self._speakers) or "none"
-            raise UserError(f"zero_shot_spk_id: unknown speaker {spk_id!r} (added: {known})")
-        return self._speakers[spk_id]
+        speaker = self._added.get(spk_id) or self.speakers.get(spk_id)
+        if speaker is None:
+            known = ", ".join(self.list_available_spks()) or "none"
+            raise UserError(f"zero_shot_spk_id: unknown speaker {spk_id!r} (available: {known})")
+        return speaker
 
-    def _inference(self, mode: Mode, tts_text: str, prompt: _Speaker | PromptWav | None, stream: bool,
+    def _inference(self, mode: Mode, tts_text: str, prompt: Speaker | PromptWav | None, stream: bool,
                    speed: float, text_frontend: bool, *, prompt_text: str = "", instruct: str = ""
                    ) -> Iterator[dict[str, np.ndarray]]:
         if prompt is None:
@@ -194,7 +228,7 @@ class CosyVoice3:
         # everything is checked before the first segment runs
         pieces = self.segments(mode, tts_text, prompt_text=prompt_text, instruct=instruct,
                                text_frontend=text_frontend)
-        features = prompt.features if isinstance(prompt, _Speaker) else self.prompt_features(prompt)
+        features = prompt.features if isinstance(prompt, Speaker) else self.prompt_features(prompt)
         return self._yield(pieces, features, mode, stream, speed)
 
     def _yield(self, pieces: list[Segment], features: PromptFeatures, mode: Mode, stream: bool, speed: float
@@ -203,13 +237,9 @@ class CosyVoice3:
             for chunk in self.speak(piece, features, mode, stream=stream, speed=speed):
                 yield {"tts_speech": chunk.samples[None]}
 
-    def _offline(self, piece: Segment, prompt: PromptFeatures, mode: Mode, speed: float, sampler: Sampler,
-                 tokens: list[int]) -> Iterator[AudioChunk]:
-        """The segment as one final chunk, made when first asked for; its speech ids go to `tokens`."""
-        done = self.synth.synthesize(piece.text_ids, prompt, sampler=sampler, mode=mode,
-                                     prompt_text_ids=piece.prompt_text_ids, speed=speed)
-        tokens.extend(done.speech_tokens)
-        yield done.as_chunk()
+    def _offline(self, tokens: Iterator[int], prompt: PromptFeatures, speed: float) -> Iterator[AudioChunk]:
+        """The segment as one final chunk, made when first asked for."""
+        yield self.synth.synthesize_tokens(tokens, prompt, speed=speed).as_chunk()
 
 
 def _check_speed(stream: bool, speed: float) -> None:

@@ -18,3 +18,21 @@ class FeedError(ValueError):
 
 class UserError(ValueError):
     """Bad input from the user (empty text, a missing transcript or instruction, ...)."""
+
+
+class FrontendError(ValueError):
+    """Bad front-end input (unreadable or unusable audio, tokenizer files, text normaliser); names the
+    offending file or setting."""
+
+
+class SynthesisError(ValueError):
+    """A request the bundle cannot synthesise (no speech tokens, longer than the noise tables)."""
+
+
+class SpeakerError(ValueError):
+    """A speaker registry that cannot be read, or a speaker name that cannot be used."""
+
+
+USER_ERRORS = (UserError, RuntimeBundleError, ProviderError, FrontendError, SynthesisError, SpeakerError)
+"""Errors caused by the input or the environment: a command prints the message as one line and exits
+with status 2, a server answers 4xx."""

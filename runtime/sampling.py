@@ -19,6 +19,8 @@ from typing import Protocol
 
 import numpy as np
 
+from .errors import UserError
+
 SILENT_TOKENS: frozenset[int] = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
 """FSQ silence/breath ids that `CosyVoice3Model` rate-limits (`model.py`, `silent_tokens`)."""
 
@@ -163,3 +165,21 @@ def make_sampler(kind: str, seed: int = 0, cfg: RasConfig | None = None) -> Samp
     if kind == "greedy":
         return GreedySampler()
     raise ValueError(f"unknown sampling {kind!r}; known: {', '.join(SAMPLINGS)}")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How speech ids are drawn: each segment gets a fresh sampler of this kind and seed, as each of
+    upstream's requests does."""
+
+    kind: str = "ras"
+    """"ras" (upstream's repetition-aware sampling) or "greedy" (argmax; the seed is unused)."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in SAMPLINGS:
+            raise UserError(f"sampling is {self.kind!r}; expected one of {', '.join(SAMPLINGS)}")
+
+    def sampler(self) -> Sampler:
+        """A fresh sampler."""
+        return make_sampler(self.kind, self.seed)

@@ -37,11 +37,11 @@ def segments(text: str, mode: Mode, tokenizer: TextTokenizer, frontend: TextFron
     """
     if mode is Mode.ZERO_SHOT:
         if not prompt_text.strip():
-            raise UserError("zero-shot needs --prompt-text (the transcript of --prompt-wav)")
+            raise UserError("zero-shot needs prompt_text (the transcript of prompt_wav)")
         prompt = prompt_text if ENDOFPROMPT in prompt_text else zero_shot_prompt(prompt_text)
     elif mode is Mode.INSTRUCT2:
         if not instruct.strip():
-            raise UserError("instruct2 needs --instruct")
+            raise UserError("instruct2 needs instruct_text")
         prompt = instruct if ENDOFPROMPT in instruct else instruct_prompt(instruct)
     else:
         prompt = ""

@@ -31,12 +31,13 @@ import numpy as np
 from cosyvoice_graphs.bundle_layout import FLOW_NOISE, SINE_NOISE, SPEECH_EMBEDDING, TEXT_EMBEDDING
 
 from .bundle import RuntimeBundle
+from .errors import SynthesisError
 from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from .frontend import PromptFeatures
 from .llm import LlmRequest, SpeechTokenLM
 from .runners import CPU, Runner, open_runner
 from .sampling import Sampler
-from .token2wav import Flow, FlowStream, SynthesisError, Vocoder, VocoderStream, change_speed
+from .token2wav import Flow, FlowStream, Vocoder, VocoderStream, change_speed
 
 log = logging.getLogger(__name__)
 
@@ -259,12 +260,19 @@ class Synthesizer:
         `sampler` owns the randomness (`sampling.make_sampler`); `max_tokens` / `ignore_stop` are
         for benchmarks (see `SpeechTokenLM.decode`).
         """
-        start = time.perf_counter()
         request = llm_request(mode, text_ids, prompt, prompt_text_ids)
-        tokens = self.lm.decode(request, sampler, max_tokens=max_tokens, ignore_stop=ignore_stop).run()
+        decoding = self.lm.decode(request, sampler, max_tokens=max_tokens, ignore_stop=ignore_stop)
+        return self.synthesize_tokens(decoding, prompt, speed=speed)
+
+    def synthesize_tokens(self, tokens: Iterable[int], prompt: PromptFeatures, *, speed: float = 1.0
+                          ) -> Synthesis:
+        """Offline synthesis of the speech ids from `tokens` (a decoding in progress, drained first and
+        timed as the LLM's, or a fixed list)."""
+        start = time.perf_counter()
+        ids = [int(t) for t in tokens]
         llm_s = time.perf_counter() - start
-        mel, audio, timings = self.token2wav(tokens, prompt, speed=speed)
-        return Synthesis(tokens, mel, audio, self.sample_rate, {"llm": llm_s, **timings})
+        mel, audio, timings = self.token2wav(ids, prompt, speed=speed)
+        return Synthesis(ids, mel, audio, self.sample_rate, {"llm": llm_s, **timings})
 
     # --- streaming -------------------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ import numpy as np
 
 from cosyvoice_graphs import ModelDims, cache_pairs, empty_caches, time_sinusoid
 
+from .errors import SynthesisError
 from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES, FlowPrefix, FlowPrefixCache
 from .frontend import PromptFeatures
 from .noise import UniformNoise
@@ -50,10 +51,6 @@ HIFT_FINAL_LOOKAHEAD = 8
 """Mel frames at the end of a non-final HiFT call whose samples are not final yet: upstream's
 `CausalHiFTGenerator.inference(finalize=False)` reads 3 of them as the F0 predictor's look-ahead and 4 as
 `conv_pre`'s, then drops one more frame of samples."""
-
-
-class SynthesisError(ValueError):
-    """A request the bundle cannot synthesise (no speech tokens, longer than the noise tables); one line."""
 
 
 def time_grid(n_timesteps: int = N_TIMESTEPS) -> np.ndarray:

@@ -9,6 +9,8 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cosyvoice_runtime.speakers import SpeakerRegistry
+
 from . import routes_bridge, routes_openai, routes_page, routes_speakers, routes_upstream
 from .auth import RequireApiKey
 from .engine import Engine
@@ -17,7 +19,6 @@ from .metrics import ServerMetrics
 from .queue import SessionQueue
 from .responses import CANCELLED, OUTCOME, SYNTHESIS_TAG
 from .settings import ServerSettings
-from .speakers import SpeakerRegistry
 from .state import ServerState
 
 ROUTERS = tuple(module.router for module in (routes_upstream, routes_bridge, routes_openai, routes_speakers,
@@ -35,8 +36,9 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     sessions = SessionQueue(settings.max_concurrency, settings.queue_depth, settings.timeout)
     metrics = ServerMetrics(running=lambda: sessions.running, waiting=lambda: sessions.waiting,
                             prefixes=engine.synth.flow.prefixes)
-    state = ServerState(engine, settings, sessions, SpeakerRegistry(settings.speakers_dir,
-                                                                     engine.frontend_fingerprint), metrics)
+    speakers = SpeakerRegistry(settings.speakers_dir, engine.frontend_fingerprint)
+    speakers.tidy()  # the server is the folder's writer
+    state = ServerState(engine, settings, sessions, speakers, metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -11,10 +11,11 @@ import click
 import uvicorn
 
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
-from cosyvoice_runtime.cli import USER_ERRORS
+from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from cosyvoice_runtime.runners import CPU
 from cosyvoice_runtime.sampling import SAMPLINGS
+from cosyvoice_runtime.speakers import SPEAKERS_DIR_ENV, SpeakerError
 
 from .app import create_app
 from .engine import SERVER_PROVIDERS, Engine
@@ -26,11 +27,9 @@ from .settings import (
     DEFAULT_PORT,
     HOST_ENV,
     PORT_ENV,
-    SPEAKERS_DIR_ENV,
     ServerSettings,
     load_dotenv,
 )
-from .speakers import SpeakerError
 
 DOTENV = Path(".env")
 DEFAULTS = ServerSettings()

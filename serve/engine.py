@@ -1,24 +1,24 @@
-"""The model side of the server: one runtime bundle, one `Synthesizer` shared by every session, the front end.
+"""The model side of the server: one `CosyVoice3` shared by every session, its errors as the API's.
 
-Why one `Synthesizer` may serve concurrent sessions: every graph call goes through an `OrtRunner`,
-whose `infer` checks the feeds and calls `InferenceSession.run`, which onnxruntime documents as
-thread-safe, or an `OpenVinoRunner` (the `openvino` provider, and bf16 graphs), which shares its
-compiled model and gives each thread an infer request of its own, as OpenVINO requires. The Python
-objects around the runners keep no per-call state: `SpeechTokenLM.decode` returns a `Decoding` that
-owns its KV cache and history, `Synthesizer.stream_tokens` keeps an utterance's state (its mel, flow
-and vocoder streams) in a `_Stream` of its own, `Flow` and `Vocoder` only read their tables, and the
-per-prompt flow prefixes (`FlowPrefixCache`, read-only arrays) and the lazily drawn sine-noise table
+Why one `CosyVoice3` (its `Synthesizer`) may serve concurrent sessions: every graph call goes through
+an `OrtRunner`, whose `infer` checks the feeds and calls `InferenceSession.run`, which onnxruntime
+documents as thread-safe, or an `OpenVinoRunner` (the `openvino` provider, and bf16 graphs), which
+shares its compiled model and gives each thread an infer request of its own, as OpenVINO requires. The
+Python objects around the runners keep no per-call state: `SpeechTokenLM.decode` returns a `Decoding`
+that owns its KV cache and history, `Synthesizer.stream_tokens` keeps an utterance's state (its mel,
+flow and vocoder streams) in a `_Stream` of its own, `Flow` and `Vocoder` only read their tables, and
+the per-prompt flow prefixes (`FlowPrefixCache`, read-only arrays) and the lazily drawn sine-noise table
 (`UniformNoise`) take a lock. A test runs two sessions at once and gets `cosyvoice-run`'s samples from
 both. The one exception is TensorRT: a `TrtRunner` reuses one execution context and its device buffers
 per call, so the server offers the onnxruntime providers and OpenVINO (`cpu`, `cuda`, `tensorrt`,
 `openvino`). The text front end is used under a lock: the wetext grammars load on first use and their
 thread-safety is not documented; it is cheap next to synthesis. Prompt extraction uses two onnxruntime
-sessions of its own, safe the same way.
+sessions of its own, safe the same way, and reads an upload from memory.
 """
 
 from __future__ import annotations
 
-import tempfile
+import io
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,26 +26,20 @@ from pathlib import Path
 
 import numpy as np
 
+from cosyvoice_runtime import CosyVoice3
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import choose_bundle
+from cosyvoice_runtime.errors import FrontendError, SynthesisError, UserError
 from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
-from cosyvoice_runtime.frontend import (
-    FrontendError,
-    PromptFeatures,
-    TextFrontend,
-    TextTokenizer,
-    extract_prompt,
-    open_session,
-)
-from cosyvoice_runtime.llm import Decoding
+from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.runners import CPU, OPENVINO, ORT_PROVIDERS
-from cosyvoice_runtime.sampling import make_sampler
-from cosyvoice_runtime.segments import Segment, segments
-from cosyvoice_runtime.synthesis import Mode, SynthesisError, Synthesizer, llm_request
+from cosyvoice_runtime.sampling import Sampling
+from cosyvoice_runtime.segments import Segment
+from cosyvoice_runtime.speakers import frontend_fingerprint
+from cosyvoice_runtime.synthesis import Mode, Synthesizer
 
 from .errors import FieldError
 from .queue import Session
-from .speakers import frontend_fingerprint
 
 SERVER_PROVIDERS = (*ORT_PROVIDERS, OPENVINO)
 """Providers whose runners are safe to share between sessions (see the module docstring)."""
@@ -60,15 +54,6 @@ class AudioUpload:
 
 
 @dataclass(frozen=True)
-class Sampling:
-    """How a request's speech tokens are drawn: every segment gets a fresh sampler of this kind and seed."""
-
-    kind: str
-    """"ras" (upstream's repetition-aware sampling) or "greedy" (argmax; the seed is unused)."""
-    seed: int
-
-
-@dataclass(frozen=True)
 class SynthesisJob:
     """One request, validated: what to say, in which mode, from which prompt."""
 
@@ -77,6 +62,7 @@ class SynthesisJob:
     prompt: PromptFeatures | AudioUpload
     """Features of a registered speaker, or a recording to extract them from."""
     sampling: Sampling
+    """Every segment gets a fresh sampler of this kind and seed."""
     prompt_text: str = ""
     """The prompt's transcript (zero-shot)."""
     instruct: str = ""
@@ -98,12 +84,8 @@ class Engine:
             raise ValueError(f"the server runs on providers whose runners sessions can share "
                              f"({', '.join(SERVER_PROVIDERS)}); got {provider!r}")
         self.bundle, self.origin, self.provider = bundle, origin, provider
-        self.tokenizer = TextTokenizer(bundle.tokenizer_dir)
-        self.frontend = TextFrontend(self.tokenizer)
+        self.voice = CosyVoice3(bundle, provider=provider, flow_prefix_bytes=flow_prefix_bytes)
         self._text_lock = threading.Lock()
-        self._campplus = open_session(bundle.frontend_path("campplus"))
-        self._speech_tokenizer = open_session(bundle.frontend_path("speech_tokenizer"))
-        self.synth = Synthesizer(bundle, provider, flow_prefix_bytes=flow_prefix_bytes)
 
     @classmethod
     def open(cls, model: Path | None, *, provider: str = CPU,
@@ -114,9 +96,14 @@ class Engine:
                    flow_prefix_bytes=flow_prefix_bytes)
 
     @property
+    def synth(self) -> Synthesizer:
+        """The graphs every session shares."""
+        return self.voice.synth
+
+    @property
     def sample_rate(self) -> int:
         """Sample rate of the audio (24 kHz)."""
-        return self.synth.sample_rate
+        return self.voice.sample_rate
 
     @property
     def frontend_fingerprint(self) -> str:
@@ -125,61 +112,47 @@ class Engine:
 
     def close(self) -> None:
         """Release the graphs."""
-        self.synth.close()
+        self.voice.close()
 
     # --- work run on a session's worker -----------------------------------------------------------------
 
     def extract(self, upload: AudioUpload) -> PromptFeatures:
         """Speech tokens, prompt mel and x-vector of an uploaded recording; a `FieldError` naming the
         field if it is not usable audio (unreadable, under 16 kHz, over 30 s, too short)."""
-        with tempfile.TemporaryDirectory(prefix="cosyvoice-serve-") as folder:
-            path = Path(folder) / upload.field
-            path.write_bytes(upload.data)
-            try:
-                return extract_prompt(path, self._campplus, self._speech_tokenizer,
-                                      self.bundle.dims.token_mel_ratio)
-            except FrontendError as e:  # its messages name the file: say "the audio file" instead
-                message = str(e).replace(f"audio file {path}", "the audio file")
-                raise FieldError(upload.field, message.replace(str(path), upload.field)) from None
+        audio = io.BytesIO(upload.data)
+        audio.name = upload.field  # what the front end's errors call the file
+        try:
+            return self.voice.prompt_features(audio)
+        except FrontendError as e:
+            raise FieldError(upload.field, str(e).replace(f"audio file {upload.field}", "the audio file")
+                             ) from None
 
     def stream(self, job: SynthesisJob, session: Session) -> Iterator[np.ndarray]:
         """The job's audio as the runtime streams it: each chunk's new samples, segment after segment."""
-        pieces, prompt = self._prepare(job)
-        for piece in pieces:
-            tokens = session.watch(self._decoding(job, piece, prompt))
-            try:
-                for chunk in self.synth.stream_tokens(tokens, prompt):
-                    yield chunk.samples
-            except SynthesisError as e:
-                raise FieldError(job.text_field, str(e), status=422) from None
+        yield from self._speak(job, session, stream=True)
 
     def synthesize(self, job: SynthesisJob, session: Session) -> Iterator[np.ndarray]:
         """The job's audio offline (upstream's non-streaming path, `speed` applied): one array."""
+        yield np.concatenate(list(self._speak(job, session, stream=False)))
+
+    def _speak(self, job: SynthesisJob, session: Session, *, stream: bool) -> Iterator[np.ndarray]:
         pieces, prompt = self._prepare(job)
-        audio = []
         for piece in pieces:
-            tokens = list(session.watch(self._decoding(job, piece, prompt)))
-            session.check()
+            speech = self.voice.speak(piece, prompt, job.mode, stream=stream, speed=job.speed,
+                                      sampling=job.sampling, watch=session.watch)
             try:
-                audio.append(self.synth.token2wav(tokens, prompt, speed=job.speed)[1])
+                for chunk in speech:
+                    yield chunk.samples
             except SynthesisError as e:
                 raise FieldError(job.text_field, str(e), status=422) from None
-        yield np.concatenate(audio)
 
     def _prepare(self, job: SynthesisJob) -> tuple[list[Segment], PromptFeatures]:
         """The text's segments (upstream's normalisation, split and prompt formats) and the prompt."""
         with self._text_lock:
             try:
-                pieces = segments(job.text, job.mode, self.tokenizer, self.frontend,
-                                  prompt_text=job.prompt_text, instruct=job.instruct)
-            except FrontendError as e:
+                pieces = self.voice.segments(job.mode, job.text, prompt_text=job.prompt_text,
+                                             instruct=job.instruct, text_name=job.text_field)
+            except (FrontendError, UserError) as e:
                 raise FieldError(job.text_field, str(e)) from None
-        if not pieces:
-            raise FieldError(job.text_field, f"{job.text_field} has nothing to speak after normalisation")
         prompt = self.extract(job.prompt) if isinstance(job.prompt, AudioUpload) else job.prompt
         return pieces, prompt
-
-    def _decoding(self, job: SynthesisJob, piece: Segment, prompt: PromptFeatures) -> Decoding:
-        """A segment's decoding, its sampler fresh from the job's seed (as `cosyvoice-run` per segment)."""
-        request = llm_request(job.mode, piece.text_ids, prompt, piece.prompt_text_ids)
-        return self.synth.lm.decode(request, make_sampler(job.sampling.kind, job.sampling.seed))

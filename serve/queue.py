@@ -70,10 +70,12 @@ class Session:
             raise SessionTimeout(self.timeout)
 
     def watch(self, items: Iterable[T]) -> Iterator[T]:
-        """`items`, checking the session before each one (wrap the LLM's token iterator in it)."""
+        """`items`, checking the session before each one and after the last (wrap the LLM's token
+        iterator in it)."""
         for item in items:
             self.check()
             yield item
+        self.check()
 
 
 _END = object()

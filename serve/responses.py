@@ -21,8 +21,10 @@ import numpy as np
 from fastapi import Request, UploadFile
 from fastapi.responses import StreamingResponse
 
+from cosyvoice_runtime.sampling import Sampling
+
 from .audio import check_upload, pcm16
-from .engine import AudioUpload, Sampling, SynthesisJob
+from .engine import AudioUpload, SynthesisJob
 from .errors import ApiError, FieldError
 from .metrics import ServerMetrics
 from .queue import QueueFull, Session, SessionStream

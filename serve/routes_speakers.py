@@ -9,9 +9,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, File, Form, Request, Response, UploadFile
 from starlette.concurrency import run_in_threadpool
 
+from cosyvoice_runtime.speakers import SpeakerError, check_name
+
 from .errors import FieldError
 from .responses import first_item, read_upload, require_text, submit
-from .speakers import SpeakerError, check_name
 from .state import State
 
 router = APIRouter()

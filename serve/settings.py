@@ -13,19 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cosyvoice_runtime.sampling import SAMPLINGS
+from cosyvoice_runtime.speakers import default_speakers_dir
 
 HOST_ENV = "COSYVOICE_HOST"
 PORT_ENV = "COSYVOICE_PORT"
-SPEAKERS_DIR_ENV = "COSYVOICE_SPEAKERS_DIR"
 API_KEY_ENV = "COSYVOICE_API_KEY"
 DEFAULT_PORT = 50000
 """Upstream's FastAPI and gRPC servers listen on 50000."""
-
-
-def default_speakers_dir() -> Path:
-    """`$XDG_DATA_HOME/cosyvoice/speakers`, default `~/.local/share/cosyvoice/speakers`."""
-    xdg = os.environ.get("XDG_DATA_HOME", "").strip()
-    return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "cosyvoice" / "speakers"
 
 
 @dataclass(frozen=True)

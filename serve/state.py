@@ -7,11 +7,12 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from cosyvoice_runtime.speakers import SpeakerRegistry
+
 from .engine import Engine
 from .metrics import ServerMetrics
 from .queue import SessionQueue
 from .settings import ServerSettings
-from .speakers import SpeakerRegistry
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,7 @@ from cosyvoice_runtime.atomic_files import write_wav_atomic
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import UserError
+from cosyvoice_runtime.speakers import REGISTRY, SPEAKERS_DIR_ENV
 
 PROMPT_WAV = DEMO_BUNDLE / "asset" / "zero_shot_prompt.wav"
 TRANSCRIPT = (DEMO_BUNDLE / "asset" / "zero_shot_prompt.txt").read_text(encoding="utf-8").strip()
@@ -26,8 +28,8 @@ TEXT = "Hello there. How are you?"
 
 
 @pytest.fixture(scope="module")
-def cosyvoice() -> Iterator[CosyVoice3]:
-    with CosyVoice3(DEMO_BUNDLE) as voice:
+def cosyvoice(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CosyVoice3]:
+    with CosyVoice3(DEMO_BUNDLE, speakers_dir=tmp_path_factory.mktemp("speakers")) as voice:
         yield voice
 
 
@@ -37,12 +39,12 @@ def _pcm16(samples: np.ndarray, rate: int, folder: Path) -> np.ndarray:
     return sf.read(folder / "object.wav", dtype="int16")[0]
 
 
-def _cli(folder: Path, *args: str) -> tuple[np.ndarray, int]:
-    """`cosyvoice-run`'s samples for the demo prompt and TEXT, and how many pieces it made (chunks when
+def _cli(folder: Path, *args: str, text: str = TEXT) -> tuple[np.ndarray, int]:
+    """`cosyvoice-run`'s samples for the demo prompt and `text`, and how many pieces it made (chunks when
     streaming, segments offline)."""
     out, pieces = folder / "cli.wav", folder / "pieces.json"
     record = ["--chunks-out" if "--stream" in args else "--tokens-out", str(pieces)]
-    result = CliRunner().invoke(run_main, ["--model", str(DEMO_BUNDLE), "--text", TEXT, "--prompt-wav",
+    result = CliRunner().invoke(run_main, ["--model", str(DEMO_BUNDLE), "--text", text, "--prompt-wav",
                                            str(PROMPT_WAV), *args, *record, "--out", str(out)])
     assert result.exit_code == 0, result.output
     return sf.read(out, dtype="int16")[0], len(json.loads(pieces.read_text()))
@@ -78,6 +80,25 @@ def test_a_registered_speaker_speaks_as_its_prompt(cosyvoice: CosyVoice3) -> Non
     assert len(by_id) == len(by_wav)
     for a, b in zip(by_id, by_wav, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_speakers_are_kept_in_the_object_until_saved(tmp_path: Path) -> None:
+    folder = tmp_path / "speakers"
+    with CosyVoice3(DEMO_BUNDLE, speakers_dir=folder) as voice:
+        assert voice.list_available_spks() == []
+        voice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "b")
+        voice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "a")
+        assert voice.list_available_spks() == ["b", "a"] and not folder.exists()  # nothing written yet
+        voice.save_spkinfo()
+        assert voice.list_available_spks() == ["a", "b"] and (folder / REGISTRY).is_file()
+        want = voice.speakers.get("a")
+    with CosyVoice3(DEMO_BUNDLE, speakers_dir=folder) as again:
+        assert again.list_available_spks() == ["a", "b"]
+        got = again.speakers.get("a")
+        assert got is not None and want is not None and got.prompt_text == TRANSCRIPT
+        np.testing.assert_array_equal(got.features.mel, want.features.mel)
+        with pytest.raises(ValueError, match="a speaker name is 1 to 64 printable characters"):
+            again.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "x" * 65)
 
 
 def test_prompt_wav_as_path_file_or_array(cosyvoice: CosyVoice3) -> None:
@@ -119,26 +140,52 @@ def test_auto_model_is_the_same_object() -> None:
 
 
 def test_upstreams_example_runs_without_torch(tmp_path: Path) -> None:
-    """Upstream's `example.py` pattern with its one import line changed, where torch cannot be imported."""
+    """Upstream's `example.py` pattern with its one import line changed, in a process where torch and the
+    exporter cannot be imported: every mode, streaming, and a speaker saved by one object and used by
+    the next, each giving `cosyvoice-run`'s samples for the same inputs."""
+    system = "You are a helpful assistant.<|endofprompt|>"
     script = textwrap.dedent(f"""
         import sys
         sys.modules.update(dict.fromkeys(("torch", "torchaudio", "cosyvoice_export"), None))  # unimportable
         import soundfile as sf
         from cosyvoice_runtime import AutoModel
 
+        out, text, prompt_wav = {str(tmp_path)!r}, {TEXT!r}, {str(PROMPT_WAV)!r}
+        prompt_text = {system + TRANSCRIPT!r}
         cosyvoice = AutoModel(model_dir={str(DEMO_BUNDLE)!r})
-        prompt = "You are a helpful assistant.<|endofprompt|>" + {TRANSCRIPT!r}
-        outputs = cosyvoice.inference_zero_shot({TEXT!r}, prompt, {str(PROMPT_WAV)!r}, stream=False)
-        for i, j in enumerate(outputs):
-            sf.write({str(tmp_path)!r} + f"/zero_shot_{{i}}.wav", j["tts_speech"][0], cosyvoice.sample_rate)
-        for i, j in enumerate(cosyvoice.inference_instruct2({TEXT!r}, "You are a helpful assistant. Speak "
-                                                            "slowly.<|endofprompt|>", {str(PROMPT_WAV)!r},
-                                                            stream=True)):
-            sf.write({str(tmp_path)!r} + f"/instruct_{{i}}.wav", j["tts_speech"][0], cosyvoice.sample_rate)
+        runs = {{
+            "zero_shot": cosyvoice.inference_zero_shot(text, prompt_text, prompt_wav, stream=False),
+            "zero_shot_stream": cosyvoice.inference_zero_shot(text, prompt_text, prompt_wav, stream=True),
+            "cross_lingual": cosyvoice.inference_cross_lingual({system!r} + text, prompt_wav, stream=False),
+            "instruct2": cosyvoice.inference_instruct2(text, "You are a helpful assistant. Speak slowly."
+                                                       "<|endofprompt|>", prompt_wav, stream=False),
+        }}
+        assert cosyvoice.add_zero_shot_spk(prompt_text, prompt_wav, "my_zero_shot_spk")
+        cosyvoice.save_spkinfo()
+        again = AutoModel(model_dir={str(DEMO_BUNDLE)!r})
+        assert again.list_available_spks() == ["my_zero_shot_spk"], again.list_available_spks()
+        runs["speaker"] = again.inference_zero_shot(text, "", "", zero_shot_spk_id="my_zero_shot_spk")
+        for name, outputs in runs.items():
+            for i, j in enumerate(outputs):
+                sf.write(f"{{out}}/{{name}}_{{i}}.wav", j["tts_speech"][0], cosyvoice.sample_rate)
         print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "cosyvoice_export")
                      and sys.modules[m] is not None))
     """)
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    env = {**os.environ, SPEAKERS_DIR_ENV: str(tmp_path / "speakers")}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() == "[]"
-    assert (tmp_path / "zero_shot_0.wav").is_file() and (tmp_path / "instruct_0.wav").is_file()
+    zero_shot = ["--prompt-text", system + TRANSCRIPT]
+    expected = {
+        "zero_shot": (TEXT, zero_shot), "zero_shot_stream": (TEXT, [*zero_shot, "--stream"]),
+        "cross_lingual": (system + TEXT, ["--mode", "cross-lingual"]),
+        "instruct2": (TEXT, ["--mode", "instruct2", "--instruct",
+                             "You are a helpful assistant. Speak slowly.<|endofprompt|>"]),
+        "speaker": (TEXT, zero_shot),
+    }
+    for name, (text, args) in expected.items():
+        files = sorted(tmp_path.glob(f"{name}_[0-9]*.wav"), key=lambda f: int(f.stem.rpartition("_")[2]))
+        assert files, name
+        got = np.concatenate([sf.read(f, dtype="int16")[0] for f in files])
+        want, _ = _cli(tmp_path, *args, text=text)
+        np.testing.assert_array_equal(got, want, err_msg=name)

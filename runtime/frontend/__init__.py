@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from ..errors import FrontendError
 from .audio import (
     MAX_PROMPT_SECONDS,
     MIN_PROMPT_SECONDS,
@@ -22,7 +23,6 @@ from .audio import (
     read_prompt_audio,
     resample,
 )
-from .errors import FrontendError
 from .features import PromptMelConfig, kaldi_fbank, prompt_mel, slaney_mel_filterbank, whisper_log_mel
 from .prompt import (
     PromptFeatures,

@@ -16,7 +16,7 @@ from typing import BinaryIO
 import numpy as np
 import soundfile as sf
 
-from .errors import FrontendError
+from ..errors import FrontendError
 
 MIN_SAMPLE_RATE = 16000
 """Upstream refuses prompt audio below 16 kHz."""
@@ -62,7 +62,8 @@ def read_audio(path: str | Path | BinaryIO) -> tuple[np.ndarray, int]:
         source = path if hasattr(path, "read") else str(path)
         data, sr = sf.read(source, dtype="float32", always_2d=True)  # (frames, channels)
     except Exception as exc:  # libsndfile and OS errors come in several types; all mean "unreadable"
-        reason = " ".join(str(exc).split())
+        # libsndfile's own words without soundfile's "Error opening <repr of the file>: " prefix
+        reason = " ".join(str(getattr(exc, "error_string", None) or exc).split())
         raise FrontendError(f"cannot read audio file {_name(path)}: {reason}") from None
     if sr < MIN_SAMPLE_RATE:
         raise FrontendError(f"audio file {_name(path)} has sample rate {sr} Hz; the minimum is "

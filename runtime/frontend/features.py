@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import kaldi_native_fbank as knf
 import numpy as np
 
+from ..errors import FrontendError
 from .audio import SPEECH_SAMPLE_RATE
-from .errors import FrontendError
 
 _WHISPER_N_FFT = 400
 _WHISPER_HOP = 160

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime
 
+from ..errors import FrontendError
 from .audio import SPEECH_SAMPLE_RATE, PromptAudio, check_tokenizer_length, read_prompt_audio, resample
-from .errors import FrontendError
 from .features import PromptMelConfig, kaldi_fbank, prompt_mel, whisper_log_mel
 
 

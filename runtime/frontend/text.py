@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from .errors import FrontendError
+from ..errors import FrontendError
 from .special_tokens import ENDOFPROMPT
 
 SYSTEM_PROMPT = "You are a helpful assistant."

@@ -18,7 +18,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
-from .errors import FrontendError
+from ..errors import FrontendError
 from .special_tokens import COSYVOICE3_SPECIAL_TOKENS
 
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")

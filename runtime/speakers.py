@@ -1,15 +1,18 @@
 """Registered speakers: a prompt recording's features computed once, kept on disk, used by name.
 
-The folder holds `registry.json` (name -> transcript, feature file, front-end fingerprint, time) and one
-`.npz` per speaker (speech tokens, prompt mel, x-vector). Every file is written to a temporary file,
-flushed to disk and renamed over its target, and a speaker's features are written before the registry
-names them; so a crash leaves either the old registry or the new one, never a half-written one, and at
-worst an unreferenced `.npz` (removed at the next start). Features depend on the bundle's front-end
-models: speakers registered with other ones are kept on disk but not served. One server per folder.
+`CosyVoice3.save_spkinfo` writes the speakers `add_zero_shot_spk` added to a folder of this kind, and
+`cosyvoice-serve` registers speakers over HTTP into one; by default both use the same folder
+(`default_speakers_dir`). The folder holds `registry.json` (name -> transcript, feature file, front-end
+fingerprint, time) and one `.npz` per speaker (speech tokens, prompt mel, x-vector). Every file is
+written to a temporary file, flushed to disk and renamed over its target, and a speaker's features are
+written before the registry names them; so a crash leaves either the old registry or the new one, never
+a half-written one, and at worst an unreferenced `.npz` (`tidy` removes those; the server does at
+start). Features depend on the bundle's front-end models: speakers registered with other ones are kept
+on disk but not used. One writer per folder at a time.
 
-Upstream's `spk2info.pt` (the speakers its `add_zero_shot_spk` keeps) is a torch pickle, which the server
+Upstream's `spk2info.pt` (the speakers its `add_zero_shot_spk` keeps) is a torch pickle, which the runtime
 cannot read without torch; `cosyvoice-export speakers` converts it into this registry once
-(`cosyvoice_export.speakers`), and the server loads those speakers at start like any other.
+(`cosyvoice_export.speakers`), and the runtime and the server read those speakers like any other.
 """
 
 from __future__ import annotations
@@ -27,11 +30,14 @@ from typing import IO, Any
 
 import numpy as np
 
-from cosyvoice_runtime.atomic_files import atomic_path
-from cosyvoice_runtime.bundle import FRONTEND_MODELS, RuntimeBundle
-from cosyvoice_runtime.frontend import PromptFeatures, PromptMelConfig
+from .atomic_files import atomic_path
+from .bundle import FRONTEND_MODELS, RuntimeBundle
+from .errors import SpeakerError
+from .frontend import PromptFeatures, PromptMelConfig
 
 log = logging.getLogger(__name__)
+
+SPEAKERS_DIR_ENV = "COSYVOICE_SPEAKERS_DIR"
 
 REGISTRY = "registry.json"
 FORMAT = "cosyvoice-serve-speakers"
@@ -39,8 +45,14 @@ VERSION = 1
 MAX_NAME_CHARS = 64
 
 
-class SpeakerError(ValueError):
-    """A registry that cannot be read, or a name that cannot be used."""
+def default_speakers_dir() -> Path:
+    """`$COSYVOICE_SPEAKERS_DIR`, else `$XDG_DATA_HOME/cosyvoice/speakers`, default
+    `~/.local/share/cosyvoice/speakers`."""
+    env = os.environ.get(SPEAKERS_DIR_ENV, "").strip()
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_DATA_HOME", "").strip()
+    return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "cosyvoice" / "speakers"
 
 
 @dataclass(frozen=True)
@@ -82,26 +94,25 @@ class SpeakerRegistry:
     """The speakers of one folder, for one front end (`fingerprint`); safe to use from any thread."""
 
     def __init__(self, root: Path, fingerprint: str) -> None:
-        """Read `root` (created if missing); `SpeakerError` if its registry is not ours or not readable."""
+        """Read `root` (a missing folder holds no speakers and is created by the first `add`);
+        `SpeakerError` if its registry is not ours or not readable."""
         self.root, self.fingerprint = root, fingerprint
         self._lock = threading.Lock()
-        root.mkdir(parents=True, exist_ok=True)
         self._entries = self._read_registry()
         """Every entry of the registry file, those of other front ends included."""
         self._speakers: dict[str, Speaker] = {}
         for name, entry in self._entries.items():
             if entry.get("frontend") != fingerprint:
-                log.warning("speaker %r was registered with other front-end models; not served", name)
+                log.warning("speaker %r was registered with other front-end models; not used", name)
                 continue
             try:
                 self._speakers[name] = Speaker(name, str(entry["prompt_text"]), self._read_features(entry),
                                                str(entry.get("created", "")))
             except (OSError, KeyError, ValueError) as e:
-                log.warning("speaker %r: %s is unreadable (%s); not served", name, entry.get("file"), e)
-        self._remove_unreferenced()
+                log.warning("speaker %r: %s is unreadable (%s); not used", name, entry.get("file"), e)
 
     def names(self) -> list[str]:
-        """The served speakers' names, sorted."""
+        """The usable speakers' names, sorted."""
         with self._lock:
             return sorted(self._speakers)
 
@@ -113,6 +124,7 @@ class SpeakerRegistry:
     def add(self, name: str, prompt_text: str, features: PromptFeatures) -> Speaker:
         """Register (or replace) speaker `name`: its features file first, then the registry."""
         name = check_name(name)
+        self.root.mkdir(parents=True, exist_ok=True)
         file = f"{hashlib.sha256(name.encode()).hexdigest()[:16]}-{secrets.token_hex(4)}.npz"
         with atomic_path(self.root / file) as tmp, tmp.open("wb") as out:
             np.savez(out, speech_tokens=features.speech_tokens, mel=features.mel,
@@ -171,8 +183,9 @@ class SpeakerRegistry:
             return PromptFeatures(speech_tokens=data["speech_tokens"], mel=data["mel"],
                                   embedding=data["embedding"])
 
-    def _remove_unreferenced(self) -> None:
-        """Feature files no entry names: left by a crash between writing one and the registry."""
+    def tidy(self) -> None:
+        """Remove the feature files no entry names: left by a crash between writing one and the registry.
+        Only for the folder's one writer (another may be between the two writes)."""
         named = {str(e.get("file")) for e in self._entries.values()}
         for path in self.root.glob("*.npz"):
             if path.name not in named:
