@@ -46,6 +46,8 @@ def dit_attention_mask(pad_mask: Tensor, streaming: bool, chunk_frames: int) -> 
 class _RotaryEmbedding(nn.Module):
     """x-transformers' `RotaryEmbedding(dim_head)`: the persistent `inv_freq` buffer and its table."""
 
+    inv_freq: Tensor  # a buffer (registered in __init__), declared for the type checker
+
     def __init__(self, dim: int, base: float = 10000.0) -> None:
         super().__init__()
         self.register_buffer("inv_freq", 1.0 / base ** (torch.arange(0, dim, 2).float() / dim))

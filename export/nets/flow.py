@@ -101,9 +101,9 @@ def init_random_(flow: CausalMaskedDiffWithDiT, generator: torch.Generator) -> N
             p.copy_(noise)
         else:
             p.copy_(noise / p[0].numel() ** 0.5)  # fan_in = in_channels/groups * kernel
+        if name.endswith(".attn_norm.linear.weight"):  # every DiT block's AdaLN
+            p.mul_(0.5)  # gates ~0.5: residual stream grows slowly with depth
     est = flow.decoder.estimator
-    for block in est.transformer_blocks:
-        block.attn_norm.linear.weight.mul_(0.5)  # gates ~0.5: residual stream grows slowly with depth
     lo, hi = OUT_BIAS_RANGE
     n = est.proj_out.bias.numel()
     est.proj_out.bias.copy_(torch.linspace(lo, hi, n) + 0.5 * torch.randn(n, generator=generator))

@@ -11,6 +11,7 @@ pass it to `inference` (see `cosyvoice_export.noise`), so every random value the
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -35,19 +36,17 @@ class CausalConvRNNF0Predictor(nn.Module):
 
     def __init__(self, cfg: F0PredictorConfig) -> None:
         super().__init__()
+        first = CausalConv1d(cfg.in_channels, cfg.cond_channels, 4, causal_type="right")
+        self.look_right = first.causal_padding
+        """Mel frames of look-ahead of the first conv (3)."""
         layers: list[nn.Module] = [
-            weight_norm(CausalConv1d(cfg.in_channels, cfg.cond_channels, 4, causal_type="right")),
+            weight_norm(first),
             nn.ELU(),
         ]
         for _ in range(4):
             layers += [weight_norm(CausalConv1d(cfg.cond_channels, cfg.cond_channels, 3)), nn.ELU()]
         self.condnet = nn.Sequential(*layers)
         self.classifier = nn.Linear(cfg.cond_channels, cfg.num_class)
-
-    @property
-    def look_right(self) -> int:
-        """Mel frames of look-ahead of the first conv (3)."""
-        return self.condnet[0].causal_padding
 
     def forward(self, mel: Tensor, finalize: bool = True) -> Tensor:
         """mel (B, C, T) -> f0 (B, T), or (B, T - look_right) with the last frames as real look-ahead."""
@@ -136,6 +135,8 @@ class SourceModuleHnNSF(nn.Module):
 
 class CausalHiFTGenerator(nn.Module):
     """CosyVoice3's causal HiFT vocoder: mel (B, 80, T) + harmonic noise table -> 24 kHz waveform."""
+
+    stft_window: Tensor  # a buffer (registered in __init__), declared for the type checker
 
     def __init__(self, cfg: HiFTConfig) -> None:
         super().__init__()
@@ -287,11 +288,12 @@ def normalize_hift_state_dict(sd: dict[str, Tensor]) -> dict[str, Tensor]:
 
 def _fill_weight_norm_(conv: nn.Module, gain: float, gen: torch.Generator) -> None:
     """Random direction v, per-channel norm g ~ gain * (1 +- 10%), small bias."""
-    wn = conv.parametrizations.weight
-    v, g = wn.original1, wn.original0  # (out, in, k), (out, 1, 1)
+    v = conv.get_parameter("parametrizations.weight.original1")  # (out, in, k)
+    g = conv.get_parameter("parametrizations.weight.original0")  # (out, 1, 1)
+    bias = conv.get_parameter("bias")
     v.copy_(torch.randn(v.shape, generator=gen))
     g.copy_(gain * (1 + 0.1 * torch.randn(g.shape, generator=gen)))
-    conv.bias.copy_(0.01 * torch.randn(conv.bias.shape, generator=gen))
+    bias.copy_(0.01 * torch.randn(bias.shape, generator=gen))
 
 
 def init_random_(hift: CausalHiFTGenerator, generator: torch.Generator) -> None:
@@ -304,7 +306,7 @@ def init_random_(hift: CausalHiFTGenerator, generator: torch.Generator) -> None:
     gen = generator
     with torch.no_grad():
         f0 = hift.f0_predictor
-        for layer in f0.condnet[::2]:
+        for layer in list(f0.condnet)[::2]:  # the convs, not the ELUs between them
             _fill_weight_norm_(layer, 1.0, gen)
         cond = f0.classifier.in_features
         weight = torch.randn(f0.classifier.weight.shape, generator=gen)
@@ -319,14 +321,17 @@ def init_random_(hift: CausalHiFTGenerator, generator: torch.Generator) -> None:
         for up in hift.ups:
             _fill_weight_norm_(up, 1.0, gen)
         for down in hift.source_downs:
-            fan_in = down.weight[0].numel()
-            down.weight.copy_(torch.randn(down.weight.shape, generator=gen) / math.sqrt(fan_in))
-            down.bias.copy_(0.01 * torch.randn(down.bias.shape, generator=gen))
-        for block in [*hift.source_resblocks, *hift.resblocks]:
+            weight, bias = down.get_parameter("weight"), down.get_parameter("bias")
+            fan_in = weight[0].numel()
+            weight.copy_(torch.randn(weight.shape, generator=gen) / math.sqrt(fan_in))
+            bias.copy_(0.01 * torch.randn(bias.shape, generator=gen))
+        # a ModuleList's items are typed nn.Module
+        for block in cast(list[ResBlock], [*hift.source_resblocks, *hift.resblocks]):
             for conv in [*block.convs1, *block.convs2]:
                 _fill_weight_norm_(conv, 0.3, gen)
             for act in [*block.activations1, *block.activations2]:
-                act.alpha.copy_(0.5 + torch.rand(act.alpha.shape, generator=gen))
+                alpha = act.get_parameter("alpha")
+                alpha.copy_(0.5 + torch.rand(alpha.shape, generator=gen))
 
         # Log-magnitudes of about N(0, 0.6^2): a waveform of std ~0.07, well inside the +-0.99 clamp.
         _fill_weight_norm_(hift.conv_post, 0.6, gen)

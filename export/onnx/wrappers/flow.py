@@ -7,6 +7,8 @@ frames, given the caches of the earlier ones (none for a call over every frame).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -49,7 +51,9 @@ def cached_attention_mask(past_frames: int | Tensor, positions: Tensor, block_fr
     later frame); among the new frames, position p sees position q iff ``q < (p // b + 1) * b``
     (b = `block_frames`), so b >= the last position + 1 is full attention.
     """
-    cached = torch.ones(positions.shape[0], past_frames, dtype=torch.bool, device=positions.device)  # (T, P)
+    # traced, `past_frames` is a 0-d tensor (a dynamic size), which torch.ones takes though its stubs say int
+    past = cast(int, past_frames)
+    cached = torch.ones(positions.shape[0], past, dtype=torch.bool, device=positions.device)  # (T, P)
     block_end = (torch.div(positions, block_frames, rounding_mode="floor") + 1) * block_frames  # (T,)
     new = positions[None, :] < block_end[:, None]  # (T, T)
     return torch.cat((cached, new), dim=1)[None, None]
