@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The test command (README's second command; .ci/run calls it): a venv with the export and dev
-# extras, then lint and the test suite. Tests use tiny bundles; full-size work belongs in benchmarks.
+# The test command (README's second command; .ci/run calls it): a venv with the export, serve, openvino
+# and dev extras; lint and type checks; the tests that need no torch, in a second venv with the base
+# install alone; then the whole test suite. Tests use tiny bundles; full-size work belongs in benchmarks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
@@ -12,5 +13,9 @@ if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id 
         || echo "ci/test.sh: could not install Chromium; the page's browser test will skip" >&2
 fi
 .venv/bin/ruff check export runtime graphs golden bench serve tests
-.venv/bin/mypy runtime graphs golden bench serve
+.venv/bin/mypy runtime graphs golden bench serve export
+# the runtime is torch-free: its tests must pass where `pip install cosyvoice-onnx` put no extra
+python3 -m venv .venv-base
+.venv-base/bin/pip install --quiet --disable-pip-version-check -c ci/constraints.txt -e . pytest
+.venv-base/bin/pytest -p no:cacheprovider -m "not torch" "$@"
 .venv/bin/pytest "$@"

@@ -14,8 +14,12 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
+
+pytest.importorskip("torch", reason="needs torch (the export extra)")
+pytestmark = pytest.mark.torch
+
+import numpy as np
 import torch
 from click.testing import CliRunner
 from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -8,6 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("torch", reason="needs torch (the export extra)")
+pytestmark = pytest.mark.torch
+
 import torch
 from click.testing import CliRunner
 

@@ -10,10 +10,14 @@ import math
 import shutil
 from pathlib import Path
 
+import pytest
+
+pytest.importorskip("torch", reason="needs torch (the export extra)")
+pytestmark = pytest.mark.torch
+
 import numpy as np
 import onnx
 import onnxruntime as ort
-import pytest
 import soundfile as sf
 
 from cosyvoice_export.bundle.errors import BundleError

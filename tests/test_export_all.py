@@ -9,10 +9,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+pytest.importorskip("torch", reason="needs torch (the export extra)")
+pytestmark = pytest.mark.torch
+
 import numpy as np
 import onnx
 import onnxruntime as ort
-import pytest
 import torch
 from click.testing import CliRunner
 from torch import Tensor, nn

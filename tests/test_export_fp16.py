@@ -7,8 +7,12 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-import onnx
 import pytest
+
+pytest.importorskip("torch", reason="needs torch (the export extra)")
+pytestmark = pytest.mark.torch
+
+import onnx
 from click.testing import CliRunner
 from onnx import TensorProto
 

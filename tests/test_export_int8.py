@@ -11,9 +11,13 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
+pytest.importorskip("torch", reason="needs torch (the export extra)")
+pytestmark = pytest.mark.torch
+
 import numpy as np
 import onnx
-import pytest
 import soundfile as sf
 from click.testing import CliRunner
 from onnx import TensorProto

@@ -7,10 +7,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+pytest.importorskip("torch", reason="needs torch (the export extra)")
+pytestmark = pytest.mark.torch
+
 import numpy as np
 import onnx
 import onnxruntime as ort
-import pytest
 import torch
 from torch import Tensor, nn
 

@@ -10,6 +10,10 @@ import warnings
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("torch", reason="needs torch (the export extra)")
+pytestmark = pytest.mark.torch
+
 import torch
 from torch import Tensor, nn
 

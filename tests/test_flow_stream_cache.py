@@ -15,8 +15,12 @@ import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
+
+pytest.importorskip("torch", reason="needs torch (the export extra)")
+pytestmark = pytest.mark.torch
+
+import numpy as np
 import torch
 
 from cosyvoice_export.bundle.layout import PROMPT_WAV

@@ -160,6 +160,10 @@ def test_a_mel_bound_judges_the_generated_mel(tmp_path: Path) -> None:
 def test_unknown_case_or_graph() -> None:
     _one_error_line(_golden("check", "--case", "no-such-case"), "unknown case 'no-such-case'")
     _one_error_line(_golden("check", "--graph", "no-such-graph"), "unknown graph 'no-such-graph'")
+
+
+@pytest.mark.torch
+def test_update_of_an_unknown_case() -> None:
     _one_error_line(_golden("update", "--case", "no-such-case"), "unknown case 'no-such-case'")
 
 
@@ -202,6 +206,7 @@ def test_precision_bounds_must_name_a_reduced_precision(tmp_path: Path) -> None:
 # --- update -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.torch
 def test_update_reproduces_the_stored_expectation(tmp_path: Path) -> None:
     """The demo model rebuilt from its recipe, the torch reference, the runtime on the reference backend:
     the stored golden, unchanged and not rewritten."""

@@ -211,6 +211,7 @@ def test_solve_gates() -> None:
         _tiny_spec(precision_tolerances={"int8": bounds}, solve_gates={"int8": replace(gates, output="zz")})
 
 
+@pytest.mark.torch
 def test_time_sinusoid_is_the_dits_own() -> None:
     """The DiT graph's `time_sinusoid` input, computed by its callers, against the torch DiT's sinusoid of
     t (upstream's `SinusPositionEmbedding`), both float32: at 1000 t an ulp of the frequencies moves a

@@ -8,8 +8,12 @@ import math
 import warnings
 from pathlib import Path
 
-import numpy as np
 import pytest
+
+pytest.importorskip("torch", reason="needs torch (the export extra)")
+pytestmark = pytest.mark.torch
+
+import numpy as np
 import scipy.signal
 import torch
 import torch.nn.functional as F

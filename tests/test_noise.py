@@ -7,8 +7,12 @@ import dataclasses
 import hashlib
 import struct
 
-import numpy as np
 import pytest
+
+pytest.importorskip("torch", reason="needs torch (the export extra)")
+pytestmark = pytest.mark.torch
+
+import numpy as np
 import torch
 from torch import nn
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
+
+pytest.importorskip("torch", reason="needs torch (the export extra)")
+pytestmark = pytest.mark.torch
+
 import numpy as np
 import onnx
 import onnxruntime
-import pytest
 import soundfile as sf
 import torch
 from onnx import TensorProto, helper

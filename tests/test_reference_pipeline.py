@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
+
+pytest.importorskip("torch", reason="needs torch (the export extra)")
+pytestmark = pytest.mark.torch
+
+import numpy as np
 import soundfile as sf
 import torch
 from click.testing import CliRunner

@@ -11,9 +11,13 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+pytest.importorskip("torch", reason="needs torch (the export extra)")
+pytestmark = pytest.mark.torch
+
 import librosa
 import numpy as np
-import pytest
 import soundfile as sf
 import torch
 

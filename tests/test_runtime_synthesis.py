@@ -11,9 +11,13 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
+pytest.importorskip("torch", reason="needs torch (the export extra)")
+pytestmark = pytest.mark.torch
+
 import numpy as np
 import onnxruntime as ort
-import pytest
 import soundfile as sf
 import torch
 import torch.nn.functional as F

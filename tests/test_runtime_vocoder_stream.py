@@ -19,8 +19,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
+
+pytest.importorskip("torch", reason="needs torch (the export extra)")
+pytestmark = pytest.mark.torch
+
+import numpy as np
 
 from cosyvoice_export.bundle.layout import PROMPT_WAV
 from cosyvoice_export.bundle.model_dir import ModelBundle

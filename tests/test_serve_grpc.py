@@ -13,10 +13,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+pytest.importorskip("grpc", reason="the serve extra is not installed")
+
 import grpc
 import httpx
 import numpy as np
-import pytest
 import soundfile as sf
 from google.protobuf import descriptor_pb2
 from test_serve import (

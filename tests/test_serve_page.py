@@ -12,8 +12,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
+
+pytest.importorskip("fastapi", reason="the serve extra is not installed")
+
+import numpy as np
 import soundfile as sf
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
