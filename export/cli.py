@@ -15,10 +15,16 @@ from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV, console_script
 from cosyvoice_runtime.speakers import SPEAKERS_DIR_ENV
 
 from .bundle.errors import BundleError
+from .bundle.layout import LLM_VARIANTS
+from .download import DEFAULT_DIR, SOURCES
 from .reference.pipeline import Mode
 
 SIZES = click.Choice(["tiny", "full"])
 DEFAULT_DEMO_BUNDLE = Path("bundles/tiny")
+LLM_OPTION = click.option(
+    "--llm", type=click.Choice(list(LLM_VARIANTS)), default="base", show_default=True,
+    help="The LLM checkpoint: base = llm.pt, the one upstream's loader and `all` read; rl = llm.rl.pt, the "
+         "release's reinforcement-learned LLM (same keys), checked in llm.pt's place; both = the two.")
 
 
 class _Group(click.Group):
@@ -66,7 +72,8 @@ def manifest(size: str, network: str) -> None:
 
 @main.command("check-bundle")
 @click.argument("model_dir", type=click.Path(path_type=Path))
-def check_bundle_cmd(model_dir: Path) -> None:
+@LLM_OPTION
+def check_bundle_cmd(model_dir: Path, llm: str) -> None:
     """Check that MODEL_DIR is a complete CosyVoice3 model directory of the expected shapes.
 
     Prints one line per file that passed; on the first problem prints one line naming the file
@@ -74,7 +81,38 @@ def check_bundle_cmd(model_dir: Path) -> None:
     """
     from .bundle.check import check_bundle
 
-    check_bundle(model_dir, report=click.echo)
+    check_bundle(model_dir, report=click.echo, llm_checkpoints=LLM_VARIANTS[llm])
+    click.echo(f"{model_dir}: bundle ok")
+
+
+@main.command("download")
+@click.argument("model_dir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_DIR)
+@click.option("--source", type=click.Choice(SOURCES), default="huggingface", show_default=True,
+              help="The hub: huggingface ($HF_ENDPOINT, else huggingface.co), or modelscope (needs "
+                   "`pip install modelscope`).")
+@click.option("--revision", help="Branch, tag or commit of the release [default: the hub's default branch].")
+@LLM_OPTION
+def download_cmd(model_dir: Path, source: str, revision: str | None, llm: str) -> None:
+    """Download Fun-CosyVoice3-0.5B into MODEL_DIR [default: pretrained_models/Fun-CosyVoice3-0.5B], then
+    check it as `check-bundle` does.
+
+    Fetches only what the exporter and runtime read: cosyvoice3.yaml, the LLM checkpoint(s) of --llm,
+    flow.pt, hift.pt, campplus.onnx, speech_tokenizer_v3.onnx, CosyVoice-BlankEN/ without its
+    model.safetensors (llm.pt carries those weights), and asset/. An interrupted download resumes when run
+    again; files already fetched are skipped. With --llm rl alone, `all` and upstream's loader, which read
+    llm.pt, need llm.rl.pt copied or linked to llm.pt. A hub that cannot be reached, or a missing
+    repository or revision, is one line on stderr saying how to place the files by hand, and exit status 2.
+    """
+    from .bundle.check import check_bundle
+    from .download import DownloadError, download
+
+    try:
+        download(model_dir, source=source, revision=revision, llm=llm,
+                 warn=lambda line: click.echo(line, err=True))
+    except DownloadError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    check_bundle(model_dir, report=click.echo, llm_checkpoints=LLM_VARIANTS[llm])
     click.echo(f"{model_dir}: bundle ok")
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import onnx
@@ -10,7 +10,7 @@ import onnx
 from ..manifest import NETWORKS
 from .checkpoint import read_pickled_dict
 from .errors import BundleError
-from .layout import CAMPPLUS, SPEECH_TOKENIZER, SPK2INFO, YAML
+from .layout import CAMPPLUS, LLM_VARIANTS, SPEECH_TOKENIZER, SPK2INFO, YAML
 from .model_dir import ModelBundle
 from .tokenizer_files import TOKENIZER_FILES, load_cosyvoice3_tokenizer
 
@@ -65,10 +65,12 @@ def check_speech_tokenizer(path: Path, n_mels: int = 128) -> str:
     return f"inputs {feats.name}, {length.name}, output {outputs[0].name}"
 
 
-def check_bundle(root: Path, report: Callable[[str], None] = print) -> ModelBundle:
+def check_bundle(root: Path, report: Callable[[str], None] = print,
+                 llm_checkpoints: Sequence[str] = LLM_VARIANTS["base"]) -> ModelBundle:
     """Check every file of the model directory at `root`; raise `BundleError` on the first problem.
 
-    `report` receives one line per file that passed.
+    `report` receives one line per file that passed. `llm_checkpoints` are the files checked against the
+    LLM's keys (a value of `LLM_VARIANTS`: `llm.pt`, `llm.rl.pt` or both).
     """
     bundle = ModelBundle.open(root)
     cfg = bundle.config
@@ -85,10 +87,11 @@ def check_bundle(root: Path, report: Callable[[str], None] = print) -> ModelBund
     report(f"ok  {bundle.qwen_dir.name}/: {len(tok)} text ids, {EOP_TOKEN} = {tok.token_id(EOP_TOKEN)}")
 
     for name in NETWORKS:
-        state = bundle.read_checked_state(name)
-        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in state.values()})
-        report(f"ok  {name}.pt: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} values, "
-               f"{'/'.join(dtypes)}")
+        for path in ([root / f for f in llm_checkpoints] if name == "llm" else [bundle.checkpoint(name)]):
+            state = bundle.read_checked_state(name, path)
+            dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in state.values()})
+            values = sum(t.numel() for t in state.values())
+            report(f"ok  {path.name}: {len(state)} tensors, {values:,} values, {'/'.join(dtypes)}")
 
     report(f"ok  {CAMPPLUS}: {check_campplus(root / CAMPPLUS, cfg.feat.num_mels)}")
     report(f"ok  {SPEECH_TOKENIZER}: {check_speech_tokenizer(root / SPEECH_TOKENIZER)}")

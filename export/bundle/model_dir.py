@@ -44,9 +44,10 @@ class ModelBundle:
     def checkpoint(self, name: str) -> Path:
         return self.root / f"{name}.pt"
 
-    def read_checked_state(self, name: str) -> dict[str, torch.Tensor]:
-        """The state dict of `name.pt` in our key layout, checked key for key against our network."""
-        path = self.checkpoint(name)
+    def read_checked_state(self, name: str, path: Path | None = None) -> dict[str, torch.Tensor]:
+        """The state dict of `name.pt` (or of `path`) in our key layout, checked key for key against our
+        network `name`."""
+        path = path or self.checkpoint(name)
         state = read_state_dict(path)
         if name == "hift":
             state = normalize_hift_state_dict(state)

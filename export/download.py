@@ -1,0 +1,152 @@
+"""`cosyvoice-export download`: the Fun-CosyVoice3-0.5B release, fetched into a model directory.
+
+Only the files our exporter and runtime read are fetched: not the training-time batch speech tokenizer,
+not upstream's TensorRT source ONNX, and not `CosyVoice-BlankEN/model.safetensors` (upstream's yaml builds
+the Qwen2 backbone from it and `llm.pt` then overwrites every weight; we read `llm.pt` alone). Downloads go
+through each hub's own client, which resumes an interrupted file and skips files already present; a file
+appears under its name only once it is complete.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from .bundle.layout import CAMPPLUS, LLM_VARIANTS, QWEN_DIR, QWEN_WEIGHTS, SPEECH_TOKENIZER, YAML
+from .bundle.tokenizer_files import TOKENIZER_FILES
+
+REPO_ID = "FunAudioLLM/Fun-CosyVoice3-0.5B-2512"
+"""The release's repository, under the same id on Hugging Face and on ModelScope."""
+DEFAULT_DIR = Path("pretrained_models/Fun-CosyVoice3-0.5B")
+"""Where upstream's README puts it."""
+SOURCES = ("huggingface", "modelscope")
+QWEN_FILES = ("config.json", *TOKENIZER_FILES)
+"""What we read of `CosyVoice-BlankEN/`: the Qwen2 config and the tokenizer."""
+MODELSCOPE_URL = f"https://www.modelscope.cn/models/{REPO_ID}"
+
+
+class DownloadError(Exception):
+    """The release could not be fetched; the message is one line that says why and what to do."""
+
+
+def required_files(llm: str) -> list[str]:
+    """The files, relative to the model directory, that a download for `llm` (a key of `LLM_VARIANTS`)
+    must leave there."""
+    return [YAML, *LLM_VARIANTS[llm], "flow.pt", "hift.pt", CAMPPLUS, SPEECH_TOKENIZER,
+            *(f"{QWEN_DIR}/{name}" for name in QWEN_FILES)]
+
+
+def file_patterns(llm: str) -> tuple[list[str], list[str]]:
+    """The hubs' `allow_patterns` and `ignore_patterns` for `llm`: the required files, the rest of
+    `CosyVoice-BlankEN/` but its weights, and `asset/` if the release has one."""
+    allow = [YAML, *LLM_VARIANTS[llm], "flow.pt", "hift.pt", CAMPPLUS, SPEECH_TOKENIZER, f"{QWEN_DIR}/*",
+             "asset/*"]
+    return allow, [QWEN_WEIGHTS]
+
+
+def missing_files(model_dir: Path, llm: str) -> list[str]:
+    """The required files for `llm` that `model_dir` lacks."""
+    return [name for name in required_files(llm) if not (model_dir / name).is_file()]
+
+
+def by_hand(model_dir: Path, llm: str, url: str) -> str:
+    """How to place the files without this command, in one sentence."""
+    top = [name for name in required_files(llm) if not name.startswith(f"{QWEN_DIR}/")]
+    check = "" if llm == "base" else f" --llm {llm}"
+    return (f"to place the files by hand, copy {', '.join(top)} and {QWEN_DIR}/ ({', '.join(QWEN_FILES)}) "
+            f"from {url} into {model_dir}, then run `cosyvoice-export check-bundle {model_dir}{check}`")
+
+
+def download(model_dir: Path, *, source: str = "huggingface", revision: str | None = None,
+             llm: str = "base", warn: Callable[[str], None] = print) -> Path:
+    """Fetch the release's files for `llm` (a key of `LLM_VARIANTS`) from `source` into `model_dir`.
+
+    `revision` is a branch, tag or commit (default: the hub's default branch). Where the hub cannot be
+    reached but `model_dir` already holds every required file, `warn` is told so and nothing is fetched.
+    Raises `DownloadError` when the files are not all there afterwards; returns `model_dir`.
+    """
+    if llm not in LLM_VARIANTS:
+        raise ValueError(f"unknown llm {llm!r}; expected one of {', '.join(LLM_VARIANTS)}")
+    model_dir = Path(model_dir)
+    if source == "huggingface":
+        url = _fetch_huggingface(model_dir, revision, llm, warn)
+    elif source == "modelscope":
+        url = MODELSCOPE_URL
+        _fetch_modelscope(model_dir, revision, llm)
+    else:
+        raise ValueError(f"unknown source {source!r}; expected one of {', '.join(SOURCES)}")
+    missing = missing_files(model_dir, llm)
+    if missing:
+        raise DownloadError(f"{model_dir / missing[0]}: not there after the download; "
+                            f"{by_hand(model_dir, llm, url)}")
+    return model_dir
+
+
+def _fetch_huggingface(model_dir: Path, revision: str | None, llm: str, warn: Callable[[str], None]) -> str:
+    """Download with `huggingface_hub`, whose endpoint is $HF_ENDPOINT; returns the repository's URL."""
+    from huggingface_hub import HfApi, constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    endpoint = constants.ENDPOINT
+    url = f"{endpoint}/{REPO_ID}"
+    revision = revision or constants.DEFAULT_REVISION
+    # The listing is asked for first, by us: snapshot_download answers an unreachable hub by returning
+    # whatever the local folder holds, which must not pass for a finished download.
+    try:
+        info = HfApi().model_info(REPO_ID, revision=revision)
+    except OfflineModeIsEnabled:
+        unreachable = "offline mode is on (HF_HUB_OFFLINE)"
+    except RevisionNotFoundError:
+        raise DownloadError(f"{REPO_ID}: no revision {revision!r} at {endpoint}") from None
+    except (RepositoryNotFoundError, GatedRepoError):
+        raise DownloadError(f"{REPO_ID}: no such repository at {endpoint}; "
+                            f"{by_hand(model_dir, llm, url)}") from None
+    except HfHubHTTPError as e:
+        unreachable = f"{endpoint} answered {str(e).splitlines()[0]}"
+    except OSError as e:  # requests' connection errors and timeouts
+        unreachable = f"cannot reach {endpoint} ({type(e).__name__})"
+    else:
+        if info.siblings is not None:
+            listed = {sibling.rfilename for sibling in info.siblings}
+            absent = [name for name in required_files(llm) if name not in listed]
+            if absent:
+                raise DownloadError(f"{REPO_ID}@{revision}: the repository has no {absent[0]}")
+        allow, ignore = file_patterns(llm)
+        try:
+            # the commit, not the branch: files already fetched from it are skipped without a request
+            snapshot_download(REPO_ID, revision=info.sha, local_dir=model_dir, allow_patterns=allow,
+                              ignore_patterns=ignore)
+        except (LocalEntryNotFoundError, OSError) as e:
+            raise DownloadError(f"the download from {endpoint} stopped ({type(e).__name__}); run the same "
+                                f"command again to resume it, or {by_hand(model_dir, llm, url)}") from None
+        return url
+
+    if missing_files(model_dir, llm):
+        raise DownloadError(f"{unreachable}, and {model_dir} does not hold the release yet; "
+                            f"{by_hand(model_dir, llm, url)}")
+    warn(f"warning: {unreachable}; checking the files already in {model_dir}")
+    return url
+
+
+def _fetch_modelscope(model_dir: Path, revision: str | None, llm: str) -> None:
+    """Download with the `modelscope` package, where it is installed."""
+    try:
+        from modelscope.hub.snapshot_download import snapshot_download
+    except ImportError:
+        raise DownloadError("--source modelscope needs the modelscope package: pip install modelscope"
+                            ) from None
+    allow, ignore = file_patterns(llm)
+    try:
+        snapshot_download(REPO_ID, revision=revision, local_dir=str(model_dir), allow_patterns=allow,
+                          ignore_patterns=ignore)
+    except Exception as e:  # modelscope's errors share no base class across its releases
+        reason = str(e).splitlines()[0] if str(e) else ""
+        raise DownloadError(f"could not download {REPO_ID} from ModelScope ({type(e).__name__}: {reason}); "
+                            f"{by_hand(model_dir, llm, MODELSCOPE_URL)}") from None
