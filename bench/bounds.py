@@ -20,10 +20,6 @@ from cosyvoice_export.bundle.yaml_config import model_config_from_yaml
 from cosyvoice_export.config import DiTConfig, HiFTConfig, Qwen2Config
 from cosyvoice_runtime.bundle import RuntimeBundle
 
-DTYPE_BYTES = {"fp32": 4, "fp16": 2, "int8": 1}
-"""Bytes per weight by the manifest's graph precision (int8: its scales and float32 output head, 2% of
-the full-size llm's weights, not counted)."""
-
 
 @dataclass(frozen=True)
 class ModelShapes:
@@ -40,9 +36,9 @@ class ModelShapes:
         """Read from `bundle`'s model yaml and Qwen config."""
         config = model_config_from_yaml(bundle.root / bundle.manifest["config"],
                                         bundle.tokenizer_dir / "config.json")
-        precision = bundle.manifest["graphs"]["llm"].get("precision", "fp32")
+        # int8: its scales and float32 output head (2% of the full-size llm's weights) are not counted
         return cls(config.llm.qwen, config.flow.dit, config.hift, bundle.dims.speech_vocab,
-                   DTYPE_BYTES.get(precision, 4))
+                   bundle.graph_precision("llm").weight_bytes)
 
 
 def llm_weight_count(qwen: Qwen2Config, speech_vocab: int) -> int:

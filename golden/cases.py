@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from cosyvoice_graphs import PRECISIONS, SPECS
+from cosyvoice_graphs import PRECISION_NAMES, REDUCED_PRECISIONS, SPECS
 from cosyvoice_runtime.runners import PROVIDERS
 from cosyvoice_runtime.sampling import SAMPLINGS
 from cosyvoice_runtime.synthesis import ChunkPolicy, Mode
@@ -164,7 +164,7 @@ def load_cases(path: Path = CASES_FILE) -> Cases:
     precision_bounds = {p: _bounds(b, f"{where}: precision_tolerance.{p}")
                         for p, b in _table(data, "precision_tolerance", where).items()}
     for precision in precision_bounds:
-        _choice(precision, PRECISIONS[1:], f"{where}: precision_tolerance")
+        _choice(precision, REDUCED_PRECISIONS, f"{where}: precision_tolerance")
     graphs = {}
     for graph, indices in _table(data, "graphs", where).items():
         _choice(graph, tuple(SPECS), f"{where}: graphs")
@@ -193,7 +193,7 @@ def _case(raw: dict[str, Any], default_bounds: Mapping[str, Bounds], where: str)
     _choice(v["mode"], tuple(m.value for m in Mode), f"{where}: mode")
     _choice(v["sampling"], SAMPLINGS, f"{where}: sampling")
     _choice(v["provider"], PROVIDERS, f"{where}: provider")
-    _choice(v["precision"], PRECISIONS, f"{where}: precision")
+    _choice(v["precision"], PRECISION_NAMES, f"{where}: precision")
     if not v["name"] or not v["text"].strip():
         raise GoldenError(f"{where}: name and text must not be empty")
     if v["stream"] and v["speed"] != 1.0:

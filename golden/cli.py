@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from tqdm import tqdm
 
-from cosyvoice_graphs import PRECISIONS
+from cosyvoice_graphs import PRECISION_NAMES
 from cosyvoice_graphs.bundle_layout import MANIFEST
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.runners import PROVIDERS, open_runner
@@ -99,7 +99,7 @@ def main() -> None:
                    "trt (the bundle's TensorRT plans).")
 @click.option("--threads", type=click.IntRange(min=1),
               help="onnxruntime intra-op threads. Default: the reference backend's (cases.toml).")
-@click.option("--precision", type=click.Choice(PRECISIONS),
+@click.option("--precision", type=click.Choice(PRECISION_NAMES),
               help="Judge the cases on a bundle of this precision (an export of the same model, e.g. "
                    "cosyvoice-export all --precision int8) by tolerance, whatever precision they were "
                    "recorded on. Default: a case runs only on a bundle of its own precision.")
@@ -203,10 +203,10 @@ def _check_case(cases: Cases, runtime: Runtime, case: GoldenCase, golden: CaseGo
 def _check_graph(cases: Cases, runtime: Runtime, golden: GraphGolden) -> Verdict:
     bundle = runtime.open_bundle(cases.graph_bundle)
     spec = bundle.specs[golden.graph]
-    precision = bundle.manifest["graphs"][golden.graph].get("precision", "fp32")
+    precision = bundle.graph_precision(golden.graph)
     provider = runtime.provider or cases.reference.provider
     with open_runner(bundle, golden.graph, provider, threads=runtime.threads) as runner:
-        return compare_graph(golden, runner, spec.tolerances_for(precision))
+        return compare_graph(golden, runner, spec.tolerances_for(precision.name))
 
 
 @main.command()

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .precision import BF16, FP16, INT8
 from .spec import Case, DecodeGates, DerivedDim, DimRange, GraphSpec, SolveGates, TensorSpec, Tolerance
 
 OPSET = 17
@@ -128,10 +129,10 @@ def llm_spec(d: ModelDims) -> GraphSpec:
         # log-probs' scale barely moves sampling, and the cache is stored fp16-rounded.
         # int8: keys and values of the deepest layers reach 6.5e-2 of their scale at full size (random
         # weights, 24 layers of rounding); the log-probs 2.8e-2. The decode gates judge what matters.
-        precision_tolerances={"fp16": {o.name: FP16_REL_MAX for o in outputs},
-                              "int8": {o.name: INT8_LOGP if o.name == "logp" else INT8_CACHE
-                                       for o in outputs}},
-        decode_gates={"int8": INT8_DECODE_GATES},
+        precision_tolerances={FP16.name: {o.name: FP16_REL_MAX for o in outputs},
+                              INT8.name: {o.name: INT8_LOGP if o.name == "logp" else INT8_CACHE
+                                          for o in outputs}},
+        decode_gates={INT8.name: INT8_DECODE_GATES},
     )
 
 
@@ -161,7 +162,7 @@ def flow_encoder_spec(d: ModelDims) -> GraphSpec:
         trace=Case({"tokens": 11}),
         validate=(Case({"tokens": 37}), Case({"tokens": 5}, {"lookahead_tokens": (-1.0,) * n})),
         # conditioning for the DiT: 1e-2 relative is below the ODE's own sensitivity
-        precision_tolerances={"fp16": {"mu": FP16_REL_MAX, "spks": FP16_REL_MAX}},
+        precision_tolerances={FP16.name: {"mu": FP16_REL_MAX, "spks": FP16_REL_MAX}},
     )
 
 
@@ -232,12 +233,12 @@ def flow_estimator_cached_spec(d: ModelDims) -> GraphSpec:
         # integrated over 10 Euler steps: a 2e-2 relative error per evaluation of the velocity stays
         # inaudible; the caches are keys/values (fp16-rounded once stored)
         # int8: the keys and values come out of int8 projections, as the llm's caches do
-        precision_tolerances={"fp16": {o.name: Tolerance("rel_max_abs", 2e-2 if o.name == "velocity"
-                                                         else 1e-2) for o in outputs},
-                              "int8": {o.name: INT8_VELOCITY if o.name == "velocity" else INT8_CACHE
-                                       for o in outputs},
-                              "bf16": {o.name: BF16_DIT for o in outputs}},
-        solve_gates={"int8": SOLVE_GATES, "bf16": BF16_SOLVE_GATES},
+        precision_tolerances={FP16.name: {o.name: Tolerance("rel_max_abs", 2e-2 if o.name == "velocity"
+                                                            else 1e-2) for o in outputs},
+                              INT8.name: {o.name: INT8_VELOCITY if o.name == "velocity" else INT8_CACHE
+                                          for o in outputs},
+                              BF16.name: {o.name: BF16_DIT for o in outputs}},
+        solve_gates={INT8.name: SOLVE_GATES, BF16.name: BF16_SOLVE_GATES},
     )
 
 
@@ -287,7 +288,7 @@ def hift_decoder_spec(d: ModelDims) -> GraphSpec:
         trace=Case({"frames": 24}),
         validate=(Case({"frames": 11}), Case({"frames": 57})),
         # the mean error relative to the mean amplitude (an L1, like the fp32 metric): -34 dB
-        precision_tolerances={"fp16": {"waveform": Tolerance("rel_mean_abs", 2e-2)}},
+        precision_tolerances={FP16.name: {"waveform": Tolerance("rel_mean_abs", 2e-2)}},
     )
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .precision import FP32, REDUCED_PRECISIONS
+
 DTYPES: dict[str, type[np.generic]] = {
     "float32": np.float32,
     "float16": np.float16,
@@ -19,11 +21,6 @@ DTYPES: dict[str, type[np.generic]] = {
     "int32": np.int32,
     "bool": np.bool_,
 }
-
-PRECISIONS = ("fp32", "fp16", "int8", "bf16")
-"""What a runtime bundle is exported in. fp32: every graph as traced; fp16, int8 or bf16: each graph whose
-spec bounds that precision (`GraphSpec.precision_tolerances`) gets a body in it (bf16: run in bf16 by
-OpenVINO), the others stay fp32."""
 
 Shape = tuple[int | str, ...]
 """Each dim is a fixed size or the name of a symbolic dim of the graph."""
@@ -199,7 +196,7 @@ class GraphSpec:
     validate: tuple[Case, ...]
     """Validation points; each must differ from the trace point in at least one dim."""
     precision_tolerances: Mapping[str, Mapping[str, Tolerance]] = field(default_factory=dict)
-    """Reduced precision ("fp16", "int8", "bf16") -> bounds per output for a body in it (float32 I/O)
+    """Reduced precision (`REDUCED_PRECISIONS`) -> bounds per output for a body in it (float32 I/O)
     against the float32 torch reference. A graph without bounds for a precision stays float32 in a bundle
     of it."""
     decode_gates: Mapping[str, DecodeGates] = field(default_factory=dict)
@@ -222,8 +219,9 @@ class GraphSpec:
         if set(self.tolerances) != {t.name for t in self.outputs}:
             raise ValueError(f"{self.name}: tolerances must cover exactly the outputs")
         for precision, tolerances in self.precision_tolerances.items():
-            if precision not in PRECISIONS[1:]:
-                raise ValueError(f"{self.name}: {precision!r} is not a reduced precision {PRECISIONS[1:]}")
+            if precision not in REDUCED_PRECISIONS:
+                raise ValueError(f"{self.name}: {precision!r} is not a reduced precision "
+                                 f"{REDUCED_PRECISIONS}")
             if set(tolerances) != {t.name for t in self.outputs}:
                 raise ValueError(f"{self.name}: {precision} tolerances must cover exactly the outputs")
         gated: list[tuple[str, DecodeGates | SolveGates]] = [*self.decode_gates.items(),
@@ -242,11 +240,11 @@ class GraphSpec:
     def precision_in(self, bundle_precision: str) -> str:
         """This graph's precision in a bundle exported in `bundle_precision`: that one where the spec
         bounds it, else fp32."""
-        return bundle_precision if bundle_precision in self.precision_tolerances else "fp32"
+        return bundle_precision if bundle_precision in self.precision_tolerances else FP32.name
 
     def tolerances_for(self, precision: str) -> Mapping[str, Tolerance]:
         """The bounds a body in `precision` is validated with: `tolerances` for fp32."""
-        if precision == "fp32":
+        if precision == FP32.name:
             return self.tolerances
         if precision not in self.precision_tolerances:
             raise ValueError(f"{self.name}: its spec has no {precision} tolerances, so it has no {precision} "

@@ -17,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from cosyvoice_graphs import PRECISIONS, SPECS, GraphSpec, ModelDims, spec
+from cosyvoice_graphs import SPECS, GraphSpec, ModelDims, Precision, spec
 from cosyvoice_graphs.bundle_layout import FORMAT, FORMAT_VERSION, MANIFEST, RETIRED_GRAPHS
+from cosyvoice_graphs.precision import FP32
 
 from .errors import RuntimeBundleError
 from .noise import MT19937, UniformNoise
@@ -198,14 +199,12 @@ class RuntimeBundle:
 
     # --- provenance --------------------------------------------------------------------------------
 
-    def graph_precision(self, name: str) -> str:
-        """Graph `name`'s precision as the manifest records it: fp32, fp16, int8 or bf16 (float32 I/O
-        always)."""
-        precision = self._graph_entry(name).get("precision", "fp32")
-        if precision not in PRECISIONS:
-            raise RuntimeBundleError(f"{self.root / MANIFEST}: graphs.{name}.precision is {precision!r}; "
-                                     f"this runtime runs {', '.join(PRECISIONS)}")
-        return str(precision)
+    def graph_precision(self, name: str) -> Precision:
+        """Graph `name`'s precision as the manifest records it (fp32 where it records none)."""
+        try:
+            return Precision.named(self._graph_entry(name).get("precision", FP32.name))
+        except ValueError as e:
+            raise RuntimeBundleError(f"{self.root / MANIFEST}: graphs.{name}.precision: {e}") from None
 
     def graph_metadata(self, name: str) -> dict[str, str]:
         """Graph `name`'s ONNX `metadata_props` (read without loading its weights), checked by
@@ -224,9 +223,9 @@ class RuntimeBundle:
         where = f"{self.graph_path(name)}: metadata"
         s = self.specs[name]
         want = {"spec_name": s.name, "spec_version": str(s.version), **self.dims.to_metadata(),
-                "precision": self.graph_precision(name)}
+                "precision": self.graph_precision(name).name}
         for key, value in want.items():
-            if meta.get(key, "fp32" if key == "precision" else None) != value:
+            if meta.get(key, FP32.name if key == "precision" else None) != value:
                 raise RuntimeBundleError(f"{where} {key} is {meta.get(key)!r}, the manifest says {value!r}")
 
     # --- helpers -----------------------------------------------------------------------------------

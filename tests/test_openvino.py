@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,20 +28,19 @@ from cosyvoice_export.cli import main as export_main
 from cosyvoice_export.onnx import bf16 as export_bf16
 from cosyvoice_export.onnx.runtime_bundle import MANIFEST, export_all
 from cosyvoice_export.onnx.trt import TrtUnavailable
-from cosyvoice_export.onnx.validate import OPENVINO_BF16
 from cosyvoice_golden.cli import main as golden_main
-from cosyvoice_graphs import SPECS
+from cosyvoice_graphs import PRECISIONS, SPECS
 from cosyvoice_runtime.bundle import RuntimeBundle, read_onnx_metadata
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import ProviderError, RuntimeBundleError
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.runners import OpenVinoRunner, open_runner
-from cosyvoice_runtime.runners import openvino as openvino_runner
+from cosyvoice_runtime.runners.openvino import unsupported_reason
 from cosyvoice_runtime.sampling import GreedySampler
 from cosyvoice_runtime.synthesis import Synthesizer
 
-NO_BF16 = openvino_runner.bf16_unsupported_reason()
+NO_BF16 = unsupported_reason(PRECISIONS["bf16"])
 DIT = "flow_estimator_cached"
 REL_TO_ONNXRUNTIME = 1e-5
 """OpenVINO float32 against onnxruntime on one call, relative to the output's largest value (measured on
@@ -132,10 +132,8 @@ def test_bf16_with_tensorrt_plans_is_refused(tiny_bundle: Path, tmp_path: Path) 
 
 
 def _pin_bf16_to_f32(patch: pytest.MonkeyPatch) -> None:
-    """OpenVINO's bf16 hint pinned to f32 and the CPU check passed: the bf16 path on a CPU without bf16."""
-    patch.setitem(openvino_runner.INFERENCE_PRECISIONS, "bf16", "f32")
-    for module in (openvino_runner, export_bf16):
-        patch.setattr(module, "bf16_unsupported_reason", lambda: None)
+    """OpenVINO's bf16 hint pinned to f32, which needs no CPU check: the bf16 path on a CPU without bf16."""
+    patch.setitem(PRECISIONS, "bf16", replace(PRECISIONS["bf16"], openvino_hint="f32"))
 
 
 @pytest.fixture
@@ -164,7 +162,7 @@ def test_a_bf16_bundle_marks_its_dit_and_validates_it_on_openvino(pinned_bf16_bu
         assert meta.get("precision", "fp32") == g["precision"]
         assert g["validation"]["passed"]
     dit = manifest["graphs"][DIT]
-    assert dit["validation"]["provider"] == OPENVINO_BF16
+    assert dit["validation"]["provider"] == "OpenVINO CPU bf16"
     assert dit["validation"]["gates"]["mel_rel_rms"]["bound"] == pytest.approx(10 ** (-45 / 20))
     meta = read_onnx_metadata(pinned_bf16_bundle / dit["file"])
     assert meta["bf16_revision"] == str(export_bf16.BF16_REVISION)

@@ -10,7 +10,8 @@ without bf16 instructions can neither validate nor run one: the export refuses u
 
 from __future__ import annotations
 
-from cosyvoice_runtime.runners.openvino import bf16_unsupported_reason, import_openvino
+from cosyvoice_graphs import Precision
+from cosyvoice_runtime.runners.openvino import import_openvino, unsupported_reason
 
 from .trace import ExportError
 
@@ -19,14 +20,16 @@ BF16_REVISION = 1
 
 
 class Bf16Unavailable(ExportError):
-    """This machine cannot validate bf16 graphs (no OpenVINO, or no bf16 instructions)."""
+    """This machine cannot validate graphs that OpenVINO runs in reduced precision (bf16): no OpenVINO, or a
+    CPU without the instructions."""
 
 
-def require_bf16() -> None:
-    """Raise `Bf16Unavailable` unless OpenVINO can run bf16 graphs on this CPU."""
-    reason = bf16_unsupported_reason()
+def require_openvino(precision: Precision) -> None:
+    """Raise `Bf16Unavailable` unless OpenVINO can run `precision`'s graphs on this CPU, as validating them
+    does."""
+    reason = unsupported_reason(precision)
     if reason is not None:
-        raise Bf16Unavailable(f"--precision bf16: {reason}")
+        raise Bf16Unavailable(f"--precision {precision.name}: {reason}")
 
 
 def bf16_metadata() -> dict[str, str]:

@@ -27,7 +27,7 @@ import numpy as np
 from torch import nn
 from tqdm import tqdm
 
-from cosyvoice_graphs import PRECISIONS, SPECS, GraphSpec, ModelDims, spec
+from cosyvoice_graphs import PRECISIONS, SPECS, GraphSpec, ModelDims, Precision, spec
 from cosyvoice_graphs.bundle_layout import (
     FLOW_NOISE,
     FORMAT,
@@ -48,6 +48,8 @@ from cosyvoice_graphs.bundle_layout import (
     graph_file,
     table_file,
 )
+from cosyvoice_graphs.precision import BF16, FP16, FP32, INT8
+from cosyvoice_graphs.providers import OPENVINO
 from cosyvoice_runtime.noise import MT19937, UniformNoise
 
 from ..bundle.check import check_bundle
@@ -60,7 +62,7 @@ from ..nets.flow import CausalMaskedDiffWithDiT
 from ..nets.hift import CausalHiFTGenerator
 from ..nets.llm import CosyVoice3LM
 from ..noise import noise_tables
-from .bf16 import BF16_REVISION, bf16_metadata, require_bf16
+from .bf16 import BF16_REVISION, bf16_metadata, require_openvino
 from .decode_gates import SEQUENCES, validate_decode
 from .dims import model_dims
 from .fp16 import FP16_REVISION, write_fp16
@@ -117,9 +119,9 @@ class GraphResult:
     trt: dict[str, Any] | None = None
     """The TensorRT plan (--trt): file, size, sha256, cache key, GPU, TensorRT version, timings."""
     trt_validation: GraphValidation | None = None
-    precision: str = "fp32"
-    """fp16: float16 body with fragile ops in float32 (see `fp16`); int8: int8 weights for the matmuls
-    (see `int8`); the I/O is the spec's either way."""
+    precision: str = FP32.name
+    """A key of `PRECISIONS` (`Precision.rewrite` says how its body differs from fp32's); the I/O is the
+    spec's in every one."""
 
     @property
     def size(self) -> int:
@@ -222,7 +224,7 @@ def _prepare_out(out: Path, precision: str) -> None:
                                  "choose a new or empty directory")
     marker = out / STATE_DIR / PRECISION_FILE
     # bundles written before precisions were recorded are fp32
-    found = marker.read_text().strip() if marker.is_file() else "fp32" if ours else precision
+    found = marker.read_text().strip() if marker.is_file() else FP32.name if ours else precision
     if found != precision:
         raise RuntimeBundleError(f"{out}: holds a {found} runtime bundle; --precision {precision} needs "
                                  "a new or empty --out (one precision per bundle)")
@@ -305,22 +307,33 @@ def _checkpoints_of(wrapper: nn.Module, nets: _Networks) -> list[str]:
     return [f"{n}.pt" for n in (used or NETWORKS)]
 
 
-CONVERSIONS: dict[str, tuple[int, Callable[[Path, GraphSpec], Path]]] = {
-    "fp16": (FP16_REVISION, write_fp16),
-    "int8": (INT8_REVISION, write_int8),
+@dataclass(frozen=True)
+class Conversion:
+    """How the exporter makes a reduced-precision graph from the graph it exported in float32."""
+
+    revision: int
+    """Bumped when what its graphs are changes (it forces them to be exported again)."""
+    rewrite: Callable[[Path, GraphSpec], Path] | None = None
+    """Rewrites the exported graph into the precision (`Precision.rewrite` says how); None where the
+    precision's graph is the float32 export itself."""
+    metadata: Callable[[], dict[str, str]] = dict
+    """What the exported graph's `metadata_props` gain (a rewrite adds its own)."""
+
+
+CONVERSIONS = {
+    FP16.name: Conversion(FP16_REVISION, write_fp16),
+    INT8.name: Conversion(INT8_REVISION, write_int8),
+    BF16.name: Conversion(BF16_REVISION, metadata=bf16_metadata),
 }
-"""Reduced precision -> the revision of its conversion and the rewrite of an exported fp32 graph into it."""
-
-
-REVISIONS = {p: revision for p, (revision, _) in CONVERSIONS.items()} | {"bf16": BF16_REVISION}
-"""Reduced precision -> the revision of what its graphs are (bf16: the fp32 body, marked; see `bf16`)."""
+"""Reduced precision -> its conversion (see `fp16`, `int8`, `bf16`)."""
 
 
 def _graph_inputs(s: GraphSpec, sources: Mapping[str, str], precision: str) -> dict[str, Any]:
     """What a graph is a function of: when none of it changed, the graph need not be exported again."""
-    conversion = f"{precision} rev {REVISIONS[precision]}" if precision in REVISIONS else "fp32"
+    conversion = CONVERSIONS.get(precision)
+    made = precision if conversion is None else f"{precision} rev {conversion.revision}"
     return {"spec_name": s.name, "spec_version": s.version, "exporter_version": EXPORTER_VERSION,
-            "sources": dict(sorted(sources.items())), "precision": conversion}
+            "sources": dict(sorted(sources.items())), "precision": made}
 
 
 # --- steps ---------------------------------------------------------------------------------------------
@@ -363,14 +376,15 @@ def _export(out: Path, s: GraphSpec, dims: ModelDims, nets: _Networks, source_sh
     meta = {"source_checkpoint": ",".join(checkpoints),
             "source_sha256": ",".join(sources[c] for c in checkpoints),
             "model_yaml_sha256": sources[YAML]}
-    if precision == "bf16":  # the float32 body, which OpenVINO runs in bf16: marked, not rewritten
-        meta |= bf16_metadata()
+    conversion = CONVERSIONS.get(precision)
+    if conversion is not None:
+        meta |= conversion.metadata()
     bar.set_postfix_str(f"{s.name}: export")
     result = export_graph(wrapper, s, dims, out / graph_file(s.name), extra_metadata=meta)
     paths = result.files
-    if precision in CONVERSIONS:
+    if conversion is not None and conversion.rewrite is not None:
         bar.set_postfix_str(f"{s.name}: {precision}")
-        paths = (CONVERSIONS[precision][1](result.path, s),)
+        paths = (conversion.rewrite(result.path, s),)
     bar.set_postfix_str(f"{s.name}: validate")
     start = time.perf_counter()
     validation = validate_graph(result.path, wrapper, s.at_precision(precision), precision=precision)
@@ -526,7 +540,7 @@ def _step(bar: tqdm, label: str) -> Iterator[None]:
 
 
 def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, trt: bool = False,
-               precision: str = "fp32", progress: bool = True) -> Report:
+               precision: str = FP32.name, progress: bool = True) -> Report:
     """Export, check and validate every graph of the model bundle at `model_dir` and assemble the
     runtime bundle in `out`.
 
@@ -534,32 +548,31 @@ def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, t
     earlier run into `out`, that passed then and whose files are intact, is reused unless `force`; the
     files of graphs an earlier exporter made that this one no longer does (`RETIRED_GRAPHS`) are deleted.
     Bad bundles raise `BundleError` (the one-line errors of `check-bundle`); a foreign or unwritable
-    `out` raises `RuntimeBundleError`; with `trt` and no CUDA device or TensorRT, or `precision="int8"`
-    or `"bf16"`, `TrtUnavailable` is raised before anything is read or written, and so is
-    `Bf16Unavailable` for `precision="bf16"` on a CPU without bf16 instructions. Validation failures do
-    not raise: they are in the report, and no manifest is written.
+    `out` raises `RuntimeBundleError`; with `trt` and no CUDA device or TensorRT, or a precision without
+    TensorRT plans (`Precision.trt_plans`: int8, bf16), `TrtUnavailable` is raised before anything is read
+    or written, and so is `Bf16Unavailable` for a precision validated on OpenVINO (bf16) on a CPU without
+    its instructions. Validation failures do not raise: they are in the report, and no manifest is
+    written.
 
-    `precision="fp16"`, `"int8"` or `"bf16"` gives each graph whose spec bounds that precision
+    A reduced precision (a key of `CONVERSIONS`) gives each graph whose spec bounds that precision
     (`GraphSpec.precision_tolerances`) a body in it (float32 I/O; see `fp16`, `int8`, `bf16`), validated with
     those bounds and, where the spec has them, its decode or solve gates; the other graphs stay fp32.
     `out` must not hold a bundle of another precision.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+    record = Precision.named(precision)
     start = time.perf_counter()
     trt_env = None
     if trt:
         from .trt import TrtUnavailable, require_trt
 
-        if precision == "int8":
-            raise TrtUnavailable("--trt with --precision int8: the int8 graphs are made of onnxruntime's "
-                                 "int8 operators, which TensorRT does not build; export int8 without --trt")
-        if precision == "bf16":
-            raise TrtUnavailable("--trt with --precision bf16: bf16 graphs run on the CPU (OpenVINO); for a "
-                                 "GPU export --precision fp16 --trt")
+        if not record.trt_plans:
+            planned = [name for name, p in PRECISIONS.items() if p.trt_plans]
+            raise TrtUnavailable(f"--trt with --precision {precision}: {precision} graphs run on "
+                                 f"{record.runs_on}, not as TensorRT plans; --trt takes --precision "
+                                 f"{' or '.join(planned)}")
         trt_env = require_trt()
-    if precision == "bf16":
-        require_bf16()
+    if record.cpu_provider == OPENVINO:
+        require_openvino(record)
     model_dir, out = Path(model_dir), Path(out)
     bundle = check_bundle(model_dir, report=lambda line: None)
     _prepare_out(out, precision)

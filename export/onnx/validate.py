@@ -18,7 +18,9 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from cosyvoice_graphs import Case, DecodeGates, GraphSpec, SolveGates
+from cosyvoice_graphs import Case, DecodeGates, GraphSpec, Precision, SolveGates
+from cosyvoice_graphs.precision import FP32
+from cosyvoice_graphs.providers import OPENVINO
 from cosyvoice_runtime.runners import OpenVinoRunner
 
 from .trace import ExportError, torch_inputs
@@ -172,15 +174,15 @@ def run_ort(session: ort.InferenceSession, spec: GraphSpec, feeds: Mapping[str, 
 
 GraphCall: TypeAlias = Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
 """A graph as a function: its feeds by name -> its outputs by the spec's names."""
-OPENVINO_BF16 = "OpenVINO CPU bf16"
 
 
 def cpu_graph(path: Path, spec: GraphSpec, precision: str) -> tuple[GraphCall, str]:
-    """The graph at `path` run as the runtime runs a graph of `precision` on the CPU (onnxruntime; OpenVINO
-    in bf16 for a bf16 graph), and the name of what runs it."""
-    if precision == "bf16":
+    """The graph at `path` run as the runtime runs a graph of `precision` under `cpu`
+    (`Precision.cpu_provider`: onnxruntime, or OpenVINO at the precision's hint), and the name of what runs
+    it."""
+    if Precision.named(precision).cpu_provider == OPENVINO:
         runner = OpenVinoRunner(path, spec, precision)
-        return runner.infer, OPENVINO_BF16
+        return runner.infer, f"OpenVINO CPU {precision}"
     session = ort_session(path)
     return partial(run_ort, session, spec), CPU
 
@@ -202,7 +204,7 @@ def validation_cases(spec: GraphSpec, extra_cases: Iterable[Case] = ()) -> list[
 
 
 def validate_graph(path: Path, wrapper: nn.Module, spec: GraphSpec, *, extra_cases: Sequence[Case] = (),
-                   precision: str = "fp32") -> GraphValidation:
+                   precision: str = FP32.name) -> GraphValidation:
     """Compare the ONNX graph at `path` (a `precision` graph, run as `cpu_graph` runs it) with `wrapper`
     at every validation case. Tolerance failures are returned as figures, not raised: see
     `GraphValidation.raise_for_failure`."""

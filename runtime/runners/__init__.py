@@ -8,6 +8,7 @@ another execution provider: what was asked for runs, or `ProviderError` says why
 
 from __future__ import annotations
 
+from cosyvoice_graphs import precisions_on
 from cosyvoice_graphs.providers import CPU, CPU_PROVIDERS, CUDA, OPENVINO, PROVIDERS, TENSORRT, TRT
 
 from ..bundle import RuntimeBundle
@@ -23,28 +24,30 @@ __all__ = ["CPU", "CPU_PROVIDERS", "CUDA", "OPENVINO", "OPTIMIZATION", "ORT_PROV
 
 
 def on_openvino(bundle: RuntimeBundle, graph: str, provider: str) -> bool:
-    """Whether `open_runner` runs `graph` on OpenVINO: a bf16 graph (OpenVINO's is the fast x86 bf16), or
-    any graph under the `openvino` provider."""
-    return bundle.graph_precision(graph) == "bf16" or provider == OPENVINO
+    """Whether `open_runner` runs `graph` on OpenVINO: any graph under the `openvino` provider, and under
+    `cpu` a graph whose precision runs there on OpenVINO (bf16: OpenVINO's is the fast x86 bf16)."""
+    cpu_on_openvino = provider == CPU and bundle.graph_precision(graph).cpu_provider == OPENVINO
+    return provider == OPENVINO or cpu_on_openvino
 
 
 def open_runner(bundle: RuntimeBundle, graph: str, provider: str = CPU, *, threads: int | None = None
                 ) -> Runner:
     """A runner for `graph` of `bundle` on `provider` (one of `PROVIDERS`), its metadata checked
     against the manifest. `threads` sets onnxruntime's intra-op threads (OpenVINO's inference threads).
-    A bf16 graph runs on OpenVINO under `cpu` and `openvino`, and is refused on a GPU provider."""
+    A graph runs only on its precision's providers (a bf16 graph: on OpenVINO, under `cpu` and
+    `openvino`)."""
     if graph not in bundle.specs:
         raise KeyError(f"unknown graph {graph!r}; known: {', '.join(bundle.specs)}")
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
     spec = bundle.specs[graph]
     precision = bundle.graph_precision(graph)
-    if precision == "bf16" and provider not in CPU_PROVIDERS:
-        raise ProviderError(f"{graph} is a bf16 graph, which runs on the CPU (OpenVINO), not on "
-                            f"{provider!r}; for a GPU export --precision fp16")
+    if provider not in precision.providers:
+        raise ProviderError(f"{graph} is a {precision.name} graph, which runs on {precision.runs_on}, not on "
+                            f"{provider!r}, which runs {', '.join(precisions_on(provider))} graphs")
     if on_openvino(bundle, graph, provider):
         bundle.graph_metadata(graph)  # checked against the manifest as it is read
-        return OpenVinoRunner(bundle.graph_path(graph), spec, precision, threads=threads)
+        return OpenVinoRunner(bundle.graph_path(graph), spec, precision.name, threads=threads)
     if provider == TRT:
         bundle.graph_metadata(graph)  # the plan was built from this graph: its provenance is the plan's
         return TrtRunner(bundle.trt_plan(graph), spec)

@@ -1,10 +1,12 @@
-"""Graphs on OpenVINO's CPU plugin: fp32 graphs in float32, bf16 graphs in bfloat16.
+"""Graphs on OpenVINO's CPU plugin, compiled at their precision's `Precision.openvino_hint`: fp32 graphs
+in float32, bf16 graphs in bfloat16.
 
 A bf16 graph's file is its float32 ONNX graph; OpenVINO converts the weights and runs the matmuls in
 bfloat16 (`INFERENCE_PRECISION_HINT`), which is fast only on CPUs with AVX512-BF16 or AMX. onnxruntime has
 no fast x86 bf16 matmul, so OpenVINO is the only way this runtime runs bf16. On any other CPU OpenVINO
-would silently compute in float32: the runner reads back the precision it compiled with and refuses
-instead. OpenVINO is optional (`pip install 'cosyvoice-onnx[openvino]'`) and imported when asked for.
+would silently compute in float32: the runner checks the CPU's capabilities and reads back the precision
+it compiled with, and refuses instead. OpenVINO is optional (`pip install 'cosyvoice-onnx[openvino]'`) and
+imported when asked for.
 """
 
 from __future__ import annotations
@@ -18,16 +20,16 @@ from typing import Any
 
 import numpy as np
 
-from cosyvoice_graphs import GraphSpec
+from cosyvoice_graphs import GraphSpec, Precision, precisions_on
+from cosyvoice_graphs.precision import FP32
+from cosyvoice_graphs.providers import OPENVINO
 
 from ..errors import ProviderError, RuntimeBundleError
 from .base import RunnerBase
 
-INFERENCE_PRECISIONS = {"fp32": "f32", "bf16": "bf16"}
-"""A graph's precision -> the `INFERENCE_PRECISION_HINT` it is compiled with. fp16 and int8 bodies are
-onnxruntime's (CUDA, int8 operators) and do not run here."""
-BF16_CAPABILITY = "BF16"
-"""What OpenVINO lists in the CPU's `OPTIMIZATION_CAPABILITIES` when it has bf16 instructions."""
+HINT_CAPABILITIES = {"bf16": "BF16"}
+"""An `INFERENCE_PRECISION_HINT` that takes effect only on CPUs with instructions for it -> what OpenVINO
+then lists in the CPU's `OPTIMIZATION_CAPABILITIES`. Elsewhere OpenVINO silently computes in f32."""
 
 
 def import_openvino() -> ModuleType:
@@ -46,16 +48,20 @@ def cpu_capabilities() -> tuple[str, ...]:
     return tuple(str(c) for c in import_openvino().Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
 
 
-def bf16_unsupported_reason() -> str | None:
-    """Why this machine cannot run bf16 graphs, or None when it can."""
+def unsupported_reason(precision: Precision) -> str | None:
+    """Why this machine cannot run graphs of `precision` at its OpenVINO hint, or None when it can (also
+    when the hint needs no CPU capability: OpenVINO's own import error says the rest)."""
+    needed = HINT_CAPABILITIES.get(precision.openvino_hint or "")
+    if needed is None:
+        return None
     try:
         capabilities = cpu_capabilities()
     except ProviderError as e:
         return str(e)
-    if BF16_CAPABILITY in capabilities:
+    if needed in capabilities:
         return None
-    return (f"this CPU has no bf16 instructions (OpenVINO reports {', '.join(capabilities)}); bf16 needs "
-            "AVX512-BF16 or AMX: use --precision int8 or fp32 here")
+    return (f"this CPU has no {precision.name} instructions (OpenVINO reports {', '.join(capabilities)}); "
+            f"{precision.name} is for {precision.purpose}; use another --precision here")
 
 
 def _named(ports: list[set[str]], names: list[str]) -> bool:
@@ -69,18 +75,19 @@ class OpenVinoRunner(RunnerBase):
     Calls may come from several threads at once (the server's sessions): the compiled model is shared,
     each thread gets its own infer request."""
 
-    def __init__(self, path: Path | str, spec: GraphSpec, precision: str = "fp32", *,
+    def __init__(self, path: Path | str, spec: GraphSpec, precision: str = FP32.name, *,
                  threads: int | None = None) -> None:
-        """`precision`: the graph's (a key of `INFERENCE_PRECISIONS`); `threads`: inference threads
-        (None: OpenVINO's default)."""
+        """`precision`: the graph's (one with an OpenVINO hint); `threads`: inference threads (None:
+        OpenVINO's default)."""
         super().__init__(spec)
-        if precision not in INFERENCE_PRECISIONS:
-            raise ProviderError(f"{path}: a {precision} graph does not run on OpenVINO (it runs fp32 and "
-                                "bf16 graphs); use --provider cpu")
-        if precision == "bf16" and (reason := bf16_unsupported_reason()) is not None:
-            raise ProviderError(f"{path}: a bf16 graph: {reason}")
+        record = Precision.named(precision)
+        if record.openvino_hint is None:
+            raise ProviderError(f"{path}: a {precision} graph does not run on OpenVINO (it runs "
+                                f"{', '.join(precisions_on(OPENVINO))} graphs); use --provider cpu")
+        if (reason := unsupported_reason(record)) is not None:
+            raise ProviderError(f"{path}: a {precision} graph: {reason}")
         ov = import_openvino()
-        wanted = INFERENCE_PRECISIONS[precision]
+        wanted = record.openvino_hint
         config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": wanted, "PERFORMANCE_HINT": "LATENCY"}
         if threads is not None:
             config["INFERENCE_NUM_THREADS"] = threads

@@ -1,0 +1,93 @@
+"""The precisions a runtime bundle is exported in, one record each: what it is for, whether the exporter
+rewrites the float32 graph, and where its graphs run. The exporter, the runtime, golden and bench consult
+the record; a new precision is a record here plus its conversion in the exporter
+(`cosyvoice_export.onnx.runtime_bundle.CONVERSIONS`).
+
+A bundle has one precision: each graph whose spec bounds it (`GraphSpec.precision_tolerances`) gets a body
+in it, the others stay fp32. Graph I/O is the spec's in every precision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .providers import CPU, CPU_PROVIDERS, CUDA, OPENVINO, PROVIDERS, TENSORRT, TRT
+
+
+@dataclass(frozen=True)
+class Precision:
+    """One precision: what it is for, how its graphs are made, and where they run."""
+
+    name: str
+    """As `--precision`, the manifest and a graph's `precision` metadata spell it."""
+    purpose: str
+    """What it is for, in one line (read after "is for")."""
+    rewrite: str | None
+    """How the exporter rewrites the exported float32 graph into it; None when its graph is the float32
+    export itself (fp32; bf16, which OpenVINO converts as it compiles the graph)."""
+    cpu_provider: str
+    """What validates its graphs at export and runs them under `cpu`: onnxruntime (`cpu`) or OpenVINO
+    (`openvino`)."""
+    openvino_hint: str | None
+    """OpenVINO's `INFERENCE_PRECISION_HINT` for its graphs; None when OpenVINO does not run them."""
+    providers: tuple[str, ...]
+    """The providers its graphs may run on; `trt` among them when the exporter builds TensorRT plans of
+    them."""
+    runs_on: str
+    """Where its graphs run, in the words of a refusal."""
+    weight_bytes: int
+    """Bytes per weight of its matmuls (int8: its scales and float32 heads not counted)."""
+
+    def __post_init__(self) -> None:
+        unknown = [p for p in self.providers if p not in PROVIDERS]
+        if unknown:
+            raise ValueError(f"{self.name}: unknown provider {unknown[0]!r}; known: {', '.join(PROVIDERS)}")
+        if self.cpu_provider not in CPU_PROVIDERS or CPU not in self.providers:
+            raise ValueError(f"{self.name}: must run under `cpu`, through one of {', '.join(CPU_PROVIDERS)}")
+        if (self.openvino_hint is None) == (OPENVINO in self.providers):
+            raise ValueError(f"{self.name}: an OpenVINO hint exactly when it runs on {OPENVINO!r}")
+
+    @property
+    def trt_plans(self) -> bool:
+        """Whether the exporter builds TensorRT plans of its graphs (`--trt`)."""
+        return TRT in self.providers
+
+    @staticmethod
+    def named(name: str) -> Precision:
+        """The precision called `name`; a one-line `ValueError` naming the known ones otherwise."""
+        found = PRECISIONS.get(name) if isinstance(name, str) else None
+        if found is None:
+            raise ValueError(f"unknown precision {name!r}; known: {', '.join(PRECISIONS)}")
+        return found
+
+
+FP32 = Precision(
+    "fp32", "the reference: every graph as traced, on every provider", rewrite=None, cpu_provider=CPU,
+    openvino_hint="f32", providers=PROVIDERS, runs_on="every provider", weight_bytes=4)
+"""Also the precision of a graph whose manifest entry or metadata records none."""
+FP16 = Precision(
+    "fp16", "GPUs: float16 weights and matmuls, half the memory and traffic",
+    rewrite="float16 weights and matmul/conv compute; numerically fragile ops and the I/O in float32",
+    cpu_provider=CPU, openvino_hint=None, providers=(CPU, CUDA, TENSORRT, TRT),
+    runs_on="onnxruntime and TensorRT", weight_bytes=2)
+INT8 = Precision(
+    "int8", "CPUs: int8 weights for the llm's and the DiT's matmuls",
+    rewrite="int8 weights for the weight matmuls (onnxruntime's MatMulNBits or dynamic quantization); "
+            "caches, norms, softmax, heads and the I/O in float32",
+    cpu_provider=CPU, openvino_hint=None, providers=(CPU, CUDA, TENSORRT),
+    runs_on="onnxruntime (int8 operators, which TensorRT does not build)", weight_bytes=1)
+BF16 = Precision(
+    "bf16", "CPUs with AVX512-BF16 or AMX: the DiT computed in bfloat16, by OpenVINO", rewrite=None,
+    cpu_provider=OPENVINO, openvino_hint="bf16", providers=(CPU, OPENVINO), runs_on="the CPU (OpenVINO)",
+    weight_bytes=2)
+
+PRECISIONS: dict[str, Precision] = {p.name: p for p in (FP32, FP16, INT8, BF16)}
+"""Every precision by name (iterating gives the names, as `--precision` lists them)."""
+PRECISION_NAMES = tuple(PRECISIONS)
+REDUCED_PRECISIONS = tuple(name for name in PRECISIONS if name != FP32.name)
+"""The precisions a spec may bound (`GraphSpec.precision_tolerances`): validated against float32."""
+
+
+def precisions_on(provider: str) -> tuple[str, ...]:
+    """The names of the precisions whose graphs may run on `provider`."""
+    return tuple(name for name, p in PRECISIONS.items() if provider in p.providers)
