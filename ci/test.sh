@@ -14,8 +14,8 @@ if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id 
 fi
 .venv/bin/ruff check export runtime graphs golden bench serve tests
 .venv/bin/mypy runtime graphs golden bench serve export
-# the runtime is torch-free: its tests must pass where `pip install cosyvoice-onnx` put no extra
+# the runtime is torch-free: its tests must pass where `pip install 'cosyvoice-onnx[cpu]'` put it alone
 python3 -m venv .venv-base
-.venv-base/bin/pip install --quiet --disable-pip-version-check -c ci/constraints.txt -e . pytest
+.venv-base/bin/pip install --quiet --disable-pip-version-check -c ci/constraints.txt -e '.[cpu]' pytest
 .venv-base/bin/pytest -p no:cacheprovider -m "not torch" "$@"
 .venv/bin/pytest "$@"

@@ -4,9 +4,23 @@
 `cosyvoice_export`.
 """
 
-from .cosyvoice3 import CosyVoice3
+from __future__ import annotations
 
-AutoModel = CosyVoice3
-"""Upstream's name for the object that opens a model directory."""
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .cosyvoice3 import CosyVoice3
+
+    AutoModel = CosyVoice3
 
 __all__ = ["AutoModel", "CosyVoice3"]
+
+
+def __getattr__(name: str) -> Any:
+    # imported on first use, so that `cosyvoice_runtime.extras` (the console scripts' front) loads where
+    # onnxruntime is missing; `AutoModel` is upstream's name for the object that opens a model directory
+    if name in __all__:
+        from .cosyvoice3 import CosyVoice3
+
+        return CosyVoice3
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,6 +24,7 @@ from .atomic_files import write_json_atomic
 from .bundle import RuntimeBundle
 from .demo import DEMO_BUNDLE
 from .errors import RuntimeBundleError, UserError
+from .extras import install_command, missing_modules
 
 MODEL_DIR_ENV = "COSYVOICE_MODEL_DIR"
 CACHE_DIR_ENV = "COSYVOICE_CACHE_DIR"
@@ -100,15 +101,16 @@ def _runtime_bundle(path: Path, origin: str, progress: bool, *, default: bool) -
 def _export(model_dir: Path, out: Path, what: str, progress: bool) -> None:
     """`cosyvoice-export all` as a command: the runtime never imports the exporter (or torch)."""
     command = console_script("cosyvoice-export")
-    if command is None:
+    # this environment's command cannot run without the extra's modules, which are looked up here unimported
+    if command is None or (Path(command).parent == Path(sys.executable).parent and missing_modules("export")):
         raise RuntimeBundleError(f"{what} is a model bundle; exporting it needs the export extra "
-                                 "(pip install 'cosyvoice-onnx[export]'), which provides cosyvoice-export")
+                                 f"({install_command('export')}), which provides cosyvoice-export")
     args = [command, "all", "--model-dir", str(model_dir), "--out", str(out)]
     done = subprocess.run(args, stdout=None if progress else subprocess.DEVNULL,
                           stderr=None if progress else subprocess.PIPE, text=True, check=False)
     if done.returncode != 0:
         detail = (done.stderr or "").strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
-        raise RuntimeBundleError(f"exporting {what} failed: {detail[0]}")
+        raise RuntimeBundleError(f"exporting {what} failed: {detail[0].removeprefix('error: ')}")
 
 
 def console_script(name: str) -> str | None:

@@ -8,8 +8,21 @@ front of one shared `CosyVoice3`. Never imports torch or `cosyvoice_export`.
 
 from __future__ import annotations
 
-from .app import create_app
-from .engine import Engine
-from .settings import ServerSettings
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .app import create_app
+    from .engine import Engine
+    from .settings import ServerSettings
 
 __all__ = ["Engine", "ServerSettings", "create_app"]
+_HOMES = {"Engine": ".engine", "ServerSettings": ".settings", "create_app": ".app"}
+
+
+def __getattr__(name: str) -> Any:
+    # imported on first use, so that the console script's front (`__main__`) loads where the serve extra
+    # is missing and can say so
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -254,8 +254,10 @@ def test_trt_runner_unavailable(bundle: RuntimeBundle) -> None:
     if importlib.util.find_spec("tensorrt") is not None:
         pytest.skip("TensorRT is installed here")
     plan = TrtPlan(bundle.root / "trt" / "hift_f0.0000000000000000.plan", "10.0.0", "NVIDIA H100")
-    with pytest.raises(ProviderError, match=r"provider 'trt' needs TensorRT and polygraphy \(pip install "
-                                            r"'cosyvoice-onnx\[gpu\]'\); tensorrt is not installed"):
+    with pytest.raises(ProviderError, match=r"provider 'trt' needs TensorRT and polygraphy \(pip uninstall "
+                                            r"-y onnxruntime onnxruntime-gpu && pip install "
+                                            r"'cosyvoice-onnx\[(export-)?gpu\]'\); tensorrt is not "
+                                            r"installed"):
         TrtRunner(plan, bundle.specs["hift_f0"])
 
 

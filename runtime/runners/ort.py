@@ -13,6 +13,7 @@ from cosyvoice_graphs import GraphSpec
 from cosyvoice_graphs.providers import CPU, CUDA, TENSORRT
 
 from ..errors import ProviderError, RuntimeBundleError
+from ..extras import gpu_install_command
 from .base import Feed, RunnerBase
 
 ORT_PROVIDERS = {CPU: "CPUExecutionProvider", CUDA: "CUDAExecutionProvider",
@@ -44,7 +45,7 @@ class OrtRunner(RunnerBase):
         if wanted not in available:
             raise ProviderError(f"provider {provider!r} needs onnxruntime's {wanted}; this onnxruntime "
                                 f"{ort.__version__} has only {', '.join(available)} "
-                                "(pip install 'cosyvoice-onnx[gpu]')")
+                                f"({gpu_install_command()})")
         options = ort.SessionOptions()
         options.graph_optimization_level = OPTIMIZATION[optimization]
         if threads is not None:

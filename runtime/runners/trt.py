@@ -12,6 +12,7 @@ from cosyvoice_graphs import GraphSpec
 from ..bundle import TrtPlan
 from ..cuda_device import cuda_device_name
 from ..errors import FeedError, ProviderError, RuntimeBundleError
+from ..extras import gpu_install_command
 from .base import RunnerBase
 
 
@@ -21,8 +22,8 @@ def _import_trt() -> tuple[ModuleType, ModuleType]:
         import tensorrt
         from polygraphy import cuda
     except ImportError as e:
-        raise ProviderError("provider 'trt' needs TensorRT and polygraphy (pip install "
-                            f"'cosyvoice-onnx[gpu]'); {e.name} is not installed") from None
+        raise ProviderError(f"provider 'trt' needs TensorRT and polygraphy ({gpu_install_command()}); "
+                            f"{e.name} is not installed") from None
     return tensorrt, cuda
 
 

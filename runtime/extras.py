@@ -1,0 +1,104 @@
+"""What the optional parts of the install (pyproject's extras) bring, and the console scripts' front: a
+command run where its extra is missing prints one line naming the extra and the pip command, and exits 2,
+instead of an import traceback.
+
+onnxruntime comes in two distributions, `onnxruntime` (CPU) and `onnxruntime-gpu` (CUDA, TensorRT and
+CPU), which install the same `onnxruntime` package over each other and so must not share an environment.
+The base install has neither: the `cpu` and `gpu` extras bring one each, `export` brings `cpu` and
+`export-gpu` brings `gpu`, and every install names exactly one of them.
+
+Imports nothing beyond the standard library, so that it runs where any extra, onnxruntime included, is
+missing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from importlib import metadata
+from importlib.util import find_spec
+
+DISTRIBUTION = "cosyvoice-onnx"
+ONNXRUNTIME = "onnxruntime"
+"""The module both onnxruntime distributions provide."""
+CPU_ONNXRUNTIME, GPU_ONNXRUNTIME = "onnxruntime", "onnxruntime-gpu"
+"""The two distributions of it."""
+EXTRA_MODULES: dict[str, tuple[str, ...]] = {
+    "export": ("torch", "transformers", "safetensors", "onnx", "onnxslim", "onnx_ir", "librosa",
+               "huggingface_hub"),
+    "serve": ("fastapi", "uvicorn", "multipart", "python_multipart", "grpc", "google.protobuf"),
+}
+"""The modules each extra a console script may need brings (besides onnxruntime), by import name."""
+
+
+def installed(distribution: str) -> bool:
+    """Whether `distribution` is installed in this environment."""
+    try:
+        metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def missing_modules(extra: str) -> list[str]:
+    """The modules of `extra` this environment cannot import (found without importing them)."""
+    return [name for name in EXTRA_MODULES[extra] if not _findable(name)]
+
+
+def install_command(extra: str) -> str:
+    """The pip command that adds `extra` to this environment without a second onnxruntime: where
+    onnxruntime-gpu is installed, the export extra is `export-gpu`."""
+    if extra == "export" and installed(GPU_ONNXRUNTIME):
+        extra = "export-gpu"
+    return f"pip install '{DISTRIBUTION}[{extra}]'"
+
+
+def gpu_install_command() -> str:
+    """The pip command that gives this environment onnxruntime-gpu (and TensorRT): the CPU build goes
+    first, since the two overwrite each other's files."""
+    extra = "export-gpu" if _findable("torch") else "gpu"
+    install = f"pip install '{DISTRIBUTION}[{extra}]'"
+    if installed(CPU_ONNXRUNTIME):
+        return f"pip uninstall -y {CPU_ONNXRUNTIME} {GPU_ONNXRUNTIME} && {install}"
+    return install
+
+
+def missing_extra_line(script: str, error: ImportError, extras: tuple[str, ...]) -> str | None:
+    """The one line that tells the user of `script` what to install, when `error` is a module of
+    onnxruntime or of one of `extras` that is not installed; None for any other import error."""
+    name = error.name or ""
+    if _provides(ONNXRUNTIME, name):
+        return (f"error: {script} needs onnxruntime, which is not installed: pip install "
+                f"'{DISTRIBUTION}[cpu]' (on a CUDA machine '{DISTRIBUTION}[gpu]')")
+    for extra in extras:
+        if any(_provides(module, name) for module in EXTRA_MODULES[extra]):
+            return (f"error: {script} needs the {extra} extra ({name} is not installed): "
+                    f"{install_command(extra)}")
+    return None
+
+
+def run_console_script(script: str, module: str, extras: tuple[str, ...] = ()) -> None:
+    """Run `module`'s `main` as the console script `script`; where onnxruntime or a module of one of
+    `extras` is missing, when the CLI is imported or later in a command, print one line saying what to
+    install and exit 2."""
+    try:
+        importlib.import_module(module).main()
+    except ModuleNotFoundError as e:
+        line = missing_extra_line(script, e, extras)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        sys.exit(2)
+
+
+def _provides(module: str, name: str) -> bool:
+    """Whether importing `name` failing means `module` is missing: the same module, a package of it
+    (`google` for `google.protobuf`) or a module inside it."""
+    return name == module or module.startswith(f"{name}.") or name.startswith(f"{module}.")
+
+
+def _findable(name: str) -> bool:
+    try:
+        return find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a module without a spec
+        return False

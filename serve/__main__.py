@@ -1,0 +1,15 @@
+"""`cosyvoice-serve` (also `python -m cosyvoice_serve`): the CLI, or one line naming the serve extra where
+it (FastAPI, uvicorn, grpcio, ...) is missing."""
+
+from __future__ import annotations
+
+from cosyvoice_runtime.extras import run_console_script
+
+
+def main() -> None:
+    """The `cosyvoice-serve` console script."""
+    run_console_script("cosyvoice-serve", "cosyvoice_serve.cli", ("serve",))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""What a new user meets when installing: every console script run without the extra it needs says which
+to install in one line (exit 2), `cosyvoice-run --model` on a model bundle included; no install the README,
+pixi or CI uses holds both onnxruntime builds, and onnxruntime's version bound is the one CI tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from cosyvoice_runtime import extras
+from cosyvoice_runtime.bundle_source import CACHE_DIR_ENV, MODEL_DIR_ENV
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+SCRIPTS: dict[str, str] = PYPROJECT["project"]["scripts"]
+OPTIONAL: dict[str, list[str]] = PYPROJECT["project"]["optional-dependencies"]
+PACKAGE = canonicalize_name(PYPROJECT["project"]["name"])
+BUILDS = {canonicalize_name(extras.CPU_ONNXRUNTIME), canonicalize_name(extras.GPU_ONNXRUNTIME)}
+MISSING_ORT = (r"error: {script} needs onnxruntime, which is not installed: pip install "
+               r"'cosyvoice-onnx\[cpu\]' \(on a CUDA machine 'cosyvoice-onnx\[gpu\]'\)")
+MISSING_TORCH = (r"error: {script} needs the export extra \(torch is not installed\): pip install "
+                 r"'cosyvoice-onnx\[export\]'")
+
+
+def run_script(script: str, *args: str, unimportable: tuple[str, ...], env: dict[str, str] | None = None,
+               cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """The console script `script` as pyproject declares it, in a fresh interpreter where the modules
+    `unimportable` cannot be imported (as where their distributions are not installed)."""
+    module, function = SCRIPTS[script].split(":")
+    code = (f"import sys; sys.argv[0] = {script!r}; sys.modules.update(dict.fromkeys({unimportable!r})); "
+            f"from {module} import {function}; {function}()")
+    environment = {k: v for k, v in os.environ.items() if k != MODEL_DIR_ENV} | (env or {})
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          env=environment, cwd=cwd, timeout=120)
+
+
+def one_line(done: subprocess.CompletedProcess[str]) -> str:
+    """The single stderr line of a command that exited with status 2 and printed nothing else."""
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+# --- missing extras: one line, exit 2 ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("script", "blocked", "extra"), [("cosyvoice-serve", "fastapi", "serve"),
+                                                       ("cosyvoice-serve", "grpc", "serve"),
+                                                       ("cosyvoice-export", "torch", "export")])
+def test_a_missing_extra_is_one_line_naming_it_and_the_pip_command(script: str, blocked: str, extra: str
+                                                                   ) -> None:
+    line = one_line(run_script(script, "--help", unimportable=(blocked,)))
+    found = re.fullmatch(rf"error: {script} needs the {extra} extra \((\S+) is not installed\): pip install "
+                         rf"'cosyvoice-onnx\[{extra}\]'", line)
+    assert found, line
+    # the blocked module, or where the extra is not installed at all another of its modules imported first
+    assert found[1] == blocked or found[1] in extras.EXTRA_MODULES[extra]
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_every_script_without_onnxruntime_says_to_install_one_build(script: str) -> None:
+    if script == "cosyvoice-serve":  # else the missing serve extra is what it names
+        pytest.importorskip("uvicorn", reason="the serve extra is not installed")
+    line = one_line(run_script(script, "--help", unimportable=("onnxruntime",)))
+    assert re.fullmatch(MISSING_ORT.format(script=script), line)
+
+
+@pytest.mark.parametrize("script", ["cosyvoice-run", "cosyvoice-golden", "cosyvoice-bench"])
+def test_the_runtime_scripts_start_without_torch(script: str) -> None:
+    done = run_script(script, "--help", unimportable=("torch",))
+    assert done.returncode == 0, done.stderr
+    assert "Usage:" in done.stdout
+
+
+def test_bench_vs_torch_without_torch_is_one_line(tmp_path: Path) -> None:
+    from cosyvoice_runtime.demo import DEMO_BUNDLE
+
+    done = run_script("cosyvoice-bench", "--model", str(DEMO_BUNDLE), "--vs-torch", "--model-dir",
+                      str(tmp_path), "--quick", unimportable=("torch",))
+    assert re.fullmatch(MISSING_TORCH.format(script="cosyvoice-bench"), one_line(done))
+
+
+def test_run_on_a_model_bundle_without_the_export_extra_says_so_and_exports_nothing(tmp_path: Path) -> None:
+    model = tmp_path / "Fun-CosyVoice3-0.5B"
+    model.mkdir()
+    (model / "cosyvoice3.yaml").write_text("")  # what makes a folder a model bundle to `--model`
+    cache = tmp_path / "cache"
+    done = run_script("cosyvoice-run", "--model", str(model), "--text", "Hi.", "--out",
+                      str(tmp_path / "out.wav"), unimportable=("torch",), env={CACHE_DIR_ENV: str(cache)})
+    assert one_line(done) == (f"error: {model} (--model) is a model bundle; exporting it needs the export "
+                              "extra (pip install 'cosyvoice-onnx[export]'), which provides cosyvoice-export")
+    assert not cache.exists() and not (tmp_path / "out.wav").exists()
+
+
+def test_the_hints_never_add_a_second_onnxruntime(monkeypatch: pytest.MonkeyPatch) -> None:
+    installed: set[str] = set()
+    monkeypatch.setattr(extras, "installed", lambda name: name in installed)
+    assert extras.install_command("export") == "pip install 'cosyvoice-onnx[export]'"
+    assert extras.install_command("serve") == "pip install 'cosyvoice-onnx[serve]'"
+    assert extras.gpu_install_command() in ("pip install 'cosyvoice-onnx[gpu]'",
+                                            "pip install 'cosyvoice-onnx[export-gpu]'")
+    installed.add(extras.GPU_ONNXRUNTIME)
+    assert extras.install_command("export") == "pip install 'cosyvoice-onnx[export-gpu]'"
+    installed.add(extras.CPU_ONNXRUNTIME)
+    assert extras.gpu_install_command().startswith("pip uninstall -y onnxruntime onnxruntime-gpu && pip ")
+
+
+def test_only_the_extras_modules_are_taken_for_a_missing_extra() -> None:
+    line = extras.missing_extra_line
+    assert line("s", ModuleNotFoundError(name="google"), ("serve",)) is not None  # protobuf's namespace
+    assert line("s", ModuleNotFoundError(name="torch.nn"), ("export",)) is not None
+    assert line("s", ModuleNotFoundError(name="sympy"), ("export",)) is None  # a broken install, not an extra
+    assert line("s", ModuleNotFoundError(name="torch"), ("serve",)) is None
+    assert line("s", ModuleNotFoundError(name="onnx"), ()) is None  # not onnxruntime
+
+
+@pytest.mark.parametrize(("extra", "modules"), [("torch", "export"), ("serve", "serve")])
+def test_the_extras_modules_cover_every_distribution_of_the_extra(extra: str, modules: str) -> None:
+    """Each distribution pyproject's `extra` lists provides a module `EXTRA_MODULES[modules]` names, so that
+    its absence is recognised (checked where the distribution is installed)."""
+    provided: dict[str, set[str]] = {}
+    for module, distributions in metadata.packages_distributions().items():
+        for distribution in distributions:
+            provided.setdefault(canonicalize_name(distribution), set()).add(module)
+    listed = {m.split(".")[0] for m in extras.EXTRA_MODULES[modules]}
+    checked = [canonicalize_name(Requirement(r).name) for r in OPTIONAL[extra]]
+    present = [d for d in checked if d in provided]
+    if not present:
+        pytest.skip(f"the {extra} extra is not installed")
+    assert [d for d in present if not provided[d] & listed] == []
+
+
+# --- one onnxruntime per install --------------------------------------------------------------------------
+
+
+def distributions(chosen: set[str]) -> set[str]:
+    """The distributions `pip install 'cosyvoice-onnx[chosen]'` brings directly, the extras' references to
+    the package itself followed."""
+    unknown = chosen - set(OPTIONAL)
+    assert not unknown, f"extras {unknown} are not in pyproject.toml"
+    found = {canonicalize_name(Requirement(r).name) for r in PYPROJECT["project"]["dependencies"]}
+    for extra in chosen:
+        for requirement in map(Requirement, OPTIONAL[extra]):
+            if canonicalize_name(requirement.name) == PACKAGE:
+                found |= distributions(set(requirement.extras))
+            else:
+                found.add(canonicalize_name(requirement.name))
+    return found
+
+
+def readme_installs() -> dict[str, set[str]]:
+    """Every set of extras the README installs the package with (`'.[a,b]'`, `'cosyvoice-onnx[a]'`)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    found = re.findall(r"'(?:\.|cosyvoice-onnx)\[([a-z0-9,-]+)\]'", text)
+    assert found, "the README installs the package nowhere"
+    return {f"README [{spec}]": set(spec.split(",")) for spec in found}
+
+
+def pixi_installs() -> dict[str, set[str]]:
+    """Each pixi environment's extras: those of every feature it holds and of the default feature (the
+    union, the most any merging rule could install)."""
+    pixi = tomllib.loads((ROOT / "pixi.toml").read_text(encoding="utf-8"))
+
+    def extras_of(table: dict[str, Any]) -> set[str]:
+        return set(table.get("pypi-dependencies", {}).get(PYPROJECT["project"]["name"], {}).get("extras", []))
+
+    installs = {}
+    for name, features in pixi["environments"].items():
+        features = features["features"] if isinstance(features, dict) else features
+        chosen = extras_of(pixi)
+        for feature in features:
+            chosen |= extras_of(pixi["feature"][feature])
+        installs[f"pixi {name}"] = chosen
+    return installs
+
+
+def ci_installs() -> dict[str, set[str]]:
+    """The extras ci/test.sh installs the package with (`-e '.[a,b]'`, or `-e .`: none)."""
+    text = (ROOT / "ci" / "test.sh").read_text(encoding="utf-8")
+    found = re.findall(r"-e (\S+)", text)
+    assert found
+    return {f"ci {spec}": set(re.findall(r"\[(.*)\]", spec)[0].split(",")) if "[" in spec else set()
+            for spec in found}
+
+
+INSTALLS = readme_installs() | pixi_installs() | ci_installs()
+
+
+@pytest.mark.parametrize("where", sorted(INSTALLS))
+def test_every_documented_install_holds_exactly_one_onnxruntime(where: str) -> None:
+    assert len(distributions(INSTALLS[where]) & BUILDS) == 1, (where, distributions(INSTALLS[where]) & BUILDS)
+
+
+def test_the_builds_come_from_the_extras_alone() -> None:
+    assert not distributions(set()) & BUILDS  # the base install: a GPU install adds to it
+    assert distributions({"cpu"}) & BUILDS == {"onnxruntime"}
+    assert distributions({"gpu"}) & BUILDS == {"onnxruntime-gpu"}
+    assert distributions({"export"}) & BUILDS == {"onnxruntime"}
+    assert distributions({"export-gpu"}) & BUILDS == {"onnxruntime-gpu"}
+    assert distributions({"export", "gpu"}) & BUILDS == BUILDS  # what the check above catches
+    assert {"README [export]", "pixi default", "ci '.[cpu]'"} <= set(INSTALLS)
+
+
+def test_onnxruntime_is_bounded_below_by_the_release_ci_tests() -> None:
+    pins = {}
+    for line in (ROOT / "ci" / "constraints.txt").read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            requirement = Requirement(line)
+            pins[canonicalize_name(requirement.name)] = str(requirement.specifier)
+    pinned = pins["onnxruntime"].removeprefix("==")
+    for build in BUILDS:
+        bounds = [str(Requirement(r).specifier) for extra in OPTIONAL.values() for r in extra
+                  if canonicalize_name(Requirement(r).name) == build]
+        assert bounds == [f">={pinned}"], (build, bounds)
