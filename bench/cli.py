@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from cosyvoice_export.bundle.errors import BundleError
-from cosyvoice_runtime.atomic_files import write_json_atomic
+from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import choose_prompt
 from cosyvoice_runtime.errors import USER_ERRORS
@@ -75,7 +75,10 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
         if vs_torch != (model_dir is not None):
             raise BenchError("--vs-torch and --model-dir go together (the torch reference loads "
                              "--model-dir)")
-        bundle = RuntimeBundle.open(model)
+        if json_out is not None:
+            check_writable(json_out, "--json")
+        # a damaged graph is one line here, not figures from a broken model
+        bundle = RuntimeBundle.open(model, verify=True)
         if model_dir is not None:  # fail before the run starts, not when the torch side first loads
             from cosyvoice_export.bundle.model_dir import ModelBundle
 

@@ -11,7 +11,9 @@ from typing import Any
 import click
 
 from cosyvoice_graphs import PRECISIONS
+from cosyvoice_runtime.atomic_files import check_writable
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV, console_script
+from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.speakers import SPEAKERS_DIR_ENV
 
 from .bundle.errors import BundleError
@@ -28,12 +30,13 @@ LLM_OPTION = click.option(
 
 
 class _Group(click.Group):
-    """Turns user errors (bad bundles, bad input files) into one line on stderr and exit status 2."""
+    """Turns user errors (bad bundles, bad input files, unwritable outputs) into one line on stderr and exit
+    status 2."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (BundleError, FileExistsError) as e:
+        except (BundleError, FileExistsError, UserError) as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
 
@@ -127,6 +130,7 @@ def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:
     """Write a random-weight model bundle in upstream's exact file format to OUT."""
     from .bundle.tiny import write_bundle
 
+    check_writable(out, "OUT", directory=True)
     write_bundle(out, size=size, seed=seed, force=force, progress=True)
     click.echo(f"wrote {size} bundle (seed {seed}) to {out}")
 
@@ -138,7 +142,8 @@ def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:
               help="The runtime bundle to write: a new or empty directory, or one this command wrote.")
 @click.option("--trt", is_flag=True,
               help="Also build a TensorRT plan per graph (cached by ONNX sha256 + profile + GPU + TensorRT "
-                   "version) and validate it against onnxruntime. Needs a CUDA device and the gpu extra.")
+                   "version) and validate it against onnxruntime. Needs a CUDA device and the export-gpu "
+                   "extra.")
 @click.option("--force", is_flag=True, help="Export every graph again, even unchanged ones.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
               help="fp16: float16 weights and matmul/conv compute, fragile ops (norms, softmax, time "
@@ -209,6 +214,7 @@ def _synthesize(model_dir: Path, text: str, prompt_wav: Path | None, prompt_text
     from .reference.llm_decode import GreedySampler, RasSampler
     from .reference.pipeline import ReferencePipeline
 
+    check_writable(out, "--out")
     bundle = ModelBundle.open(model_dir)
     prompt_wav, prompt_text = _default_prompt(model_dir, prompt_wav, prompt_text)
     pipe = ReferencePipeline(bundle)

@@ -150,7 +150,8 @@ class Runtime:
             root = self.cases.resolve(value)
         root = root.resolve()
         if root not in self._bundles:
-            self._bundles[root] = RuntimeBundle.open(root)
+            # every file against its sha256: a damaged graph is one line, not a misleading token mismatch
+            self._bundles[root] = RuntimeBundle.open(root, verify=True)
         return self._bundles[root]
 
     @functools.cached_property

@@ -1,10 +1,11 @@
-"""Outputs written so that a reader never sees a partial file: a temporary name, then a rename."""
+"""Outputs written so that a reader never sees a partial file: a temporary name, then a rename; and the
+check that an output path can be written, made before the work that fills it."""
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,19 +14,52 @@ from typing import Any
 import numpy as np
 import soundfile as sf
 
+from .errors import UserError
+
+
+def new_sibling(path: Path, suffix: str, *, directory: bool = False) -> Path:
+    """A new empty file (or folder) beside `path`, named `.NAME.<random>SUFFIX`, with the mode any new file
+    (folder) gets: 0o666 (0o777) less the umask, which the kernel applies as it creates it. tempfile's
+    `mkstemp`/`mkdtemp` make theirs private (0o600, 0o700), and the rename would keep that."""
+    while True:
+        candidate = path.with_name(f".{path.name}.{secrets.token_hex(4)}{suffix}")
+        try:
+            if directory:
+                os.mkdir(candidate, 0o777)
+            else:
+                os.close(os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        return candidate
+
 
 @contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
     """A temporary path beside `path`, renamed onto it if the block succeeds and removed otherwise."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
+    tmp = new_sibling(path, ".tmp")
     try:
         yield tmp
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def check_writable(path: Path, option: str, *, directory: bool = False) -> None:
+    """Refuse, in one line naming `option`, an output path that could not be written: a folder where a file
+    is wanted (a file where a folder is), or a parent that is not a folder, or that neither exists nor can
+    be created, or that cannot be written. Nothing is created."""
+    if directory and path.exists() and not path.is_dir():
+        raise UserError(f"{option} {path}: is a file, not a folder")
+    if not directory and path.is_dir():
+        raise UserError(f"{option} {path}: is a folder")
+    parent = path.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent  # the folder that `mkdir(parents=True)` would create the rest in
+    if not parent.is_dir():
+        raise UserError(f"{option} {path}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{option} {path}: {parent} is not writable")
 
 
 def write_wav_atomic(path: Path, audio: np.ndarray, sample_rate: int) -> None:

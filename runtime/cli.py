@@ -17,14 +17,14 @@ from typing import IO, Any
 import click
 import numpy as np
 
-from .atomic_files import write_json_atomic, write_wav_atomic
+from .atomic_files import check_writable, write_json_atomic, write_wav_atomic
 from .bundle_source import MODEL_DIR_ENV, choose_bundle, choose_prompt
 from .cosyvoice3 import CosyVoice3
 from .errors import USER_ERRORS, UserError
 from .frontend import PromptFeatures, read_prompt_audio
 from .runners import CPU, PROVIDERS
 from .sampling import SAMPLINGS
-from .segments import Segment
+from .segments import MAX_TEXT_CHARS, Segment
 from .synthesis import Mode
 
 
@@ -42,6 +42,8 @@ def _read_text(text: str, stdin: IO[str]) -> str:
     text = stdin.read() if text == "-" else text
     if not text.strip():
         raise UserError("--text is empty")
+    if len(text) > MAX_TEXT_CHARS:
+        raise UserError(f"--text is {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
     return text
 
 
@@ -50,7 +52,8 @@ def _read_text(text: str, stdin: IO[str]) -> str:
               help=f"Runtime bundle (cosyvoice-export all), or a model bundle to export on first use "
                    f"(needs the export extra). Default: ${MODEL_DIR_ENV}, else the embedded demo bundle.")
 @click.option("--text", required=True,
-              help="Text to speak; '-' reads stdin. Long text is split into sentences.")
+              help=f"Text to speak; '-' reads stdin. Long text is split into sentences; at most "
+                   f"{MAX_TEXT_CHARS} characters.")
 @click.option("--prompt-wav", type=click.Path(dir_okay=False, path_type=Path),
               help="Prompt recording (any soundfile format, >= 16 kHz, 0.5-30 s of speech). "
                    "Default: the bundle's own prompt, if it has one (the demo bundle does).")
@@ -92,6 +95,9 @@ def main(model: Path | None, text: str, prompt_wav: Path | None, prompt_text: st
             raise UserError("--speed works offline only (upstream ignores it when streaming)")
         if chunks_out is not None and not stream:
             raise UserError("--chunks-out needs --stream")
+        for option, path in (("--out", out), ("--tokens-out", tokens_out), ("--chunks-out", chunks_out)):
+            if path is not None:  # refused now, not after the synthesis with some outputs written
+                check_writable(path, option)
         start = time.perf_counter()
         # a bad recording is refused before the bundle's hashes are checked and its graphs opened
         given_audio = read_prompt_audio(prompt_wav) if prompt_wav is not None else None

@@ -16,6 +16,11 @@ from .frontend import (
 )
 from .synthesis import Mode
 
+MAX_TEXT_CHARS = 2000
+"""The longest text `cosyvoice-run` and the server take (characters; `cosyvoice-serve --max-text` can
+change the server's), so that one request cannot hold the machine or a server's slot for hours.
+`CosyVoice3`'s methods, as upstream's, take any length: the limit is the commands' policy."""
+
 
 @dataclass(frozen=True)
 class Segment:

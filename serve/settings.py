@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cosyvoice_runtime.sampling import SAMPLINGS
+from cosyvoice_runtime.segments import MAX_TEXT_CHARS
 from cosyvoice_runtime.speakers import default_speakers_dir
 
 HOST_ENV = "COSYVOICE_HOST"
@@ -32,7 +33,7 @@ class ServerSettings:
     """Sessions admitted to wait for a slot; one more is refused with 503 at once."""
     timeout: float = 300.0
     """Seconds from admission to the last sample; a session past it is stopped (504, or a cut stream)."""
-    max_text_chars: int = 2000
+    max_text_chars: int = MAX_TEXT_CHARS
     """Longest text accepted (characters), so that one request cannot hold a slot for hours."""
     sampling: str = "ras"
     """Speech-token sampling of every request: "ras" (upstream's) or "greedy" (exact comparisons)."""

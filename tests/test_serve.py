@@ -11,6 +11,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -245,6 +246,39 @@ def test_synthesize_is_cosyvoice_run_offline_as_a_wav(engine: Engine, prompt: tu
     assert len(sf.read(io.BytesIO(instructed.content))[0]) > 0
     assert missing.status_code == 400
     assert missing.json()["detail"] == MISSING_PROMPT == missing.json()["error"]
+
+
+def readme_command(marker: str) -> str:
+    """The README's shell command (its continuation lines included) on the line that holds `marker`."""
+    lines = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8").splitlines()
+    first = last = next(i for i, line in enumerate(lines) if marker in line)
+    while lines[first - 1].endswith("\\"):
+        first -= 1
+    while lines[last].endswith("\\"):
+        last += 1
+    return "\n".join(lines[first:last + 1])
+
+
+@pytest.mark.skipif(shutil.which("curl") is None or shutil.which("base64") is None,
+                    reason="the README's command needs curl and base64")
+def test_the_readmes_synthesize_command_works_with_a_long_prompt(tmp_path: Path) -> None:
+    """The README's /synthesize command line, run by bash as written against the real server, with a
+    prompt whose base64 is longer than one command-line argument may be (128 KiB on Linux)."""
+    default = RuntimeBundle.open(DEMO_BUNDLE).default_prompt()
+    assert default is not None
+    wav = default[0]
+    assert sf.info(wav).duration > 3 and len(base64.b64encode(wav.read_bytes())) > 128 * 1024
+    shutil.copy(wav, tmp_path / "prompt.wav")
+    command = readme_command("localhost:50000/synthesize")
+    port = free_port()
+    with cosyvoice_serve(tmp_path, "--port", str(port)):
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
+            wait_for_http(client)
+        done = subprocess.run(["bash", "-c", command.replace("localhost:50000", f"127.0.0.1:{port}")],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    samples, rate = sf.read(tmp_path / "out.wav", dtype="int16")  # a WAV, not an error's JSON body
+    assert rate == 24000 and len(samples) > 0
 
 
 # --- speakers and the OpenAI-style endpoint ----------------------------------------------------------

@@ -17,6 +17,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from cosyvoice_runtime.atomic_files import new_sibling
+
 from ..config import ModelConfig, full_size, tiny
 from ..manifest import NETWORKS, build_network
 from ..nets import flow as flow_net
@@ -118,10 +120,9 @@ def write_bundle(out: Path, *, size: str = "tiny", seed: int = 0, force: bool = 
     if out.exists() and not force:
         raise FileExistsError(f"{out}: already exists; pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    tmp = new_sibling(out, ".partial", directory=True)
     try:
         _write(tmp, size, seed, progress)
-        tmp.chmod(0o755)  # mkdtemp makes it private
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -1,0 +1,169 @@
+"""Input a command cannot use is refused before the work, in one line with exit status 2, and nothing is
+written: unwritable outputs (`cosyvoice-run`, `cosyvoice-export tiny-bundle`), text over the limit, a
+damaged bundle file (`cosyvoice-golden check`, `cosyvoice-bench`, which verify every sha256); and outputs
+get the usual mode of a new file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import soundfile as sf
+from click.testing import CliRunner, Result
+
+from cosyvoice_bench.cli import main as bench_main
+from cosyvoice_golden.cli import main as golden_main
+from cosyvoice_runtime import CosyVoice3
+from cosyvoice_runtime.atomic_files import new_sibling
+from cosyvoice_runtime.cli import main as run_main
+from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.segments import MAX_TEXT_CHARS
+from cosyvoice_runtime.synthesis import Mode
+from cosyvoice_serve.settings import ServerSettings
+
+AS_ROOT = os.geteuid() == 0
+"""Root writes anywhere the file system lets it: a folder's permission bits refuse it nothing."""
+
+
+def refused(result: Result) -> str:
+    """The one line a command that refused its input printed (exit status 2, nothing on stdout)."""
+    assert result.exit_code == 2, (result.output, result.exception)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and not result.stdout, result.output
+    return lines[0]
+
+
+def run(*args: str) -> Result:
+    return CliRunner().invoke(run_main, ["--model", str(DEMO_BUNDLE), "--sampling", "greedy", *args])
+
+
+@pytest.fixture
+def a_file(tmp_path: Path) -> Path:
+    """A regular file, where a folder would have to be."""
+    path = tmp_path / "notes.txt"
+    path.write_text("not a folder\n")
+    return path
+
+
+# --- unwritable outputs ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option", ["--out", "--tokens-out", "--chunks-out"])
+def test_run_refuses_an_output_under_a_file_before_the_bundle_opens(option: str, a_file: Path,
+                                                                    tmp_path: Path) -> None:
+    bad = a_file / "sub" / "x.json"
+    outputs = {"--out": tmp_path / "out.wav", "--tokens-out": tmp_path / "tokens.json",
+               "--chunks-out": tmp_path / "chunks.json", option: bad}
+    args = [arg for name, path in outputs.items() for arg in (name, str(path))]
+    # a bundle that is not there: the output is checked first, before any work
+    result = CliRunner().invoke(run_main, ["--model", str(tmp_path / "no-bundle"), "--text", "Hi.",
+                                           "--stream", *args])
+    assert refused(result) == f"error: {option} {bad}: {a_file} is not a folder"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [a_file.name]
+
+
+@pytest.mark.skipif(AS_ROOT, reason="root may write into a folder whatever its permission bits")
+def test_run_refuses_an_output_in_a_read_only_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o500)
+    out = folder / "new" / "out.wav"
+    assert refused(run("--text", "Hi.", "--out", str(out))) == f"error: --out {out}: {folder} is not writable"
+
+
+def test_tiny_bundle_refuses_an_out_it_cannot_create_before_generating(a_file: Path) -> None:
+    pytest.importorskip("torch", reason="needs torch (the export extra)")
+    from cosyvoice_export.cli import main as export_main
+
+    for out, problem in ((a_file / "sub" / "tiny", f"{a_file} is not a folder"),
+                         (a_file, "is a file, not a folder")):
+        result = CliRunner().invoke(export_main, ["tiny-bundle", str(out)])
+        assert refused(result) == f"error: OUT {out}: {problem}"
+    assert sorted(p.name for p in a_file.parent.iterdir()) == [a_file.name]
+
+
+# --- the text limit ----------------------------------------------------------------------------------------
+
+
+def test_run_refuses_text_over_the_limit_the_server_shares(tmp_path: Path) -> None:
+    out = tmp_path / "out.wav"
+    assert refused(run("--text", "x" * 10000, "--out", str(out))) == (
+        f"error: --text is 10000 characters; the limit is {MAX_TEXT_CHARS}")
+    long = "Hello there. " * (MAX_TEXT_CHARS // 13 + 1)
+    result = CliRunner().invoke(run_main, ["--text", "-", "--out", str(out)], input=long)
+    assert refused(result) == f"error: --text is {len(long)} characters; the limit is {MAX_TEXT_CHARS}"
+    assert not out.exists()
+    assert ServerSettings().max_text_chars == MAX_TEXT_CHARS == 2000
+
+
+def test_the_library_takes_any_length_as_upstreams_does() -> None:
+    with CosyVoice3(DEMO_BUNDLE, verify=False) as voice:
+        pieces = voice.segments(Mode.ZERO_SHOT, "Hello there. " * 200, prompt_text="A transcript.")
+    assert sum(len(p.text) for p in pieces) > MAX_TEXT_CHARS
+
+
+# --- damaged bundles: every sha256 checked ------------------------------------------------------------------
+
+
+@pytest.fixture
+def damaged(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A copy of the demo bundle with one byte of a graph flipped (its size unchanged), and that graph."""
+    bundle = shutil.copytree(DEMO_BUNDLE, tmp_path / "damaged")
+    graph = bundle / json.loads((bundle / "manifest.json").read_text())["graphs"]["hift_f0"]["file"]
+    data = bytearray(graph.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    graph.write_bytes(bytes(data))
+    yield bundle, graph
+
+
+def test_golden_check_names_the_damaged_file(damaged: tuple[Path, Path]) -> None:
+    bundle, graph = damaged
+    result = CliRunner().invoke(golden_main, ["check", "--model", str(bundle), "--graph", "hift_f0"])
+    assert refused(result).startswith(f"error: {graph}: sha256 ")
+    assert "the manifest says" in result.stderr
+
+
+def test_bench_names_the_damaged_file(damaged: tuple[Path, Path], tmp_path: Path) -> None:
+    bundle, graph = damaged
+    result = CliRunner().invoke(bench_main, ["--model", str(bundle), "--quick", "--no-progress",
+                                             "--json", str(tmp_path / "bench.json")])
+    assert refused(result).startswith(f"error: {graph}: sha256 ")
+    assert not (tmp_path / "bench.json").exists()
+
+
+# --- the mode of outputs -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def umask_022() -> Iterator[None]:
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_outputs_get_the_mode_of_a_new_file(tmp_path: Path, umask_022: None) -> None:
+    outs = {"--out": tmp_path / "out.wav", "--tokens-out": tmp_path / "tokens.json",
+            "--chunks-out": tmp_path / "chunks.json"}
+    result = run("--text", "Hi.", "--stream", *[a for o, p in outs.items() for a in (o, str(p))])
+    assert result.exit_code == 0, result.output
+    assert {o: oct(mode(p)) for o, p in outs.items()} == dict.fromkeys(outs, oct(0o644))
+    assert sf.info(outs["--out"]).samplerate == 24000
+
+
+def test_new_siblings_follow_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0o027)
+    try:
+        file = new_sibling(tmp_path / "a", ".tmp")
+        folder = new_sibling(tmp_path / "a", ".tmp", directory=True)
+    finally:
+        os.umask(old)
+    assert (mode(file), mode(folder)) == (0o640, 0o750)
+    assert file != folder and file.name.startswith(".a.") and file.is_file() and folder.is_dir()
