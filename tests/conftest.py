@@ -7,20 +7,26 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from cosyvoice_graphs.bundle_layout import PROMPT_TEXT, PROMPT_WAV
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.frontend import PromptFeatures, extract_prompt, open_session
+
 if TYPE_CHECKING:
     from cosyvoice_serve import Engine
 
 # The runtime's tests run where only the base install is: the exporter, and torch with it, is an extra.
 HAS_TORCH = find_spec("torch") is not None
 NEEDS_TORCH = "needs torch (the export extra)"
-EXPORTED = {"tiny_bundle", "runtime_bundle"}
-"""The fixtures the exporter makes: a test using one needs torch, marked or not."""
+EXPORTED = "tiny_bundle"
+"""The fixture only the exporter makes: a test using it needs torch, marked or not (`runtime_bundle` falls
+back to the demo bundle)."""
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if EXPORTED.intersection(getattr(item, "fixturenames", ())):
+        if EXPORTED in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.torch)
     if HAS_TORCH:
         return
@@ -40,20 +46,53 @@ def tiny_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def runtime_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The runtime bundle exported from `tiny_bundle`, once per test session; tests must not modify it."""
+def runtime_bundle(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The runtime bundle of `tiny_bundle`: exported once per test session where torch is, else the embedded
+    demo bundle, which is that export committed (test_demo_bundle checks it still is); tests must not modify
+    it."""
+    if not HAS_TORCH:
+        return DEMO_BUNDLE
     from cosyvoice_export.onnx.runtime_bundle import export_all
 
+    tiny_bundle: Path = request.getfixturevalue("tiny_bundle")
     report = export_all(tiny_bundle, tmp_path_factory.mktemp("runtime") / "tiny", progress=False)
     assert report.manifest is not None, report.table()
     return report.out
 
 
 @pytest.fixture(scope="session")
+def prompt_wav() -> Path:
+    """`tiny_bundle`'s prompt recording as the demo bundle carries it, byte for byte (test_export_all and
+    test_demo_bundle check so); tests must not modify it."""
+    return DEMO_BUNDLE / PROMPT_WAV
+
+
+@pytest.fixture(scope="session")
+def prompt_text() -> str:
+    """The transcript of `prompt_wav`."""
+    return (DEMO_BUNDLE / PROMPT_TEXT).read_text(encoding="utf-8").strip()
+
+
+@pytest.fixture(scope="session")
+def prompt(runtime_bundle: Path, prompt_wav: Path) -> PromptFeatures:
+    """`prompt_wav` through the runtime's front end with `runtime_bundle`'s models. A module comparing the
+    runtime with the torch reference may override it with the reference's features, so both start alike."""
+    bundle = RuntimeBundle.open(runtime_bundle)
+    campplus, tokenizer = (open_session(bundle.frontend_path(n)) for n in ("campplus", "speech_tokenizer"))
+    return extract_prompt(prompt_wav, campplus, tokenizer, bundle.dims.token_mel_ratio)
+
+
+@pytest.fixture(scope="session")
+def standin_paths() -> tuple[Path, Path]:
+    """(campplus, speech tokenizer): `tiny_bundle`'s stand-in ONNX files as the demo bundle carries them, byte
+    for byte; tests must not modify them."""
+    bundle = RuntimeBundle.open(DEMO_BUNDLE)
+    return bundle.frontend_path("campplus"), bundle.frontend_path("speech_tokenizer")
+
+
+@pytest.fixture(scope="session")
 def engine() -> Iterator[Engine]:
     """The embedded demo bundle opened for serving, shared by the serve tests; tests must not close it."""
-    from cosyvoice_runtime.bundle import RuntimeBundle
-    from cosyvoice_runtime.demo import DEMO_BUNDLE
     from cosyvoice_serve import Engine
 
     engine = Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle")

@@ -1,6 +1,6 @@
-"""`cosyvoice-bench` on the tiny bundle: the pinned LLM step count (runtime and torch reference), a quick
-run of the runtime alone without torch, a quick `--vs-torch` run, and bad input. No timing assertions:
-only that every figure is there, with the right type and a sane value."""
+"""`cosyvoice-bench` on the tiny bundle: the pinned LLM step count, a quick run of the runtime alone without
+torch, and bad input (test_bench_vs_torch runs it beside the torch reference). No timing assertions: only
+that every figure is there, with the right type and a sane value."""
 
 from __future__ import annotations
 
@@ -14,30 +14,16 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-pytest.importorskip("torch", reason="needs torch (the export extra)")
-pytestmark = pytest.mark.torch
-
 import numpy as np
-import torch
+import pytest
 from click.testing import CliRunner
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
 
-from cosyvoice_bench.bounds import dit_flops_per_step, hift_flops
 from cosyvoice_bench.cli import main
-from cosyvoice_bench.measure import CallLog
 from cosyvoice_bench.report import FIGURE_KEYS
-from cosyvoice_export.bundle.layout import PROMPT_TEXT, PROMPT_WAV
-from cosyvoice_export.bundle.model_dir import ModelBundle
-from cosyvoice_export.nets.dit import dit_attention_mask
-from cosyvoice_export.nets.llm import CosyVoice3LM
-from cosyvoice_export.reference.llm_decode import GreedySampler as TorchGreedy
-from cosyvoice_export.reference.llm_decode import generate_speech_tokens
+from cosyvoice_graphs.bundle_layout import PROMPT_WAV
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.llm import LlmRequest, SpeechTokenLM
-from cosyvoice_runtime.sampling import GreedySampler, SilentTokenLimiter
+from cosyvoice_runtime.sampling import SilentTokenLimiter
 from cosyvoice_runtime.synthesis import Synthesizer
 
 PINNED = 37
@@ -51,19 +37,12 @@ def lm(runtime_bundle: Path) -> Iterator[SpeechTokenLM]:
         yield synth.lm
 
 
-@pytest.fixture(scope="module")
-def torch_lm(tiny_bundle: Path) -> CosyVoice3LM:
-    net = ModelBundle.open(tiny_bundle).load_network("llm")
-    assert isinstance(net, CosyVoice3LM)
-    return net
-
-
-def _request(lm: SpeechTokenLM) -> LlmRequest:
+def pinned_request(lm: SpeechTokenLM) -> LlmRequest:
     return LlmRequest(text_ids=(5, 6, 7, lm.endofprompt_id), prompt_text_ids=(8, 9),
                       prompt_speech_tokens=(11, 12, 13, 14))
 
 
-class _StopFirst:
+class StopFirst:
     """Picks eos whenever it may, else the argmax: decoding ends at once unless the stop ids are masked."""
 
     def __init__(self, eos: int) -> None:
@@ -76,9 +55,9 @@ class _StopFirst:
 
 def test_pinned_decoding_runs_exactly_n_steps_without_stop_ids(lm: SpeechTokenLM) -> None:
     eos = lm.speech_token_size + 1
-    default = lm.decode(_request(lm), _StopFirst(eos), max_tokens=PINNED)
+    default = lm.decode(pinned_request(lm), StopFirst(eos), max_tokens=PINNED)
     assert default.run() == [] and default.steps == 1 and default.stop_id == eos  # unchanged by default
-    pinned = lm.decode(_request(lm), _StopFirst(eos), max_tokens=PINNED, ignore_stop=True)
+    pinned = lm.decode(pinned_request(lm), StopFirst(eos), max_tokens=PINNED, ignore_stop=True)
     tokens = pinned.run()
     assert pinned.steps == len(pinned.history) == PINNED and pinned.stop_id is None
     assert max(pinned.history) < lm.speech_token_size
@@ -86,65 +65,14 @@ def test_pinned_decoding_runs_exactly_n_steps_without_stop_ids(lm: SpeechTokenLM
     assert tokens == [t for t in pinned.history if limiter.keep(t)]
 
 
-def test_pinned_greedy_tokens_equal_the_reference(lm: SpeechTokenLM, torch_lm: CosyVoice3LM) -> None:
-    request = _request(lm)
-    runtime = lm.decode(request, GreedySampler(), max_tokens=PINNED, ignore_stop=True)
-    tokens = runtime.run()
-    log = CallLog()
-    with log.wrap({"step": (torch_lm, "forward_step")}):
-        reference = generate_speech_tokens(torch_lm, request.text_ids, request.prompt_text_ids,
-                                           request.prompt_speech_tokens, lm.endofprompt_id, TorchGreedy(),
-                                           max_tokens=PINNED, ignore_stop=True)
-    assert reference == tokens and len(log.seconds("step")) == runtime.steps == PINNED
-    eos = lm.speech_token_size + 1
-    stop_first = _StopFirst(eos)
-    assert generate_speech_tokens(torch_lm, request.text_ids, request.prompt_text_ids,
-                                  request.prompt_speech_tokens, lm.endofprompt_id, stop_first,
-                                  max_tokens=PINNED) == []
-    pinned = generate_speech_tokens(torch_lm, request.text_ids, request.prompt_text_ids,
-                                    request.prompt_speech_tokens, lm.endofprompt_id, stop_first,
-                                    max_tokens=PINNED, ignore_stop=True)
-    assert pinned == lm.decode(request, stop_first, max_tokens=PINNED, ignore_stop=True).run()
-    assert "forward_step" not in vars(torch_lm)  # CallLog put the method back
-
-
-# --- the hardware bounds' FLOP counts -------------------------------------------------------------------
-
-
-def test_flop_counts_equal_torchs_count_of_the_networks(tiny_bundle: Path) -> None:
-    """`dit_flops_per_step` and `hift_flops` count what torch's flop counter counts running the networks
-    (HiFT's last stage runs one frame more than it counts)."""
-    bundle = ModelBundle.open(tiny_bundle)
-    frames = 37
-    dit = bundle.load_network("flow").decoder.estimator
-    x, mu, cond = (torch.randn(2, dit.cfg.mel_dim, frames) for _ in range(3))
-    mask = torch.ones(2, 1, frames)
-    # the math backend's matmuls are counted; the CPU flash attention kernel is not
-    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as dit_count:
-        dit(x, mask, mu, torch.rand(2), torch.randn(2, dit.cfg.spk_dim), cond,
-            dit_attention_mask(mask, False, frames))
-    assert dit_flops_per_step(dit.cfg, frames) == pytest.approx(dit_count.get_total_flops(), rel=1e-4)
-    hift = bundle.load_network("hift")
-    mel = torch.randn(1, hift.cfg.in_channels, frames)
-    noise = torch.rand(1, frames * hift.cfg.upsample_scale, hift.cfg.nb_harmonics + 1)
-    with torch.no_grad(), FlopCounterMode(display=False) as hift_count:
-        hift.inference(mel, noise, finalize=True)
-    assert hift_flops(hift.cfg, frames) == pytest.approx(hift_count.get_total_flops(), rel=1e-4)
-
-
 # --- the benchmark -------------------------------------------------------------------------------------
 
 
-def _args(runtime_bundle: Path, out: Path) -> list[str]:
+def bench_args(runtime_bundle: Path, out: Path) -> list[str]:
     return ["--model", str(runtime_bundle), "--quick", "--threads", "1", "--json", str(out), "--no-progress"]
 
 
-def _prompt_args(tiny_bundle: Path) -> list[str]:
-    return ["--prompt-wav", str(tiny_bundle / PROMPT_WAV),
-            "--prompt-text", (tiny_bundle / PROMPT_TEXT).read_text().strip()]
-
-
-def _check_figures(figures: dict[str, Any], pinned: int, *, torch_side: bool) -> None:
+def check_figures(figures: dict[str, Any], pinned: int, *, torch_side: bool) -> None:
     assert set(figures) == set(FIGURE_KEYS)
     absent = {"gpu_memory_peak_mib", "gpu_utilization_mean_pct"} | ({"rtf_stream"} if torch_side else set())
     for key, value in figures.items():
@@ -159,7 +87,7 @@ def _check_figures(figures: dict[str, Any], pinned: int, *, torch_side: bool) ->
     assert figures["audio_s"] == pytest.approx(figures["speech_tokens"] * 2 * 480 / 24000)
 
 
-def _check_common(result: dict[str, Any], lengths: list[str], levels: list[int]) -> None:
+def check_common(result: dict[str, Any], lengths: list[str], levels: list[int]) -> None:
     assert result["schema"] == "cosyvoice-bench/1" and result["settings"]["lengths"] == lengths
     machine = result["machine"]
     assert machine["threads"] == 1 and machine["memory_bandwidth_gbs"] > 0 and machine["onnxruntime"]
@@ -171,7 +99,7 @@ def _check_common(result: dict[str, Any], lengths: list[str], levels: list[int])
                     "dit_flops_per_step", "matmul_gflops", "dit_bound_s_per_step", "dit_fraction_runtime",
                     "hift_frames", "hift_flops", "hift_bound_s", "hift_fraction_runtime"):
             assert bounds[key] > 0, key
-        _check_figures(case["runtime"], case["pinned_tokens"], torch_side=False)
+        check_figures(case["runtime"], case["pinned_tokens"], torch_side=False)
     assert [r["level"] for r in result["concurrency"]] == levels
     for row in result["concurrency"]:
         assert row["shared_synthesizer"] is True and row["outputs_match"] is True
@@ -199,7 +127,7 @@ sys.meta_path.insert(0, _Block())
 
 def test_quick_run_of_the_runtime_without_torch(runtime_bundle: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"  # the prompt: the bundle's own
-    args = [*_args(runtime_bundle, out), "--lengths", "medium", "--concurrency", "1,2"]
+    args = [*bench_args(runtime_bundle, out), "--lengths", "medium", "--concurrency", "1,2"]
     script = _BLOCK_TORCH + textwrap.dedent(f"""
         from cosyvoice_bench.cli import main
         try:
@@ -212,34 +140,11 @@ def test_quick_run_of_the_runtime_without_torch(runtime_bundle: Path, tmp_path: 
     assert done.returncode == 0, done.stderr[-3000:]
     assert "RTF offline" in done.stdout and "first chunk, cold, cached prompt" in done.stdout
     result = json.loads(out.read_text())
-    _check_common(result, ["medium"], [1, 2])
+    check_common(result, ["medium"], [1, 2])
     assert Path(result["settings"]["prompt_wav"]) == runtime_bundle / PROMPT_WAV
     case = result["cases"][0]
     assert case["torch"] is None and case["speedup"] is None and case["same_speech_tokens"] is None
     assert case["pinned_tokens"] == 25  # half of --quick's 50
-
-
-def test_quick_run_beside_the_torch_reference(runtime_bundle: Path, tiny_bundle: Path, tmp_path: Path
-                                              ) -> None:
-    threads = torch.get_num_threads()
-    out = tmp_path / "bench.json"
-    args = [*_args(runtime_bundle, out), *_prompt_args(tiny_bundle), "--vs-torch",
-            "--model-dir", str(tiny_bundle), "--lengths", "short,long", "--concurrency", "1"]
-    done = CliRunner().invoke(main, args)
-    assert done.exit_code == 0, done.output
-    assert torch.get_num_threads() == threads  # the bench gives torch its thread count back
-    assert "runtime ×" in done.stdout and "same speech tokens as torch: yes" in done.stdout
-    result = json.loads(out.read_text())
-    _check_common(result, ["short", "long"], [1])
-    assert result["machine"]["torch"] == torch.__version__
-    for case in result["cases"]:
-        _check_figures(case["torch"], case["pinned_tokens"], torch_side=True)
-        assert case["same_speech_tokens"] is True
-        assert case["torch"]["first_chunk_audio_s"] == pytest.approx(case["runtime"]["first_chunk_audio_s"])
-        assert all(case["bounds"][f"{stage}_fraction_torch"] > 0 for stage in ("llm", "dit", "hift"))
-        speedup = case["speedup"]
-        assert set(speedup) == set(FIGURE_KEYS)
-        assert speedup["rtf_offline"] > 0 and speedup["rtf_stream"] is None and speedup["audio_s"] is None
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -248,13 +153,13 @@ def test_quick_run_beside_the_torch_reference(runtime_bundle: Path, tiny_bundle:
     (["--vs-torch"], "--vs-torch and --model-dir go together"),
 ])
 def test_bad_input_is_one_line(runtime_bundle: Path, tmp_path: Path, extra: list[str], message: str) -> None:
-    done = CliRunner().invoke(main, [*_args(runtime_bundle, tmp_path / "x.json"), *extra])
+    done = CliRunner().invoke(main, [*bench_args(runtime_bundle, tmp_path / "x.json"), *extra])
     assert done.exit_code == 2 and done.stderr.count("\n") == 1
     assert done.stderr.startswith(f"error: {message}")
     assert not (tmp_path / "x.json").exists()
 
 
 def test_missing_bundle_is_one_line(tmp_path: Path) -> None:
-    done = CliRunner().invoke(main, _args(tmp_path / "nothing", tmp_path / "x.json"))
+    done = CliRunner().invoke(main, bench_args(tmp_path / "nothing", tmp_path / "x.json"))
     assert done.exit_code == 2 and done.stderr.count("\n") == 1
     assert done.stderr.startswith(f"error: {tmp_path / 'nothing' / 'manifest.json'}: missing")

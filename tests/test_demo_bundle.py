@@ -21,6 +21,7 @@ from cosyvoice_runtime.cli import main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 
 
+@pytest.mark.torch  # without torch, `runtime_bundle` is the demo bundle itself
 def test_demo_bundle_equals_a_fresh_export(runtime_bundle: Path) -> None:
     """`cosyvoice-export demo-bundle` output is committed; it must still be what the exporter makes.
 

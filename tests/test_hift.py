@@ -29,11 +29,13 @@ from cosyvoice_export.nets.causal_conv import (
     repeat_frames,
 )
 from cosyvoice_export.nets.hift import (
+    CausalConvRNNF0Predictor,
     CausalHiFTGenerator,
     SourceModuleHnNSF,
     init_random_,
     normalize_hift_state_dict,
 )
+from cosyvoice_runtime.token2wav import HIFT_LAYOUT
 
 MANIFEST = Path(__file__).parent / "data" / "upstream_manifest" / "hift.tsv"
 U = 480  # samples per mel frame
@@ -95,6 +97,19 @@ def test_causal_conv_left_right_and_context() -> None:
         torch.testing.assert_close(left(x[..., pad:], x[..., :pad]), left(x)[..., pad:])
     with pytest.raises(ValueError):
         CausalConv1d(3, 5, 4, dilation=2)
+
+
+def test_the_runtimes_layout_has_the_networks_kernels() -> None:
+    """What the runtime's `HIFT_LAYOUT` takes from the networks rather than the yaml
+    (test_runtime_vocoder_stream checks the rest)."""
+    for cfg in (full_size().hift, tiny(100).hift):
+        f0_convs = CausalConvRNNF0Predictor(cfg.f0).condnet[2::2]
+        assert HIFT_LAYOUT.f0_causal_kernel_sizes == tuple(c.kernel_size[0] for c in f0_convs)
+        assert all(c.causal_type == "left" and c.dilation == (1,) for c in f0_convs)
+    # conv_post is fixed by the architecture (k 7), not by the yaml
+    hift = CausalHiFTGenerator(tiny(100).hift)
+    assert HIFT_LAYOUT.conv_post_kernel_size == hift.conv_post.kernel_size[0]
+    assert hift.conv_pre.causal_type == "right"
 
 
 def test_downsample_and_upsample_convs() -> None:

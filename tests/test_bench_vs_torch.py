@@ -1,0 +1,120 @@
+"""`cosyvoice-bench` beside the torch reference on the tiny bundle: the pinned LLM steps give the reference's
+tokens, the bounds count the networks' FLOPs as torch does, and a quick `--vs-torch` run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="needs torch (the export extra)")
+pytestmark = pytest.mark.torch
+
+import torch
+from click.testing import CliRunner
+from test_bench import PINNED, StopFirst, bench_args, check_common, check_figures, pinned_request
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from cosyvoice_bench.bounds import dit_flops_per_step, hift_flops
+from cosyvoice_bench.cli import main
+from cosyvoice_bench.measure import CallLog
+from cosyvoice_bench.report import FIGURE_KEYS
+from cosyvoice_export.bundle.layout import PROMPT_TEXT, PROMPT_WAV
+from cosyvoice_export.bundle.model_dir import ModelBundle
+from cosyvoice_export.nets.dit import dit_attention_mask
+from cosyvoice_export.nets.llm import CosyVoice3LM
+from cosyvoice_export.reference.llm_decode import GreedySampler as TorchGreedy
+from cosyvoice_export.reference.llm_decode import generate_speech_tokens
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.sampling import GreedySampler
+from cosyvoice_runtime.synthesis import Synthesizer
+
+# --- the pinned step count ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def torch_lm(tiny_bundle: Path) -> CosyVoice3LM:
+    net = ModelBundle.open(tiny_bundle).load_network("llm")
+    assert isinstance(net, CosyVoice3LM)
+    return net
+
+
+def test_pinned_greedy_tokens_equal_the_reference(runtime_bundle: Path, torch_lm: CosyVoice3LM) -> None:
+    with Synthesizer(RuntimeBundle.open(runtime_bundle), threads=1) as synth:
+        lm = synth.lm
+        request = pinned_request(lm)
+        runtime = lm.decode(request, GreedySampler(), max_tokens=PINNED, ignore_stop=True)
+        tokens = runtime.run()
+        log = CallLog()
+        with log.wrap({"step": (torch_lm, "forward_step")}):
+            reference = generate_speech_tokens(torch_lm, request.text_ids, request.prompt_text_ids,
+                                               request.prompt_speech_tokens, lm.endofprompt_id, TorchGreedy(),
+                                               max_tokens=PINNED, ignore_stop=True)
+        assert reference == tokens and len(log.seconds("step")) == runtime.steps == PINNED
+        eos = lm.speech_token_size + 1
+        stop_first = StopFirst(eos)
+        assert generate_speech_tokens(torch_lm, request.text_ids, request.prompt_text_ids,
+                                      request.prompt_speech_tokens, lm.endofprompt_id, stop_first,
+                                      max_tokens=PINNED) == []
+        pinned = generate_speech_tokens(torch_lm, request.text_ids, request.prompt_text_ids,
+                                        request.prompt_speech_tokens, lm.endofprompt_id, stop_first,
+                                        max_tokens=PINNED, ignore_stop=True)
+        assert pinned == lm.decode(request, stop_first, max_tokens=PINNED, ignore_stop=True).run()
+        assert "forward_step" not in vars(torch_lm)  # CallLog put the method back
+
+
+# --- the hardware bounds' FLOP counts -------------------------------------------------------------------
+
+
+def test_flop_counts_equal_torchs_count_of_the_networks(tiny_bundle: Path) -> None:
+    """`dit_flops_per_step` and `hift_flops` count what torch's flop counter counts running the networks
+    (HiFT's last stage runs one frame more than it counts)."""
+    bundle = ModelBundle.open(tiny_bundle)
+    frames = 37
+    dit = bundle.load_network("flow").decoder.estimator
+    x, mu, cond = (torch.randn(2, dit.cfg.mel_dim, frames) for _ in range(3))
+    mask = torch.ones(2, 1, frames)
+    # the math backend's matmuls are counted; the CPU flash attention kernel is not
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as dit_count:
+        dit(x, mask, mu, torch.rand(2), torch.randn(2, dit.cfg.spk_dim), cond,
+            dit_attention_mask(mask, False, frames))
+    assert dit_flops_per_step(dit.cfg, frames) == pytest.approx(dit_count.get_total_flops(), rel=1e-4)
+    hift = bundle.load_network("hift")
+    mel = torch.randn(1, hift.cfg.in_channels, frames)
+    noise = torch.rand(1, frames * hift.cfg.upsample_scale, hift.cfg.nb_harmonics + 1)
+    with torch.no_grad(), FlopCounterMode(display=False) as hift_count:
+        hift.inference(mel, noise, finalize=True)
+    assert hift_flops(hift.cfg, frames) == pytest.approx(hift_count.get_total_flops(), rel=1e-4)
+
+
+# --- the benchmark --------------------------------------------------------------------------------------
+
+
+def _prompt_args(tiny_bundle: Path) -> list[str]:
+    return ["--prompt-wav", str(tiny_bundle / PROMPT_WAV),
+            "--prompt-text", (tiny_bundle / PROMPT_TEXT).read_text().strip()]
+
+
+def test_quick_run_beside_the_torch_reference(runtime_bundle: Path, tiny_bundle: Path, tmp_path: Path
+                                              ) -> None:
+    threads = torch.get_num_threads()
+    out = tmp_path / "bench.json"
+    args = [*bench_args(runtime_bundle, out), *_prompt_args(tiny_bundle), "--vs-torch",
+            "--model-dir", str(tiny_bundle), "--lengths", "short,long", "--concurrency", "1"]
+    done = CliRunner().invoke(main, args)
+    assert done.exit_code == 0, done.output
+    assert torch.get_num_threads() == threads  # the bench gives torch its thread count back
+    assert "runtime ×" in done.stdout and "same speech tokens as torch: yes" in done.stdout
+    result = json.loads(out.read_text())
+    check_common(result, ["short", "long"], [1])
+    assert result["machine"]["torch"] == torch.__version__
+    for case in result["cases"]:
+        check_figures(case["torch"], case["pinned_tokens"], torch_side=True)
+        assert case["same_speech_tokens"] is True
+        assert case["torch"]["first_chunk_audio_s"] == pytest.approx(case["runtime"]["first_chunk_audio_s"])
+        assert all(case["bounds"][f"{stage}_fraction_torch"] > 0 for stage in ("llm", "dit", "hift"))
+        speedup = case["speedup"]
+        assert set(speedup) == set(FIGURE_KEYS)
+        assert speedup["rtf_offline"] > 0 and speedup["rtf_stream"] is None and speedup["audio_s"] is None
