@@ -34,7 +34,7 @@ class ModelShapes:
     @classmethod
     def of(cls, bundle: RuntimeBundle) -> ModelShapes:
         """Read from `bundle`'s model yaml and Qwen config."""
-        config = model_config_from_yaml(bundle.root / bundle.manifest["config"],
+        config = model_config_from_yaml(bundle.root / bundle.manifest.config,
                                         bundle.tokenizer_dir / "config.json")
         # int8: its scales and float32 output head (2% of the full-size llm's weights) are not counted
         return cls(config.llm.qwen, config.flow.dit, config.hift, bundle.dims.speech_vocab,

@@ -18,6 +18,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from cosyvoice_graphs.bundle_layout import FORMAT_VERSION
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, OPTIMIZATION
 
@@ -151,8 +152,8 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
         },
         "machine": {**describe(s.threads, torch_version), "memory_bandwidth_gbs": bandwidth},
         "bundle": {
-            "path": str(s.model), "precision": bundle.manifest.get("precision"),
-            "format_version": bundle.manifest.get("format_version"), "dims": asdict(bundle.dims),
+            "path": str(s.model), "precision": bundle.manifest.precision,
+            "format_version": FORMAT_VERSION, "dims": asdict(bundle.dims),
             "llm_weights": llm_weight_count(shapes.qwen, shapes.speech_vocab), "dit": asdict(shapes.dit),
         },
         "prompt": {"wav": str(s.prompt_wav), "speech_tokens": warm.prompt_tokens,

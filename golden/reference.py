@@ -49,7 +49,7 @@ def open_pipeline(model_dir: Path, bundle: RuntimeBundle) -> ReferencePipeline:
     recorded again must come out the same.
     """
     torch.set_num_threads(1)
-    for name, entry in bundle.manifest.get("sources", {}).items():
+    for name, entry in bundle.manifest.sources.items():
         path = model_dir / name
         try:
             with open(path, "rb") as f:
@@ -57,7 +57,7 @@ def open_pipeline(model_dir: Path, bundle: RuntimeBundle) -> ReferencePipeline:
         except OSError as e:
             raise GoldenError(f"{path}: unreadable ({e.strerror}); --model-dir must be the model "
                               f"{bundle.root} was exported from") from None
-        if sha != entry.get("sha256"):
+        if sha != entry.sha256:
             raise GoldenError(f"{path} is not the {name} {bundle.root} was exported from (sha256 differs); "
                               "--model-dir must be that model")
     try:

@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_graphs.bundle_layout import TRT_DIR
-from cosyvoice_graphs.precision import FP32
 from cosyvoice_runtime.atomic_files import atomic_path, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 
@@ -52,10 +51,10 @@ def fingerprint(bundle: RuntimeBundle) -> dict[str, Any]:
     out: they belong to one GPU, not to the export)."""
     manifest = bundle.manifest
     return {
-        "model": dict(manifest["model"]),
-        "sources": {name: entry.get("sha256") for name, entry in manifest.get("sources", {}).items()},
-        "precision": manifest.get("precision", FP32.name),
-        "files": {rel: entry.get("sha256") for rel, entry in manifest["files"].items()
+        "model": manifest.model.to_json(),
+        "sources": {name: entry.sha256 for name, entry in manifest.sources.items()},
+        "precision": manifest.precision,
+        "files": {rel: entry.sha256 for rel, entry in manifest.files.items()
                   if not rel.startswith(f"{TRT_DIR}/")},
     }
 

@@ -76,9 +76,8 @@ class Speaker:
 def frontend_fingerprint(bundle: RuntimeBundle) -> str:
     """What a speaker's features depend on: the bundle's front-end models (their hashes) and its token/mel
     ratio. A registry serves the speakers registered with the fingerprint it is opened with."""
-    files = bundle.manifest["files"]
-    paths = [bundle.frontend_path(m).relative_to(bundle.root).as_posix() for m in FRONTEND_MODELS]
-    parts = [str(files[p].get("sha256")) for p in paths] + [str(bundle.dims.token_mel_ratio)]
+    files, paths = bundle.manifest.files, bundle.manifest.frontend.paths()
+    parts = [files[paths[m]].sha256 for m in FRONTEND_MODELS] + [str(bundle.dims.token_mel_ratio)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 

@@ -30,10 +30,10 @@ def test_demo_bundle_equals_a_fresh_export(runtime_bundle: Path) -> None:
     """
     demo, fresh = RuntimeBundle.open(DEMO_BUNDLE, verify=True), RuntimeBundle.open(runtime_bundle)
     for key in ("model", "tables", "prompt", "frontend", "tokenizer", "sources"):
-        assert demo.manifest[key] == fresh.manifest[key], key
-    assert demo.manifest["files"].keys() == fresh.manifest["files"].keys()
-    for rel, entry in demo.manifest["files"].items():
-        if entry["sha256"] == fresh.manifest["files"][rel]["sha256"]:
+        assert getattr(demo.manifest, key) == getattr(fresh.manifest, key), key
+    assert demo.manifest.files.keys() == fresh.manifest.files.keys()
+    for rel, entry in demo.manifest.files.items():
+        if entry.sha256 == fresh.manifest.files[rel].sha256:
             continue
         assert rel.startswith(f"{GRAPHS_DIR}/"), f"{rel} differs from a fresh export"
         name = Path(rel).stem

@@ -18,6 +18,7 @@ import pytest
 
 from cosyvoice_graphs import SPECS, cache_pairs, empty_caches
 from cosyvoice_graphs.bundle_layout import FORMAT_VERSION, MANIFEST, SPEECH_EMBEDDING
+from cosyvoice_graphs.manifest import Manifest
 from cosyvoice_runtime.bundle import RuntimeBundle, TrtPlan
 from cosyvoice_runtime.errors import FeedError, ProviderError, RuntimeBundleError
 from cosyvoice_runtime.runners import OrtRunner, Runner, RunnerBase, TrtRunner, open_runner
@@ -89,7 +90,7 @@ def test_wrong_format_version(runtime_bundle: Path, tmp_path: Path) -> None:
 
 def test_missing_model_constant(runtime_bundle: Path, tmp_path: Path) -> None:
     root = clone(runtime_bundle, tmp_path, lambda m: m["model"].pop("eos"))
-    one_line_error(root, r"model.eos is None, expected an integer")
+    one_line_error(root, r"model.eos is missing, expected an integer")
 
 
 def test_spec_version_mismatch(runtime_bundle: Path, tmp_path: Path) -> None:
@@ -123,6 +124,25 @@ def test_unlisted_file(runtime_bundle: Path, tmp_path: Path) -> None:
 def test_path_outside_bundle(runtime_bundle: Path, tmp_path: Path) -> None:
     root = clone(runtime_bundle, tmp_path, lambda m: m["frontend"].update(campplus="../campplus.onnx"))
     one_line_error(root, r"frontend.campplus is '../campplus.onnx', expected a path inside the bundle")
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda m: m["graphs"]["llm"]["validation"].update(passed="yes"),
+     "graphs.llm.validation.passed is 'yes', expected true or false"),
+    (lambda m: m["files"].update({"graphs/llm.onnx": 5}), "files.graphs/llm.onnx is 5, expected an object"),
+    (lambda m: m["tables"]["flow_noise"].update(shape=[1, "80"]),
+     r"tables.flow_noise.shape is \[1, '80'\], expected a list of integers"),
+    (lambda m: m.update(prompt=[]), r"prompt is \[\], expected an object"),
+], ids=["flag", "file entry", "shape", "section"])
+def test_a_manifest_key_of_the_wrong_type_is_named(
+        runtime_bundle: Path, tmp_path: Path, edit: Callable[[dict[str, Any]], None], message: str) -> None:
+    one_line_error(clone(runtime_bundle, tmp_path, edit), message)
+
+
+def test_the_manifest_reads_back_to_the_bytes_written(runtime_bundle: Path) -> None:
+    text = (runtime_bundle / MANIFEST).read_text(encoding="utf-8")
+    manifest = Manifest.from_json(json.loads(text), str(runtime_bundle / MANIFEST))
+    assert json.dumps(manifest.to_json(), indent=2, ensure_ascii=False) + "\n" == text
 
 
 def test_sha_mismatch_needs_verify(runtime_bundle: Path, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
@@ -30,8 +30,6 @@ from tqdm import tqdm
 from cosyvoice_graphs import PRECISIONS, SPECS, GraphSpec, ModelDims, Precision, spec
 from cosyvoice_graphs.bundle_layout import (
     FLOW_NOISE,
-    FORMAT,
-    FORMAT_VERSION,
     FRONTEND_DIR,
     GRAPHS_DIR,
     MANIFEST,
@@ -47,6 +45,20 @@ from cosyvoice_graphs.bundle_layout import (
     generated_table_file,
     graph_file,
     table_file,
+)
+from cosyvoice_graphs.manifest import (
+    FileEntry,
+    Frontend,
+    GateCheck,
+    GraphEntry,
+    Manifest,
+    ModelConstants,
+    OutputCheck,
+    Prompt,
+    TableEntry,
+    Tokenizer,
+    TrtPlanEntry,
+    Validation,
 )
 from cosyvoice_graphs.precision import BF16, FP16, FP32, INT8
 from cosyvoice_graphs.providers import OPENVINO
@@ -89,16 +101,8 @@ class RuntimeBundleError(BundleError):
     """OUT cannot be used: a foreign non-empty directory, or not writable."""
 
 
-@dataclass(frozen=True)
-class FileEntry:
-    """A file of the runtime bundle."""
-
-    size: int
-    sha256: str
-
-    @classmethod
-    def of(cls, path: Path) -> FileEntry:
-        return cls(path.stat().st_size, file_sha256(path))
+def _file_entry(path: Path) -> FileEntry:
+    return FileEntry(path.stat().st_size, file_sha256(path))
 
 
 @dataclass
@@ -116,8 +120,8 @@ class GraphResult:
     simplified: bool
     simplify_error: str | None
     timings: dict[str, float]
-    trt: dict[str, Any] | None = None
-    """The TensorRT plan (--trt): file, size, sha256, cache key, GPU, TensorRT version, timings."""
+    trt: TrtPlanEntry | None = None
+    """The TensorRT plan (--trt), as the manifest records it."""
     trt_validation: GraphValidation | None = None
     precision: str = FP32.name
     """A key of `PRECISIONS` (`Precision.rewrite` says how its body differs from fp32's); the I/O is the
@@ -177,11 +181,11 @@ class Report:
 
 
 def _plan_size(g: GraphResult) -> int:
-    return g.trt["size"] if g.trt else 0
+    return g.trt.size if g.trt else 0
 
 
 def _plan_run(g: GraphResult) -> str:
-    return "cached" if g.trt and g.trt["cached"] else "built"
+    return "cached" if g.trt and g.trt.cached else "built"
 
 
 def _human(size: int) -> str:
@@ -201,7 +205,7 @@ def _install(out: Path, rel: str, write: Callable[[IO[bytes]], object]) -> FileE
     try:
         with open(tmp, "wb") as f:
             write(f)
-        entry = FileEntry.of(tmp)
+        entry = _file_entry(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -396,10 +400,10 @@ def _export(out: Path, s: GraphSpec, dims: ModelDims, nets: _Networks, source_sh
         bar.set_postfix_str(f"{s.name}: solve gates")
         validation = replace(validation, gates=validate_solve(result.path, nets.all(), s, precision))
     timings = {"export_s": round(result.seconds, 3), "validate_s": round(time.perf_counter() - start, 3)}
-    files = {str(p.relative_to(out)): FileEntry.of(p) for p in reversed(paths)}
+    files = {str(p.relative_to(out)): _file_entry(p) for p in reversed(paths)}
     _write_json(out, _record_rel(f"graph-{s.name}"), {
         "inputs": _graph_inputs(s, sources, precision),
-        "files": {rel: asdict(e) for rel, e in files.items()},
+        "files": {rel: e.to_json() for rel, e in files.items()},
         "passed": validation.passed,
         "simplified": result.simplified,
         "simplify_error": result.simplify_error,
@@ -417,7 +421,7 @@ def _max_size(s: GraphSpec, dim: str) -> int:
 
 
 def _write_tables(out: Path, bundle: ModelBundle, nets: _Networks, dims: ModelDims
-                  ) -> tuple[dict[str, Any], dict[str, FileEntry]]:
+                  ) -> tuple[dict[str, TableEntry], dict[str, FileEntry]]:
     """The lookup tables and flow noise as float32 .npy files, and the MT19937 state that the sine noise
     table is drawn from (checked to redraw torch's table bit for bit)."""
     llm = nets.get("llm")
@@ -438,21 +442,21 @@ def _write_tables(out: Path, bundle: ModelBundle, nets: _Networks, dims: ModelDi
         tables[name] = (cut, f"cut from {table.shape[axis[name]]} to {length} along axis {axis[name]}: "
                              f"{graph}'s profile allows at most {length} {dim}; read from 0")
     sine, sine_note = tables.pop(SINE_NOISE)
-    info: dict[str, Any] = {}
+    info: dict[str, TableEntry] = {}
     files: dict[str, FileEntry] = {}
     for name, (array, note) in tables.items():
         rel = table_file(name)
         array = np.ascontiguousarray(array, dtype=np.float32)
         files[rel] = _install(out, rel, partial(np.save, arr=array, allow_pickle=False))
-        info[name] = {"file": rel, "shape": list(array.shape), "dtype": "float32", "note": note}
+        info[name] = TableEntry(rel, array.shape, "float32", note)
     drawn = UniformNoise(noise.sine_waves_state, sine.shape[1], sine.shape[2]).window(0, sine.shape[1])
     if not np.array_equal(drawn, sine):
         raise BundleError("the sine noise drawn from its MT19937 state differs from torch's table")
     rel = generated_table_file(SINE_NOISE)
     files[rel] = _install(out, rel, partial(np.save, arr=noise.sine_waves_state, allow_pickle=False))
-    info[SINE_NOISE] = {"file": rel, "shape": list(sine.shape), "dtype": "float32", "generator": MT19937,
-                        "values_sha256": hashlib.sha256(sine.astype("<f4").tobytes()).hexdigest(),
-                        "note": f"torch.rand's stream from this MT19937 state; {sine_note}"}
+    info[SINE_NOISE] = TableEntry(
+        rel, sine.shape, "float32", f"torch.rand's stream from this MT19937 state; {sine_note}",
+        generator=MT19937, values_sha256=hashlib.sha256(sine.astype("<f4").tobytes()).hexdigest())
     return info, files
 
 
@@ -470,7 +474,7 @@ def _copy_files(out: Path, bundle: ModelBundle, source_sha: Mapping[str, FileEnt
     return files
 
 
-def _copy_prompt(out: Path, bundle: ModelBundle) -> tuple[dict[str, str] | None, dict[str, FileEntry]]:
+def _copy_prompt(out: Path, bundle: ModelBundle) -> tuple[Prompt | None, dict[str, FileEntry]]:
     """The model bundle's demo prompt and transcript, when it has both (ours do; upstream's has none)."""
     if not all((bundle.root / rel).is_file() for rel in (PROMPT_WAV, PROMPT_TEXT)):
         return None, {}
@@ -478,7 +482,7 @@ def _copy_prompt(out: Path, bundle: ModelBundle) -> tuple[dict[str, str] | None,
     for rel in (PROMPT_WAV, PROMPT_TEXT):
         with open(bundle.root / rel, "rb") as source:
             files[rel] = _install(out, rel, partial(shutil.copyfileobj, source))
-    return {"wav": PROMPT_WAV, "text": PROMPT_TEXT}, files
+    return Prompt(PROMPT_WAV, PROMPT_TEXT), files
 
 
 def _build_plans(out: Path, results: list[GraphResult], env: TrtEnv, progress: bool) -> None:
@@ -490,46 +494,33 @@ def _build_plans(out: Path, results: list[GraphResult], env: TrtEnv, progress: b
         plan = build_plan(onnx_path, g.spec, out / TRT_DIR, env)
         start = time.perf_counter()
         g.trt_validation = validate_plan(plan.path, onnx_path, g.spec)
-        g.trt = {"file": str(plan.path.relative_to(out)), **asdict(FileEntry.of(plan.path)),
-                 "cache_key": plan.key, "cached": plan.cached, "gpu": env.gpu_name,
-                 "tensorrt": env.trt_version, "build_s": round(plan.seconds, 3),
-                 "validate_s": round(time.perf_counter() - start, 3)}
+        entry = _file_entry(plan.path)
+        g.trt = TrtPlanEntry(str(plan.path.relative_to(out)), entry.size, entry.sha256, plan.key, plan.cached,
+                             env.gpu_name, env.trt_version, round(plan.seconds, 3),
+                             round(time.perf_counter() - start, 3), _validation(g.trt_validation))
 
 
 # --- the manifest --------------------------------------------------------------------------------------
 
-def _validation_json(v: GraphValidation) -> dict[str, Any]:
-    worst = v.worst()
-    out = {
-        "provider": v.provider, "against": v.against, "passed": v.passed,
-        "outputs": {o: {"metric": f.metric, "measured": f.measured, "bound": f.bound, "passed": f.passed,
-                        "worst_case": f.case} for o, f in worst.items()},
-        "cases": sorted({f.case for f in v.figures}),
-    }
-    if v.gates:
-        out["gates"] = {f.metric: {"output": f.output, "measured": f.measured, "bound": f.bound,
-                                   "passed": f.passed, "case": f.case} for f in v.gates}
-    return out
+def _validation(v: GraphValidation) -> Validation:
+    outputs = {o: OutputCheck(f.metric, f.measured, f.bound, f.passed, f.case) for o, f in v.worst().items()}
+    gates = {f.metric: GateCheck(f.output, f.measured, f.bound, f.passed, f.case) for f in v.gates}
+    return Validation(v.provider, v.against, v.passed, outputs, tuple(sorted({f.case for f in v.figures})),
+                      gates)
 
 
-def _graph_json(g: GraphResult) -> dict[str, Any]:
-    entry = {
-        "file": next(iter(g.files)), "precision": g.precision, "spec_name": g.spec.name,
-        "spec_version": g.spec.version,
-        "opset": g.spec.opset, "sources": g.sources, "simplified": g.simplified,
-        "simplify_error": g.simplify_error, "reused": g.reused, "timings": g.timings,
-        "validation": _validation_json(g.validation),
-    }
-    if g.trt is not None and g.trt_validation is not None:
-        entry["trt"] = {**g.trt, "validation": _validation_json(g.trt_validation)}
-    return entry
+def _graph_entry(g: GraphResult) -> GraphEntry:
+    return GraphEntry(file=next(iter(g.files)), precision=g.precision, spec_name=g.spec.name,
+                      spec_version=g.spec.version, opset=g.spec.opset, sources=g.sources,
+                      simplified=g.simplified, simplify_error=g.simplify_error, reused=g.reused,
+                      timings=g.timings, validation=_validation(g.validation), trt=g.trt)
 
 
-def _model_constants(bundle: ModelBundle, dims: ModelDims) -> dict[str, int]:
+def _model_constants(bundle: ModelBundle, dims: ModelDims) -> ModelConstants:
     llm = bundle.config.llm
     tokenizer = load_cosyvoice3_tokenizer(bundle.qwen_dir)
-    return {**asdict(dims), "sos": llm.sos, "eos": llm.eos, "task_id": llm.task_id,
-            "endofprompt_id": tokenizer.token_id(ENDOFPROMPT)}
+    return ModelConstants(dims, sos=llm.sos, eos=llm.eos, task_id=llm.task_id,
+                          endofprompt_id=tokenizer.token_id(ENDOFPROMPT))
 
 
 @contextmanager
@@ -598,27 +589,25 @@ def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, t
         _build_plans(out, results, trt_env, progress)
 
     files = {rel: e for g in results for rel, e in g.files.items()} | table_files | copied | prompt_files
-    files |= {g.trt["file"]: FileEntry(g.trt["size"], g.trt["sha256"]) for g in results if g.trt}
+    files |= {g.trt.file: FileEntry(g.trt.size, g.trt.sha256) for g in results if g.trt}
     report = Report(out, tuple(results), None, time.perf_counter() - start, files)
     if not report.passed:
         return report
-    manifest = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "exporter_version": EXPORTER_VERSION,
-        "precision": precision,
-        "created": datetime.now(UTC).isoformat(timespec="seconds"),
-        "model": _model_constants(bundle, dims),
-        "sources": {n: asdict(e) for n, e in source_sha.items()},
-        "graphs": {g.name: _graph_json(g) for g in results},
-        "tables": tables,
-        "frontend": {"campplus": f"{FRONTEND_DIR}/{CAMPPLUS}",
-                     "speech_tokenizer": f"{FRONTEND_DIR}/{SPEECH_TOKENIZER}"},
-        "tokenizer": {"dir": TOKENIZER_DIR, "files": list(TOKENIZER_COPY)},
-        "config": YAML,
-        "prompt": prompt,
-        "files": {rel: asdict(e) for rel, e in sorted(files.items())},
-        "timings": {"total_s": round(time.perf_counter() - start, 3)},
-    }
-    _write_json(out, MANIFEST, manifest)
+    manifest = Manifest(
+        exporter_version=EXPORTER_VERSION,
+        precision=precision,
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+        model=_model_constants(bundle, dims),
+        sources=source_sha,
+        graphs={g.name: _graph_entry(g) for g in results},
+        tables=tables,
+        frontend=Frontend(campplus=f"{FRONTEND_DIR}/{CAMPPLUS}",
+                          speech_tokenizer=f"{FRONTEND_DIR}/{SPEECH_TOKENIZER}"),
+        tokenizer=Tokenizer(TOKENIZER_DIR, TOKENIZER_COPY),
+        config=YAML,
+        prompt=prompt,
+        files=dict(sorted(files.items())),
+        timings={"total_s": round(time.perf_counter() - start, 3)},
+    )
+    _write_json(out, MANIFEST, manifest.to_json())
     return Report(out, tuple(results), out / MANIFEST, time.perf_counter() - start, files)

@@ -1,0 +1,468 @@
+"""A runtime bundle's manifest.json as one typed record: `cosyvoice-export all` builds a `Manifest` and
+writes `to_json()`; the runtime reads it with `Manifest.from_json`.
+
+Reading checks the format and its version first (the keys are that version's), then every key's type,
+that every path stays inside the bundle and that every file the manifest uses is listed in its `files`;
+a problem is one `ManifestError` line naming the manifest and the key, what was expected and what was
+found. Whether the bundle matches the reader (spec versions, files on disk) is the reader's to check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import PurePosixPath
+from typing import Any
+
+from .bundle_layout import FORMAT, FORMAT_VERSION
+from .registry import ModelDims
+
+FRONTEND_MODELS = ("campplus", "speech_tokenizer")
+"""The front-end ONNX models a bundle carries, by the name `Frontend` and the runtime give them."""
+
+
+class ManifestError(ValueError):
+    """A manifest that is not shaped as `Manifest`: one line naming the manifest and the key."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A file's size and sha256."""
+
+    size: int
+    sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "sha256": self.sha256}
+
+    @classmethod
+    def read(cls, r: _Object) -> FileEntry:
+        return cls(r.integer("size"), r.text("sha256"))
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    """A graph output's worst figure over the validation cases."""
+
+    metric: str
+    measured: float
+    bound: float
+    passed: bool
+    worst_case: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"metric": self.metric, "measured": self.measured, "bound": self.bound, "passed": self.passed,
+                "worst_case": self.worst_case}
+
+    @classmethod
+    def read(cls, r: _Object) -> OutputCheck:
+        return cls(r.text("metric"), r.number("measured"), r.number("bound"), r.flag("passed"),
+                   r.text("worst_case"))
+
+
+@dataclass(frozen=True)
+class GateCheck:
+    """A reduced precision's decode or solve gate, by its metric."""
+
+    output: str
+    measured: float
+    bound: float
+    passed: bool
+    case: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"output": self.output, "measured": self.measured, "bound": self.bound, "passed": self.passed,
+                "case": self.case}
+
+    @classmethod
+    def read(cls, r: _Object) -> GateCheck:
+        return cls(r.text("output"), r.number("measured"), r.number("bound"), r.flag("passed"),
+                   r.text("case"))
+
+
+@dataclass(frozen=True)
+class Validation:
+    """How a graph (or its TensorRT plan) validated at export."""
+
+    provider: str
+    against: str
+    """What its outputs were compared with: "torch", or "onnxruntime" for a TensorRT plan."""
+    passed: bool
+    outputs: Mapping[str, OutputCheck]
+    cases: tuple[str, ...]
+    gates: Mapping[str, GateCheck] = field(default_factory=dict)
+    """Metric -> its gate, for a precision the spec gates (written only when there are some)."""
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"provider": self.provider, "against": self.against, "passed": self.passed,
+               "outputs": {o: c.to_json() for o, c in self.outputs.items()}, "cases": list(self.cases)}
+        if self.gates:
+            out["gates"] = {m: g.to_json() for m, g in self.gates.items()}
+        return out
+
+    @classmethod
+    def read(cls, r: _Object) -> Validation:
+        gates = r.objects("gates") if "gates" in r else {}
+        return cls(r.text("provider"), r.text("against"), r.flag("passed"),
+                   {o: OutputCheck.read(c) for o, c in r.objects("outputs").items()}, r.texts("cases"),
+                   {m: GateCheck.read(g) for m, g in gates.items()})
+
+
+@dataclass(frozen=True)
+class TrtPlanEntry:
+    """A graph's TensorRT plan (`--trt`): it runs only with this TensorRT version on this GPU."""
+
+    file: str
+    size: int
+    sha256: str
+    cache_key: str
+    cached: bool
+    """Taken from the plan cache rather than built by this export."""
+    gpu: str
+    tensorrt: str
+    build_s: float
+    validate_s: float
+    validation: Validation
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "size": self.size, "sha256": self.sha256, "cache_key": self.cache_key,
+                "cached": self.cached, "gpu": self.gpu, "tensorrt": self.tensorrt, "build_s": self.build_s,
+                "validate_s": self.validate_s, "validation": self.validation.to_json()}
+
+    @classmethod
+    def read(cls, r: _Object) -> TrtPlanEntry:
+        return cls(r.path("file"), r.integer("size"), r.text("sha256"), r.text("cache_key"), r.flag("cached"),
+                   r.text("gpu"), r.text("tensorrt"), r.number("build_s"), r.number("validate_s"),
+                   Validation.read(r.obj("validation")))
+
+
+@dataclass(frozen=True)
+class GraphEntry:
+    """One graph of the bundle: its file, spec, precision, sources and validation."""
+
+    file: str
+    """The ONNX file (its external data, if any, lies beside it)."""
+    precision: str
+    """A key of `PRECISIONS` (read with `Precision.named`, which refuses an unknown one)."""
+    spec_name: str
+    spec_version: int
+    opset: int
+    sources: Mapping[str, str]
+    """Model-bundle file -> sha256 of what the graph was made from."""
+    simplified: bool
+    simplify_error: str | None
+    reused: bool
+    """Taken from an earlier export into the same folder."""
+    timings: Mapping[str, float]
+    validation: Validation
+    trt: TrtPlanEntry | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"file": self.file, "precision": self.precision, "spec_name": self.spec_name,
+               "spec_version": self.spec_version, "opset": self.opset, "sources": dict(self.sources),
+               "simplified": self.simplified, "simplify_error": self.simplify_error, "reused": self.reused,
+               "timings": dict(self.timings), "validation": self.validation.to_json()}
+        if self.trt is not None:
+            out["trt"] = self.trt.to_json()
+        return out
+
+    @classmethod
+    def read(cls, r: _Object) -> GraphEntry:
+        trt = TrtPlanEntry.read(r.obj("trt")) if "trt" in r else None
+        return cls(r.path("file"), r.text("precision"), r.text("spec_name"), r.integer("spec_version"),
+                   r.integer("opset"), r.text_map("sources"), r.flag("simplified"),
+                   r.optional_text("simplify_error"), r.flag("reused"), r.number_map("timings"),
+                   Validation.read(r.obj("validation")), trt)
+
+
+@dataclass(frozen=True)
+class TableEntry:
+    """A table of `bundle_layout` (.npy): its values, or the generator state they are drawn from."""
+
+    file: str
+    shape: tuple[int, ...]
+    """The table's shape (of the values a generator draws, for a generated table)."""
+    dtype: str
+    note: str
+    generator: str | None = None
+    """The generator whose state `file` holds (`cosyvoice_runtime.noise`); None for stored values."""
+    values_sha256: str | None = None
+    """sha256 of the drawn values (little-endian), for a generated table."""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"file": self.file, "shape": list(self.shape), "dtype": self.dtype}
+        if self.generator is not None:
+            out["generator"] = self.generator
+        if self.values_sha256 is not None:
+            out["values_sha256"] = self.values_sha256
+        return out | {"note": self.note}
+
+    @classmethod
+    def read(cls, r: _Object) -> TableEntry:
+        return cls(r.path("file"), r.integers("shape"), r.text("dtype"), r.text("note"),
+                   r.text("generator") if "generator" in r else None,
+                   r.text("values_sha256") if "values_sha256" in r else None)
+
+
+@dataclass(frozen=True)
+class ModelConstants:
+    """The model's constants: the dims every graph's shapes follow and the ids the runtime feeds."""
+
+    dims: ModelDims
+    sos: int
+    """Speech-table row that starts the LLM's speech sequence."""
+    eos: int
+    """Speech id that ends generation."""
+    task_id: int
+    """Speech-table row between the text and the prompt speech tokens."""
+    endofprompt_id: int
+    """Text token id of `<|endofprompt|>` in the bundle's tokenizer."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self.dims), "sos": self.sos, "eos": self.eos, "task_id": self.task_id,
+                "endofprompt_id": self.endofprompt_id}
+
+    @classmethod
+    def read(cls, r: _Object) -> ModelConstants:
+        dims = ModelDims(**{f.name: r.integer(f.name) for f in fields(ModelDims)})
+        return cls(dims, r.integer("sos"), r.integer("eos"), r.integer("task_id"),
+                   r.integer("endofprompt_id"))
+
+
+@dataclass(frozen=True)
+class Frontend:
+    """The front-end ONNX models (`FRONTEND_MODELS`)."""
+
+    campplus: str
+    speech_tokenizer: str
+
+    def paths(self) -> dict[str, str]:
+        """Front-end model name -> its file."""
+        return {"campplus": self.campplus, "speech_tokenizer": self.speech_tokenizer}
+
+    def to_json(self) -> dict[str, Any]:
+        return self.paths()
+
+    @classmethod
+    def read(cls, r: _Object) -> Frontend:
+        return cls(*(r.path(name) for name in FRONTEND_MODELS))
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """The Qwen2 tokenizer's folder and the files in it."""
+
+    dir: str
+    files: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dir": self.dir, "files": list(self.files)}
+
+    @classmethod
+    def read(cls, r: _Object) -> Tokenizer:
+        return cls(r.path("dir"), r.texts("files"))
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The default prompt a bundle carries: a recording and its transcript."""
+
+    wav: str
+    text: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"wav": self.wav, "text": self.text}
+
+    @classmethod
+    def read(cls, r: _Object) -> Prompt:
+        return cls(r.path("wav"), r.path("text"))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything a runtime bundle says about itself: provenance, model constants, graphs, tables, front
+    end, tokenizer, prompt, and every file with its size and sha256 (it is written with `bundle_layout`'s
+    format and version, the only ones it reads)."""
+
+    exporter_version: str
+    precision: str
+    """The bundle's precision (a key of `PRECISIONS`); each graph records its own."""
+    created: str
+    """UTC time of the export, ISO 8601."""
+    model: ModelConstants
+    sources: Mapping[str, FileEntry]
+    """Model-bundle file -> its entry: every file the bundle was made from."""
+    graphs: Mapping[str, GraphEntry]
+    """Graph name -> its entry, in pipeline order."""
+    tables: Mapping[str, TableEntry]
+    frontend: Frontend
+    tokenizer: Tokenizer
+    config: str
+    """The copy of the model's yaml, for provenance."""
+    prompt: Prompt | None
+    files: Mapping[str, FileEntry]
+    """Every file of the bundle but the manifest, by its path in the bundle."""
+    timings: Mapping[str, float]
+
+    def used_files(self) -> list[str]:
+        """The files the other sections name (each must be listed in `files`)."""
+        used = [g.file for g in self.graphs.values()]
+        used += [g.trt.file for g in self.graphs.values() if g.trt is not None]
+        used += [t.file for t in self.tables.values()]
+        used += [*self.frontend.paths().values(), self.config]
+        used += [f"{self.tokenizer.dir}/{name}" for name in self.tokenizer.files]
+        used += [self.prompt.wav, self.prompt.text] if self.prompt is not None else []
+        return used
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "exporter_version": self.exporter_version,
+            "precision": self.precision,
+            "created": self.created,
+            "model": self.model.to_json(),
+            "sources": {n: e.to_json() for n, e in self.sources.items()},
+            "graphs": {n: g.to_json() for n, g in self.graphs.items()},
+            "tables": {n: t.to_json() for n, t in self.tables.items()},
+            "frontend": self.frontend.to_json(),
+            "tokenizer": self.tokenizer.to_json(),
+            "config": self.config,
+            "prompt": None if self.prompt is None else self.prompt.to_json(),
+            "files": {rel: e.to_json() for rel, e in self.files.items()},
+            "timings": dict(self.timings),
+        }
+
+    @classmethod
+    def from_json(cls, data: object, where: str) -> Manifest:
+        """The manifest in `data` (parsed JSON); `where` (its path) starts every error."""
+        r = _Object(data, where, "")
+        for key, want in (("format", FORMAT), ("format_version", FORMAT_VERSION)):
+            if r.value.get(key) != want:
+                raise ManifestError(f"{where}: {key} is {r.value.get(key)!r}, expected {want!r} "
+                                    "(re-export the model with `cosyvoice-export all`)")
+        prompt = r.optional_obj("prompt")
+        files = r.objects("files")
+        for rel in files:
+            _check_path(rel, where, f"files key {rel!r}")
+        manifest = cls(
+            exporter_version=r.text("exporter_version"),
+            precision=r.text("precision"),
+            created=r.text("created"),
+            model=ModelConstants.read(r.obj("model")),
+            sources={n: FileEntry.read(e) for n, e in r.objects("sources").items()},
+            graphs={n: GraphEntry.read(g) for n, g in r.objects("graphs").items()},
+            tables={n: TableEntry.read(t) for n, t in r.objects("tables").items()},
+            frontend=Frontend.read(r.obj("frontend")),
+            tokenizer=Tokenizer.read(r.obj("tokenizer")),
+            config=r.path("config"),
+            prompt=None if prompt is None else Prompt.read(prompt),
+            files={rel: FileEntry.read(e) for rel, e in files.items()},
+            timings=r.number_map("timings"),
+        )
+        for rel in manifest.used_files():
+            if rel not in manifest.files:
+                raise ManifestError(f"{where}: {rel} is used but not listed in files")
+        return manifest
+
+
+# --- reading -------------------------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _found(value: object) -> str:
+    if value is _MISSING:
+        return "missing"
+    if isinstance(value, Mapping):
+        return "an object"
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:60]}…"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_path(value: object, where: str, key: str) -> str:
+    """`value` if it is a relative path that stays inside the bundle."""
+    rel = PurePosixPath(value) if isinstance(value, str) else None
+    if rel is None or rel.is_absolute() or ".." in rel.parts or not rel.parts or str(rel) != value:
+        raise ManifestError(f"{where}: {key} is {_found(value)}, expected a path inside the bundle")
+    return value
+
+
+class _Object:
+    """One JSON object of a manifest being read, at `key` (dotted, as errors name it; "" at the top)."""
+
+    def __init__(self, value: object, where: str, key: str) -> None:
+        if not isinstance(value, Mapping):
+            raise ManifestError(f"{where}: {key} is {_found(value)}, expected an object")
+        self.value: Mapping[str, Any] = value
+        self.where, self.key = where, key
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.value
+
+    def _at(self, name: str) -> str:
+        return f"{self.key}.{name}" if self.key else name
+
+    def _get(self, name: str, expected: str, ok: Callable[[object], bool]) -> Any:
+        value = self.value.get(name, _MISSING)
+        if not ok(value):
+            raise ManifestError(f"{self.where}: {self._at(name)} is {_found(value)}, expected {expected}")
+        return value
+
+    def integer(self, name: str) -> int:
+        return int(self._get(name, "an integer", _is_int))
+
+    def number(self, name: str) -> float:
+        value: float = self._get(name, "a number", _is_number)
+        return value  # an integer stays one, so that it is written back as it was read
+
+    def text(self, name: str) -> str:
+        return str(self._get(name, "a string", lambda v: isinstance(v, str)))
+
+    def optional_text(self, name: str) -> str | None:
+        value = self._get(name, "a string or null", lambda v: v is None or isinstance(v, str))
+        return None if value is None else str(value)
+
+    def flag(self, name: str) -> bool:
+        return bool(self._get(name, "true or false", lambda v: isinstance(v, bool)))
+
+    def path(self, name: str) -> str:
+        return _check_path(self.value.get(name, _MISSING), self.where, self._at(name))
+
+    def texts(self, name: str) -> tuple[str, ...]:
+        values = self._get(name, "a list of strings",
+                           lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
+        return tuple(values)
+
+    def integers(self, name: str) -> tuple[int, ...]:
+        values = self._get(name, "a list of integers", lambda v: isinstance(v, list) and all(map(_is_int, v)))
+        return tuple(values)
+
+    def text_map(self, name: str) -> dict[str, str]:
+        section = self.obj(name)
+        return {k: section.text(k) for k in section.value}
+
+    def number_map(self, name: str) -> dict[str, float]:
+        section = self.obj(name)
+        return {k: section.number(k) for k in section.value}
+
+    def obj(self, name: str) -> _Object:
+        return _Object(self.value.get(name, _MISSING), self.where, self._at(name))
+
+    def optional_obj(self, name: str) -> _Object | None:
+        """The object at `name`, or None where the manifest has null."""
+        value = self.value.get(name, _MISSING)
+        return None if value is None else _Object(value, self.where, self._at(name))
+
+    def objects(self, name: str) -> dict[str, _Object]:
+        """An object whose every value is an object, by key."""
+        section = self.obj(name)
+        return {k: section.obj(k) for k in section.value}
