@@ -14,8 +14,9 @@
 from __future__ import annotations
 
 FORMAT = "cosyvoice3-runtime-bundle"
-FORMAT_VERSION = 2
-"""2: the sine noise table is an MT19937 state (`cosyvoice_runtime.noise`); 1 shipped its values."""
+FORMAT_VERSION = 3
+"""3: the manifest's model section carries the HiFT layout (`cosyvoice_graphs.hift_layout`); 2: the sine
+noise table is an MT19937 state (`cosyvoice_runtime.noise`); 1 shipped its values."""
 MANIFEST = "manifest.json"
 GRAPHS_DIR = "graphs"
 TABLES_DIR = "tables"
@@ -38,10 +39,9 @@ NOISE_TABLES = {FLOW_NOISE: ("flow_estimator_cached", "new_frames"),
 """Noise table -> (graph, symbolic dim) whose largest profile size is the longest the runtime can read."""
 
 RETIRED_GRAPHS = frozenset({"flow_estimator"})
-"""Graphs that bundles of earlier exporters hold and this runtime no longer runs: a manifest may list
-them (their files are checked as any listed file) and they are never opened; the layout is otherwise
-unchanged, so such a bundle keeps its format version. `flow_estimator` was the one-shot DiT, which
-`flow_estimator_cached` with nothing cached computes bit for bit."""
+"""Graphs that earlier exporters wrote and this one no longer does: an export into a folder that holds
+them deletes their files (the bundles that list them are of format version 2). `flow_estimator` was the
+one-shot DiT, which `flow_estimator_cached` with nothing cached computes bit for bit."""
 
 
 def graph_file(name: str) -> str:

@@ -15,6 +15,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from .bundle_layout import FORMAT, FORMAT_VERSION
+from .hift_layout import HiftLayout
 from .registry import ModelDims
 
 FRONTEND_MODELS = ("campplus", "speech_tokenizer")
@@ -217,16 +218,53 @@ class ModelConstants:
     """Speech-table row between the text and the prompt speech tokens."""
     endofprompt_id: int
     """Text token id of `<|endofprompt|>` in the bundle's tokenizer."""
+    hift: HiftLayout
+    """What the streaming vocoder's margins are derived from."""
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self.dims), "sos": self.sos, "eos": self.eos, "task_id": self.task_id,
-                "endofprompt_id": self.endofprompt_id}
+                "endofprompt_id": self.endofprompt_id, "hift": _hift_json(self.hift)}
 
     @classmethod
     def read(cls, r: _Object) -> ModelConstants:
         dims = ModelDims(**{f.name: r.integer(f.name) for f in fields(ModelDims)})
+        hift = _read_hift(r.obj("hift"))
+        if hift.samples_per_frame != dims.samples_per_frame:
+            raise ManifestError(f"{r.where}: model.hift gives {hift.samples_per_frame} samples per frame, "
+                                f"model.samples_per_frame is {dims.samples_per_frame}")
         return cls(dims, r.integer("sos"), r.integer("eos"), r.integer("task_id"),
-                   r.integer("endofprompt_id"))
+                   r.integer("endofprompt_id"), hift)
+
+
+def _hift_json(h: HiftLayout) -> dict[str, Any]:
+    return {"upsample_rates": list(h.upsample_rates), "upsample_kernel_sizes": list(h.upsample_kernel_sizes),
+            "resblock_kernel_sizes": list(h.resblock_kernel_sizes),
+            "resblock_dilation_sizes": [list(d) for d in h.resblock_dilation_sizes],
+            "source_resblock_kernel_sizes": list(h.source_resblock_kernel_sizes),
+            "source_resblock_dilation_sizes": [list(d) for d in h.source_resblock_dilation_sizes],
+            "istft_n_fft": h.istft_n_fft, "istft_hop_len": h.istft_hop_len,
+            "conv_pre_look_right": h.conv_pre_look_right, "conv_post_kernel_size": h.conv_post_kernel_size,
+            "f0_look_right": h.f0_look_right, "f0_causal_kernel_sizes": list(h.f0_causal_kernel_sizes)}
+
+
+def _read_hift(r: _Object) -> HiftLayout:
+    layout = HiftLayout(
+        upsample_rates=r.integers("upsample_rates"),
+        upsample_kernel_sizes=r.integers("upsample_kernel_sizes"),
+        resblock_kernel_sizes=r.integers("resblock_kernel_sizes"),
+        resblock_dilation_sizes=r.integer_lists("resblock_dilation_sizes"),
+        source_resblock_kernel_sizes=r.integers("source_resblock_kernel_sizes"),
+        source_resblock_dilation_sizes=r.integer_lists("source_resblock_dilation_sizes"),
+        istft_n_fft=r.integer("istft_n_fft"), istft_hop_len=r.integer("istft_hop_len"),
+        conv_pre_look_right=r.integer("conv_pre_look_right"),
+        conv_post_kernel_size=r.integer("conv_post_kernel_size"), f0_look_right=r.integer("f0_look_right"),
+        f0_causal_kernel_sizes=r.integers("f0_causal_kernel_sizes"))
+    stages = {len(layout.upsample_rates), len(layout.upsample_kernel_sizes),
+              len(layout.source_resblock_kernel_sizes), len(layout.source_resblock_dilation_sizes)}
+    if len(stages) != 1 or len(layout.resblock_kernel_sizes) != len(layout.resblock_dilation_sizes):
+        raise ManifestError(f"{r.where}: {r.key} has lists of different lengths where they pair up (one "
+                            "entry per upsampling stage, one dilation list per resblock kernel)")
+    return layout
 
 
 @dataclass(frozen=True)
@@ -453,6 +491,12 @@ class _Object:
     def number_map(self, name: str) -> dict[str, float]:
         section = self.obj(name)
         return {k: section.number(k) for k in section.value}
+
+    def integer_lists(self, name: str) -> tuple[tuple[int, ...], ...]:
+        values = self._get(name, "a list of lists of integers",
+                           lambda v: isinstance(v, list) and all(isinstance(x, list) and all(map(_is_int, x))
+                                                                 for x in v))
+        return tuple(tuple(x) for x in values)
 
     def obj(self, name: str) -> _Object:
         return _Object(self.value.get(name, _MISSING), self.where, self._at(name))

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from cosyvoice_graphs import SPECS, GraphSpec, ModelDims, Precision, spec
-from cosyvoice_graphs.bundle_layout import MANIFEST, RETIRED_GRAPHS
+from cosyvoice_graphs.bundle_layout import MANIFEST
 from cosyvoice_graphs.manifest import (
     FRONTEND_MODELS,
     FileEntry,
@@ -62,8 +62,8 @@ class RuntimeBundle:
     @classmethod
     def open(cls, root: Path | str, *, verify: bool = False) -> RuntimeBundle:
         """Read and check `root/manifest.json`: its format, version and shape (`Manifest.from_json`), one
-        graph per registered spec at our spec version (besides which an older bundle may list
-        `RETIRED_GRAPHS`, never opened), and every listed file present with its recorded size.
+        graph per registered spec at our spec version, and every listed file present with its recorded
+        size.
 
         `verify` also re-hashes every file against the manifest's sha256 (seconds for a full model).
         """
@@ -74,7 +74,7 @@ class RuntimeBundle:
         except ManifestError as e:
             raise RuntimeBundleError(str(e)) from None
         graphs = manifest.graphs
-        if not set(SPECS) <= set(graphs) <= set(SPECS) | RETIRED_GRAPHS:
+        if set(graphs) != set(SPECS):
             raise RuntimeBundleError(f"{where}: graphs are {sorted(graphs)}, expected {sorted(SPECS)}")
         specs = {name: spec(name, manifest.model.dims) for name in SPECS}
         for name, s in specs.items():

@@ -4,7 +4,8 @@ which prompt (`--prompt-wav`, else the bundle's own).
 `--model` may name a runtime bundle or a model bundle (upstream's model directory). A model bundle is
 exported on first use into a cache folder (`$COSYVOICE_CACHE_DIR`, default `~/.cache/cosyvoice`) by the
 `cosyvoice-export all` command of the `export` extra (torch; run as a command, never imported); later
-runs reuse that export while the model's files keep their sizes and modification times.
+runs reuse that export while the model's files keep their sizes and modification times and its format is
+this runtime's.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cosyvoice_graphs.bundle_layout import MANIFEST, MODEL_YAML
+from cosyvoice_graphs.bundle_layout import FORMAT_VERSION, MANIFEST, MODEL_YAML
 
 from .atomic_files import write_json_atomic
 from .bundle import RuntimeBundle
@@ -91,7 +92,7 @@ def _runtime_bundle(path: Path, origin: str, progress: bool, *, default: bool) -
     resolved = path.resolve()
     folder = cache_root() / f"{resolved.name}-{hashlib.sha256(str(resolved).encode()).hexdigest()[:12]}"
     out, stamp = folder / "runtime", _stamp(resolved)
-    if (out / MANIFEST).is_file() and _read_stamp(folder / STAMP) == stamp:
+    if _format_version(out / MANIFEST) == FORMAT_VERSION and _read_json(folder / STAMP) == stamp:
         return BundleChoice(out, f"{origin} ({path}), exported earlier to {out}", default)
     _export(resolved, out, f"{path} ({origin})", progress)
     write_json_atomic(folder / STAMP, stamp)
@@ -129,8 +130,15 @@ def _stamp(model_dir: Path) -> dict[str, list[int]]:
     return stamp
 
 
-def _read_stamp(path: Path) -> object:
+def _read_json(path: Path) -> object:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def _format_version(manifest: Path) -> object:
+    """The format version of a cached export's manifest (None if it has none): an export an earlier
+    exporter made in another format is made again."""
+    data = _read_json(manifest)
+    return data.get("format_version") if isinstance(data, dict) else None

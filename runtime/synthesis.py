@@ -211,7 +211,8 @@ class Synthesizer:
                                 speech_token_size=self.dims.speech_token_size)
         self.flow = Flow(r["flow_encoder"], r["flow_estimator_cached"], bundle.table(FLOW_NOISE), self.dims,
                          prefix_cache_bytes=flow_prefix_bytes)
-        self.vocoder = Vocoder(r["hift_f0"], r["hift_decoder"], bundle.uniform_noise(SINE_NOISE), self.dims)
+        self.vocoder = Vocoder(r["hift_f0"], r["hift_decoder"], bundle.uniform_noise(SINE_NOISE), self.dims,
+                               bundle.manifest.model.hift)
 
     @property
     def runners(self) -> Mapping[str, Runner]:

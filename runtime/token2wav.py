@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cosyvoice_graphs import ModelDims, cache_pairs, empty_caches, time_sinusoid
+from cosyvoice_graphs.hift_layout import HiftLayout
 
 from .errors import SynthesisError
 from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES, FlowPrefix, FlowPrefixCache
@@ -47,10 +48,6 @@ N_TIMESTEPS = 10
 """Euler steps per flow call (upstream hard-codes 10 in `flow.inference`)."""
 CFG_RATE = 0.7
 """`inference_cfg_rate`: v = (1 + rate) v_cond - rate v_uncond."""
-HIFT_FINAL_LOOKAHEAD = 8
-"""Mel frames at the end of a non-final HiFT call whose samples are not final yet: upstream's
-`CausalHiFTGenerator.inference(finalize=False)` reads 3 of them as the F0 predictor's look-ahead and 4 as
-`conv_pre`'s, then drops one more frame of samples."""
 
 
 def time_grid(n_timesteps: int = N_TIMESTEPS) -> np.ndarray:
@@ -376,96 +373,13 @@ class FlowStream:
         return out
 
 
-def _resblock_reach(kernel: int, dilations: tuple[int, ...]) -> int:
-    """Steps a causal `ResBlock` output looks back: per dilation d, conv1 (k - 1) d then conv2 (k - 1)."""
-    return sum((kernel - 1) * (d + 1) for d in dilations)
-
-
-@dataclass(frozen=True)
-class HiftLayout:
-    """The HiFT hyper-parameters that bound how far back a sample depends on the vocoder's inputs.
-
-    The graphs' shapes do not depend on them, so the bundle's `ModelDims` does not carry them: these are
-    CosyVoice3's `hift` yaml values, shared by the released and the tiny model (the tests check them
-    against the exporter's configs and probe the graphs). Every conv is causal (left padding) except
-    conv_pre and the F0 predictor's first conv, which only look right.
-    """
-
-    upsample_rates: tuple[int, ...] = (8, 5, 3)
-    upsample_kernel_sizes: tuple[int, ...] = (16, 11, 7)
-    resblock_kernel_sizes: tuple[int, ...] = (3, 7, 11)
-    resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5),) * 3
-    source_resblock_kernel_sizes: tuple[int, ...] = (7, 7, 11)
-    source_resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5),) * 3
-    conv_post_kernel_size: int = 7
-    istft_n_fft: int = 16
-    istft_hop_len: int = 4
-    f0_causal_kernel_sizes: tuple[int, ...] = (3, 3, 3, 3)
-    """The F0 predictor's left-causal convs (after its look-right first conv)."""
-
-    @property
-    def samples_per_frame(self) -> int:
-        """prod(upsample_rates) · iSTFT hop (480)."""
-        return math.prod(self.upsample_rates) * self.istft_hop_len
-
-    def f0_left_context(self) -> int:
-        """Mel frames before frame t that f0[t] reads: the sum of k - 1 over the causal convs (4 · 2 = 8)."""
-        return sum(k - 1 for k in self.f0_causal_kernel_sizes)
-
-    def decoder_left_context(self) -> int:
-        """Samples at the start of a `hift_decoder` call that can differ from a call over a longer prefix
-        given the same mel, f0, phase and noise from the call's first frame on (13736).
-
-        Walks the first index at which each layer's output no longer reads anything before the call
-        (zero or reflect padding instead of real context), for CosyVoice3's values:
-        - conv_pre only looks right: clean from mel frame 0; the NSF source is per sample: clean from 0;
-        - the centred source STFT: frame f reads samples hop·f ± n_fft/2, so frames from n_fft/2/hop = 2
-          on miss the reflect pad;
-        - stage i upsamples (nearest by r, then a causal conv k): c -> c·r + k - 1, the last stage adds
-          its one-step left reflect pad; the source branch at that rate: the strided downsample by u
-          (kernel 2u, left pad u - 1) gives ceil((2 + u - 1) / u), then its ResBlock; the parallel
-          ResBlocks are averaged, so the widest (k 11: 10 · (1+3+5) + 3 · 10 = 120) counts:
-          rate 8:   max(0·8 + 15, 2 + 72) + 120 = 194;
-          rate 40:  max(194·5 + 10, 2 + 72) + 120 = 1100;
-          rate 120: max(1100·3 + 6 + 1, 2 + 120) + 120 = 3427; conv_post (k 7): 3433 STFT frames;
-        - the iSTFT: sample n overlap-adds the frames f with hop·f - n_fft/2 <= n < hop·f + n_fft/2,
-          all clean from n = hop·(3433 - 1) + n_fft/2 = 13736 (28.6 mel frames) on.
-        """
-        hop, half = self.istft_hop_len, self.istft_n_fft // 2
-        stft_clean = -(-half // hop)
-        rates = self.upsample_rates
-        widest = max(_resblock_reach(k, d) for k, d in
-                     zip(self.resblock_kernel_sizes, self.resblock_dilation_sizes, strict=True))
-        stages = zip(rates, self.upsample_kernel_sizes, self.source_resblock_kernel_sizes,
-                     self.source_resblock_dilation_sizes, strict=True)
-        clean = 0
-        for i, (rate, kernel, source_kernel, source_dilations) in enumerate(stages):
-            clean = clean * rate + kernel - 1
-            if i == len(rates) - 1:
-                clean += 1  # the reflect pad that matches the STFT's frame count
-            down = math.prod(rates[i + 1:])
-            source = -(-(stft_clean + down - 1) // down) if down > 1 else stft_clean
-            source += _resblock_reach(source_kernel, source_dilations)
-            clean = max(clean, source) + widest
-        clean += self.conv_post_kernel_size - 1
-        return hop * (clean - 1) + half
-
-    def window_margin(self) -> int:
-        """Mel frames a streaming window re-runs before its first new sample: the decoder's left context
-        rounded up to whole frames (29)."""
-        return -(-self.decoder_left_context() // self.samples_per_frame)
-
-
-HIFT_LAYOUT = HiftLayout()
-"""CosyVoice3's vocoder (Fun-CosyVoice3-0.5B and the tiny test model)."""
-
-
 class Vocoder:
     """`hift_f0` -> `sine_phase` -> `hift_decoder`: mel -> 24 kHz waveform."""
 
     def __init__(self, f0: Runner, decoder: Runner, sine_noise: UniformNoise, dims: ModelDims,
-                 layout: HiftLayout = HIFT_LAYOUT) -> None:
-        """`sine_noise` is the bundle's table (1, max samples, harmonics), read from sample 0."""
+                 layout: HiftLayout) -> None:
+        """`sine_noise` is the bundle's table (1, max samples, harmonics), read from sample 0; `layout` is
+        the bundle's (its `model.hift`)."""
         if layout.samples_per_frame != dims.samples_per_frame:
             raise ValueError(f"the HiFT layout gives {layout.samples_per_frame} samples per frame, "
                              f"the bundle {dims.samples_per_frame}")
@@ -476,19 +390,21 @@ class Vocoder:
 
     def __call__(self, mel: np.ndarray, *, finalize: bool) -> np.ndarray:
         """mel (1, 80, T) -> float32 samples: U·T when final, else the U·(T - 8) that are final already
-        (upstream's `finalize=False`, whose output is that prefix of the final one)."""
+        (`HiftLayout.final_lookahead`; upstream's `finalize=False`, whose output is that prefix of the final
+        one)."""
         frames, spf = mel.shape[2], self.dims.samples_per_frame
         self.check_frames(frames, finalize=finalize)
         mel = np.ascontiguousarray(mel, dtype=np.float32)
         f0 = self.f0.infer({"mel": mel})["f0"]  # (1, T)
         phase = sine_phase(f0, self.dims.harmonics, self.dims.sample_rate, spf)  # (1, T, H)
         wav = self.decode(mel, f0, phase)
-        return wav if finalize else wav[: spf * (frames - HIFT_FINAL_LOOKAHEAD)]
+        return wav if finalize else wav[: spf * (frames - self.layout.final_lookahead)]
 
     def check_frames(self, frames: int, *, finalize: bool) -> None:
         """Raise unless `frames` mel frames of an utterance can be vocoded (`SynthesisError`: too long)."""
-        if not finalize and frames <= HIFT_FINAL_LOOKAHEAD:
-            raise ValueError(f"a non-final vocoder call needs more than {HIFT_FINAL_LOOKAHEAD} frames")
+        lookahead = self.layout.final_lookahead
+        if not finalize and frames <= lookahead:
+            raise ValueError(f"a non-final vocoder call needs more than {lookahead} frames")
         samples = frames * self.dims.samples_per_frame
         if samples > self.sine_noise.shape[1]:
             raise SynthesisError(f"{samples} samples exceed the sine noise table's "
@@ -520,7 +436,8 @@ class VocoderStream:
     Each `push` runs `hift_f0` over [start - f0_context, frames) and `hift_decoder` over [start, frames)
     (mel frames, absolute), with the phase continued from `acc` and the noise table from frame `start`,
     and keeps the samples from `samples` on: the first `margin` frames' samples only absorb the
-    window's left edge. The cost per push is bounded by the new frames plus margin + f0_context + 8.
+    window's left edge. The cost per push is bounded by the new frames plus margin + f0_context + the
+    layout's final look-ahead.
     """
 
     vocoder: Vocoder = field(repr=False)
@@ -559,11 +476,12 @@ class VocoderStream:
         f0 = voc.f0.infer({"mel": tail})["f0"][:, skip:]  # (1, frames - start)
         acc = accumulate_phase(self.acc, phase_steps(f0, voc.dims.harmonics, voc.dims.sample_rate))
         wav = voc.decode(tail[:, :, skip:], f0, wrap_phase(acc, spf), self.start)
-        end = frames if finalize else frames - HIFT_FINAL_LOOKAHEAD
+        end = frames if finalize else frames - voc.layout.final_lookahead
         new = wav[self.samples - self.start * spf:(end - self.start) * spf]
 
         # The next window starts `margin` frames before the next new sample. The frames it skips lie
-        # >= margin + 8 frames before `frames`, past f0's 3-frame look-ahead: their phase steps are final.
+        # >= margin + final_lookahead frames before `frames`, past f0's look-ahead: their phase steps are
+        # final.
         start = max(0, end - self.margin)
         if start > self.start:
             self.acc = acc[0, start - self.start - 1]

@@ -13,7 +13,7 @@ import pytest
 import soundfile as sf
 from click.testing import CliRunner
 
-from cosyvoice_graphs.bundle_layout import GRAPHS_DIR, MANIFEST
+from cosyvoice_graphs.bundle_layout import FORMAT_VERSION, GRAPHS_DIR, MANIFEST
 from cosyvoice_runtime import bundle_source
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import CACHE_DIR_ENV, MODEL_DIR_ENV, choose_bundle
@@ -96,6 +96,9 @@ def test_model_dir_env_is_exported_once_into_the_cache(
     (model / "flow.pt").touch()  # a changed model file (its mtime) means a new export
     assert bundle_source._stamp(model.resolve())["flow.pt"][1] == (model / "flow.pt").stat().st_mtime_ns
     assert "exported now" in choose_bundle(None, progress=False).origin and len(exports) == 2
+    manifest = first.path / MANIFEST  # an export in an earlier format is made again
+    manifest.write_text(json.dumps(json.loads(manifest.read_text()) | {"format_version": FORMAT_VERSION - 1}))
+    assert "exported now" in choose_bundle(None, progress=False).origin and len(exports) == 3
     explicit = choose_bundle(runtime_bundle)
     assert explicit.path == runtime_bundle and not explicit.default
 

@@ -32,10 +32,10 @@ from cosyvoice_export.nets.hift import (
     CausalConvRNNF0Predictor,
     CausalHiFTGenerator,
     SourceModuleHnNSF,
+    hift_layout,
     init_random_,
     normalize_hift_state_dict,
 )
-from cosyvoice_runtime.token2wav import HIFT_LAYOUT
 
 MANIFEST = Path(__file__).parent / "data" / "upstream_manifest" / "hift.tsv"
 U = 480  # samples per mel frame
@@ -99,17 +99,20 @@ def test_causal_conv_left_right_and_context() -> None:
         CausalConv1d(3, 5, 4, dilation=2)
 
 
-def test_the_runtimes_layout_has_the_networks_kernels() -> None:
-    """What the runtime's `HIFT_LAYOUT` takes from the networks rather than the yaml
-    (test_runtime_vocoder_stream checks the rest)."""
+def test_the_layout_has_the_networks_kernels() -> None:
+    """The layout the exporter records (`hift_layout`) has the kernels of the network its config builds:
+    the yaml's (test_runtime_vocoder_stream checks the bundle's against the configs) and those the
+    architecture fixes (conv_post's, the F0 predictor's)."""
     for cfg in (full_size().hift, tiny(100).hift):
-        f0_convs = CausalConvRNNF0Predictor(cfg.f0).condnet[2::2]
-        assert HIFT_LAYOUT.f0_causal_kernel_sizes == tuple(c.kernel_size[0] for c in f0_convs)
+        layout, predictor = hift_layout(cfg), CausalConvRNNF0Predictor(cfg.f0)
+        f0_convs = predictor.condnet[2::2]
+        assert layout.f0_causal_kernel_sizes == tuple(c.kernel_size[0] for c in f0_convs)
         assert all(c.causal_type == "left" and c.dilation == (1,) for c in f0_convs)
-    # conv_post is fixed by the architecture (k 7), not by the yaml
-    hift = CausalHiFTGenerator(tiny(100).hift)
-    assert HIFT_LAYOUT.conv_post_kernel_size == hift.conv_post.kernel_size[0]
-    assert hift.conv_pre.causal_type == "right"
+        assert layout.f0_look_right == predictor.look_right == 3
+        assert predictor.condnet[0].causal_type == "right"
+    hift, layout = CausalHiFTGenerator(tiny(100).hift), hift_layout(tiny(100).hift)
+    assert layout.conv_post_kernel_size == hift.conv_post.kernel_size[0]
+    assert hift.conv_pre.causal_type == "right" and hift.conv_pre.causal_padding == layout.conv_pre_look_right
 
 
 def test_downsample_and_upsample_convs() -> None:

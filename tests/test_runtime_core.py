@@ -133,7 +133,10 @@ def test_path_outside_bundle(runtime_bundle: Path, tmp_path: Path) -> None:
     (lambda m: m["tables"]["flow_noise"].update(shape=[1, "80"]),
      r"tables.flow_noise.shape is \[1, '80'\], expected a list of integers"),
     (lambda m: m.update(prompt=[]), r"prompt is \[\], expected an object"),
-], ids=["flag", "file entry", "shape", "section"])
+    (lambda m: m["model"].pop("hift"), "model.hift is missing, expected an object"),
+    (lambda m: m["model"]["hift"].update(istft_hop_len=3),
+     "model.hift gives 360 samples per frame, model.samples_per_frame is 480"),
+], ids=["flag", "file entry", "shape", "section", "no hift layout", "hift layout"])
 def test_a_manifest_key_of_the_wrong_type_is_named(
         runtime_bundle: Path, tmp_path: Path, edit: Callable[[dict[str, Any]], None], message: str) -> None:
     one_line_error(clone(runtime_bundle, tmp_path, edit), message)

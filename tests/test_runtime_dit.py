@@ -1,13 +1,9 @@
 """One DiT graph: the `Synthesizer` opens each graph of the bundle once and runs every flow call on
 `flow_estimator_cached` (the offline flow and a stream's final chunk with nothing cached, fetching the
-velocity only), and a bundle of an earlier exporter that still lists the retired `flow_estimator` graph
-works as before without opening it. On the embedded demo bundle; no torch."""
+velocity only). On the embedded demo bundle; no torch."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +13,6 @@ import onnxruntime as ort
 import pytest
 
 from cosyvoice_graphs import SPECS, empty_caches
-from cosyvoice_graphs.bundle_layout import MANIFEST, RETIRED_GRAPHS
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.frontend import PromptFeatures
@@ -92,30 +87,3 @@ def test_every_flow_call_runs_on_the_dit_graph(synth: Synthesizer, monkeypatch: 
     assert fetched.count(1) == N_TIMESTEPS and len(fetched) == N_TIMESTEPS * len(chunks)
     with pytest.raises(ValueError, match="unknown output 'present'"):
         infer_outputs({}, ["present"])
-
-
-def _with_retired_graph(tmp_path: Path) -> Path:
-    """The demo bundle as an earlier exporter left it: `flow_estimator` in the manifest and its file beside
-    the others (any bytes: it must never be opened)."""
-    (name,) = RETIRED_GRAPHS
-    root = shutil.copytree(DEMO_BUNDLE, tmp_path / "bundle")
-    rel = f"graphs/{name}.onnx"
-    data = b"the one-shot DiT of an earlier exporter"
-    (root / rel).write_bytes(data)
-    manifest = json.loads((root / MANIFEST).read_text())
-    manifest["graphs"][name] = {**manifest["graphs"]["flow_estimator_cached"], "file": rel,
-                                "spec_name": name, "spec_version": 1}
-    manifest["files"][rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (root / MANIFEST).write_text(json.dumps(manifest))
-    return root
-
-
-def test_a_bundle_with_the_retired_graph_works_without_opening_it(synth: Synthesizer, tmp_path: Path,
-                                                                  loaded: list[str]) -> None:
-    old = RuntimeBundle.open(_with_retired_graph(tmp_path), verify=True)
-    assert list(old.specs) == list(SPECS)
-    prompt, tokens = _prompt(synth, 20), _tokens(synth)
-    with Synthesizer(old, threads=1) as from_old:
-        assert sorted(loaded) == sorted(f"{name}.onnx" for name in SPECS)
-        _, audio, _ = from_old.token2wav(tokens, prompt)
-    assert np.array_equal(audio, synth.token2wav(tokens, prompt)[1])

@@ -27,7 +27,6 @@ from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.synthesis import ChunkPolicy, Synthesizer
 from cosyvoice_runtime.token2wav import (
-    HIFT_LAYOUT,
     Vocoder,
     accumulate_phase,
     phase_steps,
@@ -77,22 +76,24 @@ def _spoil_before(feeds: dict[str, np.ndarray], frame: int, value: float | None)
 # --- the margin -------------------------------------------------------------------------------------
 
 
-def test_layout_is_the_exporters_and_gives_the_documented_margin() -> None:
-    """The layout's yaml settings are the exporter's configs' (test_hift checks those it takes from the
+def test_the_bundles_layout_is_the_exporters_and_gives_the_documented_margin(vocoder: Vocoder) -> None:
+    """The vocoder's layout is the bundle's (its manifest's model.hift), whose yaml settings are the
+    exporter's configs', the released model's as the tiny one's (test_hift checks the rest against the
     networks)."""
+    layout = vocoder.layout
     for cfg in (full_size().hift, tiny(100).hift):
         for name in ("upsample_rates", "upsample_kernel_sizes", "resblock_kernel_sizes",
                      "resblock_dilation_sizes", "source_resblock_kernel_sizes",
-                     "source_resblock_dilation_sizes", "istft_n_fft", "istft_hop_len"):
-            assert getattr(HIFT_LAYOUT, name) == getattr(cfg, name), name
-        assert HIFT_LAYOUT.samples_per_frame == cfg.upsample_scale
-    assert HIFT_LAYOUT.decoder_left_context() == 13736  # the docstring's arithmetic
-    assert HIFT_LAYOUT.window_margin() == 29 and HIFT_LAYOUT.f0_left_context() == 8
+                     "source_resblock_dilation_sizes", "istft_n_fft", "istft_hop_len", "conv_pre_look_right"):
+            assert getattr(layout, name) == getattr(cfg, name), name
+        assert layout.samples_per_frame == cfg.upsample_scale
+    assert layout.decoder_left_context() == 13736  # the docstring's arithmetic
+    assert layout.window_margin() == 29 and layout.f0_left_context() == 8 and layout.final_lookahead == 8
 
 
 @pytest.mark.parametrize("value", [np.nan, None], ids=["nan", "noise"])
 def test_hift_f0_reads_exactly_its_left_context(vocoder: Vocoder, value: float | None) -> None:
-    mel, frame, ctx = _mel(160), 70, HIFT_LAYOUT.f0_left_context()
+    mel, frame, ctx = _mel(160), 70, vocoder.layout.f0_left_context()
     want = vocoder.f0.infer({"mel": mel})["f0"]
     got = vocoder.f0.infer({"mel": _spoil_before({"mel": mel}, frame, value)["mel"]})["f0"]
     assert np.array_equal(got[:, frame + ctx:], want[:, frame + ctx:])
@@ -105,15 +106,15 @@ def test_decoder_left_context_is_exact(vocoder: Vocoder) -> None:
     feeds, frame = _decoder_inputs(vocoder, _mel(120)), 40
     want = vocoder.decoder.infer(feeds)["waveform"][0]
     got = vocoder.decoder.infer(_spoil_before(feeds, frame, np.nan))["waveform"][0]
-    first = frame * U + HIFT_LAYOUT.decoder_left_context()
+    first = frame * U + vocoder.layout.decoder_left_context()
     assert np.array_equal(got[first:], want[first:])
     assert np.isnan(got[first - 1])
-    margin = HIFT_LAYOUT.window_margin()
+    margin = vocoder.layout.window_margin()
     assert np.isnan(got[(frame + margin - 1) * U:(frame + margin) * U]).any()
 
 
 def test_perturbing_the_frames_before_the_window_leaves_the_kept_samples(vocoder: Vocoder) -> None:
-    feeds, frame, margin = _decoder_inputs(vocoder, _mel(120)), 40, HIFT_LAYOUT.window_margin()
+    feeds, frame, margin = _decoder_inputs(vocoder, _mel(120)), 40, vocoder.layout.window_margin()
     want = vocoder.decoder.infer(feeds)["waveform"][0]
     got = vocoder.decoder.infer(_spoil_before(feeds, frame, None))["waveform"][0]
     assert np.array_equal(got[(frame + margin) * U:], want[(frame + margin) * U:])
@@ -186,7 +187,7 @@ def test_window_stream_equals_the_rerun(vocoder: Vocoder, name: str) -> None:
         worst = max(worst, float(np.abs(got - want).max(initial=0.0)))
         # explicit, bounded state: the next window's frames only, the phase sums of every frame before it
         assert stream.frames == frames and stream.mel_start == max(0, stream.start - 8)
-        assert stream.start == max(0, stream.samples // U - HIFT_LAYOUT.window_margin())
+        assert stream.start == max(0, stream.samples // U - vocoder.layout.window_margin())
         if stream.start and not final:
             assert np.array_equal(stream.acc, committed[0, stream.start - 1])
     print(f"{name}: {len(schedule)} chunks, window vs re-run max abs {worst:.2e}; vocoder s/chunk "

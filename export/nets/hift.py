@@ -26,6 +26,14 @@ from cosyvoice_export.nets.causal_conv import (
     CausalConv1dUpsample,
     Snake,
 )
+from cosyvoice_graphs.hift_layout import HiftLayout
+
+F0_FIRST_KERNEL = 4
+"""The F0 predictor's first conv, which looks kernel - 1 = 3 frames ahead."""
+F0_CAUSAL_KERNELS = (3, 3, 3, 3)
+"""The F0 predictor's left-causal convs after its first."""
+CONV_POST_KERNEL = 7
+"""HiFT's last conv (left-causal); the architecture fixes it, the yaml does not set it."""
 
 
 class CausalConvRNNF0Predictor(nn.Module):
@@ -36,15 +44,15 @@ class CausalConvRNNF0Predictor(nn.Module):
 
     def __init__(self, cfg: F0PredictorConfig) -> None:
         super().__init__()
-        first = CausalConv1d(cfg.in_channels, cfg.cond_channels, 4, causal_type="right")
+        first = CausalConv1d(cfg.in_channels, cfg.cond_channels, F0_FIRST_KERNEL, causal_type="right")
         self.look_right = first.causal_padding
         """Mel frames of look-ahead of the first conv (3)."""
         layers: list[nn.Module] = [
             weight_norm(first),
             nn.ELU(),
         ]
-        for _ in range(4):
-            layers += [weight_norm(CausalConv1d(cfg.cond_channels, cfg.cond_channels, 3)), nn.ELU()]
+        for kernel in F0_CAUSAL_KERNELS:
+            layers += [weight_norm(CausalConv1d(cfg.cond_channels, cfg.cond_channels, kernel)), nn.ELU()]
         self.condnet = nn.Sequential(*layers)
         self.classifier = nn.Linear(cfg.cond_channels, cfg.num_class)
 
@@ -172,7 +180,8 @@ class CausalHiFTGenerator(nn.Module):
             for i in range(len(cfg.upsample_rates))
             for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes, strict=True)
         )
-        self.conv_post = weight_norm(CausalConv1d(base // 2 ** len(cfg.upsample_rates), n_fft + 2, 7))
+        self.conv_post = weight_norm(
+            CausalConv1d(base // 2 ** len(cfg.upsample_rates), n_fft + 2, CONV_POST_KERNEL))
         # Registered last, like upstream (it is assigned at the end of upstream's __init__).
         self.f0_predictor = CausalConvRNNF0Predictor(cfg.f0)
         # Periodic Hann in float64, rounded to float32: upstream's scipy get_window('hann', n, fftbins=True).
@@ -266,6 +275,19 @@ class CausalHiFTGenerator(nn.Module):
     def inference(self, mel: Tensor, sine_noise: Tensor, *, finalize: bool) -> Tensor:
         """Upstream's `CausalHiFTGenerator.inference` (waveform only, no gradients); see `forward`."""
         return self(mel, sine_noise, finalize)
+
+
+def hift_layout(cfg: HiFTConfig) -> HiftLayout:
+    """How far `CausalHiFTGenerator(cfg)`'s outputs reach in its inputs, for the runtime's streaming margins:
+    the yaml's rates and kernels and the kernels the architecture fixes."""
+    return HiftLayout(
+        upsample_rates=cfg.upsample_rates, upsample_kernel_sizes=cfg.upsample_kernel_sizes,
+        resblock_kernel_sizes=cfg.resblock_kernel_sizes, resblock_dilation_sizes=cfg.resblock_dilation_sizes,
+        source_resblock_kernel_sizes=cfg.source_resblock_kernel_sizes,
+        source_resblock_dilation_sizes=cfg.source_resblock_dilation_sizes,
+        istft_n_fft=cfg.istft_n_fft, istft_hop_len=cfg.istft_hop_len,
+        conv_pre_look_right=cfg.conv_pre_look_right, conv_post_kernel_size=CONV_POST_KERNEL,
+        f0_look_right=F0_FIRST_KERNEL - 1, f0_causal_kernel_sizes=F0_CAUSAL_KERNELS)
 
 
 def normalize_hift_state_dict(sd: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -71,7 +71,7 @@ from ..bundle.model_dir import ModelBundle
 from ..bundle.tokenizer_files import ENDOFPROMPT, TOKENIZER_FILES, load_cosyvoice3_tokenizer
 from ..manifest import NETWORKS
 from ..nets.flow import CausalMaskedDiffWithDiT
-from ..nets.hift import CausalHiFTGenerator
+from ..nets.hift import CausalHiFTGenerator, hift_layout
 from ..nets.llm import CosyVoice3LM
 from ..noise import noise_tables
 from .bf16 import BF16_REVISION, bf16_metadata, require_openvino
@@ -520,7 +520,8 @@ def _model_constants(bundle: ModelBundle, dims: ModelDims) -> ModelConstants:
     llm = bundle.config.llm
     tokenizer = load_cosyvoice3_tokenizer(bundle.qwen_dir)
     return ModelConstants(dims, sos=llm.sos, eos=llm.eos, task_id=llm.task_id,
-                          endofprompt_id=tokenizer.token_id(ENDOFPROMPT))
+                          endofprompt_id=tokenizer.token_id(ENDOFPROMPT),
+                          hift=hift_layout(bundle.config.hift))
 
 
 @contextmanager
