@@ -26,7 +26,7 @@ from cosyvoice_export.cli import main
 from cosyvoice_export.onnx import runtime_bundle, trace, trt
 from cosyvoice_export.onnx.dims import model_dims
 from cosyvoice_export.onnx.graphs import WRAPPERS, Networks
-from cosyvoice_export.onnx.runtime_bundle import MANIFEST, RuntimeBundleError, export_all
+from cosyvoice_export.onnx.runtime_bundle import MANIFEST, OutputDirError, export_all
 from cosyvoice_export.onnx.trace import (
     EXPORTER_VERSION,
     PARTIAL,
@@ -362,7 +362,7 @@ def test_foreign_or_unwritable_out_is_refused(tiny_bundle: Path, tmp_path: Path)
     code, _, err = run("all", "--model-dir", str(tiny_bundle), "--out", str(foreign))
     assert code == 2 and err.count("\n") == 1 and "not a runtime bundle" in err
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
-    with pytest.raises(RuntimeBundleError, match="cannot write"):
+    with pytest.raises(OutputDirError, match="cannot write"):
         export_all(tiny_bundle, foreign / "notes.txt" / "out", progress=False)
 
 

@@ -22,7 +22,7 @@ from cosyvoice_export.cli import main
 from cosyvoice_export.onnx import fp16
 from cosyvoice_export.onnx.dims import model_dims
 from cosyvoice_export.onnx.graphs import WRAPPERS, Networks
-from cosyvoice_export.onnx.runtime_bundle import MANIFEST, RuntimeBundleError, export_all
+from cosyvoice_export.onnx.runtime_bundle import MANIFEST, OutputDirError, export_all
 from cosyvoice_export.onnx.trace import check_contract
 from cosyvoice_export.onnx.validate import ValidationError, validate_graph
 from cosyvoice_graphs import SPECS, ModelDims, Tolerance, spec
@@ -90,7 +90,7 @@ def test_blocked_scopes_stay_float32(fp16_bundle: Path) -> None:
 
 
 def test_mixing_precisions_in_one_out_is_refused(fp16_bundle: Path, tiny_bundle: Path) -> None:
-    with pytest.raises(RuntimeBundleError, match="fp16 runtime bundle; --precision fp32"):
+    with pytest.raises(OutputDirError, match="fp16 runtime bundle; --precision fp32"):
         export_all(tiny_bundle, fp16_bundle, progress=False)
     assert (fp16_bundle / MANIFEST).is_file()  # refused before anything changed
 

@@ -97,7 +97,7 @@ CONFIG_SOURCES = (YAML, f"{QWEN_DIR}/{QWEN_CONFIG}")
 """Hyperparameters every graph depends on, besides its checkpoint's weights."""
 
 
-class RuntimeBundleError(BundleError):
+class OutputDirError(BundleError):
     """OUT cannot be used: a foreign non-empty directory, or not writable."""
 
 
@@ -221,16 +221,16 @@ def _prepare_out(out: Path, precision: str) -> None:
     """Refuse a foreign or unwritable OUT, or one exported in another precision; mark it as ours (and
     its precision) and drop its manifest before changing it."""
     if out.exists() and not out.is_dir():
-        raise RuntimeBundleError(f"{out}: exists and is not a directory")
+        raise OutputDirError(f"{out}: exists and is not a directory")
     ours = (out / MANIFEST).is_file() or (out / STATE_DIR).is_dir()
     if out.is_dir() and not ours and any(out.iterdir()):
-        raise RuntimeBundleError(f"{out}: not empty and not a runtime bundle (no {MANIFEST}); "
+        raise OutputDirError(f"{out}: not empty and not a runtime bundle (no {MANIFEST}); "
                                  "choose a new or empty directory")
     marker = out / STATE_DIR / PRECISION_FILE
     # bundles written before precisions were recorded are fp32
     found = marker.read_text().strip() if marker.is_file() else FP32.name if ours else precision
     if found != precision:
-        raise RuntimeBundleError(f"{out}: holds a {found} runtime bundle; --precision {precision} needs "
+        raise OutputDirError(f"{out}: holds a {found} runtime bundle; --precision {precision} needs "
                                  "a new or empty --out (one precision per bundle)")
     try:
         (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
@@ -240,7 +240,7 @@ def _prepare_out(out: Path, precision: str) -> None:
         probe.unlink()
         (out / MANIFEST).unlink(missing_ok=True)
     except OSError as e:
-        raise RuntimeBundleError(f"{out}: cannot write there ({e.strerror or type(e).__name__})") from None
+        raise OutputDirError(f"{out}: cannot write there ({e.strerror or type(e).__name__})") from None
     for leftover in sorted(out.rglob(f".*{PARTIAL}"), reverse=True):
         if leftover.is_dir():
             shutil.rmtree(leftover, ignore_errors=True)
@@ -540,7 +540,7 @@ def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, t
     earlier run into `out`, that passed then and whose files are intact, is reused unless `force`; the
     files of graphs an earlier exporter made that this one no longer does (`RETIRED_GRAPHS`) are deleted.
     Bad bundles raise `BundleError` (the one-line errors of `check-bundle`); a foreign or unwritable
-    `out` raises `RuntimeBundleError`; with `trt` and no CUDA device or TensorRT, or a precision without
+    `out` raises `OutputDirError`; with `trt` and no CUDA device or TensorRT, or a precision without
     TensorRT plans (`Precision.trt_plans`: int8, bf16), `TrtUnavailable` is raised before anything is read
     or written, and so is `Bf16Unavailable` for a precision validated on OpenVINO (bf16) on a CPU without
     its instructions. Validation failures do not raise: they are in the report, and no manifest is
