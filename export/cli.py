@@ -145,6 +145,9 @@ def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:
                    "version) and validate it against onnxruntime. Needs a CUDA device and the export-gpu "
                    "extra.")
 @click.option("--force", is_flag=True, help="Export every graph again, even unchanged ones.")
+@click.option("--wait", is_flag=True,
+              help="If another export into OUT is running, wait for it to finish, then reuse what it "
+                   "exported (without --wait: stop at once, exit 2).")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
               help="fp16: float16 weights and matmul/conv compute, fragile ops (norms, softmax, time "
                    "embedding, output projections, HiFT's source and Snake) and all graph I/O in float32; "
@@ -155,7 +158,7 @@ def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:
                    "the specs' bounds for the "
                    "precision (and the llm's decode gates, the DiT's solve gates). "
                    "OUT holds one precision.")
-def all_cmd(model_dir: Path, out: Path, trt: bool, force: bool, precision: str) -> None:
+def all_cmd(model_dir: Path, out: Path, trt: bool, force: bool, wait: bool, precision: str) -> None:
     """Export every graph to ONNX and assemble a torch-free runtime bundle in OUT.
 
     Each graph is traced from its spec, checked (onnx.checker, then its I/O against the spec),
@@ -166,8 +169,9 @@ def all_cmd(model_dir: Path, out: Path, trt: bool, force: bool, precision: str) 
 
     A second run into the same OUT skips graphs whose spec version, source checkpoints and exporter
     are unchanged (unless --force), and deletes graphs an earlier exporter made that this one no
-    longer does. Prints a summary table; exits 1 if a graph fails validation
-    (no manifest is written then), 2 on a bad bundle or unusable OUT.
+    longer does. One export runs into an OUT at a time (it holds the lock file OUT.lock beside OUT,
+    which stays); a second one stops with one line, or waits with --wait. Prints a summary table; exits 1
+    if a graph fails validation (no manifest is written then), 2 on a bad bundle or unusable OUT.
     """
     from .onnx.bf16 import Bf16Unavailable
     from .onnx.runtime_bundle import export_all
@@ -175,7 +179,8 @@ def all_cmd(model_dir: Path, out: Path, trt: bool, force: bool, precision: str) 
     from .onnx.trt import TrtUnavailable
 
     try:
-        report = export_all(model_dir, out, force=force, trt=trt, precision=precision, progress=True)
+        report = export_all(model_dir, out, force=force, trt=trt, precision=precision, wait=wait,
+                            progress=True)
     except (TrtUnavailable, Bf16Unavailable) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

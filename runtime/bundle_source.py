@@ -106,7 +106,8 @@ def _export(model_dir: Path, out: Path, what: str, progress: bool) -> None:
     if command is None or (Path(command).parent == Path(sys.executable).parent and missing_modules("export")):
         raise RuntimeBundleError(f"{what} is a model bundle; exporting it needs the export extra "
                                  f"({install_command('export')}), which provides cosyvoice-export")
-    args = [command, "all", "--model-dir", str(model_dir), "--out", str(out)]
+    # --wait: a second process asking for the same model waits for the first one's export, then reuses it
+    args = [command, "all", "--model-dir", str(model_dir), "--out", str(out), "--wait"]
     done = subprocess.run(args, stdout=None if progress else subprocess.DEVNULL,
                           stderr=None if progress else subprocess.PIPE, text=True, check=False)
     if done.returncode != 0:

@@ -4,7 +4,11 @@ its manifest, resuming, interruption and bad OUTs; the TensorRT profile and cach
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -364,6 +368,52 @@ def test_foreign_or_unwritable_out_is_refused(tiny_bundle: Path, tmp_path: Path)
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
     with pytest.raises(OutputDirError, match="cannot write"):
         export_all(tiny_bundle, foreign / "notes.txt" / "out", progress=False)
+
+
+def test_a_second_export_into_the_same_out_stops_or_waits(tiny_bundle: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first export (a thread here) holds OUT's lock while it works: a second one stops at once with one
+    line, exit 2; another process with --wait says it waits, waits, and then reuses every graph the first
+    exported."""
+    out, lock = tmp_path / "out", runtime_bundle.lock_path(tmp_path / "out")
+    assert lock == tmp_path / "out.lock"
+    working, go = threading.Event(), threading.Event()
+    real = runtime_bundle._hash_sources
+
+    def held(*args: Any) -> Any:  # the first export, under the lock, until the others have tried
+        working.set()
+        assert go.wait(600)
+        return real(*args)
+
+    monkeypatch.setattr(runtime_bundle, "_hash_sources", held)
+    reports: list[runtime_bundle.Report] = []
+    first = threading.Thread(target=lambda: reports.append(export_all(tiny_bundle, out, progress=False)))
+    first.start()
+    try:
+        assert working.wait(600)
+        code, stdout, err = run("all", "--model-dir", str(tiny_bundle), "--out", str(out))
+        assert (code, stdout) == (2, "")
+        assert err == (f"error: {out}: another export into it is running (it holds {lock}); run again when "
+                       "it has finished, or pass --wait\n")
+        command = [sys.executable, "-m", "cosyvoice_export", "all", "--model-dir", str(tiny_bundle), "--out",
+                   str(out), "--wait"]
+        waiting = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert waiting.stderr is not None
+        said = iter(waiting.stderr.readline, "")  # up to its first line about the lock
+        assert next(line for line in said if "export into" in line) == (
+            f"waiting for another export into {out} to finish (it holds {lock})\n")
+        assert waiting.poll() is None
+    finally:
+        go.set()
+        first.join()
+    assert reports[0].passed and not any(g.reused for g in reports[0].graphs)
+    stdout, err = waiting.communicate(timeout=600)
+    assert waiting.returncode == 0, err
+    for name in SPECS:
+        (row,) = [line for line in stdout.splitlines() if line.split()[0] == name]
+        assert row.endswith("✓") and "reused" in row
+    assert lock.is_file() and not (out / lock.name).exists()
 
 
 def test_bad_bundle_gives_the_check_bundle_error(tmp_path: Path) -> None:

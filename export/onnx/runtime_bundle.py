@@ -5,7 +5,7 @@ exported graph, which is what lets a later run skip it.
 
 Every file is written to a temporary name and renamed, and an existing manifest is removed before
 anything in OUT changes, so an interrupted export never leaves a manifest that claims files that are
-not complete.
+not complete. An export holds OUT.lock, beside OUT, while it runs: two exports never write into one OUT.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
+from filelock import FileLock, Timeout
 from torch import nn
 from tqdm import tqdm
 
@@ -532,7 +534,7 @@ def _step(bar: tqdm, label: str) -> Iterator[None]:
 
 
 def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, trt: bool = False,
-               precision: str = FP32.name, progress: bool = True) -> Report:
+               precision: str = FP32.name, wait: bool = False, progress: bool = True) -> Report:
     """Export, check and validate every graph of the model bundle at `model_dir` and assemble the
     runtime bundle in `out`.
 
@@ -550,6 +552,10 @@ def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, t
     (`GraphSpec.precision_tolerances`) a body in it (float32 I/O; see `fp16`, `int8`, `bf16`), validated with
     those bounds and, where the spec has them, its decode or solve gates; the other graphs stay fp32.
     `out` must not hold a bundle of another precision.
+
+    One export writes into `out` at a time: each holds `lock_path(out)` while it runs. When another export
+    holds it, this one raises `OutputDirError` before reading anything, or with `wait` says so on stderr and
+    waits for it to end (then reuses the graphs it exported).
     """
     record = Precision.named(precision)
     start = time.perf_counter()
@@ -566,6 +572,45 @@ def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, t
     if record.cpu_provider == OPENVINO:
         require_openvino(record)
     model_dir, out = Path(model_dir), Path(out)
+    with _locked(out, wait):
+        return _assemble(model_dir, out, force, precision, trt_env, progress, start)
+
+
+def lock_path(out: Path) -> Path:
+    """The lock file of exports into `out`: beside the folder, never in the bundle (nor its manifest);
+    left in place, as a lock file may be in use when it would be deleted."""
+    out = out.resolve()
+    return out.with_name(f"{out.name}.lock")
+
+
+@contextmanager
+def _locked(out: Path, wait: bool) -> Iterator[None]:
+    """Hold `out`'s lock; `OutputDirError` if another export holds it (unless `wait`)."""
+    path = lock_path(out)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(path)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            if not wait:
+                raise OutputDirError(f"{out}: another export into it is running (it holds {path}); run "
+                                     "again when it has finished, or pass --wait") from None
+            print(f"waiting for another export into {out} to finish (it holds {path})", file=sys.stderr,
+                  flush=True)
+            lock.acquire()
+    except OSError as e:
+        raise OutputDirError(f"{out}: cannot write there (its lock {path}: {e.strerror or type(e).__name__})"
+                             ) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _assemble(model_dir: Path, out: Path, force: bool, precision: str, trt_env: TrtEnv | None,
+              progress: bool, start: float) -> Report:
+    """The work of `export_all`, under `out`'s lock."""
     bundle = check_bundle(model_dir, report=lambda line: None)
     _prepare_out(out, precision)
     _drop_retired_graphs(out)
