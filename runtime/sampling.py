@@ -27,6 +27,10 @@ SILENT_TOKENS: frozenset[int] = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 224
 MAX_SILENT_RUN = 5
 """Ids kept at the start of every run of consecutive silent ids."""
 
+MAX_SEED = 2**63 - 1
+"""Largest seed accepted (seeds run from 0): a signed 64-bit integer, which every client language and
+protobuf's int64 can hold. PCG64 takes any non-negative integer and refuses a negative one."""
+
 
 class Sampler(Protocol):
     """Picks the next id from log-probs (V,) given the ids this utterance has emitted so far."""
@@ -175,10 +179,13 @@ class Sampling:
     kind: str = "ras"
     """"ras" (upstream's repetition-aware sampling) or "greedy" (argmax; the seed is unused)."""
     seed: int = 0
+    """0 to `MAX_SEED`."""
 
     def __post_init__(self) -> None:
         if self.kind not in SAMPLINGS:
             raise UserError(f"sampling is {self.kind!r}; expected one of {', '.join(SAMPLINGS)}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise UserError(f"seed is {self.seed}; expected an integer from 0 to {MAX_SEED}")
 
     def sampler(self) -> Sampler:
         """A fresh sampler."""

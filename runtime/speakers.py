@@ -81,11 +81,21 @@ def frontend_fingerprint(bundle: RuntimeBundle) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
+NAME_RESERVED = "/\\?#%"
+"""Characters a speaker name may not hold: a name is one segment of a URL path (`/speakers/{name}`), so a
+separator, a query or fragment mark or a percent escape would make it a different path or none."""
+NAME_DOT_SEGMENTS = (".", "..")
+"""Names that clients and proxies fold away as path segments (`/speakers/..` is `/`)."""
+
+
 def check_name(name: str) -> str:
-    """`name` stripped, if it is a usable speaker name (1 to 64 printable characters)."""
+    """`name` stripped, if it is a usable speaker name: 1 to 64 printable characters (any script), none of
+    `NAME_RESERVED`, and not `.` or `..`."""
     name = name.strip()
-    if not name or len(name) > MAX_NAME_CHARS or not name.isprintable():
-        raise SpeakerError(f"a speaker name is 1 to {MAX_NAME_CHARS} printable characters, got {name!r}")
+    if (not name or len(name) > MAX_NAME_CHARS or not name.isprintable() or name in NAME_DOT_SEGMENTS
+            or any(c in NAME_RESERVED for c in name)):
+        raise SpeakerError(f"a speaker name is 1 to {MAX_NAME_CHARS} printable characters, none of "
+                           f"{' '.join(NAME_RESERVED)}, and not . or ..; got {name!r}")
     return name
 
 

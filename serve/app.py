@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -13,8 +14,9 @@ from cosyvoice_runtime.speakers import SpeakerRegistry
 
 from . import routes_bridge, routes_openai, routes_page, routes_speakers, routes_upstream
 from .auth import RequireApiKey
+from .body_limit import LimitBody
 from .engine import Engine
-from .errors import install_error_handlers
+from .errors import AnswerUnexpected, install_error_handlers
 from .metrics import ServerMetrics
 from .queue import SessionQueue
 from .responses import CANCELLED, OUTCOME, SYNTHESIS_TAG
@@ -24,6 +26,10 @@ from .state import ServerState
 ROUTERS = tuple(module.router for module in (routes_upstream, routes_bridge, routes_openai, routes_speakers,
                                              routes_page))
 """Every route of the app (FastAPI's docs and schema aside)."""
+CORS_HEADERS = ("Authorization", "X-API-Key", "Content-Type")
+"""Request headers a cross-origin page may send: the API key's two and the body's type."""
+CORS_EXPOSED = ("X-Seed", "X-Sample-Rate", "X-Audio-Duration")
+"""Response headers a cross-origin page may read."""
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
@@ -31,6 +37,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
 
     Speakers are read from `settings.speakers_dir` now; the session workers stop with the app. With
     `settings.api_key`, every request but `/health` and the page must carry the key (`serve/auth.py`).
+    Bodies are bounded by `settings.max_body_bytes`; `settings.cors_origins` lets those origins' pages call
+    the API; `settings.docs` serves FastAPI's /docs and /redoc.
     """
     settings = settings or ServerSettings()
     sessions = SessionQueue(settings.max_concurrency, settings.queue_depth, settings.timeout)
@@ -45,17 +53,25 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         yield
         sessions.shutdown()
 
+    docs = settings.docs  # off by default: their pages load Swagger UI and ReDoc from a CDN
     app = FastAPI(title="cosyvoice-serve", summary="CosyVoice3 text-to-speech over the torch-free runtime",
-                  lifespan=lifespan)
+                  lifespan=lifespan, docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
     app.state.server = state
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
     paths = frozenset(route.path for router in ROUTERS for route in router.routes
                       if isinstance(route, APIRoute) and SYNTHESIS_TAG in route.tags)
+    # Each middleware added wraps those before it: the last one sees a request first.
+    app.add_middleware(LimitBody, limit=settings.max_body_bytes)
     app.add_middleware(CountSynthesisRequests, metrics=metrics, paths=paths)
-    if settings.api_key is not None:  # added last, so outermost: a refused request is not counted
+    app.add_middleware(AnswerUnexpected)  # outside the counter, which must see a failure to count it
+    if settings.api_key is not None:  # outside the counter: a refused request is not counted
         app.add_middleware(RequireApiKey, key=settings.api_key)
+    if settings.cors_origins:  # outermost: a browser's preflight carries no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                           allow_methods=["GET", "POST", "DELETE"], allow_headers=list(CORS_HEADERS),
+                           expose_headers=list(CORS_EXPOSED))
     return app
 
 

@@ -14,7 +14,7 @@ from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from cosyvoice_runtime.runners import CPU
-from cosyvoice_runtime.sampling import SAMPLINGS
+from cosyvoice_runtime.sampling import MAX_SEED, SAMPLINGS
 from cosyvoice_runtime.speakers import SPEAKERS_DIR_ENV, SpeakerError
 
 from .app import create_app
@@ -26,6 +26,7 @@ from .settings import (
     API_KEY_ENV,
     DEFAULT_PORT,
     HOST_ENV,
+    MAX_BODY_MIB,
     PORT_ENV,
     ServerSettings,
     load_dotenv,
@@ -72,7 +73,7 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
               help=f"Registered speakers' folder [default: {DEFAULTS.speakers_dir}]")
 @click.option("--sampling", type=click.Choice(SAMPLINGS), default=DEFAULTS.sampling,
               help="ras: upstream's repetition-aware sampling; greedy: argmax (exact comparisons).")
-@click.option("--seed", type=int, default=None,
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None,
               help="Seed of requests that carry none [default: a random seed per request, as upstream].")
 @click.option("--api-key", envvar=API_KEY_ENV, show_envvar=True, callback=_api_key,
               help="Require this key on every endpoint but /health and the page (HTTP: 'Authorization: "
@@ -84,10 +85,24 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
                    "stream starts after them; 0 keeps none.")
 @click.option("--max-text", type=click.IntRange(min=1), default=DEFAULTS.max_text_chars,
               help="Longest text accepted (characters).")
+@click.option("--max-body-mib", type=click.IntRange(min=1), default=MAX_BODY_MIB,
+              help="Largest HTTP request body (MiB); a larger one is refused with 413 before it is read "
+                   "(the default holds the largest prompt upload, 32 MiB, base64-encoded in JSON).")
+@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
+              help="Let web pages from ORIGIN (e.g. https://app.example.com; '*' for any) call the HTTP API "
+                   "from a browser (CORS); repeatable [default: none, same-origin only; upstream's server "
+                   "allows every origin].")
+@click.option("--docs", is_flag=True,
+              help="Serve FastAPI's /docs and /redoc, whose pages load Swagger UI and ReDoc from a CDN "
+                   "(cdn.jsdelivr.net) [default: off; /openapi.json is served either way].")
+@click.option("--prompt-dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Let /synthesize's prompt_audio name a file in this folder by path, as the bridge server "
+                   "took it (paths leading out of it are refused) [default: paths refused, base64 only].")
 def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model: Path | None, provider: str,
           max_conc: int,
           queue_depth: int, timeout: float, speakers_dir: Path | None, sampling: str, seed: int | None,
-          flow_prefix_mib: int, max_text: int, api_key: str | None) -> None:
+          flow_prefix_mib: int, max_text: int, api_key: str | None, max_body_mib: int,
+          cors_origins: tuple[str, ...], docs: bool, prompt_dir: Path | None) -> None:
     """Serve CosyVoice3 over HTTP: upstream's /inference_* endpoints, the bridge's /synthesize, /health,
     /speakers and /metrics, OpenAI-style /v1/audio/speech and a web page at / (no torch); with --grpc-port,
     upstream's gRPC service beside it; or, with --grpc, that service alone.
@@ -101,7 +116,9 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
     settings = ServerSettings(max_concurrency=max_conc, queue_depth=queue_depth, timeout=timeout,
                               max_text_chars=max_text, sampling=sampling, seed=seed,
-                              speakers_dir=speakers_dir or DEFAULTS.speakers_dir, api_key=api_key)
+                              speakers_dir=speakers_dir or DEFAULTS.speakers_dir, api_key=api_key,
+                              max_body_bytes=max_body_mib << 20, cors_origins=cors_origins, docs=docs,
+                              prompt_dir=prompt_dir)
     try:
         engine = Engine.open(model, provider=provider, flow_prefix_bytes=flow_prefix_mib << 20)
     except USER_ERRORS as e:

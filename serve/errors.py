@@ -2,8 +2,9 @@
 
 Bodies are `{"detail": ..., "error": ..., "code": ...}`: `detail` is FastAPI's convention, `error` and
 `code` the bridge server's `ErrorResponse`, so clients of either read them unchanged. A `detail` names
-the request field at fault. Nothing answers with a traceback: an unexpected exception is logged and
-answers 500 with its type only.
+the request field at fault. Nothing answers with a traceback: an unexpected exception is logged once,
+with its traceback, and answers 500 with its type only (or, after the status line, ends the response
+unfinished).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from collections.abc import Mapping
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +40,31 @@ class FieldError(ApiError):
         super().__init__(status, message if message.startswith(field) else f"{field}: {message}")
 
 
+class EmptyField(FieldError):
+    """A request field that is empty or blank: one answer for both, whether the field came as JSON or as
+    a form field (which FastAPI, when empty, takes for a missing one)."""
+
+    def __init__(self, field: str) -> None:
+        super().__init__(field, f"{field} is empty")
+
+
+class StreamCut(Exception):
+    """A streamed response ended unfinished after its status line; the reason is logged already."""
+
+
 def error_response(status: int, detail: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
     """The JSON error body every route answers with."""
     return JSONResponse({"detail": detail, "error": detail, "code": status}, status_code=status,
                         headers=headers)
+
+
+def _empty_form_fields(error: RequestValidationError) -> list[str]:
+    """The fields FastAPI calls missing that the form does hold, empty."""
+    if not isinstance(error.body, FormData):
+        return []
+    return [str(item["loc"][1]) for item in error.errors()
+            if item.get("type") == "missing" and len(item.get("loc", ())) == 2 and item["loc"][0] == "body"
+            and error.body.get(str(item["loc"][1])) == ""]
 
 
 def _validation_detail(error: RequestValidationError) -> str:
@@ -65,6 +89,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def validation_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
+        empty = _empty_form_fields(exc)
+        if empty:  # answered as a blank field is (`EmptyField`), before any other fault
+            return error_response(400, EmptyField(empty[0]).detail)
         return error_response(422, _validation_detail(exc))
 
     async def http_error(_: Request, exc: Exception) -> JSONResponse:
@@ -74,11 +101,39 @@ def install_error_handlers(app: FastAPI) -> None:
             detail = f"body: malformed multipart/form-data ({detail.rstrip('.')})"
         return error_response(exc.status_code, detail, exc.headers)
 
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("%s %s failed", request.method, request.url.path)
-        return error_response(500, f"internal error ({type(exc).__name__}); the server keeps serving")
-
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(Exception, unexpected)
+
+
+class AnswerUnexpected:
+    """ASGI middleware: an exception nothing else answered is logged once and answered 500, or, after the
+    status line, ends the response unfinished (the server then closes the connection).
+
+    Starlette's own last resort (an `Exception` handler) answers and then raises the exception again
+    for the server, which logs it a second time; this one keeps it.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except StreamCut:
+            pass
+        except Exception as e:
+            log.exception("%s %s failed", scope["method"], scope["path"])
+            if not started:
+                detail = f"internal error ({type(e).__name__}); the server keeps serving"
+                await error_response(500, detail)(scope, receive, send)

@@ -29,6 +29,7 @@ from collections.abc import Iterable
 import grpc
 import numpy as np
 
+from cosyvoice_runtime.sampling import MAX_SEED
 from cosyvoice_runtime.synthesis import Mode
 
 from .audio import PCM16_BYTES, pcm16, wav_bytes
@@ -86,14 +87,15 @@ def prompt_upload(data: bytes, field: str) -> AudioUpload:
 
 
 def request_seed(metadata: Iterable[tuple[str, str | bytes]] | None) -> int | None:
-    """The `seed` of the request metadata, if it has one (a non-negative integer)."""
+    """The `seed` of the request metadata, if it has one (an integer from 0 to `MAX_SEED`, as HTTP's)."""
     values = [value for key, value in metadata or () if key == SEED_KEY]
     if not values:
         return None
     text = values[-1].decode() if isinstance(values[-1], bytes) else values[-1]
-    if not text.strip().isdigit():
-        raise FieldError(SEED_KEY, f"seed metadata must be a non-negative integer, got {text!r}")
-    return int(text)
+    digits = text.strip()
+    if not (digits.isascii() and digits.isdigit()) or int(digits) > MAX_SEED:
+        raise FieldError(SEED_KEY, f"seed metadata must be an integer from 0 to {MAX_SEED}, got {text!r}")
+    return int(digits)
 
 
 def synthesis_job(request: cosyvoice_pb2.Request, settings: ServerSettings, seed: int | None

@@ -15,17 +15,18 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 import numpy as np
 from fastapi import Request, UploadFile
 from fastapi.responses import StreamingResponse
+from pydantic import Field
 
-from cosyvoice_runtime.sampling import Sampling
+from cosyvoice_runtime.sampling import MAX_SEED, Sampling
 
 from .audio import check_upload, pcm16
 from .engine import AudioUpload, SynthesisJob
-from .errors import ApiError, FieldError
+from .errors import ApiError, EmptyField, FieldError, StreamCut
 from .metrics import ServerMetrics
 from .queue import QueueFull, Session, SessionStream
 from .settings import ServerSettings
@@ -39,6 +40,9 @@ SYNTHESIS_TAG = "synthesis"
 OUTCOME = "synthesis_outcome"
 """`request.state` key: "cancelled" when the client went away (the metrics middleware reads it)."""
 CANCELLED = "cancelled"
+SEED_DESCRIPTION = f"Sampler seed, 0 to {MAX_SEED} (not upstream's); default --seed, else random."
+Seed = Annotated[int | None, Field(ge=0, le=MAX_SEED, description=SEED_DESCRIPTION)]
+"""A JSON body's `seed`, bounded as the sampler takes it (a form's is `routes_upstream.Seed`)."""
 
 
 class ClientGone(ApiError):
@@ -51,7 +55,7 @@ class ClientGone(ApiError):
 def require_text(value: str, field: str, settings: ServerSettings) -> str:
     """`value` if it is non-blank and within the length limit, else a `FieldError` naming `field`."""
     if not value.strip():
-        raise FieldError(field, f"{field} is empty")
+        raise EmptyField(field)
     if len(value) > settings.max_text_chars:
         raise FieldError(field, f"{field} has {len(value)} characters; the limit is "
                                 f"{settings.max_text_chars}")
@@ -104,6 +108,9 @@ async def offline_audio(state: ServerState, request: Request, job: SynthesisJob)
     """The job synthesised offline (`Engine.synthesize`): all of its samples."""
     stream = submit(state, lambda session: state.engine.synthesize(job, session))
     audio = await first_item(state, request, stream)
+    # The end comes once the worker has marked the session finished, which its timing needs.
+    if await stream.next() is not None:
+        raise ApiError(500, "offline synthesis yielded more than one array")
     record_session(state.metrics, stream.session, len(audio), state.engine.sample_rate)
     return audio
 
@@ -122,12 +129,17 @@ async def stream_response(state: ServerState, request: Request, job: SynthesisJo
             while (chunk := await stream.next()) is not None:
                 samples += len(chunk)
                 yield pcm16(chunk)
-        except (asyncio.CancelledError, GeneratorExit):
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away: nothing went wrong here
             _mark_cancelled(state, request)
+            log.info("%s: the client left after %d samples; its session stops", request.url.path, samples)
             raise
-        except ApiError as e:  # after the status line: all that is left is to cut the stream
+        # After the status line all that is left is to cut the stream: one line says why (`StreamCut`).
+        except ApiError as e:
             log.warning("%s: stream cut after %d samples: %s", request.url.path, samples, e.detail)
-            raise
+            raise StreamCut from None
+        except Exception:
+            log.exception("%s: stream cut after %d samples", request.url.path, samples)
+            raise StreamCut from None
         finally:
             stream.cancel()
         record_session(state.metrics, stream.session, samples, state.engine.sample_rate)

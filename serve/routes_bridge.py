@@ -3,7 +3,10 @@
 `/synthesize` takes `text`, `prompt_audio`, `prompt_text`, `instruct`/`speaker`, `speed` (and `seed`).
 `prompt_audio` is the prompt recording's file, base64-encoded (a `data:` URL too). The bridge took a
 path on the server's disk; reading paths a client names is not safe on a shared server, so paths are
-refused. With a non-blank `prompt_text` it is zero-shot cloning; otherwise instruct2, with the
+refused unless the server names a folder for them (`--prompt-dir`): then a `prompt_audio` that holds a
+`.`, which base64 never does, is the path of a file in that folder, relative to it or absolute, and a
+path that leads out of it (`..`, a symlink, another absolute path) is refused without looking further.
+With a non-blank `prompt_text` it is zero-shot cloning; otherwise instruct2, with the
 instruction `instruct`, else `speaker` (the bridge passes its `speaker` field as the instruction),
 else "Speak naturally in English.". Synthesis is offline (upstream's non-streaming path, which honours
 `speed`); the answer is `audio/wav` with the audio's length in seconds in `X-Audio-Duration`.
@@ -12,17 +15,19 @@ else "Speak naturally in English.". Synthesis is offline (upstream's non-streami
 from __future__ import annotations
 
 import importlib.metadata
+from pathlib import Path
 
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
 
 from cosyvoice_runtime.synthesis import Mode
 
-from .audio import decode_base64_audio, wav_bytes
+from .audio import MAX_UPLOAD_BYTES, check_upload, decode_base64_audio, wav_bytes
 from .engine import AudioUpload, SynthesisJob
 from .errors import FieldError
 from .metrics import CONTENT_TYPE
-from .responses import SYNTHESIS_TAG, offline_audio, request_sampling, require_text
+from .responses import SYNTHESIS_TAG, Seed, offline_audio, request_sampling, require_text
 from .state import State
 
 router = APIRouter()
@@ -34,12 +39,13 @@ class SynthesizeRequest(BaseModel):
     """The bridge's `SynthesizeRequest`, plus `instruct` and `seed`."""
 
     text: str
-    prompt_audio: str | None = Field(None, description="The prompt recording's file, base64-encoded.")
+    prompt_audio: str | None = Field(None, description="The prompt recording's file, base64-encoded; with "
+                                                       "the server's --prompt-dir, a file's path there too.")
     prompt_text: str | None = Field(None, description="Its transcript: zero-shot cloning when given.")
     instruct: str | None = Field(None, description="Instruction when prompt_text is not given.")
     speaker: str | None = Field(None, description="The bridge's instruction field (if no instruct).")
     speed: float = Field(1.0, ge=0.5, le=2.0, description="Speaking rate.")
-    seed: int | None = Field(None, description="Sampler seed; default --seed, else random.")
+    seed: Seed = None
 
 
 @router.post("/synthesize", tags=[SYNTHESIS_TAG])
@@ -49,7 +55,7 @@ async def synthesize(body: SynthesizeRequest, request: Request, state: State) ->
     text = require_text(body.text, "text", settings)
     if body.prompt_audio is None or not body.prompt_audio.strip():
         raise FieldError("prompt_audio", MISSING_PROMPT)
-    prompt = AudioUpload(decode_base64_audio(body.prompt_audio, "prompt_audio"), "prompt_audio")
+    prompt = AudioUpload(await prompt_audio(body.prompt_audio, settings.prompt_dir), "prompt_audio")
     sampling = request_sampling(settings, body.seed)
     if body.prompt_text and body.prompt_text.strip():
         job = SynthesisJob(Mode.ZERO_SHOT, text, prompt, sampling, speed=body.speed,
@@ -63,6 +69,33 @@ async def synthesize(body: SynthesizeRequest, request: Request, state: State) ->
     rate = state.engine.sample_rate
     return Response(wav_bytes(audio, rate), media_type="audio/wav",
                     headers={"X-Audio-Duration": f"{len(audio) / rate:g}", "X-Seed": str(sampling.seed)})
+
+
+async def prompt_audio(value: str, folder: Path | None) -> bytes:
+    """The bytes of the prompt `value` sends: decoded from base64, or read from `folder` if it names a file
+    there (`folder` None: paths are refused)."""
+    text = value.strip()
+    if folder is None or text.startswith("data:") or "." not in text:
+        return decode_base64_audio(value, "prompt_audio")
+    return await run_in_threadpool(read_prompt_file, text, folder)
+
+
+def read_prompt_file(name: str, folder: Path) -> bytes:
+    """The bytes of file `name` of `folder` (symlinks resolved), or a `FieldError` naming `name` only: the
+    folder's layout and the targets of its links stay the server's."""
+    root = folder.resolve()
+    try:
+        path = (root / name).resolve()
+        if not path.is_relative_to(root):
+            raise FieldError("prompt_audio", f"prompt_audio: {name!r} is outside the server's prompt folder")
+        if path.stat().st_size > MAX_UPLOAD_BYTES:
+            raise FieldError("prompt_audio", f"prompt_audio: {name!r} is over {MAX_UPLOAD_BYTES} bytes",
+                             status=413)
+        data = path.read_bytes()
+    except (OSError, RuntimeError, ValueError):  # missing, a folder, unreadable, a link loop, a name refused
+        raise FieldError("prompt_audio", f"prompt_audio: no readable file {name!r} in the server's prompt "
+                                         "folder") from None
+    return check_upload(data, "prompt_audio")
 
 
 @router.get("/health")

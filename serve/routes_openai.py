@@ -19,7 +19,7 @@ from cosyvoice_runtime.synthesis import Mode
 from .audio import pcm16, streaming_wav_header, wav_bytes
 from .engine import SynthesisJob
 from .errors import FieldError
-from .responses import SYNTHESIS_TAG, offline_audio, request_sampling, require_text, stream_response
+from .responses import SYNTHESIS_TAG, Seed, offline_audio, request_sampling, require_text, stream_response
 from .state import State
 
 router = APIRouter()
@@ -36,7 +36,7 @@ class SpeechRequest(BaseModel):
     response_format: Literal["wav", "pcm"] = "wav"
     speed: float = Field(1.0, ge=0.5, le=2.0, description="Speaking rate (not with stream).")
     stream: bool = Field(False, description="Stream the audio as it is synthesised.")
-    seed: int | None = Field(None, description="Sampler seed; default --seed, else random.")
+    seed: Seed = None
 
 
 @router.post("/v1/audio/speech", tags=[SYNTHESIS_TAG])

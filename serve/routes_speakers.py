@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from cosyvoice_runtime.speakers import SpeakerError, check_name
 
-from .errors import FieldError
+from .errors import EmptyField, FieldError
 from .responses import first_item, read_upload, require_text, submit
 from .state import State
 
@@ -26,11 +26,14 @@ async def list_speakers(state: State) -> list[str]:
 
 @router.post("/speakers", status_code=201)
 async def register_speaker(request: Request, state: State,
-                           name: Annotated[str, Form(description="The speaker's name (1 to 64 characters).")],
+                           name: Annotated[str, Form(description="The speaker's name: 1 to 64 printable "
+                                                                 "characters, none of / \\ ? # %.")],
                            prompt_text: Annotated[str, Form(description="Transcript of prompt_wav.")],
                            prompt_wav: Annotated[UploadFile, File(description="The speaker's recording.")]
                            ) -> dict[str, Any]:
     """Register (or replace) a speaker: its recording's features are computed now and kept on disk."""
+    if not name.strip():
+        raise EmptyField("name")
     try:
         name = check_name(name)
     except SpeakerError as e:

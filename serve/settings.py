@@ -8,19 +8,25 @@ a flag beats the environment, which beats `.env`. The model directory follows `c
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cosyvoice_runtime.sampling import SAMPLINGS
+from cosyvoice_runtime.sampling import MAX_SEED, SAMPLINGS
 from cosyvoice_runtime.segments import MAX_TEXT_CHARS
 from cosyvoice_runtime.speakers import default_speakers_dir
+
+from .audio import MAX_UPLOAD_BYTES
 
 HOST_ENV = "COSYVOICE_HOST"
 PORT_ENV = "COSYVOICE_PORT"
 API_KEY_ENV = "COSYVOICE_API_KEY"
 DEFAULT_PORT = 50000
 """Upstream's FastAPI and gRPC servers listen on 50000."""
+MAX_BODY_MIB = math.ceil(4 * MAX_UPLOAD_BYTES / 3 / 2**20) + 1
+"""Default `--max-body-mib`: the largest prompt upload base64-encoded (`/synthesize` sends it so in JSON),
+and a MiB for the other fields."""
 
 
 @dataclass(frozen=True)
@@ -38,12 +44,21 @@ class ServerSettings:
     sampling: str = "ras"
     """Speech-token sampling of every request: "ras" (upstream's) or "greedy" (exact comparisons)."""
     seed: int | None = None
-    """Seed of every request that names none; None: a fresh random seed per request (as upstream)."""
+    """Seed of every request that names none (0 to `MAX_SEED`); None: a fresh random seed per request (as
+    upstream)."""
     speakers_dir: Path = field(default_factory=default_speakers_dir)
     """Where registered speakers are kept (`SpeakerRegistry`)."""
     api_key: str | None = field(default=None, repr=False)
     """The key every endpoint but `/health` and the page requires (`serve/auth.py`); None: no key.
     Left out of the repr so that logging the settings never logs it."""
+    max_body_bytes: int = MAX_BODY_MIB << 20
+    """Largest request body accepted; a larger one is refused with 413 before more of it is read."""
+    cors_origins: tuple[str, ...] = ()
+    """Origins whose web pages a browser lets call the API (CORS; "*": any); none: same-origin only."""
+    docs: bool = False
+    """Serve FastAPI's /docs and /redoc pages, which load their scripts and styles from a CDN."""
+    prompt_dir: Path | None = None
+    """A folder whose files the bridge's `prompt_audio` may name by path; None: paths are refused."""
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
@@ -56,6 +71,10 @@ class ServerSettings:
             raise ValueError(f"sampling must be one of {', '.join(SAMPLINGS)}, got {self.sampling!r}")
         if self.max_text_chars < 1:
             raise ValueError(f"max_text_chars must be >= 1, got {self.max_text_chars}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be from 0 to {MAX_SEED}, got {self.seed}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be blank (None: no key)")
 

@@ -248,15 +248,16 @@ def test_synthesize_is_cosyvoice_run_offline_as_a_wav(engine: Engine, prompt: tu
     assert missing.json()["detail"] == MISSING_PROMPT == missing.json()["error"]
 
 
+def readme_table_commands() -> list[str]:
+    """The commands of the README's endpoint table, in order: each row's last cell, one code span (a `\\|`
+    in it, GitHub's escape of a pipe in a table, read as `|`)."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    return [m.group(1).replace("\\|", "|") for m in re.finditer(r"^\|.*\| `([^`]+)` \|$", text, re.MULTILINE)]
+
+
 def readme_command(marker: str) -> str:
-    """The README's shell command (its continuation lines included) on the line that holds `marker`."""
-    lines = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8").splitlines()
-    first = last = next(i for i, line in enumerate(lines) if marker in line)
-    while lines[first - 1].endswith("\\"):
-        first -= 1
-    while lines[last].endswith("\\"):
-        last += 1
-    return "\n".join(lines[first:last + 1])
+    """The command of the README's endpoint table that holds `marker`."""
+    return next(command for command in readme_table_commands() if marker in command)
 
 
 @pytest.mark.skipif(shutil.which("curl") is None or shutil.which("base64") is None,
@@ -727,8 +728,10 @@ BAD_REQUESTS = [
     ("format", "/v1/audio/speech", {"json": {"input": "Hi.", "voice": "x", "response_format": "mp3"}},
      422, "response_format: Input should be 'wav' or 'pcm'"),
     ("speed", "/synthesize", {"json": {"text": "Hi.", "speed": 9}}, 422, "speed: Input should be less than"),
-    ("speaker name", "/speakers", {"data": {"name": " ", "prompt_text": "x"}, "files": "prompt"},
-     400, "name: a speaker name is 1 to 64"),
+    ("blank speaker name", "/speakers", {"data": {"name": " ", "prompt_text": "x"}, "files": "prompt"},
+     400, "name is empty"),
+    ("speaker name", "/speakers", {"data": {"name": "a/b", "prompt_text": "x"}, "files": "prompt"},
+     400, "name: a speaker name is 1 to 64 printable characters, none of / \\ ? # %"),
     ("multipart without boundary", "/inference_zero_shot", multipart(b"--x\r\n", boundary=None),
      400, "body: malformed multipart/form-data (Missing boundary in multipart)"),
     ("multipart garbage", "/inference_cross_lingual", multipart(b"not a multipart body"),

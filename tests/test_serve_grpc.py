@@ -263,6 +263,14 @@ BAD_REQUESTS = [
      "cross_lingual_request.prompt_audio has 3 bytes, not a whole number of 16-bit samples"),
     ("short prompt", ("instruct2", "Hi."), {"prompt_audio": bytes(200), "instruct_text": "x"}, INVALID,
      "instruct2_request.prompt_audio: the audio file is too short"),
+    *[(f"{quality} prompt, {kind}", (kind, "Hi."), {"prompt_audio": audio, **fields}, INVALID,
+       f"{kind}_request.prompt_audio: the audio file is {problem}")
+      for kind, fields in (("zero_shot", {"prompt_text": "x"}), ("cross_lingual", {}),
+                           ("instruct2", {"instruct_text": "x"}))
+      for quality, audio, problem in (
+          ("silent", bytes(2 * PROMPT_RATE), "silent or nearly so (RMS level -inf dBFS)"),
+          ("0.2 s", (0.3 * 2**15 * np.sin(np.arange(PROMPT_RATE // 5) * 0.2)).astype("<i2").tobytes(),
+           "too short (0.200 s)"))],
     ("no kind", ("none", "Hi."), {}, INVALID, "RequestPayload is empty"),
     ("sft", ("sft", "Hi."), {"spk_id": "中文女"}, UNIMPLEMENTED, "sft_request needs a built-in speaker"),
     ("instruct", ("instruct", "Hi."), {"spk_id": "中文女", "instruct_text": "x"}, UNIMPLEMENTED,
@@ -294,7 +302,7 @@ def test_a_bad_seed_is_invalid_argument(stub: cosyvoice_pb2_grpc.CosyVoiceStub,
     with pytest.raises(grpc.RpcError) as error:
         list(stub.Inference(request, metadata=(("seed", "-1"),)))
     assert error.value.code() == INVALID
-    assert error.value.details() == "seed metadata must be a non-negative integer, got '-1'"
+    assert error.value.details() == f"seed metadata must be an integer from 0 to {2**63 - 1}, got '-1'"
 
 
 def test_an_api_key_is_required_as_metadata(engine: Engine, prompt: tuple[bytes, str, Path]) -> None:
