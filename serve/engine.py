@@ -21,7 +21,8 @@ from __future__ import annotations
 import io
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 import numpy as np
@@ -53,14 +54,30 @@ class AudioUpload:
     field: str
 
 
+class BundlePrompt(Enum):
+    """The prompt recording the bundle carries (`RuntimeBundle.default_prompt`)."""
+
+    DEFAULT = "default"
+
+
+@dataclass
+class TokenUsage:
+    """What a job's synthesis read and made, counted by its worker (read once its stream has ended)."""
+
+    text_tokens: int = 0
+    """Text tokens the LLM read: each segment's prompt text (transcript or instruction) and text."""
+    speech_tokens: int = 0
+    """Speech tokens the LLM generated."""
+
+
 @dataclass(frozen=True)
 class SynthesisJob:
     """One request, validated: what to say, in which mode, from which prompt."""
 
     mode: Mode
     text: str
-    prompt: PromptFeatures | AudioUpload
-    """Features of a registered speaker, or a recording to extract them from."""
+    prompt: PromptFeatures | AudioUpload | BundlePrompt
+    """Features of a registered speaker, a recording to extract them from, or the bundle's own prompt."""
     sampling: Sampling
     """Every segment gets a fresh sampler of this kind and seed."""
     prompt_text: str = ""
@@ -71,6 +88,7 @@ class SynthesisJob:
     """Speaking rate; offline only, as upstream."""
     text_field: str = "text"
     """The request field of `text`, named in errors."""
+    usage: TokenUsage = field(default_factory=TokenUsage)
 
 
 class Engine:
@@ -85,7 +103,11 @@ class Engine:
                              f"({', '.join(SERVER_PROVIDERS)}); got {provider!r}")
         self.bundle, self.origin, self.provider = bundle, origin, provider
         self.voice = CosyVoice3(bundle, provider=provider, flow_prefix_bytes=flow_prefix_bytes)
+        self.default_prompt = bundle.default_prompt()
+        """The bundle's own prompt recording and its transcript, or None (exports of upstream's)."""
         self._text_lock = threading.Lock()
+        self._default_lock = threading.Lock()
+        self._default_features: PromptFeatures | None = None
 
     @classmethod
     def open(cls, model: Path | None, *, provider: str = CPU,
@@ -127,6 +149,16 @@ class Engine:
             raise FieldError(upload.field, str(e).replace(f"audio file {upload.field}", "the audio file")
                              ) from None
 
+    def default_features(self) -> PromptFeatures:
+        """The features of the bundle's own prompt, extracted on first use and kept (a server that never
+        uses them never pays for them)."""
+        if self.default_prompt is None:
+            raise ValueError(f"{self.bundle.root} carries no prompt of its own")
+        with self._default_lock:
+            if self._default_features is None:
+                self._default_features = self.voice.prompt_features(self.default_prompt[0])
+            return self._default_features
+
     def stream(self, job: SynthesisJob, session: Session) -> Iterator[np.ndarray]:
         """The job's audio as the runtime streams it: each chunk's new samples, segment after segment."""
         yield from self._speak(job, session, stream=True)
@@ -145,6 +177,8 @@ class Engine:
                     yield chunk.samples
             except SynthesisError as e:
                 raise FieldError(job.text_field, str(e), status=422) from None
+            job.usage.text_tokens += len(piece.prompt_text_ids) + len(piece.text_ids)
+            job.usage.speech_tokens += len(speech.speech_tokens)
 
     def _prepare(self, job: SynthesisJob) -> tuple[list[Segment], PromptFeatures]:
         """The text's segments (upstream's normalisation, split and prompt formats) and the prompt."""
@@ -154,5 +188,8 @@ class Engine:
                                              instruct=job.instruct, text_name=job.text_field)
             except (FrontendError, UserError) as e:
                 raise FieldError(job.text_field, str(e)) from None
-        prompt = self.extract(job.prompt) if isinstance(job.prompt, AudioUpload) else job.prompt
-        return pieces, prompt
+        if isinstance(job.prompt, AudioUpload):
+            return pieces, self.extract(job.prompt)
+        if isinstance(job.prompt, BundlePrompt):
+            return pieces, self.default_features()
+        return pieces, job.prompt

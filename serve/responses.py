@@ -21,12 +21,14 @@ import numpy as np
 from fastapi import Request, UploadFile
 from fastapi.responses import StreamingResponse
 from pydantic import Field
+from starlette.concurrency import run_in_threadpool
 
 from cosyvoice_runtime.sampling import MAX_SEED, Sampling
 
-from .audio import check_upload, pcm16
+from .audio import check_upload
 from .engine import AudioUpload, SynthesisJob
 from .errors import ApiError, EmptyField, FieldError, StreamCut
+from .formats import ChunkEncoder, PcmEncoder
 from .metrics import ServerMetrics
 from .queue import QueueFull, Session, SessionStream
 from .settings import ServerSettings
@@ -40,7 +42,8 @@ SYNTHESIS_TAG = "synthesis"
 OUTCOME = "synthesis_outcome"
 """`request.state` key: "cancelled" when the client went away (the metrics middleware reads it)."""
 CANCELLED = "cancelled"
-SEED_DESCRIPTION = f"Sampler seed, 0 to {MAX_SEED} (not upstream's); default --seed, else random."
+SEED_DESCRIPTION = (f"Sampler seed, 0 to {MAX_SEED}; default --seed, else random (ours: upstream and OpenAI "
+                    "have none).")
 Seed = Annotated[int | None, Field(ge=0, le=MAX_SEED, description=SEED_DESCRIPTION)]
 """A JSON body's `seed`, bounded as the sampler takes it (a form's is `routes_upstream.Seed`)."""
 
@@ -108,27 +111,34 @@ async def offline_audio(state: ServerState, request: Request, job: SynthesisJob)
     """The job synthesised offline (`Engine.synthesize`): all of its samples."""
     stream = submit(state, lambda session: state.engine.synthesize(job, session))
     audio = await first_item(state, request, stream)
-    # The end comes once the worker has marked the session finished, which its timing needs.
-    if await stream.next() is not None:
-        raise ApiError(500, "offline synthesis yielded more than one array")
+    await stream.next()  # the end: it comes once the worker has marked the session finished, for its timing
     record_session(state.metrics, stream.session, len(audio), state.engine.sample_rate)
     return audio
 
 
 async def stream_response(state: ServerState, request: Request, job: SynthesisJob, *, media_type: str,
-                          header: bytes = b"", headers: dict[str, str] | None = None) -> StreamingResponse:
-    """A response streaming the job's PCM16 as the runtime yields chunks, after `header`."""
-    stream = submit(state, lambda session: state.engine.stream(job, session))
+                          encoder: ChunkEncoder | None = None, offline: bool = False,
+                          headers: dict[str, str] | None = None) -> StreamingResponse:
+    """A response streaming the job's audio through `encoder` (default: raw PCM16) as the runtime yields
+    chunks; `offline` synthesises on upstream's offline path instead (one chunk, `speed` applied)."""
+    encode = encoder or PcmEncoder()
+    work = state.engine.synthesize if offline else state.engine.stream
+    stream = submit(state, lambda session: work(job, session))
     first = await first_item(state, request, stream)
     state.metrics.first_chunk_seconds.observe(time.monotonic() - stream.session.admitted)
 
     async def body() -> AsyncIterator[bytes]:
         samples = len(first)
         try:
-            yield header + pcm16(first)
+            # on a worker thread: compressed formats take a few milliseconds per second of audio
+            if data := await run_in_threadpool(encode.encode, first):
+                yield data
             while (chunk := await stream.next()) is not None:
                 samples += len(chunk)
-                yield pcm16(chunk)
+                if data := await run_in_threadpool(encode.encode, chunk):
+                    yield data
+            if data := await run_in_threadpool(encode.finish):
+                yield data
         except (asyncio.CancelledError, GeneratorExit):  # the client went away: nothing went wrong here
             _mark_cancelled(state, request)
             log.info("%s: the client left after %d samples; its session stops", request.url.path, samples)
@@ -142,6 +152,7 @@ async def stream_response(state: ServerState, request: Request, job: SynthesisJo
             raise StreamCut from None
         finally:
             stream.cancel()
+            encode.close()
         record_session(state.metrics, stream.session, samples, state.engine.sample_rate)
 
     return StreamingResponse(body(), media_type=media_type, headers=headers)

@@ -1,9 +1,11 @@
 """`GET /`: a page to try the server in a browser (`page.html`: HTML, CSS and JS in one file, no build
 step, nothing loaded from elsewhere).
 
-The page posts to upstream's streaming endpoints (`/inference_zero_shot`, `/inference_cross_lingual`,
-`/inference_instruct2`) with the API key its user typed, if any (`X-API-Key`; the page itself is served
-without one), plays the PCM16 as it arrives (Web Audio) and offers the WAV afterwards. Its
+The page posts a prompt recording to upstream's streaming endpoints (`/inference_zero_shot`,
+`/inference_cross_lingual`, `/inference_instruct2`), or a named voice (`GET /v1/audio/voices`: the
+registered speakers and the standard voice names) to `/v1/audio/speech` for the same PCM16 stream, with
+the API key its user typed, if any (`X-API-Key`; the page itself is served without one), plays the PCM16
+as it arrives (Web Audio) and offers the WAV afterwards. Its
 Content-Security-Policy lets it run its own inline script and style only (by hash) and connect to this
 server only, so a browser refuses any other origin the page might name.
 """
@@ -43,7 +45,8 @@ def page() -> tuple[str, str]:
 
 @router.get("/", response_class=HTMLResponse, include_in_schema=False)
 async def index() -> HTMLResponse:
-    """The page: pick or record a prompt, type text, choose the mode, hear the stream, download the WAV."""
+    """The page: pick a voice or a prompt recording, type text, choose the mode, hear the stream, download
+    the WAV."""
     html, policy = page()
     return HTMLResponse(html, headers={"Content-Security-Policy": policy, "X-Content-Type-Options": "nosniff",
                                        "Cache-Control": "no-cache"})

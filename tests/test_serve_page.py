@@ -1,6 +1,7 @@
 """The web page at `/`: its form, endpoints and policy without a browser; in headless Chromium against a
 running server: a prompt file, a click, the audio streamed and played, the WAV equal to `cosyvoice-run
---stream`, a server error shown, a recorded prompt (Chromium's fake microphone), a screenshot."""
+--stream`, a server error shown, a recorded prompt (Chromium's fake microphone), the voices listed and a
+standard one spoken, a screenshot."""
 
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ from test_serve import API_KEY, SHORT, cosyvoice_run, make_app, serving
 
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.demo import DEMO_BUNDLE
-from cosyvoice_serve import Engine, routes_upstream
+from cosyvoice_serve import Engine, routes_openai, routes_upstream
 from cosyvoice_serve.auth import MISSING_KEY
 
 ENDPOINTS = {"/inference_zero_shot", "/inference_cross_lingual", "/inference_instruct2"}
+OPENAI_ENDPOINTS = {"/v1/audio/speech", "/v1/audio/voices"}
 CHROMIUM_FLAGS = ["--autoplay-policy=no-user-gesture-required", "--use-fake-ui-for-media-stream",
                   "--use-fake-device-for-media-stream"]
 """Play without a gesture; grant the microphone, which is Chromium's fake device (a beep)."""
@@ -40,7 +42,7 @@ def test_the_page_has_its_form_and_uses_only_this_servers_endpoints(engine: Engi
         response = client.get("/")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
     html = response.text
-    for name in ("prompt_wav", "mode", "prompt_text", "instruct_text", "tts_text", "api_key"):
+    for name in ("voice", "prompt_wav", "mode", "prompt_text", "instruct_text", "tts_text", "api_key"):
         assert f'id="{name}" name="{name}"' in html, name
     assert re.findall(r'<option value="(\w+)"', html) == ["zero_shot", "cross_lingual", "instruct2"]
     assert 'id="record"' in html and 'download="cosyvoice.wav"' in html
@@ -51,12 +53,15 @@ def test_the_page_has_its_form_and_uses_only_this_servers_endpoints(engine: Engi
     # Nothing from elsewhere: no absolute or protocol-relative URL, no file but the empty icon.
     assert re.findall(r"""(?:https?|wss?|ftp):|["'`(]//""", html) == []
     assert re.findall(r'\b(?:src|href)="([^"]*)"', html) == ["data:,"]
-    # The script fetches this server's streaming endpoints, by POST, and nothing else.
-    assert set(re.findall(r'"(/[^"]*)"', script)) == ENDPOINTS
-    assert re.findall(r"fetch\(([^,)]+)", script) == ["mode.path"]
-    assert 'headers = key ? {"X-API-Key": key} : {}' in script  # the key typed in, if any
-    assert ENDPOINTS <= {r.path for r in routes_upstream.router.routes
-                         if isinstance(r, APIRoute) and "POST" in r.methods}  # create_app includes them
+    # The script fetches this server's streaming endpoints by POST, its voices by GET, and nothing else.
+    assert set(re.findall(r'"(/[^"]*)"', script)) == ENDPOINTS | OPENAI_ENDPOINTS
+    assert re.findall(r"fetch\(([^,)]+)", script) == ["VOICES", "request.path"]
+    assert 'return key ? {"X-API-Key": key} : {};' in script  # the key typed in, if any
+    assert "{headers: keyHeaders()}" in script and "{...request.headers, ...keyHeaders()}" in script  # both
+    routes = {(r.path, method) for module in (routes_upstream, routes_openai) for r in module.router.routes
+              if isinstance(r, APIRoute) for method in r.methods}  # create_app includes them
+    wanted = {(path, "POST") for path in ENDPOINTS | {"/v1/audio/speech"}} | {("/v1/audio/voices", "GET")}
+    assert wanted <= routes
     # ...and the browser holds it to that.
     policy = dict(part.split(" ", 1) for part in response.headers["content-security-policy"].split("; "))
     assert policy["default-src"] == "'none'" and policy["connect-src"] == "'self' blob:"
@@ -117,7 +122,10 @@ def test_the_page_streams_plays_and_offers_the_wav_in_chromium(engine: Engine, t
             page.click("#speak")  # the page is served without the key; its API calls need it
             page.wait_for_selector(RUN_ENDED, state="attached", timeout=30_000)
             assert page.text_content("#error") == f"401: {MISSING_KEY}"
+            assert page.locator("#voice optgroup").count() == 0  # not listed without the key
             page.fill("#api_key", API_KEY)
+            page.dispatch_event("#api_key", "change")  # lists the voices with the key
+            page.wait_for_selector("#voice option[value=alloy]", state="attached", timeout=10_000)
             page.click("#speak")
             page.wait_for_selector(RUN_ENDED, state="attached", timeout=60_000)
             assert page.text_content("#error") == ""
@@ -144,6 +152,16 @@ def test_the_page_streams_plays_and_offers_the_wav_in_chromium(engine: Engine, t
             page.wait_for_selector(RUN_ENDED, state="attached", timeout=60_000)
             assert page.text_content("#error") == ""
             assert int(page.evaluate("document.body.dataset.samples")) > 0
+
+            # A standard voice is the bundle's prompt with its transcript: cosyvoice-run's default.
+            page.select_option("#mode", "zero_shot")
+            page.select_option("#voice", "alloy")
+            assert page.is_hidden("#prompt_wav") and page.is_hidden("#prompt_text")
+            assert page.is_disabled("#mode option[value=cross_lingual]")
+            page.click("#speak")
+            page.wait_for_selector(RUN_ENDED, state="attached", timeout=60_000)
+            assert page.text_content("#error") == ""
+            assert page.evaluate("document.body.dataset.samples") == str(len(expected))
         finally:
             browser.close()
     samples, rate = sf.read(io.BytesIO(wav), dtype="int16")
