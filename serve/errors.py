@@ -130,7 +130,7 @@ class AnswerUnexpected:
 
         try:
             await self.app(scope, receive, watch)
-        except StreamCut:
+        except StreamCut:  # logged where it was cut; the server closes the unfinished response
             pass
         except Exception as e:
             log.exception("%s %s failed", scope["method"], scope["path"])
