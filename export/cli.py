@@ -17,7 +17,7 @@ from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.speakers import SPEAKERS_DIR_ENV
 
 from .bundle.errors import BundleError
-from .bundle.layout import LLM_VARIANTS
+from .bundle.layout import LLM_CHECKPOINTS, LLM_VARIANTS
 from .download import DEFAULT_DIR, SOURCES
 from .reference.pipeline import Mode
 
@@ -25,8 +25,8 @@ SIZES = click.Choice(["tiny", "full"])
 DEFAULT_DEMO_BUNDLE = Path("bundles/tiny")
 LLM_OPTION = click.option(
     "--llm", type=click.Choice(list(LLM_VARIANTS)), default="base", show_default=True,
-    help="The LLM checkpoint: base = llm.pt, the one upstream's loader and `all` read; rl = llm.rl.pt, the "
-         "release's reinforcement-learned LLM (same keys), checked in llm.pt's place; both = the two.")
+    help="The LLM checkpoint: base = llm.pt, the one upstream's loader reads; rl = llm.rl.pt, the release's "
+         "reinforcement-learned LLM (same keys), checked in llm.pt's place; both = the two.")
 
 
 class _Group(click.Group):
@@ -102,8 +102,8 @@ def download_cmd(model_dir: Path, source: str, revision: str | None, llm: str) -
     Fetches only what the exporter and runtime read: cosyvoice3.yaml, the LLM checkpoint(s) of --llm,
     flow.pt, hift.pt, campplus.onnx, speech_tokenizer_v3.onnx, CosyVoice-BlankEN/ without its
     model.safetensors (llm.pt carries those weights), and asset/. An interrupted download resumes when run
-    again; files already fetched are skipped. With --llm rl alone, `all` and upstream's loader, which read
-    llm.pt, need llm.rl.pt copied or linked to llm.pt. A hub that cannot be reached, or a missing
+    again; files already fetched are skipped. With --llm rl alone, export with `all --llm rl` (upstream's
+    loader reads llm.pt only). A hub that cannot be reached, or a missing
     repository or revision, is one line on stderr saying how to place the files by hand, and exit status 2.
     """
     from .bundle.check import check_bundle
@@ -144,6 +144,10 @@ def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:
               help="Also build a TensorRT plan per graph (cached by ONNX sha256 + profile + GPU + TensorRT "
                    "version) and validate it against onnxruntime. Needs a CUDA device and the export-gpu "
                    "extra.")
+@click.option("--llm", type=click.Choice(list(LLM_CHECKPOINTS)), default="base", show_default=True,
+              help="The LLM to export: base = llm.pt, the one upstream's loader reads; rl = llm.rl.pt, the "
+                   "release's reinforcement-learned LLM (same keys). The manifest records which, with its "
+                   "sha256 (cosyvoice-run --info prints it).")
 @click.option("--force", is_flag=True, help="Export every graph again, even unchanged ones.")
 @click.option("--wait", is_flag=True,
               help="If another export into OUT is running, wait for it to finish, then reuse what it "
@@ -158,7 +162,8 @@ def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:
                    "the specs' bounds for the "
                    "precision (and the llm's decode gates, the DiT's solve gates). "
                    "OUT holds one precision.")
-def all_cmd(model_dir: Path, out: Path, trt: bool, force: bool, wait: bool, precision: str) -> None:
+def all_cmd(model_dir: Path, out: Path, trt: bool, llm: str, force: bool, wait: bool, precision: str
+            ) -> None:
     """Export every graph to ONNX and assemble a torch-free runtime bundle in OUT.
 
     Each graph is traced from its spec, checked (onnx.checker, then its I/O against the spec),
@@ -179,7 +184,7 @@ def all_cmd(model_dir: Path, out: Path, trt: bool, force: bool, wait: bool, prec
     from .onnx.trt import TrtUnavailable
 
     try:
-        report = export_all(model_dir, out, force=force, trt=trt, precision=precision, wait=wait,
+        report = export_all(model_dir, out, llm=llm, force=force, trt=trt, precision=precision, wait=wait,
                             progress=True)
     except (TrtUnavailable, Bf16Unavailable) as e:
         click.echo(f"error: {e}", err=True)

@@ -43,7 +43,7 @@ def demo_model(folder: Path) -> Path:
 
 def open_pipeline(model_dir: Path, bundle: RuntimeBundle) -> ReferencePipeline:
     """The torch reference over `model_dir`, which must be the model `bundle` was exported from (every
-    source file the bundle's manifest names, with its sha256).
+    source file the bundle's manifest names, with its sha256), its LLM read from the bundle's checkpoint.
 
     torch runs on one thread from here on: its float rounding depends on the thread count, and a golden
     recorded again must come out the same.
@@ -61,7 +61,7 @@ def open_pipeline(model_dir: Path, bundle: RuntimeBundle) -> ReferencePipeline:
             raise GoldenError(f"{path} is not the {name} {bundle.root} was exported from (sha256 differs); "
                               "--model-dir must be that model")
     try:
-        return ReferencePipeline(ModelBundle.open(model_dir))
+        return ReferencePipeline(ModelBundle.open(model_dir, bundle.manifest.llm_checkpoint))
     except BundleError as e:
         raise GoldenError(str(e)) from None
 

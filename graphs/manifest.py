@@ -325,6 +325,9 @@ class Manifest:
     exporter_version: str
     precision: str
     """The bundle's precision (a key of `PRECISIONS`); each graph records its own."""
+    llm_checkpoint: str
+    """The model-bundle file the LLM's weights came from (upstream's `llm.pt`, or the release's
+    reinforcement-learned `llm.rl.pt`), one of `sources`."""
     created: str
     """UTC time of the export, ISO 8601."""
     model: ModelConstants
@@ -358,6 +361,7 @@ class Manifest:
             "format_version": FORMAT_VERSION,
             "exporter_version": self.exporter_version,
             "precision": self.precision,
+            "llm_checkpoint": self.llm_checkpoint,
             "created": self.created,
             "model": self.model.to_json(),
             "sources": {n: e.to_json() for n, e in self.sources.items()},
@@ -386,6 +390,7 @@ class Manifest:
         manifest = cls(
             exporter_version=r.text("exporter_version"),
             precision=r.text("precision"),
+            llm_checkpoint=r.text("llm_checkpoint"),
             created=r.text("created"),
             model=ModelConstants.read(r.obj("model")),
             sources={n: FileEntry.read(e) for n, e in r.objects("sources").items()},
@@ -401,7 +406,15 @@ class Manifest:
         for rel in manifest.used_files():
             if rel not in manifest.files:
                 raise ManifestError(f"{where}: {rel} is used but not listed in files")
+        if manifest.llm_checkpoint not in manifest.sources:
+            raise ManifestError(f"{where}: llm_checkpoint is {manifest.llm_checkpoint!r}, which sources does "
+                                "not list")
         return manifest
+
+    @property
+    def llm_source(self) -> FileEntry:
+        """The size and sha256 of the LLM's checkpoint (`llm_checkpoint`)."""
+        return self.sources[self.llm_checkpoint]
 
 
 # --- reading -------------------------------------------------------------------------------------------

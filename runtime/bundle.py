@@ -10,14 +10,15 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
+import textwrap
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from cosyvoice_graphs import SPECS, GraphSpec, ModelDims, Precision, spec
-from cosyvoice_graphs.bundle_layout import MANIFEST
+from cosyvoice_graphs.bundle_layout import FORMAT, FORMAT_VERSION, MANIFEST
 from cosyvoice_graphs.manifest import (
     FRONTEND_MODELS,
     FileEntry,
@@ -209,6 +210,29 @@ class RuntimeBundle:
         for key, value in want.items():
             if meta.get(key, FP32.name if key == "precision" else None) != value:
                 raise RuntimeBundleError(f"{where} {key} is {meta.get(key)!r}, the manifest says {value!r}")
+
+    def summary(self) -> list[str]:
+        """The bundle in a few lines (`cosyvoice-run --info`): where it is, its format and provenance, the
+        LLM checkpoint, the model constants, and each graph's precision and TensorRT plan."""
+        m = self.manifest
+        dims = ", ".join(f"{name}={value}" for name, value in asdict(self.dims).items())
+        lines = [f"bundle: {self.root}", f"format: {FORMAT} version {FORMAT_VERSION}",
+                 f"exported: {m.created} by {m.exporter_version}", f"precision: {m.precision}",
+                 f"llm checkpoint: {m.llm_checkpoint} (sha256 {m.llm_source.sha256})",
+                 f"sample rate: {self.sample_rate} Hz",
+                 *textwrap.wrap(dims, 110, initial_indent="model dims: ", subsequent_indent="  "), "graphs:"]
+        for name in self.specs:
+            entry = m.graphs[name]
+            plan = "a TensorRT plan" if entry.trt is not None else "no TensorRT plan"
+            lines.append(f"  {name}: {entry.precision}, spec version {entry.spec_version}, {entry.file}, "
+                         f"{plan}")
+        plans = [e.trt for e in m.graphs.values() if e.trt is not None]
+        if plans:
+            lines.append(f"TensorRT plans: {len(plans)} of {len(m.graphs)} graphs, for {plans[0].gpu} with "
+                         f"TensorRT {plans[0].tensorrt}")
+        else:
+            lines.append("TensorRT plans: none (`cosyvoice-export all --trt` builds them)")
+        return lines
 
     # --- helpers -----------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ import click
 import numpy as np
 
 from .atomic_files import check_writable, write_json_atomic, write_wav_atomic
+from .bundle import RuntimeBundle
 from .bundle_source import MODEL_DIR_ENV, choose_bundle, choose_prompt
 from .cosyvoice3 import CosyVoice3
 from .errors import USER_ERRORS, UserError
@@ -51,9 +52,9 @@ def _read_text(text: str, stdin: IO[str]) -> str:
 @click.option("--model", "--bundle", "model", type=click.Path(file_okay=False, path_type=Path),
               help=f"Runtime bundle (cosyvoice-export all), or a model bundle to export on first use "
                    f"(needs the export extra). Default: ${MODEL_DIR_ENV}, else the embedded demo bundle.")
-@click.option("--text", required=True,
+@click.option("--text",
               help=f"Text to speak; '-' reads stdin. Long text is split into sentences; at most "
-                   f"{MAX_TEXT_CHARS} characters.")
+                   f"{MAX_TEXT_CHARS} characters. Required, as --out is, unless --info.")
 @click.option("--prompt-wav", type=click.Path(dir_okay=False, path_type=Path),
               help="Prompt recording (any soundfile format, >= 16 kHz, 0.5-30 s of speech). "
                    "Default: the bundle's own prompt, if it has one (the demo bundle does).")
@@ -79,16 +80,26 @@ def _read_text(text: str, stdin: IO[str]) -> str:
 @click.option("--verify/--no-verify", default=True, show_default=True,
               help="Check every bundle file's sha256 against the manifest before running "
                    "(about a second per GB); sizes are always checked.")
-@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               help="Output WAV (24 kHz mono PCM16), written atomically.")
-def main(model: Path | None, text: str, prompt_wav: Path | None, prompt_text: str | None, mode: str,
+@click.option("--info", is_flag=True,
+              help="Print the bundle's summary (where it is, format version, model dims, sample rate, each "
+                   "graph's precision, the LLM checkpoint, TensorRT plans) and exit; needs no --text or "
+                   "--out.")
+def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_text: str | None, mode: str,
          instruct: str, sampling: str, seed: int, speed: float, stream: bool, provider: str,
-         tokens_out: Path | None, chunks_out: Path | None, verify: bool, out: Path) -> None:
+         tokens_out: Path | None, chunks_out: Path | None, verify: bool, out: Path | None, info: bool
+         ) -> None:
     """Synthesise TEXT in the voice of --prompt-wav with a CosyVoice3 runtime bundle (no torch).
 
     Prints which bundle and prompt it uses, shows progress, and ends with the RTF (and the first
     chunk's latency when streaming). Bad input gives one line on stderr, exit status 2 and no output.
     """
+    if info:
+        _print_info(model, verify)
+        return
+    if text is None or out is None:
+        raise click.UsageError(f"Missing option '{'--text' if text is None else '--out'}'.")
     with _user_errors():
         text = _read_text(text, sys.stdin)
         if stream and speed != 1.0:
@@ -130,6 +141,17 @@ def main(model: Path | None, text: str, prompt_wav: Path | None, prompt_text: st
     click.echo(f"wrote {out}: {seconds:.2f} s at {sample_rate} Hz, {len(pieces)} segment(s), "
                f"{sum(len(t) for t in result.tokens)} speech tokens ({mode}, {sampling}, seed {seed}); "
                f"RTF {work / max(seconds, 1e-9):.3f}{latency}; load {ready - start:.2f} s")
+
+
+def _print_info(model: Path | None, verify: bool) -> None:
+    """--info: the chosen bundle's summary on stdout."""
+    with _user_errors():
+        choice = choose_bundle(model)
+        if choice.default:
+            click.echo(f"model: {choice.origin}", err=True)
+        bundle = RuntimeBundle.open(choice.path, verify=verify)
+    for line in bundle.summary():
+        click.echo(line)
 
 
 @dataclass

@@ -63,6 +63,25 @@ def test_run_without_model_or_prompt_uses_the_demo_bundle(tmp_path: Path) -> Non
 
 
 @pytest.mark.usefixtures("no_env")
+def test_info_prints_the_bundles_summary_without_text_or_out() -> None:
+    result = CliRunner().invoke(main, ["--info"])
+    assert result.exit_code == 0, result.output
+    bundle = RuntimeBundle.open(DEMO_BUNDLE)
+    lines = result.stdout.splitlines()
+    assert lines[:6] == [
+        f"bundle: {DEMO_BUNDLE}", f"format: cosyvoice3-runtime-bundle version {FORMAT_VERSION}",
+        f"exported: {bundle.manifest.created} by {bundle.manifest.exporter_version}", "precision: fp32",
+        f"llm checkpoint: llm.pt (sha256 {bundle.manifest.sources['llm.pt'].sha256})",
+        "sample rate: 24000 Hz"]
+    assert "llm_hidden=64" in result.stdout and "samples_per_frame=480" in result.stdout
+    for name, s in bundle.specs.items():
+        assert f"  {name}: fp32, spec version {s.version}, graphs/{name}.onnx, no TensorRT plan" in lines
+    assert lines[-1] == "TensorRT plans: none (`cosyvoice-export all --trt` builds them)"
+    missing = CliRunner().invoke(main, ["--out", "o.wav"])
+    assert missing.exit_code == 2 and "Missing option '--text'" in missing.output
+
+
+@pytest.mark.usefixtures("no_env")
 def test_a_bundle_without_a_prompt_needs_prompt_wav(tmp_path: Path) -> None:
     bundle = shutil.copytree(DEMO_BUNDLE, tmp_path / "bundle")
     manifest = json.loads((bundle / MANIFEST).read_text())

@@ -53,6 +53,7 @@ from cosyvoice_graphs import (
 )
 from cosyvoice_graphs.bundle_layout import PROMPT_TEXT, PROMPT_WAV
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.cli import main as run_main
 
 
 def run(*args: str) -> tuple[int, str, str]:
@@ -414,6 +415,48 @@ def test_a_second_export_into_the_same_out_stops_or_waits(tiny_bundle: Path, tmp
         (row,) = [line for line in stdout.splitlines() if line.split()[0] == name]
         assert row.endswith("✓") and "reused" in row
     assert lock.is_file() and not (out / lock.name).exists()
+
+
+def test_llm_rl_exports_the_rl_checkpoint_and_records_it(exported: tuple[Path, str], tiny_bundle: Path,
+                                                         tmp_path: Path) -> None:
+    """`--llm rl` reads llm.rl.pt (here llm.pt with other values): the manifest names it with its sha256,
+    the LLM's graph and tables are its weights, the other graphs are the base export's (reused), and
+    `cosyvoice-run --info` prints it."""
+    model = shutil.copytree(tiny_bundle, tmp_path / "model")
+    generator = torch.Generator().manual_seed(1)
+    state = torch.load(model / "llm.pt", weights_only=True)
+    rl_state = {k: v + 0.01 * torch.randn(v.shape, generator=generator, dtype=v.dtype)
+                for k, v in state.items()}
+    torch.save(rl_state, model / "llm.rl.pt")
+    out = shutil.copytree(exported[0], tmp_path / "rl")
+    code, stdout, err = run("all", "--model-dir", str(model), "--out", str(out), "--llm", "rl")
+    assert code == 0, err
+    rows = {name: next(line for line in stdout.splitlines() if line.split()[0] == name) for name in SPECS}
+    assert "exported" in rows["llm"] and all("reused" in rows[n] for n in SPECS if n != "llm")
+    base, rl = RuntimeBundle.open(exported[0]), RuntimeBundle.open(out, verify=True)
+    sha = trace.file_sha256(model / "llm.rl.pt")
+    assert (base.manifest.llm_checkpoint, rl.manifest.llm_checkpoint) == ("llm.pt", "llm.rl.pt")
+    assert rl.manifest.llm_source.sha256 == sha and "llm.pt" not in rl.manifest.sources
+    assert rl.manifest.graphs["llm"].sources["llm.rl.pt"] == sha
+    assert graph_metadata(rl.graph_path("llm"))["source_checkpoint"] == "llm.rl.pt"
+    assert rl.manifest.files["graphs/llm.onnx"] != base.manifest.files["graphs/llm.onnx"]
+    np.testing.assert_array_equal(rl.table("speech_embedding"), rl_state["speech_embedding.weight"].float())
+    assert not np.array_equal(rl.table("speech_embedding"), base.table("speech_embedding"))
+    for name in SPECS:
+        if name != "llm":
+            assert rl.manifest.files[f"graphs/{name}.onnx"] == base.manifest.files[f"graphs/{name}.onnx"]
+    info = CliRunner().invoke(run_main, ["--model", str(out), "--info"])
+    assert info.exit_code == 0, info.output
+    assert f"llm checkpoint: llm.rl.pt (sha256 {sha})" in info.output.splitlines()
+
+
+def test_llm_rl_without_its_checkpoint_is_one_line_before_any_work(tiny_bundle: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    code, stdout, err = run("all", "--model-dir", str(tiny_bundle), "--out", str(out), "--llm", "rl")
+    assert (code, stdout) == (2, "")
+    assert err == (f"error: {tiny_bundle / 'llm.rl.pt'}: file not found; --llm rl exports it "
+                   "(`cosyvoice-export download --llm rl` fetches it)\n")
+    assert list(tmp_path.iterdir()) == []  # neither OUT nor its lock
 
 
 def test_bad_bundle_gives_the_check_bundle_error(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from ..manifest import build_network, expected_entries
 from ..nets.hift import normalize_hift_state_dict
 from .checkpoint import check_state_dict, read_state_dict, to_float32
 from .errors import BundleError
-from .layout import QWEN_DIR, YAML
+from .layout import LLM_CHECKPOINTS, QWEN_DIR, YAML
 from .yaml_config import model_config_from_yaml
 
 
@@ -23,10 +23,13 @@ class ModelBundle:
 
     root: Path
     config: ModelConfig
+    llm_checkpoint: str = LLM_CHECKPOINTS["base"]
+    """The file the LLM's weights are read from: `llm.pt`, or another of `LLM_CHECKPOINTS` (same keys)."""
 
     @classmethod
-    def open(cls, root: Path | str) -> ModelBundle:
-        """Read the hyperparameters of the bundle at `root` (no weights are loaded)."""
+    def open(cls, root: Path | str, llm_checkpoint: str = LLM_CHECKPOINTS["base"]) -> ModelBundle:
+        """Read the hyperparameters of the bundle at `root` (no weights are loaded); its LLM is read from
+        `llm_checkpoint`."""
         root = Path(root)
         if not root.is_dir():
             raise BundleError(f"{root}: not a directory; expected a CosyVoice3 model directory")
@@ -35,18 +38,22 @@ class ModelBundle:
         for p in (yaml_path, qwen_config):
             if not p.is_file():
                 raise BundleError(f"{p}: file not found")
-        return cls(root, model_config_from_yaml(yaml_path, qwen_config))
+        return cls(root, model_config_from_yaml(yaml_path, qwen_config), llm_checkpoint)
 
     @property
     def qwen_dir(self) -> Path:
         return self.root / QWEN_DIR
 
+    def checkpoint_file(self, name: str) -> str:
+        """The checkpoint of network `name` (`llm`, `flow`, `hift`), relative to the root."""
+        return self.llm_checkpoint if name == "llm" else f"{name}.pt"
+
     def checkpoint(self, name: str) -> Path:
-        return self.root / f"{name}.pt"
+        return self.root / self.checkpoint_file(name)
 
     def read_checked_state(self, name: str, path: Path | None = None) -> dict[str, torch.Tensor]:
-        """The state dict of `name.pt` (or of `path`) in our key layout, checked key for key against our
-        network `name`."""
+        """The state dict of network `name`'s checkpoint (or of `path`) in our key layout, checked key for
+        key against our network `name`."""
         path = path or self.checkpoint(name)
         state = read_state_dict(path)
         if name == "hift":

@@ -68,7 +68,7 @@ from cosyvoice_runtime.noise import MT19937, UniformNoise
 
 from ..bundle.check import check_bundle
 from ..bundle.errors import BundleError
-from ..bundle.layout import CAMPPLUS, QWEN_DIR, SPEECH_TOKENIZER, YAML
+from ..bundle.layout import CAMPPLUS, LLM_CHECKPOINTS, QWEN_DIR, SPEECH_TOKENIZER, YAML
 from ..bundle.model_dir import ModelBundle
 from ..bundle.tokenizer_files import ENDOFPROMPT, TOKENIZER_FILES, load_cosyvoice3_tokenizer
 from ..manifest import NETWORKS
@@ -274,7 +274,7 @@ def _read_record(out: Path, name: str) -> dict[str, Any] | None:
 
 def _source_files(bundle: ModelBundle) -> dict[str, Path]:
     """Every model-bundle file the runtime bundle is made from, by its path in the model bundle."""
-    names = [*CONFIG_SOURCES, *(f"{n}.pt" for n in NETWORKS), CAMPPLUS, SPEECH_TOKENIZER,
+    names = [*CONFIG_SOURCES, *(bundle.checkpoint_file(n) for n in NETWORKS), CAMPPLUS, SPEECH_TOKENIZER,
              *(f"{QWEN_DIR}/{n}" for n in TOKENIZER_FILES)]
     return {n: bundle.root / n for n in names}
 
@@ -310,7 +310,7 @@ def _checkpoints_of(wrapper: nn.Module, nets: _Networks) -> list[str]:
     held = {t.data_ptr() for t in wrapper.state_dict().values() if t.numel()}
     used = [n for n in NETWORKS if any(t.data_ptr() in held for t in nets.get(n).state_dict().values()
                                        if t.numel())]
-    return [f"{n}.pt" for n in (used or NETWORKS)]
+    return [nets.bundle.checkpoint_file(n) for n in (used or NETWORKS)]
 
 
 @dataclass(frozen=True)
@@ -533,10 +533,14 @@ def _step(bar: tqdm, label: str) -> Iterator[None]:
     bar.update()
 
 
-def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, trt: bool = False,
-               precision: str = FP32.name, wait: bool = False, progress: bool = True) -> Report:
+def export_all(model_dir: Path | str, out: Path | str, *, llm: str = "base", force: bool = False,
+               trt: bool = False, precision: str = FP32.name, wait: bool = False, progress: bool = True
+               ) -> Report:
     """Export, check and validate every graph of the model bundle at `model_dir` and assemble the
     runtime bundle in `out`.
+
+    The LLM is `llm`'s checkpoint (a key of `LLM_CHECKPOINTS`: `llm.pt`, or the release's `llm.rl.pt`),
+    which the manifest records; a missing one is a `BundleError` before anything else is read.
 
     A graph whose inputs (spec version, source hashes, exporter version) are unchanged since an
     earlier run into `out`, that passed then and whose files are intact, is reused unless `force`; the
@@ -558,6 +562,8 @@ def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, t
     waits for it to end (then reuses the graphs it exported).
     """
     record = Precision.named(precision)
+    if llm not in LLM_CHECKPOINTS:
+        raise ValueError(f"unknown llm {llm!r}; expected one of {', '.join(LLM_CHECKPOINTS)}")
     start = time.perf_counter()
     trt_env = None
     if trt:
@@ -571,9 +577,13 @@ def export_all(model_dir: Path | str, out: Path | str, *, force: bool = False, t
         trt_env = require_trt()
     if record.cpu_provider == OPENVINO:
         require_openvino(record)
-    model_dir, out = Path(model_dir), Path(out)
+    bundle = ModelBundle.open(model_dir, LLM_CHECKPOINTS[llm])
+    if not bundle.checkpoint("llm").is_file():
+        raise BundleError(f"{bundle.checkpoint('llm')}: file not found; --llm {llm} exports it "
+                          f"(`cosyvoice-export download --llm {llm}` fetches it)")
+    out = Path(out)
     with _locked(out, wait):
-        return _assemble(model_dir, out, force, precision, trt_env, progress, start)
+        return _assemble(bundle, out, force, precision, trt_env, progress, start)
 
 
 def lock_path(out: Path) -> Path:
@@ -608,10 +618,10 @@ def _locked(out: Path, wait: bool) -> Iterator[None]:
         lock.release()
 
 
-def _assemble(model_dir: Path, out: Path, force: bool, precision: str, trt_env: TrtEnv | None,
+def _assemble(bundle: ModelBundle, out: Path, force: bool, precision: str, trt_env: TrtEnv | None,
               progress: bool, start: float) -> Report:
     """The work of `export_all`, under `out`'s lock."""
-    bundle = check_bundle(model_dir, report=lambda line: None)
+    check_bundle(bundle.root, report=lambda line: None, llm_checkpoints=(bundle.llm_checkpoint,))
     _prepare_out(out, precision)
     _drop_retired_graphs(out)
     dims = model_dims(bundle.config)
@@ -642,6 +652,7 @@ def _assemble(model_dir: Path, out: Path, force: bool, precision: str, trt_env: 
     manifest = Manifest(
         exporter_version=EXPORTER_VERSION,
         precision=precision,
+        llm_checkpoint=bundle.llm_checkpoint,
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         model=_model_constants(bundle, dims),
         sources=source_sha,
