@@ -1,5 +1,5 @@
 """`cosyvoice-serve` (also `python -m cosyvoice_serve`): the CLI, or one line naming the serve extra where
-it (FastAPI, uvicorn, grpcio, ...) is missing."""
+it (FastAPI, uvicorn, grpcio, ...) is missing, or the ray extra where `--ray` needs it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from cosyvoice_runtime.extras import run_console_script
 
 def main() -> None:
     """The `cosyvoice-serve` console script."""
-    run_console_script("cosyvoice-serve", "cosyvoice_serve.cli", ("serve",))
+    run_console_script("cosyvoice-serve", "cosyvoice_serve.cli", ("serve", "ray"))
 
 
 if __name__ == "__main__":

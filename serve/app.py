@@ -21,7 +21,7 @@ from .metrics import ServerMetrics
 from .queue import SessionQueue
 from .responses import CANCELLED, OUTCOME, SYNTHESIS_TAG
 from .settings import ServerSettings
-from .state import ServerState
+from .state import ServerState, Speakers
 
 ROUTERS = tuple(module.router for module in (routes_upstream, routes_bridge, routes_openai, routes_speakers,
                                              routes_page))
@@ -32,11 +32,13 @@ CORS_EXPOSED = ("X-Seed", "X-Sample-Rate", "X-Audio-Duration")
 """Response headers a cross-origin page may read."""
 
 
-def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(engine: Engine, settings: ServerSettings | None = None, speakers: Speakers | None = None
+               ) -> FastAPI:
     """An app serving `engine` (which the caller opens and closes; several apps may share one).
 
-    Speakers are read from `settings.speakers_dir` now; the session workers stop with the app. With
-    `settings.api_key`, every request but `/health` and the page must carry the key (`serve/auth.py`).
+    Speakers are `speakers`, else those of `settings.speakers_dir`; the session workers stop with the
+    app. With `settings.api_key`, every request but `/health` and the page must carry the key
+    (`serve/auth.py`).
     Bodies are bounded by `settings.max_body_bytes`; `settings.cors_origins` lets those origins' pages call
     the API; `settings.docs` serves FastAPI's /docs and /redoc.
     """
@@ -44,8 +46,10 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     sessions = SessionQueue(settings.max_concurrency, settings.queue_depth, settings.timeout)
     metrics = ServerMetrics(running=lambda: sessions.running, waiting=lambda: sessions.waiting,
                             prefixes=engine.synth.flow.prefixes)
-    speakers = SpeakerRegistry(settings.speakers_dir, engine.frontend_fingerprint)
-    speakers.tidy()  # the server is the folder's writer
+    if speakers is None:
+        registry = SpeakerRegistry(settings.speakers_dir, engine.frontend_fingerprint)
+        registry.tidy()  # the server writes the folder
+        speakers = registry
     state = ServerState(engine, settings, sessions, speakers, metrics)
 
     @asynccontextmanager

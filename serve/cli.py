@@ -22,6 +22,7 @@ from .engine import SERVER_PROVIDERS, Engine
 from .grpc_server import run_grpc
 from .metrics import ServerMetrics
 from .queue import SessionQueue
+from .ray_options import RayOptions, ray_options
 from .settings import (
     API_KEY_ENV,
     DEFAULT_PORT,
@@ -98,14 +99,16 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
 @click.option("--prompt-dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Let /synthesize's prompt_audio name a file in this folder by path, as the bridge server "
                    "took it (paths leading out of it are refused) [default: paths refused, base64 only].")
+@ray_options
 def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model: Path | None, provider: str,
           max_conc: int,
           queue_depth: int, timeout: float, speakers_dir: Path | None, sampling: str, seed: int | None,
           flow_prefix_mib: int, max_text: int, api_key: str | None, max_body_mib: int,
-          cors_origins: tuple[str, ...], docs: bool, prompt_dir: Path | None) -> None:
+          cors_origins: tuple[str, ...], docs: bool, prompt_dir: Path | None, ray: RayOptions | None) -> None:
     """Serve CosyVoice3 over HTTP: upstream's /inference_* endpoints, the bridge's /synthesize, /health,
     /speakers and /metrics, OpenAI-style /v1/audio/speech and a web page at / (no torch); with --grpc-port,
-    upstream's gRPC service beside it; or, with --grpc, that service alone.
+    upstream's gRPC service beside it; or, with --grpc, that service alone; or, with --ray, HTTP through
+    Ray Serve replicas.
 
     Options not given are read from the environment and then from ./.env (COSYVOICE_PORT,
     COSYVOICE_HOST, COSYVOICE_MODEL_DIR, COSYVOICE_SPEAKERS_DIR, COSYVOICE_API_KEY).
@@ -119,6 +122,14 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
                               speakers_dir=speakers_dir or DEFAULTS.speakers_dir, api_key=api_key,
                               max_body_bytes=max_body_mib << 20, cors_origins=cors_origins, docs=docs,
                               prompt_dir=prompt_dir)
+    if ray is not None:
+        if grpc_service or grpc_port is not None:
+            raise click.UsageError("--ray serves HTTP only; --grpc and --grpc-port run without it")
+        from .ray_app import ReplicaConfig, run_ray  # the ray extra, imported only here
+
+        run_ray(ray, ReplicaConfig(model, provider, flow_prefix_mib << 20, settings, ray.speaker_store),
+                host=host, port=port)
+        return
     try:
         engine = Engine.open(model, provider=provider, flow_prefix_bytes=flow_prefix_mib << 20)
     except USER_ERRORS as e:

@@ -95,14 +95,16 @@ class Engine:
     """A runtime bundle opened for serving: synthesis and prompt extraction, callable from any thread."""
 
     def __init__(self, bundle: RuntimeBundle, origin: str, *, provider: str = CPU,
-                 flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:
-        """Open every graph of `bundle` on `provider` (one of `SERVER_PROVIDERS`); `flow_prefix_bytes`
-        bounds the per-prompt flow prefixes that streams from one speaker share (`Flow.prefixes`)."""
+                 flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, threads: int | None = None) -> None:
+        """Open every graph of `bundle` on `provider` (one of `SERVER_PROVIDERS`) with `threads` intra-op
+        threads (None: the provider's default, every core); `flow_prefix_bytes` bounds the per-prompt flow
+        prefixes that streams from one speaker share (`Flow.prefixes`)."""
         if provider not in SERVER_PROVIDERS:
             raise ValueError(f"the server runs on providers whose runners sessions can share "
                              f"({', '.join(SERVER_PROVIDERS)}); got {provider!r}")
         self.bundle, self.origin, self.provider = bundle, origin, provider
-        self.voice = CosyVoice3(bundle, provider=provider, flow_prefix_bytes=flow_prefix_bytes)
+        self.voice = CosyVoice3(bundle, provider=provider, threads=threads,
+                                flow_prefix_bytes=flow_prefix_bytes)
         self.default_prompt = bundle.default_prompt()
         """The bundle's own prompt recording and its transcript, or None (exports of upstream's)."""
         self._text_lock = threading.Lock()
@@ -111,11 +113,11 @@ class Engine:
 
     @classmethod
     def open(cls, model: Path | None, *, provider: str = CPU,
-             flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> Engine:
+             flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, threads: int | None = None) -> Engine:
         """The bundle `cosyvoice-run` would use for `--model model` (verified), opened for serving."""
         choice = choose_bundle(model)
         return cls(RuntimeBundle.open(choice.path, verify=True), choice.origin, provider=provider,
-                   flow_prefix_bytes=flow_prefix_bytes)
+                   flow_prefix_bytes=flow_prefix_bytes, threads=threads)
 
     @property
     def synth(self) -> Synthesizer:

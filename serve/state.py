@@ -3,16 +3,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Protocol
 
 from fastapi import Depends, Request
 
-from cosyvoice_runtime.speakers import SpeakerRegistry
+from cosyvoice_runtime.frontend import PromptFeatures
+from cosyvoice_runtime.speakers import Speaker
 
 from .engine import Engine
 from .metrics import ServerMetrics
 from .queue import SessionQueue
 from .settings import ServerSettings
+
+
+class Speakers(Protocol):
+    """Where the routes find and keep registered speakers: a `SpeakerRegistry` folder, or a store that
+    replicas on several machines share (`cosyvoice_serve.ray_speakers`)."""
+
+    def names(self) -> list[str]: ...
+
+    def get(self, name: str) -> Speaker | None: ...
+
+    def add(self, name: str, prompt_text: str, features: PromptFeatures) -> Speaker: ...
+
+    def remove(self, name: str) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -22,7 +36,7 @@ class ServerState:
     engine: Engine
     settings: ServerSettings
     sessions: SessionQueue
-    speakers: SpeakerRegistry
+    speakers: Speakers
     metrics: ServerMetrics
 
 

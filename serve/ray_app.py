@@ -1,0 +1,203 @@
+"""The HTTP server as a Ray Serve application: replicas over a Ray cluster, each one `Engine` behind the
+app `create_app` makes, so every route, header and byte is the single-process server's.
+
+Three ways to start it: `cosyvoice-serve --ray` (`serve/ray_cli.py`: a local Ray instance, or a cluster
+with `--ray-address`), `serve run cosyvoice_serve.ray_app:app` (the defaults), and Ray's config file
+(`deploy/serve-config.yaml`, `import_path: cosyvoice_serve.ray_app:build_app`, whose `args` are the
+settings below and whose `deployments` entry sets replicas, autoscaling and resources).
+
+A replica opens the bundle itself (a bundle it cannot open fails the deployment, the error in one line,
+`ReplicaStartError`), runs its graphs on as many threads as it reserves CPUs, and names itself in every
+response's `X-Served-By` (its Ray actor's name). Speakers are shared: the `--speakers` folder on a shared
+filesystem (`SpeakerRegistry`, which sees other replicas' changes), or the store actor
+(`serve/ray_speakers.py`) where there is none.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import ray
+from fastapi import FastAPI
+from pydantic import TypeAdapter
+from ray import serve
+from ray.serve import Application
+from ray.serve.deployment import Deployment
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from cosyvoice_runtime.errors import USER_ERRORS
+from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
+from cosyvoice_runtime.runners import CPU
+
+from .app import create_app
+from .engine import Engine
+from .ray_options import SPEAKER_STORES, RayOptions, ScaleOptions, SpeakerStore
+from .ray_speakers import ActorSpeakers
+from .settings import API_KEY_ENV, ServerSettings
+
+APP_NAME = "cosyvoice"
+"""The Serve application's name (`serve status`, the replicas' actor names)."""
+DEPLOYMENT_NAME = "CosyVoice"
+SERVED_BY = "X-Served-By"
+
+
+class ReplicaStartError(RuntimeError):
+    """A replica could not open the bundle (or its speakers); the message is the one line to show."""
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """What every replica opens: the same bundle, settings and speakers."""
+
+    model: Path | None = None
+    """The runtime bundle, a path on every node (None: each node's `$COSYVOICE_MODEL_DIR`, else the
+    embedded demo bundle)."""
+    provider: str = CPU
+    flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
+    settings: ServerSettings = field(default_factory=ServerSettings)
+    """Each replica's own queue, timeout and sampling; `speakers_dir` is where speakers are kept."""
+    speaker_store: SpeakerStore = "folder"
+
+
+class ServedBy:
+    """Names the replica in every HTTP response's `X-Served-By` header."""
+
+    def __init__(self, app: ASGIApp, name: str) -> None:
+        self.app, self.header = app, (SERVED_BY.lower().encode(), name.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, named)
+
+
+class CosyVoiceReplica:
+    """One replica: an `Engine` and the server's app over it."""
+
+    def __init__(self, config: ReplicaConfig) -> None:
+        self.config = config
+        self.name = serve.get_replica_context().replica_id.to_full_id_str()
+        """The replica's Ray actor name (`ray.get_actor(name, namespace="serve")`)."""
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+        # onnxruntime's default is a thread per core of the machine, which replicas sharing it would
+        # oversubscribe; none reserved (num_cpus 0) keeps that default
+        threads = math.ceil(cpus) if cpus else None
+        try:
+            self.engine = Engine.open(config.model, provider=config.provider,
+                                      flow_prefix_bytes=config.flow_prefix_bytes, threads=threads)
+        except USER_ERRORS as e:
+            raise ReplicaStartError(f"replica {self.name} on {ray.util.get_node_ip_address()}: {e}") from None
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        """The server's app over this replica's engine, with its speakers where every replica finds them."""
+        config = self.config
+        speakers = (ActorSpeakers(config.settings.speakers_dir, self.engine.frontend_fingerprint)
+                    if config.speaker_store == "actor" else None)
+        app = create_app(self.engine, config.settings, speakers)
+        app.add_middleware(ServedBy, name=self.name)
+        return app
+
+
+REPLICAS: Deployment = serve.deployment(name=DEPLOYMENT_NAME)(serve.ingress()(CosyVoiceReplica))
+"""The replicas' deployment (its options: `deployment`)."""
+
+
+def deployment(scale: ScaleOptions, settings: ServerSettings) -> Deployment:
+    """The replicas' deployment with `scale`'s options."""
+    return REPLICAS.options(**scale.deployment_options(settings))
+
+
+def replica_config(args: dict[str, Any]) -> ReplicaConfig:
+    """The replicas' config from `args` as a Serve config file's application gives them: `model`,
+    `provider`, `flow_prefix_mib`, `speaker_store` (`folder` or `actor`) and any field of `ServerSettings`
+    (`max_concurrency`, `queue_depth`, `timeout`, `sampling`, `seed`, `speakers_dir`, ...), values as YAML
+    or `serve run`'s `key=value` strings give them; the API key comes from `$COSYVOICE_API_KEY`, kept out
+    of config files. `ValueError` naming what is wrong."""
+    args = dict(args)
+    model = args.pop("model", None)
+    provider = str(args.pop("provider", CPU))
+    flow_prefix_mib = int(args.pop("flow_prefix_mib", DEFAULT_PREFIX_CACHE_BYTES >> 20))
+    store = args.pop("speaker_store", "folder")
+    if store not in SPEAKER_STORES:
+        raise ValueError(f"speaker_store must be one of {', '.join(SPEAKER_STORES)}, got {store!r}")
+    unknown = sorted(set(args) - {f.name for f in fields(ServerSettings)})
+    if unknown:
+        raise ValueError(f"unknown args {', '.join(unknown)}: model, provider, flow_prefix_mib, "
+                         "speaker_store and ServerSettings' fields are taken")
+    if os.environ.get(API_KEY_ENV, "").strip():
+        args.setdefault("api_key", os.environ[API_KEY_ENV].strip())
+    settings = TypeAdapter(ServerSettings).validate_python(args)
+    return ReplicaConfig(Path(model) if model else None, provider, flow_prefix_mib << 20, settings, store)
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """The application `serve run` and Ray's config file import (`cosyvoice_serve.ray_app:build_app`), with
+    `args` as `replica_config` takes them: one replica reserving one CPU, unless the config file's
+    `deployments` entry says otherwise."""
+    config = replica_config(args)
+    return deployment(ScaleOptions(), config.settings).bind(config)
+
+
+app = build_app({})
+"""`serve run cosyvoice_serve.ray_app:app`: one replica, the server's defaults."""
+
+
+def run_ray(options: RayOptions, config: ReplicaConfig, *, host: str, port: int) -> None:
+    """`cosyvoice-serve --ray`: deploy the replicas and serve HTTP on `host`:`port` (Ray Serve's proxy)
+    until SIGINT or SIGTERM, then delete the app (and stop the Ray instance started here). A replica that
+    cannot open the bundle fails the deployment: one line on stderr, exit status 2."""
+    # Serve's controller logs each replica's start and stop, tracebacks included: they stay in the
+    # session's log folder (/tmp/ray/session_latest/logs), and a failed deployment is one line here
+    ray.init(address=options.address, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        try:
+            serve.run(deployment(options.scale, config.settings).bind(config), name=APP_NAME,
+                      route_prefix="/")
+        except RuntimeError as e:
+            print(f"error: {deploy_error(e)}", file=sys.stderr)
+            sys.exit(2)
+        scale = options.scale
+        autoscaling = ("" if scale.max_replicas is None
+                       else f", autoscaling from {scale.min_replicas} to {scale.max_replicas}")
+        print(f"ray: {scale.replicas} replicas{autoscaling}, each reserving CPU {scale.cpus:g} and GPU "
+              f"{scale.gpus:g}, on {ray.get_runtime_context().gcs_address}; speakers: {config.speaker_store} "
+              f"{config.settings.speakers_dir}; serving http://{host}:{port}", file=sys.stderr)
+        _wait_for_a_signal()
+    finally:
+        try:
+            serve.delete(APP_NAME)
+        finally:
+            ray.shutdown()
+
+
+def deploy_error(error: RuntimeError) -> str:
+    """The one line to show for a failed deployment: the `ReplicaStartError` in the deployment's status
+    (which holds the replica's traceback), else the last line of that status or of `error`."""
+    deployment = serve.status().applications.get(APP_NAME)
+    status = deployment.deployments.get(DEPLOYMENT_NAME) if deployment is not None else None
+    lines = [line.strip() for line in f"{error}\n{status.message if status else ''}".splitlines()
+             if line.strip()]
+    marker = f"{ReplicaStartError.__name__}: "
+    return next((line.split(marker, 1)[1] for line in reversed(lines) if marker in line), lines[-1])
+
+
+def _wait_for_a_signal() -> None:
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    stop.wait()

@@ -1,0 +1,51 @@
+"""`cosyvoice-serve --ray`'s options without Ray: what they ask of Ray Serve, the combinations refused
+before anything starts, and the one line where the ray extra is missing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the serve extra is not installed")
+
+from click.testing import CliRunner
+
+from cosyvoice_serve import cli as serve_cli
+from cosyvoice_serve.ray_options import ScaleOptions
+from cosyvoice_serve.settings import ServerSettings
+
+
+def test_the_scale_options_are_ray_serves_deployment_options() -> None:
+    settings = ServerSettings(max_concurrency=2, queue_depth=6)
+    assert ScaleOptions(replicas=3, cpus=2, gpus=0.5).deployment_options(settings) == {
+        "num_replicas": 3, "max_ongoing_requests": 8, "ray_actor_options": {"num_cpus": 2, "num_gpus": 0.5}}
+    autoscaling = ScaleOptions(replicas=2, max_replicas=4, min_replicas=0, max_ongoing=3)
+    assert autoscaling.deployment_options(settings) == {
+        "max_ongoing_requests": 3, "ray_actor_options": {"num_cpus": 1.0, "num_gpus": 0.0},
+        "autoscaling_config": {"min_replicas": 0, "max_replicas": 4, "initial_replicas": 2,
+                               "target_ongoing_requests": 2}}
+    targeted = ScaleOptions(max_replicas=2, target_ongoing=1.5).deployment_options(settings)
+    assert targeted["autoscaling_config"]["target_ongoing_requests"] == 1.5
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--ray", "--min-replicas", "2"], "--min-replicas bounds autoscaling, which --max-replicas turns on"),
+    (["--ray", "--replicas", "5", "--max-replicas", "3"],
+     "replicas (5) must be from min_replicas (1) to max_replicas (3)"),
+    (["--ray", "--replicas", "0"], "replicas must be at least 1 without autoscaling"),
+    (["--ray-address", "auto", "--grpc"], "--ray serves HTTP only"),
+])
+def test_refused_combinations_say_why_before_anything_starts(args: list[str], message: str) -> None:
+    done = CliRunner().invoke(serve_cli.serve, args)
+    assert done.exit_code == 2 and message in done.output, done.output
+
+
+def test_without_the_ray_extra_ray_is_one_line_naming_it() -> None:
+    code = ("import sys; sys.argv[0] = 'cosyvoice-serve'; sys.modules['ray'] = None; "
+            "from cosyvoice_serve.__main__ import main; main()")
+    done = subprocess.run([sys.executable, "-c", code, "--ray"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == ["error: cosyvoice-serve needs the ray extra (ray is not installed): "
+                                        "pip install 'cosyvoice-onnx[ray]'"]
