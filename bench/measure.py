@@ -1,5 +1,5 @@
-"""Timers and memory: timed wrappers around a pipeline's calls, the per-stage figures built from them,
-peak RSS, and GPU sampling.
+"""Timers and GPU sampling: timed wrappers around a pipeline's calls, the per-stage figures built from them,
+and what a GPU used (peak RSS is `cosyvoice_runtime.process_memory`'s).
 
 Stages are timed from outside: `CallLog.wrap` swaps a method of an existing object (a runner's `infer`,
 a torch module's `forward`) for a timed one for the duration of a block, so neither the runtime nor the
@@ -8,8 +8,6 @@ reference carries timing code.
 
 from __future__ import annotations
 
-import re
-import resource
 import shutil
 import statistics
 import subprocess
@@ -18,7 +16,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 
@@ -89,44 +86,6 @@ def prefill_length(text_ids: Sequence[int], prompt_text_ids: Sequence[int], prom
 def mean(values: Sequence[float]) -> float | None:
     """The mean, None for no values."""
     return statistics.fmean(values) if values else None
-
-
-# --- memory ------------------------------------------------------------------------------------------
-
-_STATUS = Path("/proc/self/status")
-_CLEAR_REFS = Path("/proc/self/clear_refs")
-
-
-def _status_kb(key: str) -> int | None:
-    try:
-        match = re.search(rf"^{key}:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
-    except OSError:
-        return None
-    return int(match.group(1)) if match else None
-
-
-def rss_bytes() -> int | None:
-    """The process's resident set size now (Linux), None elsewhere."""
-    kb = _status_kb("VmRSS")
-    return None if kb is None else kb * 1024
-
-
-def reset_peak_rss() -> bool:
-    """Restart the peak-RSS mark at the current RSS (Linux >= 4.0); False where that is not possible,
-    and `peak_rss_bytes` then gives the process's lifetime peak."""
-    try:
-        _CLEAR_REFS.write_text("5")
-    except OSError:
-        return False
-    return True
-
-
-def peak_rss_bytes() -> int:
-    """The peak resident set size since the last `reset_peak_rss` (or the process start)."""
-    kb = _status_kb("VmHWM")
-    if kb is None:  # not Linux: ru_maxrss, kilobytes on Linux/BSD
-        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb * 1024
 
 
 # --- GPU ---------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from cosyvoice_graphs.bundle_layout import FORMAT_VERSION
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.process_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, OPTIMIZATION
 
 from .backend import Backend, Figures
@@ -35,7 +36,7 @@ from .bounds import (
 from .cases import Case
 from .levers import LEVER_THREADS, attention_mask_cost, export_levers, onnxruntime_levers
 from .machine import describe, matmul_gflops, memory_bandwidth
-from .measure import GpuSampler, GpuUsage, peak_rss_bytes, reset_peak_rss, rss_bytes
+from .measure import GpuSampler, GpuUsage
 from .report import speedups, summarize
 from .runtime_runs import RuntimeBackend
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -162,8 +163,12 @@ def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:
                    "the specs' bounds for the "
                    "precision (and the llm's decode gates, the DiT's solve gates). "
                    "OUT holds one precision.")
-def all_cmd(model_dir: Path, out: Path, trt: bool, llm: str, force: bool, wait: bool, precision: str
-            ) -> None:
+@click.option("--report-memory", is_flag=True,
+              help="After the summary, print each stage's time, peak RSS and the RSS it left (loading the "
+                   "networks, tracing, onnxslim, saving, precision conversion, validation, per graph), then "
+                   "the export's peak RSS.")
+def all_cmd(model_dir: Path, out: Path, trt: bool, llm: str, force: bool, wait: bool, precision: str,
+            report_memory: bool) -> None:
     """Export every graph to ONNX and assemble a torch-free runtime bundle in OUT.
 
     Each graph is traced from its spec, checked (onnx.checker, then its I/O against the spec),
@@ -178,14 +183,17 @@ def all_cmd(model_dir: Path, out: Path, trt: bool, llm: str, force: bool, wait: 
     which stays); a second one stops with one line, or waits with --wait. Prints a summary table; exits 1
     if a graph fails validation (no manifest is written then), 2 on a bad bundle or unusable OUT.
     """
+    from .memory import monitor_memory
     from .onnx.bf16 import Bf16Unavailable
     from .onnx.runtime_bundle import export_all
     from .onnx.trace import ExportError
     from .onnx.trt import TrtUnavailable
 
     try:
-        report = export_all(model_dir, out, llm=llm, force=force, trt=trt, precision=precision, wait=wait,
-                            progress=True)
+        # the monitor restarts the kernel's peak-RSS mark at every stage: only when asked to
+        with monitor_memory() if report_memory else nullcontext() as memory:
+            report = export_all(model_dir, out, llm=llm, force=force, trt=trt, precision=precision, wait=wait,
+                                progress=True)
     except (TrtUnavailable, Bf16Unavailable) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
@@ -193,6 +201,8 @@ def all_cmd(model_dir: Path, out: Path, trt: bool, llm: str, force: bool, wait: 
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
     click.echo(report.table())
+    if memory is not None:
+        click.echo(memory.table())
     for failure in report.failures:
         click.echo(f"error: {failure}", err=True)
     if not report.passed:

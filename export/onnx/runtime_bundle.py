@@ -72,6 +72,7 @@ from ..bundle.layout import CAMPPLUS, LLM_CHECKPOINTS, QWEN_DIR, SPEECH_TOKENIZE
 from ..bundle.model_dir import ModelBundle
 from ..bundle.tokenizer_files import ENDOFPROMPT, TOKENIZER_FILES, load_cosyvoice3_tokenizer
 from ..manifest import NETWORKS
+from ..memory import stage
 from ..nets.flow import CausalMaskedDiffWithDiT
 from ..nets.hift import CausalHiFTGenerator, hift_layout
 from ..nets.llm import CosyVoice3LM
@@ -375,7 +376,7 @@ def _export(out: Path, s: GraphSpec, dims: ModelDims, nets: _Networks, source_sh
     """Export and validate one graph (a reduced-precision graph: against its bounds for that precision,
     and its decode or solve gates where the spec has them), then record it for later runs."""
     (out / _record_rel(f"graph-{s.name}")).unlink(missing_ok=True)  # the record must never outlive its file
-    bar.set_postfix_str(f"{s.name}: load")
+    _label(bar, s.name, "load networks")
     wrapper = WRAPPERS[s.name](nets.all())
     checkpoints = _checkpoints_of(wrapper, nets)
     sources = {n: source_sha[n].sha256 for n in (*CONFIG_SOURCES, *checkpoints)}
@@ -385,23 +386,24 @@ def _export(out: Path, s: GraphSpec, dims: ModelDims, nets: _Networks, source_sh
     conversion = CONVERSIONS.get(precision)
     if conversion is not None:
         meta |= conversion.metadata()
-    bar.set_postfix_str(f"{s.name}: export")
+    bar.set_postfix_str(f"{s.name}: export")  # export_graph begins its own stages
     result = export_graph(wrapper, s, dims, out / graph_file(s.name), extra_metadata=meta)
     paths = result.files
     if conversion is not None and conversion.rewrite is not None:
-        bar.set_postfix_str(f"{s.name}: {precision}")
+        _label(bar, s.name, precision)
         paths = (conversion.rewrite(result.path, s),)
-    bar.set_postfix_str(f"{s.name}: validate")
+    _label(bar, s.name, "validate")
     start = time.perf_counter()
     validation = validate_graph(result.path, wrapper, s.at_precision(precision), precision=precision)
     if precision in s.decode_gates:
-        bar.set_postfix_str(f"{s.name}: decode gates")
+        _label(bar, s.name, "decode gates")
         gates = validate_decode(result.path, wrapper, s, precision, SEQUENCES[s.name](nets.all()))
         validation = replace(validation, gates=gates)
     if precision in s.solve_gates:
-        bar.set_postfix_str(f"{s.name}: solve gates")
+        _label(bar, s.name, "solve gates")
         validation = replace(validation, gates=validate_solve(result.path, nets.all(), s, precision))
     timings = {"export_s": round(result.seconds, 3), "validate_s": round(time.perf_counter() - start, 3)}
+    _label(bar, s.name, "record")
     files = {str(p.relative_to(out)): _file_entry(p) for p in reversed(paths)}
     _write_json(out, _record_rel(f"graph-{s.name}"), {
         "inputs": _graph_inputs(s, sources, precision),
@@ -416,6 +418,12 @@ def _export(out: Path, s: GraphSpec, dims: ModelDims, nets: _Networks, source_sh
     })
     return GraphResult(s.name, s, files, sources, validation, reused=False, simplified=result.simplified,
                        simplify_error=result.simplify_error, timings=timings, precision=precision)
+
+
+def _label(bar: tqdm, graph: str, step: str) -> None:
+    """Show `graph`'s step on the progress bar and begin it as a stage of the memory report."""
+    bar.set_postfix_str(f"{graph}: {step}")
+    stage(f"{graph}: {step}")
 
 
 def _max_size(s: GraphSpec, dim: str) -> int:
@@ -529,6 +537,7 @@ def _model_constants(bundle: ModelBundle, dims: ModelDims) -> ModelConstants:
 @contextmanager
 def _step(bar: tqdm, label: str) -> Iterator[None]:
     bar.set_postfix_str(label)
+    stage(label)
     yield
     bar.update()
 
@@ -621,18 +630,20 @@ def _locked(out: Path, wait: bool) -> Iterator[None]:
 def _assemble(bundle: ModelBundle, out: Path, force: bool, precision: str, trt_env: TrtEnv | None,
               progress: bool, start: float) -> Report:
     """The work of `export_all`, under `out`'s lock."""
+    stage("check bundle")
     check_bundle(bundle.root, report=lambda line: None, llm_checkpoints=(bundle.llm_checkpoint,))
     _prepare_out(out, precision)
     _drop_retired_graphs(out)
     dims = model_dims(bundle.config)
     specs = {name: spec(name, dims) for name in SPECS}
+    stage("hash sources")
     source_sha = _hash_sources(_source_files(bundle), progress)
     nets = _Networks(bundle)
 
     results: list[GraphResult] = []
     with tqdm(total=len(specs) + 2, desc="runtime bundle", unit="step", disable=not progress) as bar:
         for s in specs.values():
-            with _step(bar, s.name):
+            with _step(bar, f"{s.name}: reuse check"):
                 p = s.precision_in(precision)
                 reused = None if force else _reuse(out, s, source_sha, p)
                 results.append(reused or _export(out, s, dims, nets, source_sha, bar, p))
@@ -642,6 +653,7 @@ def _assemble(bundle: ModelBundle, out: Path, force: bool, precision: str, trt_e
             copied = _copy_files(out, bundle, source_sha)
             prompt, prompt_files = _copy_prompt(out, bundle)
     if trt_env is not None and all(g.validation.passed for g in results):
+        stage("tensorrt")
         _build_plans(out, results, trt_env, progress)
 
     files = {rel: e for g in results for rel, e in g.files.items()} | table_files | copied | prompt_files
@@ -649,6 +661,7 @@ def _assemble(bundle: ModelBundle, out: Path, force: bool, precision: str, trt_e
     report = Report(out, tuple(results), None, time.perf_counter() - start, files)
     if not report.passed:
         return report
+    stage("manifest")
     manifest = Manifest(
         exporter_version=EXPORTER_VERSION,
         precision=precision,

@@ -26,6 +26,8 @@ from torch import nn
 
 from cosyvoice_graphs import GraphSpec, ModelDims, TensorSpec, metadata
 
+from ..memory import stage
+
 EXPORT_REVISION = 3
 """Bump when what is written for an unchanged spec changes (this module, a wrapper or a network's traced
 graph; 3: the DiT's additive attention mask): it forces a re-export."""
@@ -191,11 +193,15 @@ def export_graph(wrapper: nn.Module, spec: GraphSpec, dims: ModelDims, out: Path
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=PARTIAL, dir=out.parent))
     try:
         raw = tmp / "traced.onnx"
+        stage(f"{spec.name}: trace")
         _trace(wrapper, spec, raw)
+        stage(f"{spec.name}: check")
         onnx.checker.check_model(str(raw))  # by path: works for graphs past protobuf's 2 GiB too
         model = onnx.load(str(raw))
         check_contract(model, spec)
+        stage(f"{spec.name}: onnxslim")
         model, simplify_error = _simplify(model, spec)
+        stage(f"{spec.name}: save")
         _declare_spec_dims(model, spec)
         model.ir_version = min(model.ir_version, MAX_IR_VERSION)
         model.doc_string = spec.doc
