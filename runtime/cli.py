@@ -26,7 +26,7 @@ from .frontend import PromptFeatures, read_prompt_audio
 from .runners import CPU, PROVIDERS
 from .sampling import SAMPLINGS
 from .segments import MAX_TEXT_CHARS, Segment
-from .synthesis import Mode
+from .synthesis import ChunkPolicy, Mode
 
 
 @contextmanager
@@ -70,6 +70,9 @@ def _read_text(text: str, stdin: IO[str]) -> str:
 @click.option("--speed", type=click.FloatRange(min=0.5, max=2.0), default=1.0, show_default=True,
               help="Speaking rate (offline only, as upstream).")
 @click.option("--stream", is_flag=True, help="Synthesise in streaming chunks (upstream's chunk schedule).")
+@click.option("--first-chunk-tokens", type=int, default=None, metavar="N",
+              help="With --stream: the first chunk after N speech tokens, later chunks on upstream's "
+                   "boundaries (lower latency; a deviation from upstream's schedule) [default: upstream's].")
 @click.option("--provider", type=click.Choice(PROVIDERS), default=CPU, show_default=True,
               help="onnxruntime cpu/cuda/tensorrt provider, trt for the bundle's TensorRT plans, or openvino "
                    "(OpenVINO's CPU plugin; bf16 graphs run on it under cpu too).")
@@ -87,9 +90,9 @@ def _read_text(text: str, stdin: IO[str]) -> str:
                    "graph's precision, the LLM checkpoint, TensorRT plans) and exit; needs no --text or "
                    "--out.")
 def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_text: str | None, mode: str,
-         instruct: str, sampling: str, seed: int, speed: float, stream: bool, provider: str,
-         tokens_out: Path | None, chunks_out: Path | None, verify: bool, out: Path | None, info: bool
-         ) -> None:
+         instruct: str, sampling: str, seed: int, speed: float, stream: bool, first_chunk_tokens: int | None,
+         provider: str, tokens_out: Path | None, chunks_out: Path | None, verify: bool, out: Path | None,
+         info: bool) -> None:
     """Synthesise TEXT in the voice of --prompt-wav with a CosyVoice3 runtime bundle (no torch).
 
     Prints which bundle and prompt it uses, shows progress, and ends with the RTF (and the first
@@ -106,6 +109,8 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
             raise UserError("--speed works offline only (upstream ignores it when streaming)")
         if chunks_out is not None and not stream:
             raise UserError("--chunks-out needs --stream")
+        if first_chunk_tokens is not None and not stream:
+            raise UserError("--first-chunk-tokens needs --stream")
         for option, path in (("--out", out), ("--tokens-out", tokens_out), ("--chunks-out", chunks_out)):
             if path is not None:  # refused now, not after the synthesis with some outputs written
                 check_writable(path, option)
@@ -116,6 +121,7 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
         if choice.default:
             click.echo(f"model: {choice.origin}", err=True)
         with CosyVoice3(choice.path, provider=provider, sampling=sampling, seed=seed, verify=verify) as voice:
+            policy = voice.chunk_policy(first_chunk_tokens=first_chunk_tokens) if stream else None
             chosen = choose_prompt(voice.bundle, prompt_wav, prompt_text)
             if chosen.default:
                 click.echo(f"prompt: the bundle's {chosen.wav.name} ({chosen.text!r})", err=True)
@@ -126,7 +132,7 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
             pieces = voice.segments(Mode(mode), text, prompt_text=chosen.text, instruct=instruct)
             prompt = voice.prompt_features(given_audio if given_audio is not None else chosen.wav)
             ready = time.perf_counter()
-            result = _run(voice, pieces, prompt, Mode(mode), speed, stream)
+            result = _run(voice, pieces, prompt, Mode(mode), speed, stream, policy)
             sample_rate = voice.sample_rate
         audio = np.concatenate(result.audio) if result.audio else np.zeros(0, np.float32)
         write_wav_atomic(out, audio, sample_rate)
@@ -163,13 +169,13 @@ class _Result:
 
 
 def _run(voice: CosyVoice3, pieces: list[Segment], prompt: PromptFeatures, mode: Mode, speed: float,
-         stream: bool) -> _Result:
+         stream: bool, policy: ChunkPolicy | None) -> _Result:
     """Each segment in turn (each with a fresh sampler from the seed, as a fresh upstream request)."""
     result = _Result([], [], [], None)
     start = time.perf_counter()
     with click.progressbar(pieces, label="synthesising", file=sys.stderr) as bar:
         for i, piece in enumerate(bar):
-            speech = voice.speak(piece, prompt, mode, stream=stream, speed=speed)
+            speech = voice.speak(piece, prompt, mode, stream=stream, speed=speed, policy=policy)
             for chunk in speech:
                 result.audio.append(chunk.samples)
                 if stream:

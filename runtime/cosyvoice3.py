@@ -105,31 +105,37 @@ class CosyVoice3:
 
     def inference_zero_shot(self, tts_text: str, prompt_text: str, prompt_wav: PromptWav | None,
                             zero_shot_spk_id: str = "", stream: bool = False, speed: float = 1.0,
-                            text_frontend: bool = True) -> Iterator[dict[str, np.ndarray]]:
+                            text_frontend: bool = True, *, first_chunk_tokens: int | None = None
+                            ) -> Iterator[dict[str, np.ndarray]]:
         """Speak `tts_text` in the voice of `prompt_wav`, whose transcript is `prompt_text` (a bare
         transcript, or upstream's "You are a helpful assistant.<|endofprompt|>" + transcript), or of the
-        speaker `zero_shot_spk_id` (`add_zero_shot_spk`; then `prompt_text` and `prompt_wav` are unused)."""
+        speaker `zero_shot_spk_id` (`add_zero_shot_spk`; then `prompt_text` and `prompt_wav` are unused).
+        `first_chunk_tokens` (ours, streaming only): `ChunkPolicy.first_chunk_tokens`, a deviation from
+        upstream's chunk schedule for latency; None keeps upstream's."""
         speaker = self._speaker(zero_shot_spk_id)
         return self._inference(Mode.ZERO_SHOT, tts_text, speaker or prompt_wav, stream, speed, text_frontend,
-                               prompt_text=speaker.prompt_text if speaker else prompt_text)
+                               prompt_text=speaker.prompt_text if speaker else prompt_text,
+                               first_chunk_tokens=first_chunk_tokens)
 
     def inference_cross_lingual(self, tts_text: str, prompt_wav: PromptWav | None, zero_shot_spk_id: str = "",
-                                stream: bool = False, speed: float = 1.0, text_frontend: bool = True
-                                ) -> Iterator[dict[str, np.ndarray]]:
+                                stream: bool = False, speed: float = 1.0, text_frontend: bool = True, *,
+                                first_chunk_tokens: int | None = None) -> Iterator[dict[str, np.ndarray]]:
         """Speak `tts_text` (any language, fine-grained tags allowed) in the voice of `prompt_wav` or of
-        the speaker `zero_shot_spk_id`, without the prompt's transcript."""
+        the speaker `zero_shot_spk_id`, without the prompt's transcript. `first_chunk_tokens`: as
+        `inference_zero_shot`'s."""
         speaker = self._speaker(zero_shot_spk_id)
         return self._inference(Mode.CROSS_LINGUAL, tts_text, speaker or prompt_wav, stream, speed,
-                               text_frontend)
+                               text_frontend, first_chunk_tokens=first_chunk_tokens)
 
     def inference_instruct2(self, tts_text: str, instruct_text: str, prompt_wav: PromptWav | None,
                             zero_shot_spk_id: str = "", stream: bool = False, speed: float = 1.0,
-                            text_frontend: bool = True) -> Iterator[dict[str, np.ndarray]]:
+                            text_frontend: bool = True, *, first_chunk_tokens: int | None = None
+                            ) -> Iterator[dict[str, np.ndarray]]:
         """Speak `tts_text` as `instruct_text` asks (e.g. "请用广东话表达。"), in the voice of `prompt_wav` or
-        of the speaker `zero_shot_spk_id`."""
+        of the speaker `zero_shot_spk_id`. `first_chunk_tokens`: as `inference_zero_shot`'s."""
         speaker = self._speaker(zero_shot_spk_id)
         return self._inference(Mode.INSTRUCT2, tts_text, speaker or prompt_wav, stream, speed, text_frontend,
-                               instruct=instruct_text)
+                               instruct=instruct_text, first_chunk_tokens=first_chunk_tokens)
 
     def add_zero_shot_spk(self, prompt_text: str, prompt_wav: PromptWav, zero_shot_spk_id: str) -> bool:
         """Keep `prompt_wav`'s features and transcript as speaker `zero_shot_spk_id` (in this object until
@@ -182,13 +188,16 @@ class CosyVoice3:
 
     def speak(self, piece: Segment, prompt: PromptFeatures, mode: Mode, *, stream: bool = False,
               speed: float = 1.0, sampling: Sampling | None = None, policy: ChunkPolicy | None = None,
-              max_tokens: int | None = None, ignore_stop: bool = False, watch: TokenWatch | None = None
-              ) -> SegmentSpeech:
+              max_tokens: int | None = None, ignore_stop: bool = False, watch: TokenWatch | None = None,
+              first_chunk_tokens: int | None = None) -> SegmentSpeech:
         """One segment's audio: upstream's offline path (one final chunk, `speed` applied) or its chunk
         schedule (`stream`, `policy`: `Synthesizer.stream_tokens`), decoded with a fresh sampler of
         `sampling` (default: this object's). `max_tokens` and `ignore_stop` are for benchmarks
-        (`SpeechTokenLM.decode`); `watch` wraps the speech-id iterator."""
+        (`SpeechTokenLM.decode`); `watch` wraps the speech-id iterator; `first_chunk_tokens` replaces the
+        policy's (`ChunkPolicy.first_chunk_tokens`; a `UserError` if these graphs cannot take it)."""
         _check_speed(stream, speed)
+        if stream:  # checked before the LLM runs
+            policy = self.chunk_policy(policy, first_chunk_tokens=first_chunk_tokens)
         request = llm_request(mode, piece.text_ids, prompt, piece.prompt_text_ids)
         decoding = self.synth.lm.decode(request, (sampling or self.sampling).sampler(), max_tokens=max_tokens,
                                         ignore_stop=ignore_stop)
@@ -196,6 +205,14 @@ class CosyVoice3:
         if stream:
             return SegmentSpeech(self.synth.stream_tokens(tokens, prompt, policy=policy), decoding.tokens)
         return SegmentSpeech(self._offline(tokens, prompt, speed), decoding.tokens)
+
+    def chunk_policy(self, policy: ChunkPolicy | None = None, *, first_chunk_tokens: int | None = None
+                     ) -> ChunkPolicy:
+        """`Synthesizer.check_policy`, its refusal a `UserError` (one line)."""
+        try:
+            return self.synth.check_policy(policy, first_chunk_tokens=first_chunk_tokens)
+        except ValueError as e:
+            raise UserError(str(e)) from None
 
     def close(self) -> None:
         """Release the graphs."""
@@ -220,21 +237,22 @@ class CosyVoice3:
         return speaker
 
     def _inference(self, mode: Mode, tts_text: str, prompt: Speaker | PromptWav | None, stream: bool,
-                   speed: float, text_frontend: bool, *, prompt_text: str = "", instruct: str = ""
-                   ) -> Iterator[dict[str, np.ndarray]]:
+                   speed: float, text_frontend: bool, *, prompt_text: str = "", instruct: str = "",
+                   first_chunk_tokens: int | None = None) -> Iterator[dict[str, np.ndarray]]:
         if prompt is None:
             raise UserError("prompt_wav is needed unless zero_shot_spk_id names an added speaker")
         _check_speed(stream, speed)
+        policy = self.chunk_policy(first_chunk_tokens=first_chunk_tokens) if stream else None
         # everything is checked before the first segment runs
         pieces = self.segments(mode, tts_text, prompt_text=prompt_text, instruct=instruct,
                                text_frontend=text_frontend)
         features = prompt.features if isinstance(prompt, Speaker) else self.prompt_features(prompt)
-        return self._yield(pieces, features, mode, stream, speed)
+        return self._yield(pieces, features, mode, stream, speed, policy)
 
-    def _yield(self, pieces: list[Segment], features: PromptFeatures, mode: Mode, stream: bool, speed: float
-               ) -> Iterator[dict[str, np.ndarray]]:
+    def _yield(self, pieces: list[Segment], features: PromptFeatures, mode: Mode, stream: bool, speed: float,
+               policy: ChunkPolicy | None) -> Iterator[dict[str, np.ndarray]]:
         for piece in pieces:
-            for chunk in self.speak(piece, features, mode, stream=stream, speed=speed):
+            for chunk in self.speak(piece, features, mode, stream=stream, speed=speed, policy=policy):
                 yield {"tts_speech": chunk.samples[None]}
 
     def _offline(self, tokens: Iterator[int], prompt: PromptFeatures, speed: float) -> Iterator[AudioChunk]:

@@ -21,7 +21,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from types import MappingProxyType, TracebackType
 from typing import Any, Literal, Self
@@ -84,6 +84,8 @@ class ChunkPolicy:
     Once the LLM has finished, the remaining tokens (fewer than the next hop + lookahead) go into one
     final, finalizing chunk. This is upstream's first-request behaviour; its hop is not carried over
     between requests, and its timing-dependent exit test is not reproduced.
+
+    `first_chunk_tokens` (off by default) deviates from that schedule for latency: see its docstring.
     """
 
     token_hop: int = 25
@@ -108,6 +110,20 @@ class ChunkPolicy:
     flow_window: int = 8
     """DiT blocks (50 frames = 1 s each) of generated speech that `flow="window"` keeps in attention
     besides the prompt's."""
+    first_chunk_tokens: int | None = None
+    """None: upstream's schedule. N: the first chunk fires after N tokens (and the look-ahead), then the
+    chunks end where upstream's do, from its first boundary past N on (N = 10 with a first hop of 38:
+    10, 28, 50, 100, ...), so one extra chunk comes first and every later boundary is upstream's.
+    Boundaries still depend on the token sequence only. The first chunk usually ends inside a DiT block:
+    it runs the block-causal flow over the prompt and its tokens as `flow="rerun"` does, in every flow
+    mode, and the caches of `"cache"`/`"window"` are not advanced by it; the next chunk ends on upstream's
+    block boundary and re-runs the cut block whole, as upstream's re-run of the prefix would. So `"cache"`
+    still gives `"rerun"`'s frames, and every later seam is upstream's. Why not demand a whole block:
+    the first block boundary after the prompt is upstream's own first boundary or its pad alone (0 to
+    24 tokens, set by the prompt's length), so no prompt-independent N would fire earlier. The price of
+    the cut: the frames of the cut block before the seam were made without the rest of their block,
+    the frames after it with; the mel there steps by that difference (tests/test_first_chunk.py measures
+    the seam against upstream's; README: figures)."""
 
     def __post_init__(self) -> None:
         if self.vocoder not in ("rerun", "window"):
@@ -116,6 +132,9 @@ class ChunkPolicy:
             raise ValueError(f"flow must be 'rerun', 'cache' or 'window', got {self.flow!r}")
         if self.flow_window < 1:
             raise ValueError(f"flow_window must be >= 1 block, got {self.flow_window}")
+        if self.first_chunk_tokens is not None and self.first_chunk_tokens < 1:
+            raise ValueError(f"first_chunk_tokens must be >= 1 token (None: upstream's schedule), "
+                             f"got {self.first_chunk_tokens}")
 
     def first_pad(self, prompt_tokens: int) -> int:
         """Tokens added to the first hop so that prompt + first hop is a multiple of `token_hop`."""
@@ -123,6 +142,20 @@ class ChunkPolicy:
 
     def hops(self, prompt_tokens: int) -> Iterator[int]:
         """The hop of every chunk, first to last (endless)."""
+        upstream = self._upstream_hops(prompt_tokens)
+        if self.first_chunk_tokens is None:
+            yield from upstream
+            return
+        yield self.first_chunk_tokens
+        end = 0
+        for hop in upstream:  # the rest of upstream's hop that crosses the first chunk's end
+            end += hop
+            if end > self.first_chunk_tokens:
+                yield end - self.first_chunk_tokens
+                break
+        yield from upstream
+
+    def _upstream_hops(self, prompt_tokens: int) -> Iterator[int]:
         yield self.token_hop + self.first_pad(prompt_tokens)
         hop = self.token_hop
         while True:
@@ -299,7 +332,17 @@ class Synthesizer:
         window: `policy.vocoder`). When `tokens` ends, the final chunk runs the full-attention flow
         over all tokens (`"window"`: over the new ones) and the finalizing vocoder.
         """
+        policy = self.check_policy(policy)
+        log.info("streaming with %s", policy)
+        return _Stream(self, prompt, policy).run(iter(tokens))
+
+    def check_policy(self, policy: ChunkPolicy | None = None, *, first_chunk_tokens: int | None = None
+                     ) -> ChunkPolicy:
+        """`policy` (default: upstream's schedule with the flow's look-ahead), its `first_chunk_tokens`
+        replaced when one is given, checked against these graphs (`ValueError`: one line saying why)."""
         policy = policy or ChunkPolicy(lookahead=self.dims.pre_lookahead_len)
+        if first_chunk_tokens is not None:
+            policy = replace(policy, first_chunk_tokens=first_chunk_tokens)
         if policy.lookahead != self.dims.pre_lookahead_len:
             raise ValueError(f"policy lookahead {policy.lookahead} is not the flow's "
                              f"{self.dims.pre_lookahead_len}")
@@ -307,8 +350,13 @@ class Synthesizer:
         if policy.flow != "rerun" and (policy.token_hop * ratio % block or policy.max_hop * ratio % block):
             raise ValueError(f"flow={policy.flow!r} needs hops of whole {block}-frame DiT blocks; "
                              f"token_hop {policy.token_hop} and max_hop {policy.max_hop} are not")
-        log.info("streaming with %s", policy)
-        return _Stream(self, prompt, policy).run(iter(tokens))
+        # a non-final vocoder call holds back its look-ahead frames, so the first chunk must exceed them
+        held = self.vocoder.layout.final_lookahead
+        fewest = held // ratio + 1
+        if policy.first_chunk_tokens is not None and policy.first_chunk_tokens < fewest:
+            raise ValueError(f"first_chunk_tokens must be >= {fewest} (the vocoder holds back {held} mel "
+                             f"frames), got {policy.first_chunk_tokens}")
+        return policy
 
 
 class _Stream:
@@ -351,15 +399,24 @@ class _Stream:
             raise SynthesisError("the LLM produced no speech tokens; nothing to vocode")
         yield self._chunk(self.tokens, len(self.tokens) - self.offset, llm_s, final=True)
 
+    def _mid_block(self, end: int) -> bool:
+        """Whether a non-final chunk ending after `end` generated tokens cuts a DiT block (only a first
+        chunk of `first_chunk_tokens` can)."""
+        frames = self.ratio * (self.prompt.speech_tokens.shape[1] + end)
+        return frames % self.synth.dims.dit_block_frames != 0
+
     def _chunk(self, tokens: list[int], hop: int, llm_s: float, *, final: bool) -> AudioChunk:
         synth = self.synth
         start = time.perf_counter()
-        if self.flow_stream is None:
+        if self.flow_stream is None or (not final and self._mid_block(self.offset + hop)):
             mel = synth.flow(np.asarray(tokens, dtype=np.int64), self.prompt, finalize=final,
                              streaming=not final)  # (1, 80, ratio * (offset + hop)): all of it, re-run
             added = mel[:, :, self.ratio * self.offset:]
         else:
-            added = self.flow_stream.push(tokens, finalize=final)  # (1, 80, ratio * hop)
+            # after a first chunk cut inside a block, the stream re-runs that block and its frames before
+            # `offset` have been sent already
+            sent = self.ratio * (self.offset - self.flow_stream.tokens)
+            added = self.flow_stream.push(tokens, finalize=final)[:, :, sent:]  # (1, 80, ratio * hop)
         mid = time.perf_counter()
         if self.vocoder_stream is None:
             self.mel = np.concatenate([self.mel, added], axis=2)

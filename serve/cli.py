@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 import uvicorn
@@ -99,12 +100,16 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
 @click.option("--prompt-dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Let /synthesize's prompt_audio name a file in this folder by path, as the bridge server "
                    "took it (paths leading out of it are refused) [default: paths refused, base64 only].")
+@click.option("--first-chunk-tokens", type=int, default=None, metavar="N",
+              help="Every stream's first chunk after N speech tokens, later chunks on upstream's boundaries "
+                   "(lower latency; a deviation from upstream's schedule) [default: upstream's].")
 @ray_options
 def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model: Path | None, provider: str,
           max_conc: int,
           queue_depth: int, timeout: float, speakers_dir: Path | None, sampling: str, seed: int | None,
           flow_prefix_mib: int, max_text: int, api_key: str | None, max_body_mib: int,
-          cors_origins: tuple[str, ...], docs: bool, prompt_dir: Path | None, ray: RayOptions | None) -> None:
+          cors_origins: tuple[str, ...], docs: bool, prompt_dir: Path | None, first_chunk_tokens: int | None,
+          ray: RayOptions | None) -> None:
     """Serve CosyVoice3 over HTTP: upstream's /inference_* endpoints, the bridge's /synthesize, /health,
     /speakers and /metrics, OpenAI-style /v1/audio/speech and a web page at / (no torch); with --grpc-port,
     upstream's gRPC service beside it; or, with --grpc, that service alone; or, with --ray, HTTP through
@@ -117,11 +122,13 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
         raise click.UsageError("--grpc-port serves gRPC beside HTTP on another port than --port; --grpc "
                                "serves gRPC alone on --port")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
+    if first_chunk_tokens is not None and first_chunk_tokens < 1:
+        _refuse(f"--first-chunk-tokens must be >= 1, got {first_chunk_tokens}")
     settings = ServerSettings(max_concurrency=max_conc, queue_depth=queue_depth, timeout=timeout,
                               max_text_chars=max_text, sampling=sampling, seed=seed,
                               speakers_dir=speakers_dir or DEFAULTS.speakers_dir, api_key=api_key,
                               max_body_bytes=max_body_mib << 20, cors_origins=cors_origins, docs=docs,
-                              prompt_dir=prompt_dir)
+                              prompt_dir=prompt_dir, first_chunk_tokens=first_chunk_tokens)
     if ray is not None:
         if grpc_service or grpc_port is not None:
             raise click.UsageError("--ray serves HTTP only; --grpc and --grpc-port run without it")
@@ -133,9 +140,12 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
     try:
         engine = Engine.open(model, provider=provider, flow_prefix_bytes=flow_prefix_mib << 20)
     except USER_ERRORS as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
+        _refuse(str(e))
     try:
+        try:  # checked against the graphs before serving, not at the first stream
+            engine.voice.chunk_policy(first_chunk_tokens=first_chunk_tokens)
+        except USER_ERRORS as e:
+            _refuse(f"--first-chunk-tokens: {e}")
         click.echo(f"model: {engine.origin}", err=True)
         click.echo(f"API key: {'required' if api_key else 'none (every endpoint is open)'}", err=True)
         if grpc_service:
@@ -156,6 +166,12 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
                   metrics=app.state.server.metrics)
     finally:
         engine.close()
+
+
+def _refuse(message: str) -> NoReturn:
+    """A bad start: one line on stderr, exit status 2."""
+    click.echo(f"error: {message}", err=True)
+    sys.exit(2)
 
 
 def _run_grpc(engine: Engine, settings: ServerSettings, host: str, port: int, *,

@@ -147,7 +147,8 @@ class CosyVoiceService(cosyvoice_pb2_grpc.CosyVoiceServicer):
             metrics.requests_total.inc()
         try:
             job = synthesis_job(request, self.settings, request_seed(context.invocation_metadata()))
-            stream = self.sessions.submit(lambda session: self.engine.stream(job, session))
+            stream = self.sessions.submit(lambda session: self.engine.stream(
+                job, session, first_chunk_tokens=self.settings.first_chunk_tokens))
         except ApiError as e:
             if metrics is not None:
                 if isinstance(e, QueueFull):

@@ -122,8 +122,9 @@ async def stream_response(state: ServerState, request: Request, job: SynthesisJo
     """A response streaming the job's audio through `encoder` (default: raw PCM16) as the runtime yields
     chunks; `offline` synthesises on upstream's offline path instead (one chunk, `speed` applied)."""
     encode = encoder or PcmEncoder()
-    work = state.engine.synthesize if offline else state.engine.stream
-    stream = submit(state, lambda session: work(job, session))
+    tokens = state.settings.first_chunk_tokens
+    stream = submit(state, lambda session: state.engine.synthesize(job, session) if offline
+                    else state.engine.stream(job, session, first_chunk_tokens=tokens))
     first = await first_item(state, request, stream)
     state.metrics.first_chunk_seconds.observe(time.monotonic() - stream.session.admitted)
 

@@ -1,0 +1,200 @@
+"""`ChunkPolicy.first_chunk_tokens`: an earlier first chunk, a deviation from upstream's schedule (off by
+default).
+
+On the demo bundle with greedy tokens: the default stays what it was chunk for chunk; with the policy the
+first chunk comes after fewer tokens, every later boundary is upstream's, and its seams are no worse than
+upstream's (the waveform's jump at each seam against its own jumps nearby; the streamed-vs-offline error
+near the seams against away from them; the mel's step at the seam against its steps nearby). The figures
+are printed for the README.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from fastapi.testclient import TestClient
+
+from cosyvoice_runtime import CosyVoice3
+from cosyvoice_runtime.cli import main as run_main
+from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.errors import UserError
+from cosyvoice_runtime.frontend import PromptFeatures
+from cosyvoice_runtime.synthesis import AudioChunk, ChunkPolicy, Mode
+from cosyvoice_serve import Engine, ServerSettings, create_app
+from cosyvoice_serve.cli import serve
+
+TEXT = "Hello there, this is a test of the streaming seams."
+TOKENS = 150
+"""Greedy speech tokens taken from the demo model: chunks (0, 38), (38, 88), (88, 150) on upstream's
+schedule."""
+FIRST = 10
+UPSTREAM_DIGESTS = ["b8a2affa1a440047", "28b0462c8711b60c", "256333e84de5c783"]
+"""The chunks' sha256 prefixes on upstream's schedule (flow "cache", vocoder "window"), as made before the
+option existed."""
+NEAR = 3
+"""Samples either side of a seam where a click would show."""
+AROUND = 480
+"""Samples (20 ms) either side of a seam that its jump is compared with."""
+ROUNDING = 1.02
+"""Slack on "no worse": the later seams' audio moves by float rounding once the first chunk's frames
+differ."""
+
+
+@pytest.fixture(scope="module")
+def voice() -> Iterator[CosyVoice3]:
+    """One intra-op thread: the graphs round alike run after run."""
+    with CosyVoice3(DEMO_BUNDLE, sampling="greedy", threads=1) as v:
+        yield v
+
+
+@pytest.fixture(scope="module")
+def case(voice: CosyVoice3) -> tuple[list[int], PromptFeatures]:
+    default = voice.bundle.default_prompt()
+    assert default is not None
+    prompt = voice.prompt_features(default[0])
+    piece = voice.segments(Mode.ZERO_SHOT, TEXT, prompt_text=default[1])[0]
+    speech = voice.speak(piece, prompt, Mode.ZERO_SHOT, max_tokens=TOKENS)
+    list(speech)
+    assert len(speech.speech_tokens) == TOKENS
+    return list(speech.speech_tokens), prompt
+
+
+def _digests(chunks: list[AudioChunk]) -> list[str]:
+    return [hashlib.sha256(c.samples.tobytes()).hexdigest()[:16] for c in chunks]
+
+
+def _one_error_line(stderr: str, why: str) -> bool:
+    """The error is stderr's last line, alone (a `model:` line naming the default bundle may come first)."""
+    errors = [line for line in stderr.splitlines() if not line.startswith("model: ")]
+    return len(errors) == 1 and errors[0].startswith("error: ") and why in errors[0]
+
+
+def _seams(chunks: list[AudioChunk], offline: np.ndarray) -> dict[str, Any]:
+    """Per seam: the largest sample-to-sample jump within `NEAR` samples over the largest within `AROUND`
+    outside them (a click exceeds 1), and the mel's step into the chunk's first frame over the median
+    step of the 40 frames around; the streamed-vs-offline error within `AROUND` of any seam over that
+    away from them."""
+    audio = np.concatenate([c.samples for c in chunks])
+    jumps = np.abs(np.diff(audio))
+    mel = np.concatenate([c.mel for c in chunks], axis=2)[0]  # (80, frames)
+    steps = np.abs(np.diff(mel, axis=1)).mean(axis=0)
+    frame_seams = np.cumsum([c.mel.shape[2] for c in chunks])[:-1]
+    audio_ratio, mel_ratio = [], []
+    near_seams = np.zeros(len(audio), dtype=bool)
+    for chunk, frame in zip(chunks[1:], frame_seams, strict=True):
+        b = chunk.sample_range[0]
+        around = np.r_[jumps[b - AROUND:b - NEAR], jumps[b + NEAR:b + AROUND]]
+        audio_ratio.append(float(jumps[b - NEAR:b + NEAR].max() / around.max()))
+        mel_ratio.append(float(steps[frame - 1] / np.median(steps[max(0, frame - 20):frame + 20])))
+        near_seams[max(0, b - AROUND):b + AROUND] = True
+    error = np.abs(audio - offline)
+    return {"audio": audio_ratio, "mel": mel_ratio,
+            "error": float(error[near_seams].max() / error[~near_seams].max())}
+
+
+def test_the_default_is_upstreams_schedule_unchanged(voice: CosyVoice3, case: tuple[list[int], PromptFeatures]
+                                                     ) -> None:
+    tokens, prompt = case
+    default = list(voice.synth.stream_tokens(tokens, prompt))
+    assert [c.token_range for c in default] == [(0, 38), (38, 88), (88, 150)]
+    assert _digests(default) == UPSTREAM_DIGESTS
+    off = ChunkPolicy(lookahead=voice.synth.dims.pre_lookahead_len, first_chunk_tokens=None)
+    assert _digests(list(voice.synth.stream_tokens(tokens, prompt, policy=off))) == UPSTREAM_DIGESTS
+
+
+@pytest.mark.parametrize("flow", ["cache", "rerun", "window"])
+def test_the_first_chunk_comes_sooner_with_seams_no_worse_than_upstreams(
+        voice: CosyVoice3, case: tuple[list[int], PromptFeatures], flow: str) -> None:
+    tokens, prompt = case
+    synth = voice.synth
+    offline = synth.synthesize_tokens(tokens, prompt).audio
+    upstream = list(synth.stream_tokens(tokens, prompt, policy=ChunkPolicy(flow=flow)))  # type: ignore[arg-type]
+    early = list(synth.stream_tokens(tokens, prompt, policy=ChunkPolicy(flow=flow,  # type: ignore[arg-type]
+                                                                        first_chunk_tokens=FIRST)))
+    assert early[0].token_range == (0, FIRST) and upstream[0].token_range[1] > FIRST
+    assert [c.token_range[1] for c in early[1:]] == [c.token_range[1] for c in upstream]  # upstream's after
+    assert sum(len(c.samples) for c in early) == len(offline)
+    ours, theirs = _seams(early, offline), _seams(upstream, offline)
+    print(f"flow {flow}: first chunk after {FIRST} + 3 tokens instead of {upstream[0].token_range[1]} + 3; "
+          f"seam jump / nearby jumps: {[round(r, 3) for r in ours['audio']]} "
+          f"(upstream {[round(r, 3) for r in theirs['audio']]}); mel step / nearby median: "
+          f"{[round(r, 3) for r in ours['mel']]} (upstream {[round(r, 3) for r in theirs['mel']]}); "
+          f"streamed-vs-offline error near seams / away: {ours['error']:.3f} "
+          f"(upstream {theirs['error']:.3f})")
+    assert max(ours["audio"]) <= max(theirs["audio"]) * ROUNDING < 1  # no seam jumps out of its signal
+    assert ours["error"] <= theirs["error"] * ROUNDING
+    assert ours["mel"][0] <= 1.5 * max(theirs["mel"])  # the cut block's step, within half upstream's
+
+
+def test_cache_gives_reruns_samples_with_a_cut_first_chunk(voice: CosyVoice3,
+                                                           case: tuple[list[int], PromptFeatures]) -> None:
+    tokens, prompt = case
+    policies = [ChunkPolicy(flow=flow, first_chunk_tokens=FIRST) for flow in ("cache", "rerun")]  # type: ignore[arg-type]
+    runs = [list(voice.synth.stream_tokens(tokens, prompt, policy=policy)) for policy in policies]
+    assert _digests(runs[0])[0] == _digests(runs[1])[0]  # the cut chunk runs as the re-run does
+    got, want = (np.concatenate([c.samples for c in run]) for run in runs)
+    assert np.abs(got - want).mean() < 2e-3  # the vocoder's tolerance, as test_flow_stream_cache
+
+
+def test_a_first_chunk_the_graphs_cannot_make_is_refused_in_one_line(voice: CosyVoice3) -> None:
+    with pytest.raises(ValueError, match=r"^first_chunk_tokens must be >= 1 token"):
+        ChunkPolicy(first_chunk_tokens=0)
+    with pytest.raises(UserError, match=r"^first_chunk_tokens must be >= 5 \(the vocoder holds back 8 mel"):
+        voice.chunk_policy(first_chunk_tokens=4)
+    assert voice.chunk_policy(first_chunk_tokens=5).first_chunk_tokens == 5
+
+
+def test_inference_methods_take_it_as_a_keyword(voice: CosyVoice3) -> None:
+    default = voice.bundle.default_prompt()
+    assert default is not None
+    out = list(voice.inference_cross_lingual("Hi.", default[0], stream=True, first_chunk_tokens=FIRST))
+    assert len(out) >= 2
+    with pytest.raises(UserError, match="first_chunk_tokens must be >= 5"):
+        voice.inference_zero_shot("Hi.", default[1], default[0], stream=True, first_chunk_tokens=2)
+
+
+def test_cosyvoice_run_streams_with_it_and_refuses_a_bad_one(tmp_path: Path) -> None:
+    base = ["--text", "Hi.", "--sampling", "greedy", "--stream", "--out", str(tmp_path / "out.wav")]
+    ok = CliRunner().invoke(run_main, [*base, "--first-chunk-tokens", str(FIRST),
+                                       "--chunks-out", str(tmp_path / "chunks.json")])
+    assert ok.exit_code == 0, ok.output
+    chunks = json.loads((tmp_path / "chunks.json").read_text())
+    assert chunks[0]["token_range"] == [0, FIRST]
+    for bad, why in (("0", "must be >= 1"), ("4", "must be >= 5")):
+        result = CliRunner().invoke(run_main, [*base, "--first-chunk-tokens", bad])
+        assert result.exit_code == 2 and _one_error_line(result.stderr, why)
+    result = CliRunner().invoke(run_main, [*base[:-3], "--out", str(tmp_path / "o.wav"),
+                                           "--first-chunk-tokens", "10"])
+    assert result.exit_code == 2 and result.stderr == "error: --first-chunk-tokens needs --stream\n"
+
+
+def test_the_server_applies_it_to_every_stream(engine: Engine, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[ChunkPolicy | None] = []
+    stream_tokens = engine.synth.stream_tokens
+
+    def spy(tokens: Any, prompt: PromptFeatures, *, policy: ChunkPolicy | None = None
+            ) -> Iterator[AudioChunk]:
+        seen.append(policy)
+        return stream_tokens(tokens, prompt, policy=policy)
+
+    monkeypatch.setattr(engine.synth, "stream_tokens", spy)
+    settings = ServerSettings(speakers_dir=tmp_path / "speakers", sampling="greedy", first_chunk_tokens=FIRST)
+    with TestClient(create_app(engine, settings)) as client:
+        response = client.post("/v1/audio/speech", json={"input": "Hi.", "voice": "alloy",
+                                                         "response_format": "pcm"})
+    assert response.status_code == 200, response.text
+    assert [p.first_chunk_tokens if p else None for p in seen] == [FIRST]
+
+
+def test_cosyvoice_serve_refuses_a_bad_one_at_start_in_one_line() -> None:
+    for bad, why in (("0", "must be >= 1"), ("3", "must be >= 5")):
+        result = CliRunner().invoke(serve, ["--first-chunk-tokens", bad])
+        assert result.exit_code == 2 and _one_error_line(result.stderr, why)
