@@ -88,6 +88,9 @@ class SynthesisJob:
     """Speaking rate; offline only, as upstream."""
     text_field: str = "text"
     """The request field of `text`, named in errors."""
+    first_chunk_tokens: int | None = None
+    """When streamed, the first chunk after this many speech tokens (`ChunkPolicy.first_chunk_tokens`,
+    the server's `--first-chunk-tokens`); None: upstream's schedule."""
     usage: TokenUsage = field(default_factory=TokenUsage)
 
 
@@ -161,23 +164,20 @@ class Engine:
                 self._default_features = self.voice.prompt_features(self.default_prompt[0])
             return self._default_features
 
-    def stream(self, job: SynthesisJob, session: Session, *, first_chunk_tokens: int | None = None
-               ) -> Iterator[np.ndarray]:
-        """The job's audio as the runtime streams it: each chunk's new samples, segment after segment;
-        `first_chunk_tokens`: `ChunkPolicy.first_chunk_tokens` (None: upstream's schedule)."""
-        yield from self._speak(job, session, stream=True, first_chunk_tokens=first_chunk_tokens)
+    def stream(self, job: SynthesisJob, session: Session) -> Iterator[np.ndarray]:
+        """The job's audio as the runtime streams it: each chunk's new samples, segment after segment."""
+        yield from self._speak(job, session, stream=True)
 
     def synthesize(self, job: SynthesisJob, session: Session) -> Iterator[np.ndarray]:
         """The job's audio offline (upstream's non-streaming path, `speed` applied): one array."""
         yield np.concatenate(list(self._speak(job, session, stream=False)))
 
-    def _speak(self, job: SynthesisJob, session: Session, *, stream: bool,
-               first_chunk_tokens: int | None = None) -> Iterator[np.ndarray]:
+    def _speak(self, job: SynthesisJob, session: Session, *, stream: bool) -> Iterator[np.ndarray]:
         pieces, prompt = self._prepare(job)
         for piece in pieces:
             speech = self.voice.speak(piece, prompt, job.mode, stream=stream, speed=job.speed,
                                       sampling=job.sampling, watch=session.watch,
-                                      first_chunk_tokens=first_chunk_tokens)
+                                      first_chunk_tokens=job.first_chunk_tokens)
             try:
                 for chunk in speech:
                     yield chunk.samples

@@ -15,6 +15,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import replace
 from typing import Annotated, TypeVar
 
 import numpy as np
@@ -122,9 +123,9 @@ async def stream_response(state: ServerState, request: Request, job: SynthesisJo
     """A response streaming the job's audio through `encoder` (default: raw PCM16) as the runtime yields
     chunks; `offline` synthesises on upstream's offline path instead (one chunk, `speed` applied)."""
     encode = encoder or PcmEncoder()
-    tokens = state.settings.first_chunk_tokens
-    stream = submit(state, lambda session: state.engine.synthesize(job, session) if offline
-                    else state.engine.stream(job, session, first_chunk_tokens=tokens))
+    work = state.engine.synthesize if offline else state.engine.stream
+    job = replace(job, first_chunk_tokens=state.settings.first_chunk_tokens)
+    stream = submit(state, lambda session: work(job, session))
     first = await first_item(state, request, stream)
     state.metrics.first_chunk_seconds.observe(time.monotonic() - stream.session.admitted)
 
