@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The test command (README's second command; .ci/run calls it): a venv with the export, serve, openvino
-# and dev extras; lint and type checks; the tests that need no torch, in a second venv with the base
+# The test command (README's second command; .ci/run calls it): a venv with the export, serve, openvino,
+# dev and ray extras; lint and type checks; the tests that need no torch, in a second venv with the base
 # install alone; then the whole test suite. Tests use tiny bundles; full-size work belongs in benchmarks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
-.venv/bin/pip install --quiet --disable-pip-version-check -c ci/constraints.txt -e '.[export,serve,openvino,dev]'
+.venv/bin/pip install --quiet --disable-pip-version-check -c ci/constraints.txt -e '.[export,serve,openvino,dev,ray]'
 # the web page's browser test needs a headless Chromium: Debian's, where this runs as root with apt
 # (the test skips, saying why, where there is none)
 if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

@@ -1,15 +1,16 @@
 """The HTTP server as a Ray Serve application: replicas over a Ray cluster, each one `Engine` behind the
 app `create_app` makes, so every route, header and byte is the single-process server's.
 
-Three ways to start it: `cosyvoice-serve --ray` (`serve/ray_cli.py`: a local Ray instance, or a cluster
-with `--ray-address`), `serve run cosyvoice_serve.ray_app:app` (the defaults), and Ray's config file
-(`deploy/serve-config.yaml`, `import_path: cosyvoice_serve.ray_app:build_app`, whose `args` are the
-settings below and whose `deployments` entry sets replicas, autoscaling and resources).
+Three ways to start it: `cosyvoice-serve --ray` (`run_ray`, its options in `serve/ray_options.py`: a
+local Ray instance, or a cluster with `--ray-address`), `serve run cosyvoice_serve.ray_app:app` (the
+defaults), and Ray's config file (`deploy/serve-config.yaml`, `import_path:
+cosyvoice_serve.ray_app:build_app`, whose `args` are `replica_config`'s and whose `deployments` entry sets
+replicas, autoscaling and resources).
 
-A replica opens the bundle itself (a bundle it cannot open fails the deployment, the error in one line,
-`ReplicaStartError`), runs its graphs on as many threads as it reserves CPUs, and names itself in every
-response's `X-Served-By` (its Ray actor's name). Speakers are shared: the `--speakers` folder on a shared
-filesystem (`SpeakerRegistry`, which sees other replicas' changes), or the store actor
+A replica opens the bundle itself (a bundle or speakers it cannot open fail the deployment, the error in
+one line: `ReplicaStartError`), runs its graphs on as many threads as it reserves CPUs, and names itself
+in every response's `X-Served-By` (its Ray actor's name). Speakers are shared: the `--speakers` folder on
+a shared filesystem (`SpeakerRegistry`, which sees other replicas' changes), or the store actor
 (`serve/ray_speakers.py`) where there is none.
 """
 
@@ -35,6 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from cosyvoice_runtime.runners import CPU
+from cosyvoice_runtime.speakers import SpeakerError
 
 from .app import create_app
 from .engine import Engine
@@ -100,16 +102,22 @@ class CosyVoiceReplica:
             self.engine = Engine.open(config.model, provider=config.provider,
                                       flow_prefix_bytes=config.flow_prefix_bytes, threads=threads)
         except USER_ERRORS as e:
-            raise ReplicaStartError(f"replica {self.name} on {ray.util.get_node_ip_address()}: {e}") from None
+            raise self._start_error(e) from None
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """The server's app over this replica's engine, with its speakers where every replica finds them."""
         config = self.config
-        speakers = (ActorSpeakers(config.settings.speakers_dir, self.engine.frontend_fingerprint)
-                    if config.speaker_store == "actor" else None)
-        app = create_app(self.engine, config.settings, speakers)
+        try:
+            speakers = (ActorSpeakers(config.settings.speakers_dir, self.engine.frontend_fingerprint)
+                        if config.speaker_store == "actor" else None)
+            app = create_app(self.engine, config.settings, speakers)
+        except SpeakerError as e:
+            raise self._start_error(e) from None
         app.add_middleware(ServedBy, name=self.name)
         return app
+
+    def _start_error(self, error: Exception) -> ReplicaStartError:
+        return ReplicaStartError(f"replica {self.name} on {ray.util.get_node_ip_address()}: {error}")
 
 
 REPLICAS: Deployment = serve.deployment(name=DEPLOYMENT_NAME)(serve.ingress()(CosyVoiceReplica))

@@ -32,8 +32,8 @@ class ScaleOptions:
     """Requests per replica that autoscaling aims at (None: the settings' `max_concurrency`, so that it
     adds a replica when requests start to wait)."""
     max_ongoing: int | None = None
-    """Requests Ray sends one replica at once (None: what its queue admits, `max_concurrency` running and
-    `queue_depth` waiting); Ray's proxy holds the others."""
+    """Requests Ray sends one replica at once (None: the settings' `max_concurrency`, what it runs at once,
+    so that a request waits for the first free replica rather than behind a busy one)."""
     cpus: float = 1.0
     """CPUs each replica reserves, and the threads its graphs run on (rounded up)."""
     gpus: float = 0.0
@@ -47,9 +47,12 @@ class ScaleOptions:
                              f"max_replicas ({self.max_replicas})")
 
     def deployment_options(self, settings: ServerSettings) -> dict[str, Any]:
-        """The arguments of Ray's `Deployment.options` these stand for, with `settings`' queue."""
+        """The arguments of Ray's `Deployment.options` these stand for, with `settings`' queue: the requests
+        waiting for a replica wait in Ray's proxy, which answers 503 beyond `queue_depth` of them (at least
+        one: Ray's lower bound)."""
         options: dict[str, Any] = {
-            "max_ongoing_requests": self.max_ongoing or settings.max_concurrency + settings.queue_depth,
+            "max_ongoing_requests": self.max_ongoing or settings.max_concurrency,
+            "max_queued_requests": max(settings.queue_depth, 1),
             "ray_actor_options": {"num_cpus": self.cpus, "num_gpus": self.gpus}}
         if self.max_replicas is None:
             return options | {"num_replicas": self.replicas}
@@ -88,8 +91,8 @@ def ray_options(command: F) -> F:
         click.option("--target-ongoing", type=click.FloatRange(min=0, min_open=True), default=None,
                      help="Requests per replica that autoscaling aims at [default: --max-conc]."),
         click.option("--max-ongoing", type=click.IntRange(min=1), default=None,
-                     help="Requests Ray sends one replica at once; its proxy holds the rest [default: "
-                          "--max-conc + --queue, what a replica's queue admits]."),
+                     help="Requests Ray sends one replica at once; the rest wait in Ray's proxy for a free "
+                          "replica, up to --queue of them per proxy (503 beyond) [default: --max-conc]."),
         click.option("--replica-cpus", type=click.FloatRange(min=0), default=1.0,
                      help="CPUs each replica reserves, and its graphs' threads (rounded up; 0: every core)."),
         click.option("--replica-gpus", type=click.FloatRange(min=0), default=0.0,

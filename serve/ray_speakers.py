@@ -51,9 +51,10 @@ class ActorSpeakers:
     def __init__(self, root: Path, fingerprint: str) -> None:
         """The store of speakers made with front end `fingerprint`, started on the head node with its folder
         at `root` (a path on that node) by the first replica that asks."""
+        # calls made while Ray restarts it are retried there, rather than failing their requests
         store = ray.remote(SpeakerStore).options(
             name=store_name(fingerprint), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-            max_restarts=-1, num_cpus=0, resources={HEAD_NODE: 0.001})
+            max_restarts=-1, max_task_retries=-1, num_cpus=0, resources={HEAD_NODE: 0.001})
         # Any: Ray's stubs type a handle's methods as the class's, not as remote calls
         self._store: Any = store.remote(str(root), fingerprint)
 

@@ -23,21 +23,33 @@ pytest.importorskip("httpx", reason="httpx, the server tests' client, is not ins
 
 import httpx
 import numpy as np
+import yaml
 from fastapi.testclient import TestClient
 from ray import serve
+from ray.serve.schema import ServeDeploySchema
 
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_serve import Engine, ServerSettings, create_app
-from cosyvoice_serve.ray_app import APP_NAME, DEPLOYMENT_NAME, SERVED_BY, ReplicaConfig, deployment
+from cosyvoice_serve.ray_app import (
+    APP_NAME,
+    DEPLOYMENT_NAME,
+    SERVED_BY,
+    ReplicaConfig,
+    deployment,
+    replica_config,
+)
 from cosyvoice_serve.ray_options import ScaleOptions
 from cosyvoice_serve.ray_speakers import ActorSpeakers
+from cosyvoice_serve.settings import API_KEY_ENV
 
 SHORT = "Hi."
 """About a second of work on the demo model (two streamed chunks)."""
 LONG = "Hello there, this is a test of the server."
 """Several seconds of work: long enough to kill its replica mid-stream."""
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
 
 def free_port() -> int:
@@ -76,7 +88,7 @@ def cluster() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def replicas(cluster: str, settings: ServerSettings) -> Iterator[httpx.Client]:
     """Two replicas of the demo bundle, one CPU each; a client of the proxy."""
-    scale = ScaleOptions(replicas=2, cpus=1, max_ongoing=2)
+    scale = ScaleOptions(replicas=2, cpus=1)
     serve.run(deployment(scale, settings).bind(ReplicaConfig(settings=settings)), name=APP_NAME,
               route_prefix="/")
     with httpx.Client(base_url=cluster, timeout=120) as client:
@@ -95,6 +107,38 @@ def replica_names() -> set[str]:
     actors = ray.util.list_named_actors(all_namespaces=True)
     prefix = f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT_NAME}#"
     return {a["name"] for a in actors if a["name"].startswith(prefix)}
+
+
+def test_a_config_files_args_are_the_servers_settings_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(API_KEY_ENV, " key ")
+    args = {"model": "/models/m", "max_concurrency": "2", "seed": "7", "speakers_dir": "/shared/speakers",
+            "speaker_store": "actor", "cors_origins": ["https://app.example.com"]}  # serve run's strings too
+    assert replica_config(args) == ReplicaConfig(
+        Path("/models/m"), "cpu", DEFAULT_PREFIX_CACHE_BYTES,
+        ServerSettings(max_concurrency=2, seed=7, speakers_dir=Path("/shared/speakers"), api_key="key",
+                       cors_origins=("https://app.example.com",)), "actor")
+    with pytest.raises(ValueError, match="unknown args num_replicas, replicas: model, provider"):
+        replica_config({"replicas": 2, "num_replicas": 2})
+    with pytest.raises(ValueError, match="speaker_store must be one of folder, actor, got 'disk'"):
+        replica_config({"speaker_store": "disk"})
+    with pytest.raises(ValueError, match="sampling must be one of"):
+        replica_config({"sampling": "beam"})
+
+
+@pytest.mark.parametrize("name", ["serve-config.yaml", "rayservice.yaml"])
+def test_the_deploy_files_are_serve_configs_of_this_app(name: str) -> None:
+    config = next(yaml.safe_load_all((DEPLOY / name).read_text(encoding="utf-8")))
+    if config.get("kind") == "RayService":
+        assert config["spec"]["rayClusterConfig"]["rayVersion"] == ray.__version__
+        config = yaml.safe_load(config["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(config)  # Ray's own check of a config file
+    (app,) = config["applications"]
+    assert (app["name"], app["import_path"]) == (APP_NAME, "cosyvoice_serve.ray_app:build_app")
+    assert [d["name"] for d in app["deployments"]] == [DEPLOYMENT_NAME]
+    settings = replica_config(app["args"]).settings
+    replicas = app["deployments"][0]
+    assert replicas["max_ongoing_requests"] == settings.max_concurrency  # as --ray sets them
+    assert replicas["max_queued_requests"] == settings.queue_depth
 
 
 def test_a_replica_that_cannot_open_the_bundle_fails_the_deployment_in_one_line(cluster: str, tmp_path: Path
@@ -161,14 +205,7 @@ def test_the_store_actor_shares_speakers_and_keeps_them_across_its_restart(clust
     alice = two.get("alice")
     assert two.names() == ["alice"] and alice is not None and np.array_equal(alice.features.mel, features.mel)
     ray.kill(ray.get_actor("cosyvoice-speakers-fp", namespace="cosyvoice"), no_restart=False)
-    deadline = time.monotonic() + 60
-    while True:  # Ray restarts it; it reads its folder again
-        try:
-            assert one.names() == ["alice"]
-            break
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
+    assert one.names() == ["alice"]  # Ray restarts it, it reads its folder again, and the call is retried
     assert two.remove("alice") and one.names() == []
     ray.kill(ray.get_actor("cosyvoice-speakers-fp", namespace="cosyvoice"), no_restart=True)
 

@@ -20,14 +20,18 @@ from cosyvoice_serve.settings import ServerSettings
 def test_the_scale_options_are_ray_serves_deployment_options() -> None:
     settings = ServerSettings(max_concurrency=2, queue_depth=6)
     assert ScaleOptions(replicas=3, cpus=2, gpus=0.5).deployment_options(settings) == {
-        "num_replicas": 3, "max_ongoing_requests": 8, "ray_actor_options": {"num_cpus": 2, "num_gpus": 0.5}}
+        "num_replicas": 3, "max_ongoing_requests": 2, "max_queued_requests": 6,
+        "ray_actor_options": {"num_cpus": 2, "num_gpus": 0.5}}
     autoscaling = ScaleOptions(replicas=2, max_replicas=4, min_replicas=0, max_ongoing=3)
     assert autoscaling.deployment_options(settings) == {
-        "max_ongoing_requests": 3, "ray_actor_options": {"num_cpus": 1.0, "num_gpus": 0.0},
+        "max_ongoing_requests": 3, "max_queued_requests": 6,
+        "ray_actor_options": {"num_cpus": 1.0, "num_gpus": 0.0},
         "autoscaling_config": {"min_replicas": 0, "max_replicas": 4, "initial_replicas": 2,
                                "target_ongoing_requests": 2}}
     targeted = ScaleOptions(max_replicas=2, target_ongoing=1.5).deployment_options(settings)
     assert targeted["autoscaling_config"]["target_ongoing_requests"] == 1.5
+    no_queue = ScaleOptions().deployment_options(ServerSettings(queue_depth=0))
+    assert no_queue["max_queued_requests"] == 1  # Ray's least
 
 
 @pytest.mark.parametrize(("args", "message"), [
