@@ -93,6 +93,7 @@ def standin_paths() -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def engine() -> Iterator[Engine]:
     """The embedded demo bundle opened for serving, shared by the serve tests; tests must not close it."""
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
     from cosyvoice_serve import Engine
 
     engine = Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle")

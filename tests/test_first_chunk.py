@@ -14,12 +14,11 @@ import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from fastapi.testclient import TestClient
 
 from cosyvoice_runtime import CosyVoice3
 from cosyvoice_runtime.cli import main as run_main
@@ -27,8 +26,9 @@ from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.synthesis import AudioChunk, ChunkPolicy, Mode
-from cosyvoice_serve import Engine, ServerSettings, create_app
-from cosyvoice_serve.cli import serve
+
+if TYPE_CHECKING:
+    from cosyvoice_serve import Engine
 
 TEXT = "Hello there, this is a test of the streaming seams."
 TOKENS = 150
@@ -177,6 +177,10 @@ def test_cosyvoice_run_streams_with_it_and_refuses_a_bad_one(tmp_path: Path) -> 
 
 def test_the_server_applies_it_to_every_stream(engine: Engine, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastapi.testclient import TestClient  # the engine fixture skips without the serve extra
+
+    from cosyvoice_serve import ServerSettings, create_app
+
     seen: list[ChunkPolicy | None] = []
     stream_tokens = engine.synth.stream_tokens
 
@@ -195,6 +199,9 @@ def test_the_server_applies_it_to_every_stream(engine: Engine, tmp_path: Path,
 
 
 def test_cosyvoice_serve_refuses_a_bad_one_at_start_in_one_line() -> None:
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    from cosyvoice_serve.cli import serve
+
     for bad, why in (("0", "must be >= 1"), ("3", "must be >= 5")):
         result = CliRunner().invoke(serve, ["--first-chunk-tokens", bad])
         assert result.exit_code == 2 and _one_error_line(result.stderr, why)
