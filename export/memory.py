@@ -8,8 +8,11 @@ Without a monitor, `stage` does nothing.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -112,3 +115,24 @@ def stage(name: str) -> None:
     monitor = _MONITOR.get()
     if monitor is not None:
         monitor.begin(name)
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, None on other C libraries."""
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def free_memory() -> None:
+    """Collect unreachable objects, then hand the C heap's free pages back to the system (glibc's
+    `malloc_trim`): protobuf, onnxruntime and torch free a graph's weights in many blocks, which glibc
+    would otherwise keep for the process, resident, after the stage that used them."""
+    gc.collect()
+    if _TRIM is not None:
+        _TRIM(0)

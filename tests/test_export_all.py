@@ -39,7 +39,13 @@ from cosyvoice_export.onnx.trace import (
     check_contract,
     export_graph,
 )
-from cosyvoice_export.onnx.validate import GraphValidation, ValidationError, ort_session, validate_graph
+from cosyvoice_export.onnx.validate import (
+    GraphValidation,
+    TorchReference,
+    ValidationError,
+    ort_session,
+    validate_graph,
+)
 from cosyvoice_graphs import (
     SPECS,
     Case,
@@ -340,14 +346,14 @@ def test_interrupted_export_leaves_no_manifest(exported: tuple[Path, str], tmp_p
 
 def test_failing_graph_exits_nonzero_naming_graph_output_and_error(tiny_bundle: Path, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    real = runtime_bundle.validate_graph
+    real = runtime_bundle.validate_against
 
-    def strict(path: Path, wrapper: nn.Module, s: GraphSpec, *, precision: str) -> GraphValidation:
-        v = real(path, wrapper, s, precision=precision)  # then hold every output to half the error it has
+    def strict(path: Path, reference: TorchReference, *, precision: str) -> GraphValidation:
+        v = real(path, reference, precision=precision)  # then hold every output to half the error it has
         return replace(v, figures=tuple(replace(f, bound=f.measured / 2) for f in v.figures))
 
     monkeypatch.setattr(runtime_bundle, "SPECS", {"flow_encoder": SPECS["flow_encoder"]})  # one small graph
-    monkeypatch.setattr(runtime_bundle, "validate_graph", strict)
+    monkeypatch.setattr(runtime_bundle, "validate_against", strict)
     out = tmp_path / "out"
     code, stdout, err = run("all", "--model-dir", str(tiny_bundle), "--out", str(out))
     assert code == 1

@@ -14,15 +14,19 @@ pytestmark = pytest.mark.torch
 
 from click.testing import CliRunner
 
+from cosyvoice_export.bundle.model_dir import ModelBundle
 from cosyvoice_export.cli import main
 from cosyvoice_export.memory import GB, MemoryMonitor, monitor_memory, stage
-from cosyvoice_graphs import SPECS
+from cosyvoice_export.onnx import trace
+from cosyvoice_export.onnx.dims import model_dims
+from cosyvoice_export.onnx.graphs import WRAPPERS, Networks
+from cosyvoice_graphs import SPECS, spec
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.process_memory import rss_bytes
 
 ROW = re.compile(r"^(?P<stage>\S.*?)\s+(?P<seconds>\d+\.\d) s\s+(?P<peak>\d+\.\d\d) GB"
                  r"\s+(?P<after>\d+\.\d\d) GB$")
-GRAPH_STEPS = ("load networks", "trace", "check", "onnxslim", "save", "validate", "record")
+GRAPH_STEPS = ("load networks", "torch reference", "trace", "check", "onnxslim", "save", "validate", "record")
 
 
 def _meminfo_bytes() -> int:
@@ -41,8 +45,8 @@ def test_report_memory_lists_every_stage_and_changes_no_file(tiny_bundle: Path, 
     lines = result.stdout.splitlines()
     table = lines[lines.index(next(line for line in lines if line.startswith("stage "))) + 1:]
     rows = {m["stage"]: m for m in map(ROW.match, table) if m}
-    expected = ["check bundle", "hash sources", *(f"{g}: {step}" for g in SPECS for step in GRAPH_STEPS),
-                "tables", "frontend, tokenizer", "manifest"]
+    graphs = [f"{g}: {step}" for g in SPECS for step in GRAPH_STEPS]
+    expected = ["check bundle", "hash sources", "tables", *graphs, "frontend, tokenizer", "manifest"]
     assert [name for name in rows if name in expected] == expected  # each once, in the order they ran
     ram = _meminfo_bytes() / GB
     for name, row in rows.items():
@@ -78,3 +82,27 @@ def test_stages_outside_a_monitor_are_not_recorded() -> None:
     with monitor_memory() as monitor:
         pass
     assert monitor.stages == []
+
+
+@pytest.fixture(scope="module")
+def networks(tiny_bundle: Path) -> Networks:
+    bundle = ModelBundle.open(tiny_bundle)
+    return Networks(bundle.config, *(bundle.load_network(n) for n in ("llm", "flow", "hift")))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("moved", [4096, 0], ids=["large tensors", "every tensor"])
+def test_onnxslim_with_the_weights_on_disk_writes_the_same_graph(networks: Networks, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch, moved: int
+                                                                 ) -> None:
+    """Each graph as onnxslim makes it from the whole graph in memory, byte for byte: with the tiny graphs'
+    weights of at least 4 KB on disk (onnxslim reads some of them), and with every tensor on disk (it reads
+    and writes back shape constants, and the graph is simplified again in memory)."""
+    dims = model_dims(networks.config)
+    for name in SPECS:
+        s = spec(name, dims)
+        monkeypatch.setattr(trace, "MOVED_WEIGHT_BYTES", 1 << 62)  # nothing moves: onnxslim as it comes
+        whole = trace.export_graph(WRAPPERS[name](networks), s, dims, tmp_path / "whole" / f"{name}.onnx")
+        monkeypatch.setattr(trace, "MOVED_WEIGHT_BYTES", moved)
+        light = trace.export_graph(WRAPPERS[name](networks), s, dims, tmp_path / "light" / f"{name}.onnx")
+        assert whole.simplified and light.simplified, name
+        assert light.path.read_bytes() == whole.path.read_bytes(), name

@@ -10,7 +10,7 @@ so that every call's next-id distribution can be compared on the same history.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +19,7 @@ from torch import nn
 
 from cosyvoice_graphs import GraphSpec, cache_pairs, empty_caches
 
-from .graphs import Networks
+from .graphs import NetworkSource
 from .trace import ExportError
 from .validate import Figure, cpu_graph, gate_figures, run_torch
 
@@ -43,7 +43,7 @@ class DecodeSequence:
     """Greedy ids are chosen among the first `choices` rows (the speech codebook: no stop id)."""
 
 
-def llm_sequence(nets: Networks) -> DecodeSequence:
+def llm_sequence(nets: NetworkSource) -> DecodeSequence:
     """`[E_speech[sos], E_text(30 ids), E_speech[task_id], E_speech(150 ids)]`, ids drawn with `SEED`; fed
     back: speech-table rows, greedy over the codebook."""
     lm, cfg = nets.llm, nets.llm.cfg
@@ -56,31 +56,78 @@ def llm_sequence(nets: Networks) -> DecodeSequence:
     return DecodeSequence(prefill[None].astype(np.float32), speech.astype(np.float32), cfg.speech_token_size)
 
 
-SEQUENCES: dict[str, Callable[[Networks], DecodeSequence]] = {"llm": llm_sequence}
+SEQUENCES: dict[str, Callable[[NetworkSource], DecodeSequence]] = {"llm": llm_sequence}
 """Graph name -> the sequence its decode gates are measured on (every spec with `decode_gates` has one)."""
+
+
+@dataclass(frozen=True)
+class DecodeReference:
+    """The torch float32 half of a teacher-forced run: what `decode_figures` compares a graph with. It needs
+    no graph, so that the wrapper's network can be freed before the graph is made."""
+
+    sequence: DecodeSequence
+    logps: np.ndarray
+    """(calls, ids) float32: torch's output `gates.output` of each call."""
+    chosen: tuple[int, ...]
+    """Torch's greedy id after each call but the last: the row the next call is fed."""
+
+
+def _fed_input(spec: GraphSpec) -> str:
+    pairs = dict(cache_pairs(spec))
+    fed = [n for n in spec.input_names if n not in pairs]
+    if len(fed) != 1:
+        raise ExportError(f"{spec.name}: decode gates need one input besides the caches, found {fed}")
+    return fed[0]
+
+
+def _steps(sequence: DecodeSequence, chosen: tuple[int, ...]) -> Iterator[np.ndarray]:
+    """What each call of a teacher-forced run is fed: the prefill, then the rows of the chosen ids."""
+    yield sequence.prefill
+    for i in chosen:
+        yield sequence.rows[[i]][None]  # (1, 1, C)
+
+
+def decode_reference(wrapper: nn.Module, spec: GraphSpec, precision: str, sequence: DecodeSequence
+                     ) -> DecodeReference:
+    """`wrapper` (torch float32) teacher-forced on `sequence` for `spec.decode_gates[precision]`: its
+    output at each call, and its greedy ids."""
+    gates = spec.decode_gates[precision]
+    fed, pairs = _fed_input(spec), cache_pairs(spec)
+    caches = empty_caches(spec)
+    logps: list[np.ndarray] = []
+    chosen: list[int] = []
+    step = sequence.prefill
+    for _ in range(gates.steps + 1):
+        out = run_torch(wrapper, spec, {fed: step, **caches})
+        logps.append(out[gates.output].reshape(-1))
+        caches = {past: out[present] for past, present in pairs}
+        chosen.append(int(np.argmax(logps[-1][:sequence.choices])))
+        step = sequence.rows[[chosen[-1]]][None]  # (1, 1, C)
+    return DecodeReference(sequence, np.stack(logps), tuple(chosen[:-1]))
+
+
+def decode_figures(path: Path, spec: GraphSpec, precision: str, reference: DecodeReference
+                   ) -> tuple[Figure, ...]:
+    """The figure of each of `spec.decode_gates[precision]` for the ONNX graph at `path` (run as `cpu_graph`
+    runs a `precision` graph), fed what `reference` was fed, against `reference`. Failures are figures, not
+    raised."""
+    gates = spec.decode_gates[precision]
+    fed, pairs = _fed_input(spec), cache_pairs(spec)
+    run, _ = cpu_graph(path, spec, precision)
+    caches = empty_caches(spec)
+    logps: list[np.ndarray] = []
+    for step in _steps(reference.sequence, reference.chosen):
+        out = run({fed: step, **caches})
+        logps.append(out[gates.output].reshape(-1))
+        caches = {past: out[present] for past, present in pairs}
+    prefill = reference.sequence.prefill.shape[1]
+    label = f"teacher-forced decode: {prefill}-position prefill + {gates.steps} steps"
+    return gate_figures(label, gates, np.stack(logps), reference.logps, "log-probs")
 
 
 def validate_decode(path: Path, wrapper: nn.Module, spec: GraphSpec, precision: str, sequence: DecodeSequence
                     ) -> tuple[Figure, ...]:
     """The figure of each of `spec.decode_gates[precision]` for the ONNX graph at `path` (run as
-    `cpu_graph` runs a `precision` graph) against `wrapper` (torch float32), teacher-forced on `sequence`.
-    Failures are figures, not raised."""
-    gates = spec.decode_gates[precision]
-    pairs = cache_pairs(spec)
-    fed = [n for n in spec.input_names if n not in dict(pairs)]
-    if len(fed) != 1:
-        raise ExportError(f"{spec.name}: decode gates need one input besides the caches, found {fed}")
-    run, _ = cpu_graph(path, spec, precision)
-    caches = {"onnx": empty_caches(spec), "torch": empty_caches(spec)}
-    logps: dict[str, list[np.ndarray]] = {"onnx": [], "torch": []}
-    step = sequence.prefill
-    for _ in range(gates.steps + 1):
-        outputs = {"onnx": run({fed[0]: step, **caches["onnx"]}),
-                   "torch": run_torch(wrapper, spec, {fed[0]: step, **caches["torch"]})}
-        for who, out in outputs.items():
-            logps[who].append(out[gates.output].reshape(-1))
-            caches[who] = {past: out[present] for past, present in pairs}
-        chosen = int(np.argmax(logps["torch"][-1][:sequence.choices]))
-        step = sequence.rows[[chosen]][None]  # (1, 1, C)
-    label = f"teacher-forced decode: {sequence.prefill.shape[1]}-position prefill + {gates.steps} steps"
-    return gate_figures(label, gates, np.stack(logps["onnx"]), np.stack(logps["torch"]), "log-probs")
+    `cpu_graph` runs a `precision` graph) against `wrapper` (torch float32), teacher-forced on `sequence`
+    (`decode_reference`, then `decode_figures`). Failures are figures, not raised."""
+    return decode_figures(path, spec, precision, decode_reference(wrapper, spec, precision, sequence))

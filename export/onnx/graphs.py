@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from torch import nn
 
@@ -21,6 +22,20 @@ from .wrappers.hift import HiFTDecoderGraph, HiFTF0Graph
 from .wrappers.llm import LLMGraph
 
 
+class NetworkSource(Protocol):
+    """A bundle's config and its three networks, by attribute: `Networks`, or the exporter's, which loads a
+    network when it is first read."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+    @property
+    def llm(self) -> CosyVoice3LM: ...
+    @property
+    def flow(self) -> CausalMaskedDiffWithDiT: ...
+    @property
+    def hift(self) -> CausalHiFTGenerator: ...
+
+
 @dataclass(frozen=True)
 class Networks:
     """The three loaded networks of one bundle (eval mode, float32)."""
@@ -31,7 +46,7 @@ class Networks:
     hift: CausalHiFTGenerator
 
 
-WRAPPERS: dict[str, Callable[[Networks], nn.Module]] = {
+WRAPPERS: dict[str, Callable[[NetworkSource], nn.Module]] = {
     "llm": lambda n: LLMGraph(n.llm),
     "flow_encoder": lambda n: FlowEncoderGraph(n.flow),
     "flow_estimator_cached": lambda n: FlowEstimatorCachedGraph(n.flow.decoder.estimator),

@@ -22,7 +22,9 @@ torch fp32 wrapper with their spec's int8 bounds and gates.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,7 +36,7 @@ import onnx
 
 from cosyvoice_graphs import GraphSpec
 
-from .trace import ExportError, replace_graph
+from .trace import PARTIAL, ExportError, replace_graph
 
 INT8_REVISION = 1
 """Bump when the quantization changes (it forces int8 graphs to be exported again)."""
@@ -104,15 +106,21 @@ def _quantizer_class() -> Any:
     return MatMulNBitsQuantizer
 
 
-def quantize(model: onnx.ModelProto, graph: str) -> onnx.ModelProto:
-    """The fp32 `model` of `graph` (a key of `INT8_GRAPHS`) with its weight MatMuls in int8 by the graph's
-    scheme, except in its float32 scopes."""
+def quantize(path: Path, graph: str) -> onnx.ModelProto:
+    """The fp32 graph `graph` (a key of `INT8_GRAPHS`) at `path` with its weight MatMuls in int8 by the
+    graph's scheme, except in its float32 scopes."""
     if graph not in INT8_GRAPHS:
         raise Int8Error(f"{graph}: not exported in int8 (int8 graphs: {', '.join(INT8_GRAPHS)})")
     scheme = INT8_GRAPHS[graph]
+    model = onnx.load(str(path))
     kept = re.compile("|".join(scheme.fp32_scopes))
     excluded = [n.name for n in model.graph.node if kept.search(n.name)]
-    out = _nbits(model, excluded) if scheme.operator == NBITS else _dynamic(model, excluded)
+    if scheme.operator == NBITS:
+        out = _nbits(model, excluded)
+    else:
+        chosen = _dynamic_nodes(model, excluded)
+        del model  # onnxruntime's quantizer reads the graph from `path`: one copy of the weights, not three
+        out = _dynamic(path, chosen)
     if not any(n.op_type in QUANTIZED_OPS[scheme.operator] for n in out.graph.node):
         raise Int8Error(f"{graph}: no MatMul with a constant weight was quantized")
     return out
@@ -130,24 +138,42 @@ def _nbits(model: onnx.ModelProto, excluded: list[str]) -> onnx.ModelProto:
     return out
 
 
-def _dynamic(model: onnx.ModelProto, excluded: list[str]) -> onnx.ModelProto:
+def _dynamic_nodes(model: onnx.ModelProto, excluded: list[str]) -> list[str]:
+    """The MatMuls with a constant weight outside `excluded`: an allow-list, not an exclusion list, as the
+    quantizer rewrites Gemms as MatMuls under new names."""
+    weights = {t.name for t in model.graph.initializer}
+    return [n.name for n in model.graph.node
+            if n.op_type == "MatMul" and n.input[1] in weights and n.name not in excluded]
+
+
+def _dynamic(path: Path, chosen: list[str]) -> onnx.ModelProto:
     with _quiet_root_logger():
         from onnxruntime.quantization import QuantType, quantize_dynamic
-    weights = {t.name for t in model.graph.initializer}
-    # an allow-list, not an exclusion list: the quantizer rewrites Gemms as MatMuls under new names
-    chosen = [n.name for n in model.graph.node
-              if n.op_type == "MatMul" and n.input[1] in weights and n.name not in excluded]
-    with tempfile.TemporaryDirectory(prefix="int8-") as tmp, _quiet_root_logger():
-        path = Path(tmp) / "int8.onnx"
-        quantize_dynamic(model, path, op_types_to_quantize=["MatMul"], per_channel=True,
+    # the quantizer writes its shape-inferred copy beside its input: a temporary folder (beside `path`,
+    # named as any interrupted export's leftovers are) holds links to the graph and its data
+    with tempfile.TemporaryDirectory(prefix=f".{path.name}.int8-", suffix=PARTIAL, dir=path.parent) as tmp, \
+            _quiet_root_logger():
+        for file in (path, path.with_name(path.name + ".data")):
+            if file.exists():
+                _link(file, Path(tmp) / file.name)
+        out = Path(tmp) / "int8.onnx"
+        quantize_dynamic(Path(tmp) / path.name, out, op_types_to_quantize=["MatMul"], per_channel=True,
                          reduce_range=True, weight_type=QuantType.QInt8, nodes_to_quantize=chosen,
                          use_external_data_format=True)
-        return onnx.load(str(path))
+        return onnx.load(str(out))
+
+
+def _link(src: Path, dst: Path) -> None:
+    """A hard link, or a copy where the file system has none."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
 
 
 def write_int8(path: Path, s: GraphSpec) -> Path:
     """Replace the fp32 graph at `path` (and its external data) by its int8 quantization, checked and with
     the I/O `s` says, atomically; returns `path`."""
-    model = quantize(onnx.load(str(path)), s.name)
+    model = quantize(path, s.name)
     return replace_graph(path, model, s, {"precision": "int8", "int8_revision": str(INT8_REVISION),
                                           "int8_scheme": INT8_GRAPHS[s.name].describe()})

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from filelock import FileLock, Timeout
@@ -71,21 +71,22 @@ from ..bundle.errors import BundleError
 from ..bundle.layout import CAMPPLUS, LLM_CHECKPOINTS, QWEN_DIR, SPEECH_TOKENIZER, YAML
 from ..bundle.model_dir import ModelBundle
 from ..bundle.tokenizer_files import ENDOFPROMPT, TOKENIZER_FILES, load_cosyvoice3_tokenizer
+from ..config import ModelConfig
 from ..manifest import NETWORKS
-from ..memory import stage
+from ..memory import free_memory, stage
 from ..nets.flow import CausalMaskedDiffWithDiT
 from ..nets.hift import CausalHiFTGenerator, hift_layout
 from ..nets.llm import CosyVoice3LM
 from ..noise import noise_tables
 from .bf16 import BF16_REVISION, bf16_metadata, require_openvino
-from .decode_gates import SEQUENCES, validate_decode
+from .decode_gates import SEQUENCES, decode_figures, decode_reference
 from .dims import model_dims
 from .fp16 import FP16_REVISION, write_fp16
-from .graphs import WRAPPERS, Networks
+from .graphs import WRAPPERS
 from .int8 import INT8_REVISION, write_int8
 from .solve_gates import validate_solve
-from .trace import EXPORTER_VERSION, PARTIAL, export_graph, file_sha256
-from .validate import Figure, GraphValidation, ValidationError, validate_graph
+from .trace import EXPORTER_VERSION, PARTIAL, file_sha256, traced
+from .validate import Figure, GraphValidation, ValidationError, torch_reference, validate_against
 
 if TYPE_CHECKING:
     from .trt import TrtEnv
@@ -286,31 +287,72 @@ def _hash_sources(files: Mapping[str, Path], progress: bool) -> dict[str, FileEn
         return {n: FileEntry(p.stat().st_size, file_sha256(p, bar.update)) for n, p in files.items()}
 
 
+_Net = TypeVar("_Net", bound=nn.Module)
+
+
 class _Networks:
-    """The bundle's networks, each loaded on first use (a run that reuses every graph loads only the LLM,
-    for its tables)."""
+    """The bundle's networks (a `NetworkSource`), each loaded when first read, one task's at a time.
+
+    A task (the tables, a graph's export and validation) reads the networks it needs; reading one that is
+    not loaded first frees those the current task has not read, so that a full-size LLM and DiT are never
+    in memory together, and `release` frees them all (a graph's, once it is traced). A run that reuses
+    every graph loads only the LLM, for its tables.
+    """
 
     def __init__(self, bundle: ModelBundle) -> None:
         self.bundle = bundle
         self._loaded: dict[str, nn.Module] = {}
+        self._read: set[str] = set()
 
-    def get(self, name: str) -> nn.Module:
+    @property
+    def config(self) -> ModelConfig:
+        return self.bundle.config
+
+    @property
+    def llm(self) -> CosyVoice3LM:
+        return self._get("llm", CosyVoice3LM)
+
+    @property
+    def flow(self) -> CausalMaskedDiffWithDiT:
+        return self._get("flow", CausalMaskedDiffWithDiT)
+
+    @property
+    def hift(self) -> CausalHiFTGenerator:
+        return self._get("hift", CausalHiFTGenerator)
+
+    def next_task(self) -> None:
+        """Begin a task: the networks read so far are freed when it reads one that is not loaded (and what
+        the last task freed is returned to the system now)."""
+        self._read.clear()
+        free_memory()
+
+    def release(self) -> None:
+        """Free every loaded network (once nothing else refers to it); reading one loads it again."""
+        self._loaded.clear()
+        free_memory()
+
+    def loaded(self) -> dict[str, nn.Module]:
+        """The networks in memory, by name, in `NETWORKS` order."""
+        return {n: self._loaded[n] for n in NETWORKS if n in self._loaded}
+
+    def _get(self, name: str, kind: type[_Net]) -> _Net:
+        self._read.add(name)
         if name not in self._loaded:
+            for unread in set(self._loaded) - self._read:
+                del self._loaded[unread]
+            free_memory()  # the last task's modules, before the next network is read
             self._loaded[name] = self.bundle.load_network(name)
-        return self._loaded[name]
-
-    def all(self) -> Networks:
-        llm, flow, hift = (self.get(n) for n in ("llm", "flow", "hift"))
-        assert isinstance(llm, CosyVoice3LM) and isinstance(flow, CausalMaskedDiffWithDiT)
-        assert isinstance(hift, CausalHiFTGenerator)
-        return Networks(self.bundle.config, llm, flow, hift)
+        net = self._loaded[name]
+        assert isinstance(net, kind)
+        return net
 
 
 def _checkpoints_of(wrapper: nn.Module, nets: _Networks) -> list[str]:
-    """The checkpoints whose tensors `wrapper` holds (all of them if it holds copies we cannot trace)."""
+    """The checkpoints whose tensors `wrapper` holds (all of them if it holds copies we cannot trace). It was
+    built from loaded networks, and reading one loads it: the networks not loaded are not among them."""
     held = {t.data_ptr() for t in wrapper.state_dict().values() if t.numel()}
-    used = [n for n in NETWORKS if any(t.data_ptr() in held for t in nets.get(n).state_dict().values()
-                                       if t.numel())]
+    used = [n for n, net in nets.loaded().items()
+            if any(t.data_ptr() in held for t in net.state_dict().values() if t.numel())]
     return [nets.bundle.checkpoint_file(n) for n in (used or NETWORKS)]
 
 
@@ -374,10 +416,15 @@ def _reuse(out: Path, s: GraphSpec, source_sha: Mapping[str, FileEntry], precisi
 def _export(out: Path, s: GraphSpec, dims: ModelDims, nets: _Networks, source_sha: Mapping[str, FileEntry],
             bar: tqdm, precision: str) -> GraphResult:
     """Export and validate one graph (a reduced-precision graph: against its bounds for that precision,
-    and its decode or solve gates where the spec has them), then record it for later runs."""
+    and its decode or solve gates where the spec has them), then record it for later runs.
+
+    The torch side of the validation runs first and the networks are freed once the graph is traced, so
+    that neither the torch networks nor the ONNX graph's copies of their weights (the checker's, onnxslim's,
+    the writer's, onnxruntime's) are in memory beside each other; the solve gates load the flow again.
+    """
     (out / _record_rel(f"graph-{s.name}")).unlink(missing_ok=True)  # the record must never outlive its file
     _label(bar, s.name, "load networks")
-    wrapper = WRAPPERS[s.name](nets.all())
+    wrapper = WRAPPERS[s.name](nets)
     checkpoints = _checkpoints_of(wrapper, nets)
     sources = {n: source_sha[n].sha256 for n in (*CONFIG_SOURCES, *checkpoints)}
     meta = {"source_checkpoint": ",".join(checkpoints),
@@ -386,23 +433,33 @@ def _export(out: Path, s: GraphSpec, dims: ModelDims, nets: _Networks, source_sh
     conversion = CONVERSIONS.get(precision)
     if conversion is not None:
         meta |= conversion.metadata()
-    bar.set_postfix_str(f"{s.name}: export")  # export_graph begins its own stages
-    result = export_graph(wrapper, s, dims, out / graph_file(s.name), extra_metadata=meta)
+    _label(bar, s.name, "torch reference")
+    start = time.perf_counter()
+    reference = torch_reference(wrapper, s.at_precision(precision))
+    decoded = None
+    if precision in s.decode_gates:
+        decoded = decode_reference(wrapper, s, precision, SEQUENCES[s.name](nets))
+    reference_s = time.perf_counter() - start
+    bar.set_postfix_str(f"{s.name}: export")  # `traced` and `finish` begin their own stages
+    with traced(wrapper, s, out / graph_file(s.name)) as graph:
+        del wrapper
+        nets.release()
+        result = graph.finish(dims, extra_metadata=meta)
     paths = result.files
     if conversion is not None and conversion.rewrite is not None:
         _label(bar, s.name, precision)
         paths = (conversion.rewrite(result.path, s),)
     _label(bar, s.name, "validate")
     start = time.perf_counter()
-    validation = validate_graph(result.path, wrapper, s.at_precision(precision), precision=precision)
-    if precision in s.decode_gates:
+    validation = validate_against(result.path, reference, precision=precision)
+    if decoded is not None:
         _label(bar, s.name, "decode gates")
-        gates = validate_decode(result.path, wrapper, s, precision, SEQUENCES[s.name](nets.all()))
-        validation = replace(validation, gates=gates)
+        validation = replace(validation, gates=decode_figures(result.path, s, precision, decoded))
     if precision in s.solve_gates:
         _label(bar, s.name, "solve gates")
-        validation = replace(validation, gates=validate_solve(result.path, nets.all(), s, precision))
-    timings = {"export_s": round(result.seconds, 3), "validate_s": round(time.perf_counter() - start, 3)}
+        validation = replace(validation, gates=validate_solve(result.path, nets, s, precision))
+    timings = {"export_s": round(result.seconds, 3),
+               "validate_s": round(reference_s + time.perf_counter() - start, 3)}
     _label(bar, s.name, "record")
     files = {str(p.relative_to(out)): _file_entry(p) for p in reversed(paths)}
     _write_json(out, _record_rel(f"graph-{s.name}"), {
@@ -434,8 +491,7 @@ def _write_tables(out: Path, bundle: ModelBundle, nets: _Networks, dims: ModelDi
                   ) -> tuple[dict[str, TableEntry], dict[str, FileEntry]]:
     """The lookup tables and flow noise as float32 .npy files, and the MT19937 state that the sine noise
     table is drawn from (checked to redraw torch's table bit for bit)."""
-    llm = nets.get("llm")
-    assert isinstance(llm, CosyVoice3LM)
+    llm = nets.llm
     noise = noise_tables(bundle.config)
     full = {FLOW_NOISE: noise.flow_noise, SINE_NOISE: noise.sine_waves}  # (1, mel, F), (1, S, H)
     axis = {FLOW_NOISE: 2, SINE_NOISE: 1}  # the time axis of each table
@@ -642,13 +698,14 @@ def _assemble(bundle: ModelBundle, out: Path, force: bool, precision: str, trt_e
 
     results: list[GraphResult] = []
     with tqdm(total=len(specs) + 2, desc="runtime bundle", unit="step", disable=not progress) as bar:
+        with _step(bar, "tables"):  # first: the LLM they are read from is the first graph's network
+            tables, table_files = _write_tables(out, bundle, nets, dims)
         for s in specs.values():
             with _step(bar, f"{s.name}: reuse check"):
+                nets.next_task()
                 p = s.precision_in(precision)
                 reused = None if force else _reuse(out, s, source_sha, p)
                 results.append(reused or _export(out, s, dims, nets, source_sha, bar, p))
-        with _step(bar, "tables"):
-            tables, table_files = _write_tables(out, bundle, nets, dims)
         with _step(bar, "frontend, tokenizer"):
             copied = _copy_files(out, bundle, source_sha)
             prompt, prompt_files = _copy_prompt(out, bundle)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from cosyvoice_graphs import GraphSpec, empty_caches, time_sinusoid
 
 from ..nets.flow import CausalMaskedDiffWithDiT
-from .graphs import Networks
+from .graphs import NetworkSource
 from .trace import ExportError
 from .validate import Figure, GraphCall, cpu_graph, gate_figures
 
@@ -109,7 +109,7 @@ def solve(flow: CausalMaskedDiffWithDiT, inputs: SolveInputs) -> np.ndarray:
     return mel.numpy()
 
 
-def validate_solve(path: Path, nets: Networks, spec: GraphSpec, precision: str) -> tuple[Figure, ...]:
+def validate_solve(path: Path, nets: NetworkSource, spec: GraphSpec, precision: str) -> tuple[Figure, ...]:
     """The figure of each of `spec.solve_gates[precision]` for the ONNX graph at `path` (run as `cpu_graph`
     runs a `precision` graph) in the flow's solve against the torch float32 DiT. Failures are figures, not
     raised."""

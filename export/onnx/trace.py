@@ -13,7 +13,8 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import chdir, contextmanager
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -26,7 +27,7 @@ from torch import nn
 
 from cosyvoice_graphs import GraphSpec, ModelDims, TensorSpec, metadata
 
-from ..memory import stage
+from ..memory import free_memory, stage
 
 EXPORT_REVISION = 3
 """Bump when what is written for an unchanged spec changes (this module, a wrapper or a network's traced
@@ -42,6 +43,10 @@ PARTIAL = ".partial"
 """Suffix of every temporary name the exporters write; a later export removes leftovers of a killed one."""
 EXTERNAL_DATA_BYTES = 1_500_000_000
 """Graphs larger than this keep their weights in `<name>.onnx.data` (protobuf stops at 2 GiB)."""
+MOVED_WEIGHT_BYTES = 1 << 20
+"""Initializers of at least this size wait on disk, as external data, while onnxslim works on a graph."""
+WEIGHTS = "weights.bin"
+"""Where they wait, in the graph's staging folder."""
 
 ONNX_DTYPES: dict[str, int] = {
     "float32": onnx.TensorProto.FLOAT,
@@ -154,6 +159,86 @@ def _simplify(model: onnx.ModelProto, spec: GraphSpec) -> tuple[onnx.ModelProto,
     return slim, None
 
 
+def _simplify_light(light: onnx.ModelProto, spec: GraphSpec, folder: Path
+                    ) -> tuple[onnx.ModelProto, str | None]:
+    """`_simplify` of the graph whose large initializers `_move_weights_out` moved to `folder`, with its
+    weights back in (`_move_weights_in`).
+
+    onnxslim runs in `folder`, where onnx and onnxruntime find the moved bytes when it needs a tensor's
+    values. A moved tensor whose values it read, it writes back as `EXTERNAL` with no place, and reading
+    that one again fails, or fails quietly inside its constant folding: when that happened (the graph has
+    such a tensor, or onnxslim failed), the graph is simplified again with its weights in memory, which is
+    what onnxslim would have been given without them moved out.
+    """
+    with chdir(folder):
+        slim, error = _simplify(light, spec)
+    if error is None and all(_moved(t) or t.data_location != onnx.TensorProto.EXTERNAL
+                             for t in _tensors(slim.graph)):
+        _move_weights_in(slim, folder)
+        return slim, None
+    del slim
+    _move_weights_in(light, folder)
+    return _simplify(light, spec)
+
+
+def _moved(t: onnx.TensorProto) -> bool:
+    """`t` refers to its bytes in the file `_move_weights_out` wrote."""
+    return t.data_location == onnx.TensorProto.EXTERNAL and any(
+        e.key == "location" and e.value == WEIGHTS for e in t.external_data)
+
+
+def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor of `graph`: its initializers and its nodes' tensor attributes, subgraphs included."""
+    yield from graph.initializer
+    for node in graph.node:
+        for a in node.attribute:
+            if a.HasField("t"):
+                yield a.t
+            yield from a.tensors
+            for g in (*([a.g] if a.HasField("g") else []), *a.graphs):
+                yield from _tensors(g)
+
+
+def _move_weights_out(model: onnx.ModelProto, folder: Path) -> onnx.ModelProto:
+    """A copy of `model` whose initializers of at least `MOVED_WEIGHT_BYTES` keep their bytes in `folder /
+    WEIGHTS`, as ONNX external data. `model` is left without those bytes too; a protobuf's memory is freed
+    only with the whole message, so the caller drops it.
+
+    onnxslim copies the whole model several times (per pass, per shape inference); without its weights the
+    model is a few MB. Identical contents share one place in the file, so that onnxslim, which compares
+    constants field by field, finds equal exactly the tensors it would find equal by their bytes."""
+    places: dict[bytes, tuple[int, int]] = {}
+    with open(folder / WEIGHTS, "wb") as f:
+        for t in model.graph.initializer:
+            if len(t.raw_data) < MOVED_WEIGHT_BYTES or t.HasField("data_location") or t.external_data:
+                continue
+            key = hashlib.sha256(t.raw_data).digest()
+            if key not in places:
+                places[key] = (f.tell(), len(t.raw_data))
+                f.write(t.raw_data)
+            offset, length = places[key]
+            t.ClearField("raw_data")
+            t.data_location = onnx.TensorProto.EXTERNAL
+            for k, v in (("location", WEIGHTS), ("offset", str(offset)), ("length", str(length))):
+                entry = t.external_data.add()
+                entry.key, entry.value = k, v
+    return onnx.ModelProto.FromString(model.SerializeToString())
+
+
+def _move_weights_in(model: onnx.ModelProto, folder: Path) -> None:
+    """Put back into `model` the bytes `_move_weights_out` moved to `folder`: its tensors are then the ones
+    that went out, field for field."""
+    with open(folder / WEIGHTS, "rb") as f:
+        for t in _tensors(model.graph):
+            if not _moved(t):
+                continue
+            place = {e.key: e.value for e in t.external_data}
+            f.seek(int(place["offset"]))
+            t.raw_data = f.read(int(place["length"]))
+            t.ClearField("data_location")
+            del t.external_data[:]
+
+
 def _trace(wrapper: nn.Module, spec: GraphSpec, path: Path) -> None:
     feeds = spec.sample_inputs(spec.trace)
     with torch.no_grad(), warnings.catch_warnings():
@@ -178,29 +263,29 @@ def _save(model: onnx.ModelProto, path: Path) -> list[Path]:
     return [path]
 
 
-def export_graph(wrapper: nn.Module, spec: GraphSpec, dims: ModelDims, out: Path, *,
-                 extra_metadata: Mapping[str, object] | None = None) -> ExportResult:
-    """Export `wrapper` to `out` as the graph `spec` describes.
+@dataclass(frozen=True)
+class TracedGraph:
+    """A wrapper traced into a staging folder beside the graph's final path (see `traced`)."""
 
-    Traced with the legacy TorchScript exporter at `spec.trace`, then `onnx.checker`, onnxslim
-    (falling back to the plain graph if it fails), the I/O contract check and `metadata_props`
-    (`cosyvoice_graphs.metadata` plus `exporter_version` and `extra_metadata`). Written atomically:
-    into a temporary folder beside `out`, then renamed; on any error nothing is left behind.
-    """
-    start = time.perf_counter()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=PARTIAL, dir=out.parent))
-    try:
-        raw = tmp / "traced.onnx"
-        stage(f"{spec.name}: trace")
-        _trace(wrapper, spec, raw)
+    spec: GraphSpec
+    raw: Path
+    """The tracer's graph, in the staging folder."""
+    out: Path
+    started: float
+
+    def finish(self, dims: ModelDims, extra_metadata: Mapping[str, object] | None = None) -> ExportResult:
+        """Check, simplify, describe and write the traced graph to its final path (see `export_graph`)."""
+        spec, out, tmp = self.spec, self.out, self.raw.parent
         stage(f"{spec.name}: check")
-        onnx.checker.check_model(str(raw))  # by path: works for graphs past protobuf's 2 GiB too
-        model = onnx.load(str(raw))
+        onnx.checker.check_model(str(self.raw))  # by path: works for graphs past protobuf's 2 GiB too
+        model = onnx.load(str(self.raw))
         check_contract(model, spec)
         stage(f"{spec.name}: onnxslim")
-        model, simplify_error = _simplify(model, spec)
+        light = _move_weights_out(model, tmp)
+        del model
+        free_memory()
+        model, simplify_error = _simplify_light(light, spec, tmp)
+        del light
         stage(f"{spec.name}: save")
         _declare_spec_dims(model, spec)
         model.ir_version = min(model.ir_version, MAX_IR_VERSION)
@@ -211,6 +296,7 @@ def export_graph(wrapper: nn.Module, spec: GraphSpec, dims: ModelDims, out: Path
 
         staged = _save(model, tmp / out.name)
         del model
+        free_memory()
         onnx.checker.check_model(str(tmp / out.name))
         final = [out.parent / p.name for p in staged]
         for src, dst in zip(staged, final, strict=True):  # the graph last: it names its data file
@@ -218,10 +304,44 @@ def export_graph(wrapper: nn.Module, spec: GraphSpec, dims: ModelDims, out: Path
         stale_data = out.with_name(out.name + ".data")
         if stale_data not in final:
             stale_data.unlink(missing_ok=True)
+        return ExportResult(path=out, files=tuple(final), simplified=simplify_error is None,
+                            simplify_error=simplify_error, seconds=time.perf_counter() - self.started)
+
+
+@contextmanager
+def traced(wrapper: nn.Module, spec: GraphSpec, out: Path) -> Iterator[TracedGraph]:
+    """Trace `wrapper` as the graph `spec` describes into a temporary folder beside `out`, which is removed
+    when the block ends; `TracedGraph.finish` inside the block writes `out`.
+
+    Nothing here refers to `wrapper` once it is traced, so the block may free its networks before the
+    graph is checked, simplified and saved (each of which holds copies of the weights).
+    """
+    started = time.perf_counter()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=PARTIAL, dir=out.parent))
+    try:
+        raw = tmp / "traced.onnx"
+        stage(f"{spec.name}: trace")
+        _trace(wrapper, spec, raw)
+        del wrapper
+        yield TracedGraph(spec, raw, out, started)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return ExportResult(path=out, files=tuple(final), simplified=simplify_error is None,
-                        simplify_error=simplify_error, seconds=time.perf_counter() - start)
+
+
+def export_graph(wrapper: nn.Module, spec: GraphSpec, dims: ModelDims, out: Path, *,
+                 extra_metadata: Mapping[str, object] | None = None) -> ExportResult:
+    """Export `wrapper` to `out` as the graph `spec` describes.
+
+    Traced with the legacy TorchScript exporter at `spec.trace`, then `onnx.checker`, onnxslim (on the graph
+    with its large weights on disk; falling back to the plain graph if it fails), the I/O contract check and
+    `metadata_props`
+    (`cosyvoice_graphs.metadata` plus `exporter_version` and `extra_metadata`). Written atomically:
+    into a temporary folder beside `out`, then renamed; on any error nothing is left behind.
+    """
+    with traced(wrapper, spec, out) as graph:
+        return graph.finish(dims, extra_metadata)
 
 
 def replace_graph(path: Path, model: onnx.ModelProto, spec: GraphSpec, props: Mapping[str, str]) -> Path:

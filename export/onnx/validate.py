@@ -203,17 +203,41 @@ def validation_cases(spec: GraphSpec, extra_cases: Iterable[Case] = ()) -> list[
     return [*spec.validate, *extra_cases]
 
 
-def validate_graph(path: Path, wrapper: nn.Module, spec: GraphSpec, *, extra_cases: Sequence[Case] = (),
-                   precision: str = FP32.name) -> GraphValidation:
-    """Compare the ONNX graph at `path` (a `precision` graph, run as `cpu_graph` runs it) with `wrapper`
-    at every validation case. Tolerance failures are returned as figures, not raised: see
-    `GraphValidation.raise_for_failure`."""
+@dataclass(frozen=True)
+class TorchReference:
+    """The torch wrapper's outputs at every validation case of a spec (fed `spec.sample_inputs(case)`): the
+    torch half of `validate_graph`, which needs no graph, so that the wrapper's networks can be freed
+    before the graph is made."""
+
+    spec: GraphSpec
+    outputs: tuple[tuple[Case, dict[str, np.ndarray]], ...]
+
+
+def torch_reference(wrapper: nn.Module, spec: GraphSpec, *, extra_cases: Sequence[Case] = ()
+                    ) -> TorchReference:
+    """`wrapper`'s outputs at each of `validation_cases(spec, extra_cases)`."""
     cases = validation_cases(spec, extra_cases)
     if not cases:
         raise ExportError(f"{spec.name}: no validation cases; the spec must give shapes to validate at")
+    return TorchReference(spec, tuple((case, run_torch(wrapper, spec, spec.sample_inputs(case)))
+                                      for case in cases))
+
+
+def validate_against(path: Path, reference: TorchReference, *, precision: str = FP32.name) -> GraphValidation:
+    """Compare the ONNX graph at `path` (a `precision` graph, run as `cpu_graph` runs it) with the torch
+    `reference` at each of its cases, with the reference spec's tolerances. Tolerance failures are returned
+    as figures, not raised: see `GraphValidation.raise_for_failure`."""
+    spec = reference.spec
     run, provider = cpu_graph(path, spec, precision)
     figures: list[Figure] = []
-    for case in cases:
-        feeds = spec.sample_inputs(case)
-        figures += compare_outputs(spec, case, run(feeds), run_torch(wrapper, spec, feeds))
+    for case, want in reference.outputs:
+        figures += compare_outputs(spec, case, run(spec.sample_inputs(case)), want)
     return GraphValidation(spec.name, provider, "torch", tuple(figures))
+
+
+def validate_graph(path: Path, wrapper: nn.Module, spec: GraphSpec, *, extra_cases: Sequence[Case] = (),
+                   precision: str = FP32.name) -> GraphValidation:
+    """Compare the ONNX graph at `path` (a `precision` graph, run as `cpu_graph` runs it) with `wrapper`
+    at every validation case (`torch_reference`, then `validate_against`)."""
+    reference = torch_reference(wrapper, spec, extra_cases=extra_cases)
+    return validate_against(path, reference, precision=precision)
