@@ -114,8 +114,13 @@ def ray_options(command: F) -> F:
                                  target_ongoing, max_ongoing, replica_cpus, replica_gpus)
         except ValueError as e:
             raise click.UsageError(f"--replicas, --min-replicas, --max-replicas: {e}") from None
-        wanted = use_ray or ray_address is not None
-        return command(*args, ray=RayOptions(ray_address, scale, speaker_store) if wanted else None, **kwargs)
+        if not (use_ray or ray_address is not None):
+            if scale != ScaleOptions() or speaker_store != "folder":
+                raise click.UsageError("--replicas, --min-replicas, --max-replicas, --target-ongoing, "
+                                       "--max-ongoing, --replica-cpus, --replica-gpus and --speaker-store "
+                                       "need --ray")
+            return command(*args, ray=None, **kwargs)
+        return command(*args, ray=RayOptions(ray_address, scale, speaker_store), **kwargs)
 
     for option in reversed(options):
         wrapper = option(wrapper)

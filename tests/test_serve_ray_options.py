@@ -40,6 +40,8 @@ def test_the_scale_options_are_ray_serves_deployment_options() -> None:
      "replicas (5) must be from min_replicas (1) to max_replicas (3)"),
     (["--ray", "--replicas", "0"], "replicas must be at least 1 without autoscaling"),
     (["--ray-address", "auto", "--grpc"], "--ray serves HTTP only"),
+    (["--replicas", "2"], "--speaker-store need --ray"),
+    (["--speaker-store", "actor"], "--speaker-store need --ray"),
 ])
 def test_refused_combinations_say_why_before_anything_starts(args: list[str], message: str) -> None:
     done = CliRunner().invoke(serve_cli.serve, args)
