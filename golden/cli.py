@@ -21,6 +21,7 @@ from tqdm import tqdm
 from cosyvoice_graphs import PRECISION_NAMES
 from cosyvoice_graphs.bundle_layout import MANIFEST
 from cosyvoice_runtime.errors import USER_ERRORS
+from cosyvoice_runtime.extras import install_command
 from cosyvoice_runtime.runners import PROVIDERS, open_runner
 
 from .cases import CASES_FILE, DEMO, Cases, GoldenCase, load_cases
@@ -228,7 +229,7 @@ def update(cases_file: Path, case_names: tuple[str, ...], graph_names: tuple[str
             from .reference import demo_model, open_pipeline
             from .update import record_case, record_graph
         except ImportError as e:
-            raise GoldenError(f"update needs the export extra (pip install 'cosyvoice-onnx[export]'): "
+            raise GoldenError(f"update needs the export extra ({install_command('export')}): "
                               f"{e.name} is not installed") from None
         cases = load_cases(cases_file)
         selected, graphs = _select(cases, case_names, graph_names)

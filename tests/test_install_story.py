@@ -117,6 +117,27 @@ def test_the_hints_never_add_a_second_onnxruntime(monkeypatch: pytest.MonkeyPatc
     assert extras.gpu_install_command().startswith("pip uninstall -y onnxruntime onnxruntime-gpu && pip ")
 
 
+def test_golden_update_without_torch_names_the_extras_command() -> None:
+    done = run_script("cosyvoice-golden", "update", unimportable=("torch",))
+    assert one_line(done) == (f"error: update needs the export extra ({extras.install_command('export')}): "
+                              "torch is not installed")
+
+
+@pytest.mark.torch
+def test_the_exporters_trt_hint_replaces_a_cpu_onnxruntime(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--trt` on a CUDA machine without TensorRT names the install that leaves one onnxruntime."""
+    from cosyvoice_export.onnx import trt
+
+    monkeypatch.setattr(trt, "cuda_device_name", lambda: "A GPU")
+    monkeypatch.setitem(sys.modules, "polygraphy", None)
+    monkeypatch.setattr(extras, "installed", lambda name: name == extras.CPU_ONNXRUNTIME)
+    with pytest.raises(trt.TrtUnavailable) as raised:
+        trt.require_trt()
+    assert str(raised.value) == ("--trt needs TensorRT and polygraphy (pip uninstall -y onnxruntime "
+                                 "onnxruntime-gpu && pip install 'cosyvoice-onnx[export-gpu]'); "
+                                 "polygraphy is not installed")
+
+
 def test_only_the_extras_modules_are_taken_for_a_missing_extra() -> None:
     line = extras.missing_extra_line
     assert line("s", ModuleNotFoundError(name="google"), ("serve",)) is not None  # protobuf's namespace

@@ -19,6 +19,7 @@ import numpy as np
 
 from cosyvoice_graphs import GraphSpec
 from cosyvoice_runtime.cuda_device import cuda_device_name
+from cosyvoice_runtime.extras import gpu_install_command
 
 from .trace import PARTIAL, file_sha256
 from .validate import CPU, GraphValidation, compare_outputs, ort_session, run_ort, validation_cases
@@ -78,7 +79,7 @@ def require_trt() -> TrtEnv:
         import polygraphy  # noqa: F401
         import tensorrt
     except ImportError as e:
-        raise TrtUnavailable(f"--trt needs TensorRT and polygraphy (pip install 'cosyvoice-onnx[gpu]'); "
+        raise TrtUnavailable(f"--trt needs TensorRT and polygraphy ({gpu_install_command()}); "
                              f"{e.name} is not installed") from None
     return TrtEnv(gpu_name=gpu, trt_version=str(tensorrt.__version__))
 
