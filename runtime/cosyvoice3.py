@@ -12,7 +12,9 @@ where upstream yields tensors, so a user of upstream's `example.py` changes one 
 Speakers that `add_zero_shot_spk` adds live in this object until `save_spkinfo` writes them to a
 speaker registry folder (`cosyvoice_runtime.speakers`; by default the one `cosyvoice-serve` and
 `cosyvoice-export speakers` use), from which a later `CosyVoice3` reads them, as upstream keeps them in
-`spk2info.pt` beside the model.
+`spk2info.pt` beside the model. Adding a speaker also queues its prompt's flow prefix (what a stream's
+first chunk would otherwise compute first) as a background job that yields to every synthesis in flight
+(`prefix_jobs`, `cosyvoice_runtime.prefix_jobs`), so that its first stream starts as fast as its second.
 
 The lower level, which `cosyvoice-run`, the server, the golden runner and the benchmark use: `segments`
 (the text as upstream normalises, splits and formats it), `prompt_features` (a prompt recording's
@@ -45,6 +47,7 @@ from .frontend import (
     read_prompt_audio,
 )
 from .frontend.audio import MIN_SAMPLE_RATE
+from .prefix_jobs import PrefixJobs
 from .runners import CPU
 from .sampling import Sampling
 from .segments import Segment, segments
@@ -93,6 +96,8 @@ class CosyVoice3:
         self._campplus = open_session(self.bundle.frontend_path("campplus"))
         self._speech_tokenizer = open_session(self.bundle.frontend_path("speech_tokenizer"))
         self.synth = Synthesizer(self.bundle, provider, threads=threads, flow_prefix_bytes=flow_prefix_bytes)
+        self.prefix_jobs = PrefixJobs(self.synth.flow, self.synth.live)
+        """Speakers' flow prefixes computed in the background (a thread started by the first job)."""
         self._speakers_dir = speakers_dir
         self._added: dict[str, Speaker] = {}
         """Speakers `add_zero_shot_spk` added and `save_spkinfo` has not written yet."""
@@ -137,15 +142,28 @@ class CosyVoice3:
         return self._inference(Mode.INSTRUCT2, tts_text, speaker or prompt_wav, stream, speed, text_frontend,
                                instruct=instruct_text, first_chunk_tokens=first_chunk_tokens)
 
-    def add_zero_shot_spk(self, prompt_text: str, prompt_wav: PromptWav, zero_shot_spk_id: str) -> bool:
+    def add_zero_shot_spk(self, prompt_text: str, prompt_wav: PromptWav, zero_shot_spk_id: str, *,
+                          precompute: bool = True) -> bool:
         """Keep `prompt_wav`'s features and transcript as speaker `zero_shot_spk_id` (in this object until
         `save_spkinfo`) for the `zero_shot_spk_id` argument of the inference methods, replacing one of
-        that name. Returns True, as upstream does."""
+        that name. `precompute` (ours): queue the speaker's flow prefix as a background job
+        (`prefix_jobs`; `wait_prefixes` waits for it), which never delays a synthesis in flight. Returns
+        True, as upstream does."""
         if not zero_shot_spk_id:
             raise UserError("zero_shot_spk_id is empty")
         name = check_name(zero_shot_spk_id)
-        self._added[name] = Speaker(name, prompt_text, self.prompt_features(prompt_wav), created="")
+        features = self.prompt_features(prompt_wav)
+        self._added[name] = Speaker(name, prompt_text, features, created="")
+        if precompute:
+            self.prefix_jobs.submit(name, features)
+        else:
+            self.prefix_jobs.cancel(name)  # a replaced speaker's job and prefix
         return True
+
+    def wait_prefixes(self, timeout: float | None = None) -> bool:
+        """Block until no speaker's flow prefix is queued or being computed (`prefix_jobs`); False if
+        `timeout` seconds passed first. Syntheses in flight delay the jobs."""
+        return self.prefix_jobs.wait(timeout)
 
     def save_spkinfo(self) -> None:
         """Write the speakers added since the last save to the speaker registry folder, where a later
@@ -215,7 +233,8 @@ class CosyVoice3:
             raise UserError(str(e)) from None
 
     def close(self) -> None:
-        """Release the graphs."""
+        """Cancel the prefix jobs and release the graphs."""
+        self.prefix_jobs.close()
         self.synth.close()
 
     def __enter__(self) -> Self:

@@ -6,7 +6,8 @@ look-ahead) never attend forward under the block-causal mask, and their noise, `
 speaker embedding come from the prompt alone; so at every ODE step their keys, values, conv context
 and velocities depend on the prompt only. `Flow.prefix` computes them once (`FlowPrefix`); every
 stream from that prompt starts its first chunk after them. A first chunk then runs its new frames
-only: for the benchmark's 4.5 s prompt, 100 frames instead of 300.
+only: for the benchmark's 4.5 s prompt, 100 frames instead of 300. A registered speaker's prefix is
+computed ahead, in the background (`prefix_jobs`), so that even its first stream finds it kept.
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ class FlowPrefixCache:
         with self._lock:
             return sum(p.nbytes for p in self._entries.values())
 
+    def __contains__(self, key: str) -> bool:
+        """Whether the prefix of the prompt whose `prompt_key` is `key` is kept (counts neither way)."""
+        with self._lock:
+            return key in self._entries
+
     def get(self, prompt: PromptFeatures, compute: Callable[[], FlowPrefix]) -> FlowPrefix:
         """The prefix of `prompt`: cached, or `compute()`d and kept if it fits the budget."""
         key = prompt_key(prompt)
@@ -83,16 +89,29 @@ class FlowPrefixCache:
                 return self._entries[key]
             self.misses += 1
         prefix = compute()
+        self.put(key, prefix)
+        return prefix
+
+    def put(self, key: str, prefix: FlowPrefix) -> bool:
+        """Keep `prefix` as that of the prompt whose `prompt_key` is `key`, the least recently used
+        dropped past the budget; False if it alone exceeds the budget (not kept)."""
         for step in prefix.caches:
             for a in step.values():
                 a.setflags(write=False)  # shared by every stream from this prompt
-        if prefix.nbytes <= self.max_bytes:
-            with self._lock:
-                self._entries[key] = prefix
-                held = sum(p.nbytes for p in self._entries.values())
-                while held > self.max_bytes:
-                    held -= self._entries.popitem(last=False)[1].nbytes
-        return prefix
+        if prefix.nbytes > self.max_bytes:
+            return False
+        with self._lock:
+            self._entries[key] = prefix
+            self._entries.move_to_end(key)
+            held = sum(p.nbytes for p in self._entries.values())
+            while held > self.max_bytes:
+                held -= self._entries.popitem(last=False)[1].nbytes
+        return True
+
+    def discard(self, key: str) -> None:
+        """Drop the prefix of the prompt whose `prompt_key` is `key`, if kept."""
+        with self._lock:
+            self._entries.pop(key, None)
 
     def clear(self) -> None:
         """Drop every prefix (the counters stay)."""

@@ -35,6 +35,7 @@ from .errors import SynthesisError
 from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from .frontend import PromptFeatures
 from .llm import LlmRequest, SpeechTokenLM
+from .prefix_jobs import LiveWork
 from .runners import CPU, Runner, open_runner
 from .sampling import Sampler
 from .token2wav import Flow, FlowStream, Vocoder, VocoderStream, change_speed
@@ -246,6 +247,9 @@ class Synthesizer:
                          prefix_cache_bytes=flow_prefix_bytes)
         self.vocoder = Vocoder(r["hift_f0"], r["hift_decoder"], bundle.uniform_noise(SINE_NOISE), self.dims,
                                bundle.manifest.model.hift)
+        self.live = LiveWork()
+        """Streams and offline syntheses in flight, held from their first step to their end: background work
+        (`PrefixJobs`) waits while there are any."""
 
     @property
     def runners(self) -> Mapping[str, Runner]:
@@ -302,10 +306,11 @@ class Synthesizer:
                           ) -> Synthesis:
         """Offline synthesis of the speech ids from `tokens` (a decoding in progress, drained first and
         timed as the LLM's, or a fixed list)."""
-        start = time.perf_counter()
-        ids = [int(t) for t in tokens]
-        llm_s = time.perf_counter() - start
-        mel, audio, timings = self.token2wav(ids, prompt, speed=speed)
+        with self.live.held():
+            start = time.perf_counter()
+            ids = [int(t) for t in tokens]
+            llm_s = time.perf_counter() - start
+            mel, audio, timings = self.token2wav(ids, prompt, speed=speed)
         return Synthesis(ids, mel, audio, self.sample_rate, {"llm": llm_s, **timings})
 
     # --- streaming -------------------------------------------------------------------------------------
@@ -381,23 +386,24 @@ class _Stream:
         self.start = time.perf_counter()
 
     def run(self, source: Iterator[int]) -> Iterator[AudioChunk]:
-        hops = self.policy.hops(self.prompt.speech_tokens.shape[1])
-        hop = next(hops)
-        llm_s = 0.0
-        while True:
-            before = time.perf_counter()
-            token = next(source, None)
-            llm_s += time.perf_counter() - before
-            if token is None:
-                break
-            self.tokens.append(token)
-            if len(self.tokens) - self.offset >= hop + self.policy.lookahead:
-                yield self._chunk(self.tokens[: self.offset + hop + self.policy.lookahead], hop, llm_s,
-                                  final=False)
-                hop, llm_s = next(hops), 0.0
-        if not self.tokens:
-            raise SynthesisError("the LLM produced no speech tokens; nothing to vocode")
-        yield self._chunk(self.tokens, len(self.tokens) - self.offset, llm_s, final=True)
+        with self.synth.live.held():  # from the first step to the end, however the stream ends
+            hops = self.policy.hops(self.prompt.speech_tokens.shape[1])
+            hop = next(hops)
+            llm_s = 0.0
+            while True:
+                before = time.perf_counter()
+                token = next(source, None)
+                llm_s += time.perf_counter() - before
+                if token is None:
+                    break
+                self.tokens.append(token)
+                if len(self.tokens) - self.offset >= hop + self.policy.lookahead:
+                    yield self._chunk(self.tokens[: self.offset + hop + self.policy.lookahead], hop, llm_s,
+                                      final=False)
+                    hop, llm_s = next(hops), 0.0
+            if not self.tokens:
+                raise SynthesisError("the LLM produced no speech tokens; nothing to vocode")
+            yield self._chunk(self.tokens, len(self.tokens) - self.offset, llm_s, final=True)
 
     def _mid_block(self, end: int) -> bool:
         """Whether a non-final chunk ending after `end` generated tokens cuts a DiT block (only a first

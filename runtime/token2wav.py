@@ -188,16 +188,30 @@ class Flow:
         readable = self.dims.token_mel_ratio * (prompt_tokens - self.dims.pre_lookahead_len)
         return max(0, readable // block * block)
 
+    def prefix_nbytes(self, prompt_tokens: int) -> int:
+        """Memory the `prefix` of a prompt of `prompt_tokens` tokens holds (`FlowPrefix.nbytes`), known
+        before computing it: every cache input's shape with `prefix_frames` on its symbolic dim."""
+        frames = self.prefix_frames(prompt_tokens)
+        shapes = {t.name: t for t in self.estimator.spec.inputs}
+        step = sum(math.prod(frames if isinstance(d, str) else d for d in shapes[past].shape)
+                   * np.dtype(shapes[past].np_dtype).itemsize for past, _ in cache_pairs(self.estimator.spec))
+        return step * (len(self.t_span) - 1)
+
     def prefix(self, prompt: PromptFeatures) -> FlowPrefix:
         """The caches after `prompt`'s `prefix_frames`, from `prefixes` or computed (and kept there)."""
-        return self.prefixes.get(prompt, lambda: self._compute_prefix(prompt))
+        return self.prefixes.get(prompt, lambda: self.compute_prefix(prompt))
 
-    def _compute_prefix(self, prompt: PromptFeatures) -> FlowPrefix:
+    def compute_prefix(self, prompt: PromptFeatures, *, pause: Callable[[], None] | None = None
+                       ) -> FlowPrefix:
+        """The caches after `prompt`'s `prefix_frames`, computed (not looked up nor kept). `pause` is
+        called before every graph call: a background job waits there, or raises to stop."""
         stream = self.stream(prompt)
         frames = self.prefix_frames(prompt.speech_tokens.shape[1])
         if frames:
+            if pause is not None:
+                pause()
             mu, spks = self.encode(prompt.speech_tokens[0], 0, prompt, finalize=False)  # (1, 80, >= frames)
-            stream.advance(mu[:, :, :frames], spks, block_frames=self.dims.dit_block_frames)
+            stream.advance(mu[:, :, :frames], spks, block_frames=self.dims.dit_block_frames, pause=pause)
         return FlowPrefix(frames, tuple(stream.caches))
 
     def tokens_with_prompt(self, tokens: Sequence[int] | np.ndarray, prompt: PromptFeatures, *,
@@ -339,9 +353,11 @@ class FlowStream:
         self.tokens, self.finished = covered, finalize
         return x[:, :, emitted - first:]
 
-    def advance(self, mu: np.ndarray, spks: np.ndarray, *, block_frames: int) -> np.ndarray:
+    def advance(self, mu: np.ndarray, spks: np.ndarray, *, block_frames: int,
+                pause: Callable[[], None] | None = None) -> np.ndarray:
         """Solve the ODE over the next frames (their `mu` (1, 80, n), `spks` (1, 80)) against the caches,
-        which then cover them too: x (1, 80, n). `block_frames` is the mask's block (counted from frame 0)."""
+        which then cover them too: x (1, 80, n). `block_frames` is the mask's block (counted from frame 0);
+        `pause` is called before every graph call (`Flow.compute_prefix`)."""
         flow, first = self.flow, self.frames
         end = first + mu.shape[2]
         feeds = {"offset": np.array([first], dtype=np.int64),
@@ -350,6 +366,8 @@ class FlowStream:
         pairs = cache_pairs(flow.estimator.spec)
 
         def velocity(step: int, x: np.ndarray, sinusoid: np.ndarray) -> np.ndarray:
+            if pause is not None:
+                pause()
             out = flow.estimator.infer({"x": x, "time_sinusoid": sinusoid, **feeds, **self.caches[step]})
             self.caches[step] = self._windowed({past: out[present] for past, present in pairs})
             return out["velocity"]

@@ -36,20 +36,25 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, speakers:
                ) -> FastAPI:
     """An app serving `engine` (which the caller opens and closes; several apps may share one).
 
-    Speakers are `speakers`, else those of `settings.speakers_dir`; the session workers stop with the
-    app. With `settings.api_key`, every request but `/health` and the page must carry the key
-    (`serve/auth.py`).
+    Speakers are `speakers`, else those of `settings.speakers_dir`; their flow prefixes are queued as
+    background jobs (`cosyvoice_runtime.prefix_jobs`) in name order while they fit the prefix cache's
+    budget. The session workers stop with the app. With `settings.api_key`, every request but `/health`
+    and the page must carry the key (`serve/auth.py`).
     Bodies are bounded by `settings.max_body_bytes`; `settings.cors_origins` lets those origins' pages call
     the API; `settings.docs` serves FastAPI's /docs and /redoc.
     """
     settings = settings or ServerSettings()
     sessions = SessionQueue(settings.max_concurrency, settings.queue_depth, settings.timeout)
     metrics = ServerMetrics(running=lambda: sessions.running, waiting=lambda: sessions.waiting,
-                            prefixes=engine.synth.flow.prefixes)
+                            prefixes=engine.synth.flow.prefixes, prefix_jobs=engine.voice.prefix_jobs)
     if speakers is None:
         registry = SpeakerRegistry(settings.speakers_dir, engine.frontend_fingerprint)
         registry.tidy()  # the server writes the folder
         speakers = registry
+    # so that the first stream of each registered speaker is fast too; in the background, yielding to
+    # sessions, and only as many as the prefix cache keeps (the rest compute theirs on first use)
+    engine.voice.prefix_jobs.submit_within_budget(
+        (name, speaker.features) for name in speakers.names() if (speaker := speakers.get(name)) is not None)
     state = ServerState(engine, settings, sessions, speakers, metrics)
 
     @asynccontextmanager

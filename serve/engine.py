@@ -1,19 +1,20 @@
 """The model side of the server: one `CosyVoice3` shared by every session, its errors as the API's.
 
-Why one `CosyVoice3` (its `Synthesizer`) may serve concurrent sessions: every graph call goes through
-an `OrtRunner`, whose `infer` checks the feeds and calls `InferenceSession.run`, which onnxruntime
-documents as thread-safe, or an `OpenVinoRunner` (the `openvino` provider, and bf16 graphs), which
-shares its compiled model and gives each thread an infer request of its own, as OpenVINO requires. The
-Python objects around the runners keep no per-call state: `SpeechTokenLM.decode` returns a `Decoding`
-that owns its KV cache and history, `Synthesizer.stream_tokens` keeps an utterance's state (its mel,
-flow and vocoder streams) in a `_Stream` of its own, `Flow` and `Vocoder` only read their tables, and
-the per-prompt flow prefixes (`FlowPrefixCache`, read-only arrays) and the lazily drawn sine-noise table
-(`UniformNoise`) take a lock. A test runs two sessions at once and gets `cosyvoice-run`'s samples from
-both. The one exception is TensorRT: a `TrtRunner` reuses one execution context and its device buffers
-per call, so the server offers the onnxruntime providers and OpenVINO (`cpu`, `cuda`, `tensorrt`,
-`openvino`). The text front end is used under a lock: the wetext grammars load on first use and their
-thread-safety is not documented; it is cheap next to synthesis. Prompt extraction uses two onnxruntime
-sessions of its own, safe the same way, and reads an upload from memory.
+Why one `CosyVoice3` (its `Synthesizer`) may serve concurrent sessions: every graph call goes through an
+`OrtRunner`, whose `infer` checks the feeds and calls `InferenceSession.run`, which onnxruntime documents
+as thread-safe, or an `OpenVinoRunner` (the `openvino` provider, and bf16 graphs), which shares its
+compiled model and gives each thread an infer request of its own, as OpenVINO requires. The Python objects
+around the runners keep no per-call state: `SpeechTokenLM.decode` returns a `Decoding` that owns its KV
+cache and history, `Synthesizer.stream_tokens` keeps an utterance's state (its mel, flow and vocoder
+streams) in a `_Stream` of its own, `Flow` and `Vocoder` only read their tables, and the per-prompt flow
+prefixes (`FlowPrefixCache`, read-only arrays) and the lazily drawn sine-noise table (`UniformNoise`) take
+a lock. The registered speakers' prefixes are computed by `CosyVoice3.prefix_jobs` on a thread of its own,
+one graph call at a time, none while any session synthesises. A test runs two sessions at once and gets
+`cosyvoice-run`'s samples from both. The one exception is TensorRT: a `TrtRunner` reuses one execution
+context and its device buffers per call, so the server offers the onnxruntime providers and OpenVINO
+(`cpu`, `cuda`, `tensorrt`, `openvino`). The text front end is used under a lock: the wetext grammars load
+on first use and their thread-safety is not documented; it is cheap next to synthesis. Prompt extraction
+uses two onnxruntime sessions of its own, safe the same way, and reads an upload from memory.
 """
 
 from __future__ import annotations

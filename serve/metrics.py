@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from cosyvoice_runtime.flow_prefix import FlowPrefixCache
+from cosyvoice_runtime.prefix_jobs import JobState, PrefixJobs
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -107,10 +108,10 @@ class Histogram:
 class ServerMetrics:
     """The server's metrics: the bridge's five, first-chunk latency, the queue and session outcomes."""
 
-    def __init__(self, running: Callable[[], float], waiting: Callable[[], float], prefixes: FlowPrefixCache
-                 ) -> None:
+    def __init__(self, running: Callable[[], float], waiting: Callable[[], float], prefixes: FlowPrefixCache,
+                 prefix_jobs: PrefixJobs) -> None:
         """`running` and `waiting` read the session queue's current counts; `prefixes` is the engine's
-        per-prompt flow cache."""
+        per-prompt flow cache and `prefix_jobs` the background jobs that fill it for speakers."""
         self.requests_total = Counter("tts_requests_total", "Synthesis requests received.")
         self.requests_success = Counter("tts_requests_success", "Synthesis requests answered with audio.")
         self.requests_error = Counter("tts_requests_error", "Synthesis requests answered with an error "
@@ -135,7 +136,15 @@ class ServerMetrics:
             CountReading("tts_flow_prefix_cache_hits", "Streams that started from a kept flow prefix.",
                          lambda: prefixes.hits),
             CountReading("tts_flow_prefix_cache_misses", "Streams that computed their prompt's flow prefix.",
-                         lambda: prefixes.misses)]
+                         lambda: prefixes.misses),
+            Gauge("tts_flow_prefix_jobs_pending", "Speakers' flow prefixes queued or being computed in the "
+                  "background.", lambda: prefix_jobs.pending),
+            *(_job_count(prefix_jobs, state, help) for state, help in (
+                (JobState.QUEUED, "Speakers' flow prefixes queued for the background."),
+                (JobState.DONE, "Background flow prefixes computed and kept."),
+                (JobState.CACHED, "Background flow prefixes that a stream computed first."),
+                (JobState.CANCELLED, "Background flow prefixes cancelled (speaker deleted or replaced)."),
+                (JobState.FAILED, "Background flow prefixes that failed or did not fit the cache.")))]
         self._all: list[Counter | Gauge | Histogram] = [
             self.requests_total, self.requests_success, self.requests_error, self.requests_rejected,
             self.sessions_cancelled, self.synthesis_seconds, self.rtf, self.first_chunk_seconds,
@@ -144,3 +153,8 @@ class ServerMetrics:
     def render(self) -> str:
         """Every metric in the text exposition format."""
         return "\n".join(line for metric in self._all for line in metric.render()) + "\n"
+
+
+def _job_count(jobs: PrefixJobs, state: JobState, help: str) -> CountReading:
+    """The count of prefix jobs submitted (`QUEUED`) or finished in `state`."""
+    return CountReading(f"tts_flow_prefix_jobs_{state.value}", help, lambda: jobs.counts[state])

@@ -1,6 +1,8 @@
 """Speaker registration: `GET /speakers` (names, as the bridge), `POST /speakers`, `GET`/`DELETE
 /speakers/{name}`. A registered speaker's prompt features are computed once and kept on disk
-(`SpeakerRegistry`); `/v1/audio/speech` uses them by name."""
+(`SpeakerRegistry`); `/v1/audio/speech` uses them by name. Registering also queues the speaker's flow
+prefix as a background job that yields to every session in flight (`cosyvoice_runtime.prefix_jobs`), so its
+first stream starts as fast as its second; deleting or replacing it cancels that job."""
 
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ async def register_speaker(request: Request, state: State,
                            prompt_text: Annotated[str, Form(description="Transcript of prompt_wav.")],
                            prompt_wav: Annotated[UploadFile, File(description="The speaker's recording.")]
                            ) -> dict[str, Any]:
-    """Register (or replace) a speaker: its recording's features are computed now and kept on disk."""
+    """Register (or replace) a speaker: its recording's features are computed now and kept on disk, its
+    flow prefix in the background."""
     if not name.strip():
         raise EmptyField("name")
     try:
@@ -42,6 +45,7 @@ async def register_speaker(request: Request, state: State,
     upload = await read_upload(prompt_wav, "prompt_wav")
     features = await first_item(state, request, submit(state, lambda _: [state.engine.extract(upload)]))
     speaker = await run_in_threadpool(state.speakers.add, name, prompt_text, features)
+    state.engine.voice.prefix_jobs.submit(speaker.name, features)
     return speaker.describe()
 
 
@@ -56,7 +60,8 @@ async def get_speaker(name: str, state: State) -> dict[str, Any]:
 
 @router.delete("/speakers/{name}", status_code=204)
 async def delete_speaker(name: str, state: State) -> Response:
-    """Forget a speaker (its features file too)."""
+    """Forget a speaker (its features file too, and its flow prefix)."""
     if not await run_in_threadpool(state.speakers.remove, name):
         raise FieldError("name", f"unknown speaker {name!r}", status=404)
+    state.engine.voice.prefix_jobs.cancel(name)
     return Response(status_code=204)

@@ -1,0 +1,244 @@
+"""Speakers' flow prefixes computed in the background (`cosyvoice_runtime.prefix_jobs`) on the demo bundle:
+the prefix appears without a stream and gives the lazily computed one's samples, the first stream then skips
+the prefix's frames, deletion and replacement cancel, live streams go first, a stream needing a paused
+job's prefix computes it itself, and the server's routes queue and cancel the jobs."""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from cosyvoice_runtime import CosyVoice3
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.flow_prefix import prompt_key
+from cosyvoice_runtime.prefix_jobs import JobState, PrefixJob, PrefixJobs
+from cosyvoice_runtime.runners import Runner
+
+PROMPT_WAV = DEMO_BUNDLE / "asset" / "zero_shot_prompt.wav"
+TRANSCRIPT = (DEMO_BUNDLE / "asset" / "zero_shot_prompt.txt").read_text(encoding="utf-8").strip()
+TEXT = "Hello there. How are you?"
+WAIT = 120.0
+"""Seconds a test waits for a background job before failing (never a measure of order)."""
+JOBS_THREAD = "flow-prefix-jobs"
+
+
+@pytest.fixture
+def voice(tmp_path: Path) -> Iterator[CosyVoice3]:
+    """A fresh runtime object per test (its own cache, jobs and thread), one intra-op thread."""
+    with CosyVoice3(DEMO_BUNDLE, threads=1, sampling="greedy", speakers_dir=tmp_path / "speakers") as v:
+        yield v
+
+
+def _shorter_prompt() -> tuple[np.ndarray, int]:
+    """Another prompt: the demo prompt's first 80 %, a different `prompt_key` with a prefix of its own."""
+    samples, rate = sf.read(PROMPT_WAV, dtype="float32")
+    return samples[: len(samples) * 4 // 5], int(rate)
+
+
+def _record(runner: Runner, name: str, events: list[tuple[str, str, int]], monkeypatch: pytest.MonkeyPatch
+            ) -> None:
+    """Append (thread, graph, offset) to `events` at every call of `runner` (offset: the first new frame)."""
+    run = runner.infer_outputs
+
+    def infer_outputs(feeds: Mapping[str, Any], names: Sequence[str]) -> dict[str, np.ndarray]:
+        offset = int(np.asarray(feeds["offset"])[0]) if "offset" in feeds else 0
+        events.append((threading.current_thread().name, name, offset))
+        return run(feeds, names)
+
+    monkeypatch.setattr(runner, "infer_outputs", infer_outputs)
+
+
+def _graph_events(voice: CosyVoice3, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, int]]:
+    events: list[tuple[str, str, int]] = []
+    _record(voice.synth.flow.encoder, "flow_encoder", events, monkeypatch)
+    _record(voice.synth.flow.estimator, "flow_estimator_cached", events, monkeypatch)
+    return events
+
+
+def _stream(voice: CosyVoice3, speaker: str) -> list[np.ndarray]:
+    return [o["tts_speech"][0] for o in voice.inference_zero_shot(TEXT, "", None, zero_shot_spk_id=speaker,
+                                                                  stream=True)]
+
+
+def _until(jobs: PrefixJobs, check: Any) -> None:
+    """Wait (on the jobs' condition, notified at every change) until `check()`."""
+    with jobs.live.cond:
+        assert jobs.live.cond.wait_for(check, WAIT), "the background job did not get there"
+
+
+def _job(jobs: PrefixJobs, name: str) -> PrefixJob:
+    """The queued or running job of speaker `name` (submitting what is queued returns that job)."""
+    key = jobs._names[name]
+    with jobs.live.cond:
+        job = jobs._queue.get(key) or jobs._running
+    assert job is not None and job.key == key
+    return job
+
+
+def test_a_registered_speakers_prefix_is_computed_without_a_stream(voice: CosyVoice3,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    cache, jobs = voice.synth.flow.prefixes, voice.prefix_jobs
+    assert voice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "alice") is True
+    assert voice.wait_prefixes(WAIT)
+    features = voice._added["alice"].features
+    key = prompt_key(features)
+    assert key in cache and (cache.hits, cache.misses) == (0, 0)
+    assert jobs.counts[JobState.QUEUED] == jobs.counts[JobState.DONE] == 1 and jobs.pending == 0
+    prefix = cache.get(features, lambda: pytest.fail("computed again"))
+    assert prefix.frames == voice.synth.flow.prefix_frames(features.speech_tokens.shape[1]) > 0
+    assert prefix.nbytes == voice.synth.flow.prefix_nbytes(features.speech_tokens.shape[1])
+    assert voice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "alice") is True  # the same again: kept
+    assert voice.wait_prefixes(WAIT) and jobs.counts[JobState.QUEUED] == 1 and key in cache
+
+    # the first stream starts after the prefix: no graph call runs over its frames
+    events = _graph_events(voice, monkeypatch)
+    precomputed = _stream(voice, "alice")
+    assert (cache.hits, cache.misses) == (2, 0)
+    first_cached = [offset for _, graph, offset in events if graph == "flow_estimator_cached"][0]
+    assert first_cached == prefix.frames
+
+    # the same samples as a stream that computes the prefix itself
+    again = voice.synth.flow.compute_prefix(features)
+    for got, want in zip(prefix.caches, again.caches, strict=True):
+        assert all(np.array_equal(got[name], want[name]) for name in want)
+    cache.clear()
+    lazy = _stream(voice, "alice")
+    assert cache.misses == 1
+    assert len(lazy) == len(precomputed) > 1
+    assert all(np.array_equal(a, b) for a, b in zip(lazy, precomputed, strict=True))
+
+
+def test_deleting_or_replacing_a_speaker_cancels_its_job(voice: CosyVoice3) -> None:
+    cache, jobs, live = voice.synth.flow.prefixes, voice.prefix_jobs, voice.synth.live
+    with live.held():  # a synthesis in flight: the jobs wait before their first graph call
+        voice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "bob")
+        job = _job(jobs, "bob")
+        _until(jobs, lambda: job.waits >= 1)
+        assert (job.state, job.graph_calls) == (JobState.RUNNING, 0)
+        assert jobs.cancel("bob") and job.state is JobState.CANCELLED
+        assert not jobs.cancel("bob")  # cancelled already
+
+        voice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "carol")
+        first = _job(jobs, "carol")
+        voice.add_zero_shot_spk(TRANSCRIPT, _shorter_prompt(), "carol")  # replaced before it ran
+        second = _job(jobs, "carol")
+        assert first.key != second.key
+        assert first.state is JobState.CANCELLED and second.state in (JobState.QUEUED, JobState.RUNNING)
+    assert voice.wait_prefixes(WAIT)
+    assert second.state is JobState.DONE
+    assert job.key not in cache and first.key not in cache and second.key in cache
+    assert job.graph_calls == first.graph_calls == 0
+    assert jobs.counts[JobState.CANCELLED] == 2 and jobs.counts[JobState.DONE] == 1
+
+    jobs.cancel("carol")  # deleted after its job finished: its prefix goes too
+    assert second.key not in cache and len(cache) == 0
+
+
+def test_a_live_stream_goes_first(voice: CosyVoice3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job queued while a stream is in flight makes no graph call until the stream has ended."""
+    voice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "dave", precompute=False)
+    events = _graph_events(voice, monkeypatch)
+    chunks = voice.inference_zero_shot(TEXT, "", None, zero_shot_spk_id="dave", stream=True)
+    next(chunks)  # the stream is in flight
+    voice.add_zero_shot_spk(TRANSCRIPT, _shorter_prompt(), "erin")
+    job = _job(voice.prefix_jobs, "erin")
+    _until(voice.prefix_jobs, lambda: job.waits >= 1)
+    stream_calls = len(events)
+    list(chunks)  # the rest of the stream
+    assert len(events) > stream_calls  # the stream kept calling graphs while the job waited
+    assert voice.wait_prefixes(WAIT) and job.state is JobState.DONE and job.graph_calls > 0
+    threads = [thread for thread, _, _ in events]
+    assert JOBS_THREAD in threads and threads.index(JOBS_THREAD) == len(threads) - job.graph_calls
+    assert set(threads[threads.index(JOBS_THREAD):]) == {JOBS_THREAD}  # after every call of the stream
+
+
+def test_a_stream_needing_a_paused_jobs_prefix_computes_it_and_the_job_stops(voice: CosyVoice3) -> None:
+    cache, jobs, live = voice.synth.flow.prefixes, voice.prefix_jobs, voice.synth.live
+    with live.held():
+        voice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "frank")
+        job = _job(jobs, "frank")
+        _until(jobs, lambda: job.waits >= 1)
+        _stream(voice, "frank")  # does not wait for the job, which waits for it
+        assert cache.misses == 1 and job.key in cache and job.state is JobState.RUNNING
+    assert voice.wait_prefixes(WAIT)
+    assert (job.state, job.graph_calls) == (JobState.CACHED, 0)
+    assert jobs.counts[JobState.CACHED] == 1
+
+
+def test_a_prefix_beyond_the_cache_budget_is_not_queued(tmp_path: Path) -> None:
+    with CosyVoice3(DEMO_BUNDLE, threads=1, speakers_dir=tmp_path, flow_prefix_bytes=0) as voice:
+        voice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "gina")
+        assert voice.prefix_jobs.counts[JobState.QUEUED] == 0 and voice.wait_prefixes(0)
+
+
+def test_close_cancels_a_waiting_job(tmp_path: Path) -> None:
+    voice = CosyVoice3(RuntimeBundle.open(DEMO_BUNDLE), threads=1, speakers_dir=tmp_path)
+    with voice.synth.live.held():
+        voice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "hana")
+        job = _job(voice.prefix_jobs, "hana")
+        voice.close()  # returns although live work never ended: the job stops at its wait
+    assert job.state is JobState.CANCELLED and job.graph_calls == 0
+
+
+# --- the server --------------------------------------------------------------------------------------
+
+
+def _metric(client: Any, name: str) -> float:
+    line = next(line for line in client.get("/metrics").text.splitlines() if line.startswith(name + " "))
+    return float(line.split()[1])
+
+
+def test_the_server_queues_a_registered_speakers_prefix_and_cancels_it_on_delete(tmp_path: Path) -> None:
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    pytest.importorskip("httpx", reason="httpx, the test client's transport, is not installed")
+    from fastapi.testclient import TestClient
+
+    from cosyvoice_serve import Engine, ServerSettings, create_app
+
+    wav, shorter = PROMPT_WAV.read_bytes(), io.BytesIO()
+    sf.write(shorter, *_shorter_prompt(), format="WAV")
+    settings = ServerSettings(speakers_dir=tmp_path / "speakers", sampling="greedy")
+
+    def register(client: TestClient, name: str, audio: bytes) -> None:
+        added = client.post("/speakers", data={"name": name, "prompt_text": TRANSCRIPT},
+                            files={"prompt_wav": ("prompt.wav", audio, "audio/wav")})
+        assert added.status_code == 201, added.text
+
+    engine = Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle", threads=1)
+    try:
+        cache, jobs = engine.synth.flow.prefixes, engine.voice.prefix_jobs
+        with TestClient(create_app(engine, settings)) as client:
+            register(client, "alice", wav)
+            assert engine.voice.wait_prefixes(WAIT) and len(cache) == 1 and cache.misses == 0
+            assert _metric(client, "tts_flow_prefix_jobs_done") == 1
+            with engine.synth.live.held():  # a session in flight: the job waits
+                register(client, "bob", shorter.getvalue())
+                bob = _job(jobs, "bob")
+                _until(jobs, lambda: bob.waits >= 1)
+                assert client.delete("/speakers/bob").status_code == 204
+                assert bob.state is JobState.CANCELLED
+            assert engine.voice.wait_prefixes(WAIT) and bob.key not in cache and bob.graph_calls == 0
+            assert _metric(client, "tts_flow_prefix_jobs_cancelled") == 1
+            assert _metric(client, "tts_flow_prefix_jobs_pending") == 0
+            streamed = client.post("/inference_zero_shot",
+                                   data={"tts_text": "Hi.", "prompt_text": TRANSCRIPT},
+                                   files={"prompt_wav": ("prompt.wav", wav, "audio/wav")})
+            assert streamed.status_code == 200 and (cache.hits, cache.misses) == (1, 0)  # alice's prompt
+    finally:
+        engine.close()
+    restarted = Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle", threads=1)
+    try:
+        with TestClient(create_app(restarted, settings)):  # alice's prefix is queued at start
+            assert restarted.voice.wait_prefixes(WAIT)
+            assert restarted.voice.prefix_jobs.counts[JobState.DONE] == 1
+            assert len(restarted.synth.flow.prefixes) == 1
+    finally:
+        restarted.close()
