@@ -21,12 +21,15 @@ from .atomic_files import check_writable, write_json_atomic, write_wav_atomic
 from .bundle import RuntimeBundle
 from .bundle_source import MODEL_DIR_ENV, choose_bundle, choose_prompt
 from .cosyvoice3 import CosyVoice3
+from .demo import DEMO_BUNDLE
 from .errors import USER_ERRORS, UserError
 from .frontend import PromptFeatures, read_prompt_audio
 from .runners import CPU, PROVIDERS
+from .runners.ort_settings import TUNING_FILE, read_tuning
 from .sampling import SAMPLINGS
 from .segments import MAX_TEXT_CHARS, Segment
 from .synthesis import ChunkPolicy, Mode
+from .tuning import tune
 
 
 @contextmanager
@@ -89,10 +92,14 @@ def _read_text(text: str, stdin: IO[str]) -> str:
               help="Print the bundle's summary (where it is, format version, model dims, sample rate, each "
                    "graph's precision, the LLM checkpoint, TensorRT plans) and exit; needs no --text or "
                    "--out.")
+@click.option("--tune", is_flag=True,
+              help=f"Time onnxruntime's optimisation levels and thread counts per graph on this machine "
+                   f"(minutes for a full-size bundle), write the fastest into the bundle's {TUNING_FILE}, "
+                   f"which later runs use, and exit; needs no --text or --out.")
 def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_text: str | None, mode: str,
          instruct: str, sampling: str, seed: int, speed: float, stream: bool, first_chunk_tokens: int | None,
          provider: str, tokens_out: Path | None, chunks_out: Path | None, verify: bool, out: Path | None,
-         info: bool) -> None:
+         info: bool, tune: bool) -> None:
     """Synthesise TEXT in the voice of --prompt-wav with a CosyVoice3 runtime bundle (no torch).
 
     Prints which bundle and prompt it uses, shows progress, and ends with the RTF (and the first
@@ -100,6 +107,9 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
     """
     if info:
         _print_info(model, verify)
+        return
+    if tune:
+        _tune(model, verify)
         return
     if text is None or out is None:
         raise click.UsageError(f"Missing option '{'--text' if text is None else '--out'}'.")
@@ -158,6 +168,23 @@ def _print_info(model: Path | None, verify: bool) -> None:
         bundle = RuntimeBundle.open(choice.path, verify=verify)
     for line in bundle.summary():
         click.echo(line)
+
+
+def _tune(model: Path | None, verify: bool) -> None:
+    """--tune: measure and write the chosen bundle's tuning file, a line per graph as it is chosen."""
+    with _user_errors():
+        choice = choose_bundle(model)
+        if choice.path == DEMO_BUNDLE:  # it lives in the installed package
+            raise UserError(f"--tune needs --model or ${MODEL_DIR_ENV}; the embedded demo bundle is not "
+                            "tuned")
+        if choice.default:
+            click.echo(f"model: {choice.origin}", err=True)
+        bundle = RuntimeBundle.open(choice.path, verify=verify)
+        path = tune(bundle, on_result=lambda graph, s, seconds: click.echo(
+            f"{graph}: {s.optimization}, {s.threads} thread(s): {seconds * 1e3:.1f} ms", err=True))
+    for graph, setting in read_tuning(bundle.root).items():
+        click.echo(f"{graph}: {setting.optimization}, {setting.threads} thread(s)")
+    click.echo(f"wrote {path}")
 
 
 @dataclass

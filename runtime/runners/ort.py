@@ -15,15 +15,11 @@ from cosyvoice_graphs.providers import CPU, CUDA, TENSORRT
 from ..errors import ProviderError, RuntimeBundleError
 from ..extras import gpu_install_command
 from .base import Feed, RunnerBase
+from .ort_settings import FALLBACK, OPTIMIZATION, settings_for
 
 ORT_PROVIDERS = {CPU: "CPUExecutionProvider", CUDA: "CUDAExecutionProvider",
                  TENSORRT: "TensorrtExecutionProvider"}
 """The providers onnxruntime runs -> its execution provider."""
-OPTIMIZATION = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-                "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-                "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-                "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
-"""onnxruntime graph optimisation levels by name."""
 
 
 class OrtRunner(RunnerBase):
@@ -32,10 +28,16 @@ class OrtRunner(RunnerBase):
     `session`, `device_type` and `device_id` are there for IOBinding (tensors kept on the device)."""
 
     def __init__(self, path: Path | str, spec: GraphSpec, provider: str = CPU, *, threads: int | None = None,
-                 optimization: str = "all", device_id: int = 0) -> None:
-        """`threads`: intra-op threads (None: onnxruntime's default); `optimization`: a key of
-        `OPTIMIZATION`; `device_id`: the CUDA device for "cuda" and "tensorrt"."""
+                 optimization: str | None = None, device_id: int = 0) -> None:
+        """`threads`: intra-op threads; `optimization`: a key of `OPTIMIZATION`; either, when None, is
+        the graph's setting (CPU only) in its bundle's tuning file, else in `DEFAULT_SETTINGS`, else
+        `FALLBACK` (`ort_settings`). `device_id`: the CUDA device for "cuda" and "tensorrt"."""
         super().__init__(spec)
+        if optimization is None or threads is None:
+            # the table and the tuning file are CPU measurements; GPU sessions keep onnxruntime's defaults
+            chosen = settings_for(Path(path), spec.name) if provider == CPU else FALLBACK
+            optimization = chosen.optimization if optimization is None else optimization
+            threads = chosen.threads if threads is None else threads
         if provider not in ORT_PROVIDERS:
             raise ValueError(f"unknown onnxruntime provider {provider!r}; known: {', '.join(ORT_PROVIDERS)}")
         if optimization not in OPTIMIZATION:

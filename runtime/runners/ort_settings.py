@@ -1,0 +1,130 @@
+"""onnxruntime session settings per graph: the measured defaults, and the tuning file that
+`cosyvoice-run --tune` writes beside a bundle's manifest after measuring on the user's machine.
+
+A setting comes from, first to last: what the caller passes (`OrtRunner(optimization=, threads=)`), the
+bundle's tuning file, `DEFAULT_SETTINGS`. The tuning file is refused, in one line, when it is damaged or was
+measured for other graph files, another CPU or another onnxruntime: a stale choice would be silently slower.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnxruntime as ort
+
+from cosyvoice_graphs.bundle_layout import GRAPHS_DIR, MANIFEST
+
+from ..errors import RuntimeBundleError
+
+TUNING_FILE = "ort_tuning.json"
+"""The tuning file's name, beside the bundle's manifest."""
+TUNING_FORMAT = "cosyvoice3-ort-tuning"
+TUNING_VERSION = 1
+OPTIMIZATION = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+                "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+"""onnxruntime graph optimisation levels by name, least to most rewriting."""
+
+
+@dataclass(frozen=True)
+class OrtSettings:
+    """How a graph's onnxruntime session is made."""
+
+    optimization: str
+    """A graph optimisation level, a key of `OPTIMIZATION`."""
+    threads: int | None = None
+    """Intra-op threads; None: onnxruntime's default (one per core)."""
+
+
+DEFAULT_SETTINGS: dict[str, OrtSettings] = {
+    "llm": OrtSettings("all"),
+    "flow_encoder": OrtSettings("all"),
+    "flow_estimator_cached": OrtSettings("all"),
+    "hift_f0": OrtSettings("all"),
+    "hift_decoder": OrtSettings("all"),
+}
+"""Per graph, what the runtime uses without a tuning file. Measured on a Zen 4 EPYC (AVX-512, VNNI,
+2 cores), every level A/B in one process, fp32 and int8 bundles: docs/performance-log.md, "Per-graph
+onnxruntime settings"."""
+FALLBACK = OrtSettings("all")
+"""For a graph the table does not name."""
+
+
+def machine() -> dict[str, Any]:
+    """What a tuning is valid for: the CPU model, the CPUs this process may use and onnxruntime's version."""
+    return {"cpu": _cpu_model(), "usable_cpus": usable_cpus(), "onnxruntime": ort.__version__}
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def settings_for(graph_path: Path, graph: str) -> OrtSettings:
+    """The settings of `graph`, whose file is `graph_path`: its bundle's tuning file's when there is one
+    (`graph_path` in the bundle's graphs folder), else `DEFAULT_SETTINGS`'."""
+    graph_path = Path(graph_path)
+    if graph_path.parent.name == GRAPHS_DIR:
+        tuned = read_tuning(graph_path.parent.parent).get(graph)
+        if tuned is not None:
+            return tuned
+    return DEFAULT_SETTINGS.get(graph, FALLBACK)
+
+
+def graph_files(root: Path) -> dict[str, dict[str, Any]]:
+    """Graph name -> its manifest file entry ({"size", "sha256"}), read from `root`'s manifest: what a
+    tuning was measured on."""
+    manifest = json.loads((root / MANIFEST).read_text())
+    files = manifest["files"]
+    return {name: files[entry["file"]] for name, entry in manifest["graphs"].items()}
+
+
+def read_tuning(root: Path) -> dict[str, OrtSettings]:
+    """Graph -> tuned settings from `root/ort_tuning.json` ({} without one). Raises `RuntimeBundleError`
+    (one line) for a damaged file, or one measured for other graph files, another CPU or onnxruntime."""
+    path = root / TUNING_FILE
+    if not path.is_file():
+        return {}
+    retune = f"run cosyvoice-run --model {root} --tune again, or delete it"
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") != TUNING_FORMAT or data.get("version") != TUNING_VERSION:
+            raise ValueError(f"format {data.get('format')!r} v{data.get('version')}, expected "
+                             f"{TUNING_FORMAT!r} v{TUNING_VERSION}")
+        tuned = {name: OrtSettings(g["optimization"], g["threads"]) for name, g in data["graphs"].items()}
+        for name, s in tuned.items():
+            if s.optimization not in OPTIMIZATION or not (s.threads is None or (isinstance(s.threads, int)
+                                                                          and s.threads > 0)):
+                raise ValueError(f"{name}: {s.optimization!r} with {s.threads!r} threads")
+        recorded = {name: g["file"] for name, g in data["graphs"].items()}
+        here, there = machine(), data["machine"]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
+        raise RuntimeBundleError(f"{path}: not a valid tuning file ({e}); {retune}") from None
+    if there != here:
+        changed = ", ".join(f"{k} {there.get(k)!r} -> {v!r}" for k, v in here.items() if there.get(k) != v)
+        raise RuntimeBundleError(f"{path}: measured on another machine ({changed}); {retune}")
+    files = graph_files(root)
+    stale = [name for name, entry in recorded.items() if files.get(name) != entry]
+    if stale:
+        raise RuntimeBundleError(f"{path}: measured on other graph files than the manifest's "
+                                 f"({', '.join(stale)}); {retune}")
+    return tuned

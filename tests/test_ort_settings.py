@@ -1,0 +1,139 @@
+"""Per-graph onnxruntime settings: the default table and a bundle's tuning file, as the runner's sessions
+see them; the tuning file written by `cosyvoice-run --tune`, and refused when damaged or stale."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from cosyvoice_graphs.bundle_layout import MANIFEST
+from cosyvoice_runtime import tuning
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
+from cosyvoice_runtime.cli import main
+from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.errors import RuntimeBundleError
+from cosyvoice_runtime.runners import OPTIMIZATION, OrtRunner, Runner, open_runner
+from cosyvoice_runtime.runners.ort_settings import (
+    DEFAULT_SETTINGS,
+    TUNING_FILE,
+    TUNING_FORMAT,
+    TUNING_VERSION,
+    graph_files,
+    machine,
+    read_tuning,
+)
+
+LEVEL_NAMES = {level: name for name, level in OPTIMIZATION.items()}
+
+
+@pytest.fixture
+def copy(runtime_bundle: Path, tmp_path: Path) -> Path:
+    """The tiny runtime bundle as links to its files, with a copied manifest, in a folder a test may write."""
+    for path in runtime_bundle.rglob("*"):
+        if path.is_file():
+            (tmp_path / path.relative_to(runtime_bundle)).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / path.relative_to(runtime_bundle)).symlink_to(path)
+    (tmp_path / MANIFEST).unlink()
+    shutil.copy(runtime_bundle / MANIFEST, tmp_path / MANIFEST)
+    return tmp_path
+
+
+def session_settings(runner: Runner) -> tuple[str, int]:
+    """The optimisation level and intra-op threads the runner's session was made with."""
+    assert isinstance(runner, OrtRunner)
+    options = runner.session.get_session_options()
+    return LEVEL_NAMES[options.graph_optimization_level], options.intra_op_num_threads
+
+
+def write_tuning(root: Path, graphs: dict[str, tuple[str, int]], **changes: Any) -> None:
+    files = graph_files(root)
+    data = {"format": TUNING_FORMAT, "version": TUNING_VERSION, "machine": machine(),
+            "graphs": {g: {"optimization": level, "threads": n, "file": files[g]}
+                       for g, (level, n) in graphs.items()}}
+    (root / TUNING_FILE).write_text(json.dumps(data | changes))
+
+
+def test_every_graph_has_a_measured_default(runtime_bundle: Path) -> None:
+    bundle = RuntimeBundle.open(runtime_bundle)
+    assert set(DEFAULT_SETTINGS) == set(bundle.specs)
+    for graph in bundle.specs:
+        with open_runner(bundle, graph) as runner:
+            assert session_settings(runner)[0] == DEFAULT_SETTINGS[graph].optimization, graph
+
+
+def test_tuning_file_is_applied_and_explicit_arguments_win(copy: Path) -> None:
+    write_tuning(copy, {"hift_f0": ("basic", 1), "flow_encoder": ("disable", 2)})
+    bundle = RuntimeBundle.open(copy)
+    with open_runner(bundle, "hift_f0") as f0, open_runner(bundle, "flow_encoder") as encoder:
+        assert session_settings(f0) == ("basic", 1)
+        assert session_settings(encoder) == ("disable", 2)
+    with open_runner(bundle, "hift_decoder") as decoder:  # not in the file: the table's
+        assert session_settings(decoder)[0] == DEFAULT_SETTINGS["hift_decoder"].optimization
+    spec = bundle.specs["hift_f0"]
+    with OrtRunner(bundle.graph_path("hift_f0"), spec, threads=2, optimization="extended") as given:
+        assert session_settings(given) == ("extended", 2)
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ("damaged", "not a valid tuning file"),
+    ("level", "not a valid tuning file .*'fastest'"),
+    ("cpu", "measured on another machine .*cpu 'Other CPU'"),
+    ("graph", r"measured on other graph files than the manifest's \(hift_f0\)"),
+])
+def test_bad_or_stale_tuning_file_is_refused_in_one_line(copy: Path, change: str, match: str) -> None:
+    write_tuning(copy, {"hift_f0": ("basic", 1)})
+    path = copy / TUNING_FILE
+    data = json.loads(path.read_text())
+    if change == "damaged":
+        path.write_text(path.read_text()[:-5])
+    elif change == "level":
+        data["graphs"]["hift_f0"]["optimization"] = "fastest"
+        path.write_text(json.dumps(data))
+    elif change == "cpu":
+        data["machine"]["cpu"] = "Other CPU"
+        path.write_text(json.dumps(data))
+    else:  # the graph re-exported since the tuning
+        data["graphs"]["hift_f0"]["file"]["sha256"] = "0" * 64
+        path.write_text(json.dumps(data))
+    bundle = RuntimeBundle.open(copy)
+    with pytest.raises(RuntimeBundleError, match=match) as info:
+        open_runner(bundle, "hift_f0")
+    assert "\n" not in str(info.value) and "--tune again, or delete it" in str(info.value)
+
+
+def test_cli_tune_writes_a_file_the_runner_uses(copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tuning, "usable_cpus", lambda: 1)  # one thread count: a shorter test
+    result = CliRunner().invoke(main, ["--model", str(copy), "--tune", "--no-verify"])
+    assert result.exit_code == 0, result.output
+    tuned = read_tuning(copy)
+    bundle = RuntimeBundle.open(copy)
+    assert set(tuned) == set(bundle.specs)
+    data = json.loads((copy / TUNING_FILE).read_text())
+    for graph, setting in tuned.items():
+        assert setting.threads == 1 and setting.optimization in OPTIMIZATION
+        assert set(data["graphs"][graph]["seconds"]) == {f"{level}/1" for level in OPTIMIZATION}
+        assert f"{graph}: {setting.optimization}, 1 thread(s)" in result.stdout
+        with open_runner(bundle, graph) as runner:
+            assert session_settings(runner) == (setting.optimization, 1)
+
+
+def test_thread_counts() -> None:
+    assert tuning.thread_counts(1) == (1,)
+    assert tuning.thread_counts(2) == (1, 2)
+    assert tuning.thread_counts(12) == (1, 2, 4, 8, 12)
+
+
+
+def test_cli_tune_refuses_the_embedded_demo_bundle(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(MODEL_DIR_ENV, raising=False)
+    result = CliRunner().invoke(main, ["--tune"])
+    assert result.exit_code == 2
+    assert result.output.strip() == (f"error: --tune needs --model or ${MODEL_DIR_ENV}; the embedded demo "
+                                     "bundle is not tuned")
+    assert not (DEMO_BUNDLE / TUNING_FILE).exists()
