@@ -3,7 +3,8 @@
 - LLM decode: every weight of the `llm` graph is read once per token, plus the KV cache so far; the
   bound is those bytes / measured memory bandwidth.
 - DiT: the FLOPs of one `flow_estimator_cached` call with nothing cached (one ODE step, both CFG
-  rows) at a frame count, full attention; the bound is those FLOPs / measured matmul GFLOP/s.
+  rows) at a frame count, full attention; the bound is those FLOPs / measured matmul GFLOP/s: float32
+  `MatMul`'s, and for an int8 DiT the int8 rate for the blocks' weight matmuls (the rest stays float32).
 - HiFT: the FLOPs of the vocoder's convolutions over the generated mel frames, at the same measured
   matmul GFLOP/s (onnxruntime runs a convolution as im2col + the same GEMM); its elementwise work (the
   Snake activations' sines) comes on top.
@@ -15,30 +16,39 @@ read with the exporter's torch-free yaml reader, so the counts are those of the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from cosyvoice_export.bundle.yaml_config import model_config_from_yaml
 from cosyvoice_export.config import DiTConfig, HiFTConfig, Qwen2Config
+from cosyvoice_graphs.precision import FP32, INT8, Precision
 from cosyvoice_runtime.bundle import RuntimeBundle
+
+from .backend import Figures
+from .machine import Rates
+
+LLM, DIT, HIFT = "llm", "flow_estimator_cached", "hift_decoder"
+"""The graphs the three bounds are of."""
 
 
 @dataclass(frozen=True)
 class ModelShapes:
-    """The shapes the bounds are counted from."""
+    """The shapes the bounds are counted from, and the precision each bounded graph runs at."""
 
     qwen: Qwen2Config
     dit: DiTConfig
     hift: HiFTConfig
     speech_vocab: int
-    llm_weight_dtype_bytes: int
+    llm_precision: Precision
+    dit_precision: Precision
+    hift_precision: Precision
 
     @classmethod
     def of(cls, bundle: RuntimeBundle) -> ModelShapes:
-        """Read from `bundle`'s model yaml and Qwen config."""
+        """Read from `bundle`'s model yaml, Qwen config and manifest."""
         config = model_config_from_yaml(bundle.root / bundle.manifest.config,
                                         bundle.tokenizer_dir / "config.json")
-        # int8: its scales and float32 output head (2% of the full-size llm's weights) are not counted
         return cls(config.llm.qwen, config.flow.dit, config.hift, bundle.dims.speech_vocab,
-                   bundle.graph_precision("llm").weight_bytes)
+                   bundle.graph_precision(LLM), bundle.graph_precision(DIT), bundle.graph_precision(HIFT))
 
 
 def llm_weight_count(qwen: Qwen2Config, speech_vocab: int) -> int:
@@ -52,12 +62,14 @@ def llm_weight_count(qwen: Qwen2Config, speech_vocab: int) -> int:
     return qwen.num_hidden_layers * layer + d + d * speech_vocab
 
 
-def llm_bytes_per_token(shapes: ModelShapes, past_len: float) -> float:
-    """Bytes a decode step reads at a cache of `past_len` positions: all weights plus keys and values
-    (float32) of every layer."""
+def llm_bytes_per_token(shapes: ModelShapes, past_len: float, precision: Precision | None = None) -> float:
+    """Bytes a decode step reads at a cache of `past_len` positions: all weights at `precision`'s bytes
+    per weight (default: the llm graph's; int8 and int4: their scales and float32 output head, 2% of the
+    full-size llm's weights, are not counted) plus keys and values (float32) of every layer."""
     q = shapes.qwen
     kv_bytes = 2 * q.num_hidden_layers * q.num_key_value_heads * q.head_dim * past_len * 4
-    return llm_weight_count(q, shapes.speech_vocab) * shapes.llm_weight_dtype_bytes + kv_bytes
+    weight_bytes = (precision or shapes.llm_precision).weight_bytes
+    return llm_weight_count(q, shapes.speech_vocab) * weight_bytes + kv_bytes
 
 
 def dit_flops_per_step(dit: DiTConfig, frames: int, batch: int = 2) -> int:
@@ -77,6 +89,32 @@ def dit_flops_per_step(dit: DiTConfig, frames: int, batch: int = 2) -> int:
     macs += d * 2 * d + t * d * dit.out_channels  # final modulation, output projection
     macs += dit.time_embed_dim * d + d * d  # time embedding MLP
     return 2 * batch * macs
+
+
+def dit_int8_flops_per_step(dit: DiTConfig, frames: int, batch: int = 2) -> int:
+    """Of `dit_flops_per_step`: the blocks' weight matmuls (q, k, v, out and the feed-forward), which an int8
+    DiT multiplies in int8. Attention's activation matmuls, the convolutions, the input and output
+    projections, the time embedding and the AdaLN modulation stay float32 (the exporter's int8 scheme)."""
+    t, d, inner, ff = frames, dit.dim, dit.heads * dit.dim_head, dit.dim * dit.ff_mult
+    return 2 * batch * dit.depth * (4 * t * d * inner + 2 * t * d * ff)
+
+
+def dit_bound_s(dit: DiTConfig, frames: int, precision: Precision, rates: Rates) -> float:
+    """Seconds of one ODE step at the measured rates for `precision`: int8 runs its weight matmuls at the
+    int8 rate and the rest at float32's; every other precision all at float32's (no bf16 or fp16 CPU rate
+    is measured, so a bf16 DiT can pass its bound)."""
+    total = dit_flops_per_step(dit, frames)
+    if precision != INT8:
+        return total / (rates.matmul_gflops * 1e9)
+    if rates.int8_matmul_gflops is None:
+        raise ValueError("an int8 DiT's bound needs the int8 matmul rate")
+    quantized = dit_int8_flops_per_step(dit, frames)
+    return (total - quantized) / (rates.matmul_gflops * 1e9) + quantized / (rates.int8_matmul_gflops * 1e9)
+
+
+def needs_int8_rate(shapes: ModelShapes) -> bool:
+    """Whether a bound runs at the int8 matmul rate (the DiT in int8)."""
+    return shapes.dit_precision == INT8
 
 
 def hift_flops(hift: HiFTConfig, frames: int) -> int:
@@ -112,8 +150,59 @@ def dit_matmul_shape(dit: DiTConfig, frames: int, batch: int = 2) -> tuple[int, 
     return batch * frames, dit.dim, dit.dim * dit.ff_mult
 
 
+def rate_description(precision: Precision) -> str:
+    """What `dit_bound_s` divides by for `precision`, as the report prints it."""
+    if precision == INT8:
+        return "int8 DynamicQuantizeMatMul for the blocks' weight matmuls, float32 MatMul for the rest"
+    if precision == FP32:
+        return "float32 MatMul"
+    return f"float32 MatMul (no {precision.name} rate measured)"
+
+
 def fraction_of_bound(bound_s: float | None, measured_s: float | None) -> float | None:
     """bound / measured: 1.0 is running at the hardware bound."""
     if bound_s is None or not measured_s:
         return None
     return bound_s / measured_s
+
+
+def stage_bounds(shapes: ModelShapes, frames: int, vocoded_frames: int, decode_past: int, rates: Rates,
+                 rt: Figures, th: Figures | None) -> dict[str, Any]:
+    """The LLM, DiT and HiFT bounds of a case at `rates` and the fraction of each that the runtime (`rt`,
+    at its graphs' precisions) and the torch reference (`th`, float32) reach. `frames`: the DiT's (prompt
+    and generated); `vocoded_frames`: HiFT's (generated only)."""
+    llm_bytes = llm_bytes_per_token(shapes, decode_past)
+    llm_bound = llm_bytes / (rates.bandwidth_gbs * 1e9)
+    llm_bound_fp32 = llm_bytes_per_token(shapes, decode_past, FP32) / (rates.bandwidth_gbs * 1e9)
+    dit_flops = dit_flops_per_step(shapes.dit, frames)
+    dit_bound = dit_bound_s(shapes.dit, frames, shapes.dit_precision, rates)
+    dit_bound_fp32 = dit_bound_s(shapes.dit, frames, FP32, rates)
+    vocoder_flops = hift_flops(shapes.hift, vocoded_frames)
+    hift_bound = vocoder_flops / (rates.matmul_gflops * 1e9)
+
+    def reached(bound: float, key: str, figures: Figures | None) -> float | None:
+        value = figures.get(key) if figures is not None else None
+        return fraction_of_bound(bound, float(value) if value is not None else None)
+
+    return {
+        "threads": rates.threads,
+        "llm_precision": shapes.llm_precision.name, "llm_weight_bytes": shapes.llm_precision.weight_bytes,
+        "llm_decode_past_len": decode_past, "llm_bytes_per_token": llm_bytes,
+        "memory_bandwidth_gbs": rates.bandwidth_gbs, "llm_bound_s_per_token": llm_bound,
+        "llm_bound_fp32_s_per_token": llm_bound_fp32,
+        "llm_fraction_runtime": reached(llm_bound, "llm_per_token_s", rt),
+        "llm_fraction_torch": reached(llm_bound_fp32, "llm_per_token_s", th),
+        "dit_precision": shapes.dit_precision.name, "dit_rate": rate_description(shapes.dit_precision),
+        "frames": frames, "dit_flops_per_step": dit_flops,
+        "dit_int8_flops_per_step": (dit_int8_flops_per_step(shapes.dit, frames) if needs_int8_rate(shapes)
+                                    else None),
+        "matmul_shape": list(rates.matmul_shape), "matmul_gflops": rates.matmul_gflops,
+        "int8_matmul_gflops": rates.int8_matmul_gflops,
+        "dit_bound_s_per_step": dit_bound, "dit_bound_fp32_s_per_step": dit_bound_fp32,
+        "dit_fraction_runtime": reached(dit_bound, "flow_per_step_s", rt),
+        "dit_fraction_torch": reached(dit_bound_fp32, "flow_per_step_s", th),
+        "hift_precision": shapes.hift_precision.name,
+        "hift_frames": vocoded_frames, "hift_flops": vocoder_flops, "hift_bound_s": hift_bound,
+        "hift_fraction_runtime": reached(hift_bound, "hift_s", rt),
+        "hift_fraction_torch": reached(hift_bound, "hift_s", th),
+    }

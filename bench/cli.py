@@ -19,6 +19,7 @@ from cosyvoice_runtime.runners import CPU, PROVIDERS
 from .cases import LENGTHS, default_long_tokens, make_cases, parse_lengths, parse_levels
 from .errors import BenchError
 from .machine import usable_cpus
+from .plots import plot_paths, require_matplotlib, write_plots
 from .report import render
 from .suite import Settings, run
 
@@ -61,13 +62,22 @@ def _user_errors() -> Iterator[None]:
               help="Warm rounds per case; medians are reported  [default: 3; 1 with --quick]")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the RAS sampler.")
 @click.option("--quick", is_flag=True, help="Smoke run: few tokens, one round, short machine probes.")
+@click.option("--first-chunk-tokens", type=click.IntRange(min=1), default=None,
+              help="Also measure the first chunk with the runtime's latency policy: after N tokens (and the "
+                   "flow's look-ahead), beside upstream's schedule (a deviation from upstream).")
+@click.option("--thread-scaling/--no-thread-scaling", default=None,
+              help="Also run the runtime at 1 and 2 threads (longest case): first chunk, per-stage times and "
+                   "bounds at each  [default: on with --threads >= 2, off with --quick]")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the results as JSON (atomically).")
+@click.option("--plots", is_flag=True,
+              help="Also draw PNGs beside --json OUT.json: OUT-stages.png (each stage against its bound) "
+                   "and OUT-first-chunk.png (the first chunk's timeline); needs matplotlib.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch: bool,
          model_dir: Path | None, threads: int | None, provider: str, lengths: str, concurrency: str,
-         tokens: int | None, repeat: int | None, seed: int, quick: bool, json_out: Path | None,
-         progress: bool) -> None:
+         tokens: int | None, repeat: int | None, seed: int, quick: bool, first_chunk_tokens: int | None,
+         thread_scaling: bool | None, json_out: Path | None, plots: bool, progress: bool) -> None:
     """Benchmark a CosyVoice3 runtime bundle: first-chunk latency, RTF, per-stage times, LLM tokens/s,
     memory, concurrency, hardware bounds and onnxruntime levers, optionally beside the torch reference."""
     with _user_errors():
@@ -75,8 +85,15 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
         if vs_torch != (model_dir is not None):
             raise BenchError("--vs-torch and --model-dir go together (the torch reference loads "
                              "--model-dir)")
+        if plots and json_out is None:
+            raise BenchError("--plots writes its PNGs beside the JSON: give --json FILE too")
         if json_out is not None:
             check_writable(json_out, "--json")
+        if plots:
+            require_matplotlib()
+            assert json_out is not None
+            for path in plot_paths(json_out).values():
+                check_writable(path, "--plots")
         # a damaged graph is one line here, not figures from a broken model
         bundle = RuntimeBundle.open(model, verify=True)
         if model_dir is not None:  # fail before the run starts, not when the torch side first loads
@@ -88,13 +105,20 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
         if not prompt_wav.is_file():
             raise BenchError(f"--prompt-wav {prompt_wav}: file not found")
         long_tokens = default_long_tokens(bundle.dims, quick=quick) if tokens is None else tokens
+        threads = threads or usable_cpus()
         settings = Settings(
             model=model, prompt_wav=prompt_wav, prompt_text=prompt_text, cases=make_cases(names, long_tokens),
-            concurrency=levels, threads=threads or usable_cpus(), provider=provider,
-            repeat=repeat or (1 if quick else 3), quick=quick, seed=seed, model_dir=model_dir)
+            concurrency=levels, threads=threads, provider=provider,
+            repeat=repeat or (1 if quick else 3), quick=quick, seed=seed, model_dir=model_dir,
+            first_chunk_tokens=first_chunk_tokens,
+            thread_scaling=thread_scaling if thread_scaling is not None else threads >= 2 and not quick)
         result = run(settings, progress=progress)
+        written = write_plots(result, json_out) if plots and json_out is not None else []
+        result["plots"] = [str(p) for p in written]
         if json_out is not None:
             write_json_atomic(json_out, result)
     click.echo(render(result))
     if json_out is not None:
         click.echo(f"\nwrote {json_out}")
+    for path in written:
+        click.echo(f"wrote {path}")

@@ -4,7 +4,6 @@ output layer, the DiT's attention mask, IOBinding and pre-allocated KV caches)."
 
 from __future__ import annotations
 
-import inspect
 import json
 import statistics
 import tempfile
@@ -22,8 +21,6 @@ from cosyvoice_runtime.runners import CPU, OPTIMIZATION, OrtRunner, on_openvino
 
 LEVER_THREADS = (1, 2)
 """Intra-op thread counts tried per graph and optimisation level."""
-RUNTIME_OPTIMIZATION: str = inspect.signature(OrtRunner).parameters["optimization"].default
-"""The level `OrtRunner` uses unless told otherwise, which is what `Synthesizer` runs with."""
 DIT = "flow_estimator_cached"
 DIT_OUTPUTS = ["velocity"]
 """What the runtime's offline flow fetches from the DiT: its caches are never read."""
@@ -41,16 +38,25 @@ def onnxruntime_levers(bundle: RuntimeBundle, *, frames: int, past_len: int, run
     rows = []
     for graph, (case, feeds, outputs) in points.items():
         spec = bundle.specs[graph]
+        runtime_level = runtime_optimization(bundle, graph, runtime_threads)
         for level in OPTIMIZATION:
             for threads in LEVER_THREADS:
                 with OrtRunner(bundle.graph_path(graph), spec, CPU, threads=threads, optimization=level) as r:
                     seconds = _median_call(r, feeds, outputs, repeats)
-                used = (level == RUNTIME_OPTIMIZATION and threads == runtime_threads
+                used = (level == runtime_level and threads == runtime_threads
                         and not on_openvino(bundle, graph, CPU))
                 rows.append({"graph": graph, "shape": dict(case.dims), "optimization": level,
                              "threads": threads, "seconds_per_call": seconds, "runtime_default": used})
                 on_row()
     return rows
+
+
+def runtime_optimization(bundle: RuntimeBundle, graph: str, threads: int) -> str:
+    """The optimisation level the runtime opens `graph` with at `threads` threads: asked of a CPU session
+    made as the runtime makes it (`OrtRunner` without a level chooses per graph), not assumed."""
+    with OrtRunner(bundle.graph_path(graph), bundle.specs[graph], CPU, threads=threads) as runner:
+        level = runner.session.get_session_options().graph_optimization_level
+    return next(name for name, value in OPTIMIZATION.items() if value == level)
 
 
 def _offline_dit_call(spec: GraphSpec, frames: int) -> tuple[Case, dict[str, np.ndarray]]:
@@ -85,7 +91,7 @@ def attention_mask_cost(bundle: RuntimeBundle, *, frames: int, threads: int) -> 
     _, feeds = _offline_dit_call(bundle.specs[DIT], frames)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    options.graph_optimization_level = OPTIMIZATION[RUNTIME_OPTIMIZATION]
+    options.graph_optimization_level = OPTIMIZATION[runtime_optimization(bundle, DIT, threads)]
     with tempfile.TemporaryDirectory() as tmp:
         options.enable_profiling = True
         options.profile_file_prefix = str(Path(tmp) / DIT)

@@ -1,5 +1,6 @@
-"""The machine: what it is, and what it can do: memory bandwidth (numpy copies) and matmul throughput
-(an onnxruntime MatMul graph) at the benchmark's thread count."""
+"""The machine: what it is (CPU model, vector features and the class they make), and what it can do: memory
+bandwidth (numpy copies) and matmul throughput (onnxruntime graphs: float32 `MatMul`, and the int8
+`DynamicQuantizeMatMul` of an int8 DiT) at the benchmark's thread count."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import platform
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -15,17 +17,30 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "asimd", "sve")
+CPU_FLAGS = ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "amx_tile", "amx_int8", "amx_bf16", "asimd", "sve")
 """The SIMD features that decide CPU matmul speed, reported where /proc/cpuinfo lists them."""
+VECTOR_FEATURES: dict[str, tuple[str, ...]] = {
+    "AVX2": ("avx2",),
+    "AVX-512": ("avx512f",),
+    "VNNI": ("avx512_vnni", "avx_vnni"),
+    "BF16": ("avx512_bf16", "amx_bf16"),
+    "AMX": ("amx_tile",),
+}
+"""The features named plainly, each from the flags that give it (any one): VNNI's int8 dot products come
+with AVX-512 or as AVX-VNNI on AVX2-only cores; bf16 matmuls with AVX512-BF16 or AMX."""
 
 
 def describe(threads: int, torch_version: str | None) -> dict[str, Any]:
     """The machine and software the figures come from."""
     info = _cpuinfo()
     flags = set(info.get("flags", info.get("Features", "")).split())
+    features = vector_features(flags)
     return {
         "cpu": info.get("model name") or platform.processor() or platform.machine(),
         "cpu_flags": [f for f in CPU_FLAGS if f in flags],
+        "vector_features": features,
+        "cpu_class": cpu_class(features),
         "logical_cpus": os.cpu_count(),
         "usable_cpus": usable_cpus(),
         "memory_gib": _memory_gib(),
@@ -38,6 +53,19 @@ def describe(threads: int, torch_version: str | None) -> dict[str, Any]:
         "torch": torch_version,
         "threads": threads,
     }
+
+
+def vector_features(flags: set[str]) -> dict[str, bool]:
+    """`VECTOR_FEATURES` present among /proc/cpuinfo's `flags`."""
+    return {name: any(f in flags for f in given_by) for name, given_by in VECTOR_FEATURES.items()}
+
+
+def cpu_class(features: dict[str, bool]) -> str:
+    """The vector class figures are comparable within, e.g. "avx512+vnni+bf16" or "avx2": a figure from
+    one class is not a figure from another, whatever the CPU's name."""
+    base = "avx512" if features["AVX-512"] else "avx2" if features["AVX2"] else platform.machine().lower()
+    extras = [name.lower() for name in ("VNNI", "BF16", "AMX") if features[name]]
+    return "+".join([base, *extras])
 
 
 def _version(package: str) -> str | None:
@@ -77,6 +105,32 @@ def _memory_gib() -> float | None:
     return round(pages * size / 2**30, 1)
 
 
+@dataclass(frozen=True)
+class Rates:
+    """What the machine measured at one thread count: the bounds' denominators."""
+
+    threads: int
+    bandwidth_gbs: float
+    """Copy bandwidth (`memory_bandwidth`)."""
+    matmul_shape: tuple[int, int, int]
+    """(m, k, n) the matmul rates were measured at."""
+    matmul_gflops: float
+    """float32 `MatMul` (`matmul_gflops`)."""
+    int8_matmul_gflops: float | None
+    """int8 `DynamicQuantizeMatMul` (`int8_matmul_gflops`); None where no bounded graph runs in int8."""
+
+
+def measure_rates(threads: int, shape: tuple[int, int, int], *, int8: bool, quick: bool,
+                  bandwidth_gbs: float | None = None) -> Rates:
+    """The rates at `threads` threads, the matmuls at `shape`; `bandwidth_gbs` when already measured at
+    that thread count. `quick`: a small copy and fewer repeats (smoke runs)."""
+    repeats = 2 if quick else 5
+    if bandwidth_gbs is None:
+        bandwidth_gbs = memory_bandwidth(threads, mib=64 if quick else 512, repeats=repeats)
+    return Rates(threads, bandwidth_gbs, shape, matmul_gflops(*shape, threads, repeats=repeats),
+                 int8_matmul_gflops(*shape, threads, repeats=repeats) if int8 else None)
+
+
 # --- memory bandwidth ---------------------------------------------------------------------------------
 
 
@@ -113,12 +167,27 @@ def memory_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
 def matmul_gflops(m: int, k: int, n: int, threads: int, repeats: int = 5) -> float:
     """GFLOP/s of onnxruntime's CPU MatMul (m, k) x (k, n) in float32 at `threads` intra-op threads:
     2·m·k·n / seconds of the fastest of `repeats` runs after one warm-up."""
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    session = ort.InferenceSession(matmul_model(m, k, n), options, providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     feeds = {"a": rng.standard_normal((m, k), dtype=np.float32),
              "b": rng.standard_normal((k, n), dtype=np.float32)}
+    return _gflops(matmul_model(m, k, n), feeds, m, k, n, threads, repeats)
+
+
+def int8_matmul_gflops(m: int, k: int, n: int, threads: int, repeats: int = 5) -> float:
+    """GFLOP/s (2·m·k·n per call, as float32's) of onnxruntime's CPU `DynamicQuantizeMatMul` with a
+    constant int8 weight (k, n): what an int8 DiT's weight matmuls run after graph optimisation (7-bit
+    weights per output channel, activations quantized to uint8 per call), quantizing the activations
+    included."""
+    rng = np.random.default_rng(0)
+    feeds = {"a": rng.standard_normal((m, k), dtype=np.float32)}
+    return _gflops(int8_matmul_model(m, k, n), feeds, m, k, n, threads, repeats)
+
+
+def _gflops(model: bytes, feeds: dict[str, np.ndarray], m: int, k: int, n: int, threads: int, repeats: int
+            ) -> float:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
     session.run(None, feeds)
     best = float("inf")
     for _ in range(repeats):
@@ -128,18 +197,57 @@ def matmul_gflops(m: int, k: int, n: int, threads: int, repeats: int = 5) -> flo
     return 2 * m * k * n / best / 1e9
 
 
-def matmul_model(m: int, k: int, n: int, opset: int = 17) -> bytes:
-    """A serialised ONNX model y = MatMul(a (m, k), b (k, n)), float32, written without the onnx package
-    (the runtime does not depend on it): ModelProto -> GraphProto -> NodeProto / ValueInfoProto."""
-    def tensor(name: str, shape: tuple[int, ...]) -> bytes:
-        dims = b"".join(_bytes(1, _int(1, d)) for d in shape)  # TensorShapeProto.dim.dim_value
-        tensor_type = _int(1, 1) + _bytes(2, dims)  # elem_type FLOAT, shape
-        return _bytes(1, name.encode()) + _bytes(2, _bytes(1, tensor_type))  # name, type.tensor_type
+# The two graphs are serialised ONNX written without the onnx package (the runtime does not depend on
+# it): ModelProto -> GraphProto -> NodeProto / ValueInfoProto / TensorProto, by field number.
+_FLOAT, _INT8 = 1, 3  # TensorProto.DataType
+_MS_DOMAIN = "com.microsoft"
 
-    node = _bytes(1, b"a") + _bytes(1, b"b") + _bytes(2, b"y") + _bytes(4, b"MatMul")
-    graph = (_bytes(1, node) + _bytes(2, b"matmul") + _bytes(11, tensor("a", (m, k)))
-             + _bytes(11, tensor("b", (k, n))) + _bytes(12, tensor("y", (m, n))))
-    return _int(1, 8) + _bytes(7, graph) + _bytes(8, _int(2, opset))  # ir_version 8, graph, opset_import
+
+def matmul_model(m: int, k: int, n: int, opset: int = 17) -> bytes:
+    """y = MatMul(a (m, k), b (k, n)), float32."""
+    node = _node("MatMul", ["a", "b"], ["y"])
+    return _model(node, [_value("a", (m, k)), _value("b", (k, n))], [_value("y", (m, n))], [], {"": opset})
+
+
+def int8_matmul_model(m: int, k: int, n: int, opset: int = 17) -> bytes:
+    """y = DynamicQuantizeMatMul(a (m, k) float32, b (k, n) int8 in [-64, 63], per-column scales, zero
+    points 0), b and its scales constants, as onnxruntime's dynamic quantization leaves a DiT matmul."""
+    rng = np.random.default_rng(0)
+    weights = rng.integers(-64, 64, size=(k, n), dtype=np.int8)
+    scales = np.full(n, 1e-2, dtype=np.float32)
+    initializers = [_tensor("b", weights, _INT8), _tensor("b_scale", scales, _FLOAT),
+                    _tensor("b_zero_point", np.zeros(n, dtype=np.int8), _INT8)]
+    node = _node("DynamicQuantizeMatMul", ["a", "b", "b_scale", "b_zero_point"], ["y"], _MS_DOMAIN)
+    return _model(node, [_value("a", (m, k))], [_value("y", (m, n))], initializers,
+                  {"": opset, _MS_DOMAIN: 1})
+
+
+def _model(node: bytes, inputs: list[bytes], outputs: list[bytes], initializers: list[bytes],
+           opsets: dict[str, int]) -> bytes:
+    graph = (_bytes(1, node) + _bytes(2, b"matmul") + b"".join(_bytes(5, t) for t in initializers)
+             + b"".join(_bytes(11, v) for v in inputs) + b"".join(_bytes(12, v) for v in outputs))
+    opset_import = b"".join(_bytes(8, _bytes(1, domain.encode()) + _int(2, version))
+                            for domain, version in opsets.items())
+    return _int(1, 8) + _bytes(7, graph) + opset_import  # ir_version 8, graph, opset_import
+
+
+def _node(op: str, inputs: list[str], outputs: list[str], domain: str = "") -> bytes:
+    return (b"".join(_bytes(1, i.encode()) for i in inputs) + b"".join(_bytes(2, o.encode()) for o in outputs)
+            + _bytes(4, op.encode()) + (_bytes(7, domain.encode()) if domain else b""))
+
+
+def _value(name: str, shape: tuple[int, ...]) -> bytes:
+    """A float32 ValueInfoProto."""
+    dims = b"".join(_bytes(1, _int(1, d)) for d in shape)  # TensorShapeProto.dim.dim_value
+    tensor_type = _int(1, _FLOAT) + _bytes(2, dims)  # elem_type, shape
+    return _bytes(1, name.encode()) + _bytes(2, _bytes(1, tensor_type))  # name, type.tensor_type
+
+
+def _tensor(name: str, value: np.ndarray, data_type: int) -> bytes:
+    """A TensorProto holding `value` as raw little-endian bytes."""
+    dims = b"".join(_int(1, d) for d in value.shape)
+    raw = value.astype(value.dtype.newbyteorder("<")).tobytes()
+    return dims + _int(2, data_type) + _bytes(8, name.encode()) + _bytes(9, raw)
 
 
 def _varint(value: int) -> bytes:

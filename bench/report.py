@@ -37,6 +37,12 @@ FIGURES: tuple[Figure, ...] = (
     Figure("first_chunk_llm_s", "first chunk (warm, cached): LLM", "s", "lower"),
     Figure("first_chunk_flow_s", "first chunk (warm, cached): flow", "s", "lower"),
     Figure("first_chunk_vocoder_s", "first chunk (warm, cached): vocoder", "s", "lower"),
+    Figure("first_chunk_policy_warm_cached_s", "first chunk, warm, cached, --first-chunk-tokens", "s",
+           "lower"),
+    Figure("first_chunk_policy_audio_s", "its audio (--first-chunk-tokens)", "s", None),
+    Figure("first_chunk_policy_llm_s", "its LLM (--first-chunk-tokens)", "s", "lower"),
+    Figure("first_chunk_policy_flow_s", "its flow (--first-chunk-tokens)", "s", "lower"),
+    Figure("first_chunk_policy_vocoder_s", "its vocoder (--first-chunk-tokens)", "s", "lower"),
     Figure("rtf_offline", "RTF offline", "", "lower"),
     Figure("rtf_stream", "RTF streaming", "", "lower"),
     Figure("front_end_s", "front end (text)", "ms", "lower", 1e3),
@@ -59,6 +65,12 @@ FIGURES: tuple[Figure, ...] = (
     Figure("gpu_utilization_mean_pct", "GPU utilisation mean", "%", None),
 )
 FIGURE_KEYS = tuple(f.key for f in FIGURES)
+SCALING_FIGURES = (
+    "first_chunk_warm_cached_s", "first_chunk_llm_s", "first_chunk_flow_s", "first_chunk_vocoder_s",
+    "first_chunk_policy_warm_cached_s", "first_chunk_policy_llm_s", "first_chunk_policy_flow_s",
+    "first_chunk_policy_vocoder_s", "llm_per_token_s", "flow_per_step_s", "hift_s", "rtf_offline",
+)
+"""The figures of a thread-scaling row: the warm first chunk by stage and the per-stage times."""
 
 
 def summarize(samples: Sequence[Figures]) -> Figures:
@@ -125,6 +137,10 @@ def render(result: dict[str, Any]) -> str:
         f"bundle {result['bundle']['path']} ({result['bundle']['precision']}), prompt "
         f"{result['prompt']['seconds']:.2f} s / {result['prompt']['speech_tokens']} tokens, "
         f"{s['repeat']} warm repeat(s), median shown",
+        f"CPU class {m['cpu_class']}: " + ", ".join(
+            f"{name} {'yes' if present else 'no'}" for name, present in m["vector_features"].items())
+        + f" (flags: {' '.join(m['cpu_flags']) or 'none listed'})",
+        "graph precisions: " + ", ".join(f"{g} {p}" for g, p in result["bundle"]["graph_precisions"].items()),
         f"memory bandwidth {_num(m['memory_bandwidth_gbs'])} GB/s (numpy copy, {s['threads']} threads)",
         "first pipeline of the process: " + "; ".join(
             f"{name} opened in {_num(f['load_s'])} s, first chunk after {_num(f['first_chunk_s'])} s"
@@ -160,6 +176,8 @@ def render(result: dict[str, Any]) -> str:
              _num(r["audio_s"]), _num(r["audio_s_per_s"]), _num(r["session_rtf_mean"]),
              _num(r["first_chunk_mean_s"]), _num(r["first_chunk_max_s"]), _num(r["outputs_match"])]
             for r in result["concurrency"]))] + [""]
+    if result["thread_scaling"]:
+        lines += _scaling(result["thread_scaling"]) + [""]
     levers = result["levers"]
     if levers["onnxruntime"]:
         lines.append("onnxruntime levers (CPU, ms per call, median; * = what the runtime uses)")
@@ -178,18 +196,45 @@ def render(result: dict[str, Any]) -> str:
 
 def _bounds(b: dict[str, Any], vs_torch: bool) -> list[str]:
     m, k, n = b["matmul_shape"]
-    torch_llm = f", torch {_num(b['llm_fraction_torch'])}" if vs_torch else ""
-    torch_dit = f", torch {_num(b['dit_fraction_torch'])}" if vs_torch else ""
+    torch_llm = f", torch {_num(b['llm_fraction_torch'])} (fp32 bound)" if vs_torch else ""
+    torch_dit = f", torch {_num(b['dit_fraction_torch'])} (fp32 bound)" if vs_torch else ""
     torch_hift = f", torch {_num(b['hift_fraction_torch'])}" if vs_torch else ""
+    int8 = (f", int8 {_num(b['int8_matmul_gflops'])} GFLOP/s for {_num(b['dit_int8_flops_per_step'], 1e-9)} "
+            "GFLOP of it" if b["int8_matmul_gflops"] is not None else "")
     return [
-        f"bound LLM: {_num(b['llm_bytes_per_token'], 1e-6)} MB read per token / "
-        f"{_num(b['memory_bandwidth_gbs'])} GB/s = {_num(b['llm_bound_s_per_token'], 1e3)} ms per token; "
-        f"fraction reached: runtime {_num(b['llm_fraction_runtime'])}{torch_llm}",
-        f"bound DiT: {_num(b['dit_flops_per_step'], 1e-9)} GFLOP per ODE step at {b['frames']} frames / "
-        f"{_num(b['matmul_gflops'])} GFLOP/s (MatMul ({m}, {k}) x ({k}, {n})) = "
-        f"{_num(b['dit_bound_s_per_step'], 1e3)} ms per step; fraction reached: runtime "
-        f"{_num(b['dit_fraction_runtime'])}{torch_dit}",
-        f"bound HiFT: {_num(b['hift_flops'], 1e-9)} GFLOP of convolutions over {b['hift_frames']} frames / "
-        f"{_num(b['matmul_gflops'])} GFLOP/s = {_num(b['hift_bound_s'])} s; fraction reached: runtime "
-        f"{_num(b['hift_fraction_runtime'])}{torch_hift}",
+        f"bound LLM ({b['llm_precision']}, {b['llm_weight_bytes']:g} B/weight): "
+        f"{_num(b['llm_bytes_per_token'], 1e-6)} MB read per token / {_num(b['memory_bandwidth_gbs'])} GB/s "
+        "= "
+        f"{_num(b['llm_bound_s_per_token'], 1e3)} ms per token; of bound: runtime "
+        f"{_num(b['llm_fraction_runtime'])}{torch_llm}",
+        f"bound DiT ({b['dit_precision']}: {b['dit_rate']}): {_num(b['dit_flops_per_step'], 1e-9)} GFLOP per "
+        f"ODE step at {b['frames']} frames / {_num(b['matmul_gflops'])} GFLOP/s float32{int8} "
+        f"(MatMul ({m}, {k}) x ({k}, {n})) = {_num(b['dit_bound_s_per_step'], 1e3)} ms per step; of bound: "
+        f"runtime {_num(b['dit_fraction_runtime'])}{torch_dit}",
+        f"bound HiFT ({b['hift_precision']}): {_num(b['hift_flops'], 1e-9)} GFLOP of convolutions over "
+        f"{b['hift_frames']} frames / {_num(b['matmul_gflops'])} GFLOP/s = {_num(b['hift_bound_s'])} s; "
+        f"of bound: runtime {_num(b['hift_fraction_runtime'])}{torch_hift}",
     ]
+
+
+def _scaling(scaling: dict[str, Any]) -> list[str]:
+    """The thread-scaling table: per thread count, the warm first chunk by stage and each stage's time
+    with its fraction of the bound at that thread count."""
+    rows = scaling["rows"]
+    policy = any(r["first_chunk_policy_warm_cached_s"] is not None for r in rows)
+    header = ["threads", "first chunk s", "LLM s", "flow s", "vocoder s"]
+    header += ["policy first chunk s"] if policy else []
+    header += ["LLM ms/token", "of bound", "DiT ms/step", "of bound", "HiFT s", "of bound", "RTF offline"]
+    body = []
+    for r in rows:
+        b = r["bounds"]
+        row = [str(r["threads"]), _num(r["first_chunk_warm_cached_s"]), _num(r["first_chunk_llm_s"]),
+               _num(r["first_chunk_flow_s"]), _num(r["first_chunk_vocoder_s"])]
+        row += [_num(r["first_chunk_policy_warm_cached_s"])] if policy else []
+        row += [_num(r["llm_per_token_s"], 1e3), _num(b["llm_fraction_runtime"]),
+                _num(r["flow_per_step_s"], 1e3), _num(b["dit_fraction_runtime"]), _num(r["hift_s"]),
+                _num(b["hift_fraction_runtime"]), _num(r["rtf_offline"])]
+        body.append(row)
+    return ([f"thread scaling (runtime, {scaling['length']} case, warm, cached prompt; "
+             f"{scaling['cpu_class']}; bounds measured at each thread count)"]
+            + ["  " + line for line in _table(header, body)])

@@ -23,6 +23,7 @@ import numpy as np
 from cosyvoice_runtime import CosyVoice3
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.cosyvoice3 import SegmentSpeech
+from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.runners import TRT
 from cosyvoice_runtime.segments import Segment
@@ -39,14 +40,23 @@ class RuntimeBackend:
 
     name = "runtime"
 
-    def __init__(self, bundle: RuntimeBundle, *, provider: str, threads: int, prompt_text: str, seed: int
-                 ) -> None:
+    def __init__(self, bundle: RuntimeBundle, *, provider: str, threads: int, prompt_text: str, seed: int,
+                 first_chunk_tokens: int | None = None) -> None:
         """Open every graph on `provider` with `threads` intra-op threads; `prompt_text` is the prompt
-        recording's transcript (zero-shot), `seed` the RAS sampler's."""
+        recording's transcript (zero-shot), `seed` the RAS sampler's; `first_chunk_tokens`: the latency
+        policy `policy_first_chunk` measures (`ChunkPolicy.first_chunk_tokens`), checked against these
+        graphs here (a `UserError` before anything is measured)."""
         start = time.perf_counter()
         self.bundle, self.provider, self.threads = bundle, provider, threads
         self.prompt_text = prompt_text
         self.voice = CosyVoice3(bundle, provider=provider, threads=threads, seed=seed)
+        self.first_chunk_tokens = first_chunk_tokens
+        if first_chunk_tokens is not None:
+            try:
+                self.voice.chunk_policy(first_chunk_tokens=first_chunk_tokens)
+            except UserError:
+                self.voice.close()
+                raise
         self._log = CallLog()
         self.load_s = time.perf_counter() - start
 
@@ -60,18 +70,31 @@ class RuntimeBackend:
         return Segment(case.text, [i for p in pieces for i in p.text_ids], pieces[0].prompt_text_ids)
 
     @staticmethod
-    def _speak(voice: CosyVoice3, piece: Segment, prompt: PromptFeatures, tokens: int, *, stream: bool
-               ) -> SegmentSpeech:
-        """Exactly `tokens` decoding steps (the stop ids masked), streamed or offline."""
-        return voice.speak(piece, prompt, Mode.ZERO_SHOT, stream=stream, max_tokens=tokens, ignore_stop=True)
+    def _speak(voice: CosyVoice3, piece: Segment, prompt: PromptFeatures, tokens: int, *, stream: bool,
+               first_chunk_tokens: int | None = None) -> SegmentSpeech:
+        """Exactly `tokens` decoding steps (the stop ids masked), streamed (on upstream's schedule, or with
+        the first chunk after `first_chunk_tokens`) or offline."""
+        return voice.speak(piece, prompt, Mode.ZERO_SHOT, stream=stream, max_tokens=tokens, ignore_stop=True,
+                           first_chunk_tokens=first_chunk_tokens)
 
     def forget_prompts(self) -> None:
         """Drop the streaming flow's per-prompt prefixes (`Flow.prefixes`)."""
         self.voice.synth.flow.prefixes.clear()
 
     def first_chunk(self, case: Case, prompt: PromptFeatures) -> FirstChunk:
+        return self._first_chunk(case, prompt, None)
+
+    def policy_first_chunk(self, case: Case, prompt: PromptFeatures) -> FirstChunk | None:
+        """The first chunk with the latency policy (`first_chunk_tokens`); None without one."""
+        if self.first_chunk_tokens is None:
+            return None
+        return self._first_chunk(case, prompt, self.first_chunk_tokens)
+
+    def _first_chunk(self, case: Case, prompt: PromptFeatures, first_chunk_tokens: int | None) -> FirstChunk:
         start = time.perf_counter()
-        chunk = next(iter(self._speak(self.voice, self._segment(case), prompt, case.tokens, stream=True)))
+        speech = self._speak(self.voice, self._segment(case), prompt, case.tokens, stream=True,
+                             first_chunk_tokens=first_chunk_tokens)
+        chunk = next(iter(speech))
         return self._first(chunk, time.perf_counter() - start)
 
     def _first(self, chunk: AudioChunk, seconds: float) -> FirstChunk:

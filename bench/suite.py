@@ -2,8 +2,9 @@
 
 Order: every case cold on fresh pipelines, one pipeline in the process at a time (where peak RSS is
 taken); then each backend opened once and warmed up, and per case `repeat` rounds in which the runtime
-and the torch reference run the same work back to back; concurrency (runtime); with the pipelines
-closed, the onnxruntime levers (CPU provider) and last the machine's bandwidth and matmul speed.
+and the torch reference run the same work back to back; concurrency (runtime); the runtime again at each
+other thread count of the thread scaling (longest case); with the pipelines closed, the onnxruntime
+levers (CPU provider) and last the machine's bandwidth and matmul speeds, at every thread count measured.
 """
 
 from __future__ import annotations
@@ -23,21 +24,13 @@ from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.process_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, OPTIMIZATION
 
-from .backend import Backend, Figures
-from .bounds import (
-    ModelShapes,
-    dit_flops_per_step,
-    dit_matmul_shape,
-    fraction_of_bound,
-    hift_flops,
-    llm_bytes_per_token,
-    llm_weight_count,
-)
+from .backend import Backend, Figures, FirstChunk
+from .bounds import ModelShapes, dit_matmul_shape, llm_weight_count, needs_int8_rate, stage_bounds
 from .cases import Case
 from .levers import LEVER_THREADS, attention_mask_cost, export_levers, onnxruntime_levers
-from .machine import describe, matmul_gflops, memory_bandwidth
+from .machine import Rates, describe, measure_rates
 from .measure import GpuSampler, GpuUsage
-from .report import speedups, summarize
+from .report import SCALING_FIGURES, speedups, summarize
 from .runtime_runs import RuntimeBackend
 
 SCHEMA = "cosyvoice-bench/1"
@@ -62,6 +55,16 @@ class Settings:
     seed: int = 0
     model_dir: Path | None = None
     """The torch reference's model directory (`--vs-torch`), None for the runtime alone."""
+    first_chunk_tokens: int | None = None
+    """The runtime's latency policy (`ChunkPolicy.first_chunk_tokens`), whose first chunk is measured
+    beside upstream's schedule's; None: upstream's schedule alone."""
+    thread_scaling: bool = False
+    """Also run the runtime at each of `thread_levels` (longest case) and measure the rates there."""
+
+
+def thread_levels(threads: int) -> list[int]:
+    """The thread counts of the thread scaling: 1, 2 and `threads`, none above `threads`."""
+    return sorted({t for t in (1, 2, threads) if t <= threads})
 
 
 @dataclass
@@ -83,9 +86,11 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
     """Run the benchmark of `s` and return its result (the `--json` document)."""
     bundle = RuntimeBundle.open(s.model)
     shapes = ModelShapes.of(bundle)
-    factories: dict[str, Callable[[], Backend]] = {
-        "runtime": lambda: RuntimeBackend(bundle, provider=s.provider, threads=s.threads,
-                                          prompt_text=s.prompt_text, seed=s.seed)}
+    def runtime_at(threads: int) -> Callable[[], Backend]:
+        return lambda: RuntimeBackend(bundle, provider=s.provider, threads=threads, prompt_text=s.prompt_text,
+                                      seed=s.seed, first_chunk_tokens=s.first_chunk_tokens)
+
+    factories = {"runtime": runtime_at(s.threads)}
     torch_version = None
     if s.model_dir is not None:
         import torch
@@ -97,8 +102,11 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
         factories["torch"] = lambda: TorchBackend(model_dir, threads=s.threads, prompt_text=s.prompt_text,
                                                   seed=s.seed)
     measure_levers = s.provider == CPU
+    int8 = needs_int8_rate(shapes)
+    other_levels = [t for t in thread_levels(s.threads) if t != s.threads] if s.thread_scaling else []
     steps = (1 + len(s.cases) * len(factories) * (2 + s.repeat) + len(factories) + len(s.concurrency)
-             + (2 * len(OPTIMIZATION) * len(LEVER_THREADS) if measure_levers else 0) + 2 + len(s.cases))
+             + (2 * len(OPTIMIZATION) * len(LEVER_THREADS) if measure_levers else 0) + 2 + len(s.cases)
+             + len(other_levels) * (s.repeat + 2))
     with tqdm(total=steps, desc="cosyvoice-bench", unit="step", disable=not progress, leave=False) as bar:
         def step(what: str) -> None:
             bar.set_postfix_str(what)
@@ -118,6 +126,9 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
         decode_past = {c.name: int(summary["runtime"][c.name]["llm_prefill_len"] or 0) + c.tokens // 2
                        for c in s.cases}
         longest = max(s.cases, key=lambda c: c.tokens).name
+        longest_case = next(c for c in s.cases if c.name == longest)
+        scaled = {t: _scaling_run(runtime_at(t), longest_case, s.prompt_wav, s.repeat, step)
+                  for t in other_levels}
         ort_levers = (onnxruntime_levers(bundle, frames=frames[longest], past_len=decode_past[longest],
                                          runtime_threads=s.threads, repeats=1 if s.quick else 3,
                                          on_row=lambda: step("onnxruntime levers"))
@@ -125,22 +136,41 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
         mask_cost = (attention_mask_cost(bundle, frames=frames[longest], threads=s.threads)
                      if measure_levers else None)
         step("attention mask cost")
-        bandwidth = memory_bandwidth(s.threads, mib=64 if s.quick else 512, repeats=2 if s.quick else 5)
+        rates: dict[str, Rates] = {}
+        bandwidth = None
+        for case in s.cases:
+            rates[case.name] = measure_rates(s.threads, dit_matmul_shape(shapes.dit, frames[case.name]),
+                                             int8=int8, quick=s.quick, bandwidth_gbs=bandwidth)
+            bandwidth = rates[case.name].bandwidth_gbs
+            step(f"rates {case.name}")
         step("memory bandwidth")
+        machine = {**describe(s.threads, torch_version), "memory_bandwidth_gbs": bandwidth}
+
+        def bounds(case: str, threads_rates: Rates, rt: Figures, th: Figures | None) -> dict[str, Any]:
+            vocoded = ratio * int(rt["speech_tokens"] or 0)
+            return stage_bounds(shapes, frames[case], vocoded, decode_past[case], threads_rates, rt, th)
+
         cases = []
         for case in s.cases:
-            matmul = dit_matmul_shape(shapes.dit, frames[case.name])
-            gflops = matmul_gflops(*matmul, s.threads, repeats=2 if s.quick else 5)
-            step(f"matmul {case.name}")
             rt, th = summary["runtime"][case.name], summary.get("torch", {}).get(case.name)
             cases.append({
                 "length": case.name, "text": case.text, "pinned_tokens": case.tokens,
+                "cpu_class": machine["cpu_class"],
                 "runtime": rt, "torch": th, "speedup": speedups(rt, th) if th is not None else None,
                 "same_speech_tokens": (warm.tokens["runtime"][case.name] == warm.tokens["torch"][case.name]
                                        if th is not None else None),
-                "bounds": _bounds(shapes, frames[case.name], ratio * int(rt["speech_tokens"] or 0),
-                                  decode_past[case.name], bandwidth, matmul, gflops, rt, th),
+                "bounds": bounds(case.name, rates[case.name], rt, th),
             })
+        scaling = []
+        for t in thread_levels(s.threads) if s.thread_scaling else []:
+            if t == s.threads:
+                figures, at = summary["runtime"][longest], rates[longest]
+            else:
+                figures = scaled[t]
+                at = measure_rates(t, rates[longest].matmul_shape, int8=int8, quick=s.quick)
+                step(f"rates at {t} threads")
+            scaling.append({"threads": t, **{k: figures[k] for k in SCALING_FIGURES},
+                            "bounds": bounds(longest, at, figures, None)})
     return {
         "schema": SCHEMA,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -149,11 +179,13 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
             "prompt_wav": str(s.prompt_wav), "prompt_text": s.prompt_text, "mode": "zero-shot",
             "sampling": "ras", "seed": s.seed, "threads": s.threads, "provider": s.provider,
             "lengths": [c.name for c in s.cases], "concurrency": s.concurrency, "repeat": s.repeat,
-            "quick": s.quick,
+            "quick": s.quick, "first_chunk_tokens": s.first_chunk_tokens, "thread_scaling": s.thread_scaling,
         },
-        "machine": {**describe(s.threads, torch_version), "memory_bandwidth_gbs": bandwidth},
+        "machine": machine,
+        "cpu_class": machine["cpu_class"],
         "bundle": {
             "path": str(s.model), "precision": bundle.manifest.precision,
+            "graph_precisions": {name: bundle.graph_precision(name).name for name in bundle.specs},
             "format_version": FORMAT_VERSION, "dims": asdict(bundle.dims),
             "llm_weights": llm_weight_count(shapes.qwen, shapes.speech_vocab), "dit": asdict(shapes.dit),
         },
@@ -162,6 +194,8 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
         "first_use": first_use,
         "cases": cases,
         "concurrency": warm.concurrency,
+        "thread_scaling": ({"length": longest, "cpu_class": machine["cpu_class"], "rows": scaling}
+                           if s.thread_scaling else None),
         "levers": {"onnxruntime": ort_levers, "export": export_levers(bundle, mask_cost)},
         "notes": _notes(s, gpu),
     }
@@ -268,6 +302,7 @@ def _warm(b: Backend, case: Case, wav: Path, prompt: Any, gpu: GpuSampler | None
         uncached = b.first_chunk(case, fresh)
         streamed = b.stream(case, prompt)
         cached = streamed.first if streamed is not None else b.first_chunk(case, prompt)
+        policy = b.policy_first_chunk(case, prompt) if isinstance(b, RuntimeBackend) else None
         offline = b.offline(case, prompt)
     gpu_usage = usage()
     figures: Figures = {
@@ -278,6 +313,7 @@ def _warm(b: Backend, case: Case, wav: Path, prompt: Any, gpu: GpuSampler | None
         "first_chunk_llm_s": cached.llm_s,
         "first_chunk_flow_s": cached.flow_s,
         "first_chunk_vocoder_s": cached.vocoder_s,
+        **_policy_figures(policy),
         "rtf_stream": streamed.seconds / streamed.audio_s if streamed is not None else None,
         **offline.figures,
         "gpu_memory_peak_mib": gpu_usage.memory_peak_mib if gpu_usage else None,
@@ -286,34 +322,37 @@ def _warm(b: Backend, case: Case, wav: Path, prompt: Any, gpu: GpuSampler | None
     return figures, streamed.sha256 if streamed is not None else None, offline.speech_tokens
 
 
-def _bounds(shapes: ModelShapes, frames: int, vocoded_frames: int, decode_past: int, bandwidth_gbs: float,
-            matmul: tuple[int, int, int], gflops: float, rt: Figures, th: Figures | None) -> dict[str, Any]:
-    """The case's LLM, DiT and HiFT bounds and the fraction of each that the backends reach. `frames`:
-    the DiT's (prompt and generated); `vocoded_frames`: HiFT's (generated only)."""
-    llm_bytes = llm_bytes_per_token(shapes, decode_past)
-    llm_bound = llm_bytes / (bandwidth_gbs * 1e9)
-    dit_flops = dit_flops_per_step(shapes.dit, frames)
-    dit_bound = dit_flops / (gflops * 1e9)
-    vocoder_flops = hift_flops(shapes.hift, vocoded_frames)
-    hift_bound = vocoder_flops / (gflops * 1e9)
+def _policy_figures(policy: FirstChunk | None) -> Figures:
+    """The latency policy's first chunk, split by stage; None each without the policy."""
+    return {"first_chunk_policy_warm_cached_s": policy.seconds if policy else None,
+            "first_chunk_policy_audio_s": policy.audio_s if policy else None,
+            "first_chunk_policy_llm_s": policy.llm_s if policy else None,
+            "first_chunk_policy_flow_s": policy.flow_s if policy else None,
+            "first_chunk_policy_vocoder_s": policy.vocoder_s if policy else None}
 
-    def reached(bound: float, key: str, figures: Figures | None) -> float | None:
-        value = figures.get(key) if figures is not None else None
-        return fraction_of_bound(bound, float(value) if value is not None else None)
 
-    return {
-        "llm_decode_past_len": decode_past, "llm_bytes_per_token": llm_bytes,
-        "memory_bandwidth_gbs": bandwidth_gbs, "llm_bound_s_per_token": llm_bound,
-        "llm_fraction_runtime": reached(llm_bound, "llm_per_token_s", rt),
-        "llm_fraction_torch": reached(llm_bound, "llm_per_token_s", th),
-        "frames": frames, "dit_flops_per_step": dit_flops, "matmul_shape": list(matmul),
-        "matmul_gflops": gflops, "dit_bound_s_per_step": dit_bound,
-        "dit_fraction_runtime": reached(dit_bound, "flow_per_step_s", rt),
-        "dit_fraction_torch": reached(dit_bound, "flow_per_step_s", th),
-        "hift_frames": vocoded_frames, "hift_flops": vocoder_flops, "hift_bound_s": hift_bound,
-        "hift_fraction_runtime": reached(hift_bound, "hift_s", rt),
-        "hift_fraction_torch": reached(hift_bound, "hift_s", th),
-    }
+def _scaling_run(factory: Callable[[], Backend], case: Case, wav: Path, repeat: int, step: Step) -> Figures:
+    """The runtime at another thread count: opened and warmed up on `case`, then `repeat` rounds of its
+    first chunk (cached prompt; with the latency policy too where set) and its offline synthesis with stage
+    timings; the medians of `SCALING_FIGURES`."""
+    backend = factory()
+    assert isinstance(backend, RuntimeBackend)
+    try:
+        prompt = backend.prompt_features(wav)
+        backend.first_chunk(case, prompt)
+        backend.offline(case, prompt)
+        step(f"warm-up at {backend.threads} threads")
+        rounds: list[Figures] = []
+        for r in range(repeat):
+            first = backend.first_chunk(case, prompt)
+            policy = backend.policy_first_chunk(case, prompt)
+            rounds.append({"first_chunk_warm_cached_s": first.seconds, "first_chunk_llm_s": first.llm_s,
+                           "first_chunk_flow_s": first.flow_s, "first_chunk_vocoder_s": first.vocoder_s,
+                           **_policy_figures(policy), **backend.offline(case, prompt).figures})
+            step(f"{backend.threads} threads {r + 1}/{repeat}")
+    finally:
+        backend.close()
+    return summarize(rounds)
 
 
 def _notes(s: Settings, gpu: GpuSampler | None) -> dict[str, str]:
@@ -334,12 +373,28 @@ def _notes(s: Settings, gpu: GpuSampler | None) -> dict[str, str]:
                "divided by the audio's duration",
         "peak_rss": "process peak while a fresh pipeline opened and synthesised the case cold, no other "
                     "pipeline loaded; it includes the interpreter and every imported library",
-        "bounds": "fraction reached = bound / measured (1 = at the hardware bound); LLM: weights (the "
-                  "exported graph's, from the bundle's dims) plus the KV cache at the mean decode "
-                  "position, read once per token; DiT: one ODE step (both CFG rows, full attention) "
-                  "over the case's frames; HiFT: its convolutions over the generated frames, at the same "
-                  "matmul rate (its Snake activations' sines, single-threaded in onnxruntime, come on top)",
+        "bounds": "of bound = bound / measured (1 = at the hardware bound), for this CPU (cpu_class) and "
+                  "the precision each graph ran at; LLM: weights (the exported graph's, from the bundle's "
+                  "dims, at its precision's bytes per weight) plus the KV cache at the mean decode "
+                  "position, read once per token, over the copy bandwidth; DiT: one ODE step (both CFG "
+                  "rows, full attention) over the case's frames at the float32 MatMul rate, an int8 DiT's "
+                  "blocks' weight matmuls at the int8 DynamicQuantizeMatMul rate; HiFT: its convolutions "
+                  "over the generated frames at the float32 rate (its Snake activations' sines, "
+                  "single-threaded in onnxruntime, come on top); torch's fractions are of the float32 "
+                  "bounds",
+        "cpu_class": "the CPU's vector class (AVX2 / AVX-512, VNNI, BF16, AMX): figures from different "
+                     "classes are not comparable as equals",
     }
+    if s.first_chunk_tokens is not None:
+        notes["first_chunk_policy"] = (
+            f"--first-chunk-tokens {s.first_chunk_tokens}: the runtime's latency policy (a deviation from "
+            "upstream's chunk schedule): the first chunk after that many tokens plus the flow's look-ahead, "
+            "measured warm with the cached prompt beside upstream's schedule's; runtime only")
+    if s.thread_scaling:
+        notes["thread_scaling"] = (
+            "the runtime on the longest case at each thread count (at --threads: the warm rounds' figures; "
+            "otherwise its own pipeline, warmed up, the same rounds' median); the bounds use the rates "
+            "measured at that thread count")
     if s.concurrency:
         notes["concurrency"] = ("runtime only: sessions start from tokenised text and a cached prompt; "
                                 "outputs match = every session's audio equals a single stream's")

@@ -72,9 +72,13 @@ def bench_args(runtime_bundle: Path, out: Path) -> list[str]:
     return ["--model", str(runtime_bundle), "--quick", "--threads", "1", "--json", str(out), "--no-progress"]
 
 
-def check_figures(figures: dict[str, Any], pinned: int, *, torch_side: bool) -> None:
+POLICY_KEYS = {key for key in FIGURE_KEYS if key.startswith("first_chunk_policy_")}
+
+
+def check_figures(figures: dict[str, Any], pinned: int, *, torch_side: bool, policy: bool = False) -> None:
     assert set(figures) == set(FIGURE_KEYS)
     absent = {"gpu_memory_peak_mib", "gpu_utilization_mean_pct"} | ({"rtf_stream"} if torch_side else set())
+    absent |= set() if policy and not torch_side else POLICY_KEYS
     for key, value in figures.items():
         if key in absent:
             assert value is None, key
@@ -87,19 +91,25 @@ def check_figures(figures: dict[str, Any], pinned: int, *, torch_side: bool) -> 
     assert figures["audio_s"] == pytest.approx(figures["speech_tokens"] * 2 * 480 / 24000)
 
 
-def check_common(result: dict[str, Any], lengths: list[str], levels: list[int]) -> None:
+def check_common(result: dict[str, Any], lengths: list[str], levels: list[int], *, threads: int = 1,
+                 policy: bool = False) -> None:
     assert result["schema"] == "cosyvoice-bench/1" and result["settings"]["lengths"] == lengths
     machine = result["machine"]
-    assert machine["threads"] == 1 and machine["memory_bandwidth_gbs"] > 0 and machine["onnxruntime"]
+    assert machine["threads"] == threads and machine["memory_bandwidth_gbs"] > 0 and machine["onnxruntime"]
+    assert set(machine["vector_features"]) == {"AVX2", "AVX-512", "VNNI", "BF16", "AMX"}
+    assert machine["cpu_class"] and result["cpu_class"] == machine["cpu_class"]
     assert machine["openvino"] == (version("openvino") if find_spec("openvino") else None)
     assert [c["length"] for c in result["cases"]] == lengths
     for case in result["cases"]:
+        assert case["cpu_class"] == machine["cpu_class"]
         bounds = case["bounds"]
+        assert bounds["threads"] == threads and bounds["dit_precision"] == bounds["llm_precision"] == "fp32"
+        assert bounds["int8_matmul_gflops"] is None and bounds["dit_rate"] == "float32 MatMul"
         for key in ("llm_bytes_per_token", "llm_bound_s_per_token", "llm_fraction_runtime", "frames",
                     "dit_flops_per_step", "matmul_gflops", "dit_bound_s_per_step", "dit_fraction_runtime",
                     "hift_frames", "hift_flops", "hift_bound_s", "hift_fraction_runtime"):
             assert bounds[key] > 0, key
-        check_figures(case["runtime"], case["pinned_tokens"], torch_side=False)
+        check_figures(case["runtime"], case["pinned_tokens"], torch_side=False, policy=policy)
     assert [r["level"] for r in result["concurrency"]] == levels
     for row in result["concurrency"]:
         assert row["shared_synthesizer"] is True and row["outputs_match"] is True
@@ -145,6 +155,7 @@ def test_quick_run_of_the_runtime_without_torch(runtime_bundle: Path, tmp_path: 
     case = result["cases"][0]
     assert case["torch"] is None and case["speedup"] is None and case["same_speech_tokens"] is None
     assert case["pinned_tokens"] == 25  # half of --quick's 50
+    assert result["thread_scaling"] is None and result["plots"] == []  # off with --quick, and not asked
 
 
 @pytest.mark.parametrize(("extra", "message"), [
