@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from cosyvoice_graphs import PRECISIONS
+from cosyvoice_graphs.precision_plan import GRAPH_ALIASES, PROFILES, PrecisionPlanError
 from cosyvoice_runtime.atomic_files import check_writable
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV, console_script
 from cosyvoice_runtime.errors import UserError
@@ -153,16 +153,23 @@ def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:
 @click.option("--wait", is_flag=True,
               help="If another export into OUT is running, wait for it to finish, then reuse what it "
                    "exported (without --wait: stop at once, exit 2).")
-@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
-              help="fp16: float16 weights and matmul/conv compute, fragile ops (norms, softmax, time "
+@click.option("--precision", default="fp32", show_default=True,
+              metavar="PRECISION|PROFILE|GRAPH=PRECISION,...",
+              help="A precision for the bundle (each graph whose spec bounds it gets a body in it, the "
+                   "others stay float32), a profile, or a precision per graph, as llm=int4,dit=int8 "
+                   f"(graphs by name or alias: {', '.join(GRAPH_ALIASES)}; graphs not named stay float32). "
+                   "Precisions: "
+                   "fp16: float16 weights and matmul/conv compute, fragile ops (norms, softmax, time "
                    "embedding, output projections, HiFT's source and Snake) and all graph I/O in float32; "
-                   "hift_f0 stays float32. int8: the llm's and the DiT blocks' matmul weights in int8 "
+                   "hift_f0 has none. int8: the llm's and the DiT blocks' matmul weights in int8 "
                    "(caches, norms, rotary, softmax, time embedding, AdaLN, output heads and I/O in "
-                   "float32), the other graphs float32. bf16: the DiT run in bfloat16 by OpenVINO (needs "
-                   "AVX512-BF16 or AMX and the openvino extra), the other graphs float32. Validated with "
-                   "the specs' bounds for the "
-                   "precision (and the llm's decode gates, the DiT's solve gates). "
-                   "OUT holds one precision.")
+                   "float32). int4: the llm's matmul weights in 4 bits (the DiT has none). bf16: the DiT run "
+                   "in bfloat16 by OpenVINO (needs AVX512-BF16 or AMX and the openvino extra). Profiles: "
+                   + "; ".join(f"{name} = " + ",".join(f"{g}={p}" for g, p in graphs.items())
+                               for name, graphs in PROFILES.items())
+                   + ". Each graph is validated with its spec's bounds for its precision (and the llm's "
+                   "decode gates, the DiT's solve gates); the manifest and each graph's metadata record it. "
+                   "OUT holds one --precision.")
 @click.option("--report-memory", is_flag=True,
               help="After the summary, print each stage's time, peak RSS and the RSS it left (loading the "
                    "networks, tracing, onnxslim, saving, precision conversion, validation, per graph), then "
@@ -194,7 +201,7 @@ def all_cmd(model_dir: Path, out: Path, trt: bool, llm: str, force: bool, wait: 
         with monitor_memory() if report_memory else nullcontext() as memory:
             report = export_all(model_dir, out, llm=llm, force=force, trt=trt, precision=precision, wait=wait,
                                 progress=True)
-    except (TrtUnavailable, Bf16Unavailable) as e:
+    except (TrtUnavailable, Bf16Unavailable, PrecisionPlanError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     except ExportError as e:

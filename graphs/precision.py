@@ -3,8 +3,9 @@ rewrites the float32 graph, and where its graphs run. The exporter, the runtime,
 the record; a new precision is a record here plus its conversion in the exporter
 (`cosyvoice_export.onnx.runtime_bundle.CONVERSIONS`).
 
-A bundle has one precision: each graph whose spec bounds it (`GraphSpec.precision_tolerances`) gets a body
-in it, the others stay fp32. Graph I/O is the spec's in every precision.
+Each graph of a bundle has one precision, which its spec must bound (`GraphSpec.precision_tolerances`);
+`cosyvoice_graphs.precision_plan` says which, from what `--precision` names. Graph I/O is the spec's in every
+precision.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ class Precision:
     them."""
     runs_on: str
     """Where its graphs run, in the words of a refusal."""
-    weight_bytes: int
-    """Bytes per weight of its matmuls (int8: its scales and float32 heads not counted)."""
+    weight_bytes: float
+    """Bytes per weight of its matmuls (int8, int4: their scales and float32 heads not counted)."""
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.providers if p not in PROVIDERS]
@@ -76,12 +77,18 @@ INT8 = Precision(
             "caches, norms, softmax, heads and the I/O in float32",
     cpu_provider=CPU, openvino_hint=None, providers=(CPU, CUDA, TENSORRT),
     runs_on="onnxruntime (int8 operators, which TensorRT does not build)", weight_bytes=1)
+INT4 = Precision(
+    "int4", "CPUs: 4-bit weights for the llm's matmuls, half of int8's bytes per decoded token",
+    rewrite="4-bit weights for the llm's weight matmuls (onnxruntime's MatMulNBits, int8 activations); "
+            "caches, norms, softmax, the output head and the I/O in float32",
+    cpu_provider=CPU, openvino_hint=None, providers=(CPU, CUDA, TENSORRT),
+    runs_on="onnxruntime (4-bit operators, which TensorRT does not build)", weight_bytes=0.5)
 BF16 = Precision(
     "bf16", "CPUs with AVX512-BF16 or AMX: the DiT computed in bfloat16, by OpenVINO", rewrite=None,
     cpu_provider=OPENVINO, openvino_hint="bf16", providers=(CPU, OPENVINO), runs_on="the CPU (OpenVINO)",
     weight_bytes=2)
 
-PRECISIONS: dict[str, Precision] = {p.name: p for p in (FP32, FP16, INT8, BF16)}
+PRECISIONS: dict[str, Precision] = {p.name: p for p in (FP32, FP16, INT8, INT4, BF16)}
 """Every precision by name (iterating gives the names, as `--precision` lists them)."""
 PRECISION_NAMES = tuple(PRECISIONS)
 REDUCED_PRECISIONS = tuple(name for name in PRECISIONS if name != FP32.name)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .precision import BF16, FP16, INT8
+from .precision import BF16, FP16, INT4, INT8
 from .spec import Case, DecodeGates, DerivedDim, DimRange, GraphSpec, SolveGates, TensorSpec, Tolerance
 
 OPSET = 17
@@ -25,6 +25,17 @@ INT8_DECODE_GATES = DecodeGates("logp", steps=200, mean_kl=2e-2, top_k=25, top_l
 """Measured on the full-size random bundle: mean KL 6.8e-3, top-25 error 0.62, 14 of 201 greedy ids
 different (tiny: 9.1e-4, 0.24, 7). Random weights flatten the distributions (top id ~0.33 on average),
 which makes near-ties and so greedy flips common; a trained LLM's are peakier."""
+INT4_LOGP = Tolerance("rel_max_abs", 5e-1)
+INT4_CACHE = Tolerance("rel_max_abs", 1.0)
+INT4_DECODE_GATES = DecodeGates("logp", steps=200, mean_kl=1.0, top_k=25, top_logp_error=12.0,
+                                greedy_mismatches=130)
+"""Looser than int8's because 4 bits are: a 32-weight block of a Gaussian row gets 16 levels, a rounding
+error of ~8% of each matmul's output against int8's ~0.5%, and the random weights pass it through 24
+layers undamped. Measured on the full-size random bundle (MatMulNBits, block 32, symmetric): mean KL 0.69,
+top-25 error 8.2, 99 of 201 greedy ids different, log-probs 0.33 and caches 0.66 of their scale (tiny:
+0.094, 2.1, 58; 0.095, 0.32); blocks of 64 or 128 and zero points were further off. The bounds keep 1.3x
+to 1.5x that: they catch a broken conversion, not a loss a trained LLM would show, which needs its own
+figures."""
 INT8_VELOCITY = Tolerance("rel_max_abs", 5e-2)
 BF16_DIT = Tolerance("rel_max_abs", 3e-2)
 """bf16 keeps 8 significant bits, and OpenVINO runs nearly the whole DiT in it (matmuls, LayerNorms,
@@ -131,8 +142,10 @@ def llm_spec(d: ModelDims) -> GraphSpec:
         # weights, 24 layers of rounding); the log-probs 2.8e-2. The decode gates judge what matters.
         precision_tolerances={FP16.name: {o.name: FP16_REL_MAX for o in outputs},
                               INT8.name: {o.name: INT8_LOGP if o.name == "logp" else INT8_CACHE
+                                          for o in outputs},
+                              INT4.name: {o.name: INT4_LOGP if o.name == "logp" else INT4_CACHE
                                           for o in outputs}},
-        decode_gates={INT8.name: INT8_DECODE_GATES},
+        decode_gates={INT8.name: INT8_DECODE_GATES, INT4.name: INT4_DECODE_GATES},
     )
 
 

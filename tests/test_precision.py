@@ -26,12 +26,12 @@ def test_the_lookup_refuses_an_unknown_name_in_one_line() -> None:
     for name in ("fp8", "FP32", 32):
         with pytest.raises(ValueError) as info:
             Precision.named(name)  # type: ignore[arg-type]
-        assert str(info.value) == f"unknown precision {name!r}; known: fp32, fp16, int8, bf16"
+        assert str(info.value) == f"unknown precision {name!r}; known: fp32, fp16, int8, int4, bf16"
 
 
 def test_the_names() -> None:
-    assert PRECISION_NAMES == tuple(PRECISIONS) == ("fp32", "fp16", "int8", "bf16")
-    assert REDUCED_PRECISIONS == ("fp16", "int8", "bf16")
+    assert PRECISION_NAMES == tuple(PRECISIONS) == ("fp32", "fp16", "int8", "int4", "bf16")
+    assert REDUCED_PRECISIONS == ("fp16", "int8", "int4", "bf16")
     assert all(name == p.name for name, p in PRECISIONS.items())
 
 
@@ -39,10 +39,10 @@ def test_where_each_precision_runs() -> None:
     assert FP32.providers == PROVIDERS and FP32.trt_plans
     assert [name for name, p in PRECISIONS.items() if p.trt_plans] == ["fp32", "fp16"]
     assert precisions_on(OPENVINO) == ("fp32", "bf16")
-    assert precisions_on(CUDA) == ("fp32", "fp16", "int8")
+    assert precisions_on(CUDA) == ("fp32", "fp16", "int8", "int4")
     assert [name for name, p in PRECISIONS.items() if p.cpu_provider == OPENVINO] == ["bf16"]
     assert {name: p.weight_bytes for name, p in PRECISIONS.items()} == {"fp32": 4, "fp16": 2, "int8": 1,
-                                                                        "bf16": 2}
+                                                                        "int4": 0.5, "bf16": 2}
 
 
 def test_a_record_must_hold_together() -> None:
@@ -71,12 +71,12 @@ def test_a_manifest_with_an_unknown_precision_is_one_line(tmp_path: Path) -> Non
     with pytest.raises(RuntimeBundleError) as info:
         bundle.graph_precision("llm")
     assert str(info.value) == (f"{root / MANIFEST}: graphs.llm.precision: unknown precision 'fp8'; known: "
-                               "fp32, fp16, int8, bf16")
+                               "fp32, fp16, int8, int4, bf16")
     # the runner refuses a provider the graph's precision does not run on before it reads the graph
     with pytest.raises(ProviderError) as refused:
         open_runner(bundle, DIT, CUDA)
     assert str(refused.value) == (f"{DIT} is a bf16 graph, which runs on the CPU (OpenVINO), not on 'cuda', "
-                                  "which runs fp32, fp16, int8 graphs")
+                                  "which runs fp32, fp16, int8, int4 graphs")
 
 
 @pytest.mark.torch

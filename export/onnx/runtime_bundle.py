@@ -29,7 +29,7 @@ from filelock import FileLock, Timeout
 from torch import nn
 from tqdm import tqdm
 
-from cosyvoice_graphs import PRECISIONS, SPECS, GraphSpec, ModelDims, Precision, spec
+from cosyvoice_graphs import PRECISIONS, SPECS, GraphSpec, ModelDims, spec
 from cosyvoice_graphs.bundle_layout import (
     FLOW_NOISE,
     FRONTEND_DIR,
@@ -62,7 +62,8 @@ from cosyvoice_graphs.manifest import (
     TrtPlanEntry,
     Validation,
 )
-from cosyvoice_graphs.precision import BF16, FP16, FP32, INT8
+from cosyvoice_graphs.precision import BF16, FP16, FP32, INT4, INT8
+from cosyvoice_graphs.precision_plan import PrecisionPlan
 from cosyvoice_graphs.providers import OPENVINO
 from cosyvoice_runtime.noise import MT19937, UniformNoise
 
@@ -83,7 +84,7 @@ from .decode_gates import SEQUENCES, decode_figures, decode_reference
 from .dims import model_dims
 from .fp16 import FP16_REVISION, write_fp16
 from .graphs import WRAPPERS
-from .int8 import INT8_REVISION, write_int8
+from .quantize import REVISIONS, write_quantized
 from .solve_gates import validate_solve
 from .trace import EXPORTER_VERSION, PARTIAL, file_sha256, traced
 from .validate import Figure, GraphValidation, ValidationError, torch_reference, validate_against
@@ -93,7 +94,7 @@ if TYPE_CHECKING:
 
 STATE_DIR = ".export"
 PRECISION_FILE = "precision"
-"""In STATE_DIR: the precision OUT was exported in; one OUT never mixes precisions."""
+"""In STATE_DIR: the precision plan OUT was exported with (`PrecisionPlan.name`); one OUT holds one."""
 QWEN_CONFIG = "config.json"
 TOKENIZER_COPY = (*TOKENIZER_FILES, QWEN_CONFIG)
 """What the runtime's tokenizer loads, copied from CosyVoice-BlankEN/."""
@@ -222,8 +223,8 @@ def _write_json(out: Path, rel: str, data: Mapping[str, Any]) -> FileEntry:
 
 
 def _prepare_out(out: Path, precision: str) -> None:
-    """Refuse a foreign or unwritable OUT, or one exported in another precision; mark it as ours (and
-    its precision) and drop its manifest before changing it."""
+    """Refuse a foreign or unwritable OUT, or one exported with another precision plan (`precision`, a
+    `PrecisionPlan.name`); mark it as ours (and its plan) and drop its manifest before changing it."""
     if out.exists() and not out.is_dir():
         raise OutputDirError(f"{out}: exists and is not a directory")
     ours = (out / MANIFEST).is_file() or (out / STATE_DIR).is_dir()
@@ -235,7 +236,7 @@ def _prepare_out(out: Path, precision: str) -> None:
     found = marker.read_text().strip() if marker.is_file() else FP32.name if ours else precision
     if found != precision:
         raise OutputDirError(f"{out}: holds a {found} runtime bundle; --precision {precision} needs "
-                                 "a new or empty --out (one precision per bundle)")
+                                 "a new or empty --out (one precision plan per bundle)")
     try:
         (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
         marker.write_text(f"{precision}\n")
@@ -371,10 +372,11 @@ class Conversion:
 
 CONVERSIONS = {
     FP16.name: Conversion(FP16_REVISION, write_fp16),
-    INT8.name: Conversion(INT8_REVISION, write_int8),
+    INT8.name: Conversion(REVISIONS[INT8.name], partial(write_quantized, precision=INT8.name)),
+    INT4.name: Conversion(REVISIONS[INT4.name], partial(write_quantized, precision=INT4.name)),
     BF16.name: Conversion(BF16_REVISION, metadata=bf16_metadata),
 }
-"""Reduced precision -> its conversion (see `fp16`, `int8`, `bf16`)."""
+"""Reduced precision -> its conversion (see `fp16`, `quantize`, `bf16`)."""
 
 
 def _graph_inputs(s: GraphSpec, sources: Mapping[str, str], precision: str) -> dict[str, Any]:
@@ -612,21 +614,23 @@ def export_all(model_dir: Path | str, out: Path | str, *, llm: str = "base", for
     files of graphs an earlier exporter made that this one no longer does (`RETIRED_GRAPHS`) are deleted.
     Bad bundles raise `BundleError` (the one-line errors of `check-bundle`); a foreign or unwritable
     `out` raises `OutputDirError`; with `trt` and no CUDA device or TensorRT, or a precision without
-    TensorRT plans (`Precision.trt_plans`: int8, bf16), `TrtUnavailable` is raised before anything is read
-    or written, and so is `Bf16Unavailable` for a precision validated on OpenVINO (bf16) on a CPU without
-    its instructions. Validation failures do not raise: they are in the report, and no manifest is
+    TensorRT plans (`Precision.trt_plans`: int8, int4, bf16), `TrtUnavailable` is raised before anything is
+    read or written, and so is `Bf16Unavailable` for a precision validated on OpenVINO (bf16) on a CPU
+    without its instructions. Validation failures do not raise: they are in the report, and no manifest is
     written.
 
-    A reduced precision (a key of `CONVERSIONS`) gives each graph whose spec bounds that precision
-    (`GraphSpec.precision_tolerances`) a body in it (float32 I/O; see `fp16`, `int8`, `bf16`), validated with
-    those bounds and, where the spec has them, its decode or solve gates; the other graphs stay fp32.
-    `out` must not hold a bundle of another precision.
+    `precision` is a `PrecisionPlan` (a precision, a profile, or `graph=precision,...`); one that names
+    something unknown, or gives a graph a precision its spec does not bound, raises `PrecisionPlanError`
+    once the model's config is read, before any weights are. A graph in a reduced precision (a key of
+    `CONVERSIONS`) gets a body in it (float32 I/O; see `fp16`, `quantize`, `bf16`), validated with its spec's
+    bounds for it and, where the spec has them, its decode or solve gates. `out` must not hold a bundle of
+    another plan.
 
     One export writes into `out` at a time: each holds `lock_path(out)` while it runs. When another export
     holds it, this one raises `OutputDirError` before reading anything, or with `wait` says so on stderr and
     waits for it to end (then reuses the graphs it exported).
     """
-    record = Precision.named(precision)
+    plan = PrecisionPlan.parse(precision)
     if llm not in LLM_CHECKPOINTS:
         raise ValueError(f"unknown llm {llm!r}; expected one of {', '.join(LLM_CHECKPOINTS)}")
     start = time.perf_counter()
@@ -634,21 +638,24 @@ def export_all(model_dir: Path | str, out: Path | str, *, llm: str = "base", for
     if trt:
         from .trt import TrtUnavailable, require_trt
 
-        if not record.trt_plans:
-            planned = [name for name, p in PRECISIONS.items() if p.trt_plans]
-            raise TrtUnavailable(f"--trt with --precision {precision}: {precision} graphs run on "
-                                 f"{record.runs_on}, not as TensorRT plans; --trt takes --precision "
-                                 f"{' or '.join(planned)}")
+        for record in plan.named:
+            if not record.trt_plans:
+                planned = [name for name, p in PRECISIONS.items() if p.trt_plans]
+                raise TrtUnavailable(f"--trt with --precision {plan.name}: {record.name} graphs run on "
+                                     f"{record.runs_on}, not as TensorRT plans; --trt takes --precision "
+                                     f"{' or '.join(planned)}")
         trt_env = require_trt()
-    if record.cpu_provider == OPENVINO:
-        require_openvino(record)
+    for record in plan.named:
+        if record.cpu_provider == OPENVINO:
+            require_openvino(record)
     bundle = ModelBundle.open(model_dir, LLM_CHECKPOINTS[llm])
+    plan.check({name: spec(name, model_dims(bundle.config)) for name in SPECS})
     if not bundle.checkpoint("llm").is_file():
         raise BundleError(f"{bundle.checkpoint('llm')}: file not found; --llm {llm} exports it "
                           f"(`cosyvoice-export download --llm {llm}` fetches it)")
     out = Path(out)
     with _locked(out, wait):
-        return _assemble(bundle, out, force, precision, trt_env, progress, start)
+        return _assemble(bundle, out, force, plan, trt_env, progress, start)
 
 
 def lock_path(out: Path) -> Path:
@@ -683,12 +690,12 @@ def _locked(out: Path, wait: bool) -> Iterator[None]:
         lock.release()
 
 
-def _assemble(bundle: ModelBundle, out: Path, force: bool, precision: str, trt_env: TrtEnv | None,
+def _assemble(bundle: ModelBundle, out: Path, force: bool, plan: PrecisionPlan, trt_env: TrtEnv | None,
               progress: bool, start: float) -> Report:
     """The work of `export_all`, under `out`'s lock."""
     stage("check bundle")
     check_bundle(bundle.root, report=lambda line: None, llm_checkpoints=(bundle.llm_checkpoint,))
-    _prepare_out(out, precision)
+    _prepare_out(out, plan.name)
     _drop_retired_graphs(out)
     dims = model_dims(bundle.config)
     specs = {name: spec(name, dims) for name in SPECS}
@@ -703,7 +710,7 @@ def _assemble(bundle: ModelBundle, out: Path, force: bool, precision: str, trt_e
         for s in specs.values():
             with _step(bar, f"{s.name}: reuse check"):
                 nets.next_task()
-                p = s.precision_in(precision)
+                p = plan.precision_of(s)
                 reused = None if force else _reuse(out, s, source_sha, p)
                 results.append(reused or _export(out, s, dims, nets, source_sha, bar, p))
         with _step(bar, "frontend, tokenizer"):
@@ -721,7 +728,7 @@ def _assemble(bundle: ModelBundle, out: Path, force: bool, precision: str, trt_e
     stage("manifest")
     manifest = Manifest(
         exporter_version=EXPORTER_VERSION,
-        precision=precision,
+        precision=plan.name,
         llm_checkpoint=bundle.llm_checkpoint,
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         model=_model_constants(bundle, dims),

@@ -1,22 +1,24 @@
-"""int8 graphs: an exported fp32 graph whose weight matmuls read int8 weights, everything else float32.
+"""Quantized graphs: an exported fp32 graph whose weight matmuls read int8 or 4-bit weights, everything else
+float32.
 
-Two schemes, chosen per graph by measurement on this project's CPU (docs/performance-log.md, int8 LLM
-and int8 DiT):
+Two operators, chosen per graph by measurement on this project's CPU (docs/performance-log.md, int8 LLM,
+int8 DiT and int4 LLM):
 
 - `NBITS`, for the llm, whose decode multiplies one row at a time (memory-bound): each MatMul with a
-  constant weight becomes onnxruntime's `MatMulNBits` with 8-bit weights, symmetric, one float32 scale per
-  block of `BLOCK_SIZE` input channels of each output column, and `accuracy_level` 4, under which
-  onnxruntime's CPU kernels quantize the activations to int8 per block too and multiply in integers.
-  Per-block activation scales keep an outlier in one channel from costing the others their precision.
-- `DYNAMIC`, for the DiT estimators, which multiply hundreds of rows at once (compute-bound), where
-  `MatMulNBits`' AVX2 kernels are slower than float32: onnxruntime's dynamic quantization (weights int8
-  per output channel with 7-bit range, activations uint8 per tensor at run time, `DynamicQuantizeMatMul`
-  after graph optimisation). 7 bits because AVX2 without VNNI multiplies u8 x s8 pairs into saturating
-  16-bit sums.
+  constant weight becomes onnxruntime's `MatMulNBits` with `bits`-bit weights, one float32 scale (and, when
+  not symmetric, a zero point) per block of `block_size` input channels of each output column, and
+  `accuracy_level` 4, under which onnxruntime's CPU kernels quantize the activations to int8 per block too
+  and multiply in integers. Per-block activation scales keep an outlier in one channel from costing the
+  others their precision. int8 and int4 differ only in the bits and the block.
+- `DYNAMIC`, for the DiT estimators in int8, which multiply hundreds of rows at once (compute-bound),
+  where `MatMulNBits`' AVX2 kernels are slower than float32: onnxruntime's dynamic quantization (weights
+  int8 per output channel with 7-bit range, activations uint8 per tensor at run time,
+  `DynamicQuantizeMatMul` after graph optimisation). 7 bits because AVX2 without VNNI multiplies u8 x s8
+  pairs into saturating 16-bit sums. The DiT has no 4-bit body: its spec bounds no int4.
 
 Attention's activation matmuls, the KV caches, norms, rotary embedding, softmax and the graph's I/O stay
-float32, and so do the nodes of each scheme's float32 scopes. int8 graphs are validated against the
-torch fp32 wrapper with their spec's int8 bounds and gates.
+float32, and so do the nodes of each scheme's float32 scopes. Quantized graphs are validated against the
+torch fp32 wrapper with their spec's bounds and gates for their precision.
 """
 
 from __future__ import annotations
@@ -38,11 +40,9 @@ from cosyvoice_graphs import GraphSpec
 
 from .trace import PARTIAL, ExportError, replace_graph
 
-INT8_REVISION = 1
-"""Bump when the quantization changes (it forces int8 graphs to be exported again)."""
-BITS = 8
-BLOCK_SIZE = 32
-"""`NBITS`: input channels per weight scale (and per activation scale)."""
+REVISIONS = {"int8": 1, "int4": 1}
+"""Precision -> its quantization's revision: bump one when its quantization changes (it forces its graphs to
+be exported again)."""
 ACCURACY_LEVEL = 4
 """`NBITS`: `MatMulNBits.accuracy_level`: 4 = int8 activations and integer compute (0/1 = float32
 compute, 12x slower here)."""
@@ -51,36 +51,47 @@ DYNAMIC = "DynamicQuantizeMatMul"
 
 
 @dataclass(frozen=True)
-class Int8Scheme:
-    """How one graph's weight matmuls become int8."""
+class Scheme:
+    """How one graph's weight matmuls are quantized."""
 
     operator: str
     """`NBITS` or `DYNAMIC`."""
     fp32_scopes: tuple[str, ...]
     """Regexes of node names (module scopes) whose matmuls stay float32."""
+    bits: int = 8
+    """`NBITS`: bits per weight (`DYNAMIC` is int8)."""
+    block_size: int = 32
+    """`NBITS`: input channels per weight scale (and per activation scale)."""
+    symmetric: bool = True
+    """`NBITS`: scales only (True), or scales and zero points."""
 
     def describe(self) -> str:
         """The scheme as recorded in the graph's metadata."""
         if self.operator == NBITS:
-            return (f"MatMulNBits bits={BITS} block_size={BLOCK_SIZE} symmetric "
+            kind = "symmetric" if self.symmetric else "asymmetric"
+            return (f"MatMulNBits bits={self.bits} block_size={self.block_size} {kind} "
                     f"accuracy_level={ACCURACY_LEVEL}")
         return "DynamicQuantizeMatMul weights=int8 per-channel reduce_range activations=uint8 per-tensor"
 
 
+# llm_decoder: 2% of the full-size weights, and its output is the log-probs themselves
+_LLM_FP32 = (r"/llm_decoder/",)
 _DIT_FP32 = (
     # the time embedding and AdaLN modulation (two rows each: cheap), whose errors would reach every frame
     # of every block, and the input/output projections (80 channels wide: little to gain at the ends)
     r"/time_embed/", r"/input_embed/", r"/attn_norm/", r"/norm_out/", r"/proj_out/",
 )
-INT8_GRAPHS: dict[str, Int8Scheme] = {
-    # llm_decoder: 2% of the full-size weights, and its output is the log-probs themselves
-    "llm": Int8Scheme(NBITS, (r"/llm_decoder/",)),
-    "flow_estimator_cached": Int8Scheme(DYNAMIC, _DIT_FP32),
+SCHEMES: dict[str, dict[str, Scheme]] = {
+    "int8": {"llm": Scheme(NBITS, _LLM_FP32, bits=8, block_size=32),
+             "flow_estimator_cached": Scheme(DYNAMIC, _DIT_FP32)},
+    # block 32, symmetric: of 32/64/128 (symmetric or with zero points) the closest to fp32 by the decode
+    # gates at about the same decode time (docs/performance-log.md, int4 LLM)
+    "int4": {"llm": Scheme(NBITS, _LLM_FP32, bits=4, block_size=32)},
 }
-"""Graphs exported with int8 weights, and how."""
+"""Precision -> the graphs quantized in it, and how."""
 
 
-class Int8Error(ExportError):
+class QuantizeError(ExportError):
     """A graph cannot be quantized as this module promises."""
 
 
@@ -106,23 +117,25 @@ def _quantizer_class() -> Any:
     return MatMulNBitsQuantizer
 
 
-def quantize(path: Path, graph: str) -> onnx.ModelProto:
-    """The fp32 graph `graph` (a key of `INT8_GRAPHS`) at `path` with its weight MatMuls in int8 by the
-    graph's scheme, except in its float32 scopes."""
-    if graph not in INT8_GRAPHS:
-        raise Int8Error(f"{graph}: not exported in int8 (int8 graphs: {', '.join(INT8_GRAPHS)})")
-    scheme = INT8_GRAPHS[graph]
+def quantize(path: Path, graph: str, precision: str) -> onnx.ModelProto:
+    """The fp32 graph `graph` at `path` with its weight MatMuls quantized by its scheme in `precision` (a
+    key of `SCHEMES`), except in its float32 scopes."""
+    schemes = SCHEMES.get(precision, {})
+    if graph not in schemes:
+        raise QuantizeError(f"{graph}: not exported in {precision} ({precision} graphs: "
+                            f"{', '.join(schemes) or 'none'})")
+    scheme = schemes[graph]
     model = onnx.load(str(path))
     kept = re.compile("|".join(scheme.fp32_scopes))
     excluded = [n.name for n in model.graph.node if kept.search(n.name)]
     if scheme.operator == NBITS:
-        out = _nbits(model, excluded)
+        out = _nbits(model, excluded, scheme)
     else:
         chosen = _dynamic_nodes(model, excluded)
         del model  # onnxruntime's quantizer reads the graph from `path`: one copy of the weights, not three
         out = _dynamic(path, chosen)
     if not any(n.op_type in QUANTIZED_OPS[scheme.operator] for n in out.graph.node):
-        raise Int8Error(f"{graph}: no MatMul with a constant weight was quantized")
+        raise QuantizeError(f"{graph}: no MatMul with a constant weight was quantized")
     return out
 
 
@@ -130,9 +143,10 @@ QUANTIZED_OPS = {NBITS: {"MatMulNBits"}, DYNAMIC: {"MatMulInteger", "DynamicQuan
 """Operators a scheme's quantized matmuls are written as."""
 
 
-def _nbits(model: onnx.ModelProto, excluded: list[str]) -> onnx.ModelProto:
-    quantizer = _quantizer_class()(model, bits=BITS, block_size=BLOCK_SIZE, is_symmetric=True,
-                                   accuracy_level=ACCURACY_LEVEL, nodes_to_exclude=excluded)
+def _nbits(model: onnx.ModelProto, excluded: list[str], scheme: Scheme) -> onnx.ModelProto:
+    quantizer = _quantizer_class()(model, bits=scheme.bits, block_size=scheme.block_size,
+                                   is_symmetric=scheme.symmetric, accuracy_level=ACCURACY_LEVEL,
+                                   nodes_to_exclude=excluded)
     quantizer.process()
     out: onnx.ModelProto = quantizer.model.model
     return out
@@ -151,8 +165,8 @@ def _dynamic(path: Path, chosen: list[str]) -> onnx.ModelProto:
         from onnxruntime.quantization import QuantType, quantize_dynamic
     # the quantizer writes its shape-inferred copy beside its input: a temporary folder (beside `path`,
     # named as any interrupted export's leftovers are) holds links to the graph and its data
-    with tempfile.TemporaryDirectory(prefix=f".{path.name}.int8-", suffix=PARTIAL, dir=path.parent) as tmp, \
-            _quiet_root_logger():
+    with tempfile.TemporaryDirectory(prefix=f".{path.name}.quantize-", suffix=PARTIAL,
+                                     dir=path.parent) as tmp, _quiet_root_logger():
         for file in (path, path.with_name(path.name + ".data")):
             if file.exists():
                 _link(file, Path(tmp) / file.name)
@@ -171,9 +185,10 @@ def _link(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
-def write_int8(path: Path, s: GraphSpec) -> Path:
-    """Replace the fp32 graph at `path` (and its external data) by its int8 quantization, checked and with
-    the I/O `s` says, atomically; returns `path`."""
-    model = quantize(path, s.name)
-    return replace_graph(path, model, s, {"precision": "int8", "int8_revision": str(INT8_REVISION),
-                                          "int8_scheme": INT8_GRAPHS[s.name].describe()})
+def write_quantized(path: Path, s: GraphSpec, precision: str) -> Path:
+    """Replace the fp32 graph at `path` (and its external data) by its quantization in `precision`, checked
+    and with the I/O `s` says, atomically; returns `path`."""
+    model = quantize(path, s.name, precision)
+    return replace_graph(path, model, s, {"precision": precision,
+                                          f"{precision}_revision": str(REVISIONS[precision]),
+                                          f"{precision}_scheme": SCHEMES[precision][s.name].describe()})

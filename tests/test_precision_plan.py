@@ -1,0 +1,83 @@
+"""What `--precision` names (`cosyvoice_graphs.precision_plan`): a precision, a profile or a precision per
+graph, each graph's precision under it, and the one-line refusals of what is unknown or unbounded."""
+
+from __future__ import annotations
+
+import pytest
+
+from cosyvoice_graphs import PRECISIONS, SPECS, GraphSpec
+from cosyvoice_graphs.precision_plan import GRAPH_ALIASES, PROFILES, PrecisionPlan, PrecisionPlanError
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.demo import DEMO_BUNDLE
+
+DIT = "flow_estimator_cached"
+KNOWN_GRAPHS = "llm, flow_encoder, flow_estimator_cached, hift_f0, hift_decoder, dit, encoder, hift"
+
+
+@pytest.fixture(scope="module")
+def specs() -> dict[str, GraphSpec]:
+    return dict(RuntimeBundle.open(DEMO_BUNDLE).specs)
+
+
+def _of(plan: PrecisionPlan, specs: dict[str, GraphSpec]) -> dict[str, str]:
+    plan.check(specs)
+    return {name: plan.precision_of(s) for name, s in specs.items()}
+
+
+def test_a_precision_for_the_bundle_goes_to_every_graph_that_bounds_it(specs: dict[str, GraphSpec]) -> None:
+    assert _of(PrecisionPlan.parse("fp32"), specs) == dict.fromkeys(SPECS, "fp32")
+    assert _of(PrecisionPlan.parse("int8"), specs) == {**dict.fromkeys(SPECS, "fp32"), "llm": "int8",
+                                                       DIT: "int8"}
+    # the DiT has no 4-bit body: under a bundle-wide int4 it stays float32
+    assert _of(PrecisionPlan.parse("int4"), specs) == {**dict.fromkeys(SPECS, "fp32"), "llm": "int4"}
+    plan = PrecisionPlan.parse("int4")
+    assert (plan.name, plan.bundle, plan.named) == ("int4", "int4", (PRECISIONS["int4"],))
+
+
+def test_a_precision_per_graph(specs: dict[str, GraphSpec]) -> None:
+    plan = PrecisionPlan.parse(" dit=int8, llm=int4 ")
+    # the manifest's name: full graph names in pipeline order, whatever order and aliases were given
+    assert plan.name == "llm=int4,flow_estimator_cached=int8" and plan.bundle is None
+    assert _of(plan, specs) == {**dict.fromkeys(SPECS, "fp32"), "llm": "int4", DIT: "int8"}
+    assert [p.name for p in plan.named] == ["int4", "int8"]
+    assert PrecisionPlan.parse(plan.name) == plan
+    hift = PrecisionPlan.parse("hift_decoder=fp16,llm=fp32")
+    assert _of(hift, specs) == {**dict.fromkeys(SPECS, "fp32"), "hift_decoder": "fp16"}
+    assert GRAPH_ALIASES["hift"] == ("hift_f0", "hift_decoder")
+
+
+def test_profiles_name_bounded_precisions(specs: dict[str, GraphSpec]) -> None:
+    fast = PrecisionPlan.parse("cpu-fast")
+    assert (fast.name, fast.bundle) == ("cpu-fast", None)
+    assert _of(fast, specs) == _of(PrecisionPlan.parse("llm=int4,dit=int8"), specs)
+    for name in PROFILES:
+        PrecisionPlan.parse(name).check(specs)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("int3", "--precision: unknown precision or profile 'int3'; known: fp32, fp16, int8, int4, bf16, "
+             f"cpu-fast, or graph=precision,... (graphs: {KNOWN_GRAPHS})"),
+    ("vocoder=fp16", f"--precision: unknown graph 'vocoder'; known: {KNOWN_GRAPHS}"),
+    ("llm=int3", "--precision: llm=int3: unknown precision 'int3'; known: fp32, fp16, int8, int4, bf16"),
+    ("llm=int4,dit", "--precision: 'dit' is not graph=precision"),
+    ("llm=", "--precision: 'llm=' is not graph=precision"),
+    ("llm=int4,llm=int8", "--precision: llm is given a precision twice"),
+    ("dit=int8,flow_estimator_cached=fp32", f"--precision: {DIT} is given a precision twice"),
+])
+def test_unknown_names_are_refused_in_one_line(text: str, message: str) -> None:
+    with pytest.raises(PrecisionPlanError) as info:
+        PrecisionPlan.parse(text)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("dit=int4", f"--precision {DIT}=int4: {DIT} has no int4 body; its spec bounds fp32, fp16, int8, bf16"),
+    ("hift=fp16", "--precision hift_f0=fp16,hift_decoder=fp16: hift_f0 has no fp16 body; its spec bounds "
+                  "fp32"),
+    ("llm=bf16", "--precision llm=bf16: llm has no bf16 body; its spec bounds fp32, fp16, int8, int4"),
+])
+def test_a_precision_the_spec_does_not_bound_is_refused(specs: dict[str, GraphSpec], text: str, message: str
+                                                        ) -> None:
+    with pytest.raises(PrecisionPlanError) as info:
+        PrecisionPlan.parse(text).check(specs)
+    assert str(info.value) == message
