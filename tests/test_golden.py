@@ -200,7 +200,7 @@ def test_precision_bounds_must_name_a_reduced_precision(tmp_path: Path) -> None:
     assert "\nfp16 = { max_abs" in text
     cases_file.write_text(text.replace("\nfp16 = { max_abs", "\nfp8 = { max_abs"))
     _one_error_line(_golden("check", "--cases", str(cases_file), "--case", SHORT),
-                    "precision_tolerance: 'fp8' is not one of fp16, int8, bf16")
+                    "precision_tolerance: 'fp8' is not one of fp16, int8, int4, bf16")
 
 
 # --- update -------------------------------------------------------------------------------------------
