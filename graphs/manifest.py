@@ -324,7 +324,8 @@ class Manifest:
 
     exporter_version: str
     precision: str
-    """The bundle's precision (a key of `PRECISIONS`); each graph records its own."""
+    """What `--precision` named (`PrecisionPlan.name`: a precision, a profile, or `graph=precision,...`);
+    each graph records its own, which is what the runtime reads."""
     llm_checkpoint: str
     """The model-bundle file the LLM's weights came from (upstream's `llm.pt`, or the release's
     reinforcement-learned `llm.rl.pt`), one of `sources`."""
