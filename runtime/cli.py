@@ -94,8 +94,9 @@ def _read_text(text: str, stdin: IO[str]) -> str:
                    "--out.")
 @click.option("--tune", is_flag=True,
               help=f"Time onnxruntime's optimisation levels and thread counts per graph on this machine "
-                   f"(minutes for a full-size bundle), write the fastest into the bundle's {TUNING_FILE}, "
-                   f"which later runs use, and exit; needs no --text or --out.")
+                   f"(minutes for a full-size bundle; other processes on the cores change the choice, so run "
+                   f"it as loaded as the machine will be), write the fastest into the bundle's "
+                   f"{TUNING_FILE}, which later runs use, and exit; needs no --text or --out.")
 def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_text: str | None, mode: str,
          instruct: str, sampling: str, seed: int, speed: float, stream: bool, first_chunk_tokens: int | None,
          provider: str, tokens_out: Path | None, chunks_out: Path | None, verify: bool, out: Path | None,

@@ -49,11 +49,12 @@ DEFAULT_SETTINGS: dict[str, OrtSettings] = {
     "hift_f0": OrtSettings("all"),
     "hift_decoder": OrtSettings("all"),
 }
-"""Per graph, what the runtime uses without a tuning file. Measured on a Zen 4 EPYC (AVX-512, VNNI,
-2 cores), every level A/B in one process, fp32 and int8 bundles: docs/performance-log.md, "Per-graph
-onnxruntime settings"."""
+"""Per graph, what the runtime uses on the CPU without a tuning file. `all` everywhere: on a Zen 4 EPYC
+(AVX-512, VNNI, 2 cores) no other level was faster for any graph of the fp32 and int8 bundles, and `all`
+runs the int8 LLM's decode step 1.3-2x faster (its quantised matmuls are fused only there); every level
+A/B in one process, docs/performance-log.md, "Per-graph onnxruntime settings"."""
 FALLBACK = OrtSettings("all")
-"""For a graph the table does not name."""
+"""For a graph the table does not name, and for the GPU providers."""
 
 
 def machine() -> dict[str, Any]:
@@ -112,11 +113,11 @@ def read_tuning(root: Path) -> dict[str, OrtSettings]:
                              f"{TUNING_FORMAT!r} v{TUNING_VERSION}")
         tuned = {name: OrtSettings(g["optimization"], g["threads"]) for name, g in data["graphs"].items()}
         for name, s in tuned.items():
-            if s.optimization not in OPTIMIZATION or not (s.threads is None or (isinstance(s.threads, int)
-                                                                          and s.threads > 0)):
+            threads_ok = s.threads is None or (isinstance(s.threads, int) and s.threads > 0)
+            if s.optimization not in OPTIMIZATION or not threads_ok:
                 raise ValueError(f"{name}: {s.optimization!r} with {s.threads!r} threads")
         recorded = {name: g["file"] for name, g in data["graphs"].items()}
-        here, there = machine(), data["machine"]
+        here, there = machine(), dict(data["machine"])
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
         raise RuntimeBundleError(f"{path}: not a valid tuning file ({e}); {retune}") from None
     if there != here:
