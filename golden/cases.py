@@ -8,7 +8,7 @@ backend; `GoldenCase.to_json` is what a golden file records of it.
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,18 @@ class Bounds:
     mel_snr_db: float | None = None
     """The same SNR over the generated log-mel values that the vocoder read: the judge of a reduced
     precision, which the waveform magnifies (see cases.toml)."""
+
+
+def loosest(bounds: Sequence[Bounds]) -> Bounds:
+    """The bounds of a bundle mixing reduced precisions: each bound the loosest any of them gives (a bound
+    one of them leaves out is not judged), since the audio's error is at most about the worst graph's."""
+
+    def widest(values: list[float | None], pick: Callable[[Iterable[float]], float]) -> float | None:
+        return None if None in values else pick(v for v in values if v is not None)
+
+    return Bounds(max_abs=widest([b.max_abs for b in bounds], max), l1=widest([b.l1 for b in bounds], max),
+                  snr_db=widest([b.snr_db for b in bounds], min),
+                  mel_snr_db=widest([b.mel_snr_db for b in bounds], min))
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING, Any
 import click
 from tqdm import tqdm
 
-from cosyvoice_graphs import PRECISION_NAMES
 from cosyvoice_graphs.bundle_layout import MANIFEST
+from cosyvoice_graphs.precision import FP32
+from cosyvoice_graphs.precision_plan import PrecisionPlan, PrecisionPlanError
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.extras import install_command
 from cosyvoice_runtime.runners import PROVIDERS, open_runner
 
-from .cases import CASES_FILE, DEMO, Cases, GoldenCase, load_cases
+from .cases import CASES_FILE, DEMO, Cases, GoldenCase, load_cases, loosest
 from .compare import Verdict, compare_case, compare_graph, not_exact
 from .errors import GoldenError
 from .run import Runtime
@@ -49,7 +50,7 @@ def _user_errors() -> Iterator[None]:
     """Bad input -> one line on stderr and exit status 2."""
     try:
         yield
-    except (GoldenError, *USER_ERRORS) as e:
+    except (GoldenError, PrecisionPlanError, *USER_ERRORS) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
 
@@ -100,10 +101,12 @@ def main() -> None:
                    "trt (the bundle's TensorRT plans).")
 @click.option("--threads", type=click.IntRange(min=1),
               help="onnxruntime intra-op threads. Default: the reference backend's (cases.toml).")
-@click.option("--precision", type=click.Choice(PRECISION_NAMES),
-              help="Judge the cases on a bundle of this precision (an export of the same model, e.g. "
-                   "cosyvoice-export all --precision int8) by tolerance, whatever precision they were "
-                   "recorded on. Default: a case runs only on a bundle of its own precision.")
+@click.option("--precision", metavar="PRECISION",
+              help="Judge the cases on a bundle exported with this --precision (an export of the same model, "
+                   "e.g. cosyvoice-export all --precision int8, or llm=int4,dit=int8) by tolerance, whatever "
+                   "precision they were recorded on: the loosest of cases.toml's [precision_tolerance] "
+                   "bounds of the bundle's reduced precisions. Default: a case runs only on a bundle of its "
+                   "own precision.")
 def check(cases_file: Path, case_names: tuple[str, ...], graph_names: tuple[str, ...], model: Path | None,
           provider: str | None, threads: int | None, precision: str | None) -> None:
     """Replay the golden cases on the runtime (no torch) and judge them: one line per case and graph.
@@ -115,6 +118,8 @@ def check(cases_file: Path, case_names: tuple[str, ...], graph_names: tuple[str,
     """
     start = time.perf_counter()
     with _user_errors():
+        if precision is not None:
+            precision = PrecisionPlan.parse(precision).name
         cases = load_cases(cases_file)
         selected, graphs = _select(cases, case_names, graph_names)
         threads = threads or cases.reference.threads
@@ -188,15 +193,18 @@ def _check_case(cases: Cases, runtime: Runtime, case: GoldenCase, golden: CaseGo
     provider, bundle = runtime.provider_of(case), runtime.bundle(case)
     precision = fingerprint(bundle)["precision"]
     if precision != case.precision:
-        bounds = cases.precision_tolerance.get(precision)
-        if bounds is None:
-            return Verdict(case.name, False, f"{precision}: no tolerance", f"{cases.path.name} gives no "
-                           f"bounds for {precision} bundles (add [precision_tolerance] {precision})")
+        reduced = sorted({bundle.graph_precision(g).name for g in bundle.specs} - {FP32.name})
+        unbounded = [p for p in reduced if p not in cases.precision_tolerance]
+        if unbounded or not reduced:
+            missing = ", ".join(unbounded) or precision
+            return Verdict(case.name, False, f"{missing}: no tolerance", f"{cases.path.name} gives no "
+                           f"bounds for {missing} graphs (add [precision_tolerance] {missing})")
+        bounds = loosest([cases.precision_tolerance[p] for p in reduced])
+    elif provider in case.tolerance:
+        bounds = case.tolerance[provider]
     else:
-        bounds = case.tolerance.get(provider)
-        if bounds is None:
-            return Verdict(case.name, False, f"{provider}: no tolerance", f"{cases.path.name} gives no "
-                           f"bounds for {provider} (add [tolerance] {provider} or the case's own)")
+        return Verdict(case.name, False, f"{provider}: no tolerance", f"{cases.path.name} gives no "
+                       f"bounds for {provider} (add [tolerance] {provider} or the case's own)")
     return compare_case(golden, runtime.run(case), provider, bounds,
                         not_exact(golden, bundle, provider, runtime.threads, cases.reference))
 

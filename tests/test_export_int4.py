@@ -27,6 +27,8 @@ from cosyvoice_export.onnx import quantize
 from cosyvoice_export.onnx.dims import model_dims
 from cosyvoice_export.onnx.runtime_bundle import MANIFEST, export_all
 from cosyvoice_export.onnx.trt import TrtUnavailable
+from cosyvoice_golden.cases import Bounds, loosest
+from cosyvoice_golden.cli import main as golden_main
 from cosyvoice_graphs import SPECS, ModelDims, spec
 from cosyvoice_graphs.bundle_layout import PROMPT_TEXT, PROMPT_WAV
 from cosyvoice_runtime.bundle import RuntimeBundle, read_onnx_metadata
@@ -109,6 +111,26 @@ def test_the_runtime_opens_each_graph_in_its_precision(mixed_bundle: Path, tiny_
     assert result.exit_code == 0, result.output
     audio, sr = sf.read(str(out), dtype="float32")
     assert sr == 24000 and np.isfinite(audio).all() and audio.std() > 1e-3
+
+
+def test_golden_judges_a_mixed_bundle_by_each_precisions_bounds(mixed_bundle: Path) -> None:
+    """The fp32 cases on a mixed bundle are judged by cases.toml's bounds of every reduced precision it
+    holds; it gives none for int4, whose tokens leave torch's on the random weights (its export gates
+    judge it), so the verdict names that precision."""
+    golden = ["check", "--model", str(mixed_bundle), "--case", "cross-lingual-en-greedy"]
+    refused = CliRunner().invoke(golden_main, golden)
+    assert refused.exit_code == 2 and f"(to judge it by tolerance: --precision {MIXED})" in refused.output
+    judged = CliRunner().invoke(golden_main, [*golden, "--precision", "llm=int4,dit=int8"])
+    assert judged.exit_code == 1, judged.output
+    assert "int4: no tolerance — cases.toml gives no bounds for int4 graphs" in judged.output
+    bad = CliRunner().invoke(golden_main, [*golden, "--precision", "llm=int3"])
+    assert bad.exit_code == 2 and bad.output.startswith("error: --precision: llm=int3: unknown precision")
+
+
+def test_a_mixed_bundles_golden_bounds_are_the_loosest_of_its_precisions() -> None:
+    int8, fp16 = Bounds(max_abs=0.6, l1=0.05, snr_db=10.0, mel_snr_db=60.0), Bounds(0.15, 0.01, 25.0, 55.0)
+    assert loosest([int8, fp16]) == Bounds(max_abs=0.6, l1=0.05, snr_db=10.0, mel_snr_db=55.0)
+    assert loosest([int8, Bounds(mel_snr_db=45.0)]) == Bounds(mel_snr_db=45.0)
 
 
 def test_another_plan_into_the_same_out_is_refused(mixed_bundle: Path, tiny_bundle: Path) -> None:
