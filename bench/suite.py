@@ -125,8 +125,8 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
                   for c in s.cases}
         decode_past = {c.name: int(summary["runtime"][c.name]["llm_prefill_len"] or 0) + c.tokens // 2
                        for c in s.cases}
-        longest = max(s.cases, key=lambda c: c.tokens).name
-        longest_case = next(c for c in s.cases if c.name == longest)
+        longest_case = max(s.cases, key=lambda c: c.tokens)
+        longest = longest_case.name
         scaled = {t: _scaling_run(runtime_at(t), longest_case, s.prompt_wav, s.repeat, step)
                   for t in other_levels}
         ort_levers = (onnxruntime_levers(bundle, frames=frames[longest], past_len=decode_past[longest],
