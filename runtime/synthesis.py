@@ -116,15 +116,15 @@ class ChunkPolicy:
     chunks end where upstream's do, from its first boundary past N on (N = 10 with a first hop of 38:
     10, 28, 50, 100, ...), so one extra chunk comes first and every later boundary is upstream's.
     Boundaries still depend on the token sequence only. The first chunk usually ends inside a DiT block:
-    it runs the block-causal flow over the prompt and its tokens as `flow="rerun"` does, in every flow
-    mode, and the caches of `"cache"`/`"window"` are not advanced by it; the next chunk ends on upstream's
+    under `"cache"`/`"window"` it runs the frames after the prompt's prefix against its caches without
+    keeping them (`FlowStream.peek`; `"rerun"` runs every frame), and the next chunk ends on upstream's
     block boundary and re-runs the cut block whole, as upstream's re-run of the prefix would. So `"cache"`
-    still gives `"rerun"`'s frames, and every later seam is upstream's. Why not demand a whole block:
-    the first block boundary after the prompt is upstream's own first boundary or its pad alone (0 to
-    24 tokens, set by the prompt's length), so no prompt-independent N would fire earlier. The price of
-    the cut: the frames of the cut block before the seam were made without the rest of their block,
-    the frames after it with; the mel there steps by that difference (tests/test_first_chunk.py measures
-    the seam against upstream's; README: figures)."""
+    still gives `"rerun"`'s frames (to float rounding), and every later seam is upstream's. Why not
+    demand a whole block: the first block boundary after the prompt is upstream's own first boundary or
+    its pad alone (0 to 24 tokens, set by the prompt's length), so no prompt-independent N would fire
+    earlier. The price of the cut: the frames of the cut block before the seam were made without the rest
+    of their block, the frames after it with; the mel there steps by that difference
+    (tests/test_first_chunk.py measures the seam against upstream's; README: figures)."""
 
     def __post_init__(self) -> None:
         if self.vocoder not in ("rerun", "window"):
@@ -414,15 +414,18 @@ class _Stream:
     def _chunk(self, tokens: list[int], hop: int, llm_s: float, *, final: bool) -> AudioChunk:
         synth = self.synth
         start = time.perf_counter()
-        if self.flow_stream is None or (not final and self._mid_block(self.offset + hop)):
+        if self.flow_stream is None:
             mel = synth.flow(np.asarray(tokens, dtype=np.int64), self.prompt, finalize=final,
                              streaming=not final)  # (1, 80, ratio * (offset + hop)): all of it, re-run
             added = mel[:, :, self.ratio * self.offset:]
         else:
-            # after a first chunk cut inside a block, the stream re-runs that block and its frames before
-            # `offset` have been sent already
+            # after a first chunk cut inside a block (peeked, not kept), the stream runs that block again
+            # and its frames before `offset` have been sent already
             sent = self.ratio * (self.offset - self.flow_stream.tokens)
-            added = self.flow_stream.push(tokens, finalize=final)[:, :, sent:]  # (1, 80, ratio * hop)
+            stream = self.flow_stream
+            mid_block = not final and self._mid_block(self.offset + hop)
+            mel = stream.peek(tokens) if mid_block else stream.push(tokens, finalize=final)
+            added = mel[:, :, sent:]  # (1, 80, ratio * hop)
         mid = time.perf_counter()
         if self.vocoder_stream is None:
             self.mel = np.concatenate([self.mel, added], axis=2)

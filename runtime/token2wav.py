@@ -340,9 +340,8 @@ class FlowStream:
             emitted, self.tokens, self.finished = ratio * self.tokens, covered, True
             return mel[:, :, emitted:]
         all_tokens = flow.tokens_with_prompt(tokens, self.prompt, finalize=finalize)
-        if not self.frames and not finalize:  # the first chunk starts after the prompt's prefix
-            prefix = flow.prefix(self.prompt)
-            self.frames, self.caches = prefix.frames, [dict(step) for step in prefix.caches]
+        if not finalize:
+            self._start()
         mu, spks = flow.encode(all_tokens, self.frames // ratio, self.prompt, finalize=finalize)  # (1, 80, n)
         first, end = self.frames, self.frames + mu.shape[2]
         if not finalize and end % block:
@@ -352,6 +351,29 @@ class FlowStream:
         emitted = self.prompt.mel.shape[1] + ratio * self.tokens  # the first frame not returned yet
         self.tokens, self.finished = covered, finalize
         return x[:, :, emitted - first:]
+
+    def peek(self, tokens: Sequence[int]) -> np.ndarray:
+        """The mel (1, 80, n) of a non-final chunk that ends inside a DiT block (a first chunk of
+        `ChunkPolicy.first_chunk_tokens`): the frames after the first `self.tokens` tokens, up to N - 3,
+        solved against the caches (the prompt's prefix on) and not kept, since the cut block's frames
+        change once the block is whole. The stream stays where it was: its next `push` runs that block
+        again. The frames equal the block-causal re-run over every frame (the same argument as `push`)."""
+        if self.finished:
+            raise ValueError("this flow stream is finalized already")
+        flow, ratio = self.flow, self.flow.dims.token_mel_ratio
+        self._start()
+        kept, first = list(self.caches), self.frames
+        mu, spks = flow.encode(flow.tokens_with_prompt(tokens, self.prompt, finalize=False), first // ratio,
+                               self.prompt, finalize=False)
+        x = self.advance(mu, spks, block_frames=flow.dims.dit_block_frames)
+        self.caches, self.frames = kept, first
+        return x[:, :, self.prompt.mel.shape[1] + ratio * self.tokens - first:]
+
+    def _start(self) -> None:
+        """Before the first chunk: start after the prompt's prefix (`Flow.prefix`)."""
+        if not self.frames:
+            prefix = self.flow.prefix(self.prompt)
+            self.frames, self.caches = prefix.frames, [dict(step) for step in prefix.caches]
 
     def advance(self, mu: np.ndarray, spks: np.ndarray, *, block_frames: int,
                 pause: Callable[[], None] | None = None) -> np.ndarray:

@@ -26,6 +26,7 @@ from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.synthesis import AudioChunk, ChunkPolicy, Mode
+from cosyvoice_runtime.token2wav import N_TIMESTEPS
 
 if TYPE_CHECKING:
     from cosyvoice_serve import Engine
@@ -135,10 +136,31 @@ def test_the_first_chunk_comes_sooner_with_seams_no_worse_than_upstreams(
 
 def test_cache_gives_reruns_samples_with_a_cut_first_chunk(voice: CosyVoice3,
                                                            case: tuple[list[int], PromptFeatures]) -> None:
+    """The cut first chunk runs its frames after the prompt's flow prefix only, as a first chunk on
+    upstream's schedule does, and gives the re-run's mel to float rounding."""
     tokens, prompt = case
+    flow = voice.synth.flow
+    prefix = flow.prefix(prompt).frames
+    assert prefix > 0
+    estimator, frames_run = flow.estimator, []
+
+    def recording(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        frames_run.append(feeds["x"].shape[2])
+        return infer(feeds)
+
+    infer = estimator.infer
     policies = [ChunkPolicy(flow=flow, first_chunk_tokens=FIRST) for flow in ("cache", "rerun")]  # type: ignore[arg-type]
-    runs = [list(voice.synth.stream_tokens(tokens, prompt, policy=policy)) for policy in policies]
-    assert _digests(runs[0])[0] == _digests(runs[1])[0]  # the cut chunk runs as the re-run does
+    try:
+        estimator.infer = recording  # type: ignore[method-assign]
+        cached = voice.synth.stream_tokens(tokens, prompt, policy=policies[0])
+        first = next(cached)
+        calls = list(frames_run)
+        runs = [[first, *cached], list(voice.synth.stream_tokens(tokens, prompt, policy=policies[1]))]
+    finally:
+        del estimator.infer
+    end = prompt.mel.shape[1] + flow.dims.token_mel_ratio * FIRST
+    assert calls == [end - prefix] * N_TIMESTEPS
+    assert np.abs(runs[0][0].mel - runs[1][0].mel).max() < 1e-4
     got, want = (np.concatenate([c.samples for c in run]) for run in runs)
     assert np.abs(got - want).mean() < 2e-3  # the vocoder's tolerance, as test_flow_stream_cache
 
