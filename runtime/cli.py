@@ -181,8 +181,9 @@ def _tune(model: Path | None, verify: bool) -> None:
         if choice.default:
             click.echo(f"model: {choice.origin}", err=True)
         bundle = RuntimeBundle.open(choice.path, verify=verify)
-        path = tune(bundle, on_result=lambda graph, s, seconds: click.echo(
-            f"{graph}: {s.optimization}, {s.threads} thread(s): {seconds * 1e3:.1f} ms", err=True))
+        path = tune(bundle, on_result=lambda graph, s, seconds, ratio: click.echo(
+            f"{graph}: {s.optimization}, {s.threads} thread(s): {seconds * 1e3:.1f} ms, {ratio:.2f}x the "
+            "default", err=True))
     for graph, setting in read_tuning(bundle.root).items():
         click.echo(f"{graph}: {setting.optimization}, {setting.threads} thread(s)")
     click.echo(f"wrote {path}")

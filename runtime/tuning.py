@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from cosyvoice_graphs import Case, GraphSpec
 
@@ -29,8 +31,8 @@ from .runners.ort_settings import (
 )
 
 MARGIN = 0.03
-"""How much faster than the default level on every usable CPU a setting must be to be chosen instead:
-less is within the noise of a few calls, and the default is the one the goldens are made with."""
+"""How much faster than the default setting (its level on every usable CPU) a setting must be to be chosen
+instead: less is within the noise of a few calls, and the default is the one the goldens are made with."""
 
 
 def thread_counts(cpus: int) -> tuple[int, ...]:
@@ -49,44 +51,60 @@ def opt_case(spec: GraphSpec) -> Case:
     return Case({name: r.opt for name, r in spec.dims.items()})
 
 
-def tune(bundle: RuntimeBundle, *, repeats: int = 3, threads: Sequence[int] | None = None,
-         on_result: Callable[[str, OrtSettings, float], None] = lambda *_: None) -> Path:
+def tune(bundle: RuntimeBundle, *, repeats: int = 5, threads: Sequence[int] | None = None,
+         on_result: Callable[[str, OrtSettings, float, float], None] = lambda *_: None) -> Path:
     """Time every graph that runs on onnxruntime's CPU provider at each optimisation level and thread count
-    (`thread_counts(usable_cpus())` unless given), at its spec's optimisation point, and write the fastest
-    setting per graph (the default one unless `MARGIN` faster) to the bundle's tuning file; returns its
-    path. A setting's figure is the median of `repeats` calls after a warm-up; the candidates are taken in
-    turn and then in reverse order and the better pass kept, so that a load that drifts during the tuning
-    favours none. `on_result` gets every figure."""
+    (`thread_counts(usable_cpus())` unless given), at its spec's optimisation point, against its default
+    setting, and write per graph the setting with the smallest ratio to the default (the default unless
+    `MARGIN` faster) to the bundle's tuning file; returns its path.
+
+    Each candidate runs beside a session of the default, their calls interleaved (`repeats` pairs after a
+    warm-up, the order alternating), and its figure is the median of the pairs' time ratios: both sides of
+    a pair share whatever else the machine is doing, so a load that drifts during the tuning favours no
+    candidate, and only two sessions of a graph are open at once. `on_result` gets every candidate's median
+    seconds and ratio."""
     counts = tuple(threads) if threads is not None else thread_counts(usable_cpus())
-    candidates = [OrtSettings(level, n) for level in OPTIMIZATION for n in counts]
     files = graph_files(bundle.root)
     graphs: dict[str, Any] = {}
     for graph, spec in bundle.specs.items():
         if on_openvino(bundle, graph, CPU):
             continue
         feeds = spec.sample_inputs(opt_case(spec))
-        seconds: dict[OrtSettings, float] = {}
-        for order in (candidates, candidates[::-1]):
-            for setting in order:
-                with OrtRunner(bundle.graph_path(graph), spec, CPU, threads=setting.threads,
-                               optimization=setting.optimization) as runner:
-                    runner.infer(feeds)
-                    times = []
-                    for _ in range(repeats):
-                        start = time.perf_counter()
-                        runner.infer(feeds)
-                        times.append(time.perf_counter() - start)
-                figure = statistics.median(times)
-                seconds[setting] = min(seconds.get(setting, figure), figure)
-                on_result(graph, setting, figure)
-        best = min(seconds, key=seconds.__getitem__)
         default = OrtSettings(DEFAULT_SETTINGS.get(graph, FALLBACK).optimization, max(counts))
-        if default in seconds and seconds[best] > seconds[default] * (1 - MARGIN):
+        ratios = {default: 1.0}
+        with _runner(bundle, graph, default) as base:
+            base.infer(feeds)
+            for setting in (OrtSettings(level, n) for level in OPTIMIZATION for n in counts):
+                if setting == default:
+                    continue
+                with _runner(bundle, graph, setting) as runner:
+                    runner.infer(feeds)
+                    pairs = [_timed_pair(base, runner, feeds, flip=k % 2 == 1) for k in range(repeats)]
+                ratios[setting] = statistics.median(t / b for b, t in pairs)
+                on_result(graph, setting, statistics.median(t for _, t in pairs), ratios[setting])
+        best = min(ratios, key=ratios.__getitem__)
+        if ratios[best] > 1 - MARGIN:
             best = default
-        figures = {f"{s.optimization}/{s.threads}": round(t, 6) for s, t in seconds.items()}
+        figures = {f"{s.optimization}/{s.threads}": round(r, 4) for s, r in ratios.items()}
         graphs[graph] = {**asdict(best), "file": files[graph], "point": dict(opt_case(spec).dims),
-                         "seconds": figures}
+                         "default": asdict(default), "ratio_to_default": figures}
     path = bundle.root / TUNING_FILE
     write_json_atomic(path, {"format": TUNING_FORMAT, "version": TUNING_VERSION, "machine": machine(),
                              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "graphs": graphs})
     return path
+
+
+def _runner(bundle: RuntimeBundle, graph: str, setting: OrtSettings) -> OrtRunner:
+    return OrtRunner(bundle.graph_path(graph), bundle.specs[graph], CPU, threads=setting.threads,
+                     optimization=setting.optimization)
+
+
+def _timed_pair(base: OrtRunner, other: OrtRunner, feeds: Mapping[str, np.ndarray], *, flip: bool
+                ) -> tuple[float, float]:
+    """Seconds of one call of `base` and one of `other`, back to back (`other` first when `flip`)."""
+    times = {}
+    for runner in (other, base) if flip else (base, other):
+        start = time.perf_counter()
+        runner.infer(feeds)
+        times[id(runner)] = time.perf_counter() - start
+    return times[id(base)], times[id(other)]

@@ -117,7 +117,8 @@ def test_cli_tune_writes_a_file_the_runner_uses(copy: Path, monkeypatch: pytest.
     data = json.loads((copy / TUNING_FILE).read_text())
     for graph, setting in tuned.items():
         assert setting.threads == 1 and setting.optimization in OPTIMIZATION
-        assert set(data["graphs"][graph]["seconds"]) == {f"{level}/1" for level in OPTIMIZATION}
+        assert set(data["graphs"][graph]["ratio_to_default"]) == {f"{level}/1" for level in OPTIMIZATION}
+        assert data["graphs"][graph]["ratio_to_default"][f"{DEFAULT_SETTINGS[graph].optimization}/1"] == 1.0
         assert f"{graph}: {setting.optimization}, 1 thread(s)" in result.stdout
         with open_runner(bundle, graph) as runner:
             assert session_settings(runner) == (setting.optimization, 1)
