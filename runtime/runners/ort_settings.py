@@ -50,9 +50,9 @@ DEFAULT_SETTINGS: dict[str, OrtSettings] = {
     "hift_decoder": OrtSettings("all"),
 }
 """Per graph, what the runtime uses on the CPU without a tuning file. `all` everywhere: on a Zen 4 EPYC
-(AVX-512, VNNI, 2 cores) no other level was faster for any graph of the fp32 and int8 bundles, and `all`
-runs the int8 LLM's decode step 1.3-2x faster (its quantised matmuls are fused only there); every level
-A/B in one process, docs/performance-log.md, "Per-graph onnxruntime settings"."""
+(AVX-512, VNNI, 2 cores) no other level was clearly faster for any graph of the fp32 and int8 bundles
+(the LLM's decode step within 6% at every level, the int8 DiT's 10% slower at `disable` and `basic`); every
+level A/B in one process, docs/performance-log.md, "Per-graph onnxruntime settings"."""
 FALLBACK = OrtSettings("all")
 """For a graph the table does not name, and for the GPU providers."""
 
