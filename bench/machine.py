@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from cosyvoice_runtime.runners.ort_settings import usable_cpus
+
 CPU_FLAGS = ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
              "amx_tile", "amx_int8", "amx_bf16", "asimd", "sve")
 """The SIMD features that decide CPU matmul speed, reported where /proc/cpuinfo lists them."""
@@ -74,14 +76,6 @@ def _version(package: str) -> str | None:
         return version(package)
     except PackageNotFoundError:
         return None
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask), the default thread count."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def _cpuinfo() -> dict[str, str]:
