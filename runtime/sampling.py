@@ -86,6 +86,16 @@ def draw_index(weights: np.ndarray, u: float) -> int:
     return index
 
 
+def top_order(probs: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the `k` largest of `probs` (V,), descending, ties in id order: the first `k` of torch's
+    stable descending sort, without sorting all V (a decode step's hot path)."""
+    if k >= probs.shape[0]:
+        return np.argsort(-probs, kind="stable")
+    kth = np.partition(probs, probs.shape[0] - k)[probs.shape[0] - k]  # the k-th largest value
+    candidates = np.flatnonzero(probs >= kth)  # ascending ids: every tie at the k-th value is in
+    return candidates[np.argsort(-probs[candidates], kind="stable")][:k]
+
+
 def ras_sample(logp: np.ndarray, history: Sequence[int], cfg: RasConfig, generator: np.random.Generator
                ) -> int:
     """Repetition-aware sampling (VALL-E 2) as upstream's `ras_sampling`, with explicit uniforms.
@@ -97,7 +107,7 @@ def ras_sample(logp: np.ndarray, history: Sequence[int], cfg: RasConfig, generat
     """
     scores = np.asarray(logp, dtype=np.float32)  # (V,)
     probs = softmax(scores)
-    order = np.argsort(-probs, kind="stable")  # descending, ties in id order (torch's stable sort)
+    order = top_order(probs, cfg.top_k)
     sorted_probs = probs[order]
     n = nucleus_size(sorted_probs, cfg.top_p, cfg.top_k)
     token = int(order[draw_index(sorted_probs[:n], generator.random())])

@@ -22,7 +22,7 @@ from torch import Tensor
 from cosyvoice_export.config import LLMConfig, RASConfig, full_size, tiny
 from cosyvoice_export.nets.llm import CosyVoice3LM, init_random_
 from cosyvoice_export.reference.llm_decode import GreedySampler, RasSampler, generate_speech_tokens
-from cosyvoice_runtime.sampling import SILENT_TOKENS, SilentTokenLimiter, nucleus_size, ras_sample
+from cosyvoice_runtime.sampling import SILENT_TOKENS, SilentTokenLimiter, nucleus_size, ras_sample, top_order
 from cosyvoice_runtime.sampling import RasConfig as RuntimeRasConfig
 
 MANIFEST = Path(__file__).parent / "data" / "upstream_manifest" / "llm.tsv"
@@ -155,6 +155,18 @@ def test_nucleus_includes_the_crossing_token_and_caps_at_top_k() -> None:
     assert nucleus_size(f32([0.4, 0.4, 0.2]), 0.8, 25) == 2  # total == top_p stops
     assert nucleus_size(np.full((100,), 0.01, dtype=np.float32), 0.8, 25) == 25
     assert nucleus_size(f32([0.5, 0.2, 0.15, 0.1, 0.05]), 0.8, 2) == 2
+
+
+def test_top_order_is_the_head_of_torchs_stable_descending_sort() -> None:
+    rng = np.random.default_rng(0)
+    for trial in range(600):
+        vocab = 6761 if trial % 2 else int(rng.integers(1, 60))
+        k = int(rng.integers(1, 40))
+        probs = [rng.random(vocab), rng.integers(0, 4, vocab) / 3, np.where(rng.random(vocab) < 0.5, 0,
+                                                                          rng.random(vocab))][trial % 3]
+        probs = torch.from_numpy(probs.astype(np.float32))
+        want = torch.sort(probs, descending=True, stable=True).indices[:k].numpy()
+        assert np.array_equal(top_order(probs.numpy(), k), want), (vocab, k)
 
 
 def test_ras_draws_only_from_the_nucleus() -> None:
