@@ -7,6 +7,9 @@ It names one of three things:
 - `graph=precision,...`: each graph named (by its name, or an alias of `GRAPH_ALIASES`) in that precision,
   which its spec must bound; the others fp32.
 
+An optional graph (`OPTIONAL_SPECS`: `llm_prefill`) is in the bundle only where a profile or a list names it,
+in a reduced precision.
+
 The manifest records the plan's `name` as the bundle's precision and each graph's own precision beside it.
 """
 
@@ -16,10 +19,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .precision import FP32, INT4, INT8, PRECISIONS, Precision
-from .registry import SPECS
+from .registry import OPTIONAL_SPECS, SPECS
 from .spec import GraphSpec
 
 GRAPH_ALIASES: dict[str, tuple[str, ...]] = {
+    "prefill": ("llm_prefill",),
     "dit": ("flow_estimator_cached",),
     "encoder": ("flow_encoder",),
     "hift": ("hift_f0", "hift_decoder"),
@@ -28,7 +32,7 @@ GRAPH_ALIASES: dict[str, tuple[str, ...]] = {
 
 PROFILES: dict[str, dict[str, str]] = {
     # the fastest gated CPU bodies measured on the full-size random bundle (docs/performance-log.md)
-    "cpu-fast": {"llm": INT4.name, "flow_estimator_cached": INT8.name},
+    "cpu-fast": {"llm": INT4.name, "llm_prefill": INT8.name, "flow_estimator_cached": INT8.name},
 }
 """Named precisions per graph (graphs not named are fp32)."""
 
@@ -67,7 +71,7 @@ class PrecisionPlan:
             key, sep, precision = (part.strip() for part in item.partition("="))
             if not sep or not key or not precision:
                 raise PrecisionPlanError(f"--precision: {item.strip()!r} is not graph=precision")
-            if key not in SPECS and key not in GRAPH_ALIASES:
+            if key not in SPECS and key not in OPTIONAL_SPECS and key not in GRAPH_ALIASES:
                 raise PrecisionPlanError(f"--precision: unknown graph {key!r}; known: "
                                          f"{', '.join(_graph_keys())}")
             if precision not in PRECISIONS:
@@ -77,8 +81,9 @@ class PrecisionPlan:
                 if graph in graphs:
                     raise PrecisionPlanError(f"--precision: {graph} is given a precision twice")
                 graphs[graph] = precision
-        name = ",".join(f"{g}={graphs[g]}" for g in SPECS if g in graphs)
-        return cls(name, None, {g: graphs[g] for g in SPECS if g in graphs})
+        order = (*SPECS, *OPTIONAL_SPECS)
+        name = ",".join(f"{g}={graphs[g]}" for g in order if g in graphs)
+        return cls(name, None, {g: graphs[g] for g in order if g in graphs})
 
     @property
     def named(self) -> tuple[Precision, ...]:
@@ -87,6 +92,11 @@ class PrecisionPlan:
         names = (self.bundle,) if self.bundle is not None else tuple(dict.fromkeys(self.graphs.values()))
         return tuple(PRECISIONS[n] for n in names)
 
+    @property
+    def graph_names(self) -> tuple[str, ...]:
+        """The graphs of a bundle of this plan: `SPECS` in pipeline order, then the optional ones it names."""
+        return (*SPECS, *(g for g in OPTIONAL_SPECS if g in self.graphs))
+
     def precision_of(self, s: GraphSpec) -> str:
         """The name of graph `s`'s precision under this plan."""
         if self.bundle is not None:
@@ -94,13 +104,16 @@ class PrecisionPlan:
         return self.graphs.get(s.name, FP32.name)
 
     def check(self, specs: Mapping[str, GraphSpec]) -> None:
-        """Refuse (one line) a graph given a precision its spec does not bound."""
+        """Refuse (one line) a graph given a precision its spec does not bound (an optional graph has no
+        fp32 body: it exists to be faster than its graph)."""
         for graph, precision in self.graphs.items():
-            bounded = (FP32.name, *specs[graph].precision_tolerances)
+            optional = graph in OPTIONAL_SPECS
+            bounded = (*(() if optional else (FP32.name,)), *specs[graph].precision_tolerances)
             if precision not in bounded:
+                note = " (an optional graph)" if optional else ""
                 raise PrecisionPlanError(f"--precision {self.name}: {graph} has no {precision} body; its "
-                                         f"spec bounds {', '.join(bounded)}")
+                                         f"spec bounds {', '.join(bounded)}{note}")
 
 
 def _graph_keys() -> tuple[str, ...]:
-    return (*SPECS, *GRAPH_ALIASES)
+    return (*SPECS, *OPTIONAL_SPECS, *GRAPH_ALIASES)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,16 @@ top-25 error 8.2, 99 of 201 greedy ids different, log-probs 0.33 and caches 0.66
 0.094, 2.1, 58; 0.095, 0.32); blocks of 64 or 128 and zero points were further off. The bounds keep 1.3x
 to 1.5x that: they catch a broken conversion, not a loss a trained LLM would show, which needs its own
 figures."""
+PREFILL_INT8_LOGP = Tolerance("rel_max_abs", 2e-1)
+PREFILL_INT8_CACHE = Tolerance("rel_max_abs", 3e-1)
+"""`llm_prefill`'s int8 (activations quantized per tensor, where `llm`'s int8 has a scale per 32 channels):
+measured against the fp32 graph on the full-size random bundle, log-probs at most 9.2e-2 and caches 1.65e-1
+of their scale over the spec's cases and a 242-position prefill."""
+PREFILL_INT8_DECODE_GATES = DecodeGates("logp", steps=200, mean_kl=7e-2, top_k=25, top_logp_error=2.0,
+                                        greedy_mismatches=45)
+"""`llm_prefill`'s int8 gates, run as `llm`'s are (its prefill and all 200 steps on it, though the runtime
+only prefills on it): measured on the full-size random bundle, mean KL 0.048, top-25 error 1.54, 31 of 201
+greedy ids different (`llm`'s int8: 0.0069, 0.59, 12; its int4: 0.69, 8.2, 99); the bounds keep ~1.5x."""
 INT8_VELOCITY = Tolerance("rel_max_abs", 5e-2)
 BF16_DIT = Tolerance("rel_max_abs", 3e-2)
 """bf16 keeps 8 significant bits, and OpenVINO runs nearly the whole DiT in it (matmuls, LayerNorms,
@@ -146,6 +156,26 @@ def llm_spec(d: ModelDims) -> GraphSpec:
                               INT4.name: {o.name: INT4_LOGP if o.name == "logp" else INT4_CACHE
                                           for o in outputs}},
         decode_gates={INT8.name: INT8_DECODE_GATES, INT4.name: INT4_DECODE_GATES},
+    )
+
+
+def llm_prefill_spec(d: ModelDims) -> GraphSpec:
+    """`llm` again, for its calls over many new positions (a request's prefill): the same function and
+    I/O, in a body that is fastest there. Optional (`OPTIONAL_SPECS`): a bundle has it where its
+    precision plan names it, and the runtime then runs every call over more than one new position on it
+    and the decode steps on `llm` (the caches pass from one to the other as they are).
+
+    Its only body is int8 with onnxruntime's dynamic quantization (`DynamicQuantizeMatMul`: int8
+    weights per output channel, activations per tensor), whose integer GEMM runs a prefill's hundreds of
+    rows near the CPU's int8 rate, where the decode graph's `MatMulNBits` runs them at a third of it
+    (docs/performance-log.md); for one row it is slower, hence the decode stays on `llm`."""
+    llm = llm_spec(d)
+    prefill = {o.name: PREFILL_INT8_LOGP if o.name == "logp" else PREFILL_INT8_CACHE for o in llm.outputs}
+    return replace(
+        llm, name="llm_prefill", doc=llm_prefill_spec.__doc__ or "",
+        # tuned (TensorRT's opt, `cosyvoice-run --tune`) for a prefill: prompt and sentence, nothing cached
+        dims={"new_len": DimRange(1, 250, 1024), "past_len": DimRange(0, 0, 2048)},
+        precision_tolerances={INT8.name: prefill}, decode_gates={INT8.name: PREFILL_INT8_DECODE_GATES},
     )
 
 
@@ -312,14 +342,20 @@ SPECS: dict[str, Callable[[ModelDims], GraphSpec]] = {
     "hift_f0": hift_f0_spec,
     "hift_decoder": hift_decoder_spec,
 }
-"""Every graph of a runtime bundle, in pipeline order."""
+"""The graphs of every runtime bundle, in pipeline order."""
+OPTIONAL_SPECS: dict[str, Callable[[ModelDims], GraphSpec]] = {
+    "llm_prefill": llm_prefill_spec,
+}
+"""The graphs a bundle has only where its precision plan names them: second bodies of another graph's
+function, faster for some of its calls."""
 
 
 def spec(name: str, dims: ModelDims) -> GraphSpec:
     """The spec of graph `name` for a model of `dims`."""
-    if name not in SPECS:
-        raise KeyError(f"unknown graph {name!r}; known: {', '.join(SPECS)}")
-    return SPECS[name](dims)
+    known = SPECS | OPTIONAL_SPECS
+    if name not in known:
+        raise KeyError(f"unknown graph {name!r}; known: {', '.join(known)}")
+    return known[name](dims)
 
 
 def metadata(s: GraphSpec, dims: ModelDims, extra: dict[str, Any] | None = None) -> dict[str, str]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cosyvoice_graphs import SPECS, GraphSpec, ModelDims, Precision, spec
+from cosyvoice_graphs import OPTIONAL_SPECS, SPECS, GraphSpec, ModelDims, Precision, spec
 from cosyvoice_graphs.bundle_layout import FORMAT, FORMAT_VERSION, MANIFEST
 from cosyvoice_graphs.manifest import (
     FRONTEND_MODELS,
@@ -63,8 +63,8 @@ class RuntimeBundle:
     @classmethod
     def open(cls, root: Path | str, *, verify: bool = False) -> RuntimeBundle:
         """Read and check `root/manifest.json`: its format, version and shape (`Manifest.from_json`), one
-        graph per registered spec at our spec version, and every listed file present with its recorded
-        size.
+        graph per registered spec (and optional ones: `OPTIONAL_SPECS`) at our spec version, and every listed
+        file present with its recorded size.
 
         `verify` also re-hashes every file against the manifest's sha256 (seconds for a full model).
         """
@@ -75,9 +75,11 @@ class RuntimeBundle:
         except ManifestError as e:
             raise RuntimeBundleError(str(e)) from None
         graphs = manifest.graphs
-        if set(graphs) != set(SPECS):
-            raise RuntimeBundleError(f"{where}: graphs are {sorted(graphs)}, expected {sorted(SPECS)}")
-        specs = {name: spec(name, manifest.model.dims) for name in SPECS}
+        if not set(SPECS) <= set(graphs) <= set(SPECS) | set(OPTIONAL_SPECS):
+            raise RuntimeBundleError(f"{where}: graphs are {sorted(graphs)}, expected {sorted(SPECS)} and "
+                                     f"optionally {sorted(OPTIONAL_SPECS)}")
+        specs = {name: spec(name, manifest.model.dims) for name in (*SPECS, *OPTIONAL_SPECS)
+                 if name in graphs}
         for name, s in specs.items():
             entry = graphs[name]
             if entry.spec_name != name or entry.spec_version != s.version:

@@ -45,10 +45,12 @@ class SpeechTokenLM:
 
     def __init__(self, runner: Runner, text_embedding: np.ndarray,
                  speech_embedding: np.ndarray, *, sos: int, task_id: int, endofprompt_id: int,
-                 speech_token_size: int) -> None:
+                 speech_token_size: int, prefill: Runner | None = None) -> None:
         """`text_embedding` (text vocab, C) and `speech_embedding` (speech vocab, C) are the bundle's
-        tables; sos and task_id are rows of the latter."""
+        tables; sos and task_id are rows of the latter. `prefill` (the bundle's `llm_prefill`, where it has
+        one) runs the calls over more than one new position, `runner` the rest."""
         self.runner = runner
+        self.prefill = prefill
         self.spec = runner.spec
         self.text_embedding = text_embedding
         self.speech_embedding = speech_embedding
@@ -78,9 +80,11 @@ class SpeechTokenLM:
         """One graph call: embeds (1, T, C) + `past_*` -> logp (V,) at the last position, next `past_*`.
 
         The cache stays where the runner keeps it (`Runner.infer_kept`: on onnxruntime, where the
-        session computed it, so on a GPU it never crosses to the host)."""
+        session computed it, so on a GPU it never crosses to the host). A call over several positions runs
+        on the prefill graph where there is one: same I/O, so its caches feed the next step as they are."""
+        runner = self.prefill if self.prefill is not None and embeds.shape[1] > 1 else self.runner
         feeds = {"inputs_embeds": embeds, **cache}
-        out, kept = self.runner.infer_kept(feeds, keep=[present for _, present in self.pairs])
+        out, kept = runner.infer_kept(feeds, keep=[present for _, present in self.pairs])
         return out["logp"][0], {past: kept[present] for past, present in self.pairs}
 
     def decode(self, request: LlmRequest, sampler: Sampler, *, max_tokens: int | None = None,

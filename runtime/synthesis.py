@@ -242,7 +242,7 @@ class Synthesizer:
         r = self._runners
         self.lm = SpeechTokenLM(r["llm"], bundle.table(TEXT_EMBEDDING), bundle.table(SPEECH_EMBEDDING),
                                 sos=bundle.sos, task_id=bundle.task_id, endofprompt_id=bundle.endofprompt_id,
-                                speech_token_size=self.dims.speech_token_size)
+                                speech_token_size=self.dims.speech_token_size, prefill=r.get("llm_prefill"))
         self.flow = Flow(r["flow_encoder"], r["flow_estimator_cached"], bundle.table(FLOW_NOISE), self.dims,
                          prefix_cache_bytes=flow_prefix_bytes)
         self.vocoder = Vocoder(r["hift_f0"], r["hift_decoder"], bundle.uniform_noise(SINE_NOISE), self.dims,

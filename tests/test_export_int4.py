@@ -1,6 +1,7 @@
-"""`cosyvoice-export all --precision llm=int4,dit=int8`: a bundle of mixed precisions. The llm's weight
-matmuls in 4 bits (`MatMulNBits` bits=4), validated with its int4 bounds and decode gates, the DiT in int8
-with its solve gates, the other graphs float32; each graph's precision recorded in the manifest and its
+"""`cosyvoice-export all --precision llm=int4,prefill=int8,dit=int8`: a bundle of mixed precisions. The llm's
+weight matmuls in 4 bits (`MatMulNBits` bits=4), validated with its int4 bounds and decode gates, its prefill
+body (`llm_prefill`) in int8 with onnxruntime's dynamic quantization, the DiT in int8 with its solve gates,
+the other graphs float32; each graph's precision recorded in the manifest and its
 metadata, and each opened in its own by the runtime. Refusals of what `--precision` cannot give come before
 any work."""
 
@@ -29,24 +30,26 @@ from cosyvoice_export.onnx.runtime_bundle import MANIFEST, export_all
 from cosyvoice_export.onnx.trt import TrtUnavailable
 from cosyvoice_golden.cases import Bounds, loosest
 from cosyvoice_golden.cli import main as golden_main
-from cosyvoice_graphs import SPECS, ModelDims, spec
+from cosyvoice_graphs import OPTIONAL_SPECS, SPECS, ModelDims, spec
 from cosyvoice_graphs.bundle_layout import PROMPT_TEXT, PROMPT_WAV
 from cosyvoice_runtime.bundle import RuntimeBundle, read_onnx_metadata
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.runners import open_runner
 
 DIT = "flow_estimator_cached"
-MIXED = "llm=int4,flow_estimator_cached=int8"
-PRECISIONS = {**dict.fromkeys(SPECS, "fp32"), "llm": "int4", DIT: "int8"}
+PLAN = "llm=int4,prefill=int8,dit=int8"
+MIXED = "llm=int4,flow_estimator_cached=int8,llm_prefill=int8"
+PRECISIONS = {**dict.fromkeys(SPECS, "fp32"), "llm": "int4", DIT: "int8", "llm_prefill": "int8"}
 
 
 @pytest.fixture(scope="module")
 def mixed_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("runtime") / "tiny-mixed"
     result = CliRunner().invoke(main, ["all", "--model-dir", str(tiny_bundle), "--out", str(out),
-                                       "--precision", "llm=int4,dit=int8"])
+                                       "--precision", PLAN])
     assert result.exit_code == 0, result.output
     assert "llm [int4 decode]" in result.output and f"{DIT} [int8 solve]" in result.output
+    assert "llm_prefill [int8 decode]" in result.output
     assert "[INFO]" not in result.output and "WARNING" not in result.output  # no quantizer chatter
     return out
 
@@ -92,10 +95,60 @@ def test_the_llm_projections_are_4_bit_matmulnbits(mixed_bundle: Path) -> None:
     assert any(n.op_type == "MatMulInteger" for n in dit.graph.node)
 
 
+def test_the_prefill_body_is_the_llm_with_dynamically_quantized_matmuls(mixed_bundle: Path) -> None:
+    manifest = json.loads((mixed_bundle / MANIFEST).read_text())
+    entry = manifest["graphs"]["llm_prefill"]
+    assert entry["file"] == "graphs/llm_prefill.onnx"
+    meta = read_onnx_metadata(mixed_bundle / entry["file"])
+    assert meta["spec_name"] == "llm_prefill"
+    assert meta["int8_scheme"] == quantize.SCHEMES["int8"]["llm_prefill"].describe()
+    assert meta["int8_scheme"].startswith("DynamicQuantizeMatMul ")
+    gates = entry["validation"]["gates"]
+    assert {m: g["bound"] for m, g in gates.items()} == spec("llm_prefill", tiny_dims()).decode_gates[
+        "int8"].bounds()
+    assert all(g["passed"] for g in gates.values())
+    model = onnx.load(str(mixed_bundle / entry["file"]))
+    ops = {n.op_type for n in model.graph.node}
+    assert "MatMulInteger" in ops and "MatMulNBits" not in ops
+    inits = {t.name: t for t in model.graph.initializer}
+    float_matmuls = [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm")
+                     and any(i in inits and inits[i].data_type == TensorProto.FLOAT for i in n.input)]
+    assert float_matmuls == ["/llm_decoder/MatMul"]
+
+
+def test_the_runtime_prefills_on_the_prefill_body_and_decodes_on_the_llm(mixed_bundle: Path) -> None:
+    """Every call over several positions goes to `llm_prefill`, every decode step to `llm`, which takes
+    the prefill's caches as they are."""
+    from cosyvoice_runtime import CosyVoice3
+    from cosyvoice_runtime.synthesis import Mode
+
+    voice = CosyVoice3(RuntimeBundle.open(mixed_bundle), threads=1)
+    lm = voice.synth.lm
+    calls: list[tuple[str, int]] = []
+    for name, runner in (("llm", lm.runner), ("llm_prefill", lm.prefill)):
+        assert runner is not None
+        infer = runner.infer_kept
+
+        def logged(feeds, keep, name=name, infer=infer):  # type: ignore[no-untyped-def]
+            calls.append((name, feeds["inputs_embeds"].shape[1]))
+            return infer(feeds, keep)
+        runner.infer_kept = logged  # type: ignore[method-assign]
+    try:
+        (piece,) = voice.segments(Mode.ZERO_SHOT, "Hello there.", prompt_text="A prompt.<|endofprompt|>")
+        prompt = voice.prompt_features(mixed_bundle / PROMPT_WAV)
+        speech = voice.speak(piece, prompt, Mode.ZERO_SHOT, stream=False, max_tokens=6, ignore_stop=True)
+        (chunk,) = list(speech)
+    finally:
+        voice.close()
+    assert calls[0][0] == "llm_prefill" and calls[0][1] > 1
+    assert calls[1:] == [("llm", 1)] * 5  # the prefill samples the first token
+    assert np.isfinite(chunk.samples).all() and len(speech.speech_tokens) == 6
+
+
 def test_the_runtime_opens_each_graph_in_its_precision(mixed_bundle: Path, tiny_bundle: Path, tmp_path: Path
                                                        ) -> None:
     bundle = RuntimeBundle.open(mixed_bundle)
-    assert {name: bundle.graph_precision(name).name for name in SPECS} == PRECISIONS
+    assert {name: bundle.graph_precision(name).name for name in bundle.specs} == PRECISIONS
     with open_runner(bundle, "llm", threads=1) as runner:
         assert runner.metadata["precision"] == "int4"
     info = CliRunner().invoke(run_main, ["--model", str(mixed_bundle), "--info"])
@@ -120,7 +173,7 @@ def test_golden_judges_a_mixed_bundle_by_each_precisions_bounds(mixed_bundle: Pa
     golden = ["check", "--model", str(mixed_bundle), "--case", "cross-lingual-en-greedy"]
     refused = CliRunner().invoke(golden_main, golden)
     assert refused.exit_code == 2 and f"(to judge it by tolerance: --precision {MIXED})" in refused.output
-    judged = CliRunner().invoke(golden_main, [*golden, "--precision", "llm=int4,dit=int8"])
+    judged = CliRunner().invoke(golden_main, [*golden, "--precision", PLAN])
     assert judged.exit_code == 1, judged.output
     assert "int4: no tolerance — cases.toml gives no bounds for int4 graphs" in judged.output
     bad = CliRunner().invoke(golden_main, [*golden, "--precision", "llm=int3"])
@@ -157,11 +210,12 @@ def test_cli_refuses_a_plan_in_one_line_before_any_work(tiny_bundle: Path, tmp_p
 
 def test_tensorrt_plans_of_a_4_bit_llm_are_refused(tiny_bundle: Path, tmp_path: Path) -> None:
     with pytest.raises(TrtUnavailable, match=rf"--trt with --precision {MIXED}: int4 graphs run on "):
-        export_all(tiny_bundle, tmp_path / "out", trt=True, precision="llm=int4,dit=int8", progress=False)
+        export_all(tiny_bundle, tmp_path / "out", trt=True, precision=PLAN, progress=False)
     assert not (tmp_path / "out").exists()
 
 
 def test_quantized_bodies_are_exactly_the_specs_with_their_bounds() -> None:
     dims = tiny_dims()
     for precision, schemes in quantize.SCHEMES.items():
-        assert set(schemes) == {n for n in SPECS if precision in spec(n, dims).precision_tolerances}
+        assert set(schemes) == {n for n in (*SPECS, *OPTIONAL_SPECS)
+                                if precision in spec(n, dims).precision_tolerances}

@@ -35,7 +35,7 @@ from cosyvoice_export.onnx.trace import check_contract
 from cosyvoice_export.onnx.trt import TrtUnavailable
 from cosyvoice_export.onnx.validate import GraphValidation, ValidationError
 from cosyvoice_golden.cli import main as golden_main
-from cosyvoice_graphs import SPECS, ModelDims, spec
+from cosyvoice_graphs import OPTIONAL_SPECS, SPECS, ModelDims, spec
 from cosyvoice_graphs.bundle_layout import PROMPT_TEXT, PROMPT_WAV
 from cosyvoice_runtime.bundle import RuntimeBundle, read_onnx_metadata
 from cosyvoice_runtime.cli import main as run_main
@@ -244,4 +244,4 @@ def test_int8_with_tensorrt_plans_is_refused(tiny_bundle: Path, tmp_path: Path) 
 
 def test_every_decode_gated_graph_has_a_sequence() -> None:
     dims = tiny_dims()
-    assert set(SEQUENCES) >= {n for n in SPECS if spec(n, dims).decode_gates}
+    assert set(SEQUENCES) >= {n for n in (*SPECS, *OPTIONAL_SPECS) if spec(n, dims).decode_gates}

@@ -5,53 +5,64 @@ from __future__ import annotations
 
 import pytest
 
-from cosyvoice_graphs import PRECISIONS, SPECS, GraphSpec
+from cosyvoice_graphs import PRECISIONS, SPECS, ModelDims, spec
 from cosyvoice_graphs.precision_plan import GRAPH_ALIASES, PROFILES, PrecisionPlan, PrecisionPlanError
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 
 DIT = "flow_estimator_cached"
-KNOWN_GRAPHS = "llm, flow_encoder, flow_estimator_cached, hift_f0, hift_decoder, dit, encoder, hift"
+KNOWN_GRAPHS = ("llm, flow_encoder, flow_estimator_cached, hift_f0, hift_decoder, llm_prefill, prefill, dit, "
+                "encoder, hift")
 
 
 @pytest.fixture(scope="module")
-def specs() -> dict[str, GraphSpec]:
-    return dict(RuntimeBundle.open(DEMO_BUNDLE).specs)
+def dims() -> ModelDims:
+    return RuntimeBundle.open(DEMO_BUNDLE).dims
 
 
-def _of(plan: PrecisionPlan, specs: dict[str, GraphSpec]) -> dict[str, str]:
+def _of(plan: PrecisionPlan, dims: ModelDims) -> dict[str, str]:
+    """Each graph of a bundle of `plan` -> its precision."""
+    specs = {name: spec(name, dims) for name in plan.graph_names}
     plan.check(specs)
     return {name: plan.precision_of(s) for name, s in specs.items()}
 
 
-def test_a_precision_for_the_bundle_goes_to_every_graph_that_bounds_it(specs: dict[str, GraphSpec]) -> None:
-    assert _of(PrecisionPlan.parse("fp32"), specs) == dict.fromkeys(SPECS, "fp32")
-    assert _of(PrecisionPlan.parse("int8"), specs) == {**dict.fromkeys(SPECS, "fp32"), "llm": "int8",
+def test_a_precision_for_the_bundle_goes_to_every_graph_that_bounds_it(dims: ModelDims) -> None:
+    assert _of(PrecisionPlan.parse("fp32"), dims) == dict.fromkeys(SPECS, "fp32")
+    assert _of(PrecisionPlan.parse("int8"), dims) == {**dict.fromkeys(SPECS, "fp32"), "llm": "int8",
                                                        DIT: "int8"}
     # the DiT has no 4-bit body: under a bundle-wide int4 it stays float32
-    assert _of(PrecisionPlan.parse("int4"), specs) == {**dict.fromkeys(SPECS, "fp32"), "llm": "int4"}
+    assert _of(PrecisionPlan.parse("int4"), dims) == {**dict.fromkeys(SPECS, "fp32"), "llm": "int4"}
     plan = PrecisionPlan.parse("int4")
     assert (plan.name, plan.bundle, plan.named) == ("int4", "int4", (PRECISIONS["int4"],))
 
 
-def test_a_precision_per_graph(specs: dict[str, GraphSpec]) -> None:
+def test_a_precision_per_graph(dims: ModelDims) -> None:
     plan = PrecisionPlan.parse(" dit=int8, llm=int4 ")
     # the manifest's name: full graph names in pipeline order, whatever order and aliases were given
     assert plan.name == "llm=int4,flow_estimator_cached=int8" and plan.bundle is None
-    assert _of(plan, specs) == {**dict.fromkeys(SPECS, "fp32"), "llm": "int4", DIT: "int8"}
+    assert _of(plan, dims) == {**dict.fromkeys(SPECS, "fp32"), "llm": "int4", DIT: "int8"}
     assert [p.name for p in plan.named] == ["int4", "int8"]
     assert PrecisionPlan.parse(plan.name) == plan
     hift = PrecisionPlan.parse("hift_decoder=fp16,llm=fp32")
-    assert _of(hift, specs) == {**dict.fromkeys(SPECS, "fp32"), "hift_decoder": "fp16"}
+    assert _of(hift, dims) == {**dict.fromkeys(SPECS, "fp32"), "hift_decoder": "fp16"}
     assert GRAPH_ALIASES["hift"] == ("hift_f0", "hift_decoder")
 
 
-def test_profiles_name_bounded_precisions(specs: dict[str, GraphSpec]) -> None:
+def test_profiles_name_bounded_precisions(dims: ModelDims) -> None:
     fast = PrecisionPlan.parse("cpu-fast")
     assert (fast.name, fast.bundle) == ("cpu-fast", None)
-    assert _of(fast, specs) == _of(PrecisionPlan.parse("llm=int4,dit=int8"), specs)
+    assert _of(fast, dims) == _of(PrecisionPlan.parse("llm=int4,prefill=int8,dit=int8"), dims)
     for name in PROFILES:
-        PrecisionPlan.parse(name).check(specs)
+        _of(PrecisionPlan.parse(name), dims)
+
+
+def test_an_optional_graph_is_in_a_bundle_only_where_the_plan_names_it(dims: ModelDims) -> None:
+    assert PrecisionPlan.parse("int8").graph_names == tuple(SPECS)  # bundle-wide: no second llm body
+    assert PrecisionPlan.parse("llm=int4,dit=int8").graph_names == tuple(SPECS)
+    plan = PrecisionPlan.parse("prefill=int8,llm=int4")
+    assert plan.name == "llm=int4,llm_prefill=int8" and plan.graph_names == (*SPECS, "llm_prefill")
+    assert _of(plan, dims) == {**dict.fromkeys(SPECS, "fp32"), "llm": "int4", "llm_prefill": "int8"}
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -75,9 +86,13 @@ def test_unknown_names_are_refused_in_one_line(text: str, message: str) -> None:
     ("hift=fp16", "--precision hift_f0=fp16,hift_decoder=fp16: hift_f0 has no fp16 body; its spec bounds "
                   "fp32"),
     ("llm=bf16", "--precision llm=bf16: llm has no bf16 body; its spec bounds fp32, fp16, int8, int4"),
+    ("prefill=int4", "--precision llm_prefill=int4: llm_prefill has no int4 body; its spec bounds int8 (an "
+                     "optional graph)"),
+    ("prefill=fp32", "--precision llm_prefill=fp32: llm_prefill has no fp32 body; its spec bounds int8 (an "
+                     "optional graph)"),
 ])
-def test_a_precision_the_spec_does_not_bound_is_refused(specs: dict[str, GraphSpec], text: str, message: str
+def test_a_precision_the_spec_does_not_bound_is_refused(dims: ModelDims, text: str, message: str
                                                         ) -> None:
     with pytest.raises(PrecisionPlanError) as info:
-        PrecisionPlan.parse(text).check(specs)
+        _of(PrecisionPlan.parse(text), dims)
     assert str(info.value) == message

@@ -56,7 +56,8 @@ def llm_sequence(nets: NetworkSource) -> DecodeSequence:
     return DecodeSequence(prefill[None].astype(np.float32), speech.astype(np.float32), cfg.speech_token_size)
 
 
-SEQUENCES: dict[str, Callable[[NetworkSource], DecodeSequence]] = {"llm": llm_sequence}
+SEQUENCES: dict[str, Callable[[NetworkSource], DecodeSequence]] = {"llm": llm_sequence,
+                                                                    "llm_prefill": llm_sequence}
 """Graph name -> the sequence its decode gates are measured on (every spec with `decode_gates` has one)."""
 
 

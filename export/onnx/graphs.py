@@ -48,6 +48,7 @@ class Networks:
 
 WRAPPERS: dict[str, Callable[[NetworkSource], nn.Module]] = {
     "llm": lambda n: LLMGraph(n.llm),
+    "llm_prefill": lambda n: LLMGraph(n.llm),
     "flow_encoder": lambda n: FlowEncoderGraph(n.flow),
     "flow_estimator_cached": lambda n: FlowEstimatorCachedGraph(n.flow.decoder.estimator),
     "hift_f0": lambda n: HiFTF0Graph(n.hift),

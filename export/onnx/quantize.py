@@ -10,8 +10,9 @@ int8 DiT and int4 LLM):
   `accuracy_level` 4, under which onnxruntime's CPU kernels quantize the activations to int8 per block too
   and multiply in integers. Per-block activation scales keep an outlier in one channel from costing the
   others their precision. int8 and int4 differ only in the bits and the block.
-- `DYNAMIC`, for the DiT estimators in int8, which multiply hundreds of rows at once (compute-bound),
-  where `MatMulNBits`' AVX2 kernels are slower than float32: onnxruntime's dynamic quantization (weights
+- `DYNAMIC`, for the graphs that multiply hundreds of rows at once (compute-bound): the DiT estimators and
+  the llm's prefill body (`llm_prefill`), where `MatMulNBits`' kernels run at a third of the CPU's int8 rate
+  or below float32 (AVX2): onnxruntime's dynamic quantization (weights
   int8 per output channel with 7-bit range, activations uint8 per tensor at run time,
   `DynamicQuantizeMatMul` after graph optimisation). 7 bits because AVX2 without VNNI multiplies u8 x s8
   pairs into saturating 16-bit sums. The DiT has no 4-bit body: its spec bounds no int4.
@@ -83,6 +84,7 @@ _DIT_FP32 = (
 )
 SCHEMES: dict[str, dict[str, Scheme]] = {
     "int8": {"llm": Scheme(NBITS, _LLM_FP32, bits=8, block_size=32),
+             "llm_prefill": Scheme(DYNAMIC, _LLM_FP32),
              "flow_estimator_cached": Scheme(DYNAMIC, _DIT_FP32)},
     # block 32, symmetric: of 32/64/128 (symmetric or with zero points) the closest to fp32 by the decode
     # gates at about the same decode time (docs/performance-log.md, int4 LLM)

@@ -29,7 +29,7 @@ from filelock import FileLock, Timeout
 from torch import nn
 from tqdm import tqdm
 
-from cosyvoice_graphs import PRECISIONS, SPECS, GraphSpec, ModelDims, spec
+from cosyvoice_graphs import PRECISIONS, GraphSpec, ModelDims, spec
 from cosyvoice_graphs.bundle_layout import (
     FLOW_NOISE,
     FRONTEND_DIR,
@@ -649,7 +649,7 @@ def export_all(model_dir: Path | str, out: Path | str, *, llm: str = "base", for
         if record.cpu_provider == OPENVINO:
             require_openvino(record)
     bundle = ModelBundle.open(model_dir, LLM_CHECKPOINTS[llm])
-    plan.check({name: spec(name, model_dims(bundle.config)) for name in SPECS})
+    plan.check({name: spec(name, model_dims(bundle.config)) for name in plan.graph_names})
     if not bundle.checkpoint("llm").is_file():
         raise BundleError(f"{bundle.checkpoint('llm')}: file not found; --llm {llm} exports it "
                           f"(`cosyvoice-export download --llm {llm}` fetches it)")
@@ -698,7 +698,7 @@ def _assemble(bundle: ModelBundle, out: Path, force: bool, plan: PrecisionPlan, 
     _prepare_out(out, plan.name)
     _drop_retired_graphs(out)
     dims = model_dims(bundle.config)
-    specs = {name: spec(name, dims) for name in SPECS}
+    specs = {name: spec(name, dims) for name in plan.graph_names}
     stage("hash sources")
     source_sha = _hash_sources(_source_files(bundle), progress)
     nets = _Networks(bundle)
