@@ -162,8 +162,9 @@ def llm_spec(d: ModelDims) -> GraphSpec:
 def llm_prefill_spec(d: ModelDims) -> GraphSpec:
     """`llm` again, for its calls over many new positions (a request's prefill): the same function and
     I/O, in a body that is fastest there. Optional (`OPTIONAL_SPECS`): a bundle has it where its
-    precision plan names it, and the runtime then runs every call over more than one new position on it
-    and the decode steps on `llm` (the caches pass from one to the other as they are).
+    precision plan names it, and the runtime then runs the calls over many new positions on it (from 4:
+    `cosyvoice_runtime.llm.PREFILL_BODY_FROM`) and the decode steps on `llm` (the caches pass from one to
+    the other as they are).
 
     Its only body is int8 with onnxruntime's dynamic quantization (`DynamicQuantizeMatMul`: int8
     weights per output channel, activations per tensor), whose integer GEMM runs a prefill's hundreds of

@@ -24,6 +24,10 @@ from cosyvoice_graphs import cache_pairs, empty_caches
 from .runners import Feed, Runner
 from .sampling import Sampler, SilentTokenLimiter
 
+PREFILL_BODY_FROM = 4
+"""New positions from which a call runs on the bundle's prefill body (`llm_prefill`) when it has one: on the
+Zen 4 of docs/performance-log.md the int4 `llm` is faster up to 2 positions and the prefill body from 4 on
+(1.5x at 4, 2x from 16)."""
 MIN_TOKEN_TEXT_RATIO = 2.0
 MAX_TOKEN_TEXT_RATIO = 20.0
 
@@ -48,7 +52,7 @@ class SpeechTokenLM:
                  speech_token_size: int, prefill: Runner | None = None) -> None:
         """`text_embedding` (text vocab, C) and `speech_embedding` (speech vocab, C) are the bundle's
         tables; sos and task_id are rows of the latter. `prefill` (the bundle's `llm_prefill`, where it has
-        one) runs the calls over more than one new position, `runner` the rest."""
+        one) runs the calls over `PREFILL_BODY_FROM` new positions or more, `runner` the rest."""
         self.runner = runner
         self.prefill = prefill
         self.spec = runner.spec
@@ -80,9 +84,10 @@ class SpeechTokenLM:
         """One graph call: embeds (1, T, C) + `past_*` -> logp (V,) at the last position, next `past_*`.
 
         The cache stays where the runner keeps it (`Runner.infer_kept`: on onnxruntime, where the
-        session computed it, so on a GPU it never crosses to the host). A call over several positions runs
-        on the prefill graph where there is one: same I/O, so its caches feed the next step as they are."""
-        runner = self.prefill if self.prefill is not None and embeds.shape[1] > 1 else self.runner
+        session computed it, so on a GPU it never crosses to the host). A call over many positions runs on
+        the prefill body where there is one: same I/O, so its caches feed the next step as they are."""
+        many = embeds.shape[1] >= PREFILL_BODY_FROM
+        runner = self.prefill if self.prefill is not None and many else self.runner
         feeds = {"inputs_embeds": embeds, **cache}
         out, kept = runner.infer_kept(feeds, keep=[present for _, present in self.pairs])
         return out["logp"][0], {past: kept[present] for past, present in self.pairs}

@@ -32,9 +32,12 @@ from cosyvoice_golden.cases import Bounds, loosest
 from cosyvoice_golden.cli import main as golden_main
 from cosyvoice_graphs import OPTIONAL_SPECS, SPECS, ModelDims, spec
 from cosyvoice_graphs.bundle_layout import PROMPT_TEXT, PROMPT_WAV
+from cosyvoice_runtime import CosyVoice3
 from cosyvoice_runtime.bundle import RuntimeBundle, read_onnx_metadata
 from cosyvoice_runtime.cli import main as run_main
+from cosyvoice_runtime.llm import PREFILL_BODY_FROM
 from cosyvoice_runtime.runners import open_runner
+from cosyvoice_runtime.synthesis import Mode
 
 DIT = "flow_estimator_cached"
 PLAN = "llm=int4,prefill=int8,dit=int8"
@@ -119,9 +122,6 @@ def test_the_prefill_body_is_the_llm_with_dynamically_quantized_matmuls(mixed_bu
 def test_the_runtime_prefills_on_the_prefill_body_and_decodes_on_the_llm(mixed_bundle: Path) -> None:
     """Every call over several positions goes to `llm_prefill`, every decode step to `llm`, which takes
     the prefill's caches as they are."""
-    from cosyvoice_runtime import CosyVoice3
-    from cosyvoice_runtime.synthesis import Mode
-
     voice = CosyVoice3(RuntimeBundle.open(mixed_bundle), threads=1)
     lm = voice.synth.lm
     calls: list[tuple[str, int]] = []
@@ -138,11 +138,16 @@ def test_the_runtime_prefills_on_the_prefill_body_and_decodes_on_the_llm(mixed_b
         prompt = voice.prompt_features(mixed_bundle / PROMPT_WAV)
         speech = voice.speak(piece, prompt, Mode.ZERO_SHOT, stream=False, max_tokens=6, ignore_stop=True)
         (chunk,) = list(speech)
+        assert calls[0][0] == "llm_prefill" and calls[0][1] >= PREFILL_BODY_FROM
+        assert calls[1:] == [("llm", 1)] * 5  # the prefill samples the first token
+        assert np.isfinite(chunk.samples).all() and len(speech.speech_tokens) == 6
+        calls.clear()
+        rows = lm.speech_embedding[:PREFILL_BODY_FROM][None]
+        for n in (PREFILL_BODY_FROM - 1, PREFILL_BODY_FROM):  # the body by the call's positions
+            lm.step(rows[:, :n], lm.empty_cache())
+        assert calls == [("llm", PREFILL_BODY_FROM - 1), ("llm_prefill", PREFILL_BODY_FROM)]
     finally:
         voice.close()
-    assert calls[0][0] == "llm_prefill" and calls[0][1] > 1
-    assert calls[1:] == [("llm", 1)] * 5  # the prefill samples the first token
-    assert np.isfinite(chunk.samples).all() and len(speech.speech_tokens) == 6
 
 
 def test_the_runtime_opens_each_graph_in_its_precision(mixed_bundle: Path, tiny_bundle: Path, tmp_path: Path
