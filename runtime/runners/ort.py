@@ -94,11 +94,12 @@ class OrtRunner(RunnerBase):
                 binding.bind_ortvalue_input(name, value)
             else:
                 binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        for name in self.spec.output_names:
-            binding.bind_output(name, self.device_type if name in keep else CPU, self.device_id)
+        outputs, kept = self.spec.output_names, set(keep)
+        for name in outputs:
+            binding.bind_output(name, self.device_type if name in kept else CPU, self.device_id)
         self.session.run_with_iobinding(binding)
-        values = dict(zip(self.spec.output_names, binding.get_outputs(), strict=True))
-        host = {name: v.numpy() for name, v in values.items() if name not in keep}
+        values = dict(zip(outputs, binding.get_outputs(), strict=True))
+        host = {name: v.numpy() for name, v in values.items() if name not in kept}
         return host, {name: values[name] for name in keep}
 
     def _release(self) -> None:
