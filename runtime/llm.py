@@ -27,7 +27,7 @@ from .sampling import Sampler, SilentTokenLimiter
 PREFILL_BODY_FROM = 4
 """New positions from which a call runs on the bundle's prefill body (`llm_prefill`) when it has one: on the
 Zen 4 of docs/performance-log.md the int4 `llm` is faster up to 2 positions and the prefill body from 4 on
-(1.5x at 4, 2x from 16)."""
+(1.5x at 4, 1.7x at 16 and 32, 2.2-2.6x at a 242-position prefill)."""
 MIN_TOKEN_TEXT_RATIO = 2.0
 MAX_TOKEN_TEXT_RATIO = 20.0
 
