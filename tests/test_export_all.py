@@ -56,6 +56,7 @@ from cosyvoice_graphs import (
     TensorSpec,
     Tolerance,
     metadata,
+    precision_plan,
     spec,
 )
 from cosyvoice_graphs.bundle_layout import PROMPT_TEXT, PROMPT_WAV
@@ -354,7 +355,7 @@ def test_failing_graph_exits_nonzero_naming_graph_output_and_error(tiny_bundle: 
         v = real(path, reference, precision=precision)  # then hold every output to half the error it has
         return replace(v, figures=tuple(replace(f, bound=f.measured / 2) for f in v.figures))
 
-    monkeypatch.setattr(runtime_bundle, "SPECS", {"flow_encoder": SPECS["flow_encoder"]})  # one small graph
+    monkeypatch.setattr(precision_plan, "SPECS", {"flow_encoder": SPECS["flow_encoder"]})  # one small graph
     monkeypatch.setattr(runtime_bundle, "validate_against", strict)
     out = tmp_path / "out"
     code, stdout, err = run("all", "--model-dir", str(tiny_bundle), "--out", str(out))
