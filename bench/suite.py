@@ -1,10 +1,11 @@
 """The benchmark run: returns the JSON-ready result that `report.render` prints.
 
-Order: every case cold on fresh pipelines, one pipeline in the process at a time (where peak RSS is
-taken); then each backend opened once and warmed up, and per case `repeat` rounds in which the runtime
-and the torch reference run the same work back to back; concurrency (runtime); the runtime again at each
-other thread count of the thread scaling (longest case); with the pipelines closed, the onnxruntime
-levers (CPU provider) and last the machine's bandwidth and matmul speeds, at every thread count measured.
+Order: every case's peak RSS, each backend in a fresh process of its own (`peak_rss`); every case cold on
+fresh pipelines, one pipeline in the process at a time; then each backend opened once and warmed up, and
+per case `repeat` rounds in which the runtime and the torch reference run the same work back to back;
+concurrency (runtime); the runtime again at each other thread count of the thread scaling (longest case);
+with the pipelines closed, the onnxruntime levers (CPU provider) and last the machine's bandwidth and
+matmul speeds, at every thread count measured.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from tqdm import tqdm
 
 from cosyvoice_graphs.bundle_layout import FORMAT_VERSION
 from cosyvoice_runtime.bundle import RuntimeBundle
-from cosyvoice_runtime.process_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, OPTIMIZATION
 
 from .backend import Backend, Figures, FirstChunk
@@ -30,11 +30,11 @@ from .cases import Case
 from .levers import LEVER_THREADS, attention_mask_cost, export_levers, onnxruntime_levers
 from .machine import Rates, describe, measure_rates
 from .measure import GpuSampler, GpuUsage
+from .peak_rss import PeakJob, cold_run, fresh_peak
 from .report import SCALING_FIGURES, speedups, summarize
 from .runtime_runs import RuntimeBackend
 
 SCHEMA = "cosyvoice-bench/1"
-MIB = 2**20
 Step = Callable[[str], None]
 
 
@@ -91,6 +91,8 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
                                       seed=s.seed, first_chunk_tokens=s.first_chunk_tokens)
 
     factories = {"runtime": runtime_at(s.threads)}
+    jobs = {"runtime": PeakJob("runtime", s.model, s.prompt_wav, s.prompt_text, s.threads, s.provider,
+                               s.seed)}
     torch_version = None
     if s.model_dir is not None:
         import torch
@@ -101,10 +103,11 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
         model_dir = s.model_dir
         factories["torch"] = lambda: TorchBackend(model_dir, threads=s.threads, prompt_text=s.prompt_text,
                                                   seed=s.seed)
+        jobs["torch"] = PeakJob("torch", model_dir, s.prompt_wav, s.prompt_text, s.threads, seed=s.seed)
     measure_levers = s.provider == CPU
     int8 = needs_int8_rate(shapes)
     other_levels = [t for t in thread_levels(s.threads) if t != s.threads] if s.thread_scaling else []
-    steps = (1 + len(s.cases) * len(factories) * (2 + s.repeat) + len(factories) + len(s.concurrency)
+    steps = (1 + len(s.cases) * len(factories) * (3 + s.repeat) + len(factories) + len(s.concurrency)
              + (2 * len(OPTIMIZATION) * len(LEVER_THREADS) if measure_levers else 0) + 2 + len(s.cases)
              + len(other_levels) * (s.repeat + 2))
     with tqdm(total=steps, desc="cosyvoice-bench", unit="step", disable=not progress, leave=False) as bar:
@@ -112,9 +115,10 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
             bar.set_postfix_str(what)
             bar.update()
 
+        peaks = {name: {c.name: _peak(job, c, step) for c in s.cases} for name, job in jobs.items()}
         first_use = {name: _first_use(f, s.cases[0], s.prompt_wav) for name, f in factories.items()}
         step("first use in the process")
-        cold = {name: {c.name: _cold(f, c, s.prompt_wav, step) for c in s.cases}
+        cold = {name: {c.name: {**_cold(f, c, s.prompt_wav, step), **peaks[name][c.name]} for c in s.cases}
                 for name, f in factories.items()}
         gpu = GpuSampler() if s.provider not in CPU_PROVIDERS else None
         warm = _warm_phase(s, factories, gpu, step)
@@ -216,37 +220,32 @@ def _first_use(factory: Callable[[], Backend], case: Case, wav: Path) -> dict[st
         backend.close()
 
 
+def _peak(job: PeakJob, case: Case, step: Step) -> Figures:
+    """The peak RSS of `case`'s cold run in a fresh process, and that process's RSS before it opened."""
+    peak = fresh_peak(job, case)
+    step(f"{job.backend} peak RSS {case.name}")
+    return {"peak_rss_mib": peak.peak_rss_mib, "rss_baseline_mib": peak.rss_before_open_mib}
+
+
 def _cold(factory: Callable[[], Backend], case: Case, wav: Path, step: Step) -> Figures:
-    """Two fresh pipelines, each alone in the process. The first extracts the prompt inside the timed
-    region and synthesises the whole case (streamed where the backend can, else its first chunk and then
-    offline), which is where the peak RSS is taken; the second starts from the prompt the first
-    extracted."""
-    baseline = rss_bytes()
-    reset_peak_rss()
+    """Two fresh pipelines, each alone in the process, after `_first_use`. The first extracts the prompt
+    inside the timed region and synthesises the whole case (`cold_run`); the second starts from the prompt
+    the first extracted."""
     backend = factory()
     try:
-        start = time.perf_counter()
-        prompt = backend.prompt_features(wav)
-        prompt_s = time.perf_counter() - start
-        streamed = backend.stream(case, prompt)
-        if streamed is None:
-            first = backend.first_chunk(case, prompt)
-            backend.offline(case, prompt)
-        else:
-            first = streamed.first
-        load_s, peak = backend.load_s, peak_rss_bytes()
+        run = cold_run(backend, case, wav)
+        load_s = backend.load_s
     finally:
         backend.close()
     step(f"{backend.name} cold {case.name}")
     backend = factory()
     try:
-        cached = backend.first_chunk(case, prompt)
+        cached = backend.first_chunk(case, run.prompt)
     finally:
         backend.close()
     step(f"{backend.name} cold {case.name}, cached prompt")
-    return {"first_chunk_cold_uncached_s": prompt_s + first.seconds,
-            "first_chunk_cold_cached_s": cached.seconds, "load_s": load_s,
-            "peak_rss_mib": peak / MIB, "rss_baseline_mib": baseline / MIB if baseline is not None else None}
+    return {"first_chunk_cold_uncached_s": run.prompt_s + run.first.seconds,
+            "first_chunk_cold_cached_s": cached.seconds, "load_s": load_s}
 
 
 def _warm_phase(s: Settings, factories: dict[str, Callable[[], Backend]], gpu: GpuSampler | None,
@@ -371,8 +370,11 @@ def _notes(s: Settings, gpu: GpuSampler | None) -> dict[str, str]:
                          "and sampling; tokens/s = steps / LLM time, prefill included",
         "rtf": "wall time from the request (text front end included, prompt cached) to the last sample, "
                "divided by the audio's duration",
-        "peak_rss": "process peak while a fresh pipeline opened and synthesised the case cold, no other "
-                    "pipeline loaded; it includes the interpreter and every imported library",
+        "peak_rss": "peak RSS (VmHWM) of a fresh process of its own (python -m cosyvoice_bench.peak_rss) "
+                    "that opened the pipeline, extracted the prompt and synthesised the case cold (streamed "
+                    "where the backend can), nothing else loaded: the interpreter and the backend's "
+                    "libraries included (torch for the reference), nothing the benchmark's process holds; "
+                    "rss_baseline: that process's RSS before the pipeline opened",
         "bounds": "of bound = bound / measured (1 = at the hardware bound), for this CPU (cpu_class) and "
                   "the precision each graph ran at; LLM: weights (the exported graph's, from the bundle's "
                   "dims, at its precision's bytes per weight) plus the KV cache at the mean decode "

@@ -1,10 +1,14 @@
 """This process's resident memory, from /proc/self/status (Linux): the figures `cosyvoice-bench` reports
-for a synthesis and `cosyvoice-export all --report-memory` per stage of an export."""
+for a synthesis and `cosyvoice-export all --report-memory` per stage of an export; and handing the C
+heap's free pages back to the OS."""
 
 from __future__ import annotations
 
+import ctypes
 import re
 import resource
+from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 
 _STATUS = Path("/proc/self/status")
@@ -41,3 +45,22 @@ def peak_rss_bytes() -> int:
     if kb is None:  # not Linux: ru_maxrss, kilobytes on Linux/BSD
         kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb * 1024
+
+
+def release_free_heap() -> bool:
+    """Give the C heap's free pages back to the OS (glibc's `malloc_trim`); False where the C library has
+    none. Memory a library allocates and frees again in bulk, as onnxruntime does while it makes a session,
+    otherwise stays resident, in the heap of whichever thread freed it."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+@cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS, Windows)
+        return None

@@ -5,10 +5,15 @@ that every figure is there, with the right type and a sane value."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from importlib.metadata import version
 from importlib.util import find_spec
 from pathlib import Path
@@ -18,11 +23,15 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from cosyvoice_bench.cases import make_cases
 from cosyvoice_bench.cli import main
+from cosyvoice_bench.errors import BenchError
+from cosyvoice_bench.peak_rss import PeakJob, fresh_peak
 from cosyvoice_bench.report import FIGURE_KEYS
-from cosyvoice_graphs.bundle_layout import PROMPT_WAV
+from cosyvoice_graphs.bundle_layout import PROMPT_TEXT, PROMPT_WAV
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.llm import LlmRequest, SpeechTokenLM
+from cosyvoice_runtime.process_memory import rss_bytes
 from cosyvoice_runtime.sampling import SilentTokenLimiter
 from cosyvoice_runtime.synthesis import Synthesizer
 
@@ -89,6 +98,7 @@ def check_figures(figures: dict[str, Any], pinned: int, *, torch_side: bool, pol
     stages = sum(figures[f"first_chunk_{stage}_s"] for stage in ("llm", "flow", "vocoder"))
     assert stages <= figures["first_chunk_warm_cached_s"]  # the front end and chunking are the rest
     assert figures["audio_s"] == pytest.approx(figures["speech_tokens"] * 2 * 480 / 24000)
+    assert figures["peak_rss_mib"] > figures["rss_baseline_mib"]  # the fresh process's, both
 
 
 def check_common(result: dict[str, Any], lengths: list[str], levels: list[int], *, threads: int = 1,
@@ -174,3 +184,69 @@ def test_missing_bundle_is_one_line(tmp_path: Path) -> None:
     done = CliRunner().invoke(main, bench_args(tmp_path / "nothing", tmp_path / "x.json"))
     assert done.exit_code == 2 and done.stderr.count("\n") == 1
     assert done.stderr.startswith(f"error: {tmp_path / 'nothing' / 'manifest.json'}: missing")
+
+
+# --- peak RSS in a fresh process ------------------------------------------------------------------------
+
+
+def peak_job(runtime_bundle: Path, **change: Any) -> PeakJob:
+    job = PeakJob("runtime", runtime_bundle, runtime_bundle / PROMPT_WAV,
+                  (runtime_bundle / PROMPT_TEXT).read_text().strip(), threads=1)
+    return replace(job, **change)
+
+
+def test_peak_rss_is_that_of_a_fresh_process(runtime_bundle: Path) -> None:
+    held = np.ones(400 * 2**20 // 8)  # this process holds 400 MiB more than any fresh one
+    case = make_cases(["medium"], 50)[0]
+    peak = fresh_peak(peak_job(runtime_bundle), case)
+    assert 0 < peak.rss_before_open_mib < peak.peak_rss_mib
+    assert peak.rss_before_open_mib < (rss_bytes() or 0) / 2**20 - 300  # not this process's
+    assert peak.open_s > 0 and peak.prompt_s > 0 and peak.synthesis_s > 0
+    del held
+
+
+@pytest.mark.parametrize(("bad", "message"), [
+    ("model", "failed (exit 2): Error: Invalid value for '--model': Directory '/nonexistent' does not "
+              "exist."),
+    ("prompt", "failed (exit 1): cosyvoice_runtime.errors.FrontendError: cannot read audio file"),
+])
+def test_a_failing_fresh_process_is_one_line(runtime_bundle: Path, tmp_path: Path, bad: str, message: str
+                                             ) -> None:
+    text = tmp_path / "prompt.wav"
+    text.write_text("not audio")
+    change = {"model": Path("/nonexistent")} if bad == "model" else {"prompt_wav": text}
+    job = peak_job(runtime_bundle, **change)
+    with pytest.raises(BenchError) as caught:
+        fresh_peak(job, make_cases(["short"], 10)[0])
+    error = str(caught.value)
+    assert "\n" not in error
+    assert error.startswith(f"runtime short: the fresh process measuring peak RSS {message}")
+
+
+def test_a_killed_fresh_process_is_one_line(runtime_bundle: Path, tmp_path: Path) -> None:
+    wav = tmp_path / "prompt.wav"  # read by the child: a fifo nobody writes holds it until it is killed
+    os.mkfifo(wav)
+    case = make_cases(["short"], 10)[0]
+    job = peak_job(runtime_bundle, prompt_wav=wav)
+    with ThreadPoolExecutor(1) as pool:
+        measured = pool.submit(fresh_peak, job, case)
+        child = _child_of_this_process()
+        os.kill(child, signal.SIGKILL)
+        with pytest.raises(BenchError, match=r"^runtime short: the fresh process measuring peak RSS was "
+                                             r"killed by SIGKILL \(out of memory\?\)$"):
+            measured.result(timeout=60)
+
+
+def _child_of_this_process() -> int:
+    """The pid of this process's (only) child, once it has started."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            if ppid == os.getpid():
+                return int(stat.parent.name)
+        time.sleep(0.05)
+    raise AssertionError("no child process started")

@@ -14,6 +14,7 @@ from cosyvoice_graphs.providers import CPU, CUDA, TENSORRT
 
 from ..errors import ProviderError, RuntimeBundleError
 from ..extras import gpu_install_command
+from ..process_memory import release_free_heap
 from .base import Feed, RunnerBase
 from .ort_settings import FALLBACK, OPTIMIZATION, settings_for
 
@@ -72,6 +73,9 @@ class OrtRunner(RunnerBase):
         if names != (spec.input_names, spec.output_names):
             raise RuntimeBundleError(f"{path}: inputs {names[0]}, outputs {names[1]}; spec {spec.name} "
                                      f"v{spec.version} has {spec.input_names}, {spec.output_names}")
+        # making the session parsed the model and rewrote its graph: hundreds of MB at full size, freed
+        # again but left resident by the C heap (how much varies run to run with the threads that freed it)
+        release_free_heap()
 
     @property
     def metadata(self) -> dict[str, str]:
