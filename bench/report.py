@@ -59,8 +59,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure("speech_tokens", "speech tokens kept", "", None),
     Figure("audio_s", "audio", "s", None),
     Figure("load_s", "open (cold)", "s", "lower"),
-    Figure("peak_rss_mib", "peak RSS (cold run)", "MiB", "lower"),
-    Figure("rss_baseline_mib", "RSS before opening", "MiB", None),
+    Figure("peak_rss_mib", "peak RSS (fresh process)", "MiB", "lower"),
+    Figure("rss_baseline_mib", "fresh process's RSS before opening", "MiB", None),
     Figure("gpu_memory_peak_mib", "GPU memory peak", "MiB", "lower"),
     Figure("gpu_utilization_mean_pct", "GPU utilisation mean", "%", None),
 )
