@@ -18,12 +18,14 @@ first chunk would otherwise compute first) as a background job that yields to ev
 
 The lower level, which `cosyvoice-run`, the server, the golden runner and the benchmark use: `segments`
 (the text as upstream normalises, splits and formats it), `prompt_features` (a prompt recording's
-tokens, mel and x-vector) and `speak` (one segment's audio chunks, with its speech tokens).
+tokens, mel and x-vector; its first call opens the front end's two models, which a process that speaks only
+registered speakers never loads) and `speak` (one segment's audio chunks, with its speech tokens).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +33,7 @@ from types import TracebackType
 from typing import BinaryIO, Self
 
 import numpy as np
+import onnxruntime
 
 from .bundle import RuntimeBundle
 from .bundle_source import choose_bundle
@@ -48,6 +51,7 @@ from .frontend import (
 )
 from .frontend.audio import MIN_SAMPLE_RATE
 from .prefix_jobs import PrefixJobs
+from .process_memory import release_free_heap
 from .runners import CPU
 from .sampling import Sampling
 from .segments import Segment, segments
@@ -75,7 +79,8 @@ class SegmentSpeech:
 
 
 class CosyVoice3:
-    """A runtime bundle's graphs, front end and speakers, opened once (the runtime's front door)."""
+    """A runtime bundle's graphs, front end and speakers, opened once (the runtime's front door); the
+    prompt front end's models open on the first prompt."""
 
     def __init__(self, model_dir: str | Path | RuntimeBundle, *, provider: str = CPU,
                  threads: int | None = None, sampling: str = "ras", seed: int = 0, verify: bool = True,
@@ -85,16 +90,18 @@ class CosyVoice3:
         --model` does, or a bundle opened already. `provider` and `threads` place the graphs
         (`cosyvoice_runtime.runners.PROVIDERS`); `sampling` is upstream's repetition-aware sampling
         ("ras", seeded by `seed`, each segment from a fresh sampler) or "greedy"; `verify` checks every
-        bundle file's sha256 against the manifest; `speakers_dir` is the speaker registry folder
-        (default: `default_speakers_dir()`); `flow_prefix_bytes` bounds the per-prompt flow prefixes that
-        streams of one speaker share (`Flow.prefixes`)."""
+        bundle file's sha256 against the manifest here (the prompt front end's models too, which open on
+        first use); `speakers_dir` is the speaker registry folder (default: `default_speakers_dir()`);
+        `flow_prefix_bytes` bounds the per-prompt flow prefixes that streams of one speaker share
+        (`Flow.prefixes`)."""
         self.sampling = Sampling(sampling, seed)
         self.bundle = (model_dir if isinstance(model_dir, RuntimeBundle) else
                        RuntimeBundle.open(choose_bundle(Path(model_dir)).path, verify=verify))
         self.tokenizer = TextTokenizer(self.bundle.tokenizer_dir)
         self.frontend = TextFrontend(self.tokenizer)
-        self._campplus = open_session(self.bundle.frontend_path("campplus"))
-        self._speech_tokenizer = open_session(self.bundle.frontend_path("speech_tokenizer"))
+        self._prompt_lock = threading.Lock()
+        self._prompt_sessions: tuple[onnxruntime.InferenceSession, onnxruntime.InferenceSession] | None = None
+        """CAM++ and the speech tokenizer once a prompt needed them (`_prompt_models`)."""
         self.synth = Synthesizer(self.bundle, provider, threads=threads, flow_prefix_bytes=flow_prefix_bytes)
         self.prefix_jobs = PrefixJobs(self.synth.flow, self.synth.live)
         """Speakers' flow prefixes computed in the background (a thread started by the first job)."""
@@ -200,9 +207,11 @@ class CosyVoice3:
         return pieces
 
     def prompt_features(self, prompt_wav: PromptWav) -> PromptFeatures:
-        """The prompt recording's speech tokens, prompt mel and x-vector (upstream's front end)."""
-        return extract_prompt(_prompt_audio(prompt_wav), self._campplus, self._speech_tokenizer,
-                              self.bundle.dims.token_mel_ratio)
+        """The prompt recording's speech tokens, prompt mel and x-vector (upstream's front end); the first
+        call opens its models."""
+        audio = _prompt_audio(prompt_wav)  # a bad recording is refused before any model opens
+        campplus, speech_tokenizer = self._prompt_models()
+        return extract_prompt(audio, campplus, speech_tokenizer, self.bundle.dims.token_mel_ratio)
 
     def speak(self, piece: Segment, prompt: PromptFeatures, mode: Mode, *, stream: bool = False,
               speed: float = 1.0, sampling: Sampling | None = None, policy: ChunkPolicy | None = None,
@@ -233,9 +242,11 @@ class CosyVoice3:
             raise UserError(str(e)) from None
 
     def close(self) -> None:
-        """Cancel the prefix jobs and release the graphs."""
+        """Cancel the prefix jobs and release the graphs and the front end's models."""
         self.prefix_jobs.close()
         self.synth.close()
+        with self._prompt_lock:
+            self._prompt_sessions = None
 
     def __enter__(self) -> Self:
         return self
@@ -254,6 +265,17 @@ class CosyVoice3:
             known = ", ".join(self.list_available_spks()) or "none"
             raise UserError(f"zero_shot_spk_id: unknown speaker {spk_id!r} (available: {known})")
         return speaker
+
+    def _prompt_models(self) -> tuple[onnxruntime.InferenceSession, onnxruntime.InferenceSession]:
+        """CAM++ and the speech tokenizer, opened on first use and kept: the released speech tokenizer alone
+        is ~1 GB, which a server that speaks only registered speakers would hold for nothing."""
+        with self._prompt_lock:  # concurrent first prompts open them once
+            if self._prompt_sessions is None:
+                self._prompt_sessions = (open_session(self.bundle.frontend_path("campplus")),
+                                         open_session(self.bundle.frontend_path("speech_tokenizer")))
+                # parsing the models left load-time garbage resident in the C heap, as `OrtRunner`'s do
+                release_free_heap()
+            return self._prompt_sessions
 
     def _inference(self, mode: Mode, tts_text: str, prompt: Speaker | PromptWav | None, stream: bool,
                    speed: float, text_frontend: bool, *, prompt_text: str = "", instruct: str = "",

@@ -7,20 +7,27 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import onnxruntime
 import pytest
 import soundfile as sf
 from click.testing import CliRunner
 
+import cosyvoice_runtime.cosyvoice3
 from cosyvoice_runtime import AutoModel, CosyVoice3
 from cosyvoice_runtime.atomic_files import write_wav_atomic
+from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import UserError
-from cosyvoice_runtime.speakers import REGISTRY, SPEAKERS_DIR_ENV
+from cosyvoice_runtime.frontend import PromptFeatures, extract_prompt, open_session
+from cosyvoice_runtime.speakers import REGISTRY, SPEAKERS_DIR_ENV, SpeakerRegistry, frontend_fingerprint
 
 PROMPT_WAV = DEMO_BUNDLE / "asset" / "zero_shot_prompt.wav"
 TRANSCRIPT = (DEMO_BUNDLE / "asset" / "zero_shot_prompt.txt").read_text(encoding="utf-8").strip()
@@ -112,6 +119,50 @@ def test_prompt_wav_as_path_file_or_array(cosyvoice: CosyVoice3) -> None:
         np.testing.assert_array_equal(got.speech_tokens, want.speech_tokens)
         np.testing.assert_array_equal(got.mel, want.mel)
         np.testing.assert_array_equal(got.embedding, want.embedding)
+
+
+def test_the_prompt_front_end_opens_on_first_use(tmp_path: Path) -> None:
+    """A registered speaker speaks without the front end's models; the first prompt opens them, later ones
+    reuse them, and the features are those of sessions opened directly."""
+    bundle = RuntimeBundle.open(DEMO_BUNDLE)
+    campplus, tokenizer = (open_session(bundle.frontend_path(n)) for n in ("campplus", "speech_tokenizer"))
+    want = extract_prompt(PROMPT_WAV, campplus, tokenizer, bundle.dims.token_mel_ratio)
+    SpeakerRegistry(tmp_path, frontend_fingerprint(bundle)).add("saved", TRANSCRIPT, want)
+    with CosyVoice3(DEMO_BUNDLE, speakers_dir=tmp_path) as voice:
+        assert voice._prompt_sessions is None
+        speech = list(voice.inference_zero_shot(TEXT, "", "", zero_shot_spk_id="saved"))
+        assert speech and voice._prompt_sessions is None
+        got = voice.prompt_features(PROMPT_WAV)
+        sessions = voice._prompt_sessions
+        assert sessions is not None
+        again = voice.prompt_features(str(PROMPT_WAV))
+        assert voice._prompt_sessions is sessions
+        for features in (got, again):
+            np.testing.assert_array_equal(features.speech_tokens, want.speech_tokens)
+            np.testing.assert_array_equal(features.mel, want.mel)
+            np.testing.assert_array_equal(features.embedding, want.embedding)
+    assert voice._prompt_sessions is None  # close released them
+
+
+def test_concurrent_first_prompts_open_the_front_end_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    opened: list[Path] = []
+
+    def slow_open(path: Path) -> onnxruntime.InferenceSession:
+        opened.append(path)
+        time.sleep(0.2)  # widens the window in which an unlocked second caller would open them again
+        return open_session(path)
+
+    monkeypatch.setattr(cosyvoice_runtime.cosyvoice3, "open_session", slow_open)
+    start = threading.Barrier(4)
+    with CosyVoice3(DEMO_BUNDLE) as voice, ThreadPoolExecutor(4) as pool:
+
+        def first_prompt(_: int) -> PromptFeatures:
+            start.wait()
+            return voice.prompt_features(PROMPT_WAV)
+
+        results = list(pool.map(first_prompt, range(4)))  # a thread's error is raised here
+    assert len(results) == 4
+    assert opened == [voice.bundle.frontend_path("campplus"), voice.bundle.frontend_path("speech_tokenizer")]
 
 
 def test_bad_input_is_refused_before_synthesis(cosyvoice: CosyVoice3) -> None:
