@@ -74,9 +74,9 @@ def llm_bytes_per_token(shapes: ModelShapes, past_len: float, precision: Precisi
 
 def dit_flops_per_step(dit: DiTConfig, frames: int, batch: int = 2) -> int:
     """FLOPs (2 per multiply-add) of one DiT evaluation over `frames` frames for a CFG batch of 2, full
-    attention: input projection, conv position embedding, per block q/k/v/o, scores and weighted sum, the
-    feed-forward and the AdaLN modulation, then the final modulation and output projection, and the
-    time embedding."""
+    attention: input projection, conv position embedding, per block q/k/v/o, scores and weighted sum and
+    the feed-forward, then the output projection. The time embedding and AdaLN modulation are not computed
+    per call: the graph holds them per Euler step."""
     t, d, inner, ff = frames, dit.dim, dit.heads * dit.dim_head, dit.dim * dit.ff_mult
     per_frame_in = 2 * dit.mel_dim + dit.mu_dim + dit.spk_dim
     macs = t * per_frame_in * d  # input projection
@@ -84,17 +84,15 @@ def dit_flops_per_step(dit: DiTConfig, frames: int, batch: int = 2) -> int:
     block = 4 * t * d * inner  # q, k, v, out
     block += 2 * t * t * inner  # q k^T and attention-weighted v over all heads
     block += 2 * t * d * ff  # feed-forward in and out
-    block += d * 6 * d  # AdaLayerNormZero (once per row, not per frame)
     macs += dit.depth * block
-    macs += d * 2 * d + t * d * dit.out_channels  # final modulation, output projection
-    macs += dit.time_embed_dim * d + d * d  # time embedding MLP
+    macs += t * d * dit.out_channels  # output projection
     return 2 * batch * macs
 
 
 def dit_int8_flops_per_step(dit: DiTConfig, frames: int, batch: int = 2) -> int:
     """Of `dit_flops_per_step`: the blocks' weight matmuls (q, k, v, out and the feed-forward), which an int8
     DiT multiplies in int8. Attention's activation matmuls, the convolutions, the input and output
-    projections, the time embedding and the AdaLN modulation stay float32 (the exporter's int8 scheme)."""
+    projections stay float32 (the exporter's int8 scheme)."""
     t, d, inner, ff = frames, dit.dim, dit.heads * dit.dim_head, dit.dim * dit.ff_mult
     return 2 * batch * dit.depth * (4 * t * d * inner + 2 * t * d * ff)
 

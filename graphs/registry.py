@@ -84,8 +84,6 @@ class ModelDims:
     dit_head_dim: int
     dit_conv_kernel: int
     """Kernel of the DiT's two causal conv position-embedding layers (each reads kernel - 1 frames back)."""
-    dit_time_freq_dim: int
-    """Width of the ODE time's sinusoidal embedding, the DiT's `time_sinusoid` input."""
     harmonics: int
     """Sine harmonics of the NSF source, fundamental included."""
     samples_per_frame: int
@@ -99,23 +97,34 @@ class ModelDims:
         return cls(**{k: int(meta[k]) for k in cls.__dataclass_fields__})
 
 
-TIME_SINUSOID_SCALE = 1000.0
-"""Upstream's DiT multiplies the ODE time t in [0, 1] by this before the frequencies."""
+ODE_STEPS = 10
+"""Euler steps of the flow's ODE (upstream hard-codes 10 in `flow.inference`)."""
 
 
-def time_sinusoid(t: np.ndarray, dim: int) -> np.ndarray:
-    """The DiT's `time_sinusoid` input for ODE times `t` (B,): float32 (B, dim), the sines then the cosines
-    of 1000 t f_i, f_i = 10000^(-i / (dim/2 - 1)). Upstream's `SinusPositionEmbedding` computes them in
-    float32; here the exponent and the angles are its float32 values and exp, sin and cos are rounded to
-    float32 from float64: the frequencies meet torch's within an ulp, the sines within 6.1e-5 (an ulp of a
-    frequency, at 1000 t). The caller computes this because 1000 t reaches ~1000, where a bf16 or fp16
-    graph's product would be several units off and every sine meaningless."""
-    half = dim // 2
-    exponent = np.arange(half, dtype=np.float32) * np.float32(-math.log(10000) / (half - 1))
-    freqs = np.exp(exponent.astype(np.float64)).astype(np.float32)  # (half,)
-    angles = np.float32(TIME_SINUSOID_SCALE) * np.asarray(t, dtype=np.float32)[:, None] * freqs  # (B, half)
-    angles = angles.astype(np.float64)
-    return np.concatenate((np.sin(angles), np.cos(angles)), axis=1).astype(np.float32)  # (B, dim)
+def ode_time_grid(n_steps: int = ODE_STEPS) -> np.ndarray:
+    """The n+1 ODE times (float32): linspace(0, 1) warped by 1 - cos(t π/2), as upstream's float32 ops.
+
+    The cosine is evaluated in float64 and rounded, i.e. correctly rounded, which is what torch's
+    float32 cos gives on this grid.
+    """
+    t = np.linspace(0, 1, n_steps + 1, dtype=np.float32)
+    angle = t * np.float32(0.5) * np.float32(math.pi)
+    return np.float32(1) - np.cos(angle.astype(np.float64)).astype(np.float32)
+
+
+def euler_steps(n_steps: int = ODE_STEPS) -> list[tuple[np.float32, np.float32]]:
+    """(t, dt) of each Euler step, float32, as upstream's `solve_euler` makes them: t accumulates the
+    steps and each dt is re-read from the grid against it, so a t can be an ulp off its grid point.
+    `flow_estimator_cached` holds the DiT's time modulation at these t, picked by `ode_step`."""
+    grid = ode_time_grid(n_steps)
+    t, dt = grid[0], grid[1] - grid[0]
+    steps = []
+    for step in range(1, n_steps + 1):
+        steps.append((t, dt))
+        t = t + dt
+        if step < n_steps:
+            dt = grid[step + 1] - t
+    return steps
 
 
 def _f32(name: str, shape: tuple[int | str, ...], doc: str = "", low: float = -1.0, high: float = 1.0
@@ -222,6 +231,10 @@ def flow_estimator_cached_spec(d: ModelDims) -> GraphSpec:
     `past_pos_conv1/2` are the last kernel - 1 input frames of the causal conv position embedding's
     first and second conv (zeros before the first frame: upstream's left padding); `present_*` the
     same after the new frames. One set of caches per ODE step: the inputs differ between steps.
+    The ODE time enters only through every AdaLN's shifts, scales and gates, a function of t alone:
+    they are precomputed at the `ODE_STEPS` times of `euler_steps` (in float32 torch, as upstream
+    computes them per call) and held in the graph, whose `ode_step` picks a row; their linears, 43% of
+    the DiT's weights, are not in the graph.
     With nothing cached (`empty_caches`, offset 0) a call is one DiT evaluation over all its frames:
     the offline flow, a stream's first chunk and its final re-run. Fed back chunk after chunk on
     boundaries of the block-causal mask (where no earlier frame sees a later one), the velocities equal
@@ -237,7 +250,8 @@ def flow_estimator_cached_spec(d: ModelDims) -> GraphSpec:
     inputs = [
         _f32("x", (2, mel, "new_frames"), "The ODE state of the new frames.", -3.0, 3.0),
         _f32("mu", (2, mel, "new_frames"), "Encoder output (row 1 zeros).", -3.0, 3.0),
-        _f32("time_sinusoid", (2, d.dit_time_freq_dim), "The ODE time, embedded (`time_sinusoid`).", -1, 1),
+        TensorSpec("ode_step", "int64", (1,), "Index of the Euler step (`euler_steps`): the graph holds the "
+                   "AdaLN modulation of each step's time, computed at export.", 0, ODE_STEPS),
         _f32("spks", (2, mel), "Speaker projection (row 1 zeros)."),
         _f32("cond", (2, mel, "new_frames"), "Prompt mel then zeros (row 1 zeros).", -8.0, 2.0),
         TensorSpec("offset", "int64", (1,), "Position of the first new frame (prompt frames included).",
@@ -259,7 +273,7 @@ def flow_estimator_cached_spec(d: ModelDims) -> GraphSpec:
         return Case({"new_frames": new, "past_frames": past}, {"offset": (offset,), "block_frames": (block,)})
 
     return GraphSpec(
-        name="flow_estimator_cached", version=2, opset=OPSET, doc=flow_estimator_cached_spec.__doc__ or "",
+        name="flow_estimator_cached", version=3, opset=OPSET, doc=flow_estimator_cached_spec.__doc__ or "",
         inputs=tuple(inputs), outputs=tuple(outputs),
         # TensorRT tunes its kernels for opt: nothing cached and ~10 s of frames (prompt included), the
         # shape of the offline flow, a stream's first chunk and its final re-run, which run most of the

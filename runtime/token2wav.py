@@ -9,7 +9,7 @@ Upstream's `CosyVoice3Model.token2wav` with `CausalMaskedDiffWithDiT.inference`,
   guidance as one batch of 2 (row 1: mu, spks and cond zeroed), v = 1.7 v_cond - 0.7 v_uncond, from
   the position-locked noise table `flow_noise[:, :, :T]`; each step is one `flow_estimator_cached`
   call over all T frames with nothing cached, `block_frames` 50 the streaming block-causal mask, T full
-  attention;
+  attention, `ode_step` the step (the graph holds each step's time modulation);
 - `hift_f0` -> the harmonic phase (`sine_phase`, numpy) -> `hift_decoder` with the `sine_noise`
   table; a non-final call keeps the samples that no longer depend on future frames.
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cosyvoice_graphs import ModelDims, cache_pairs, empty_caches, time_sinusoid
+from cosyvoice_graphs import ModelDims, cache_pairs, empty_caches, euler_steps
 from cosyvoice_graphs.hift_layout import HiftLayout
 
 from .errors import SynthesisError
@@ -44,21 +44,8 @@ from .frontend import PromptFeatures
 from .noise import UniformNoise
 from .runners import Runner
 
-N_TIMESTEPS = 10
-"""Euler steps per flow call (upstream hard-codes 10 in `flow.inference`)."""
 CFG_RATE = 0.7
 """`inference_cfg_rate`: v = (1 + rate) v_cond - rate v_uncond."""
-
-
-def time_grid(n_timesteps: int = N_TIMESTEPS) -> np.ndarray:
-    """The n+1 ODE times (float32): linspace(0, 1) warped by 1 - cos(t π/2), as upstream's float32 ops.
-
-    The cosine is evaluated in float64 and rounded, i.e. correctly rounded, which is what torch's
-    float32 cos gives on this grid.
-    """
-    t = np.linspace(0, 1, n_timesteps + 1, dtype=np.float32)
-    angle = t * np.float32(0.5) * np.float32(math.pi)
-    return np.float32(1) - np.cos(angle.astype(np.float64)).astype(np.float32)
 
 
 def sine_phase(f0: np.ndarray, harmonics: int, sample_rate: int, samples_per_frame: int) -> np.ndarray:
@@ -121,9 +108,8 @@ ENCODER_LEFT_CONTEXT = 2
 kernel 3 (upstream's `PreLookaheadLayer`, not a yaml value); its first conv reads only the token and
 the look-ahead after it."""
 
-Velocity = Callable[[int, np.ndarray, np.ndarray], np.ndarray]
-"""The estimator inside the Euler loop: (step index, x (2, 80, T), time_sinusoid (2, D)) -> velocity
-(2, 80, T)."""
+Velocity = Callable[[int, np.ndarray], np.ndarray]
+"""The estimator inside the Euler loop: (step index, x (2, 80, T)) -> velocity (2, 80, T)."""
 
 
 def _cfg_rows(mu: np.ndarray, spks: np.ndarray, cond: np.ndarray) -> dict[str, np.ndarray]:
@@ -149,7 +135,7 @@ class Flow:
         self.encoder, self.estimator = encoder, estimator
         self.noise = noise
         self.dims = dims
-        self.t_span = time_grid()
+        self.steps = euler_steps()
         self.prefixes = FlowPrefixCache(prefix_cache_bytes)
 
     def __call__(self, tokens: np.ndarray, prompt: PromptFeatures, *, finalize: bool, streaming: bool
@@ -166,8 +152,8 @@ class Flow:
         feeds = {"offset": np.zeros(1, dtype=np.int64), "block_frames": np.array([block], dtype=np.int64),
                  **_cfg_rows(mu, spks, self.cond(prompt, 0, frames)), **empty_caches(self.estimator.spec)}
         # the velocity only: nothing reads this call's present_* caches, so they are not copied out
-        mel = self.solve(self.initial_x(0, frames), lambda _, x, sinusoid: self.estimator.infer_outputs(
-            {"x": x, "time_sinusoid": sinusoid, **feeds}, ["velocity"])["velocity"])
+        mel = self.solve(self.initial_x(0, frames), lambda step, x: self.estimator.infer_outputs(
+            {"x": x, "ode_step": _ode_step(step), **feeds}, ["velocity"])["velocity"])
         return mel[:, :, prompt.mel.shape[1]:]
 
     def stream(self, prompt: PromptFeatures, *, window: int | None = None) -> FlowStream:
@@ -179,7 +165,7 @@ class Flow:
             raise ValueError(f"the prompt has {prompt.mel.shape[1]} mel frames for "
                              f"{prompt.speech_tokens.shape[1]} tokens; the flow needs "
                              f"{self.dims.token_mel_ratio} per token")
-        return FlowStream(self, prompt, window, [empty_caches(self.estimator.spec) for _ in self.t_span[1:]])
+        return FlowStream(self, prompt, window, [empty_caches(self.estimator.spec) for _ in self.steps])
 
     def prefix_frames(self, prompt_tokens: int) -> int:
         """Frames of a prompt of `prompt_tokens` tokens that `prefix` covers: the whole blocks among the
@@ -195,7 +181,7 @@ class Flow:
         shapes = {t.name: t for t in self.estimator.spec.inputs}
         step = sum(math.prod(frames if isinstance(d, str) else d for d in shapes[past].shape)
                    * np.dtype(shapes[past].np_dtype).itemsize for past, _ in cache_pairs(self.estimator.spec))
-        return step * (len(self.t_span) - 1)
+        return step * len(self.steps)
 
     def prefix(self, prompt: PromptFeatures) -> FlowPrefix:
         """The caches after `prompt`'s `prefix_frames`, from `prefixes` or computed (and kept there)."""
@@ -255,20 +241,18 @@ class Flow:
         return np.array(self.noise[:, :, start:end], dtype=np.float32)
 
     def solve(self, x: np.ndarray, velocity: Velocity) -> np.ndarray:
-        """Euler over `t_span` from x (1, 80, T), CFG-guided: v = 1.7 v_cond - 0.7 v_uncond. `velocity` is
-        called with the step, both CFG rows' x and their time's `time_sinusoid`."""
-        t_span = self.t_span
+        """Euler over `euler_steps` from x (1, 80, T), CFG-guided: v = 1.7 v_cond - 0.7 v_uncond.
+        `velocity` is called with the step's index and both CFG rows' x."""
         guided, unguided = np.float32(1.0 + CFG_RATE), np.float32(CFG_RATE)
-        # t accumulates and dt is re-read from the grid against it, as upstream's solve_euler does.
-        t, dt = t_span[0], t_span[1] - t_span[0]
-        for step in range(1, len(t_span)):
-            sinusoid = time_sinusoid(np.full(2, t, dtype=np.float32), self.dims.dit_time_freq_dim)
-            v = velocity(step - 1, np.concatenate([x, x]), sinusoid)  # (2, 80, T)
+        for step, (_, dt) in enumerate(self.steps):
+            v = velocity(step, np.concatenate([x, x]))  # (2, 80, T)
             x = x + dt * (guided * v[:1] - unguided * v[1:])
-            t = t + dt
-            if step < len(t_span) - 1:
-                dt = t_span[step + 1] - t
         return x
+
+
+def _ode_step(step: int) -> np.ndarray:
+    """`flow_estimator_cached`'s `ode_step` input."""
+    return np.array([step], dtype=np.int64)
 
 
 @dataclass
@@ -301,7 +285,8 @@ class FlowStream:
     """Blocks of generated frames whose keys/values attention keeps besides the prompt's blocks;
     None keeps every frame (exact)."""
     caches: list[dict[str, np.ndarray]] = field(repr=False)
-    """Per ODE step, the `past_*` inputs of `flow_estimator_cached` for the next push."""
+    """Per ODE step, the `past_*` inputs of `flow_estimator_cached` for the next push; empty once an
+    exact stream's final push has begun (its full re-run reads none of them)."""
     frames: int = 0
     """Frames (prompt included) run so far: the position of the next new frame."""
     tokens: int = 0
@@ -312,12 +297,14 @@ class FlowStream:
     def growing(self) -> list[str]:
         """The caches that grow with the frames (keys and values, frames on axis 2): those with a
         symbolic dim in the spec; the conv caches have a fixed size."""
-        return [t.name for t in self.flow.estimator.spec.inputs if t.name in self.caches[0] and t.symbols()]
+        spec = self.flow.estimator.spec
+        pasts = {past for past, _ in cache_pairs(spec)}
+        return [t.name for t in spec.inputs if t.name in pasts and t.symbols()]
 
     @property
     def cached_frames(self) -> int:
         """Frames whose keys/values the caches hold: `frames`, or fewer if the window dropped some."""
-        return self.caches[0][self.growing[0]].shape[2]
+        return self.caches[0][self.growing[0]].shape[2] if self.caches else 0
 
     @property
     def cache_bytes(self) -> int:
@@ -336,6 +323,7 @@ class FlowStream:
         if covered <= self.tokens:
             raise ValueError(f"no new tokens: {self.tokens} have their frames already, {len(tokens)} given")
         if finalize and self.window is None:
+            self.caches = []  # released before the re-run allocates its own activations: a lower peak
             mel = flow(np.asarray(tokens, dtype=np.int64), self.prompt, finalize=True, streaming=False)
             emitted, self.tokens, self.finished = ratio * self.tokens, covered, True
             return mel[:, :, emitted:]
@@ -387,10 +375,10 @@ class FlowStream:
                  **_cfg_rows(mu, spks, flow.cond(self.prompt, first, end))}
         pairs = cache_pairs(flow.estimator.spec)
 
-        def velocity(step: int, x: np.ndarray, sinusoid: np.ndarray) -> np.ndarray:
+        def velocity(step: int, x: np.ndarray) -> np.ndarray:
             if pause is not None:
                 pause()
-            out = flow.estimator.infer({"x": x, "time_sinusoid": sinusoid, **feeds, **self.caches[step]})
+            out = flow.estimator.infer({"x": x, "ode_step": _ode_step(step), **feeds, **self.caches[step]})
             self.caches[step] = self._windowed({past: out[present] for past, present in pairs})
             return out["velocity"]
 

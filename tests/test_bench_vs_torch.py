@@ -72,16 +72,19 @@ def test_pinned_greedy_tokens_equal_the_reference(runtime_bundle: Path, torch_lm
 
 def test_flop_counts_equal_torchs_count_of_the_networks(tiny_bundle: Path) -> None:
     """`dit_flops_per_step` and `hift_flops` count what torch's flop counter counts running the networks
-    (HiFT's last stage runs one frame more than it counts)."""
+    as the graphs do: the DiT with its time modulation precomputed (HiFT's last stage runs one frame more
+    than it counts)."""
     bundle = ModelBundle.open(tiny_bundle)
     frames = 37
     dit = bundle.load_network("flow").decoder.estimator
     x, mu, cond = (torch.randn(2, dit.cfg.mel_dim, frames) for _ in range(3))
     mask = torch.ones(2, 1, frames)
+    with torch.no_grad():
+        modulation = dit.modulation(torch.rand(1))
     # the math backend's matmuls are counted; the CPU flash attention kernel is not
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as dit_count:
-        dit(x, mask, mu, torch.rand(2), torch.randn(2, dit.cfg.spk_dim), cond,
-            dit_attention_mask(mask, False, frames))
+        dit.forward_cached(x, mu, modulation, torch.randn(2, dit.cfg.spk_dim), cond, torch.arange(frames),
+                           dit_attention_mask(mask, False, frames), mask.bool().transpose(1, 2), None, None)
     assert dit_flops_per_step(dit.cfg, frames) == pytest.approx(dit_count.get_total_flops(), rel=1e-4)
     hift = bundle.load_network("hift")
     # the upsampling layers as the exported graph runs them (each one polyphase conv at the input's rate);

@@ -86,7 +86,7 @@ TOY = GraphSpec(
 TOY_DIMS = ModelDims(llm_hidden=8, llm_layers=1, llm_kv_heads=1, llm_head_dim=8, speech_vocab=10,
                      speech_token_size=8, mel_bins=4, spk_embed_dim=4, pre_lookahead_len=3, token_mel_ratio=2,
                      dit_block_frames=4, dit_dim=8, dit_depth=1, dit_heads=2, dit_head_dim=4,
-                     dit_conv_kernel=3, dit_time_freq_dim=6, harmonics=2, samples_per_frame=4,
+                     dit_conv_kernel=3, harmonics=2, samples_per_frame=4,
                      sample_rate=16000)
 
 
@@ -493,7 +493,7 @@ def test_input_profiles_cover_exactly_the_symbolic_inputs() -> None:
     assert set(profiles) == {t.name for t in s.inputs if t.symbols()}
     assert profiles["sine_noise"] == ((1, 4 * 4, 2), (1, 500 * 4, 2), (1, 3000 * 4, 2))  # derived samples
     estimator = spec("flow_estimator_cached", TOY_DIMS)
-    fixed = {"time_sinusoid", "spks", "offset", "block_frames", "past_pos_conv1", "past_pos_conv2"}
+    fixed = {"ode_step", "spks", "offset", "block_frames", "past_pos_conv1", "past_pos_conv2"}
     assert fixed.isdisjoint(trt.input_profiles(estimator))
     assert trt.input_profiles(estimator)["past_key_0"] == ((2, 2, 0, 4), (2, 2, 0, 4), (2, 2, 3000, 4))
     for lo, opt, hi in profiles.values():

@@ -30,7 +30,7 @@ from cosyvoice_export.onnx.wrappers.flow import (
     cached_attention_mask,
 )
 from cosyvoice_export.onnx.wrappers.llm import LLMGraph
-from cosyvoice_graphs import GraphSpec, empty_caches
+from cosyvoice_graphs import ODE_STEPS, GraphSpec, empty_caches, euler_steps
 
 GRAPHS = ("llm", "flow_encoder", "flow_estimator_cached")
 ONNX_DTYPES = {"float32": onnx.TensorProto.FLOAT, "int64": onnx.TensorProto.INT64}
@@ -167,11 +167,12 @@ def test_cached_graph_with_nothing_cached_equals_dit(T: int, streaming: bool, cf
     s = _spec("flow_estimator_cached", cfg)
     rng = np.random.default_rng(T)
     x, mu, cond = (rng.standard_normal((2, 80, T), dtype=np.float32) for _ in range(3))
-    t, spks = rng.random(2, dtype=np.float32), rng.standard_normal((2, 80), dtype=np.float32)
+    spks = rng.standard_normal((2, 80), dtype=np.float32)
+    step = T % ODE_STEPS
+    t = np.full(2, euler_steps()[step][0])  # the step's time, which the graph's modulation row is of
     block = np.array([50 if streaming else T])
     dit = flow.decoder.estimator
-    sinusoid = dit.time_embed.time_embed(torch.from_numpy(t)).numpy()  # what DiT.forward computes from t
-    feeds = {"x": x, "mu": mu, "time_sinusoid": sinusoid, "spks": spks, "cond": cond,
+    feeds = {"x": x, "mu": mu, "ode_step": np.array([step]), "spks": spks, "cond": cond,
              "offset": np.zeros(1, dtype=np.int64), "block_frames": block, **empty_caches(s)}
     velocity = _run(wrappers["flow_estimator_cached"], s, feeds)[0]
     mask = torch.ones(2, 1, T)

@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from cosyvoice_graphs import ODE_STEPS
 from cosyvoice_runtime import CosyVoice3
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.synthesis import AudioChunk, ChunkPolicy, Mode
-from cosyvoice_runtime.token2wav import N_TIMESTEPS
 
 if TYPE_CHECKING:
     from cosyvoice_serve import Engine
@@ -36,7 +36,7 @@ TOKENS = 150
 """Greedy speech tokens taken from the demo model: chunks (0, 38), (38, 88), (88, 150) on upstream's
 schedule."""
 FIRST = 10
-UPSTREAM_DIGESTS = ["ab1fb852b0c44865", "7364c5000cf3f370", "9b20ecac3259354e"]
+UPSTREAM_DIGESTS = ["02e6f34b9acd8629", "a5010b513c3f428f", "b9883ed3efe9adea"]
 """The chunks' sha256 prefixes on upstream's schedule (flow "cache", vocoder "window"), as made by the
 default path alone (recorded again whenever the demo bundle's graphs change)."""
 NEAR = 3
@@ -159,7 +159,7 @@ def test_cache_gives_reruns_samples_with_a_cut_first_chunk(voice: CosyVoice3,
     finally:
         del estimator.infer
     end = prompt.mel.shape[1] + flow.dims.token_mel_ratio * FIRST
-    assert calls == [end - prefix] * N_TIMESTEPS
+    assert calls == [end - prefix] * ODE_STEPS
     assert np.abs(runs[0][0].mel - runs[1][0].mel).max() < 1e-4
     got, want = (np.concatenate([c.samples for c in run]) for run in runs)
     assert np.abs(got - want).mean() < 2e-3  # the vocoder's tolerance, as test_flow_stream_cache

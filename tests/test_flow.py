@@ -27,6 +27,7 @@ from cosyvoice_export.nets.dit import (
     dit_attention_mask,
 )
 from cosyvoice_export.nets.flow import CausalMaskedDiffWithDiT, PreLookaheadLayer, init_random_
+from cosyvoice_graphs import ODE_STEPS, euler_steps
 
 MANIFEST = Path(__file__).parent / "data" / "upstream_manifest" / "flow.tsv"
 LOOKAHEAD = 3
@@ -220,6 +221,22 @@ def test_cfg_unconditional_row_sees_zeros(flow: CausalMaskedDiffWithDiT) -> None
         assert torch.equal(attn_in[1], attn_in[0])
         assert torch.equal(attn_in[0], dit_attention_mask(mask, True, 50)[0])
     assert torch.equal(calls[0][0][0], x[0])
+
+
+def test_euler_steps_are_the_samplers_times(flow: CausalMaskedDiffWithDiT) -> None:
+    """`euler_steps`, at whose times the DiT graph holds the time modulation, are the times upstream's
+    loop (`solve_euler`, t accumulated) calls the DiT at, bit for bit."""
+    cfm = flow.decoder
+    assert cfm.cfm.n_timesteps == ODE_STEPS
+    x, mask, mu, _, spks, cond = _dit_inputs(12, B=1)
+    times: list[float] = []
+    hook = cfm.estimator.register_forward_pre_hook(lambda m, a: times.append(a[3][0].item()))
+    try:
+        cfm(mu, mask, spks, cond, x, streaming=False)
+    finally:
+        hook.remove()
+    assert times == [float(t) for t, _ in euler_steps()]
+    assert sum(float(dt) for _, dt in euler_steps()) == pytest.approx(1.0, abs=1e-6)
 
 
 class _FixedVelocity(nn.Module):

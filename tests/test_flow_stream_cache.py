@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cosyvoice_graphs import ODE_STEPS
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.flow_prefix import FlowPrefixCache
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.synthesis import AudioChunk, ChunkPolicy, Synthesizer
-from cosyvoice_runtime.token2wav import N_TIMESTEPS
 
 MEL_MAX = 1e-5  # cache vs re-run, measured ~3e-6: the graphs' float rounding on other shapes
 AUDIO_MEAN = 2e-3  # hift_decoder's tolerance; measured ~2e-5 (an ulp of mel can move f0: vocoder tests)
@@ -52,7 +52,7 @@ def _cache_bytes(synth: Synthesizer, frames: int) -> int:
     d = synth.dims
     conv = 2 * 2 * d.dit_dim * (d.dit_conv_kernel - 1)
     kv = d.dit_depth * 2 * 2 * d.dit_heads * frames * d.dit_head_dim
-    return N_TIMESTEPS * 4 * (conv + kv)
+    return ODE_STEPS * 4 * (conv + kv)
 
 
 def _schedule(policy: ChunkPolicy, prompt_tokens: int, n: int) -> Iterator[tuple[list[int], int, bool]]:
@@ -70,7 +70,7 @@ def test_flow_stream_equals_the_rerun_chunk_by_chunk(synth: Synthesizer, prompt:
                                                      ) -> None:
     stream, p = synth.flow.stream(prompt), prompt.speech_tokens.shape[1]
     assert stream.cache_bytes == _cache_bytes(synth, 0) and stream.frames == stream.tokens == 0
-    worst, chunks = 0.0, 0
+    worst, chunks, held = 0.0, 0, 0
     for tokens, offset, final in _schedule(ChunkPolicy(), p, n):
         want = synth.flow(np.asarray(tokens), prompt, finalize=final, streaming=not final)[:, :, 2 * offset:]
         got = stream.push(tokens, finalize=final)
@@ -81,9 +81,11 @@ def test_flow_stream_equals_the_rerun_chunk_by_chunk(synth: Synthesizer, prompt:
             assert stream.tokens == len(tokens) - 3 and stream.frames == 2 * (p + stream.tokens)
             assert stream.frames % BLOCK == 0 and stream.cached_frames == stream.frames
             assert stream.cache_bytes == _cache_bytes(synth, stream.frames)
+            held = stream.cache_bytes
     assert stream.finished and stream.tokens == n
+    assert stream.cache_bytes == stream.cached_frames == 0  # the full re-run released them
     print(f"{n} tokens, {chunks} chunks: cache vs re-run mel max abs {worst:.2e}; "
-          f"cache {stream.cache_bytes / 2**20:.1f} MiB")
+          f"cache before the final push {held / 2**20:.1f} MiB")
     assert worst < MEL_MAX
 
 
@@ -130,7 +132,7 @@ def test_the_prefix_is_the_first_chunks_caches_of_its_frames(synth: Synthesizer,
     prefix = synth.flow.prefix(prompt)
     print(f"prompt {p} tokens: prefix {prefix.frames} frames, {prefix.nbytes / 2**20:.2f} MiB")
     assert prefix.frames == synth.flow.prefix_frames(p) > 0
-    assert prefix.nbytes == _cache_bytes(synth, prefix.frames) and len(prefix.caches) == N_TIMESTEPS
+    assert prefix.nbytes == _cache_bytes(synth, prefix.frames) and len(prefix.caches) == ODE_STEPS
     assert not any(a.flags.writeable for step in prefix.caches for a in step.values())  # shared
     whole = synth.flow.stream(prompt)  # no prefix: `advance` over every frame of the first chunk
     tokens = whole.flow.tokens_with_prompt(_tokens(-p % 25 + 28), prompt, finalize=False)

@@ -23,7 +23,7 @@ from cosyvoice_export.nets import flow as flow_net
 from cosyvoice_export.nets.dit import DiT, dit_attention_mask
 from cosyvoice_export.onnx.wrappers.flow import cached_attention_mask
 from cosyvoice_export.reference.pipeline import ReferencePipeline
-from cosyvoice_graphs import empty_caches, time_sinusoid
+from cosyvoice_graphs import empty_caches, euler_steps
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.synthesis import Synthesizer
@@ -62,16 +62,20 @@ def test_encoder_left_context_is_the_pre_lookahead_layers() -> None:
         assert pll.conv1.kernel_size[0] == cfg.pre_lookahead_len + 1 and pll.conv1.padding == (0,)
 
 
+STEP = 4
+"""The Euler step whose time the DiT tests run at (the graph holds the steps' time modulation only)."""
+
+
 def _dit_inputs(T: int, seed: int = 1) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     x, mu, cond = (torch.randn(2, 80, T, generator=g) for _ in range(3))
-    return x, mu, torch.full((2,), 0.37), torch.randn(2, 80, generator=g), cond
+    return x, mu, torch.full((2,), float(euler_steps()[STEP][0])), torch.randn(2, 80, generator=g), cond
 
 
 def _chained(dit: DiT, inputs: tuple[torch.Tensor, ...], schedule: list[int]) -> torch.Tensor:
     """`DiT.forward_cached` chunk after chunk (block-causal among each chunk's frames), caches fed back."""
     x, mu, t, spks, cond = inputs
-    sinusoid = dit.time_embed.time_embed(t)  # what DiT.forward computes from t
+    modulation = dit.modulation(t)  # what DiT.forward computes from t
     conv, kv, start, out = None, None, 0, []
     for n in schedule:
         part = slice(start, start + n)
@@ -79,7 +83,7 @@ def _chained(dit: DiT, inputs: tuple[torch.Tensor, ...], schedule: list[int]) ->
         past = 0 if kv is None else kv[0][0].shape[2]
         mask = cached_attention_mask(past, positions, torch.tensor([BLOCK]))
         keep = torch.ones(2, n, 1, dtype=torch.bool)
-        v, conv, kv = dit.forward_cached(x[:, :, part], mu[:, :, part], sinusoid, spks, cond[:, :, part],
+        v, conv, kv = dit.forward_cached(x[:, :, part], mu[:, :, part], modulation, spks, cond[:, :, part],
                                          positions, mask, keep, conv, kv)
         out.append(v)
         start += n
@@ -139,8 +143,7 @@ def test_the_graph_with_nothing_cached_is_one_dit_forward(synth: Synthesizer, pi
     inputs = _dit_inputs(frames, seed=frames)
     x, mu, t, spks, cond = (a.numpy() for a in inputs)
     estimator = synth.flow.estimator
-    sinusoid = time_sinusoid(t, synth.flow.dims.dit_time_freq_dim)
-    got = estimator.infer_outputs({"x": x, "mu": mu, "time_sinusoid": sinusoid, "spks": spks, "cond": cond,
+    got = estimator.infer_outputs({"x": x, "mu": mu, "ode_step": np.array([STEP]), "spks": spks, "cond": cond,
                                    "offset": np.zeros(1, dtype=np.int64),
                                    "block_frames": np.array([BLOCK if streaming else frames]),
                                    **empty_caches(estimator.spec)}, ["velocity"])
@@ -156,11 +159,10 @@ def test_cached_graph_chain_equals_one_dit_forward(synth: Synthesizer, pipe: Ref
     estimator = synth.flow.estimator
     inputs = _dit_inputs(400, seed=4)
     x, mu, t, spks, cond = (a.numpy() for a in inputs)
-    sinusoid = time_sinusoid(t, synth.flow.dims.dit_time_freq_dim)
     caches, start, got = empty_caches(estimator.spec), 0, []
     for n in [250, 50, 100]:
         part = slice(start, start + n)
-        out = estimator.infer({"x": x[:, :, part], "mu": mu[:, :, part], "time_sinusoid": sinusoid,
+        out = estimator.infer({"x": x[:, :, part], "mu": mu[:, :, part], "ode_step": np.array([STEP]),
                                "spks": spks, "cond": cond[:, :, part], "offset": np.array([start]),
                                "block_frames": np.array([BLOCK]), **caches})
         caches = {name: out["present_" + name.removeprefix("past_")] for name in caches}

@@ -25,7 +25,6 @@ from cosyvoice_graphs import (
     cache_pairs,
     metadata,
     spec,
-    time_sinusoid,
 )
 from cosyvoice_graphs.bundle_layout import FLOW_NOISE, NOISE_TABLES
 
@@ -37,7 +36,7 @@ def test_full_size_dims() -> None:
         llm_hidden=896, llm_layers=24, llm_kv_heads=2, llm_head_dim=64, speech_vocab=6761,
         speech_token_size=6561, mel_bins=80, spk_embed_dim=192, pre_lookahead_len=3, token_mel_ratio=2,
         dit_block_frames=50, dit_dim=1024, dit_depth=22, dit_heads=16, dit_head_dim=64, dit_conv_kernel=31,
-        dit_time_freq_dim=256, harmonics=9, samples_per_frame=480, sample_rate=24000,
+        harmonics=9, samples_per_frame=480, sample_rate=24000,
     )
     assert ModelDims.from_metadata(FULL.to_metadata()) == FULL
 
@@ -209,22 +208,3 @@ def test_solve_gates() -> None:
         _tiny_spec(solve_gates={"int8": gates})
     with pytest.raises(ValueError, match="gates on unknown output 'zz'"):
         _tiny_spec(precision_tolerances={"int8": bounds}, solve_gates={"int8": replace(gates, output="zz")})
-
-
-@pytest.mark.torch
-def test_time_sinusoid_is_the_dits_own() -> None:
-    """The DiT graph's `time_sinusoid` input, computed by its callers, against the torch DiT's sinusoid of
-    t (upstream's `SinusPositionEmbedding`), both float32: at 1000 t an ulp of the frequencies moves a
-    sine by up to ~6e-5."""
-    import torch
-
-    from cosyvoice_export.nets.dit import DiT
-
-    cfg = tiny(1024).flow.dit
-    assert cfg.time_embed_dim == FULL.dit_time_freq_dim  # the tiny DiT keeps upstream's 256
-    t = np.r_[np.linspace(0, 1, 101, dtype=np.float32), np.random.default_rng(0).random(100, np.float32)]
-    want = DiT(cfg).time_embed.time_embed(torch.from_numpy(t)).numpy()
-    got = time_sinusoid(t, cfg.time_embed_dim)
-    assert got.dtype == np.float32 and got.shape == want.shape == (201, 256)
-    assert float(np.abs(got - want).max()) < 2e-4
-    np.testing.assert_array_equal(got[0], np.r_[np.zeros(128), np.ones(128)].astype(np.float32))  # t = 0

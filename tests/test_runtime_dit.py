@@ -12,12 +12,11 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from cosyvoice_graphs import SPECS, empty_caches
+from cosyvoice_graphs import ODE_STEPS, SPECS, empty_caches
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.synthesis import ChunkPolicy, Synthesizer
-from cosyvoice_runtime.token2wav import N_TIMESTEPS
 
 
 @pytest.fixture
@@ -77,13 +76,13 @@ def test_every_flow_call_runs_on_the_dit_graph(synth: Synthesizer, monkeypatch: 
     monkeypatch.setattr(estimator, "infer_outputs", counting)
     prompt, tokens = _prompt(synth, 20), _tokens(synth)
     synth.token2wav(tokens, prompt)
-    assert fetched == [1] * N_TIMESTEPS
+    assert fetched == [1] * ODE_STEPS
     fetched.clear()
     policy = ChunkPolicy(lookahead=synth.dims.pre_lookahead_len)
     chunks = list(synth.stream_tokens(tokens, prompt, policy=policy))
     assert len(chunks) > 1
     everything = len(estimator.spec.outputs)
-    assert fetched.count(everything) == N_TIMESTEPS * (len(chunks) - 1)
-    assert fetched.count(1) == N_TIMESTEPS and len(fetched) == N_TIMESTEPS * len(chunks)
+    assert fetched.count(everything) == ODE_STEPS * (len(chunks) - 1)
+    assert fetched.count(1) == ODE_STEPS and len(fetched) == ODE_STEPS * len(chunks)
     with pytest.raises(ValueError, match="unknown output 'present'"):
         infer_outputs({}, ["present"])

@@ -25,11 +25,12 @@ from cosyvoice_export.reference.llm_decode import GreedySampler as TorchGreedy
 from cosyvoice_export.reference.llm_decode import RasSampler as TorchRas
 from cosyvoice_export.reference.pipeline import Mode as RefMode
 from cosyvoice_export.reference.pipeline import ReferencePipeline
+from cosyvoice_graphs import ode_time_grid
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.sampling import make_sampler
 from cosyvoice_runtime.synthesis import AudioChunk, Mode, Synthesizer
-from cosyvoice_runtime.token2wav import interpolate_linear, sine_phase, time_grid
+from cosyvoice_runtime.token2wav import interpolate_linear, sine_phase
 
 TEXT = "Hello there, how are you today?"
 RAS_TOKENS = 120  # RAS on the tiny LM rarely stops: bounds the run
@@ -78,7 +79,7 @@ def _report(name: str, got: np.ndarray, want: np.ndarray) -> tuple[float, float]
 
 
 def test_numpy_helpers_equal_torch_bit_for_bit(pipe: ReferencePipeline) -> None:
-    assert np.array_equal(time_grid(10), torch_time_grid(10).numpy())
+    assert np.array_equal(ode_time_grid(10), torch_time_grid(10).numpy())
     f0 = torch.rand(1, 700, generator=torch.Generator().manual_seed(0)) * 400  # (1, T)
     cfg = pipe.config.hift
     want = torch_sine_phase(f0, cfg).numpy()

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cosyvoice_graphs.registry import TIME_SINUSOID_SCALE
-
 from ..config import DiTConfig
 
 LN_EPS = 1e-6
+TIME_SINUSOID_SCALE = 1000.0
+"""Upstream's DiT multiplies the ODE time t in [0, 1] by this before the frequencies."""
 
 
 def dit_attention_mask(pad_mask: Tensor, streaming: bool, chunk_frames: int) -> Tensor:
@@ -84,16 +85,15 @@ class _SinusPositionEmbedding(nn.Module):
 
 
 class _TimestepEmbedding(nn.Module):
-    """Upstream's `TimestepEmbedding`, in two halves: the sinusoid of t (`time_embed`, no weights), which the
-    exported graph takes as an input, and the MLP over it (`forward`)."""
+    """Upstream's `TimestepEmbedding`: the sinusoid of t, then an MLP."""
 
     def __init__(self, dim: int, freq_dim: int) -> None:
         super().__init__()
         self.time_embed = _SinusPositionEmbedding(freq_dim)
         self.time_mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
 
-    def forward(self, sinusoid: Tensor) -> Tensor:
-        return self.time_mlp(sinusoid)  # (B, dim)
+    def forward(self, t: Tensor) -> Tensor:
+        return self.time_mlp(self.time_embed(t).to(t.dtype))  # (B, dim)
 
 
 class _CausalConvPositionEmbedding(nn.Module):
@@ -140,8 +140,11 @@ class _AdaLayerNormZero(nn.Module):
         self.dim = dim  # a Python int: the ONNX tracer turns `x.shape[-1:]` into a non-constant shape
         self.linear = nn.Linear(dim, 6 * dim)
 
-    def forward(self, x: Tensor, c: Tensor) -> tuple[Tensor, ...]:
-        emb = self.linear(F.silu(c))  # (B, 6 * dim)
+    def modulation(self, c: Tensor) -> Tensor:
+        return self.linear(F.silu(c))  # (B, 6 * dim)
+
+    def forward(self, x: Tensor, emb: Tensor) -> tuple[Tensor, ...]:
+        """x (B, T, dim), emb (B or 1, 6 dim) from `modulation`."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
         x = F.layer_norm(x, (self.dim,), eps=LN_EPS) * (1 + scale_msa[:, None]) + shift_msa[:, None]
         return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
@@ -153,8 +156,12 @@ class _AdaLayerNormZeroFinal(nn.Module):
         self.dim = dim
         self.linear = nn.Linear(dim, 2 * dim)
 
-    def forward(self, x: Tensor, c: Tensor) -> Tensor:
-        scale, shift = self.linear(F.silu(c)).chunk(2, dim=1)  # scale first here, unlike the blocks
+    def modulation(self, c: Tensor) -> Tensor:
+        return self.linear(F.silu(c))  # (B, 2 * dim)
+
+    def forward(self, x: Tensor, emb: Tensor) -> Tensor:
+        """x (B, T, dim), emb (B or 1, 2 dim) from `modulation`."""
+        scale, shift = emb.chunk(2, dim=1)  # scale first here, unlike the blocks
         return F.layer_norm(x, (self.dim,), eps=LN_EPS) * (1 + scale)[:, None] + shift[:, None]
 
 
@@ -210,10 +217,11 @@ class _DiTBlock(nn.Module):
         self.attn = _Attention(dim, heads, dim_head)
         self.ff = _FeedForward(dim, ff_mult)
 
-    def forward(self, x: Tensor, c: Tensor, cos: Tensor, sin: Tensor, attn_bias: Tensor,
+    def forward(self, x: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, attn_bias: Tensor,
                 keep: Tensor, past: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """x (B, T, dim) -> (B, T, dim), and the attention's keys and values (see `_Attention`)."""
-        norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(x, c)
+        """x (B, T, dim) -> (B, T, dim), and the attention's keys and values (see `_Attention`); `emb` is
+        `attn_norm`'s modulation."""
+        norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(x, emb)
         attn, k, v = self.attn(norm, cos, sin, attn_bias, keep, past)
         x = x + gate_msa[:, None] * attn
         norm = F.layer_norm(x, (self.dim,), eps=LN_EPS) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
@@ -244,17 +252,25 @@ class DiT(nn.Module):
         """
         positions = torch.arange(x.shape[2], device=x.device)  # (T,)
         keep = mask.bool().transpose(1, 2)  # (B, T, 1)
-        sinusoid = self.time_embed.time_embed(t).to(t.dtype)  # (B, time_embed_dim)
-        return self.forward_cached(x, mu, sinusoid, spks, cond, positions, attn_mask, keep, None, None)[0]
+        return self.forward_cached(x, mu, self.modulation(t), spks, cond, positions, attn_mask, keep, None,
+                                   None)[0]
 
-    def forward_cached(self, x: Tensor, mu: Tensor, sinusoid: Tensor, spks: Tensor, cond: Tensor,
+    def modulation(self, t: Tensor) -> Tensor:
+        """ODE times t (B,) -> every AdaLN's shifts, scales and gates (B, (6 depth + 2) dim), the blocks'
+        then the final norm's: all that t enters the network through. A function of t alone, so a graph
+        whose calls share a few times can hold it precomputed (`FlowEstimatorCachedGraph`)."""
+        c = self.time_embed(t)  # (B, dim)
+        parts = [cast(_DiTBlock, block).attn_norm.modulation(c) for block in self.transformer_blocks]
+        return torch.cat([*parts, self.norm_out.modulation(c)], dim=1)
+
+    def forward_cached(self, x: Tensor, mu: Tensor, modulation: Tensor, spks: Tensor, cond: Tensor,
                        positions: Tensor, attn_mask: Tensor, keep: Tensor,
                        past_conv: tuple[Tensor, Tensor] | None,
                        past_kv: Sequence[tuple[Tensor, Tensor]] | None
                        ) -> tuple[Tensor, tuple[Tensor, Tensor], list[tuple[Tensor, Tensor]]]:
         """Velocity of T new frames that continue earlier ones, given the earlier frames' caches.
 
-        x, mu, cond: (B, 80, T); sinusoid: (B, time_embed_dim), the ODE time's sinusoidal embedding;
+        x, mu, cond: (B, 80, T); modulation: (B or 1, (6 depth + 2) dim), the ODE time's `modulation`;
         spks: (B, 80); positions: (T,) int, the new frames' indices
         in the sequence (RoPE); attn_mask: (B or 1, 1, T, P + T) bool over [cached | new] keys;
         keep: (B, T, 1) bool, False on padded query rows. `past_conv`: the last kernel - 1 input frames
@@ -265,7 +281,8 @@ class DiT(nn.Module):
         frame may attend to a later one (the block-causal mask on block boundaries).
         """
         x, mu, cond = x.transpose(1, 2), mu.transpose(1, 2), cond.transpose(1, 2)  # (B, T, 80)
-        c = self.time_embed(sinusoid)  # (B, dim)
+        dim = self.cfg.dim
+        mods = modulation.split([6 * dim] * self.cfg.depth + [2 * dim], dim=1)
         h, conv = self.input_embed(x, cond, mu, spks, past_conv)  # (B, T, dim)
         freqs = self.rotary_embed(positions)  # (T, dim_head)
         cos, sin = freqs.cos(), freqs.sin()
@@ -276,7 +293,7 @@ class DiT(nn.Module):
         bias = torch.zeros_like(attn_mask, dtype=h.dtype).masked_fill(~attn_mask, float("-inf"))
         kv = []
         for i, block in enumerate(self.transformer_blocks):
-            h, k, v = block(h, c, cos, sin, bias, keep, None if past_kv is None else past_kv[i])
+            h, k, v = block(h, mods[i], cos, sin, bias, keep, None if past_kv is None else past_kv[i])
             kv.append((k, v))
-        h = self.norm_out(h, c)
+        h = self.norm_out(h, mods[-1])
         return self.proj_out(h).transpose(1, 2), conv, kv  # (B, 80, T)

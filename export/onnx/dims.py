@@ -27,7 +27,6 @@ def model_dims(cfg: ModelConfig) -> ModelDims:
         dit_heads=cfg.flow.dit.heads,
         dit_head_dim=cfg.flow.dit.dim_head,
         dit_conv_kernel=cfg.flow.dit.conv_pos_kernel,
-        dit_time_freq_dim=cfg.flow.dit.time_embed_dim,
         harmonics=cfg.hift.nb_harmonics + 1,
         samples_per_frame=cfg.hift.upsample_scale,
         sample_rate=cfg.sample_rate,

@@ -50,9 +50,9 @@ FP16_GRAPHS: dict[str, tuple[str, ...]] = {
     "llm": (ROOT, r"layernorm/", r"/norm/", r"/llm_decoder/"),
     # only the x-vector normalisation (in ROOT) is fragile
     "flow_encoder": (ROOT,),
-    # AdaLN norms with their modulation linears, the time embedding, the output projection, RoPE tables;
-    # the caches' concatenations are data movement
-    "flow_estimator_cached": (ROOT, r"norm", r"/time_embed/", r"/proj_out/", r"/rotary_embed/"),
+    # AdaLN norms and the modulation table (ROOT), the output projection, RoPE tables; the caches'
+    # concatenations are data movement
+    "flow_estimator_cached": (ROOT, r"norm", r"/proj_out/", r"/rotary_embed/"),
     # Snake activations, the source merge (F0 path), the output conv; the source/STFT/iSTFT are ROOT
     "hift_decoder": (ROOT, r"/activations", r"/l_linear/", r"/conv_post/"),
 }

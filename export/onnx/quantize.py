@@ -78,9 +78,8 @@ class Scheme:
 # llm_decoder: 2% of the full-size weights, and its output is the log-probs themselves
 _LLM_FP32 = (r"/llm_decoder/",)
 _DIT_FP32 = (
-    # the time embedding and AdaLN modulation (two rows each: cheap), whose errors would reach every frame
-    # of every block, and the input/output projections (80 channels wide: little to gain at the ends)
-    r"/time_embed/", r"/input_embed/", r"/attn_norm/", r"/norm_out/", r"/proj_out/",
+    # the input/output projections (80 channels wide: little to gain at the ends)
+    r"/input_embed/", r"/proj_out/",
 )
 SCHEMES: dict[str, dict[str, Scheme]] = {
     "int8": {"llm": Scheme(NBITS, _LLM_FP32, bits=8, block_size=32),

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from cosyvoice_graphs import GraphSpec, empty_caches, time_sinusoid
+from cosyvoice_graphs import GraphSpec, empty_caches, euler_steps
 
 from ..nets.flow import CausalMaskedDiffWithDiT
 from .graphs import NetworkSource
@@ -72,7 +72,7 @@ class OnnxEstimator(nn.Module):
     def __init__(self, run: GraphCall, spec: GraphSpec) -> None:
         super().__init__()
         self.run, self.spec = run, spec
-        self.sinusoid_dim = int(next(i for i in spec.inputs if i.name == "time_sinusoid").shape[1])
+        self.steps = {float(t): step for step, (t, _) in enumerate(euler_steps())}
 
     def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                 attn_mask: Tensor) -> Tensor:
@@ -81,7 +81,11 @@ class OnnxEstimator(nn.Module):
                               "padding) only")
         given = {"x": x, "mu": mu, "spks": spks, "cond": cond}
         feeds = {n: v.numpy() for n, v in given.items()} | empty_caches(self.spec)
-        feeds["time_sinusoid"] = time_sinusoid(t.numpy(), self.sinusoid_dim)  # as the runtime feeds it
+        step = self.steps.get(float(t[0]))
+        if step is None or not bool((t == t[0]).all()):
+            raise ExportError(f"{self.spec.name}: the graph holds the time modulation of its Euler steps' "
+                              f"times only, not of t = {t.tolist()}")
+        feeds["ode_step"] = np.array([step], dtype=np.int64)
         feeds |= {"offset": np.zeros(1, dtype=np.int64),
                   "block_frames": np.array([x.shape[2]], dtype=np.int64)}  # full attention
         unknown = set(self.spec.input_names) - set(feeds)

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cosyvoice_graphs import euler_steps
+
 from ...nets.dit import DiT
 from ...nets.flow import CausalMaskedDiffWithDiT
 
@@ -60,23 +62,31 @@ def cached_attention_mask(past_frames: int | Tensor, positions: Tensor, block_fr
 
 
 class FlowEstimatorCachedGraph(nn.Module):
-    """`DiT.forward_cached` for the CFG batch, its caches flattened into the spec's I/O order.
+    """`DiT.forward_cached` for the CFG batch, its caches flattened into the spec's I/O order, the time
+    modulation of every Euler step (`euler_steps`) precomputed in `modulations`.
 
-    Inputs: x, mu (2, 80, T), time_sinusoid (2, time_embed_dim), spks (2, 80), cond (2, 80, T), offset
-    (1,) (the position of the first new frame), block_frames (1,), past_pos_conv1/2 (2, dim, kernel - 1),
-    then past_key_i, past_value_i (2, H, P, Dh) per block i. Outputs: velocity (2, 80, T),
-    present_pos_conv1/2, then present_key_i, present_value_i (2, H, P + T, Dh).
+    Inputs: x, mu (2, 80, T), ode_step (1,), spks (2, 80), cond (2, 80, T), offset (1,) (the position of
+    the first new frame), block_frames (1,), past_pos_conv1/2 (2, dim, kernel - 1), then past_key_i,
+    past_value_i (2, H, P, Dh) per block i. Outputs: velocity (2, 80, T), present_pos_conv1/2, then
+    present_key_i, present_value_i (2, H, P + T, Dh).
     """
+
+    modulations: Tensor
 
     def __init__(self, dit: DiT) -> None:
         super().__init__()
         self.dit = dit
         self.depth = dit.cfg.depth
+        # per step over the CFG batch of 2, as upstream's solve calls it: the same matmul shapes, so the
+        # same float32 rounding as `DiT.forward`
+        with torch.no_grad():
+            rows = [dit.modulation(torch.tensor([t, t]))[:1] for t, _ in euler_steps()]
+        self.register_buffer("modulations", torch.cat(rows))  # (steps, (6 depth + 2) dim)
 
-    def forward(self, x: Tensor, mu: Tensor, time_sinusoid: Tensor, spks: Tensor, cond: Tensor,
+    def forward(self, x: Tensor, mu: Tensor, ode_step: Tensor, spks: Tensor, cond: Tensor,
                 offset: Tensor, block_frames: Tensor, past_pos_conv1: Tensor, past_pos_conv2: Tensor,
                 *past_kv: Tensor) -> tuple[Tensor, ...]:
-        """x, mu, time_sinusoid, spks, cond, offset, block_frames, past_pos_conv1, past_pos_conv2, past_key_0,
+        """x, mu, ode_step, spks, cond, offset, block_frames, past_pos_conv1, past_pos_conv2, past_key_0,
         past_value_0, past_key_1, ... -> velocity, present_pos_conv1, present_pos_conv2, present_key_0, ..."""
         if len(past_kv) != 2 * self.depth:
             raise ValueError(f"expected {2 * self.depth} past key/value tensors, got {len(past_kv)}")
@@ -84,6 +94,7 @@ class FlowEstimatorCachedGraph(nn.Module):
         attn_mask = cached_attention_mask(past_kv[0].shape[2], positions, block_frames)  # (1, 1, T, P + T)
         keep = torch.ones(x.shape[0], x.shape[2], 1, dtype=torch.bool, device=x.device)  # (2, T, 1)
         pairs = list(zip(past_kv[0::2], past_kv[1::2], strict=True))
-        velocity, conv, kv = self.dit.forward_cached(x, mu, time_sinusoid, spks, cond, positions, attn_mask,
+        modulation = self.modulations.index_select(0, ode_step)  # (1, M): both CFG rows share t
+        velocity, conv, kv = self.dit.forward_cached(x, mu, modulation, spks, cond, positions, attn_mask,
                                                      keep, (past_pos_conv1, past_pos_conv2), pairs)
         return (velocity, *conv, *[y for pair in kv for y in pair])  # key_0, value_0, key_1, ...
