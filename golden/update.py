@@ -172,7 +172,7 @@ def graph_changes(old: GraphGolden | None, new: GraphGolden) -> str:
     parts = []
     if old.spec_version != new.spec_version:
         parts.append(f"spec version {old.spec_version} → {new.spec_version}")
-    if old.bundle.get("sources") != new.bundle.get("sources"):
+    if any(old.bundle.get(key) != new.bundle.get(key) for key in ("sources", "model")):
         parts.append("model")
     if [c.index for c in old.cases] != [c.index for c in new.cases]:
         parts.append(f"cases {[c.index for c in old.cases]} → {[c.index for c in new.cases]}")

@@ -85,7 +85,7 @@ def test_the_llm_projections_are_4_bit_matmulnbits(mixed_bundle: Path) -> None:
     model = onnx.load(str(mixed_bundle / "graphs" / "llm.onnx"))
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     layers = tiny_dims().llm_layers
-    assert len(nbits) == 7 * layers  # q, k, v, o, gate, up, down
+    assert len(nbits) == 4 * layers  # q|k|v stacked, o, gate|up stacked, down
     scheme = quantize.SCHEMES["int4"]["llm"]
     for node in nbits:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}

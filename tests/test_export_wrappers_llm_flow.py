@@ -232,6 +232,21 @@ def test_exported_graph_io_matches_spec(name: str, cfg: ModelConfig, exported: d
                            for d, w in zip(dims, t.shape, strict=True)), (t.name, dims)
 
 
+def test_llm_graph_has_one_matmul_per_shared_input(cfg: ModelConfig, exported: dict[str, Path]) -> None:
+    """q|k|v and gate|up are one weight matmul each in the graph, their weights stacked (`_linears`): per
+    layer qkv, o, gate|up and down, then the speech decoder."""
+    model = onnx.load(exported["llm"])
+    weights = {i.name: tuple(i.dims) for i in model.graph.initializer}
+    shapes = [weights[n.input[1]] for n in model.graph.node
+              if n.op_type == "MatMul" and n.input[1] in weights]
+    q = cfg.llm.qwen
+    heads, kv, head_dim = q.num_attention_heads, q.num_key_value_heads, q.head_dim
+    layer = [(q.hidden_size, (heads + 2 * kv) * head_dim), (heads * head_dim, q.hidden_size),
+             (q.hidden_size, 2 * q.intermediate_size), (q.intermediate_size, q.hidden_size)]
+    assert shapes[:-1] == layer * q.num_hidden_layers
+    assert len(shapes) == 4 * q.num_hidden_layers + 1
+
+
 @pytest.mark.parametrize("name", GRAPHS)
 def test_onnxruntime_matches_torch(name: str, cfg: ModelConfig, wrappers: dict[str, nn.Module],
                                    exported: dict[str, Path]) -> None:

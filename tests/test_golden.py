@@ -18,7 +18,7 @@ from click.testing import CliRunner, Result
 from cosyvoice_golden.cases import CASES_FILE, DATA_DIR, Cases, load_cases
 from cosyvoice_golden.cli import main
 from cosyvoice_golden.run import cpu_signature
-from cosyvoice_golden.store import case_paths, graph_paths, read_case, write_case
+from cosyvoice_golden.store import case_paths, graph_paths, read_case, read_graph, write_case
 from cosyvoice_graphs import SPECS
 from cosyvoice_runtime.frontend import contains_chinese
 from cosyvoice_runtime.synthesis import Mode
@@ -184,6 +184,18 @@ def test_golden_from_another_model(tmp_path: Path) -> None:
     path.write_text(json.dumps(data))
     _one_error_line(_golden("check", "--cases", str(cases_file), "--case", SHORT),
                     "was recorded from another model than")
+
+
+@pytest.mark.torch
+def test_update_sees_a_graph_golden_of_other_model_constants() -> None:
+    """A graph golden whose bundle's model constants differ is rewritten by `update` (not "unchanged"),
+    or `check` would refuse it as from another model."""
+    from cosyvoice_golden.update import graph_changes
+
+    old = read_graph(CASES_FILE.parent / DATA_DIR, "hift_f0")
+    moved = replace(old, bundle={**old.bundle, "model": {**old.bundle["model"], "mel_bins": 81}})
+    assert graph_changes(old, old) == "unchanged"
+    assert graph_changes(moved, old) == "changed: model"
 
 
 def test_stale_golden(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from cosyvoice_runtime.cli import main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import RuntimeBundleError
 from cosyvoice_runtime.runners import OPTIMIZATION, OrtRunner, Runner, open_runner
+from cosyvoice_runtime.runners.ort import FORCE_SPINNING_STOP
 from cosyvoice_runtime.runners.ort_settings import (
     DEFAULT_SETTINGS,
     TUNING_FILE,
@@ -65,6 +66,9 @@ def test_every_graph_has_a_measured_default(runtime_bundle: Path) -> None:
     for graph in bundle.specs:
         with open_runner(bundle, graph) as runner:
             assert session_settings(runner)[0] == DEFAULT_SETTINGS[graph].optimization, graph
+            # the sessions of a pipeline take turns on the cores: none keeps spinning after its call
+            options = runner.session.get_session_options()
+            assert options.get_session_config_entry(FORCE_SPINNING_STOP) == "1", graph
 
 
 def test_tuning_file_is_applied_and_explicit_arguments_win(copy: Path) -> None:

@@ -9,6 +9,7 @@ explicit tensors so that `forward_step` can be traced for ONNX.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,18 @@ def _rope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def _linears(x: Tensor, layers: Sequence[nn.Linear]) -> list[Tensor]:
+    """`layer(x)` for each of `layers`, which read the same input. In an ONNX export, one matmul over their
+    stacked weights (the stacking is constant-folded) and a split: one kernel call instead of several in
+    the graph (a decode step is hundreds of small ones), the same dot products per output. Eager torch keeps
+    upstream's separate calls, which need no stacked copy."""
+    if not torch.onnx.is_in_onnx_export():
+        return [layer(x) for layer in layers]
+    weight = torch.cat([layer.weight for layer in layers])
+    bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+    return list(F.linear(x, weight, bias).split([layer.out_features for layer in layers], dim=-1))
+
+
 class Qwen2Attention(nn.Module):
     """Grouped-query self-attention with RoPE and an explicit (past, present) KV cache."""
 
@@ -66,9 +79,10 @@ class Qwen2Attention(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, C); cos/sin (T, D); allowed (T, S) bool; past (B, KV, P, D) -> out, present k, v."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        q, k, v = _linears(x, (self.q_proj, self.k_proj, self.v_proj))
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         # Keys are cached after RoPE, so a step never re-rotates the past.
@@ -98,7 +112,8 @@ class Qwen2MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = _linears(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Qwen2DecoderLayer(nn.Module):
