@@ -16,13 +16,11 @@ from ..errors import ProviderError, RuntimeBundleError
 from ..extras import gpu_install_command
 from ..process_memory import release_free_heap
 from .base import Feed, RunnerBase
-from .ort_settings import FALLBACK, OPTIMIZATION, settings_for
+from .ort_settings import FALLBACK, FORCE_SPINNING_STOP, KEEP_SPINNING, OPTIMIZATION, settings_for
 
 ORT_PROVIDERS = {CPU: "CPUExecutionProvider", CUDA: "CUDAExecutionProvider",
                  TENSORRT: "TensorrtExecutionProvider"}
 """The providers onnxruntime runs -> its execution provider."""
-FORCE_SPINNING_STOP = "session.force_spinning_stop"
-"""onnxruntime's session option that puts the intra-op workers to sleep when a call ends."""
 
 
 class OrtRunner(RunnerBase):
@@ -55,10 +53,8 @@ class OrtRunner(RunnerBase):
         options.graph_optimization_level = OPTIMIZATION[optimization]
         if threads is not None:
             options.intra_op_num_threads = threads
-        # a pipeline runs its sessions one after another on the same cores: workers left spinning after one
-        # session's call take the cores from the next session's (the first DiT call of a chunk after the
-        # encoder 140-150 ms instead of 95-100, docs/performance-log.md)
-        options.add_session_config_entry(FORCE_SPINNING_STOP, "1")
+        if spec.name not in KEEP_SPINNING:
+            options.add_session_config_entry(FORCE_SPINNING_STOP, "1")
         device = {"device_id": device_id}
         # nodes a GPU provider cannot take go to the CPU provider: that is placement, not fallback
         chains: dict[str, list[Any]] = {
