@@ -22,6 +22,7 @@ from cosyvoice_export.bundle.yaml_config import model_config_from_yaml
 from cosyvoice_export.config import DiTConfig, HiFTConfig, Qwen2Config
 from cosyvoice_graphs.precision import FP32, INT8, Precision
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.runners import CPU, graphs_run
 
 from .backend import Figures
 from .machine import Rates
@@ -48,7 +49,14 @@ class ModelShapes:
         config = model_config_from_yaml(bundle.root / bundle.manifest.config,
                                         bundle.tokenizer_dir / "config.json")
         return cls(config.llm.qwen, config.flow.dit, config.hift, bundle.dims.speech_vocab,
-                   bundle.graph_precision(LLM), bundle.graph_precision(DIT), bundle.graph_precision(HIFT))
+                   bundle.graph_precision(decode_body(bundle)), bundle.graph_precision(DIT),
+                   bundle.graph_precision(HIFT))
+
+
+def decode_body(bundle: RuntimeBundle) -> str:
+    """The graph the runtime runs the LLM's decode steps on with the CPU provider: `llm_decode` where the
+    bundle has it, else `llm`."""
+    return "llm_decode" if "llm_decode" in graphs_run(bundle, CPU) else LLM
 
 
 def llm_weight_count(qwen: Qwen2Config, speech_vocab: int) -> int:

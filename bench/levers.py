@@ -1,6 +1,6 @@
-"""CPU speed levers of the fp32 path: onnxruntime's graph optimisation level and intra-op threads,
-measured per graph; and what the exported graphs already do about the export-side levers (Qwen's unused
-output layer, the DiT's attention mask, IOBinding and pre-allocated KV caches)."""
+"""CPU speed levers: onnxruntime's graph optimisation level and intra-op threads, measured per graph; and
+what the exported graphs already do about the export-side levers (Qwen's unused output layer, the DiT's
+attention mask, IOBinding and pre-allocated KV caches)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from cosyvoice_graphs import Case, GraphSpec, empty_caches
+from cosyvoice_graphs import CACHE_LEN, Case, GraphSpec, empty_caches
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.runners import CPU, OPTIMIZATION, OrtRunner, on_openvino
+
+from .bounds import decode_body
 
 LEVER_THREADS = (1, 2)
 """Intra-op thread counts tried per graph and optimisation level."""
@@ -29,12 +31,16 @@ DIT_OUTPUTS = ["velocity"]
 def onnxruntime_levers(bundle: RuntimeBundle, *, frames: int, past_len: int, runtime_threads: int,
                        repeats: int, on_row: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
     """Median seconds per call of `flow_estimator_cached` (one ODE step over `frames` frames with nothing
-    cached, full attention: an offline call) and `llm` (one decode step after `past_len` cached positions)
-    for every optimisation level and thread count, each in a fresh CPU session; the row the runtime uses
-    is marked (none for a graph it runs on OpenVINO: a bf16 graph's rows are its float32 on onnxruntime)."""
-    decode = Case({"new_len": 1, "past_len": past_len})
+    cached, full attention: an offline call) and the decode body the runtime runs on the CPU (`llm_decode`
+    where the bundle has it, else `llm`: one decode step after `past_len` cached positions, the caches
+    returned grown as `llm`'s are) for every optimisation level and thread count, each in a fresh CPU
+    session; the row the runtime uses is marked (none for a graph it runs on OpenVINO: a bf16 graph's rows
+    are its float32 on onnxruntime)."""
+    body = decode_body(bundle)
+    values = {CACHE_LEN: (past_len,)} if CACHE_LEN in bundle.specs[body].input_names else {}
+    decode = Case({"new_len": 1, "past_len": past_len}, values)
     points = {DIT: (*_offline_dit_call(bundle.specs[DIT], frames), DIT_OUTPUTS),
-              "llm": (decode, bundle.specs["llm"].sample_inputs(decode), bundle.specs["llm"].output_names)}
+              body: (decode, bundle.specs[body].sample_inputs(decode), bundle.specs[body].output_names)}
     rows = []
     for graph, (case, feeds, outputs) in points.items():
         spec = bundle.specs[graph]
@@ -118,6 +124,18 @@ def _is_square(shape: Sequence[int], frames: int) -> bool:
     return len(shape) >= 2 and shape[-1] == shape[-2] == frames
 
 
+def _kv_buffers_lever(bundle: RuntimeBundle) -> dict[str, Any]:
+    if decode_body(bundle) == "llm_decode":
+        return {"lever": "pre-allocated KV caches", "status": "done in the export and the runtime",
+                "detail": "the decode steps run on llm_decode (GroupQueryAttention), which writes each new "
+                          "position into buffers bound as its inputs and outputs (KVBuffers, "
+                          "OrtRunner.infer_in_place): no step allocates or copies the cache"}
+    return {"lever": "pre-allocated KV caches", "status": "not in this bundle",
+            "detail": "the llm graph returns present = concat(past, new) per layer, so every step allocates "
+                      "the grown cache; a bundle with llm_decode (--precision cpu-fast, or decode=int4 or "
+                      "int8) writes it in place on the CPU"}
+
+
 def export_levers(bundle: RuntimeBundle, mask_cost: Mapping[str, Any] | None) -> list[dict[str, Any]]:
     """The export-side levers, as our graphs stand (read from their specs and exporters, not re-done);
     `mask_cost` is `attention_mask_cost`'s measurement, None where it was not taken."""
@@ -140,7 +158,5 @@ def export_levers(bundle: RuntimeBundle, mask_cost: Mapping[str, Any] | None) ->
         {"lever": "IOBinding for the KV cache", "status": "done in the runtime",
          "detail": "SpeechTokenLM.step binds present_* as OrtValues left where the session computed them "
                    "and feeds them back as past_* (OrtRunner.infer_kept): no host copy of the cache"},
-        {"lever": "pre-allocated KV caches", "status": "not done",
-         "detail": "the llm graph returns present = concat(past, new) per layer, so every step allocates "
-                   "the grown cache; writing it in place needs another graph contract"},
+        _kv_buffers_lever(bundle),
     ]

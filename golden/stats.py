@@ -15,13 +15,16 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_graphs import cache_pairs
-from cosyvoice_runtime.runners import Feed
+from cosyvoice_runtime.runners import Feed, OrtRunner
 from cosyvoice_runtime.synthesis import Synthesizer
 
 InferOutputs = Callable[[Mapping[str, Feed], Sequence[str]], dict[str, np.ndarray]]
 """`Runner.infer_outputs`'s signature."""
 KeptInfer = Callable[[Mapping[str, Feed], Collection[str]], tuple[dict[str, np.ndarray], dict[str, Feed]]]
 """`Runner.infer_kept`'s signature."""
+
+InPlaceInfer = Callable[[Mapping[str, Feed], Mapping[str, str], Sequence[str]], dict[str, np.ndarray]]
+"""`OrtRunner.infer_in_place`'s signature."""
 
 STAT_NAMES = ("mean", "rms", "min", "max")
 
@@ -108,8 +111,9 @@ def largest_drift(got: Mapping[str, Any], want: Mapping[str, Any]) -> tuple[str,
 class GraphRecorder:
     """Feeds every graph call of a `Synthesizer` into the current `GraphStats`.
 
-    The synthesizer's runners are wrapped in place (their `infer_outputs`, which `infer` calls, and
-    `infer_kept`, shadowed on the instance; a call goes through exactly one of them), so every object
+    The synthesizer's runners are wrapped in place (their `infer_outputs`, which `infer` calls,
+    `infer_kept` and onnxruntime's `infer_in_place`, shadowed on the instance; a call goes through exactly
+    one of them), so every object
     holding a runner (the LM, the flow, the vocoder and its streams) is observed, whichever outputs a call
     fetches. Cache outputs
     (`present_*`) are left out: they grow with every step (quadratic cost) and feed the outputs that are
@@ -124,6 +128,9 @@ class GraphRecorder:
                 name, runner.infer_outputs, caches)
             runner.infer_kept = self._kept_observer(  # type: ignore[method-assign]
                 name, runner.infer_kept, caches)
+            if isinstance(runner, OrtRunner):
+                runner.infer_in_place = self._in_place_observer(  # type: ignore[method-assign]
+                    name, runner.infer_in_place)
 
     def _observer(self, graph: str, infer_outputs: InferOutputs, caches: set[str]) -> InferOutputs:
         def observed(feeds: Mapping[str, Feed], names: Sequence[str]) -> dict[str, np.ndarray]:
@@ -141,6 +148,16 @@ class GraphRecorder:
             if self._stats is not None:
                 self._stats.add(graph, {k: v for k, v in host.items() if k not in caches})
             return host, kept
+
+        return observed
+
+    def _in_place_observer(self, graph: str, infer_in_place: InPlaceInfer) -> InPlaceInfer:
+        def observed(feeds: Mapping[str, Feed], in_place: Mapping[str, str], names: Sequence[str]
+                     ) -> dict[str, np.ndarray]:
+            outputs = infer_in_place(feeds, in_place, names)
+            if self._stats is not None:
+                self._stats.add(graph, outputs)  # the outputs written in place are caches, not returned
+            return outputs
 
         return observed
 

@@ -1,7 +1,17 @@
 """Declarative contracts of the exported graphs: plain data, no torch, no onnxruntime."""
 
 from .precision import PRECISION_NAMES, PRECISIONS, REDUCED_PRECISIONS, Precision, precisions_on
-from .registry import ODE_STEPS, OPTIONAL_SPECS, SPECS, ModelDims, euler_steps, metadata, ode_time_grid, spec
+from .registry import (
+    CACHE_LEN,
+    ODE_STEPS,
+    OPTIONAL_SPECS,
+    SPECS,
+    ModelDims,
+    euler_steps,
+    metadata,
+    ode_time_grid,
+    spec,
+)
 from .spec import (
     Case,
     DecodeGates,
@@ -15,7 +25,7 @@ from .spec import (
     empty_caches,
 )
 
-__all__ = ["ODE_STEPS", "OPTIONAL_SPECS", "PRECISIONS", "PRECISION_NAMES", "REDUCED_PRECISIONS", "SPECS",
-           "Case", "DecodeGates", "DerivedDim", "DimRange", "GraphSpec", "ModelDims", "Precision",
+__all__ = ["CACHE_LEN", "ODE_STEPS", "OPTIONAL_SPECS", "PRECISIONS", "PRECISION_NAMES", "REDUCED_PRECISIONS",
+           "SPECS", "Case", "DecodeGates", "DerivedDim", "DimRange", "GraphSpec", "ModelDims", "Precision",
            "SolveGates", "TensorSpec", "Tolerance", "cache_pairs", "empty_caches", "euler_steps", "metadata",
            "ode_time_grid", "precisions_on", "spec"]

@@ -7,8 +7,8 @@ It names one of three things:
 - `graph=precision,...`: each graph named (by its name, or an alias of `GRAPH_ALIASES`) in that precision,
   which its spec must bound; the others fp32.
 
-An optional graph (`OPTIONAL_SPECS`: `llm_prefill`) is in the bundle only where a profile or a list names it,
-in a reduced precision.
+An optional graph (`OPTIONAL_SPECS`: `llm_prefill`, `llm_decode`) is in the bundle only where a profile or a
+list names it, in a reduced precision.
 
 The manifest records the plan's `name` as the bundle's precision and each graph's own precision beside it.
 """
@@ -24,6 +24,7 @@ from .spec import GraphSpec
 
 GRAPH_ALIASES: dict[str, tuple[str, ...]] = {
     "prefill": ("llm_prefill",),
+    "decode": ("llm_decode",),
     "dit": ("flow_estimator_cached",),
     "encoder": ("flow_encoder",),
     "hift": ("hift_f0", "hift_decoder"),
@@ -32,7 +33,8 @@ GRAPH_ALIASES: dict[str, tuple[str, ...]] = {
 
 PROFILES: dict[str, dict[str, str]] = {
     # the fastest gated CPU bodies measured on the full-size random bundle (docs/performance-log.md)
-    "cpu-fast": {"llm": INT4.name, "llm_prefill": INT8.name, "flow_estimator_cached": INT8.name},
+    "cpu-fast": {"llm": INT4.name, "llm_prefill": INT8.name, "llm_decode": INT4.name,
+                 "flow_estimator_cached": INT8.name},
 }
 """Named precisions per graph (graphs not named are fp32)."""
 

@@ -189,6 +189,39 @@ def llm_prefill_spec(d: ModelDims) -> GraphSpec:
     )
 
 
+CACHE_LEN = "cache_len"
+"""`llm_decode`'s input: rows of its cache buffers that hold the cache."""
+
+
+def llm_decode_spec(d: ModelDims) -> GraphSpec:
+    """`llm` for onnxruntime's CPU, with its caches in buffers written in place. Each `past_*` is a buffer
+    whose first `cache_len` rows hold the cache; the graph writes the new positions' keys and values at
+    rows `cache_len`.. and returns the buffers as `present_*`, `max(past_len, cache_len + new_len)` rows
+    long. Bound to the memory of `past_*` (onnxruntime's IOBinding), `present_*` are written in place: a
+    decode step neither grows nor copies the cache. Fed buffers of exactly `cache_len` rows, as its cases
+    are, it is `llm`: `present_*` have `total_len` rows.
+
+    Attention is onnxruntime's `GroupQueryAttention` (com.microsoft; CPU kernel), which applies RoPE from
+    a table of the model's `max_position_embeddings` rows (the graph's metadata `max_positions`): one node
+    per layer where `llm` has ~25. Optional (`OPTIONAL_SPECS`): where a bundle's plan names it, the
+    runtime on onnxruntime's CPU runs the decode steps on it and not `llm`; TensorRT and OpenVINO, which
+    have no such operator, keep `llm`."""
+    llm = llm_spec(d)
+    cache_len = TensorSpec(CACHE_LEN, "int64", (1,), "Rows of each past buffer that hold the cache; the new "
+                           "positions start there.", 0, 1)
+    inputs = (llm.inputs[0], cache_len, *llm.inputs[1:])
+
+    def case(new: int, past: int) -> Case:
+        return Case({"new_len": new, "past_len": past}, {CACHE_LEN: (past,)})
+
+    return replace(
+        llm, name="llm_decode", doc=llm_decode_spec.__doc__ or "", inputs=inputs,
+        trace=case(5, 3), validate=(case(7, 0), case(1, 9), case(4, 13)),
+        precision_tolerances={p: t for p, t in llm.precision_tolerances.items() if p != FP16.name},
+        custom_opsets={"com.microsoft": 1},
+    )
+
+
 def flow_encoder_spec(d: ModelDims) -> GraphSpec:
     """Speech tokens (prompt + generated) -> the DiT's `mu`, and the x-vector -> `spks`.
 
@@ -360,6 +393,7 @@ SPECS: dict[str, Callable[[ModelDims], GraphSpec]] = {
 """The graphs of every runtime bundle, in pipeline order."""
 OPTIONAL_SPECS: dict[str, Callable[[ModelDims], GraphSpec]] = {
     "llm_prefill": llm_prefill_spec,
+    "llm_decode": llm_decode_spec,
 }
 """The graphs a bundle has only where its precision plan names them: second bodies of another graph's
 function, faster for some of its calls."""

@@ -203,6 +203,9 @@ class GraphSpec:
     """Reduced precision -> sequence-level bounds that its body must also meet (autoregressive graphs)."""
     solve_gates: Mapping[str, SolveGates] = field(default_factory=dict)
     """Reduced precision -> ODE-level bounds that its body must also meet (flow estimators)."""
+    custom_opsets: Mapping[str, int] = field(default_factory=dict)
+    """Operator domains besides ONNX's that the graph uses (domain -> version), which the exporter declares:
+    onnxruntime's contrib operators (`llm_decode`'s `GroupQueryAttention`)."""
 
     def __post_init__(self) -> None:
         names = [t.name for t in (*self.inputs, *self.outputs)]

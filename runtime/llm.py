@@ -5,7 +5,8 @@ silent-token limiter of `llm_job` (`cosyvoice/cli/model.py`):
 
 - input `[E_speech[sos], E_text(prompt_text ++ text), E_speech[task_id], E_speech(prompt_speech)]`,
   prefilled in one call, then one token per call; every `present_X` output is fed back as `past_X`
-  (`cosyvoice_graphs.cache_pairs`), matched by name;
+  (`cosyvoice_graphs.cache_pairs`), matched by name, or, on `llm_decode`, written in place into buffers
+  (`KVBuffers`);
 - `min_len = int(2 * Lt)`, `max_len = int(20 * Lt)`, Lt = number of tts-text ids (prompt text excluded);
 - upstream's quirk, reproduced: during the first `min_len` steps the masked id is `speech_token_size`
   (= sos), not eos, so any stop id can still end decoding early;
@@ -16,18 +17,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import numpy as np
+import onnxruntime as ort
 
-from cosyvoice_graphs import cache_pairs, empty_caches
+from cosyvoice_graphs import CACHE_LEN, GraphSpec, cache_pairs, empty_caches
 
-from .runners import Feed, Runner
+from .runners import Feed, OrtRunner, Runner
 from .sampling import Sampler, SilentTokenLimiter
 
 PREFILL_BODY_FROM = 4
 """New positions from which a call runs on the bundle's prefill body (`llm_prefill`) when it has one: on the
 Zen 4 of docs/performance-log.md the int4 `llm` is faster up to 2 positions and the prefill body from 4 on
 (1.5x at 4, 1.7x at 16 and 32, 2.2-2.6x at a 242-position prefill)."""
+FIRST_BUFFER_STEPS = 256
+"""Decode steps `KVBuffers` first make room for after the prefill; a full buffer doubles."""
 MIN_TOKEN_TEXT_RATIO = 2.0
 MAX_TOKEN_TEXT_RATIO = 20.0
 
@@ -44,15 +49,73 @@ class LlmRequest:
     """The prompt's speech tokens (zero-shot only)."""
 
 
+class KVBuffers:
+    """`llm_decode`'s caches: a buffer per `past_*` input whose first `length` rows hold the cache, which
+    the graph extends in place (`OrtRunner.infer_in_place`). A buffer too short for a call is replaced by
+    one twice as long (at most `max_rows`, the positions of the graph's RoPE table), the cache copied."""
+
+    def __init__(self, spec: GraphSpec, rows: int, max_rows: int) -> None:
+        self.spec = spec
+        self.pairs = cache_pairs(spec)
+        self.max_rows = max_rows
+        self.length = 0
+        self.arrays: dict[str, np.ndarray] = {}
+        """The buffers, which `values` wrap without a copy."""
+        self.values: dict[str, ort.OrtValue] = {}
+        self._allocate(min(rows, max_rows))
+
+    @property
+    def rows(self) -> int:
+        """Positions the buffers hold."""
+        return next(iter(self.arrays.values())).shape[2]
+
+    def reserve(self, new: int) -> None:
+        """Room for `new` more positions; a one-line `ValueError` past `max_rows`."""
+        need = self.length + new
+        if need > self.max_rows:
+            raise ValueError(f"{self.spec.name}: {need} positions, but its RoPE table ends at "
+                             f"{self.max_rows}")
+        if need > self.rows:
+            self._allocate(min(max(need, 2 * self.rows), self.max_rows))
+
+    def fill(self, caches: Mapping[str, Feed]) -> None:
+        """Take the caches of a call that grew them (`llm_prefill`: `present_*` fed back by name) as the
+        cache: `length` becomes theirs."""
+        host = {past: v.numpy() if isinstance(v, ort.OrtValue) else v for past, v in caches.items()}
+        length = next(iter(host.values())).shape[2]
+        self.length = 0
+        self.reserve(length)
+        for past, value in host.items():
+            self.arrays[past][:, :, :length] = value
+        self.length = length
+
+    def _allocate(self, rows: int) -> None:
+        tensors = {t.name: t for t in self.spec.inputs}
+        arrays = {}
+        for past, _ in self.pairs:
+            shape = self.spec.shape_of(tensors[past], {"new_len": 0, "past_len": rows})
+            arrays[past] = np.zeros(shape, dtype=tensors[past].np_dtype)  # pages mapped as written
+            if self.length:
+                arrays[past][:, :, :self.length] = self.arrays[past][:, :, :self.length]
+        self.arrays = arrays
+        self.values = {past: ort.OrtValue.ortvalue_from_numpy(a) for past, a in arrays.items()}
+
+
+Cache: TypeAlias = dict[str, Feed] | KVBuffers
+"""A decoding's caches: `past_*` values fed back by name (`llm`), or buffers written in place
+(`llm_decode`)."""
+
+
 class SpeechTokenLM:
     """The `llm` graph with the embedding tables around it: request -> speech tokens."""
 
     def __init__(self, runner: Runner, text_embedding: np.ndarray,
                  speech_embedding: np.ndarray, *, sos: int, task_id: int, endofprompt_id: int,
                  speech_token_size: int, prefill: Runner | None = None) -> None:
-        """`text_embedding` (text vocab, C) and `speech_embedding` (speech vocab, C) are the bundle's
-        tables; sos and task_id are rows of the latter. `prefill` (the bundle's `llm_prefill`, where it has
-        one) runs the calls over `PREFILL_BODY_FROM` new positions or more, `runner` the rest."""
+        """`runner` is the bundle's `llm`, or its `llm_decode` on onnxruntime's CPU, whose caches then live
+        in `KVBuffers`. `text_embedding` (text vocab, C) and `speech_embedding` (speech vocab, C) are the
+        bundle's tables; sos and task_id are rows of the latter. `prefill` (the bundle's `llm_prefill`,
+        where it has one) runs the calls over `PREFILL_BODY_FROM` new positions or more, `runner` the rest."""
         self.runner = runner
         self.prefill = prefill
         self.spec = runner.spec
@@ -61,9 +124,21 @@ class SpeechTokenLM:
         self.sos, self.task_id, self.endofprompt_id = sos, task_id, endofprompt_id
         self.speech_token_size = speech_token_size
         self.pairs = cache_pairs(self.spec)
+        self.in_place: OrtRunner | None = None
+        """`runner` when it writes the caches in place (`llm_decode`)."""
+        self.max_positions = 0
+        """`llm_decode`'s RoPE table rows (its metadata `max_positions`), where it is the runner."""
+        if CACHE_LEN in self.spec.input_names:
+            if not isinstance(runner, OrtRunner):
+                raise TypeError(f"{self.spec.name} runs on onnxruntime, not on {type(runner).__name__}")
+            self.in_place = runner
+            self.max_positions = int(runner.metadata["max_positions"])
 
-    def empty_cache(self) -> dict[str, np.ndarray]:
-        """Zero-length `past_*` inputs: (1, kv_heads, 0, head_dim) each."""
+    def empty_cache(self, positions: int = 0) -> Cache:
+        """The caches before the first call: zero-length `past_*` inputs, (1, kv_heads, 0, head_dim) each,
+        or, for `llm_decode`, empty `KVBuffers` with room for `positions` + `FIRST_BUFFER_STEPS`."""
+        if self.in_place is not None:
+            return KVBuffers(self.spec, positions + FIRST_BUFFER_STEPS, self.max_positions)
         return empty_caches(self.spec)
 
     def prompt_embeds(self, request: LlmRequest) -> np.ndarray:
@@ -80,17 +155,39 @@ class SpeechTokenLM:
                 self.speech_embedding[[self.task_id]], self.speech_embedding[speech]]
         return np.concatenate(rows, axis=0)[None].astype(np.float32, copy=False)  # (1, T, C)
 
-    def step(self, embeds: np.ndarray, cache: Mapping[str, Feed]) -> tuple[np.ndarray, dict[str, Feed]]:
-        """One graph call: embeds (1, T, C) + `past_*` -> logp (V,) at the last position, next `past_*`.
+    def step(self, embeds: np.ndarray, cache: Cache) -> tuple[np.ndarray, Cache]:
+        """One graph call: embeds (1, T, C) + the caches -> logp (V,) at the last position, the next caches.
 
         The cache stays where the runner keeps it (`Runner.infer_kept`: on onnxruntime, where the
-        session computed it, so on a GPU it never crosses to the host). A call over many positions runs on
-        the prefill body where there is one: same I/O, so its caches feed the next step as they are."""
+        session computed it, so on a GPU it never crosses to the host; `KVBuffers`: written in place). A
+        call over many positions runs on the prefill body where there is one: same I/O as `llm`, so its
+        caches feed the next step as they are, or fill the buffers."""
         many = embeds.shape[1] >= PREFILL_BODY_FROM
+        if isinstance(cache, KVBuffers):
+            if self.prefill is not None and many:
+                past = {p: a[:, :, :cache.length] for p, a in cache.arrays.items()}
+                logp, grown = self._grow(self.prefill, embeds, past)
+                cache.fill(grown)
+                return logp, cache
+            return self._extend(embeds, cache), cache
         runner = self.prefill if self.prefill is not None and many else self.runner
-        feeds = {"inputs_embeds": embeds, **cache}
-        out, kept = runner.infer_kept(feeds, keep=[present for _, present in self.pairs])
+        return self._grow(runner, embeds, cache)
+
+    def _grow(self, runner: Runner, embeds: np.ndarray, cache: Mapping[str, Feed]
+              ) -> tuple[np.ndarray, dict[str, Feed]]:
+        """A call on a body that takes the caches as `past_*` and returns them grown as `present_*`."""
+        out, kept = runner.infer_kept({"inputs_embeds": embeds, **cache},
+                                      keep=[present for _, present in self.pairs])
         return out["logp"][0], {past: kept[present] for past, present in self.pairs}
+
+    def _extend(self, embeds: np.ndarray, cache: KVBuffers) -> np.ndarray:
+        """A call on `llm_decode`, which writes the new positions into `cache`'s buffers."""
+        assert self.in_place is not None
+        cache.reserve(embeds.shape[1])
+        feeds = {"inputs_embeds": embeds, CACHE_LEN: np.array([cache.length], dtype=np.int64), **cache.values}
+        out = self.in_place.infer_in_place(feeds, {present: past for past, present in self.pairs}, ["logp"])
+        cache.length += embeds.shape[1]
+        return out["logp"][0]
 
     def decode(self, request: LlmRequest, sampler: Sampler, *, max_tokens: int | None = None,
                ignore_stop: bool = False) -> Decoding:
@@ -113,9 +210,10 @@ class Decoding(Iterator[int]):
     """One segment's decoding in progress: an iterator of kept speech ids with its state in the open.
 
     `cache` holds the `past_*` values for the next call (`OrtValue`s left where onnxruntime computed
-    them, or numpy arrays from other runners), `history` every sampled id (limiter-dropped
-    ones included: upstream's RAS history), `tokens` the kept ids so far, `steps` the graph calls made
-    after the prefill, and `stop_id` the id that ended decoding (None if `max_len` did).
+    them, or numpy arrays from other runners) or the `KVBuffers` `llm_decode` writes, `history` every
+    sampled id (limiter-dropped ones included: upstream's RAS history), `tokens` the kept ids so far,
+    `steps` the graph calls made after the prefill, and `stop_id` the id that ended decoding (None if
+    `max_len` did).
     """
 
     def __init__(self, lm: SpeechTokenLM, request: LlmRequest, sampler: Sampler, *, min_len: int,
@@ -123,13 +221,13 @@ class Decoding(Iterator[int]):
         self.lm = lm
         self.sampler = sampler
         self.min_len, self.max_len, self.ignore_stop = min_len, max_len, ignore_stop
-        self.cache = lm.empty_cache()
+        self._next_embeds: np.ndarray = lm.prompt_embeds(request)  # (1, T, C)
+        self.cache = lm.empty_cache(self._next_embeds.shape[1])
         self.history: list[int] = []
         self.tokens: list[int] = []
         self.steps = 0
         self.stop_id: int | None = None
         self.finished = False
-        self._next_embeds: np.ndarray = lm.prompt_embeds(request)  # (1, T, C)
         self._limiter = SilentTokenLimiter()
 
     def __next__(self) -> int:

@@ -36,7 +36,7 @@ from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from .frontend import PromptFeatures
 from .llm import LlmRequest, SpeechTokenLM
 from .prefix_jobs import LiveWork
-from .runners import CPU, Runner, open_runner
+from .runners import CPU, Runner, graphs_run, open_runner
 from .sampling import Sampler
 from .token2wav import Flow, FlowStream, Vocoder, VocoderStream, change_speed
 
@@ -234,13 +234,14 @@ class Synthesizer:
         self.dims = bundle.dims
         self._runners: dict[str, Runner] = {}
         try:
-            for name in bundle.specs:
+            for name in graphs_run(bundle, provider):
                 self._runners[name] = open_runner(bundle, name, provider, threads=threads)
         except BaseException:
             self.close()
             raise
         r = self._runners
-        self.lm = SpeechTokenLM(r["llm"], bundle.table(TEXT_EMBEDDING), bundle.table(SPEECH_EMBEDDING),
+        self.lm = SpeechTokenLM(r.get("llm_decode") or r["llm"], bundle.table(TEXT_EMBEDDING),
+                                bundle.table(SPEECH_EMBEDDING),
                                 sos=bundle.sos, task_id=bundle.task_id, endofprompt_id=bundle.endofprompt_id,
                                 speech_token_size=self.dims.speech_token_size, prefill=r.get("llm_prefill"))
         self.flow = Flow(r["flow_encoder"], r["flow_estimator_cached"], bundle.table(FLOW_NOISE), self.dims,

@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from cosyvoice_graphs import Case, GraphSpec
+from cosyvoice_graphs import CACHE_LEN, Case, GraphSpec
 
 from .atomic_files import write_json_atomic
 from .bundle import RuntimeBundle
-from .runners import CPU, OPTIMIZATION, OrtRunner, on_openvino
+from .runners import CPU, OPTIMIZATION, OrtRunner, graphs_run, on_openvino
 from .runners.ort_settings import (
     DEFAULT_SETTINGS,
     FALLBACK,
@@ -47,16 +47,17 @@ def thread_counts(cpus: int) -> tuple[int, ...]:
 
 def opt_case(spec: GraphSpec) -> Case:
     """The spec's optimisation point (its `opt` sizes): the call shape a graph spends most time at, which
-    the TensorRT profiles tune for too."""
-    return Case({name: r.opt for name, r in spec.dims.items()})
+    the TensorRT profiles tune for too; `llm_decode`'s buffers there hold nothing but the cache."""
+    dims = {name: r.opt for name, r in spec.dims.items()}
+    return Case(dims, {CACHE_LEN: (dims["past_len"],)} if CACHE_LEN in spec.input_names else {})
 
 
 def tune(bundle: RuntimeBundle, *, repeats: int = 5, threads: Sequence[int] | None = None,
          on_result: Callable[[str, OrtSettings, float, float], None] = lambda *_: None) -> Path:
-    """Time every graph that runs on onnxruntime's CPU provider at each optimisation level and thread count
-    (`thread_counts(usable_cpus())` unless given), at its spec's optimisation point, against its default
-    setting, and write per graph the setting with the smallest ratio to the default (the default unless
-    `MARGIN` faster) to the bundle's tuning file; returns its path.
+    """Time every graph the CPU pipeline runs on onnxruntime (`graphs_run`) at each optimisation level and
+    thread count (`thread_counts(usable_cpus())` unless given), at its spec's optimisation point, against
+    its default setting, and write per graph the setting with the smallest ratio to the default (the default
+    unless `MARGIN` faster) to the bundle's tuning file; returns its path.
 
     Each candidate runs beside a session of the default, their calls interleaved (`repeats` pairs after a
     warm-up, the order alternating), and its figure is the median of the pairs' time ratios: both sides of
@@ -66,7 +67,8 @@ def tune(bundle: RuntimeBundle, *, repeats: int = 5, threads: Sequence[int] | No
     counts = tuple(threads) if threads is not None else thread_counts(usable_cpus())
     files = graph_files(bundle.root)
     graphs: dict[str, Any] = {}
-    for graph, spec in bundle.specs.items():
+    for graph in graphs_run(bundle, CPU):
+        spec = bundle.specs[graph]
         if on_openvino(bundle, graph, CPU):
             continue
         feeds = spec.sample_inputs(opt_case(spec))

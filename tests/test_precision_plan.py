@@ -11,8 +11,8 @@ from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 
 DIT = "flow_estimator_cached"
-KNOWN_GRAPHS = ("llm, flow_encoder, flow_estimator_cached, hift_f0, hift_decoder, llm_prefill, prefill, dit, "
-                "encoder, hift")
+KNOWN_GRAPHS = ("llm, flow_encoder, flow_estimator_cached, hift_f0, hift_decoder, llm_prefill, llm_decode, "
+                "prefill, decode, dit, encoder, hift")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,8 @@ def test_a_precision_per_graph(dims: ModelDims) -> None:
 def test_profiles_name_bounded_precisions(dims: ModelDims) -> None:
     fast = PrecisionPlan.parse("cpu-fast")
     assert (fast.name, fast.bundle) == ("cpu-fast", None)
-    assert _of(fast, dims) == _of(PrecisionPlan.parse("llm=int4,prefill=int8,dit=int8"), dims)
+    assert _of(fast, dims) == _of(PrecisionPlan.parse("llm=int4,prefill=int8,decode=int4,dit=int8"), dims)
+    assert fast.graph_names == (*SPECS, "llm_prefill", "llm_decode")
     for name in PROFILES:
         _of(PrecisionPlan.parse(name), dims)
 
@@ -90,6 +91,8 @@ def test_unknown_names_are_refused_in_one_line(text: str, message: str) -> None:
                      "optional graph)"),
     ("prefill=fp32", "--precision llm_prefill=fp32: llm_prefill has no fp32 body; its spec bounds int8 (an "
                      "optional graph)"),
+    ("decode=fp16", "--precision llm_decode=fp16: llm_decode has no fp16 body; its spec bounds int8, int4 "
+                    "(an optional graph)"),
 ])
 def test_a_precision_the_spec_does_not_bound_is_refused(dims: ModelDims, text: str, message: str
                                                         ) -> None:

@@ -9,7 +9,8 @@ explicit tensors so that `forward_step` can be traced for ONNX.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -51,14 +52,97 @@ def _rope_cos_sin(
 
 def _linears(x: Tensor, layers: Sequence[nn.Linear]) -> list[Tensor]:
     """`layer(x)` for each of `layers`, which read the same input. In an ONNX export, one matmul over their
-    stacked weights (the stacking is constant-folded) and a split: one kernel call instead of several in
-    the graph (a decode step is hundreds of small ones), the same dot products per output. Eager torch keeps
-    upstream's separate calls, which need no stacked copy."""
+    stacked weights and a split (`_stacked_linear`); eager torch keeps upstream's separate calls, which need
+    no stacked copy."""
     if not torch.onnx.is_in_onnx_export():
         return [layer(x) for layer in layers]
+    return list(_stacked_linear(x, layers).split([layer.out_features for layer in layers], dim=-1))
+
+
+def _packed_linears(x: Tensor, layers: Sequence[nn.Linear]) -> Tensor:
+    """The outputs of `_linears` concatenated along the last dim, without the split in an export."""
+    if not torch.onnx.is_in_onnx_export():
+        return torch.cat([layer(x) for layer in layers], dim=-1)
+    return _stacked_linear(x, layers)
+
+
+def _stacked_linear(x: Tensor, layers: Sequence[nn.Linear]) -> Tensor:
+    """One matmul over the stacked weights of `layers` (the stacking is constant-folded in an export): one
+    kernel call instead of several in the graph, where a decode step is hundreds of small ones, and the
+    same dot products per output."""
     weight = torch.cat([layer.weight for layer in layers])
     bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
-    return list(F.linear(x, weight, bias).split([layer.out_features for layer in layers], dim=-1))
+    return F.linear(x, weight, bias)
+
+
+def _grouped_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, b: int, t: int,
+                       sizes: tuple[int, int, int]) -> Tensor:
+    """Causal-masked softmax attention of q (B, H, T, D) over k, v (B, KV, S, D) -> (B, T, H*D).
+
+    GQA by broadcasting: query head h = kv * G + g reads KV head kv (HF's repeat_kv order). Unlike expand
+    + reshape of the cache, this exports with a static T and a dynamic past length. `b` and `t` are the
+    batch and new length as read from the caller's input (traced sizes in an export), `sizes` (H, KV, D)."""
+    heads, kv_heads, head_dim = sizes
+    qg = q.view(b, kv_heads, heads // kv_heads, t, head_dim)  # (B, KV, G, T, D)
+    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2))  # (B, KV, G, T, S)
+    scores = scores * (head_dim**-0.5)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, v.unsqueeze(2))  # (B, KV, G, T, D)
+    out = out.reshape(b, heads, t, head_dim)  # (B, H, T, D)
+    return out.transpose(1, 2).reshape(b, t, -1)  # (B, T, H*D)
+
+
+class GroupQueryAttention(torch.autograd.Function):
+    """onnxruntime's `GroupQueryAttention` (com.microsoft) over packed q/k/v, with RoPE from tables and
+    the caches in buffers: eager, the attention it computes (upstream's, as `Qwen2Attention.forward`
+    does it); in an ONNX export, the operator.
+
+    qkv (1, T, (H + 2 KV) D) before RoPE; past buffers (1, KV, P, D) whose first `total_len - T` rows hold
+    the cache; `seqlens_k` (1,) int32 = total_len - 1 and `total_len` () int32; cos/sin tables
+    (positions, D/2). Returns the attention output (1, T, H D) and the present buffers (1, KV, max(P,
+    total_len), D): the cache, then the new keys (after RoPE) and values, then zeros. onnxruntime writes
+    the present rows into the past buffers when they are bound to the same memory."""
+
+    @staticmethod
+    def forward(ctx: Any, qkv: Tensor, past_k: Tensor, past_v: Tensor, seqlens_k: Tensor, total_len: Tensor,
+                cos_table: Tensor, sin_table: Tensor, heads: int, kv_heads: int
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        b, t, _ = qkv.shape
+        head_dim = past_k.shape[3]
+        total = int(total_len)
+        past = total - t
+        q, k, v = qkv.view(b, t, heads + 2 * kv_heads, head_dim).transpose(1, 2).split(
+            [heads, kv_heads, kv_heads], dim=1)
+        positions = torch.arange(past, total)
+        cos = torch.cat((cos_table[positions], cos_table[positions]), dim=-1)  # (T, D)
+        sin = torch.cat((sin_table[positions], sin_table[positions]), dim=-1)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        keys = torch.cat((past_k[:, :, :past], k), dim=2)  # (B, KV, S, D)
+        values = torch.cat((past_v[:, :, :past], v), dim=2)
+        allowed = torch.arange(total)[None, :] <= positions[:, None]  # (T, S)
+        out = _grouped_attention(q, keys, values, allowed, b, t, (heads, kv_heads, head_dim))
+        rows = max(past_k.shape[2], total)
+        present_k = past_k.new_zeros(b, kv_heads, rows, head_dim)
+        present_v = past_v.new_zeros(b, kv_heads, rows, head_dim)
+        present_k[:, :, :total] = keys
+        present_v[:, :, :total] = values
+        return out, present_k, present_v
+
+    @staticmethod
+    def symbolic(g: Any, qkv: Any, past_k: Any, past_v: Any, seqlens_k: Any, total_len: Any, cos_table: Any,
+                 sin_table: Any, heads: int, kv_heads: int) -> Any:
+        absent = g.op("prim::Constant").setType(torch._C.OptionalType.ofTensor())  # packed: no key, value
+        out, present_k, present_v = g.op(
+            "com.microsoft::GroupQueryAttention", qkv, absent, absent, past_k, past_v, seqlens_k, total_len,
+            cos_table, sin_table, num_heads_i=heads, kv_num_heads_i=kv_heads, do_rotary_i=1, outputs=3)
+        # the types torch cannot infer for an operator outside ONNX's domain
+        sizes = qkv.type().varyingSizes()
+        out.setType(qkv.type().with_sizes([*sizes[:-1], heads * past_k.type().varyingSizes()[3]]))
+        present_k.setType(past_k.type())
+        present_v.setType(past_v.type())
+        return out, present_k, present_v
 
 
 class Qwen2Attention(nn.Module):
@@ -88,17 +172,16 @@ class Qwen2Attention(nn.Module):
         # Keys are cached after RoPE, so a step never re-rotates the past.
         k = torch.cat((past_k, k), dim=2)  # (B, KV, S, D), S = P + T
         v = torch.cat((past_v, v), dim=2)
-        # GQA by broadcasting: query head h = kv * G + g reads KV head kv (HF's repeat_kv order). Unlike
-        # expand + reshape of the cache, this exports with a static T and a dynamic past length.
-        groups = self.num_heads // self.num_kv_heads
-        qg = q.view(b, self.num_kv_heads, groups, t, self.head_dim)  # (B, KV, G, T, D)
-        scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2))  # (B, KV, G, T, S)
-        scores = scores * (self.head_dim**-0.5)
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, v.unsqueeze(2))  # (B, KV, G, T, D)
-        out = out.reshape(b, self.num_heads, t, self.head_dim)  # (B, H, T, D)
-        out = out.transpose(1, 2).reshape(b, t, -1)  # (B, T, H*D)
+        sizes = (self.num_heads, self.num_kv_heads, self.head_dim)
+        return self.o_proj(_grouped_attention(q, k, v, allowed, b, t, sizes)), k, v
+
+    def forward_buffered(self, x: Tensor, rope: tuple[Tensor, Tensor], lengths: tuple[Tensor, Tensor],
+                         past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """`forward` with the caches in buffers (`GroupQueryAttention`): x (B, T, C); rope the (positions,
+        D/2) cos/sin tables; lengths its (seqlens_k, total_len); past (B, KV, P, D) buffers."""
+        qkv = _packed_linears(x, (self.q_proj, self.k_proj, self.v_proj))
+        out, k, v = GroupQueryAttention.apply(qkv, past_k, past_v, *lengths, *rope, self.num_heads,
+                                              self.num_kv_heads)
         return self.o_proj(out), k, v
 
 
@@ -129,7 +212,16 @@ class Qwen2DecoderLayer(nn.Module):
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, allowed: Tensor, past_k: Tensor, past_v: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
-        attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, allowed, past_k, past_v)
+        return self._block(x, lambda h: self.self_attn(h, cos, sin, allowed, past_k, past_v))
+
+    def forward_buffered(self, x: Tensor, rope: tuple[Tensor, Tensor], lengths: tuple[Tensor, Tensor],
+                         past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """`forward` with the caches in buffers (`Qwen2Attention.forward_buffered`)."""
+        return self._block(x, lambda h: self.self_attn.forward_buffered(h, rope, lengths, past_k, past_v))
+
+    def _block(self, x: Tensor, attend: Callable[[Tensor], tuple[Tensor, Tensor, Tensor]]
+               ) -> tuple[Tensor, Tensor, Tensor]:
+        attn, k, v = attend(self.input_layernorm(x))
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k, v
@@ -160,11 +252,34 @@ class Qwen2Model(nn.Module):
         k_pos = torch.arange(past_len + t, device=device)  # (S,)
         allowed = k_pos[None, :] <= q_pos[:, None]  # (T, S)
         cos, sin = _rope_cos_sin(q_pos, self.cfg.head_dim, self.cfg.rope_theta, inputs_embeds.dtype)
-        x = inputs_embeds
+        return self._stack(inputs_embeds, past_keys, past_values,
+                           lambda layer, x, past_k, past_v: layer(x, cos, sin, allowed, past_k, past_v))
+
+    def forward_buffered(
+        self, inputs_embeds: Tensor, cache_len: Tensor, past_keys: list[Tensor], past_values: list[Tensor]
+    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """`forward` with the caches in buffers: the first `cache_len` (1,) rows of each past (B, KV, P, D)
+        hold the cache; presents are the buffers with the new positions written after it
+        (`GroupQueryAttention`)."""
+        total = (cache_len + inputs_embeds.shape[1]).to(torch.int32)  # (1,)
+        lengths = (total - 1, total.reshape(()))  # GroupQueryAttention's seqlens_k and total_sequence_length
+        positions = torch.arange(self.cfg.max_position_embeddings, device=inputs_embeds.device)
+        cos, sin = _rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, inputs_embeds.dtype)
+        half = self.cfg.head_dim // 2
+        rope = (cos[:, :half], sin[:, :half])  # the tables hold each frequency once
+        return self._stack(inputs_embeds, past_keys, past_values,
+                           lambda layer, x, past_k, past_v: layer.forward_buffered(x, rope, lengths, past_k,
+                                                                                   past_v))
+
+    def _stack(self, x: Tensor, past_keys: list[Tensor], past_values: list[Tensor],
+               step: Callable[[Qwen2DecoderLayer, Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
+               ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """Every layer's `step` (layer, x, past key, past value -> x, present key, present value) in turn,
+        then the final norm: hidden states and presents."""
         present_keys: list[Tensor] = []
         present_values: list[Tensor] = []
         for layer, past_k, past_v in zip(self.layers, past_keys, past_values, strict=True):
-            x, k, v = layer(x, cos, sin, allowed, past_k, past_v)
+            x, k, v = step(cast(Qwen2DecoderLayer, layer), x, past_k, past_v)
             present_keys.append(k)
             present_values.append(v)
         return self.norm(x), present_keys, present_values
@@ -237,8 +352,20 @@ class CosyVoice3LM(nn.Module):
         Caches are (B, num_kv_heads, T_total, head_dim), keys after RoPE.
         """
         hidden, present_keys, present_values = self.backbone(inputs_embeds, past_keys, past_values)
-        logp = self.llm_decoder(hidden[:, -1]).log_softmax(dim=-1)  # (B, V)
-        return logp, present_keys, present_values
+        return self._logp(hidden), present_keys, present_values
+
+    def forward_step_buffered(
+        self, inputs_embeds: Tensor, cache_len: Tensor, past_keys: list[Tensor], past_values: list[Tensor]
+    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """`forward_step` with the caches in buffers whose first `cache_len` rows hold them
+        (`Qwen2Model.forward_buffered`)."""
+        hidden, present_keys, present_values = self.backbone.forward_buffered(
+            inputs_embeds, cache_len, past_keys, past_values)
+        return self._logp(hidden), present_keys, present_values
+
+    def _logp(self, hidden: Tensor) -> Tensor:
+        """Speech-token log-probs (B, V) at the last position of the final-norm hidden states."""
+        return self.llm_decoder(hidden[:, -1]).log_softmax(dim=-1)
 
     def forward(
         self, inputs_embeds: Tensor, past_keys: list[Tensor], past_values: list[Tensor]

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from torch import nn
 
-from cosyvoice_graphs import GraphSpec, cache_pairs, empty_caches
+from cosyvoice_graphs import CACHE_LEN, GraphSpec, cache_pairs, empty_caches
 
 from .graphs import NetworkSource
 from .trace import ExportError
@@ -57,7 +57,8 @@ def llm_sequence(nets: NetworkSource) -> DecodeSequence:
 
 
 SEQUENCES: dict[str, Callable[[NetworkSource], DecodeSequence]] = {"llm": llm_sequence,
-                                                                    "llm_prefill": llm_sequence}
+                                                                    "llm_prefill": llm_sequence,
+                                                                    "llm_decode": llm_sequence}
 """Graph name -> the sequence its decode gates are measured on (every spec with `decode_gates` has one)."""
 
 
@@ -75,10 +76,20 @@ class DecodeReference:
 
 def _fed_input(spec: GraphSpec) -> str:
     pairs = dict(cache_pairs(spec))
-    fed = [n for n in spec.input_names if n not in pairs]
+    fed = [n for n in spec.input_names if n not in pairs and n != CACHE_LEN]
     if len(fed) != 1:
         raise ExportError(f"{spec.name}: decode gates need one input besides the caches, found {fed}")
     return fed[0]
+
+
+def _feeds(spec: GraphSpec, fed: str, step: np.ndarray, caches: dict[str, np.ndarray]
+           ) -> dict[str, np.ndarray]:
+    """One call's inputs: `step`, the caches, and where the graph takes it (`llm_decode`), how many rows of
+    them hold the cache: all of them, as the caches grow here."""
+    feeds = {fed: step, **caches}
+    if CACHE_LEN in spec.input_names:
+        feeds[CACHE_LEN] = np.array([next(iter(caches.values())).shape[2]], dtype=np.int64)
+    return feeds
 
 
 def _steps(sequence: DecodeSequence, chosen: tuple[int, ...]) -> Iterator[np.ndarray]:
@@ -99,7 +110,7 @@ def decode_reference(wrapper: nn.Module, spec: GraphSpec, precision: str, sequen
     chosen: list[int] = []
     step = sequence.prefill
     for _ in range(gates.steps + 1):
-        out = run_torch(wrapper, spec, {fed: step, **caches})
+        out = run_torch(wrapper, spec, _feeds(spec, fed, step, caches))
         logps.append(out[gates.output].reshape(-1))
         caches = {past: out[present] for past, present in pairs}
         chosen.append(int(np.argmax(logps[-1][:sequence.choices])))
@@ -118,7 +129,7 @@ def decode_figures(path: Path, spec: GraphSpec, precision: str, reference: Decod
     caches = empty_caches(spec)
     logps: list[np.ndarray] = []
     for step in _steps(reference.sequence, reference.chosen):
-        out = run({fed: step, **caches})
+        out = run(_feeds(spec, fed, step, caches))
         logps.append(out[gates.output].reshape(-1))
         caches = {past: out[present] for past, present in pairs}
     prefill = reference.sequence.prefill.shape[1]

@@ -19,7 +19,7 @@ from ..nets.hift import CausalHiFTGenerator
 from ..nets.llm import CosyVoice3LM
 from .wrappers.flow import FlowEncoderGraph, FlowEstimatorCachedGraph
 from .wrappers.hift import HiFTDecoderGraph, HiFTF0Graph
-from .wrappers.llm import LLMGraph
+from .wrappers.llm import LLMDecodeGraph, LLMGraph
 
 
 class NetworkSource(Protocol):
@@ -49,6 +49,7 @@ class Networks:
 WRAPPERS: dict[str, Callable[[NetworkSource], nn.Module]] = {
     "llm": lambda n: LLMGraph(n.llm),
     "llm_prefill": lambda n: LLMGraph(n.llm),
+    "llm_decode": lambda n: LLMDecodeGraph(n.llm),
     "flow_encoder": lambda n: FlowEncoderGraph(n.flow),
     "flow_estimator_cached": lambda n: FlowEstimatorCachedGraph(n.flow.decoder.estimator),
     "hift_f0": lambda n: HiFTF0Graph(n.hift),

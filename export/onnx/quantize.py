@@ -83,11 +83,13 @@ _DIT_FP32 = (
 )
 SCHEMES: dict[str, dict[str, Scheme]] = {
     "int8": {"llm": Scheme(NBITS, _LLM_FP32, bits=8, block_size=32),
+             "llm_decode": Scheme(NBITS, _LLM_FP32, bits=8, block_size=32),
              "llm_prefill": Scheme(DYNAMIC, _LLM_FP32),
              "flow_estimator_cached": Scheme(DYNAMIC, _DIT_FP32)},
     # block 32, symmetric: of 32/64/128 (symmetric or with zero points) the closest to fp32 by the decode
     # gates at about the same decode time (docs/performance-log.md, int4 LLM)
-    "int4": {"llm": Scheme(NBITS, _LLM_FP32, bits=4, block_size=32)},
+    "int4": {"llm": Scheme(NBITS, _LLM_FP32, bits=4, block_size=32),
+             "llm_decode": Scheme(NBITS, _LLM_FP32, bits=4, block_size=32)},
 }
 """Precision -> the graphs quantized in it, and how."""
 

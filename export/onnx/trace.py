@@ -250,6 +250,7 @@ def _trace(wrapper: nn.Module, spec: GraphSpec, path: Path) -> None:
             wrapper.eval(), torch_inputs(spec, feeds), str(path), dynamo=False,
             opset_version=spec.opset, input_names=spec.input_names, output_names=spec.output_names,
             dynamic_axes=dynamic_axes(spec), do_constant_folding=True,
+            custom_opsets=dict(spec.custom_opsets),
         )
 
 
@@ -273,6 +274,9 @@ class TracedGraph:
     """The tracer's graph, in the staging folder."""
     out: Path
     started: float
+    wrapper_metadata: Mapping[str, str]
+    """What the wrapper itself adds to the graph's metadata (its `metadata()`, where it has one: a
+    constant baked into the graph that a runtime must know, such as `llm_decode`'s RoPE positions)."""
 
     def finish(self, dims: ModelDims, extra_metadata: Mapping[str, object] | None = None) -> ExportResult:
         """Check, simplify, describe and write the traced graph to its final path (see `export_graph`)."""
@@ -292,7 +296,8 @@ class TracedGraph:
         model.ir_version = min(model.ir_version, MAX_IR_VERSION)
         model.doc_string = spec.doc
         del model.metadata_props[:]
-        meta = metadata(spec, dims, {"exporter_version": EXPORTER_VERSION, **(extra_metadata or {})})
+        meta = metadata(spec, dims, {"exporter_version": EXPORTER_VERSION, **self.wrapper_metadata,
+                                     **(extra_metadata or {})})
         onnx.helper.set_model_props(model, meta)
 
         staged = _save(model, tmp / out.name)
@@ -325,8 +330,9 @@ def traced(wrapper: nn.Module, spec: GraphSpec, out: Path) -> Iterator[TracedGra
         raw = tmp / "traced.onnx"
         stage(f"{spec.name}: trace")
         _trace(wrapper, spec, raw)
+        own: dict[str, str] = getattr(wrapper, "metadata", dict)()
         del wrapper
-        yield TracedGraph(spec, raw, out, started)
+        yield TracedGraph(spec, raw, out, started, own)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -20,7 +20,7 @@ from .trt import TrtRunner
 
 __all__ = ["CPU", "CPU_PROVIDERS", "CUDA", "OPENVINO", "OPTIMIZATION", "ORT_PROVIDERS", "PROVIDERS",
            "TENSORRT", "TRT", "Feed", "OpenVinoRunner", "OrtRunner", "Runner", "RunnerBase", "TrtRunner",
-           "check_feeds", "on_openvino", "open_runner"]
+           "check_feeds", "graphs_run", "on_openvino", "open_runner"]
 
 
 def on_openvino(bundle: RuntimeBundle, graph: str, provider: str) -> bool:
@@ -28,6 +28,16 @@ def on_openvino(bundle: RuntimeBundle, graph: str, provider: str) -> bool:
     `cpu` a graph whose precision runs there on OpenVINO (bf16: OpenVINO's is the fast x86 bf16)."""
     cpu_on_openvino = provider == CPU and bundle.graph_precision(graph).cpu_provider == OPENVINO
     return provider == OPENVINO or cpu_on_openvino
+
+
+def graphs_run(bundle: RuntimeBundle, provider: str) -> list[str]:
+    """The graphs of `bundle` a pipeline on `provider` runs: all of them, but where the bundle has
+    `llm_decode` and `provider` runs it (onnxruntime's CPU: it needs onnxruntime's own operators), the
+    decode steps run on it and `llm` stays closed; elsewhere `llm_decode` does."""
+    decode_here = "llm_decode" in bundle.specs and provider == CPU and not on_openvino(bundle, "llm_decode",
+                                                                                          provider)
+    skipped = "llm" if decode_here else "llm_decode"
+    return [name for name in bundle.specs if name != skipped]
 
 
 def open_runner(bundle: RuntimeBundle, graph: str, provider: str = CPU, *, threads: int | None = None

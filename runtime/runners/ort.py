@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,12 +94,7 @@ class OrtRunner(RunnerBase):
         copy; the other outputs come back as numpy arrays. For the LLM's KV cache, which would otherwise
         cross to the host and back at every token."""
         self._check_call(feeds, keep)
-        binding = self.session.io_binding()
-        for name, value in feeds.items():
-            if isinstance(value, ort.OrtValue):
-                binding.bind_ortvalue_input(name, value)
-            else:
-                binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        binding = self._bound_inputs(feeds)
         outputs, kept = self.spec.output_names, set(keep)
         for name in outputs:
             binding.bind_output(name, self.device_type if name in kept else CPU, self.device_id)
@@ -107,6 +102,40 @@ class OrtRunner(RunnerBase):
         values = dict(zip(outputs, binding.get_outputs(), strict=True))
         host = {name: v.numpy() for name, v in values.items() if name not in kept}
         return host, {name: values[name] for name in keep}
+
+    def infer_in_place(self, feeds: Mapping[str, Feed], in_place: Mapping[str, str], names: Sequence[str]
+                       ) -> dict[str, np.ndarray]:
+        """`infer_outputs` for the outputs `names`, each output of `in_place` (output -> input) written into
+        the memory of its input's feed, an `OrtValue` on the CPU: for a graph that extends its inputs in
+        place (`llm_decode`'s caches), nothing is allocated or copied for them. onnxruntime refuses a call
+        where such an output would not have its input's shape."""
+        self._check_call(feeds, [*names, *in_place])
+        if self.provider != CPU:
+            raise ValueError(f"{self.spec.name}: outputs written in place need the CPU provider, not "
+                             f"{self.provider!r}")
+        for source in in_place.values():
+            value = feeds[source]
+            if not isinstance(value, ort.OrtValue) or value.device_name().lower() != CPU:
+                raise ValueError(f"{self.spec.name}.{source}: an output written in place needs its input as "
+                                 "an OrtValue on the CPU")
+        binding = self._bound_inputs(feeds)
+        for name in names:
+            binding.bind_output(name, CPU)
+        for output, source in in_place.items():
+            binding.bind_ortvalue_output(output, feeds[source])
+        self.session.run_with_iobinding(binding)
+        return {name: v.numpy() for name, v in zip(names, binding.get_outputs(), strict=False)}
+
+    def _bound_inputs(self, feeds: Mapping[str, Feed]) -> ort.IOBinding:
+        """A new IOBinding of the session with `feeds` bound: `OrtValue`s where they are, arrays from the
+        host."""
+        binding = self.session.io_binding()
+        for name, value in feeds.items():
+            if isinstance(value, ort.OrtValue):
+                binding.bind_ortvalue_input(name, value)
+            else:
+                binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        return binding
 
     def _release(self) -> None:
         del self.session

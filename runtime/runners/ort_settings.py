@@ -55,13 +55,13 @@ DEFAULT_SETTINGS: dict[str, OrtSettings] = {
 level A/B in one process, docs/performance-log.md, "Per-graph onnxruntime settings"."""
 FORCE_SPINNING_STOP = "session.force_spinning_stop"
 """onnxruntime's session option that puts the intra-op workers to sleep when a call ends."""
-KEEP_SPINNING = frozenset({"llm"})
+KEEP_SPINNING = frozenset({"llm", "llm_decode"})
 """Graphs whose intra-op workers keep spinning after a call, onnxruntime's default; every other graph's
 session stops them (`FORCE_SPINNING_STOP`). A pipeline runs its sessions one after another on the same
 cores, and workers still spinning after one session's call take them from the next one's: on a Zen 4 EPYC
 (AVX-512, VNNI, 2 threads) the first DiT call of a chunk, after the encoder, took 142-158 ms instead of
-95-105. The decode body is the exception: it is called back to back with ~0.5 ms of sampling in between,
-and waking its workers every step cost 3 ms a step there (docs/performance-log.md)."""
+95-105. The decode bodies (`llm`, `llm_decode`) are the exception: called back to back with ~0.5 ms of
+sampling in between, waking their workers every step cost 3 ms a step there (docs/performance-log.md)."""
 FALLBACK = OrtSettings("all")
 """For a graph the table does not name, and for the GPU providers."""
 

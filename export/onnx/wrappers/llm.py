@@ -1,4 +1,5 @@
-"""The `llm` graph: one prefill-or-decode step of `CosyVoice3LM` with its KV cache as flat tensors."""
+"""The `llm` and `llm_decode` graphs: one prefill-or-decode step of `CosyVoice3LM` with its KV cache as flat
+tensors."""
 
 from __future__ import annotations
 
@@ -25,4 +26,28 @@ class LLMGraph(nn.Module):
             raise ValueError(f"expected {2 * self.num_layers} past tensors, got {len(past)}")
         logp, keys, values = self.lm.forward_step(inputs_embeds, list(past[0::2]), list(past[1::2]))
         presents = [t for kv in zip(keys, values, strict=True) for t in kv]  # key_0, value_0, key_1, ...
+        return (logp, *presents)
+
+
+class LLMDecodeGraph(nn.Module):
+    """`CosyVoice3LM.forward_step_buffered` in `llm_decode`'s I/O order: `inputs_embeds`, `cache_len`, then
+    the per-layer buffers as `LLMGraph` takes its caches; outputs as `LLMGraph`'s. Its graph's metadata
+    names the positions its RoPE table holds (`metadata`)."""
+
+    def __init__(self, lm: CosyVoice3LM) -> None:
+        super().__init__()
+        self.lm = lm
+        self.num_layers = lm.cfg.qwen.num_hidden_layers
+
+    def metadata(self) -> dict[str, str]:
+        """`max_positions`: the rows of the RoPE table in the graph; positions must stay below it."""
+        return {"max_positions": str(self.lm.cfg.qwen.max_position_embeddings)}
+
+    def forward(self, inputs_embeds: Tensor, cache_len: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
+        """inputs_embeds, cache_len, past_key_0, past_value_0, ... -> logp, present_key_0, ..."""
+        if len(past) != 2 * self.num_layers:
+            raise ValueError(f"expected {2 * self.num_layers} past tensors, got {len(past)}")
+        logp, keys, values = self.lm.forward_step_buffered(inputs_embeds, cache_len, list(past[0::2]),
+                                                           list(past[1::2]))
+        presents = [t for kv in zip(keys, values, strict=True) for t in kv]
         return (logp, *presents)

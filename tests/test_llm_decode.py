@@ -1,0 +1,225 @@
+"""`llm_decode`: the LLM's decode body for onnxruntime's CPU, its caches in buffers written in place
+(`GroupQueryAttention`), exported where a plan names it (`cpu-fast` does), validated and gated as `llm` is,
+and run by the runtime on the CPU in place of `llm`: the same log-probs and ids, nothing grown per step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="needs torch (the export extra)")
+pytestmark = pytest.mark.torch
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from click.testing import CliRunner
+
+from cosyvoice_export.bundle.model_dir import ModelBundle
+from cosyvoice_export.bundle.tiny import config_for_size
+from cosyvoice_export.cli import main
+from cosyvoice_export.onnx.dims import model_dims
+from cosyvoice_export.onnx.runtime_bundle import MANIFEST
+from cosyvoice_export.onnx.trace import EXPORTER_VERSION, export_graph
+from cosyvoice_export.onnx.validate import validate_graph
+from cosyvoice_export.onnx.wrappers.llm import LLMDecodeGraph
+from cosyvoice_golden.stats import GraphRecorder
+from cosyvoice_graphs import CACHE_LEN, cache_pairs, empty_caches, metadata, spec
+from cosyvoice_graphs.precision_plan import PROFILES
+from cosyvoice_runtime.bundle import RuntimeBundle, read_onnx_metadata
+from cosyvoice_runtime.llm import FIRST_BUFFER_STEPS, KVBuffers, LlmRequest, SpeechTokenLM
+from cosyvoice_runtime.runners import CPU, CUDA, OPENVINO, TRT, graphs_run, open_runner
+from cosyvoice_runtime.runners.ort_settings import FORCE_SPINNING_STOP
+from cosyvoice_runtime.sampling import GreedySampler
+from cosyvoice_runtime.synthesis import Synthesizer
+from cosyvoice_runtime.tuning import opt_case
+
+STEPS = FIRST_BUFFER_STEPS + 44
+"""Decode steps of the comparisons: past the buffers' first size, so that they grow once."""
+
+
+@pytest.fixture(scope="module")
+def fast_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("runtime") / "tiny-cpu-fast"
+    result = CliRunner().invoke(main, ["all", "--model-dir", str(tiny_bundle), "--out", str(out),
+                                       "--precision", "cpu-fast"])
+    assert result.exit_code == 0, result.output
+    assert "llm_decode [int4 decode]" in result.output
+    return out
+
+
+def _request(bundle: RuntimeBundle) -> LlmRequest:
+    return LlmRequest(text_ids=(*range(5, 25), bundle.endofprompt_id), prompt_speech_tokens=tuple(range(40)))
+
+
+def _twin(lm: SpeechTokenLM, runner: object, prefill: object) -> SpeechTokenLM:
+    """`lm`'s tables around another body."""
+    return SpeechTokenLM(runner, lm.text_embedding, lm.speech_embedding, sos=lm.sos,  # type: ignore[arg-type]
+                         task_id=lm.task_id, endofprompt_id=lm.endofprompt_id,
+                         speech_token_size=lm.speech_token_size, prefill=prefill)  # type: ignore[arg-type]
+
+
+def test_the_profile_names_the_decode_body() -> None:
+    assert PROFILES["cpu-fast"]["llm_decode"] == "int4"
+
+
+def test_the_float32_graph_is_the_torch_llm(tiny_bundle: Path, tmp_path: Path) -> None:
+    """onnxruntime's `GroupQueryAttention` against our torch attention (upstream's), within `llm`'s float32
+    bounds at every case of the spec, and the RoPE table's length in the metadata."""
+    bundle = ModelBundle.open(tiny_bundle)
+    wrapper = LLMDecodeGraph(bundle.load_network("llm"))  # type: ignore[arg-type]
+    dims = model_dims(bundle.config)
+    s = spec("llm_decode", dims)
+    result = export_graph(wrapper, s, dims, tmp_path / "llm_decode.onnx")
+    positions = bundle.config.llm.qwen.max_position_embeddings
+    assert read_onnx_metadata(result.path) == metadata(s, dims, {"exporter_version": EXPORTER_VERSION,
+                                                                 "max_positions": positions})
+    validation = validate_graph(result.path, wrapper, s)
+    validation.raise_for_failure()
+    assert {f.output for f in validation.figures} == set(s.output_names)
+    assert max(f.measured for f in validation.figures) < 1e-4
+
+
+def test_the_graph_is_llm_with_one_attention_operator_per_layer(fast_bundle: Path) -> None:
+    manifest = json.loads((fast_bundle / MANIFEST).read_text())
+    entry = manifest["graphs"]["llm_decode"]
+    assert entry["precision"] == "int4" and entry["validation"]["passed"]
+    gates = entry["validation"]["gates"]
+    dims = model_dims(config_for_size("tiny"))
+    assert {m: g["bound"] for m, g in gates.items()} == spec("llm_decode", dims).decode_gates["int4"].bounds()
+    # the same weights as `llm`, so its figures against the torch reference, up to float32 rounding
+    llm_gates = manifest["graphs"]["llm"]["validation"]["gates"]
+    assert {m: g["passed"] for m, g in gates.items()} == {m: g["passed"] for m, g in llm_gates.items()}
+    for metric, gate in gates.items():
+        assert gate["measured"] == pytest.approx(llm_gates[metric]["measured"], rel=1e-2), metric
+    model = onnx.load(str(fast_bundle / entry["file"]))
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("GroupQueryAttention") == dims.llm_layers
+    assert ops.count("MatMulNBits") == 4 * dims.llm_layers  # q|k|v, o, gate|up, down
+    assert "Concat" not in ops and "Softmax" not in ops  # the caches are not grown, attention is one node
+    assert {o.domain: o.version for o in model.opset_import}["com.microsoft"] == 1
+    meta = read_onnx_metadata(fast_bundle / entry["file"])
+    assert meta["spec_name"] == "llm_decode"
+    assert int(meta["max_positions"]) == config_for_size("tiny").llm.qwen.max_position_embeddings
+
+
+def test_the_cpu_runs_decode_steps_on_it_and_other_providers_on_llm(fast_bundle: Path) -> None:
+    bundle = RuntimeBundle.open(fast_bundle)
+    everything = set(bundle.specs)
+    assert set(graphs_run(bundle, CPU)) == everything - {"llm"}
+    for provider in (CUDA, TRT, OPENVINO):
+        assert set(graphs_run(bundle, provider)) == everything - {"llm_decode"}
+    with Synthesizer(bundle, threads=1) as synth:
+        assert "llm" not in synth.runners and synth.lm.runner is synth.runners["llm_decode"]
+        assert synth.lm.prefill is synth.runners["llm_prefill"]
+        # called back to back, like `llm`'s decode steps: its workers keep spinning between calls
+        options = synth.lm.runner.session.get_session_options()  # type: ignore[attr-defined]
+        with pytest.raises(RuntimeError):  # the entry is not set
+            options.get_session_config_entry(FORCE_SPINNING_STOP)
+
+
+def test_decoding_in_place_gives_llms_ids_and_log_probs(fast_bundle: Path) -> None:
+    """Greedy decoding on `llm_decode` (prefill on `llm_prefill`, then in place) against `llm` (caches
+    grown): the same ids over a run long enough to grow the buffers, log-probs within float32 rounding."""
+    bundle = RuntimeBundle.open(fast_bundle)
+    with Synthesizer(bundle, threads=1) as synth, open_runner(bundle, "llm", threads=1) as llm:
+        lm = synth.lm
+        grown = _twin(lm, llm, lm.prefill)
+        request = _request(bundle)
+        decodings = [m.decode(request, GreedySampler(), max_tokens=STEPS, ignore_stop=True)
+                     for m in (lm, grown)]
+        in_place, reference = (d.run() for d in decodings)
+        assert in_place == reference and len(in_place) > FIRST_BUFFER_STEPS
+        buffers = decodings[0].cache
+        assert isinstance(buffers, KVBuffers)
+        prefill = lm.prompt_embeds(request).shape[1]
+        assert buffers.length == prefill + STEPS - 1  # the last id is never fed back
+        assert buffers.rows == 2 * (prefill + FIRST_BUFFER_STEPS)  # grown once, by doubling
+        # the cache in the buffers is the one `llm` grew, row for row
+        grown_cache = decodings[1].cache
+        assert isinstance(grown_cache, dict)
+        for past, array in buffers.arrays.items():
+            want = grown_cache[past]
+            want = want.numpy() if isinstance(want, ort.OrtValue) else want
+            np.testing.assert_allclose(array[:, :, :buffers.length], want, rtol=0, atol=1e-4)
+
+        embeds = lm.prompt_embeds(request)
+        caches = [lm.empty_cache(embeds.shape[1]), grown.empty_cache()]
+        worst = 0.0
+        for _ in range(30):
+            (a, caches[0]), (b, caches[1]) = lm.step(embeds, caches[0]), grown.step(embeds, caches[1])
+            worst = max(worst, float(np.abs(a - b).max() / np.abs(b).max()))
+            embeds = lm.speech_embedding[[int(np.argmax(b[:lm.speech_token_size]))]][None]
+        assert worst < 1e-5
+
+
+def test_the_writes_are_in_place(fast_bundle: Path) -> None:
+    """A decode step writes its row into the bound buffers and allocates none: the buffers keep their
+    memory; without a prefill body the prompt is prefilled into them too."""
+    bundle = RuntimeBundle.open(fast_bundle)
+    with Synthesizer(bundle, threads=1) as synth:
+        lm = _twin(synth.lm, synth.lm.runner, None)
+        embeds = lm.prompt_embeds(_request(bundle))
+        cache = lm.empty_cache(embeds.shape[1])
+        assert isinstance(cache, KVBuffers) and cache.length == 0
+        pointers = {past: value.data_ptr() for past, value in cache.values.items()}
+        _, cache = lm.step(embeds, cache)  # the prefill, on llm_decode itself
+        _, cache = lm.step(lm.speech_embedding[[3]][None], cache)
+        assert isinstance(cache, KVBuffers) and cache.length == embeds.shape[1] + 1
+        assert {past: value.data_ptr() for past, value in cache.values.items()} == pointers
+        assert all(np.abs(a[:, :, :cache.length]).max() > 0 for a in cache.arrays.values())
+        assert all(not a[:, :, cache.length:].any() for a in cache.arrays.values())
+
+
+def test_in_place_equals_the_graph_grown_on_its_own_cases(fast_bundle: Path) -> None:
+    """The same graph, fed buffers of exactly the cache (its validation cases) or longer ones bound as
+    outputs: the same log-probs, bit for bit, and the same rows."""
+    bundle = RuntimeBundle.open(fast_bundle)
+    with open_runner(bundle, "llm_decode", threads=1) as runner:
+        s = runner.spec
+        rng = np.random.default_rng(0)
+        past_len, new_len, rows = 9, 3, 20
+        feeds = s.sample_inputs(s.validate[0])
+        embeds = rng.uniform(-1, 1, (1, new_len, feeds["inputs_embeds"].shape[2])).astype(np.float32)
+        caches = {p: rng.uniform(-1, 1, (*v.shape[:2], past_len, v.shape[3])).astype(np.float32)
+                  for p, v in empty_caches(s).items()}
+        grown = runner.infer({"inputs_embeds": embeds, CACHE_LEN: np.array([past_len]), **caches})
+        buffers = KVBuffers(s, rows, rows)
+        buffers.fill(caches)
+        assert buffers.length == past_len
+        at = {"inputs_embeds": embeds, CACHE_LEN: np.array([past_len])}
+        in_place = {present: past for past, present in cache_pairs(s)}
+        out = runner.infer_in_place({**at, **buffers.values}, in_place, ["logp"])
+        np.testing.assert_array_equal(out["logp"], grown["logp"])
+        for past, present in cache_pairs(s):
+            np.testing.assert_array_equal(buffers.arrays[past][:, :, :past_len + new_len], grown[present])
+        with pytest.raises(ValueError, match=r"llm_decode.past_key_0: an output written in place needs its "
+                                             r"input as an OrtValue on the CPU"):
+            runner.infer_in_place({**at, **buffers.arrays}, {"present_key_0": "past_key_0"}, ["logp"])
+
+
+def test_tuning_times_the_decode_body_at_a_full_cache(fast_bundle: Path) -> None:
+    s = RuntimeBundle.open(fast_bundle).specs["llm_decode"]
+    case = opt_case(s)
+    assert case.values == {CACHE_LEN: (s.dims["past_len"].opt,)}
+
+
+def test_positions_past_the_rope_table_are_refused(fast_bundle: Path) -> None:
+    s = RuntimeBundle.open(fast_bundle).specs["llm_decode"]
+    buffers = KVBuffers(s, 8, 12)
+    buffers.reserve(12)
+    assert buffers.rows == 12  # doubling stops at the table's end
+    with pytest.raises(ValueError, match=r"^llm_decode: 13 positions, but its RoPE table ends at 12$"):
+        buffers.reserve(13)
+
+
+def test_golden_statistics_see_the_steps_in_place(fast_bundle: Path) -> None:
+    bundle = RuntimeBundle.open(fast_bundle)
+    with Synthesizer(bundle, threads=1) as synth:
+        recorder = GraphRecorder(synth)
+        with recorder.record() as stats:
+            synth.lm.decode(_request(bundle), GreedySampler(), max_tokens=5, ignore_stop=True).run()
+        assert stats.calls == {"llm_prefill": 1, "llm_decode": 4}
+        assert set(stats.outputs["llm_decode"]) == {"logp"}
