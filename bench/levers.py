@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from cosyvoice_graphs import CACHE_LEN, Case, GraphSpec, empty_caches
+from cosyvoice_graphs import CACHE_LEN, PAST_LEN, Case, GraphSpec, empty_caches
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.runners import CPU, OPTIMIZATION, OrtRunner, on_openvino
 
@@ -38,7 +38,7 @@ def onnxruntime_levers(bundle: RuntimeBundle, *, frames: int, past_len: int, run
     are its float32 on onnxruntime)."""
     body = decode_body(bundle)
     values = {CACHE_LEN: (past_len,)} if CACHE_LEN in bundle.specs[body].input_names else {}
-    decode = Case({"new_len": 1, "past_len": past_len}, values)
+    decode = Case({"new_len": 1, PAST_LEN: past_len}, values)
     points = {DIT: (*_offline_dit_call(bundle.specs[DIT], frames), DIT_OUTPUTS),
               body: (decode, bundle.specs[body].sample_inputs(decode), bundle.specs[body].output_names)}
     rows = []

@@ -5,6 +5,7 @@ from .registry import (
     CACHE_LEN,
     ODE_STEPS,
     OPTIONAL_SPECS,
+    PAST_LEN,
     SPECS,
     ModelDims,
     euler_steps,
@@ -25,7 +26,7 @@ from .spec import (
     empty_caches,
 )
 
-__all__ = ["CACHE_LEN", "ODE_STEPS", "OPTIONAL_SPECS", "PRECISIONS", "PRECISION_NAMES", "REDUCED_PRECISIONS",
-           "SPECS", "Case", "DecodeGates", "DerivedDim", "DimRange", "GraphSpec", "ModelDims", "Precision",
-           "SolveGates", "TensorSpec", "Tolerance", "cache_pairs", "empty_caches", "euler_steps", "metadata",
-           "ode_time_grid", "precisions_on", "spec"]
+__all__ = ["CACHE_LEN", "ODE_STEPS", "OPTIONAL_SPECS", "PAST_LEN", "PRECISIONS", "PRECISION_NAMES",
+           "REDUCED_PRECISIONS", "SPECS", "Case", "DecodeGates", "DerivedDim", "DimRange", "GraphSpec",
+           "ModelDims", "Precision", "SolveGates", "TensorSpec", "Tolerance", "cache_pairs", "empty_caches",
+           "euler_steps", "metadata", "ode_time_grid", "precisions_on", "spec"]

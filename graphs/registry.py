@@ -132,11 +132,15 @@ def _f32(name: str, shape: tuple[int | str, ...], doc: str = "", low: float = -1
     return TensorSpec(name, "float32", shape, doc, low, high)
 
 
+PAST_LEN = "past_len"
+"""The symbolic dim of the LLM graphs' caches: the positions cached (in `llm_decode`, a buffer's rows)."""
+
+
 def llm_spec(d: ModelDims) -> GraphSpec:
     """Prefill and decode in one graph: a new block of embeddings attends to itself (causally) and to
     the cache. One graph serves both because the only difference is `new_len` (1 when decoding), and
     it keeps the weights in one file."""
-    kv = (1, d.llm_kv_heads, "past_len", d.llm_head_dim)
+    kv = (1, d.llm_kv_heads, PAST_LEN, d.llm_head_dim)
     present = (1, d.llm_kv_heads, "total_len", d.llm_head_dim)
     inputs = [_f32("inputs_embeds", (1, "new_len", d.llm_hidden),
                    "Embeddings of the new positions (text table, speech table rows, sos/task_id rows).")]
@@ -149,12 +153,12 @@ def llm_spec(d: ModelDims) -> GraphSpec:
     return GraphSpec(
         name="llm", version=1, opset=OPSET, doc=llm_spec.__doc__ or "",
         inputs=tuple(inputs), outputs=tuple(outputs),
-        dims={"new_len": DimRange(1, 1, 1024), "past_len": DimRange(0, 256, 2048)},
-        derived={"total_len": DerivedDim({"new_len": 1, "past_len": 1})},
+        dims={"new_len": DimRange(1, 1, 1024), PAST_LEN: DimRange(0, 256, 2048)},
+        derived={"total_len": DerivedDim({"new_len": 1, PAST_LEN: 1})},
         tolerances={o.name: Tolerance("max_abs", 1e-4) for o in outputs},
-        trace=Case({"new_len": 5, "past_len": 3}),
-        validate=(Case({"new_len": 7, "past_len": 0}), Case({"new_len": 1, "past_len": 9}),
-                  Case({"new_len": 4, "past_len": 13})),
+        trace=Case({"new_len": 5, PAST_LEN: 3}),
+        validate=(Case({"new_len": 7, PAST_LEN: 0}), Case({"new_len": 1, PAST_LEN: 9}),
+                  Case({"new_len": 4, PAST_LEN: 13})),
         # fp16 keeps 11 significant bits (roundoff 4.9e-4) and matmuls add a few per layer; 1e-2 of the
         # log-probs' scale barely moves sampling, and the cache is stored fp16-rounded.
         # int8: keys and values of the deepest layers reach 6.5e-2 of their scale at full size (random
@@ -184,13 +188,13 @@ def llm_prefill_spec(d: ModelDims) -> GraphSpec:
     return replace(
         llm, name="llm_prefill", doc=llm_prefill_spec.__doc__ or "",
         # tuned (TensorRT's opt, `cosyvoice-run --tune`) for a prefill: prompt and sentence, nothing cached
-        dims={"new_len": DimRange(1, 250, 1024), "past_len": DimRange(0, 0, 2048)},
+        dims={"new_len": DimRange(1, 250, 1024), PAST_LEN: DimRange(0, 0, 2048)},
         precision_tolerances={INT8.name: prefill}, decode_gates={INT8.name: PREFILL_INT8_DECODE_GATES},
     )
 
 
 CACHE_LEN = "cache_len"
-"""`llm_decode`'s input: rows of its cache buffers that hold the cache."""
+"""`llm_decode`'s input: rows of its cache buffers that hold the cache (its cases: all `PAST_LEN` of them)."""
 
 
 def llm_decode_spec(d: ModelDims) -> GraphSpec:
@@ -212,7 +216,7 @@ def llm_decode_spec(d: ModelDims) -> GraphSpec:
     inputs = (llm.inputs[0], cache_len, *llm.inputs[1:])
 
     def case(new: int, past: int) -> Case:
-        return Case({"new_len": new, "past_len": past}, {CACHE_LEN: (past,)})
+        return Case({"new_len": new, PAST_LEN: past}, {CACHE_LEN: (past,)})
 
     return replace(
         llm, name="llm_decode", doc=llm_decode_spec.__doc__ or "", inputs=inputs,

@@ -93,7 +93,8 @@ class KVBuffers:
         tensors = {t.name: t for t in self.spec.inputs}
         arrays = {}
         for past, _ in self.pairs:
-            shape = self.spec.shape_of(tensors[past], {"new_len": 0, "past_len": rows})
+            # a cache's one symbolic dim is its rows
+            shape = tuple(rows if isinstance(d, str) else d for d in tensors[past].shape)
             arrays[past] = np.zeros(shape, dtype=tensors[past].np_dtype)  # pages mapped as written
             if self.length:
                 arrays[past][:, :, :self.length] = self.arrays[past][:, :, :self.length]
@@ -124,6 +125,7 @@ class SpeechTokenLM:
         self.sos, self.task_id, self.endofprompt_id = sos, task_id, endofprompt_id
         self.speech_token_size = speech_token_size
         self.pairs = cache_pairs(self.spec)
+        self._written_into = {present: past for past, present in self.pairs}
         self.in_place: OrtRunner | None = None
         """`runner` when it writes the caches in place (`llm_decode`)."""
         self.max_positions = 0
@@ -185,7 +187,7 @@ class SpeechTokenLM:
         assert self.in_place is not None
         cache.reserve(embeds.shape[1])
         feeds = {"inputs_embeds": embeds, CACHE_LEN: np.array([cache.length], dtype=np.int64), **cache.values}
-        out = self.in_place.infer_in_place(feeds, {present: past for past, present in self.pairs}, ["logp"])
+        out = self.in_place.infer_in_place(feeds, self._written_into, ["logp"])
         cache.length += embeds.shape[1]
         return out["logp"][0]
 
