@@ -30,7 +30,7 @@ from cosyvoice_graphs import CACHE_LEN, cache_pairs, empty_caches, metadata, spe
 from cosyvoice_graphs.precision_plan import PROFILES
 from cosyvoice_runtime.bundle import RuntimeBundle, read_onnx_metadata
 from cosyvoice_runtime.llm import FIRST_BUFFER_STEPS, KVBuffers, LlmRequest, SpeechTokenLM
-from cosyvoice_runtime.runners import CPU, CUDA, OPENVINO, TRT, graphs_run, open_runner
+from cosyvoice_runtime.runners import CPU, CUDA, OPENVINO, TRT, Runner, graphs_run, open_runner
 from cosyvoice_runtime.runners.ort_settings import FORCE_SPINNING_STOP
 from cosyvoice_runtime.sampling import GreedySampler
 from cosyvoice_runtime.synthesis import Synthesizer
@@ -54,11 +54,11 @@ def _request(bundle: RuntimeBundle) -> LlmRequest:
     return LlmRequest(text_ids=(*range(5, 25), bundle.endofprompt_id), prompt_speech_tokens=tuple(range(40)))
 
 
-def _twin(lm: SpeechTokenLM, runner: object, prefill: object) -> SpeechTokenLM:
+def _twin(lm: SpeechTokenLM, runner: Runner, prefill: Runner | None) -> SpeechTokenLM:
     """`lm`'s tables around another body."""
-    return SpeechTokenLM(runner, lm.text_embedding, lm.speech_embedding, sos=lm.sos,  # type: ignore[arg-type]
-                         task_id=lm.task_id, endofprompt_id=lm.endofprompt_id,
-                         speech_token_size=lm.speech_token_size, prefill=prefill)  # type: ignore[arg-type]
+    return SpeechTokenLM(runner, lm.text_embedding, lm.speech_embedding, sos=lm.sos, task_id=lm.task_id,
+                         endofprompt_id=lm.endofprompt_id, speech_token_size=lm.speech_token_size,
+                         prefill=prefill)
 
 
 def test_the_profile_names_the_decode_body() -> None:
