@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from cosyvoice_graphs import PRECISION_NAMES, REDUCED_PRECISIONS, SPECS
+from cosyvoice_graphs import PRECISION_NAMES, SPECS
+from cosyvoice_graphs.precision import FP32
 from cosyvoice_runtime.runners import PROVIDERS
 from cosyvoice_runtime.sampling import SAMPLINGS
 from cosyvoice_runtime.synthesis import ChunkPolicy, Mode
@@ -177,8 +178,9 @@ def load_cases(path: Path = CASES_FILE) -> Cases:
         _choice(provider, PROVIDERS, f"{where}: tolerance")
     precision_bounds = {p: _bounds(b, f"{where}: precision_tolerance.{p}")
                         for p, b in _table(data, "precision_tolerance", where).items()}
+    not_fp32 = tuple(n for n in PRECISION_NAMES if n != FP32.name)
     for precision in precision_bounds:
-        _choice(precision, REDUCED_PRECISIONS, f"{where}: precision_tolerance")
+        _choice(precision, not_fp32, f"{where}: precision_tolerance")
     graphs = {}
     for graph, indices in _table(data, "graphs", where).items():
         _choice(graph, tuple(SPECS), f"{where}: graphs")

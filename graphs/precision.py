@@ -25,7 +25,8 @@ class Precision:
     """What it is for, in one line (read after "is for")."""
     rewrite: str | None
     """How the exporter rewrites the exported float32 graph into it; None when its graph is the float32
-    export itself (fp32; bf16, which OpenVINO converts as it compiles the graph)."""
+    export itself (fp32; tf32, whose math the CUDA provider changes; bf16, which OpenVINO converts as it
+    compiles the graph)."""
     cpu_provider: str
     """What validates its graphs at export and runs them under `cpu`: onnxruntime (`cpu`) or OpenVINO
     (`openvino`)."""
@@ -38,6 +39,9 @@ class Precision:
     """Where its graphs run, in the words of a refusal."""
     weight_bytes: float
     """Bytes per weight of its matmuls (int8, int4: their scales and float32 heads not counted)."""
+    cuda_tf32: bool = False
+    """Whether onnxruntime's CUDA provider runs its float32 matmuls and convolutions in TF32 (inputs rounded
+    to a 10-bit mantissa; the provider's own default, which every other precision turns off)."""
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.providers if p not in PROVIDERS]
@@ -47,6 +51,14 @@ class Precision:
             raise ValueError(f"{self.name}: must run under `cpu`, through one of {', '.join(CPU_PROVIDERS)}")
         if (self.openvino_hint is None) == (OPENVINO in self.providers):
             raise ValueError(f"{self.name}: an OpenVINO hint exactly when it runs on {OPENVINO!r}")
+        if self.cuda_tf32 and self.rewrite is not None:
+            raise ValueError(f"{self.name}: TF32 is the math of a float32 graph, not of a rewritten one")
+
+    @property
+    def exact_on_cpu(self) -> bool:
+        """Whether its graphs are the float32 export, computed in float32 on the CPU (fp32, tf32): a spec's
+        fp32 bounds validate them there, and no spec bounds them apart."""
+        return self.rewrite is None and self.cpu_provider == CPU
 
     @property
     def trt_plans(self) -> bool:
@@ -88,10 +100,16 @@ BF16 = Precision(
     cpu_provider=OPENVINO, openvino_hint="bf16", providers=(CPU, OPENVINO), runs_on="the CPU (OpenVINO)",
     weight_bytes=2)
 
-PRECISIONS: dict[str, Precision] = {p.name: p for p in (FP32, FP16, INT8, INT4, BF16)}
+TF32 = Precision(
+    "tf32", "GPUs: the float32 graphs with TF32 matmuls and convolutions on CUDA's tensor cores",
+    rewrite=None, cpu_provider=CPU, openvino_hint=None, providers=(CPU, CUDA),
+    runs_on="onnxruntime's CPU (as fp32) and CUDA providers", weight_bytes=4, cuda_tf32=True)
+"""Gated on the GPU against the CPU's float32 run (the CPU computes it exactly as fp32)."""
+
+PRECISIONS: dict[str, Precision] = {p.name: p for p in (FP32, FP16, INT8, INT4, BF16, TF32)}
 """Every precision by name (iterating gives the names, as `--precision` lists them)."""
 PRECISION_NAMES = tuple(PRECISIONS)
-REDUCED_PRECISIONS = tuple(name for name in PRECISIONS if name != FP32.name)
+REDUCED_PRECISIONS = tuple(name for name, p in PRECISIONS.items() if not p.exact_on_cpu)
 """The precisions a spec may bound (`GraphSpec.precision_tolerances`): validated against float32."""
 
 

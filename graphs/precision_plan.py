@@ -110,7 +110,8 @@ class PrecisionPlan:
         fp32 body: it exists to be faster than its graph)."""
         for graph, precision in self.graphs.items():
             optional = graph in OPTIONAL_SPECS
-            bounded = (*(() if optional else (FP32.name,)), *specs[graph].precision_tolerances)
+            exact = tuple(name for name, p in PRECISIONS.items() if p.exact_on_cpu)
+            bounded = (*(() if optional else exact), *specs[graph].precision_tolerances)
             if precision not in bounded:
                 note = " (an optional graph)" if optional else ""
                 raise PrecisionPlanError(f"--precision {self.name}: {graph} has no {precision} body; its "

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .precision import FP32, REDUCED_PRECISIONS
+from .precision import FP32, PRECISIONS, REDUCED_PRECISIONS
 
 DTYPES: dict[str, type[np.generic]] = {
     "float32": np.float32,
@@ -242,12 +242,15 @@ class GraphSpec:
 
     def precision_in(self, bundle_precision: str) -> str:
         """This graph's precision in a bundle exported in `bundle_precision`: that one where the spec
-        bounds it, else fp32."""
-        return bundle_precision if bundle_precision in self.precision_tolerances else FP32.name
+        bounds it or it is the float32 body computed otherwise (tf32), else fp32."""
+        if bundle_precision in self.precision_tolerances or _exact_on_cpu(bundle_precision):
+            return bundle_precision
+        return FP32.name
 
     def tolerances_for(self, precision: str) -> Mapping[str, Tolerance]:
-        """The bounds a body in `precision` is validated with: `tolerances` for fp32."""
-        if precision == FP32.name:
+        """The bounds a body in `precision` is validated with: `tolerances` for the float32 body (fp32,
+        tf32)."""
+        if _exact_on_cpu(precision):
             return self.tolerances
         if precision not in self.precision_tolerances:
             raise ValueError(f"{self.name}: its spec has no {precision} tolerances, so it has no {precision} "
@@ -325,3 +328,9 @@ def empty_caches(spec: GraphSpec) -> dict[str, np.ndarray]:
     return {past: np.zeros(tuple(0 if isinstance(d, str) else d for d in shapes[past].shape),
                            dtype=shapes[past].np_dtype)
             for past, _ in cache_pairs(spec)}
+
+
+def _exact_on_cpu(precision: str) -> bool:
+    """Whether `precision`'s body is the float32 graph, validated on the CPU as fp32 (fp32, tf32)."""
+    found = PRECISIONS.get(precision)
+    return found is not None and found.exact_on_cpu

@@ -201,7 +201,7 @@ def test_another_plan_into_the_same_out_is_refused(mixed_bundle: Path, tiny_bund
 @pytest.mark.parametrize(("precision", "message"), [
     ("llm=int3", "error: --precision: llm=int3: unknown precision 'int3'; known: fp32, fp16, int8, int4, "),
     ("flow=int8", "error: --precision: unknown graph 'flow'; known: llm, flow_encoder, "),
-    ("dit=int4", f"error: --precision {DIT}=int4: {DIT} has no int4 body; its spec bounds fp32, fp16, "),
+    ("dit=int4", f"error: --precision {DIT}=int4: {DIT} has no int4 body; its spec bounds fp32, tf32, "),
 ])
 def test_cli_refuses_a_plan_in_one_line_before_any_work(tiny_bundle: Path, tmp_path: Path, precision: str,
                                                         message: str) -> None:

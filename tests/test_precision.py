@@ -11,12 +11,13 @@ import pytest
 
 from cosyvoice_graphs import PRECISION_NAMES, PRECISIONS, REDUCED_PRECISIONS, Precision, precisions_on
 from cosyvoice_graphs.bundle_layout import MANIFEST
-from cosyvoice_graphs.precision import BF16, FP32
-from cosyvoice_graphs.providers import CPU, CUDA, OPENVINO, PROVIDERS, TRT
+from cosyvoice_graphs.precision import BF16, FP16, FP32, TF32
+from cosyvoice_graphs.providers import CPU, CUDA, OPENVINO, PROVIDERS, TENSORRT, TRT
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import ProviderError, RuntimeBundleError
-from cosyvoice_runtime.runners import open_runner
+from cosyvoice_runtime.runners import ORT_PROVIDERS, open_runner, provider_chain
+from cosyvoice_runtime.runners.ort_settings import cuda_options
 
 DIT = "flow_estimator_cached"
 
@@ -26,12 +27,13 @@ def test_the_lookup_refuses_an_unknown_name_in_one_line() -> None:
     for name in ("fp8", "FP32", 32):
         with pytest.raises(ValueError) as info:
             Precision.named(name)  # type: ignore[arg-type]
-        assert str(info.value) == f"unknown precision {name!r}; known: fp32, fp16, int8, int4, bf16"
+        assert str(info.value) == f"unknown precision {name!r}; known: fp32, fp16, int8, int4, bf16, tf32"
 
 
 def test_the_names() -> None:
-    assert PRECISION_NAMES == tuple(PRECISIONS) == ("fp32", "fp16", "int8", "int4", "bf16")
+    assert PRECISION_NAMES == tuple(PRECISIONS) == ("fp32", "fp16", "int8", "int4", "bf16", "tf32")
     assert REDUCED_PRECISIONS == ("fp16", "int8", "int4", "bf16")
+    assert [name for name, p in PRECISIONS.items() if p.exact_on_cpu] == ["fp32", "tf32"]
     assert all(name == p.name for name, p in PRECISIONS.items())
 
 
@@ -39,10 +41,12 @@ def test_where_each_precision_runs() -> None:
     assert FP32.providers == PROVIDERS and FP32.trt_plans
     assert [name for name, p in PRECISIONS.items() if p.trt_plans] == ["fp32", "fp16"]
     assert precisions_on(OPENVINO) == ("fp32", "bf16")
-    assert precisions_on(CUDA) == ("fp32", "fp16", "int8", "int4")
+    assert precisions_on(CUDA) == ("fp32", "fp16", "int8", "int4", "tf32")
     assert [name for name, p in PRECISIONS.items() if p.cpu_provider == OPENVINO] == ["bf16"]
     assert {name: p.weight_bytes for name, p in PRECISIONS.items()} == {"fp32": 4, "fp16": 2, "int8": 1,
-                                                                        "int4": 0.5, "bf16": 2}
+                                                                        "int4": 0.5, "bf16": 2, "tf32": 4}
+    # TF32 is asked for by a tf32 graph alone: every other precision's CUDA sessions compute float32
+    assert [name for name, p in PRECISIONS.items() if p.cuda_tf32] == ["tf32"]
 
 
 def test_a_record_must_hold_together() -> None:
@@ -54,6 +58,55 @@ def test_a_record_must_hold_together() -> None:
         replace(BF16, cpu_provider=TRT)
     with pytest.raises(ValueError, match="bf16: an OpenVINO hint exactly when it runs on 'openvino'"):
         replace(BF16, providers=(CPU,))
+    with pytest.raises(ValueError, match="fp16: TF32 is the math of a float32 graph, not of a rewritten one"):
+        replace(FP16, cuda_tf32=True)
+
+
+def test_cuda_sessions_compute_float32_unless_the_graph_is_tf32() -> None:
+    """onnxruntime's CUDA provider runs float32 matmuls in TF32 by default: the options turn it off for
+    every precision but tf32, on the CUDA provider and under the TensorRT provider's CUDA placement."""
+    cuda = ORT_PROVIDERS[CUDA]
+    assert provider_chain(CPU) == ["CPUExecutionProvider"]
+    strict = provider_chain(CUDA, 1)
+    assert strict == [(cuda, {"device_id": "1", "use_tf32": "0", "cudnn_conv_algo_search": "EXHAUSTIVE"}),
+                      "CPUExecutionProvider"]
+    assert provider_chain(CUDA, tf32=True)[0] == (cuda, {"device_id": "0", "use_tf32": "1",
+                                                         "cudnn_conv_algo_search": "EXHAUSTIVE"})
+    trt = provider_chain(TENSORRT)
+    assert [p if isinstance(p, str) else p[0] for p in trt] == [ORT_PROVIDERS[TENSORRT], cuda,
+                                                                 "CPUExecutionProvider"]
+    assert trt[1][1]["use_tf32"] == "0"
+    with pytest.raises(ValueError, match="unknown cuDNN algorithm search 'FAST'; known: EXHAUSTIVE, "
+                                         "HEURISTIC, DEFAULT"):
+        cuda_options(0, tf32=False, conv_algo_search="FAST")
+
+
+def test_open_runner_asks_for_tf32_exactly_for_tf32_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`open_runner` passes the graph's precision's TF32 choice to its onnxruntime session (seen here
+    through the runner's arguments, since this machine's onnxruntime may have no CUDA provider)."""
+    import cosyvoice_runtime.runners as runners
+
+    root_manifest = json.loads((DEMO_BUNDLE / MANIFEST).read_text())
+    seen: dict[str, bool] = {}
+
+    class Recorder:
+        def __init__(self, path: Path, spec: object, provider: str, *, threads: int | None, tf32: bool
+                     ) -> None:
+            seen[Path(path).stem] = tf32
+            raise _Stop
+
+    class _Stop(Exception):
+        pass
+
+    monkeypatch.setattr(runners, "OrtRunner", Recorder)
+    bundle = RuntimeBundle.open(DEMO_BUNDLE)
+    monkeypatch.setattr(bundle, "graph_precision",
+                        lambda name: TF32 if name == "hift_f0" else FP32)
+    for graph in ("hift_f0", "hift_decoder"):
+        with pytest.raises(_Stop):
+            open_runner(bundle, graph, CPU)
+    assert seen == {"hift_f0": True, "hift_decoder": False}
+    assert root_manifest["precision"] == FP32.name  # the demo bundle itself is fp32
 
 
 def test_a_manifest_with_an_unknown_precision_is_one_line(tmp_path: Path) -> None:
@@ -71,12 +124,12 @@ def test_a_manifest_with_an_unknown_precision_is_one_line(tmp_path: Path) -> Non
     with pytest.raises(RuntimeBundleError) as info:
         bundle.graph_precision("llm")
     assert str(info.value) == (f"{root / MANIFEST}: graphs.llm.precision: unknown precision 'fp8'; known: "
-                               "fp32, fp16, int8, int4, bf16")
+                               "fp32, fp16, int8, int4, bf16, tf32")
     # the runner refuses a provider the graph's precision does not run on before it reads the graph
     with pytest.raises(ProviderError) as refused:
         open_runner(bundle, DIT, CUDA)
     assert str(refused.value) == (f"{DIT} is a bf16 graph, which runs on the CPU (OpenVINO), not on 'cuda', "
-                                  "which runs fp32, fp16, int8, int4 graphs")
+                                  "which runs fp32, fp16, int8, int4, tf32 graphs")
 
 
 @pytest.mark.torch
@@ -85,7 +138,7 @@ def test_the_exporter_has_a_conversion_for_every_reduced_precision() -> None:
     pytest.importorskip("torch", reason="needs torch (the export extra)")
     from cosyvoice_export.onnx.runtime_bundle import CONVERSIONS
 
-    assert tuple(CONVERSIONS) == REDUCED_PRECISIONS
+    assert tuple(CONVERSIONS) == tuple(name for name in PRECISIONS if name != FP32.name)
     for name, conversion in CONVERSIONS.items():
         assert (conversion.rewrite is None) == (PRECISIONS[name].rewrite is None), name
 

@@ -37,6 +37,21 @@ def test_a_precision_for_the_bundle_goes_to_every_graph_that_bounds_it(dims: Mod
     assert (plan.name, plan.bundle, plan.named) == ("int4", "int4", (PRECISIONS["int4"],))
 
 
+def test_tf32_is_the_float32_body_for_every_graph(dims: ModelDims) -> None:
+    """No spec bounds tf32 apart: every graph of a tf32 bundle is tf32, validated with its fp32 bounds (on the
+    CPU it computes exactly as fp32); a list may name it for any graph but an optional one."""
+    assert _of(PrecisionPlan.parse("tf32"), dims) == dict.fromkeys(SPECS, "tf32")
+    for name in SPECS:
+        s = spec(name, dims)
+        assert s.tolerances_for("tf32") == s.tolerances and "tf32" not in s.precision_tolerances
+    assert _of(PrecisionPlan.parse("hift=tf32,dit=fp16"), dims) == {
+        **dict.fromkeys(SPECS, "fp32"), "hift_f0": "tf32", "hift_decoder": "tf32", DIT: "fp16"}
+    with pytest.raises(PrecisionPlanError) as info:
+        _of(PrecisionPlan.parse("decode=tf32"), dims)
+    assert str(info.value) == ("--precision llm_decode=tf32: llm_decode has no tf32 body; its spec bounds "
+                               "int8, int4 (an optional graph)")
+
+
 def test_a_precision_per_graph(dims: ModelDims) -> None:
     plan = PrecisionPlan.parse(" dit=int8, llm=int4 ")
     # the manifest's name: full graph names in pipeline order, whatever order and aliases were given
@@ -67,10 +82,11 @@ def test_an_optional_graph_is_in_a_bundle_only_where_the_plan_names_it(dims: Mod
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("int3", "--precision: unknown precision or profile 'int3'; known: fp32, fp16, int8, int4, bf16, "
+    ("int3", "--precision: unknown precision or profile 'int3'; known: fp32, fp16, int8, int4, bf16, tf32, "
              f"cpu-fast, or graph=precision,... (graphs: {KNOWN_GRAPHS})"),
     ("vocoder=fp16", f"--precision: unknown graph 'vocoder'; known: {KNOWN_GRAPHS}"),
-    ("llm=int3", "--precision: llm=int3: unknown precision 'int3'; known: fp32, fp16, int8, int4, bf16"),
+    ("llm=int3", "--precision: llm=int3: unknown precision 'int3'; known: fp32, fp16, int8, int4, bf16, "
+                 "tf32"),
     ("llm=int4,dit", "--precision: 'dit' is not graph=precision"),
     ("llm=", "--precision: 'llm=' is not graph=precision"),
     ("llm=int4,llm=int8", "--precision: llm is given a precision twice"),
@@ -83,10 +99,11 @@ def test_unknown_names_are_refused_in_one_line(text: str, message: str) -> None:
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("dit=int4", f"--precision {DIT}=int4: {DIT} has no int4 body; its spec bounds fp32, fp16, int8, bf16"),
+    ("dit=int4", f"--precision {DIT}=int4: {DIT} has no int4 body; its spec bounds fp32, tf32, fp16, int8, "
+                 "bf16"),
     ("hift=fp16", "--precision hift_f0=fp16,hift_decoder=fp16: hift_f0 has no fp16 body; its spec bounds "
-                  "fp32"),
-    ("llm=bf16", "--precision llm=bf16: llm has no bf16 body; its spec bounds fp32, fp16, int8, int4"),
+                  "fp32, tf32"),
+    ("llm=bf16", "--precision llm=bf16: llm has no bf16 body; its spec bounds fp32, tf32, fp16, int8, int4"),
     ("prefill=int4", "--precision llm_prefill=int4: llm_prefill has no int4 body; its spec bounds int8 (an "
                      "optional graph)"),
     ("prefill=fp32", "--precision llm_prefill=fp32: llm_prefill has no fp32 body; its spec bounds int8 (an "

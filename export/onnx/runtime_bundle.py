@@ -62,7 +62,7 @@ from cosyvoice_graphs.manifest import (
     TrtPlanEntry,
     Validation,
 )
-from cosyvoice_graphs.precision import BF16, FP16, FP32, INT4, INT8
+from cosyvoice_graphs.precision import BF16, FP16, FP32, INT4, INT8, TF32
 from cosyvoice_graphs.precision_plan import PrecisionPlan
 from cosyvoice_graphs.providers import OPENVINO
 from cosyvoice_runtime.noise import MT19937, UniformNoise
@@ -375,8 +375,10 @@ CONVERSIONS = {
     INT8.name: Conversion(REVISIONS[INT8.name], partial(write_quantized, precision=INT8.name)),
     INT4.name: Conversion(REVISIONS[INT4.name], partial(write_quantized, precision=INT4.name)),
     BF16.name: Conversion(BF16_REVISION, metadata=bf16_metadata),
+    TF32.name: Conversion(1, metadata=lambda: {"precision": TF32.name}),
 }
-"""Reduced precision -> its conversion (see `fp16`, `quantize`, `bf16`)."""
+"""Every precision but fp32 -> its conversion (see `fp16`, `quantize`, `bf16`; a tf32 graph is the float32
+export marked tf32, which the runtime's CUDA sessions run with TF32 on)."""
 
 
 def _graph_inputs(s: GraphSpec, sources: Mapping[str, str], precision: str) -> dict[str, Any]:

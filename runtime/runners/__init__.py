@@ -15,12 +15,12 @@ from ..bundle import RuntimeBundle
 from ..errors import ProviderError, RuntimeBundleError
 from .base import Feed, Runner, RunnerBase, check_feeds
 from .openvino import OpenVinoRunner
-from .ort import OPTIMIZATION, ORT_PROVIDERS, OrtRunner
+from .ort import OPTIMIZATION, ORT_PROVIDERS, OrtRunner, provider_chain
 from .trt import TrtRunner
 
 __all__ = ["CPU", "CPU_PROVIDERS", "CUDA", "OPENVINO", "OPTIMIZATION", "ORT_PROVIDERS", "PROVIDERS",
            "TENSORRT", "TRT", "Feed", "OpenVinoRunner", "OrtRunner", "Runner", "RunnerBase", "TrtRunner",
-           "check_feeds", "graphs_run", "on_openvino", "open_runner"]
+           "check_feeds", "graphs_run", "on_openvino", "open_runner", "provider_chain"]
 
 
 def on_openvino(bundle: RuntimeBundle, graph: str, provider: str) -> bool:
@@ -61,7 +61,7 @@ def open_runner(bundle: RuntimeBundle, graph: str, provider: str = CPU, *, threa
     if provider == TRT:
         bundle.graph_metadata(graph)  # the plan was built from this graph: its provenance is the plan's
         return TrtRunner(bundle.trt_plan(graph), spec)
-    runner = OrtRunner(bundle.graph_path(graph), spec, provider, threads=threads)
+    runner = OrtRunner(bundle.graph_path(graph), spec, provider, threads=threads, tf32=precision.cuda_tf32)
     try:
         bundle.check_metadata(graph, runner.metadata)
     except RuntimeBundleError:

@@ -16,11 +16,31 @@ from ..errors import ProviderError, RuntimeBundleError
 from ..extras import gpu_install_command
 from ..process_memory import release_free_heap
 from .base import Feed, RunnerBase
-from .ort_settings import FALLBACK, FORCE_SPINNING_STOP, KEEP_SPINNING, OPTIMIZATION, settings_for
+from .ort_settings import (
+    FALLBACK,
+    FORCE_SPINNING_STOP,
+    KEEP_SPINNING,
+    OPTIMIZATION,
+    cuda_options,
+    settings_for,
+)
 
 ORT_PROVIDERS = {CPU: "CPUExecutionProvider", CUDA: "CUDAExecutionProvider",
                  TENSORRT: "TensorrtExecutionProvider"}
 """The providers onnxruntime runs -> its execution provider."""
+
+
+def provider_chain(provider: str, device_id: int = 0, *, tf32: bool = False) -> list[Any]:
+    """onnxruntime's `providers` argument for `provider`, options included: nodes a GPU provider cannot
+    take go to the CPU provider (placement, not fallback; `OrtRunner` refuses a session whose first
+    provider is not the one asked for)."""
+    cuda = (ORT_PROVIDERS[CUDA], cuda_options(device_id, tf32=tf32))
+    chains: dict[str, list[Any]] = {
+        CPU: [ORT_PROVIDERS[CPU]],
+        CUDA: [cuda, ORT_PROVIDERS[CPU]],
+        TENSORRT: [(ORT_PROVIDERS[TENSORRT], {"device_id": str(device_id)}), cuda, ORT_PROVIDERS[CPU]],
+    }
+    return chains[provider]
 
 
 class OrtRunner(RunnerBase):
@@ -29,10 +49,11 @@ class OrtRunner(RunnerBase):
     `session`, `device_type` and `device_id` are there for IOBinding (tensors kept on the device)."""
 
     def __init__(self, path: Path | str, spec: GraphSpec, provider: str = CPU, *, threads: int | None = None,
-                 optimization: str | None = None, device_id: int = 0) -> None:
+                 optimization: str | None = None, device_id: int = 0, tf32: bool = False) -> None:
         """`threads`: intra-op threads; `optimization`: a key of `OPTIMIZATION`; either, when None, is
         the graph's setting (CPU only) in its bundle's tuning file, else in `DEFAULT_SETTINGS`, else
-        `FALLBACK` (`ort_settings`). `device_id`: the CUDA device for "cuda" and "tensorrt"."""
+        `FALLBACK` (`ort_settings`). `device_id`: the CUDA device for "cuda" and "tensorrt"; `tf32`: the
+        CUDA provider computes float32 matmuls and convolutions in TF32 (`ort_settings.cuda_options`)."""
         super().__init__(spec)
         if optimization is None or threads is None:
             # the table and the tuning file are CPU measurements; GPU sessions keep onnxruntime's defaults
@@ -55,14 +76,7 @@ class OrtRunner(RunnerBase):
             options.intra_op_num_threads = threads
         if spec.name not in KEEP_SPINNING:
             options.add_session_config_entry(FORCE_SPINNING_STOP, "1")
-        device = {"device_id": device_id}
-        # nodes a GPU provider cannot take go to the CPU provider: that is placement, not fallback
-        chains: dict[str, list[Any]] = {
-            CPU: [wanted],
-            CUDA: [(wanted, device), ORT_PROVIDERS[CPU]],
-            TENSORRT: [(wanted, device), (ORT_PROVIDERS[CUDA], device), ORT_PROVIDERS[CPU]],
-        }
-        providers = chains[provider]
+        providers = provider_chain(provider, device_id, tf32=tf32)
         self.session = ort.InferenceSession(str(path), options, providers=providers)
         used = self.session.get_providers()
         if not used or used[0] != wanted:

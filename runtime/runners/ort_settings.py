@@ -64,6 +64,24 @@ cores, and workers still spinning after one session's call take them from the ne
 sampling in between, waking their workers every step cost 3 ms a step there (docs/performance-log.md)."""
 FALLBACK = OrtSettings("all")
 """For a graph the table does not name, and for the GPU providers."""
+CONV_ALGO_SEARCHES = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
+"""How onnxruntime's CUDA provider picks a cuDNN convolution algorithm for a new input shape: by timing every
+candidate (onnxruntime's default: the first call of each shape pays for it), by cuDNN's heuristics, or
+cuDNN's default algorithm."""
+CONV_ALGO_SEARCH = "EXHAUSTIVE"
+"""The CUDA sessions' choice among `CONV_ALGO_SEARCHES`: onnxruntime's default, until the GPU benchmark's
+lever rows measure the others on a GPU."""
+
+
+def cuda_options(device_id: int, *, tf32: bool, conv_algo_search: str = CONV_ALGO_SEARCH) -> dict[str, str]:
+    """onnxruntime's CUDA provider options for a graph on CUDA device `device_id`. `tf32`: float32 matmuls
+    and convolutions in TF32 (a tf32 graph's precision asks for it); otherwise they are float32, which the
+    provider's default (TF32 on) is not."""
+    if conv_algo_search not in CONV_ALGO_SEARCHES:
+        raise ValueError(f"unknown cuDNN algorithm search {conv_algo_search!r}; known: "
+                         f"{', '.join(CONV_ALGO_SEARCHES)}")
+    return {"device_id": str(device_id), "use_tf32": "1" if tf32 else "0",
+            "cudnn_conv_algo_search": conv_algo_search}
 
 
 def machine() -> dict[str, Any]:
