@@ -54,11 +54,11 @@ def install_command(extra: str) -> str:
     return f"pip install '{DISTRIBUTION}[{extra}]'"
 
 
-def gpu_install_command() -> str:
-    """The pip command that gives this environment onnxruntime-gpu (and TensorRT): the CPU build goes
-    first, since the two overwrite each other's files."""
-    extra = "export-gpu" if _findable("torch") else "gpu"
-    install = f"pip install '{DISTRIBUTION}[{extra}]'"
+def gpu_install_command(tensorrt: bool = False) -> str:
+    """The pip command that gives this environment onnxruntime-gpu, and with `tensorrt` TensorRT and
+    polygraphy (the `trt` extra): the CPU build goes first, since the two overwrite each other's files."""
+    extras = ["export-gpu" if _findable("torch") else "gpu", *(["trt"] if tensorrt else [])]
+    install = f"pip install '{DISTRIBUTION}[{','.join(extras)}]'"
     if installed(CPU_ONNXRUNTIME):
         return f"pip uninstall -y {CPU_ONNXRUNTIME} {GPU_ONNXRUNTIME} && {install}"
     return install

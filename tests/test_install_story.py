@@ -115,6 +115,22 @@ def test_the_hints_never_add_a_second_onnxruntime(monkeypatch: pytest.MonkeyPatc
     assert extras.install_command("export") == "pip install 'cosyvoice-onnx[export-gpu]'"
     installed.add(extras.CPU_ONNXRUNTIME)
     assert extras.gpu_install_command().startswith("pip uninstall -y onnxruntime onnxruntime-gpu && pip ")
+    assert extras.gpu_install_command(tensorrt=True).endswith(",trt]'")
+
+
+def test_the_gpu_extras_bring_cudas_libraries_and_the_tensorrt_onnxruntime_links() -> None:
+    """`gpu` installs onnxruntime-gpu with NVIDIA's CUDA and cuDNN pip packages (without them its CUDA
+    provider does not load); TensorRT is an extra of its own, on top of `gpu`, held to the major release
+    onnxruntime-gpu 1.31's TensorRT provider links (libnvinfer.so.10), for CUDA 13 as that build is."""
+    (gpu,) = (Requirement(r) for r in OPTIONAL["gpu"])
+    assert canonicalize_name(gpu.name) == canonicalize_name(extras.GPU_ONNXRUNTIME)
+    assert gpu.extras == {"cuda", "cudnn"}
+    trt = {canonicalize_name(r.name): r for r in map(Requirement, OPTIONAL["trt"])}
+    assert trt[PACKAGE].extras == {"gpu"}
+    assert set(trt) == {PACKAGE, "tensorrt-cu13", "polygraphy"}
+    tensorrt = trt["tensorrt-cu13"].specifier
+    assert "10.16.1.11" in tensorrt and "11.4.0.106" not in tensorrt
+    assert OPTIONAL["export-gpu"] == ["cosyvoice-onnx[gpu,torch]"]
 
 
 def test_golden_update_without_torch_names_the_extras_command() -> None:
@@ -134,7 +150,7 @@ def test_the_exporters_trt_hint_replaces_a_cpu_onnxruntime(monkeypatch: pytest.M
     with pytest.raises(trt.TrtUnavailable) as raised:
         trt.require_trt()
     assert str(raised.value) == ("--trt needs TensorRT and polygraphy (pip uninstall -y onnxruntime "
-                                 "onnxruntime-gpu && pip install 'cosyvoice-onnx[export-gpu]'); "
+                                 "onnxruntime-gpu && pip install 'cosyvoice-onnx[export-gpu,trt]'); "
                                  "polygraphy is not installed")
 
 

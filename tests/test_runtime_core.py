@@ -22,6 +22,7 @@ from cosyvoice_graphs.manifest import Manifest
 from cosyvoice_runtime.bundle import RuntimeBundle, TrtPlan
 from cosyvoice_runtime.errors import FeedError, ProviderError, RuntimeBundleError
 from cosyvoice_runtime.runners import OrtRunner, Runner, RunnerBase, TrtRunner, open_runner
+from cosyvoice_runtime.runners import ort as ort_runner
 
 
 @pytest.fixture(scope="module")
@@ -262,15 +263,26 @@ def test_unavailable_provider_is_an_error(bundle: RuntimeBundle, provider: str, 
 
 
 @pytest.mark.filterwarnings("ignore:Specified provider 'CUDAExecutionProvider' is not in available")
-def test_silent_fallback_is_an_error(bundle: RuntimeBundle, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_silent_fallback_is_an_error(bundle: RuntimeBundle, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("CUDA is really available here")
     # claim CUDA is there: onnxruntime then places the whole graph on the CPU, which must not pass
     claimed = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     monkeypatch.setattr(ort, "get_available_providers", lambda: claimed)
-    with pytest.raises(ProviderError, match="asked onnxruntime for CUDAExecutionProvider, the session fell "
-                                            "back to CPUExecutionProvider"):
-        open_runner(bundle, "hift_f0", "cuda")
+    # the pip packages' CUDA libraries are loaded first, once per process, whatever it prints on stderr
+    preloads: list[None] = []
+    monkeypatch.setattr(ort, "preload_dlls", lambda: preloads.append(print("loading")), raising=False)
+    ort_runner.preload_cuda_libraries.cache_clear()
+    for _ in range(2):
+        with pytest.raises(ProviderError, match="asked onnxruntime for CUDAExecutionProvider, the session "
+                                                "fell back to CPUExecutionProvider; onnxruntime's log above "
+                                                r"says why \(CUDA 13 and cuDNN 9 libraries not found\? pip "):
+            open_runner(bundle, "hift_f0", "cuda")
+    assert len(preloads) == 1
+    ort_runner.preload_cuda_libraries.cache_clear()
+    out, err = capsys.readouterr()
+    assert out == "" and "loading" in err
 
 
 def test_trt_runner_unavailable(bundle: RuntimeBundle) -> None:
@@ -279,7 +291,7 @@ def test_trt_runner_unavailable(bundle: RuntimeBundle) -> None:
     plan = TrtPlan(bundle.root / "trt" / "hift_f0.0000000000000000.plan", "10.0.0", "NVIDIA H100")
     with pytest.raises(ProviderError, match=r"provider 'trt' needs TensorRT and polygraphy \(pip uninstall "
                                             r"-y onnxruntime onnxruntime-gpu && pip install "
-                                            r"'cosyvoice-onnx\[(export-)?gpu\]'\); tensorrt is not "
+                                            r"'cosyvoice-onnx\[(export-)?gpu,trt\]'\); tensorrt is not "
                                             r"installed"):
         TrtRunner(plan, bundle.specs["hift_f0"])
 

@@ -1,7 +1,7 @@
 """TensorRT plans from the exported ONNX graphs: profiles from the specs, a cache keyed by what a plan
 depends on, and validation of each plan against onnxruntime with the spec's tolerances.
 
-tensorrt, polygraphy and the CUDA driver are imported only when a plan is built (the `gpu` extra);
+tensorrt, polygraphy and the CUDA driver are imported only when a plan is built (the `trt` extra);
 `require_trt` says in one line what is missing, before any work is done.
 """
 
@@ -79,7 +79,7 @@ def require_trt() -> TrtEnv:
         import polygraphy  # noqa: F401
         import tensorrt
     except ImportError as e:
-        raise TrtUnavailable(f"--trt needs TensorRT and polygraphy ({gpu_install_command()}); "
+        raise TrtUnavailable(f"--trt needs TensorRT and polygraphy ({gpu_install_command(tensorrt=True)}); "
                              f"{e.name} is not installed") from None
     return TrtEnv(gpu_name=gpu, trt_version=str(tensorrt.__version__))
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import sys
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,17 @@ from .ort_settings import (
 ORT_PROVIDERS = {CPU: "CPUExecutionProvider", CUDA: "CUDAExecutionProvider",
                  TENSORRT: "TensorrtExecutionProvider"}
 """The providers onnxruntime runs -> its execution provider."""
+
+
+@functools.cache
+def preload_cuda_libraries() -> None:
+    """Load the CUDA and cuDNN libraries of NVIDIA's pip packages (the `gpu` extra installs them) before the
+    first GPU session, as onnxruntime's `preload_dlls` does: its CUDA provider finds them only so, or on
+    LD_LIBRARY_PATH. Once per process; what it prints goes to stderr (stdout may carry audio)."""
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is not None:
+        with contextlib.redirect_stdout(sys.stderr):
+            preload()
 
 
 def provider_chain(provider: str, device_id: int = 0, *, tf32: bool = False) -> list[Any]:
@@ -69,7 +83,9 @@ class OrtRunner(RunnerBase):
         if wanted not in available:
             raise ProviderError(f"provider {provider!r} needs onnxruntime's {wanted}; this onnxruntime "
                                 f"{ort.__version__} has only {', '.join(available)} "
-                                f"({gpu_install_command()})")
+                                f"({gpu_install_command(tensorrt=provider == TENSORRT)})")
+        if provider != CPU:
+            preload_cuda_libraries()
         options = ort.SessionOptions()
         options.graph_optimization_level = OPTIMIZATION[optimization]
         if threads is not None:
@@ -80,8 +96,10 @@ class OrtRunner(RunnerBase):
         self.session = ort.InferenceSession(str(path), options, providers=providers)
         used = self.session.get_providers()
         if not used or used[0] != wanted:
+            why = "" if provider == CPU else (f"; onnxruntime's log above says why (CUDA 13 and cuDNN 9 "
+                                              f"libraries not found? {gpu_install_command()} brings them)")
             raise ProviderError(f"{path}: asked onnxruntime for {wanted}, the session fell back to "
-                                f"{', '.join(used) or 'nothing'}")
+                                f"{', '.join(used) or 'nothing'}{why}")
         self.provider = provider
         self.device_type = CPU if provider == CPU else CUDA
         self.device_id = device_id

@@ -22,8 +22,8 @@ def _import_trt() -> tuple[ModuleType, ModuleType]:
         import tensorrt
         from polygraphy import cuda
     except ImportError as e:
-        raise ProviderError(f"provider 'trt' needs TensorRT and polygraphy ({gpu_install_command()}); "
-                            f"{e.name} is not installed") from None
+        raise ProviderError(f"provider 'trt' needs TensorRT and polygraphy "
+                            f"({gpu_install_command(tensorrt=True)}); {e.name} is not installed") from None
     return tensorrt, cuda
 
 
