@@ -44,19 +44,19 @@ class ModelShapes:
     hift_precision: Precision
 
     @classmethod
-    def of(cls, bundle: RuntimeBundle) -> ModelShapes:
-        """Read from `bundle`'s model yaml, Qwen config and manifest."""
+    def of(cls, bundle: RuntimeBundle, provider: str = CPU) -> ModelShapes:
+        """Read from `bundle`'s model yaml, Qwen config and manifest, for a run on `provider`."""
         config = model_config_from_yaml(bundle.root / bundle.manifest.config,
                                         bundle.tokenizer_dir / "config.json")
         return cls(config.llm.qwen, config.flow.dit, config.hift, bundle.dims.speech_vocab,
-                   bundle.graph_precision(decode_body(bundle)), bundle.graph_precision(DIT),
+                   bundle.graph_precision(decode_body(bundle, provider)), bundle.graph_precision(DIT),
                    bundle.graph_precision(HIFT))
 
 
-def decode_body(bundle: RuntimeBundle) -> str:
-    """The graph the runtime runs the LLM's decode steps on with the CPU provider: `llm_decode` where the
-    bundle has it, else `llm`."""
-    return "llm_decode" if "llm_decode" in graphs_run(bundle, CPU) else LLM
+def decode_body(bundle: RuntimeBundle, provider: str = CPU) -> str:
+    """The graph the runtime runs the LLM's decode steps on with `provider`: `llm_decode` where the bundle
+    has it and the provider runs it, else `llm`."""
+    return "llm_decode" if "llm_decode" in graphs_run(bundle, provider) else LLM
 
 
 def llm_weight_count(qwen: Qwen2Config, speech_vocab: int) -> int:
@@ -107,11 +107,11 @@ def dit_int8_flops_per_step(dit: DiTConfig, frames: int, batch: int = 2) -> int:
 
 def dit_bound_s(dit: DiTConfig, frames: int, precision: Precision, rates: Rates) -> float:
     """Seconds of one ODE step at the measured rates for `precision`: int8 runs its weight matmuls at the
-    int8 rate and the rest at float32's; every other precision all at float32's (no bf16 or fp16 CPU rate
-    is measured, so a bf16 DiT can pass its bound)."""
+    int8 rate and the rest at float32's; every other precision all at its own matmul rate where measured
+    (a GPU's tf32 and fp16), else at float32's (`Rates.matmul_rate`)."""
     total = dit_flops_per_step(dit, frames)
     if precision != INT8:
-        return total / (rates.matmul_gflops * 1e9)
+        return total / (rates.matmul_rate(precision)[0] * 1e9)
     if rates.int8_matmul_gflops is None:
         raise ValueError("an int8 DiT's bound needs the int8 matmul rate")
     quantized = dit_int8_flops_per_step(dit, frames)
@@ -160,13 +160,11 @@ def dit_matmul_shape(dit: DiTConfig, frames: int, batch: int = 2) -> tuple[int, 
     return batch * frames, dit.dim, dit.dim * dit.ff_mult
 
 
-def rate_description(precision: Precision) -> str:
+def rate_description(precision: Precision, rates: Rates) -> str:
     """What `dit_bound_s` divides by for `precision`, as the report prints it."""
     if precision == INT8:
         return "int8 DynamicQuantizeMatMul for the blocks' weight matmuls, float32 MatMul for the rest"
-    if precision == FP32:
-        return "float32 MatMul"
-    return f"float32 MatMul (no {precision.name} rate measured)"
+    return rates.matmul_rate(precision)[1]
 
 
 def fraction_of_bound(bound_s: float | None, measured_s: float | None) -> float | None:
@@ -188,31 +186,35 @@ def stage_bounds(shapes: ModelShapes, frames: int, vocoded_frames: int, decode_p
     dit_bound = dit_bound_s(shapes.dit, frames, shapes.dit_precision, rates)
     dit_bound_fp32 = dit_bound_s(shapes.dit, frames, FP32, rates)
     vocoder_flops = hift_flops(shapes.hift, vocoded_frames)
-    hift_bound = vocoder_flops / (rates.matmul_gflops * 1e9)
+    hift_gflops, hift_rate = rates.matmul_rate(shapes.hift_precision)
+    hift_bound = vocoder_flops / (hift_gflops * 1e9)
 
     def reached(bound: float, key: str, figures: Figures | None) -> float | None:
         value = figures.get(key) if figures is not None else None
         return fraction_of_bound(bound, float(value) if value is not None else None)
 
     return {
-        "threads": rates.threads,
+        "threads": rates.threads, "device": rates.device,
         "llm_precision": shapes.llm_precision.name, "llm_weight_bytes": shapes.llm_precision.weight_bytes,
         "llm_decode_past_len": decode_past, "llm_bytes_per_token": llm_bytes,
         "memory_bandwidth_gbs": rates.bandwidth_gbs, "llm_bound_s_per_token": llm_bound,
         "llm_bound_fp32_s_per_token": llm_bound_fp32,
         "llm_fraction_runtime": reached(llm_bound, "llm_per_token_s", rt),
         "llm_fraction_torch": reached(llm_bound_fp32, "llm_per_token_s", th),
-        "dit_precision": shapes.dit_precision.name, "dit_rate": rate_description(shapes.dit_precision),
+        "dit_precision": shapes.dit_precision.name, "dit_rate": rate_description(shapes.dit_precision, rates),
+        "dit_gflops": (rates.matmul_rate(shapes.dit_precision)[0] if shapes.dit_precision != INT8
+                       else rates.matmul_gflops),
         "frames": frames, "dit_flops_per_step": dit_flops,
         "dit_int8_flops_per_step": (dit_int8_flops_per_step(shapes.dit, frames) if needs_int8_rate(shapes)
                                     else None),
         "matmul_shape": list(rates.matmul_shape), "matmul_gflops": rates.matmul_gflops,
-        "int8_matmul_gflops": rates.int8_matmul_gflops,
+        "int8_matmul_gflops": rates.int8_matmul_gflops, "precision_gflops": dict(rates.precision_gflops),
         "dit_bound_s_per_step": dit_bound, "dit_bound_fp32_s_per_step": dit_bound_fp32,
         "dit_fraction_runtime": reached(dit_bound, "flow_per_step_s", rt),
         "dit_fraction_torch": reached(dit_bound_fp32, "flow_per_step_s", th),
         "hift_precision": shapes.hift_precision.name,
-        "hift_frames": vocoded_frames, "hift_flops": vocoder_flops, "hift_bound_s": hift_bound,
+        "hift_frames": vocoded_frames, "hift_flops": vocoder_flops, "hift_rate": hift_rate,
+        "hift_gflops": hift_gflops, "hift_bound_s": hift_bound,
         "hift_fraction_runtime": reached(hift_bound, "hift_s", rt),
         "hift_fraction_torch": reached(hift_bound, "hift_s", th),
     }

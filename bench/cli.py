@@ -14,7 +14,7 @@ from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import choose_prompt
 from cosyvoice_runtime.errors import USER_ERRORS
-from cosyvoice_runtime.runners import CPU, PROVIDERS
+from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, PROVIDERS
 
 from .cases import LENGTHS, default_long_tokens, make_cases, parse_lengths, parse_levels
 from .errors import BenchError
@@ -67,7 +67,8 @@ def _user_errors() -> Iterator[None]:
                    "flow's look-ahead), beside upstream's schedule (a deviation from upstream).")
 @click.option("--thread-scaling/--no-thread-scaling", default=None,
               help="Also run the runtime at 1 and 2 threads (longest case): first chunk, per-stage times and "
-                   "bounds at each  [default: on with --threads >= 2, off with --quick]")
+                   "bounds at each (CPU providers)  [default: on with --threads >= 2, off with --quick and "
+                   "on a GPU]")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the results as JSON (atomically).")
 @click.option("--plots", is_flag=True,
@@ -85,6 +86,11 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
         if vs_torch != (model_dir is not None):
             raise BenchError("--vs-torch and --model-dir go together (the torch reference loads "
                              "--model-dir)")
+        if provider not in CPU_PROVIDERS:
+            if thread_scaling:
+                raise BenchError(f"--thread-scaling measures CPU threads; it does not apply to --provider "
+                                 f"{provider}")
+            thread_scaling = False
         if plots and json_out is None:
             raise BenchError("--plots writes its PNGs beside the JSON: give --json FILE too")
         if json_out is not None:

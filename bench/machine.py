@@ -9,7 +9,8 @@ import platform
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from cosyvoice_graphs.precision import FP32, Precision
 from cosyvoice_runtime.runners.ort_settings import usable_cpus
 
 CPU_FLAGS = ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
@@ -101,17 +103,31 @@ def _memory_gib() -> float | None:
 
 @dataclass(frozen=True)
 class Rates:
-    """What the machine measured at one thread count: the bounds' denominators."""
+    """What the machine measured at one thread count (or on its GPU): the bounds' denominators."""
 
     threads: int
     bandwidth_gbs: float
-    """Copy bandwidth (`memory_bandwidth`)."""
+    """Copy bandwidth (`memory_bandwidth`; on a GPU its memory's, `cosyvoice_bench.gpu.gpu_rates`)."""
     matmul_shape: tuple[int, int, int]
     """(m, k, n) the matmul rates were measured at."""
     matmul_gflops: float
     """float32 `MatMul` (`matmul_gflops`)."""
     int8_matmul_gflops: float | None
     """int8 `DynamicQuantizeMatMul` (`int8_matmul_gflops`); None where no bounded graph runs in int8."""
+    device: str = "cpu"
+    """Where they were measured: "cpu", or "cuda" (the GPU, through onnxruntime's CUDA provider)."""
+    precision_gflops: Mapping[str, float] = field(default_factory=dict)
+    """`MatMul` rates of other precisions' math, by precision name (on a GPU: tf32, fp16)."""
+
+    def matmul_rate(self, precision: Precision) -> tuple[float, str]:
+        """GFLOP/s of `precision`'s matmul math as measured, and what it is in words: its own rate where
+        measured, else float32's (no CPU rate of fp16 or bf16 is measured, so such a graph can pass its
+        bound)."""
+        if precision.name in self.precision_gflops:
+            return self.precision_gflops[precision.name], f"{precision.name} MatMul"
+        if precision == FP32:
+            return self.matmul_gflops, "float32 MatMul"
+        return self.matmul_gflops, f"float32 MatMul (no {precision.name} rate measured)"
 
 
 def measure_rates(threads: int, shape: tuple[int, int, int], *, int8: bool, quick: bool,
@@ -193,14 +209,24 @@ def _gflops(model: bytes, feeds: dict[str, np.ndarray], m: int, k: int, n: int, 
 
 # The two graphs are serialised ONNX written without the onnx package (the runtime does not depend on
 # it): ModelProto -> GraphProto -> NodeProto / ValueInfoProto / TensorProto, by field number.
-_FLOAT, _INT8 = 1, 3  # TensorProto.DataType
+_FLOAT, _INT8, _FLOAT16 = 1, 3, 10  # TensorProto.DataType
+_ELEMENT_TYPES = {np.dtype(np.float32): _FLOAT, np.dtype(np.float16): _FLOAT16}
 _MS_DOMAIN = "com.microsoft"
 
 
-def matmul_model(m: int, k: int, n: int, opset: int = 17) -> bytes:
-    """y = MatMul(a (m, k), b (k, n)), float32."""
+def matmul_model(m: int, k: int, n: int, opset: int = 17, dtype: type[np.floating] = np.float32) -> bytes:
+    """y = MatMul(a (m, k), b (k, n)), in `dtype` (float32 or float16)."""
     node = _node("MatMul", ["a", "b"], ["y"])
-    return _model(node, [_value("a", (m, k)), _value("b", (k, n))], [_value("y", (m, n))], [], {"": opset})
+    element = _ELEMENT_TYPES[np.dtype(dtype)]
+    return _model(node, [_value("a", (m, k), element), _value("b", (k, n), element)],
+                  [_value("y", (m, n), element)], [], {"": opset})
+
+
+def scale_model(n: int, opset: int = 17) -> bytes:
+    """y = x (n,) * 1, float32: reads and writes n floats, a copy's memory traffic on any device."""
+    node = _node("Mul", ["x", "one"], ["y"])
+    one = _tensor("one", np.ones((), dtype=np.float32), _FLOAT)
+    return _model(node, [_value("x", (n,))], [_value("y", (n,))], [one], {"": opset})
 
 
 def int8_matmul_model(m: int, k: int, n: int, opset: int = 17) -> bytes:
@@ -230,10 +256,10 @@ def _node(op: str, inputs: list[str], outputs: list[str], domain: str = "") -> b
             + _bytes(4, op.encode()) + (_bytes(7, domain.encode()) if domain else b""))
 
 
-def _value(name: str, shape: tuple[int, ...]) -> bytes:
-    """A float32 ValueInfoProto."""
+def _value(name: str, shape: tuple[int, ...], element: int = _FLOAT) -> bytes:
+    """A ValueInfoProto of a tensor of `element` (TensorProto.DataType, float32 by default)."""
     dims = b"".join(_bytes(1, _int(1, d)) for d in shape)  # TensorShapeProto.dim.dim_value
-    tensor_type = _int(1, _FLOAT) + _bytes(2, dims)  # elem_type, shape
+    tensor_type = _int(1, element) + _bytes(2, dims)  # elem_type, shape
     return _bytes(1, name.encode()) + _bytes(2, _bytes(1, tensor_type))  # name, type.tensor_type
 
 

@@ -22,11 +22,13 @@ from tqdm import tqdm
 
 from cosyvoice_graphs.bundle_layout import FORMAT_VERSION
 from cosyvoice_runtime.bundle import RuntimeBundle
-from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, OPTIMIZATION
+from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, CUDA, OPTIMIZATION
+from cosyvoice_runtime.runners.ort_settings import CONV_ALGO_SEARCHES
 
 from .backend import Backend, Figures, FirstChunk
 from .bounds import ModelShapes, dit_matmul_shape, llm_weight_count, needs_int8_rate, stage_bounds
 from .cases import Case
+from .gpu import conv_search_levers, describe_gpu, gpu_rates
 from .levers import LEVER_THREADS, attention_mask_cost, export_levers, onnxruntime_levers
 from .machine import Rates, describe, measure_rates
 from .measure import GpuSampler, GpuUsage
@@ -85,7 +87,8 @@ class _Warm:
 def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
     """Run the benchmark of `s` and return its result (the `--json` document)."""
     bundle = RuntimeBundle.open(s.model)
-    shapes = ModelShapes.of(bundle)
+    shapes = ModelShapes.of(bundle, s.provider)
+    on_gpu = s.provider not in CPU_PROVIDERS
     def runtime_at(threads: int) -> Callable[[], Backend]:
         return lambda: RuntimeBackend(bundle, provider=s.provider, threads=threads, prompt_text=s.prompt_text,
                                       seed=s.seed, first_chunk_tokens=s.first_chunk_tokens)
@@ -105,10 +108,12 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
                                                   seed=s.seed)
         jobs["torch"] = PeakJob("torch", model_dir, s.prompt_wav, s.prompt_text, s.threads, seed=s.seed)
     measure_levers = s.provider == CPU
+    measure_conv_search = s.provider == CUDA
     int8 = needs_int8_rate(shapes)
     other_levels = [t for t in thread_levels(s.threads) if t != s.threads] if s.thread_scaling else []
     steps = (1 + len(s.cases) * len(factories) * (3 + s.repeat) + len(factories) + len(s.concurrency)
              + (2 * len(OPTIMIZATION) * len(LEVER_THREADS) if measure_levers else 0) + 2 + len(s.cases)
+             + (len(CONV_ALGO_SEARCHES) if measure_conv_search else 0)
              + len(other_levels) * (s.repeat + 2))
     with tqdm(total=steps, desc="cosyvoice-bench", unit="step", disable=not progress, leave=False) as bar:
         def step(what: str) -> None:
@@ -120,7 +125,7 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
         step("first use in the process")
         cold = {name: {c.name: {**_cold(f, c, s.prompt_wav, step), **peaks[name][c.name]} for c in s.cases}
                 for name, f in factories.items()}
-        gpu = GpuSampler() if s.provider not in CPU_PROVIDERS else None
+        gpu = GpuSampler() if on_gpu else None
         warm = _warm_phase(s, factories, gpu, step)
         summary = {name: {c.name: {**summarize(warm.figures[name][c.name]), **cold[name][c.name]}
                           for c in s.cases} for name in factories}
@@ -140,15 +145,19 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
         mask_cost = (attention_mask_cost(bundle, frames=frames[longest], threads=s.threads)
                      if measure_levers else None)
         step("attention mask cost")
+        conv_search = (conv_search_levers(bundle, s.provider, on_row=lambda: step("cuDNN search levers"))
+                       if measure_conv_search else None)
         rates: dict[str, Rates] = {}
         bandwidth = None
         for case in s.cases:
-            rates[case.name] = measure_rates(s.threads, dit_matmul_shape(shapes.dit, frames[case.name]),
-                                             int8=int8, quick=s.quick, bandwidth_gbs=bandwidth)
+            shape = dit_matmul_shape(shapes.dit, frames[case.name])
+            rates[case.name] = (gpu_rates(shape, quick=s.quick) if on_gpu else measure_rates(
+                s.threads, shape, int8=int8, quick=s.quick, bandwidth_gbs=bandwidth))
             bandwidth = rates[case.name].bandwidth_gbs
             step(f"rates {case.name}")
         step("memory bandwidth")
-        machine = {**describe(s.threads, torch_version), "memory_bandwidth_gbs": bandwidth}
+        machine = {**describe(s.threads, torch_version), "memory_bandwidth_gbs": bandwidth,
+                   "gpu": describe_gpu() if on_gpu else None}
 
         def bounds(case: str, threads_rates: Rates, rt: Figures, th: Figures | None) -> dict[str, Any]:
             vocoded = ratio * int(rt["speech_tokens"] or 0)
@@ -200,7 +209,8 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
         "concurrency": warm.concurrency,
         "thread_scaling": ({"length": longest, "cpu_class": machine["cpu_class"], "rows": scaling}
                            if s.thread_scaling else None),
-        "levers": {"onnxruntime": ort_levers, "export": export_levers(bundle, mask_cost)},
+        "levers": {"onnxruntime": ort_levers, "cudnn_search": conv_search,
+                   "export": export_levers(bundle, mask_cost)},
         "notes": _notes(s, gpu),
     }
 
@@ -411,4 +421,16 @@ def _notes(s: Settings, gpu: GpuSampler | None) -> dict[str, str]:
         notes["gpu"] = "nvidia-smi not found: GPU figures are null"
     if s.provider != CPU:
         notes["levers"] = f"onnxruntime's CPU levers are measured with --provider {CPU} only"
+    if s.provider not in CPU_PROVIDERS:
+        notes["gpu_bounds"] = (
+            "on a GPU the bounds' rates are the GPU's, measured through onnxruntime's CUDA provider with "
+            "every tensor on the device: memory bandwidth (a 1 GiB float32 array read and written) for the "
+            "LLM; MatMul at the DiT's shape in the math of each graph's precision (float32 with TF32 off, "
+            "TF32, float16) for the DiT and HiFT; a bound's fraction far below 1 there is per-call and "
+            "per-node overhead (kernel launches, host work between calls), not arithmetic")
+    if s.provider == CUDA:
+        notes["cudnn_search"] = (
+            "cuDNN's convolution algorithm search, per mode: the vocoder graph opened fresh, its first call "
+            "at each new frame count (which pays the search) and its fastest warm call; the runtime uses "
+            "cosyvoice_runtime.runners.ort_settings.CONV_ALGO_SEARCH")
     return notes

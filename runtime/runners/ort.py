@@ -20,6 +20,7 @@ from ..extras import gpu_install_command
 from ..process_memory import release_free_heap
 from .base import Feed, RunnerBase
 from .ort_settings import (
+    CONV_ALGO_SEARCH,
     FALLBACK,
     FORCE_SPINNING_STOP,
     KEEP_SPINNING,
@@ -44,11 +45,12 @@ def preload_cuda_libraries() -> None:
             preload()
 
 
-def provider_chain(provider: str, device_id: int = 0, *, tf32: bool = False) -> list[Any]:
-    """onnxruntime's `providers` argument for `provider`, options included: nodes a GPU provider cannot
-    take go to the CPU provider (placement, not fallback; `OrtRunner` refuses a session whose first
-    provider is not the one asked for)."""
-    cuda = (ORT_PROVIDERS[CUDA], cuda_options(device_id, tf32=tf32))
+def provider_chain(provider: str, device_id: int = 0, *, tf32: bool = False,
+                   conv_algo_search: str = CONV_ALGO_SEARCH) -> list[Any]:
+    """onnxruntime's `providers` argument for `provider`, options included (`cuda_options`): nodes a GPU
+    provider cannot take go to the CPU provider (placement, not fallback; `OrtRunner` refuses a session
+    whose first provider is not the one asked for)."""
+    cuda = (ORT_PROVIDERS[CUDA], cuda_options(device_id, tf32=tf32, conv_algo_search=conv_algo_search))
     chains: dict[str, list[Any]] = {
         CPU: [ORT_PROVIDERS[CPU]],
         CUDA: [cuda, ORT_PROVIDERS[CPU]],
@@ -63,11 +65,13 @@ class OrtRunner(RunnerBase):
     `session`, `device_type` and `device_id` are there for IOBinding (tensors kept on the device)."""
 
     def __init__(self, path: Path | str, spec: GraphSpec, provider: str = CPU, *, threads: int | None = None,
-                 optimization: str | None = None, device_id: int = 0, tf32: bool = False) -> None:
+                 optimization: str | None = None, device_id: int = 0, tf32: bool = False,
+                 conv_algo_search: str = CONV_ALGO_SEARCH) -> None:
         """`threads`: intra-op threads; `optimization`: a key of `OPTIMIZATION`; either, when None, is
         the graph's setting (CPU only) in its bundle's tuning file, else in `DEFAULT_SETTINGS`, else
         `FALLBACK` (`ort_settings`). `device_id`: the CUDA device for "cuda" and "tensorrt"; `tf32`: the
-        CUDA provider computes float32 matmuls and convolutions in TF32 (`ort_settings.cuda_options`)."""
+        CUDA provider computes float32 matmuls and convolutions in TF32; `conv_algo_search`: how it picks
+        cuDNN's convolution algorithms (`ort_settings.cuda_options`)."""
         super().__init__(spec)
         if optimization is None or threads is None:
             # the table and the tuning file are CPU measurements; GPU sessions keep onnxruntime's defaults
@@ -92,7 +96,7 @@ class OrtRunner(RunnerBase):
             options.intra_op_num_threads = threads
         if spec.name not in KEEP_SPINNING:
             options.add_session_config_entry(FORCE_SPINNING_STOP, "1")
-        providers = provider_chain(provider, device_id, tf32=tf32)
+        providers = provider_chain(provider, device_id, tf32=tf32, conv_algo_search=conv_algo_search)
         self.session = ort.InferenceSession(str(path), options, providers=providers)
         used = self.session.get_providers()
         if not used or used[0] != wanted:

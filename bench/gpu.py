@@ -1,0 +1,128 @@
+"""The GPU: what it is (`nvidia-smi`), what it can do measured through onnxruntime's CUDA provider with
+every tensor on the device (memory bandwidth; float32, TF32 and float16 matmul rates: the bounds'
+denominators for a GPU run), and the cuDNN algorithm search's lever (each search mode's first call at a
+new shape and its warm call, on the vocoder, whose convolutions meet a new shape with every chunk length).
+
+Every measurement runs on the CPU provider too, with the same code, which is how it is tested where there
+is no GPU.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from cosyvoice_graphs import Case
+from cosyvoice_graphs.precision import FP16, TF32
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.runners import CPU, CUDA, ORT_PROVIDERS, OrtRunner, provider_chain
+from cosyvoice_runtime.runners.ort_settings import CONV_ALGO_SEARCHES
+
+from .errors import BenchError
+from .machine import Rates, matmul_model, scale_model
+
+GPU_FIELDS = ("name", "memory.total", "driver_version", "compute_cap")
+"""What `describe_gpu` asks nvidia-smi for."""
+
+
+def describe_gpu(device_id: int = 0) -> dict[str, Any] | None:
+    """GPU `device_id` as nvidia-smi names it: name, memory in MiB, driver, compute capability; None where
+    there is no nvidia-smi (no NVIDIA driver)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    done = subprocess.run(["nvidia-smi", "-i", str(device_id), f"--query-gpu={','.join(GPU_FIELDS)}",
+                           "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=60)
+    if done.returncode != 0 or not done.stdout.strip():
+        raise BenchError(f"nvidia-smi could not describe GPU {device_id}: "
+                         f"{(done.stderr or done.stdout).strip() or f'exit status {done.returncode}'}")
+    name, memory, driver, capability = (v.strip() for v in done.stdout.strip().splitlines()[0].split(","))
+    return {"name": name, "memory_mib": float(memory), "driver": driver, "compute_capability": capability}
+
+
+# --- rates on the device ---------------------------------------------------------------------------------
+
+
+def gpu_rates(shape: tuple[int, int, int], *, quick: bool, provider: str = CUDA, device_id: int = 0) -> Rates:
+    """The bounds' rates measured on `provider`'s device: memory bandwidth (a float32 array read and
+    written, 1 GiB, 64 MiB with `quick`), and `MatMul` at `shape` in float32 (TF32 off), TF32 and float16.
+    On the CPU provider TF32 is float32's math (its figure says only that the code runs)."""
+    repeats = 3 if quick else 10
+    n = (64 if quick else 1024) * 2**20 // 4
+    bandwidth = 2 * n * 4 / _best_seconds(scale_model(n), {"x": np.ones(n, dtype=np.float32)}, provider,
+                                          device_id, tf32=False, repeats=repeats) / 1e9
+    m, k, nn = shape
+    rng = np.random.default_rng(0)
+
+    def matmul(dtype: type[np.floating], tf32: bool) -> float:
+        feeds = {"a": rng.standard_normal((m, k)).astype(dtype),
+                 "b": rng.standard_normal((k, nn)).astype(dtype)}
+        seconds = _best_seconds(matmul_model(m, k, nn, dtype=dtype), feeds, provider, device_id, tf32=tf32,
+                                repeats=repeats)
+        return 2 * m * k * nn / seconds / 1e9
+
+    return Rates(threads=0, bandwidth_gbs=bandwidth, matmul_shape=shape,
+                 matmul_gflops=matmul(np.float32, False), int8_matmul_gflops=None,
+                 device=CPU if provider == CPU else CUDA,
+                 precision_gflops={TF32.name: matmul(np.float32, True), FP16.name: matmul(np.float16, False)})
+
+
+def _best_seconds(model: bytes, feeds: dict[str, np.ndarray], provider: str, device_id: int, *, tf32: bool,
+                  repeats: int) -> float:
+    """The fastest of `repeats` calls of `model` after a warm-up, its inputs and outputs on the device
+    (IOBinding), so that no host copy is timed."""
+    session = ort.InferenceSession(model, providers=provider_chain(provider, device_id, tf32=tf32))
+    if session.get_providers()[0] != ORT_PROVIDERS[provider]:
+        raise BenchError(f"onnxruntime ran the rate probe on {session.get_providers()[0]}, not "
+                         f"{ORT_PROVIDERS[provider]}")
+    device = CPU if provider == CPU else CUDA
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value, device, device_id))
+    for output in session.get_outputs():
+        binding.bind_output(output.name, device, device_id)
+    session.run_with_iobinding(binding)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        session.run_with_iobinding(binding)  # returns once the device has finished
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+# --- the cuDNN algorithm search -----------------------------------------------------------------------------
+
+VOCODER = "hift_decoder"
+LEVER_FRAMES = (57, 83, 500)
+"""Mel frames of the vocoder calls the search lever times: shapes no call before it had (a streamed
+chunk's window, a longer one, an offline utterance's 20 s)."""
+
+
+def conv_search_levers(bundle: RuntimeBundle, provider: str = CUDA, *, frames: tuple[int, ...] = LEVER_FRAMES,
+                       on_row: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
+    """Per cuDNN algorithm search mode (`CONV_ALGO_SEARCHES`): the vocoder graph opened fresh with it, then
+    per frame count its first call (which pays the search for that shape) and the fastest of 3 calls after
+    it, in ms."""
+    spec = bundle.specs[VOCODER]
+    rows = []
+    for search in CONV_ALGO_SEARCHES:
+        with OrtRunner(bundle.graph_path(VOCODER), spec, provider, conv_algo_search=search) as runner:
+            for n in frames:
+                feeds = spec.sample_inputs(Case({"frames": n}))
+                start = time.perf_counter()
+                runner.infer(feeds)
+                first = time.perf_counter() - start
+                warm = []
+                for _ in range(3):
+                    start = time.perf_counter()
+                    runner.infer(feeds)
+                    warm.append(time.perf_counter() - start)
+                rows.append({"graph": VOCODER, "conv_algo_search": search, "frames": n,
+                             "first_call_ms": first * 1e3, "warm_call_ms": min(warm) * 1e3})
+        on_row()
+    return rows

@@ -1,0 +1,119 @@
+"""The benchmark's GPU side, run here on what a CPU allows: nvidia-smi's description of the GPU (a stand-in
+nvidia-smi on PATH, run as the real one would be), the device rates and the cuDNN search lever through the
+same code on onnxruntime's CPU provider, the bounds at each precision's measured rate, the p95 of the first
+chunk, the report's GPU lines, and the refusal of thread scaling on a GPU. With a CUDA provider the rates
+are also measured on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from pathlib import Path
+
+import onnxruntime as ort
+import pytest
+from click.testing import CliRunner
+
+from cosyvoice_bench.bounds import ModelShapes, dit_bound_s, dit_flops_per_step
+from cosyvoice_bench.cli import main
+from cosyvoice_bench.errors import BenchError
+from cosyvoice_bench.gpu import conv_search_levers, describe_gpu, gpu_rates
+from cosyvoice_bench.machine import Rates
+from cosyvoice_bench.report import render, summarize
+from cosyvoice_graphs.precision import BF16, FP16, FP32, TF32
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.runners.ort_settings import CONV_ALGO_SEARCHES
+
+
+def _fake_nvidia_smi(folder: Path, body: str) -> None:
+    script = folder / "nvidia-smi"
+    script.write_text(f"#!/bin/sh\n{body}\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+
+
+def test_the_gpu_is_described_by_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert describe_gpu() is None  # no driver, no nvidia-smi
+    # the query nvidia-smi answers: the arguments are checked by the stand-in
+    _fake_nvidia_smi(tmp_path, 'test "$*" = "-i 0 --query-gpu=name,memory.total,driver_version,compute_cap '
+                               '--format=csv,noheader,nounits" || exit 9\n'
+                               'echo "NVIDIA H200, 143771, 580.95.05, 9.0"')
+    assert describe_gpu() == {"name": "NVIDIA H200", "memory_mib": 143771.0, "driver": "580.95.05",
+                              "compute_capability": "9.0"}
+    _fake_nvidia_smi(tmp_path, 'echo "No devices were found" >&2; exit 6')
+    with pytest.raises(BenchError, match="nvidia-smi could not describe GPU 0: No devices were found"):
+        describe_gpu()
+
+
+PROVIDERS_HERE = ["cpu", *(["cuda"] if "CUDAExecutionProvider" in ort.get_available_providers() else [])]
+
+
+@pytest.mark.parametrize("provider", PROVIDERS_HERE)
+def test_the_device_rates_come_from_tensors_on_the_device(provider: str) -> None:
+    rates = gpu_rates((64, 32, 96), quick=True, provider=provider)
+    assert rates.device == provider and rates.matmul_shape == (64, 32, 96)
+    assert rates.int8_matmul_gflops is None
+    assert rates.bandwidth_gbs > 0 and rates.matmul_gflops > 0
+    assert set(rates.precision_gflops) == {"tf32", "fp16"} and min(rates.precision_gflops.values()) > 0
+
+
+def test_each_precision_is_bounded_at_its_own_measured_rate(runtime_bundle: Path) -> None:
+    rates = Rates(threads=0, bandwidth_gbs=4000.0, matmul_shape=(8, 8, 8), matmul_gflops=50_000.0,
+                  int8_matmul_gflops=None, device="cuda",
+                  precision_gflops={"tf32": 400_000.0, "fp16": 800_000.0})
+    assert rates.matmul_rate(FP32) == (50_000.0, "float32 MatMul")
+    assert rates.matmul_rate(TF32) == (400_000.0, "tf32 MatMul")
+    assert rates.matmul_rate(FP16) == (800_000.0, "fp16 MatMul")
+    assert rates.matmul_rate(BF16) == (50_000.0, "float32 MatMul (no bf16 rate measured)")
+    dit = ModelShapes.of(RuntimeBundle.open(runtime_bundle), "cuda").dit
+    flops = dit_flops_per_step(dit, 300)
+    assert dit_bound_s(dit, 300, FP16, rates) == pytest.approx(flops / 800e12)
+    assert dit_bound_s(dit, 300, FP32, rates) == pytest.approx(flops / 50e12)
+
+
+def test_the_first_chunks_p95_is_the_nearest_rank_over_the_rounds() -> None:
+    rounds = [{"first_chunk_warm_cached_s": v} for v in (0.12, 0.10, 0.31)]
+    summary = summarize(rounds)
+    assert summary["first_chunk_warm_cached_s"] == pytest.approx(0.12)
+    assert summary["first_chunk_warm_cached_p95_s"] == pytest.approx(0.31)
+    assert summarize([{}])["first_chunk_warm_cached_p95_s"] is None
+    twenty = summarize([{"first_chunk_warm_cached_s": float(v)} for v in range(1, 21)])
+    assert twenty["first_chunk_warm_cached_p95_s"] == 19.0
+
+
+def test_the_cudnn_search_lever_times_first_and_warm_calls_per_mode(runtime_bundle: Path) -> None:
+    """On the CPU provider the modes do not apply: this checks the rows, not a choice."""
+    rows = conv_search_levers(RuntimeBundle.open(runtime_bundle), "cpu", frames=(11, 23))
+    assert [(r["conv_algo_search"], r["frames"]) for r in rows] == [
+        (search, n) for search in CONV_ALGO_SEARCHES for n in (11, 23)]
+    assert all(r["graph"] == "hift_decoder" and r["first_call_ms"] > 0 and r["warm_call_ms"] > 0
+               for r in rows)
+
+
+def test_the_report_names_the_gpu_and_the_search_lever(tmp_path: Path, runtime_bundle: Path) -> None:
+    """A quick CPU run's result with the GPU parts a CUDA run adds: the table prints them."""
+    out = tmp_path / "b.json"
+    done = CliRunner().invoke(main, ["--model", str(runtime_bundle), "--quick", "--threads", "1", "--json",
+                                     str(out), "--no-progress", "--lengths", "short", "--concurrency", "1"])
+    assert done.exit_code == 0, done.output
+    result = json.loads(out.read_text())
+    assert "its 95th percentile over the rounds" in done.output
+    result["machine"]["gpu"] = {"name": "NVIDIA H200", "memory_mib": 143771.0, "driver": "580.95.05",
+                                "compute_capability": "9.0"}
+    result["levers"]["cudnn_search"] = [{"graph": "hift_decoder", "conv_algo_search": "HEURISTIC",
+                                         "frames": 57, "first_call_ms": 812.0, "warm_call_ms": 9.1}]
+    text = render(result)
+    assert "GPU NVIDIA H200 (140 GiB, driver 580.95.05, compute capability 9.0); its memory bandwidth" in text
+    assert "cuDNN convolution algorithm search" in text
+    assert re.search(r"hift_decoder +HEURISTIC +57 +812 +9\.10\n", text), text
+
+
+def test_thread_scaling_is_refused_on_a_gpu_before_any_work(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-bundle"
+    done = CliRunner().invoke(main, ["--model", str(missing), "--provider", "cuda", "--thread-scaling"])
+    assert done.exit_code == 2
+    assert done.output.strip() == ("error: --thread-scaling measures CPU threads; it does not apply to "
+                                   "--provider cuda")
+    assert not os.path.exists(missing)
