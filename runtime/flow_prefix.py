@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .frontend import PromptFeatures
+from .runners import Feed, feed_nbytes
 
 DEFAULT_PREFIX_CACHE_BYTES = 2 << 30
 """The cache's default budget: 2 GiB holds the prefix of one or two prompts at full size (3.6 MB per
@@ -33,13 +34,14 @@ class FlowPrefix:
 
     frames: int
     """Prompt frames covered: whole blocks whose `mu` reads prompt tokens only; 0 for a short prompt."""
-    caches: tuple[Mapping[str, np.ndarray], ...]
-    """Per ODE step, the `past_*` inputs of `flow_estimator_cached` after those frames (read-only)."""
+    caches: tuple[Mapping[str, Feed], ...]
+    """Per ODE step, the `past_*` inputs of `flow_estimator_cached` after those frames (read-only): numpy
+    arrays, or `OrtValue`s on the GPU that computed them."""
 
     @property
     def nbytes(self) -> int:
-        """Memory held by the caches (every ODE step, both CFG rows)."""
-        return sum(a.nbytes for step in self.caches for a in step.values())
+        """Memory held by the caches (every ODE step, both CFG rows), on the host or the GPU."""
+        return sum(feed_nbytes(a) for step in self.caches for a in step.values())
 
 
 def prompt_key(prompt: PromptFeatures) -> str:
@@ -97,7 +99,8 @@ class FlowPrefixCache:
         dropped past the budget; False if it alone exceeds the budget (not kept)."""
         for step in prefix.caches:
             for a in step.values():
-                a.setflags(write=False)  # shared by every stream from this prompt
+                if isinstance(a, np.ndarray):  # an OrtValue is only ever a graph's input, never written
+                    a.setflags(write=False)  # shared by every stream from this prompt
         if prefix.nbytes > self.max_bytes:
             return False
         with self._lock:

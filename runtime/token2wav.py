@@ -42,7 +42,7 @@ from .errors import SynthesisError
 from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES, FlowPrefix, FlowPrefixCache
 from .frontend import PromptFeatures
 from .noise import UniformNoise
-from .runners import Runner
+from .runners import CPU, Feed, OrtRunner, Runner, feed_nbytes, feed_shape
 
 CFG_RATE = 0.7
 """`inference_cfg_rate`: v = (1 + rate) v_cond - rate v_uncond."""
@@ -133,6 +133,10 @@ class Flow:
         (1, mel_bins, max frames), read from frame 0; `prefix_cache_bytes` bounds `prefixes` (0: none
         kept, every stream computes its prompt's prefix)."""
         self.encoder, self.estimator = encoder, estimator
+        self.keep_on_device = isinstance(estimator, OrtRunner) and estimator.device_type != CPU
+        """Whether a stream's DiT caches stay on the GPU that computed them between calls (an exact
+        stream's: a windowed one cuts them on the host), instead of crossing to the host and back at
+        every ODE step (at full size ~0.35 MB per cached frame each way)."""
         self.noise = noise
         self.dims = dims
         self.steps = euler_steps()
@@ -284,9 +288,10 @@ class FlowStream:
     window: int | None
     """Blocks of generated frames whose keys/values attention keeps besides the prompt's blocks;
     None keeps every frame (exact)."""
-    caches: list[dict[str, np.ndarray]] = field(repr=False)
-    """Per ODE step, the `past_*` inputs of `flow_estimator_cached` for the next push; empty once an
-    exact stream's final push has begun (its full re-run reads none of them)."""
+    caches: list[dict[str, Feed]] = field(repr=False)
+    """Per ODE step, the `past_*` inputs of `flow_estimator_cached` for the next push (numpy arrays, or
+    `OrtValue`s on the GPU with `Flow.keep_on_device`); empty once an exact stream's final push has begun
+    (its full re-run reads none of them)."""
     frames: int = 0
     """Frames (prompt included) run so far: the position of the next new frame."""
     tokens: int = 0
@@ -304,12 +309,12 @@ class FlowStream:
     @property
     def cached_frames(self) -> int:
         """Frames whose keys/values the caches hold: `frames`, or fewer if the window dropped some."""
-        return self.caches[0][self.growing[0]].shape[2] if self.caches else 0
+        return feed_shape(self.caches[0][self.growing[0]])[2] if self.caches else 0
 
     @property
     def cache_bytes(self) -> int:
         """Memory held by the caches (every ODE step, both CFG rows)."""
-        return sum(a.nbytes for step in self.caches for a in step.values())
+        return sum(feed_nbytes(a) for step in self.caches for a in step.values())
 
     def push(self, tokens: Sequence[int], *, finalize: bool) -> np.ndarray:
         """Every generated token so far (N,) -> the mel (1, 80, n) of those after the first `self.tokens`:
@@ -374,19 +379,25 @@ class FlowStream:
                  "block_frames": np.array([block_frames], dtype=np.int64),
                  **_cfg_rows(mu, spks, flow.cond(self.prompt, first, end))}
         pairs = cache_pairs(flow.estimator.spec)
+        on_device = flow.keep_on_device and self.window is None
 
         def velocity(step: int, x: np.ndarray) -> np.ndarray:
             if pause is not None:
                 pause()
-            out = flow.estimator.infer({"x": x, "ode_step": _ode_step(step), **feeds, **self.caches[step]})
-            self.caches[step] = self._windowed({past: out[present] for past, present in pairs})
+            inputs = {"x": x, "ode_step": _ode_step(step), **feeds, **self.caches[step]}
+            if on_device:
+                out, kept = flow.estimator.infer_kept(inputs, keep=[present for _, present in pairs])
+                self.caches[step] = {past: kept[present] for past, present in pairs}
+            else:
+                out = flow.estimator.infer(inputs)
+                self.caches[step] = self._windowed({past: out[present] for past, present in pairs})
             return out["velocity"]
 
         x = flow.solve(flow.initial_x(first, end), velocity)
         self.frames = end
         return x
 
-    def _windowed(self, caches: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _windowed(self, caches: dict[str, np.ndarray]) -> dict[str, Feed]:
         """`caches` with the keys/values of frames outside the window dropped (all kept without one)."""
         if self.window is None:
             return caches

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 from cosyvoice_graphs import ODE_STEPS
@@ -256,3 +257,35 @@ def test_window_policy_streams_through_the_synthesizer(synth: Synthesizer, promp
     chunks = list(synth.stream_tokens(_tokens(LONG), prompt, policy=policy))
     assert len(chunks) == len(mels) and chunks[-1].is_final
     assert np.array_equal(np.concatenate([c.samples for c in chunks]), _vocode(synth, mels))
+
+
+# --- the caches left where the estimator computed them --------------------------------------------------
+
+
+def test_caches_kept_on_the_device_give_the_same_stream(runtime_bundle: Path, prompt: PromptFeatures) -> None:
+    """On a GPU an exact stream's DiT caches stay there between calls (`Flow.keep_on_device`, through
+    `Runner.infer_kept`). Forced on the CPU provider, where the kept values are CPU `OrtValue`s: the same
+    mel bit for bit, chunk by chunk, the caches (and the prompt's prefix) held as `OrtValue`s of the same
+    size; a windowed stream still cuts its caches on the host."""
+    n = 250
+    mels: dict[bool, list[np.ndarray]] = {}
+    for keep in (False, True):
+        with Synthesizer(RuntimeBundle.open(runtime_bundle), threads=1) as s:
+            assert not s.flow.keep_on_device  # the CPU provider keeps them on the host
+            s.flow.keep_on_device = keep
+            stream, mels[keep] = s.flow.stream(prompt), []
+            for tokens, _, final in _schedule(ChunkPolicy(), prompt.speech_tokens.shape[1], n):
+                mels[keep].append(stream.push(tokens, finalize=final))
+                if not final:
+                    held = [v for step in stream.caches for v in step.values()]
+                    assert all(isinstance(v, ort.OrtValue) == keep for v in held)
+                    assert stream.cache_bytes == _cache_bytes(s, stream.frames)
+            prefix = s.flow.prefix(prompt)
+            assert all(isinstance(v, ort.OrtValue) == keep for step in prefix.caches for v in step.values())
+            windowed = s.flow.stream(prompt, window=2)
+            first_chunk, _, _ = next(_schedule(ChunkPolicy(), prompt.speech_tokens.shape[1], n))
+            windowed.push(first_chunk, finalize=False)
+            assert all(isinstance(v, np.ndarray) for step in windowed.caches for v in step.values())
+    assert len(mels[False]) == len(mels[True]) > 2
+    for a, b in zip(mels[False], mels[True], strict=True):
+        assert np.array_equal(a, b)

@@ -3,6 +3,7 @@ runner builds on."""
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping, Sequence
 from types import TracebackType
@@ -61,6 +62,23 @@ def _shape_dtype(value: object) -> tuple[tuple[int, ...], np.dtype[Any]] | None:
     if isinstance(value, ort.OrtValue):
         return tuple(value.shape()), _ORT_DTYPES.get(value.data_type(), np.dtype(object))
     return None
+
+
+def feed_shape(value: Feed) -> tuple[int, ...]:
+    """The shape of a feed, a numpy array or an `OrtValue` wherever it lives."""
+    described = _shape_dtype(value)
+    if described is None:
+        raise TypeError(f"not a feed: {type(value).__name__}")
+    return described[0]
+
+
+def feed_nbytes(value: Feed) -> int:
+    """The bytes a feed holds, on the host or on its device."""
+    described = _shape_dtype(value)
+    if described is None:
+        raise TypeError(f"not a feed: {type(value).__name__}")
+    shape, dtype = described
+    return math.prod(shape) * dtype.itemsize
 
 
 def check_feeds(spec: GraphSpec, feeds: Mapping[str, Feed]) -> None:
