@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The checks and figures of a session with a lent GPU, in one call (docs/gpu.md). On the GPU machine, after
+# ../shared/gpu's install.sh and `. /tmp/gpu-env.sh`:
+#
+#     bash ci/gpu.sh "$OUT"
+#
+# Each step is bounded in time, logs to OUT/<step>.log and adds a line to OUT/summary.txt; a step that
+# would start past DEADLINE seconds is skipped, so a second call (on the same warm machine) goes on where
+# the first stopped: bundles and exports under WORK are reused.
+#   gpu          nvidia-smi's view of the card
+#   golden       cosyvoice-golden check on the demo bundle: tokens, mel and audio against torch (fp32)
+#   gates-P      the demo model exported in P (tf32, fp16) and judged on the GPU by golden's precision bounds
+#   tests        the tests that use CUDA where it is present
+#   export-P     the full-size random bundle exported in P (fp32, fp16)
+#   bench-P      cosyvoice-bench on it: first chunk p50/p95, stages against the GPU's bounds, concurrency
+#
+# PROVIDER=cpu SIZE=tiny runs the same steps on a CPU: that is how the script is tested.
+set -uo pipefail
+OUT=${1:?usage: ci/gpu.sh OUT}
+PROVIDER=${PROVIDER:-cuda}
+SIZE=${SIZE:-full}
+GATES=${GATES:-"tf32 fp16"}
+PRECISIONS=${PRECISIONS:-"fp32 fp16"}
+DEADLINE=${DEADLINE:-540}
+WORK=${WORK:-/tmp/gpu-work}
+PY=${PYTHON:-python3}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT" "$WORK"
+start=$SECONDS
+
+# step NAME LIMIT COMMAND...: run COMMAND with at most LIMIT seconds (less if the deadline is nearer)
+step() {
+    local name=$1 limit=$2 left rc began
+    shift 2
+    left=$((DEADLINE - (SECONDS - start)))
+    if ((left < 30)); then
+        echo "$name: skipped, ${DEADLINE} s deadline reached" | tee -a "$OUT/summary.txt"
+        return 0
+    fi
+    ((limit > left)) && limit=$left
+    began=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    rc=$?
+    echo "$name: exit $rc after $((SECONDS - began)) s$( ((rc == 124)) && echo " (its ${limit} s ran out)")" \
+        | tee -a "$OUT/summary.txt"
+    return 0
+}
+
+# export PRECISION MODEL OUT: a runtime bundle, reused where an earlier call finished it
+export_bundle() {
+    local precision=$1 model=$2 out=$3
+    [ -f "$out/manifest.json" ] && { echo "reused $out"; return 0; }
+    "$PY" -m cosyvoice_export all --model-dir "$model" --out "$out" --precision "$precision"
+}
+
+step gpu 30 bash -c 'nvidia-smi || echo "no nvidia-smi"'
+step golden 120 "$PY" -m cosyvoice_golden check --provider "$PROVIDER"
+[ -f "$WORK/tiny/llm.pt" ] || step tiny-model 120 "$PY" -m cosyvoice_export tiny-bundle "$WORK/tiny"
+for p in $GATES; do
+    step "gates-$p" 240 bash -c "$(declare -f export_bundle); PY=$PY; export_bundle $p $WORK/tiny $WORK/tiny-$p \
+        && $PY -m cosyvoice_golden check --model $WORK/tiny-$p --precision $p --provider $PROVIDER"
+done
+step tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_bench_gpu.py tests/test_precision.py \
+    tests/test_runtime_core.py
+[ -f "$WORK/$SIZE/llm.pt" ] || step model 240 "$PY" -m cosyvoice_export tiny-bundle "$WORK/$SIZE" --size "$SIZE"
+for p in $PRECISIONS; do
+    step "export-$p" 300 bash -c "$(declare -f export_bundle); PY=$PY; export_bundle $p $WORK/$SIZE \
+        $WORK/$SIZE-$p"
+    [ -f "$WORK/$SIZE-$p/manifest.json" ] && step "bench-$p" 300 "$PY" -m cosyvoice_bench \
+        --model "$WORK/$SIZE-$p" --provider "$PROVIDER" --lengths long --concurrency 1,4 --quick --repeat 3 \
+        --tokens 250 --first-chunk-tokens 10 --no-progress --json "$OUT/bench-$p.json"
+done
+echo "done in $((SECONDS - start)) s; the logs are in $OUT" | tee -a "$OUT/summary.txt"

@@ -1,0 +1,44 @@
+"""ci/gpu.sh, the script a session with a lent GPU runs in one call, run here on the CPU provider at the tiny
+size (what its PROVIDER and SIZE are for): every step passes, the deadline skips what would start too late,
+and a second call reuses what the first exported."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="needs torch (the export extra): the script exports bundles")
+pytestmark = pytest.mark.torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(out: Path, work: Path, **env: str) -> list[str]:
+    settings = {"PROVIDER": "cpu", "SIZE": "tiny", "GATES": "tf32", "PRECISIONS": "fp32", "WORK": str(work),
+                "PYTHON": sys.executable, **env}
+    done = subprocess.run(["bash", str(ROOT / "ci" / "gpu.sh"), str(out)], capture_output=True, text=True,
+                          env={**os.environ, **settings}, timeout=900)
+    assert done.returncode == 0, done.stderr
+    return (out / "summary.txt").read_text().splitlines()
+
+
+def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    lines = _run(tmp_path / "out", work)
+    steps = [line.split(":")[0] for line in lines[:-1]]
+    assert steps == ["gpu", "golden", "tiny-model", "gates-tf32", "tests", "export-fp32", "bench-fp32"]
+    assert all(": exit 0 after " in line for line in lines[:-1]), lines
+    result = json.loads((tmp_path / "out" / "bench-fp32.json").read_text())
+    assert result["settings"]["provider"] == "cpu" and result["bundle"]["precision"] == "fp32"
+    case = result["cases"][0]["runtime"]
+    assert case["first_chunk_warm_cached_p95_s"] >= case["first_chunk_warm_cached_s"] > 0
+    # a second call on the same machine: the model and the exports are reused; a deadline reached skips
+    again = _run(tmp_path / "again", work, DEADLINE="0")
+    assert again[0] == "gpu: skipped, 0 s deadline reached"
+    assert all("skipped" in line for line in again[:-1])
+    assert "tiny-model" not in "\n".join(again)
