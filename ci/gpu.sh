@@ -12,6 +12,7 @@
 #   gates-P      the demo model exported in P (tf32, fp16) and judged on the GPU by golden's precision bounds
 #   tests        the tests that use CUDA where it is present
 #   export-P     the full-size random bundle exported in P (fp32, fp16)
+#   profile-P    its hot graph calls under onnxruntime's profiler: time per provider, host/device copies
 #   bench-P      cosyvoice-bench on it: first chunk p50/p95, stages against the GPU's bounds, concurrency
 #
 # PROVIDER=cpu SIZE=tiny runs the same steps on a CPU: that is how the script is tested.
@@ -66,8 +67,11 @@ step tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_bench_gpu.py te
 for p in $PRECISIONS; do
     step "export-$p" 300 bash -c "$(declare -f export_bundle); PY=$PY; export_bundle $p $WORK/$SIZE \
         $WORK/$SIZE-$p"
-    [ -f "$WORK/$SIZE-$p/manifest.json" ] && step "bench-$p" 300 "$PY" -m cosyvoice_bench \
-        --model "$WORK/$SIZE-$p" --provider "$PROVIDER" --lengths long --concurrency 1,4 --quick --repeat 3 \
-        --tokens 250 --first-chunk-tokens 10 --no-progress --json "$OUT/bench-$p.json"
+    [ -f "$WORK/$SIZE-$p/manifest.json" ] || continue
+    step "profile-$p" 120 "$PY" -m cosyvoice_bench.graph_profile --model "$WORK/$SIZE-$p" --provider "$PROVIDER" \
+        --json "$OUT/profile-$p.json"
+    step "bench-$p" 300 "$PY" -m cosyvoice_bench --model "$WORK/$SIZE-$p" --provider "$PROVIDER" --lengths long \
+        --concurrency 1,4 --quick --repeat 3 --tokens 250 --first-chunk-tokens 10 --no-progress \
+        --json "$OUT/bench-$p.json"
 done
 echo "done in $((SECONDS - start)) s; the logs are in $OUT" | tee -a "$OUT/summary.txt"

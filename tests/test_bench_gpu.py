@@ -20,10 +20,12 @@ from cosyvoice_bench.bounds import ModelShapes, dit_bound_s, dit_flops_per_step
 from cosyvoice_bench.cli import main
 from cosyvoice_bench.errors import BenchError
 from cosyvoice_bench.gpu import conv_search_levers, describe_gpu, gpu_rates
+from cosyvoice_bench.graph_profile import main as profile_main
 from cosyvoice_bench.machine import Rates
 from cosyvoice_bench.report import render, summarize
 from cosyvoice_graphs.precision import BF16, FP16, FP32, TF32
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.runners.ort_settings import CONV_ALGO_SEARCHES
 
 
@@ -117,3 +119,20 @@ def test_thread_scaling_is_refused_on_a_gpu_before_any_work(tmp_path: Path) -> N
     assert done.output.strip() == ("error: --thread-scaling measures CPU threads; it does not apply to "
                                    "--provider cuda")
     assert not os.path.exists(missing)
+
+
+def test_the_graph_profile_names_each_hot_calls_providers_and_copies(tmp_path: Path) -> None:
+    """On the CPU provider every node is the CPU's and nothing is copied; on a GPU the same table shows
+    what stayed on the CPU and the Memcpy nodes onnxruntime inserted."""
+    out = tmp_path / "profile.json"
+    done = CliRunner().invoke(profile_main, ["--model", str(DEMO_BUNDLE), "--calls", "3", "--json", str(out)])
+    assert done.exit_code == 0, done.output
+    rows = json.loads(out.read_text())["profiles"]
+    assert [r["graph"] for r in rows] == ["llm", "flow_estimator_cached", "hift_decoder"]
+    assert rows[0]["shape"] == {"new_len": 1, "past_len": 300}
+    for r in rows:
+        assert set(r["providers"]) == {"CPUExecutionProvider"} and r["memcpy_nodes"] == 0
+        assert r["wall_ms"] > 0 and r["node_ms"] > 0 and r["providers"]["CPUExecutionProvider"]["nodes"] > 50
+        assert f"{r['graph']} (fp32, " in done.output
+    missing = CliRunner().invoke(profile_main, ["--model", str(tmp_path / "none")])
+    assert missing.exit_code == 2 and missing.output.startswith("error: ")

@@ -31,7 +31,8 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
     work = tmp_path / "work"
     lines = _run(tmp_path / "out", work)
     steps = [line.split(":")[0] for line in lines[:-1]]
-    assert steps == ["gpu", "golden", "tiny-model", "gates-tf32", "tests", "export-fp32", "bench-fp32"]
+    assert steps == ["gpu", "golden", "tiny-model", "gates-tf32", "tests", "export-fp32", "profile-fp32",
+                     "bench-fp32"]
     assert all(": exit 0 after " in line for line in lines[:-1]), lines
     result = json.loads((tmp_path / "out" / "bench-fp32.json").read_text())
     assert result["settings"]["provider"] == "cpu" and result["bundle"]["precision"] == "fp32"

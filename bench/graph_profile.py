@@ -1,0 +1,148 @@
+"""Where a call of each hot graph spends its time, by onnxruntime's own profiler: `python -m
+cosyvoice_bench.graph_profile --model BUNDLE --provider cuda --json OUT.json`.
+
+Per graph, at the shape of a streamed first chunk's calls (an LLM decode step at a few hundred cached
+positions, a DiT call over a first chunk's new frames after a prompt's prefix, the vocoder's window): the
+call's wall time (median), and from the profile of the calls after a warm-up, the nodes each execution
+provider ran and their time, the copies between host and device onnxruntime inserted (`Memcpy*` nodes:
+on a GPU, each is a transfer and a synchronisation inside the call), and the op types that took the most
+time. On a GPU this separates kernel time from per-node overhead (wall time minus node time) and names the
+nodes left on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import click
+import onnxruntime as ort
+
+from cosyvoice_graphs import CACHE_LEN, PAST_LEN, Case, GraphSpec
+from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.errors import USER_ERRORS
+from cosyvoice_runtime.runners import CPU, ORT_PROVIDERS, graphs_run, provider_chain
+from cosyvoice_runtime.runners.ort_settings import OPTIMIZATION, settings_for
+
+from .errors import BenchError
+
+DECODE_PAST = 300
+"""Cached positions of the profiled decode step (a 10 s utterance's middle, after a prompt)."""
+DIT_NEW, DIT_PAST = 44, 200
+"""The profiled DiT call: a first chunk's new frames after a prompt's prefix of cached frames."""
+VOCODER_FRAMES = 57 + 29
+"""The profiled vocoder call: a first chunk's frames and the window's left margin."""
+
+
+def hot_calls(bundle: RuntimeBundle, provider: str) -> dict[str, Case]:
+    """The graph the pipeline runs on `provider` for each hot call, and the call's case."""
+    run = graphs_run(bundle, provider)
+    decode = "llm_decode" if "llm_decode" in run else "llm"
+    llm = Case({"new_len": 1, PAST_LEN: DECODE_PAST},
+               {CACHE_LEN: (DECODE_PAST,)} if decode == "llm_decode" else {})
+    dit = Case({"new_frames": DIT_NEW, "past_frames": DIT_PAST},
+               {"offset": (DIT_PAST,), "block_frames": (bundle.dims.dit_block_frames,)})
+    return {decode: llm, "flow_estimator_cached": dit, "hift_decoder": Case({"frames": VOCODER_FRAMES})}
+
+
+def profile_graph(bundle: RuntimeBundle, graph: str, case: Case, provider: str, *, calls: int,
+                  threads: int | None) -> dict[str, Any]:
+    """`calls` calls of `graph` at `case` after one warm-up, profiled; see the module's docstring."""
+    spec: GraphSpec = bundle.specs[graph]
+    feeds = spec.sample_inputs(case)
+    options = ort.SessionOptions()
+    settings = settings_for(bundle.graph_path(graph), graph)
+    options.graph_optimization_level = OPTIMIZATION[settings.optimization]
+    if threads or settings.threads:
+        options.intra_op_num_threads = threads or settings.threads or 0
+    precision = bundle.graph_precision(graph)
+    with tempfile.TemporaryDirectory() as tmp:
+        options.enable_profiling = True
+        options.profile_file_prefix = str(Path(tmp) / graph)
+        session = ort.InferenceSession(str(bundle.graph_path(graph)), options,
+                                       providers=provider_chain(provider, tf32=precision.cuda_tf32))
+        if session.get_providers()[0] != ORT_PROVIDERS[provider]:
+            raise BenchError(f"{graph}: onnxruntime fell back to {session.get_providers()[0]}")
+        session.run(None, feeds)
+        walls = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            session.run(None, feeds)
+            walls.append(time.perf_counter() - start)
+        events = json.loads(Path(session.end_profiling()).read_text())
+    runs = sorted((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])[1:]
+    first = runs[0]["ts"] if runs else 0
+    nodes = [e for e in events if e.get("cat") == "Node" and e["ts"] >= first
+             and e.get("name", "").endswith("_kernel_time")]
+    per_call = 1 / (1e3 * max(1, len(runs)))  # us summed over the calls -> ms per call
+    by_provider: dict[str, dict[str, float]] = defaultdict(lambda: {"nodes": 0, "ms": 0.0})
+    by_op: Counter[str] = Counter()
+    memcpy = 0
+    for e in nodes:
+        args = e.get("args", {})
+        op, where = args.get("op_name", "?"), args.get("provider", "?")
+        by_provider[where]["nodes"] += 1 / max(1, len(runs))
+        by_provider[where]["ms"] += e["dur"] * per_call
+        by_op[op] += e["dur"]
+        memcpy += op.startswith("Memcpy")
+    node_ms = sum(e["dur"] for e in nodes) * per_call
+    return {
+        "graph": graph, "precision": precision.name, "provider": provider, "shape": dict(case.dims),
+        "wall_ms": statistics.median(walls) * 1e3, "node_ms": node_ms,
+        "providers": {k: {"nodes": round(v["nodes"]), "ms": v["ms"]} for k, v in by_provider.items()},
+        "memcpy_nodes": round(memcpy / max(1, len(runs))),
+        "top_ops_ms": {op: us * per_call for op, us in by_op.most_common(8)},
+    }
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    """The profiles as text: one block per graph."""
+    lines = []
+    for r in rows:
+        shape = ", ".join(f"{k}={v}" for k, v in r["shape"].items())
+        lines.append(f"{r['graph']} ({r['precision']}, {shape}) on {r['provider']}: {r['wall_ms']:.3f} ms a "
+                     f"call (median), {r['node_ms']:.3f} ms in its nodes (mean), {r['memcpy_nodes']} "
+                     "host/device copies")
+        for where, p in sorted(r["providers"].items()):
+            lines.append(f"  {where}: {p['nodes']} nodes, {p['ms']:.3f} ms")
+        lines.append("  top ops (ms): " + ", ".join(f"{op} {ms:.3f}" for op, ms in r["top_ops_ms"].items()))
+    return "\n".join(lines)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Runtime bundle (cosyvoice-export all).")
+@click.option("--provider", type=click.Choice(list(ORT_PROVIDERS)), default=CPU, show_default=True,
+              help="onnxruntime's provider to profile on.")
+@click.option("--calls", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Profiled calls per graph, after one warm-up.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Intra-op threads on the CPU  [default: the runtime's setting]")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write the profiles as JSON (atomically).")
+def main(model: Path, provider: str, calls: int, threads: int | None, json_out: Path | None) -> None:
+    """Profile the pipeline's hot graph calls (an LLM decode step, a first chunk's DiT call, the vocoder's
+    window) with onnxruntime's profiler: time per provider, host/device copies, top op types."""
+    try:
+        if json_out is not None:
+            check_writable(json_out, "--json")
+        bundle = RuntimeBundle.open(model)
+        rows = [profile_graph(bundle, graph, case, provider, calls=calls, threads=threads)
+                for graph, case in hot_calls(bundle, provider).items()]
+    except (BenchError, *USER_ERRORS) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    if json_out is not None:
+        write_json_atomic(json_out, {"provider": provider, "onnxruntime": ort.__version__, "profiles": rows})
+    click.echo(render(rows))
+
+
+if __name__ == "__main__":
+    main()
