@@ -24,6 +24,7 @@ from .cosyvoice3 import CosyVoice3
 from .demo import DEMO_BUNDLE
 from .errors import USER_ERRORS, UserError
 from .frontend import PromptFeatures, read_prompt_audio
+from .progress import SynthesisProgress
 from .runners import CPU, PROVIDERS
 from .runners.ort_settings import TUNING_FILE, read_tuning
 from .sampling import SAMPLINGS
@@ -202,9 +203,10 @@ def _run(voice: CosyVoice3, pieces: list[Segment], prompt: PromptFeatures, mode:
     """Each segment in turn (each with a fresh sampler from the seed, as a fresh upstream request)."""
     result = _Result([], [], [], None)
     start = time.perf_counter()
-    with click.progressbar(pieces, label="synthesising", file=sys.stderr) as bar:
-        for i, piece in enumerate(bar):
-            speech = voice.speak(piece, prompt, mode, stream=stream, speed=speed, policy=policy)
+    with SynthesisProgress(pieces) as progress:
+        for i, piece in enumerate(pieces):
+            speech = voice.speak(piece, prompt, mode, stream=stream, speed=speed, policy=policy,
+                                 watch=progress.watch(i))
             for chunk in speech:
                 result.audio.append(chunk.samples)
                 if stream:
