@@ -66,7 +66,8 @@ class RequireApiKey:
         if key_matches(self.key, headers):
             await self.app(scope, receive, send)
             return
-        response = error_response(401, MISSING_KEY, headers={"WWW-Authenticate": "Bearer"})
+        response = error_response(401, MISSING_KEY, headers={"WWW-Authenticate": "Bearer"},
+                                  path=scope["path"])
         await response(scope, receive, send)
 
 

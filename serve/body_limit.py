@@ -37,7 +37,7 @@ class LimitBody:
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isascii() and declared.isdigit() and int(declared) > self.limit:
             response = error_response(413, f"body: {int(declared)} bytes; the limit is {self.limit} bytes",
-                                      headers=CLOSE)
+                                      headers=CLOSE, path=scope["path"])
             await response(scope, receive, send)
             return
         received = 0

@@ -1,10 +1,11 @@
 """The server's error type and how every error reaches the client: a status and a one-line JSON body.
 
 Bodies are `{"detail": ..., "error": ..., "code": ...}`: `detail` is FastAPI's convention, `error` and
-`code` the bridge server's `ErrorResponse`, so clients of either read them unchanged. A `detail` names
-the request field at fault. Nothing answers with a traceback: an unexpected exception is logged once,
-with its traceback, and answers 500 with its type only (or, after the status line, ends the response
-unfinished).
+`code` the bridge server's `ErrorResponse`, so clients of either read them unchanged. Under `/v1/`, OpenAI's
+API, they are OpenAI's `{"error": {"message", "type", "param", "code"}}`, which its SDKs and the clients
+built on them read (their exceptions carry the message). A `detail` names the request field at fault.
+Nothing answers with a traceback: an unexpected exception is logged once, with its traceback, and answers
+500 with its type only (or, after the status line, ends the response unfinished).
 """
 
 from __future__ import annotations
@@ -26,18 +27,21 @@ log = logging.getLogger(__name__)
 class ApiError(Exception):
     """An error with its HTTP status and one-line detail."""
 
-    def __init__(self, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, status: int, detail: str, headers: dict[str, str] | None = None,
+                 param: str | None = None) -> None:
         super().__init__(detail)
         self.status = status
         self.detail = " ".join(detail.split())
         self.headers = headers
+        self.param = param
+        """The request field at fault, where one is."""
 
 
 class FieldError(ApiError):
     """Bad input in request field `field`; the detail starts with the field's name (prefixed if need be)."""
 
     def __init__(self, field: str, message: str, status: int = 400) -> None:
-        super().__init__(status, message if message.startswith(field) else f"{field}: {message}")
+        super().__init__(status, message if message.startswith(field) else f"{field}: {message}", param=field)
 
 
 class EmptyField(FieldError):
@@ -52,10 +56,22 @@ class StreamCut(Exception):
     """A streamed response ended unfinished after its status line; the reason is logged already."""
 
 
-def error_response(status: int, detail: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
-    """The JSON error body every route answers with."""
-    return JSONResponse({"detail": detail, "error": detail, "code": status}, status_code=status,
-                        headers=headers)
+OPENAI_PREFIX = "/v1/"
+"""The routes of OpenAI's API, whose errors take OpenAI's shape."""
+
+
+def error_response(status: int, detail: str, headers: Mapping[str, str] | None = None, *, path: str = "",
+                   param: str | None = None) -> JSONResponse:
+    """The JSON error body of a request to `path`: OpenAI's shape under `/v1/`, else ours; `param` is the
+    request field at fault, where one is."""
+    if path.startswith(OPENAI_PREFIX):
+        kind = ("server_error" if status >= 500 else "rate_limit_error" if status == 429 else
+                "invalid_request_error")
+        code = "invalid_api_key" if status == 401 else None
+        body: dict[str, object] = {"error": {"message": detail, "type": kind, "param": param, "code": code}}
+    else:
+        body = {"detail": detail, "error": detail, "code": status}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _empty_form_fields(error: RequestValidationError) -> list[str]:
@@ -80,26 +96,35 @@ def _validation_detail(error: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
+def _first_field(error: RequestValidationError) -> str | None:
+    """The request field of FastAPI's first validation error, where it names one."""
+    for item in error.errors():
+        loc = [str(p) for p in item.get("loc", ()) if p not in ("body", "query", "path")]
+        if loc and item.get("type") != "json_invalid":
+            return ".".join(loc)
+    return None
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Answer `ApiError`, validation errors, Starlette's HTTP errors and anything unexpected alike."""
 
-    async def api_error(_: Request, exc: Exception) -> JSONResponse:
+    async def api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ApiError)
-        return error_response(exc.status, exc.detail, exc.headers)
+        return error_response(exc.status, exc.detail, exc.headers, path=request.url.path, param=exc.param)
 
-    async def validation_error(_: Request, exc: Exception) -> JSONResponse:
+    async def validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         empty = _empty_form_fields(exc)
         if empty:  # answered as a blank field is (`EmptyField`), before any other fault
-            return error_response(400, EmptyField(empty[0]).detail)
-        return error_response(422, _validation_detail(exc))
+            return error_response(400, EmptyField(empty[0]).detail, path=request.url.path, param=empty[0])
+        return error_response(422, _validation_detail(exc), path=request.url.path, param=_first_field(exc))
 
-    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
         detail = " ".join(str(exc.detail).split())
         if isinstance(exc.__context__, MultiPartException):  # Starlette's form parser turned it into a 400
             detail = f"body: malformed multipart/form-data ({detail.rstrip('.')})"
-        return error_response(exc.status_code, detail, exc.headers)
+        return error_response(exc.status_code, detail, exc.headers, path=request.url.path)
 
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
@@ -136,4 +161,4 @@ class AnswerUnexpected:
             log.exception("%s %s failed", scope["method"], scope["path"])
             if not started:
                 detail = f"internal error ({type(e).__name__}); the server keeps serving"
-                await error_response(500, detail)(scope, receive, send)
+                await error_response(500, detail, path=scope["path"])(scope, receive, send)

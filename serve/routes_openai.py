@@ -1,5 +1,6 @@
-"""OpenAI's speech API: `POST /v1/audio/speech`, `GET /v1/audio/voices`, `GET /v1/models`, as the official
-SDKs and OpenAI-compatible TTS clients call them.
+"""OpenAI's speech API: `POST /v1/audio/speech`, `GET /v1/audio/voices`, `GET /v1/audio/models`, `GET
+/v1/models`, as the official SDKs and OpenAI-compatible TTS clients call them; errors in OpenAI's shape
+(`errors.error_response`).
 
 `input` is the text; `voice` a registered speaker (`POST /speakers`) or one of OpenAI's standard voice
 names, which all speak in the bundle's own prompt voice (a registered speaker of the same name comes
@@ -136,6 +137,13 @@ def _model(state: ServerState, model_id: str) -> dict[str, Any]:
 async def list_models(state: State) -> dict[str, Any]:
     """The model, under each name it answers to, in OpenAI's list shape."""
     return {"object": "list", "data": [_model(state, model_id) for model_id in MODEL_IDS]}
+
+
+@router.get("/v1/audio/models")
+async def list_speech_models() -> dict[str, list[dict[str, str]]]:
+    """The speech models, as OpenAI-compatible TTS clients (Open WebUI) list them: the one model under each
+    name it answers to."""
+    return {"models": [{"id": model_id, "name": model_id} for model_id in MODEL_IDS]}
 
 
 @router.get("/v1/models/{model_id}")

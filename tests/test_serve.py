@@ -308,7 +308,7 @@ def test_speakers_serve_v1_audio_speech_and_persist_across_a_restart(
         assert client.delete("/speakers/demo").status_code == 204
         unknown = client.post("/v1/audio/speech", json=speech)
         assert unknown.status_code == 400
-        assert unknown.json()["detail"].startswith("voice: unknown speaker 'demo'")
+        assert unknown.json()["error"]["message"].startswith("voice: unknown speaker 'demo'")
         assert client.delete("/speakers/demo").status_code == 404
     with TestClient(make_app(engine, tmp_path)) as client:
         assert client.get("/speakers").json() == []
@@ -463,6 +463,8 @@ def test_an_api_key_guards_every_endpoint_but_health_and_the_page(
               for method in sorted(route.methods)]
     routes += [("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/no-such-path")]
     refused = {"detail": MISSING_KEY, "error": MISSING_KEY, "code": 401}
+    refused_openai = {"error": {"message": MISSING_KEY, "type": "invalid_request_error", "param": None,
+                                "code": "invalid_api_key"}}
     wrong = [{}, {"X-API-Key": "wrong"}, {"Authorization": "Bearer wrong"},
              {"Authorization": f"Basic {API_KEY}"}, {"Authorization": API_KEY}]
     with TestClient(app) as client:
@@ -474,7 +476,8 @@ def test_an_api_key_guards_every_endpoint_but_health_and_the_page(
             for headers in wrong:
                 response = client.request(method, path, headers=headers)
                 assert response.status_code == 401, (method, path, headers, response.text)
-                assert response.json() == refused and response.headers["www-authenticate"] == "Bearer"
+                want = refused_openai if path.startswith("/v1/") else refused
+                assert response.json() == want and response.headers["www-authenticate"] == "Bearer"
         assert client.get("/speakers", headers={"Authorization": f"bearer  {API_KEY} "}).json() == []
         streamed = client.post("/inference_zero_shot", headers={"x-api-key": API_KEY}, **form(prompt))
         text = client.get("/metrics", headers={"X-API-Key": API_KEY}).text
@@ -757,6 +760,8 @@ def test_bad_input_is_a_4xx_naming_the_field(client: TestClient, prompt: tuple[b
     response = client.post(path, **request_args)
     assert response.status_code == status, response.text
     body = response.json()
+    if path.startswith("/v1/"):  # OpenAI's error shape
+        body = {"detail": body["error"]["message"], "code": status if body["error"]["type"] else None}
     assert detail in body["detail"] and "\n" not in body["detail"] and body["code"] == status
     assert client.get("/health").json()["status"] == "healthy"
 

@@ -115,7 +115,8 @@ def test_a_seed_out_of_range_is_a_422_naming_it_on_every_route(
         else:
             response = client.post(path, data={**fields, "seed": str(seed)}, files=upload(prompt[0]))
     assert response.status_code == 422, response.text
-    detail = response.json()["detail"]
+    body = response.json()
+    detail = body["error"]["message"] if path.startswith("/v1/") else body["detail"]
     assert detail.startswith("seed: Input should be ") and "\n" not in detail
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
 

@@ -249,20 +249,40 @@ def test_our_stream_field_and_speed_still_work(sdk: Any, pcm: np.ndarray) -> Non
     with pytest.raises(openai.BadRequestError) as refused:
         sdk.audio.speech.create(model="tts-1", voice="alloy", input=SHORT, speed=2.0,
                                 extra_body={"stream": True})
-    assert refused.value.body.startswith("speed works only without stream")
+    assert refused.value.body["message"].startswith("speed works only without stream")
 
 
 def test_errors_reach_the_sdk(sdk: Any) -> None:
-    """The SDK raises its error class of the status; the server's one-line detail is the error's `body`."""
+    """The SDK raises its error class of the status with the server's one-line message (OpenAI's error shape:
+    the exception's text, and `body` the error object with its `param`)."""
     with pytest.raises(openai.BadRequestError) as unknown:
         sdk.audio.speech.create(model="tts-1", voice="nobody", input=SHORT)
-    assert unknown.value.body.startswith("voice: unknown speaker 'nobody'") and "alloy" in unknown.value.body
+    error = unknown.value
+    message = error.body["message"]
+    assert message.startswith("voice: unknown speaker 'nobody'") and "alloy" in message
+    assert error.message == f"Error code: 400 - {error.body['message']}"
+    assert (error.type, error.param, error.code) == ("invalid_request_error", "voice", None)
     with pytest.raises(openai.UnprocessableEntityError) as bad_format:
         sdk.audio.speech.create(model="tts-1", voice="alloy", input=SHORT, response_format="ogg")
-    assert bad_format.value.body.startswith("response_format: Input should be 'mp3', 'opus'")
+    assert bad_format.value.body["message"].startswith("response_format: Input should be 'mp3', 'opus'")
+    assert bad_format.value.param == "response_format"
     with pytest.raises(openai.BadRequestError) as empty:
         sdk.audio.speech.create(model="tts-1", voice="alloy", input=" ", stream_format="sse")
-    assert empty.value.body == "input is empty"
+    assert empty.value.body["message"] == "input is empty" and empty.value.param == "input"
+    with pytest.raises(openai.NotFoundError) as model:
+        sdk.models.retrieve("whisper-1")
+    assert "unknown model 'whisper-1'" in str(model.value)
+
+
+def test_only_the_openai_routes_answer_in_openais_shape(server: str) -> None:
+    """Open WebUI lists the speech models at /v1/audio/models; every other route keeps our error body."""
+    assert httpx.get(f"{server}/v1/audio/models").json() == {
+        "models": [{"id": name, "name": name} for name in MODEL_IDS]}
+    ours = httpx.post(f"{server}/inference_zero_shot", data={"tts_text": "Hi."}).json()
+    assert set(ours) == {"detail", "error", "code"}
+    theirs = httpx.post(f"{server}/v1/audio/speech", json={"voice": "alloy"}).json()
+    assert theirs == {"error": {"message": "input: Field required", "type": "invalid_request_error",
+                                "param": "input", "code": None}}
 
 
 def test_the_sdks_api_key_is_the_servers(engine: Engine, tmp_path: Path) -> None:
