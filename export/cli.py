@@ -307,6 +307,7 @@ def demo(text: str, prompt_wav: Path | None, prompt_text: str | None, stream: bo
     """
     from .onnx.runtime_bundle import export_all
 
+    check_writable(out, "--out")  # before the minutes of export, not after them
     env = os.environ.get(MODEL_DIR_ENV)
     model_dir = Path(env) if env else DEFAULT_DEMO_BUNDLE
     if not env and not model_dir.exists():

@@ -3,11 +3,12 @@ check that an output path can be written, made before the work that fills it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,9 @@ def atomic_path(path: Path) -> Iterator[Path]:
 def check_writable(path: Path, option: str, *, directory: bool = False) -> None:
     """Refuse, in one line naming `option`, an output path that could not be written: a folder where a file
     is wanted (a file where a folder is), or a parent that is not a folder, or that neither exists nor can
-    be created, or that cannot be written. Nothing is created."""
+    be created, or that cannot be written. Proven by writing: the folders missing on the way are created,
+    an empty file is made where the write will make its own temporary file, and all of them are removed
+    again, so that a file system that refuses (read-only, /proc, full) is found before the work."""
     if directory and path.exists() and not path.is_dir():
         raise UserError(f"{option} {path}: is a file, not a folder")
     if not directory and path.is_dir():
@@ -60,15 +63,48 @@ def check_writable(path: Path, option: str, *, directory: bool = False) -> None:
         raise UserError(f"{option} {path}: {parent} is not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"{option} {path}: {parent} is not writable")
+    folder = path.absolute() if directory else path.absolute().parent
+    missing = [d for d in (folder, *folder.parents) if not d.exists()]
+    made: list[Path] = []
+    try:
+        for d in reversed(missing):
+            d.mkdir()
+            made.append(d)
+        new_sibling(folder / "probe", ".probe").unlink()
+    except OSError as e:
+        raise UserError(f"{option} {path}: cannot be written there ({e.strerror or e})") from None
+    finally:
+        for d in reversed(made):
+            with contextlib.suppress(OSError):  # another process put something there meanwhile
+                d.rmdir()
+
+
+def write_wav(path: Path, audio: np.ndarray, sample_rate: int) -> None:
+    """Write mono 16-bit PCM WAV to `path`."""
+    sf.write(path, audio, sample_rate, subtype="PCM_16", format="WAV")
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write `data` as indented JSON to `path`."""
+    path.write_text(json.dumps(data, indent=1))
 
 
 def write_wav_atomic(path: Path, audio: np.ndarray, sample_rate: int) -> None:
-    """Write mono 16-bit PCM WAV to `path` through a temporary file, so no partial file is left."""
+    """`write_wav` through a temporary file, so no partial file is left."""
     with atomic_path(path) as tmp:
-        sf.write(tmp, audio, sample_rate, subtype="PCM_16", format="WAV")
+        write_wav(tmp, audio, sample_rate)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Write `data` as indented JSON to `path` through a temporary file."""
+    """`write_json` through a temporary file."""
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=1))
+        write_json(tmp, data)
+
+
+@contextmanager
+def atomic_paths(paths: Sequence[Path]) -> Iterator[list[Path]]:
+    """`atomic_path` for several outputs at once: a temporary path beside each, all renamed onto theirs once
+    the block has written every one, none if it fails, so that outputs that belong together are written
+    together or not at all."""
+    with ExitStack() as stack:
+        yield [stack.enter_context(atomic_path(path)) for path in paths]

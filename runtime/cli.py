@@ -17,7 +17,7 @@ from typing import IO, Any
 import click
 import numpy as np
 
-from .atomic_files import check_writable, write_json_atomic, write_wav_atomic
+from .atomic_files import atomic_paths, check_writable, write_json, write_wav
 from .bundle import RuntimeBundle
 from .bundle_source import MODEL_DIR_ENV, choose_bundle, choose_prompt
 from .cosyvoice3 import CosyVoice3
@@ -147,12 +147,18 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
             result = _run(voice, pieces, prompt, Mode(mode), speed, stream, policy)
             sample_rate = voice.sample_rate
         audio = np.concatenate(result.audio) if result.audio else np.zeros(0, np.float32)
-        write_wav_atomic(out, audio, sample_rate)
-        if tokens_out is not None:
-            write_json_atomic(tokens_out, [{"text": p.text, "speech_tokens": t}
-                                            for p, t in zip(pieces, result.tokens, strict=True)])
-        if chunks_out is not None:
-            write_json_atomic(chunks_out, result.chunks)
+        sides = {path: data for path, data in (
+            (tokens_out, [{"text": p.text, "speech_tokens": t} for p, t in zip(pieces, result.tokens,
+                                                                               strict=True)]),
+            (chunks_out, result.chunks)) if path is not None}
+        try:
+            with atomic_paths([out, *sides]) as (wav, *side_files):  # every output, or none of them
+                write_wav(wav, audio, sample_rate)
+                for tmp, data in zip(side_files, sides.values(), strict=True):
+                    write_json(tmp, data)
+        except OSError as e:
+            raise UserError(f"writing {e.filename or out}: {e.strerror or e}; no output was "
+                            "written") from None
     seconds = len(audio) / sample_rate
     work = time.perf_counter() - ready
     latency = f", first chunk after {result.first_chunk:.3f} s" if result.first_chunk is not None else ""

@@ -38,6 +38,12 @@ def refused(result: Result) -> str:
     return lines[0]
 
 
+def refused_after_progress(result: Result) -> str:
+    """The error line of a command that failed after its work (exit status 2): the last on stderr."""
+    assert result.exit_code == 2, (result.output, result.exception)
+    return result.stderr.splitlines()[-1]
+
+
 def run(*args: str) -> Result:
     return CliRunner().invoke(run_main, ["--model", str(DEMO_BUNDLE), "--sampling", "greedy", *args])
 
@@ -73,6 +79,49 @@ def test_run_refuses_an_output_in_a_read_only_folder(tmp_path: Path) -> None:
     folder.mkdir(mode=0o500)
     out = folder / "new" / "out.wav"
     assert refused(run("--text", "Hi.", "--out", str(out))) == f"error: --out {out}: {folder} is not writable"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no file can be made")
+def test_an_output_the_file_system_refuses_is_found_by_writing_before_the_work(tmp_path: Path) -> None:
+    """/proc passes every permission check and refuses every new file: only writing finds it."""
+    out = Path("/proc/cosyvoice-out.wav")
+    result = CliRunner().invoke(run_main, ["--model", str(tmp_path / "no-bundle"), "--text", "Hi.",
+                                           "--out", str(out)])
+    assert refused(result) == f"error: --out {out}: cannot be written there (No such file or directory)"
+    # a writable output's check leaves nothing behind, not even the folders it would create
+    deep = tmp_path / "a" / "b" / "out.wav"
+    result = CliRunner().invoke(run_main, ["--model", str(tmp_path / "no-bundle"), "--text", "Hi.",
+                                           "--out", str(deep)])
+    assert result.exit_code == 2 and "no-bundle" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_outputs_are_written_together_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A side file that fails after the synthesis leaves no WAV behind, and no temporary file."""
+    import cosyvoice_runtime.cli as run_cli
+
+    def full_disk(path: Path, data: object) -> None:
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(run_cli, "write_json", full_disk)
+    out, chunks = tmp_path / "out.wav", tmp_path / "chunks.json"
+    result = run("--text", "Hi.", "--stream", "--out", str(out), "--chunks-out", str(chunks))
+    line = refused_after_progress(result)
+    assert line.startswith("error: writing ") and line.endswith(": No space left on device; no output was "
+                                                                 "written")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_demo_refuses_an_unwritable_out_before_exporting(tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="needs torch (the export extra)")
+    from cosyvoice_export.cli import main as export_main
+
+    out = tmp_path / "notes.txt" / "demo.wav"
+    (tmp_path / "notes.txt").write_text("a file\n")
+    result = CliRunner().invoke(export_main, ["demo", "--out", str(out)], env={"COSYVOICE_MODEL_DIR": str(
+        tmp_path / "no-model")})
+    assert refused(result) == f"error: --out {out}: {tmp_path / 'notes.txt'} is not a folder"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
 def test_tiny_bundle_refuses_an_out_it_cannot_create_before_generating(a_file: Path) -> None:
