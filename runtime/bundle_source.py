@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cosyvoice_graphs.bundle_layout import FORMAT_VERSION, MANIFEST, MODEL_YAML
+from cosyvoice_graphs.bundle_layout import FORMAT_VERSION, GRAPHS_DIR, MANIFEST, MODEL_YAML
 
 from .atomic_files import write_json_atomic
 from .bundle import RuntimeBundle
@@ -29,6 +29,8 @@ from .extras import install_command, missing_modules
 
 MODEL_DIR_ENV = "COSYVOICE_MODEL_DIR"
 CACHE_DIR_ENV = "COSYVOICE_CACHE_DIR"
+EXPORT_COST = "the real model: 2-4 minutes on 2 cores, 7 GB of memory, 3.3 GB of disk"
+"""What the first use of a model bundle costs (README's quick start, measured on the full-size bundle)."""
 STAMP = "source-stamp.json"
 """Beside a cached export: the size and mtime of every file of the model bundle it was made from."""
 
@@ -86,6 +88,13 @@ def cache_root() -> Path:
 def _runtime_bundle(path: Path, origin: str, progress: bool, *, default: bool) -> BundleChoice:
     if (path / MANIFEST).is_file():
         return BundleChoice(path, f"{origin} ({path})", default)
+    if not path.exists():
+        raise RuntimeBundleError(f"{path} ({origin}): does not exist")
+    if not path.is_dir():
+        raise RuntimeBundleError(f"{path} ({origin}): is a file; a bundle is a folder")
+    if (path / GRAPHS_DIR).is_dir():  # graphs written, the manifest (written last) not
+        raise RuntimeBundleError(f"{path} ({origin}): an incomplete export (graphs but no {MANIFEST}): run "
+                                 f"cosyvoice-export all --out {path} again")
     if not (path / MODEL_YAML).is_file():
         raise RuntimeBundleError(f"{path} ({origin}): neither a runtime bundle (no {MANIFEST}) nor a model "
                                  f"bundle (no {MODEL_YAML})")
@@ -108,11 +117,23 @@ def _export(model_dir: Path, out: Path, what: str, progress: bool) -> None:
                                  f"({install_command('export')}), which provides cosyvoice-export")
     # --wait: a second process asking for the same model waits for the first one's export, then reuses it
     args = [command, "all", "--model-dir", str(model_dir), "--out", str(out), "--wait"]
-    done = subprocess.run(args, stdout=None if progress else subprocess.DEVNULL,
+    if progress:  # stdout is the command's own output: the export's report goes to stderr with its bar
+        print(f"{what} is a model bundle: exporting it once into {out} ({EXPORT_COST}); later runs reuse it",
+              file=sys.stderr, flush=True)
+    done = subprocess.run(args, stdout=_stderr_fd() if progress else subprocess.DEVNULL,
                           stderr=None if progress else subprocess.PIPE, text=True, check=False)
     if done.returncode != 0:
         detail = (done.stderr or "").strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
         raise RuntimeBundleError(f"exporting {what} failed: {detail[0].removeprefix('error: ')}")
+
+
+def _stderr_fd() -> int | None:
+    """This process's stderr as a file descriptor for a child's output; None (the child keeps stdout)
+    where stderr is no file (a test's capture)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def console_script(name: str) -> str | None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,7 @@ from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import CACHE_DIR_ENV, MODEL_DIR_ENV, choose_bundle
 from cosyvoice_runtime.cli import main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.errors import RuntimeBundleError
 
 
 @pytest.mark.torch  # without torch, `runtime_bundle` is the demo bundle itself
@@ -157,3 +161,43 @@ def test_a_bad_prompt_is_one_line_before_the_bundle_opens(
     assert result.exit_code == 2 and not out.exists() and opened == []
     assert result.output.startswith(f"error: audio file {prompt} {message}")
     assert result.output.count("\n") == 1
+
+
+@pytest.mark.usefixtures("no_env")
+def test_a_folder_that_is_no_bundle_says_what_it_is(tmp_path: Path) -> None:
+    """Missing, a file, a half-written export, or a folder of something else: each its own line."""
+    half = tmp_path / "half"
+    (half / GRAPHS_DIR).mkdir(parents=True)
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "other").mkdir()
+    expected = {
+        tmp_path / "missing": "does not exist",
+        tmp_path / "a-file": "is a file; a bundle is a folder",
+        half: f"an incomplete export (graphs but no {MANIFEST}): run cosyvoice-export all --out {half} again",
+        tmp_path / "other": f"neither a runtime bundle (no {MANIFEST}) nor a model bundle (no "
+                            "cosyvoice3.yaml)",
+    }
+    for path, problem in expected.items():
+        with pytest.raises(RuntimeBundleError) as refused:
+            choose_bundle(path)
+        assert str(refused.value) == f"{path} (--model): {problem}"
+    result = CliRunner().invoke(main, ["--model", str(half), "--text", "Hi.", "--out",
+                                       str(tmp_path / "o.wav")])
+    assert result.exit_code == 2 and result.stderr == f"error: {half} (--model): {expected[half]}\n"
+
+
+@pytest.mark.torch
+@pytest.mark.usefixtures("no_env")
+def test_a_model_bundle_is_exported_once_saying_so_first(tiny_bundle: Path, tmp_path: Path) -> None:
+    """cosyvoice-run on a model bundle: one line on stderr before the export, whose report goes to stderr
+    too; stdout holds the run's own line."""
+    env = {**os.environ, CACHE_DIR_ENV: str(tmp_path / "cache")}
+    command = [sys.executable, "-m", "cosyvoice_runtime", "--model", str(tiny_bundle), "--text", "Hi.",
+               "--sampling", "greedy", "--out", str(tmp_path / "o.wav")]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    first = done.stderr.splitlines()[0]
+    assert first.startswith(f"{tiny_bundle} (--model) is a model bundle: exporting it once into "
+                            f"{tmp_path / 'cache'}") and "3.3 GB of disk" in first
+    assert "validation" in done.stderr or "graph" in done.stderr  # the export's report
+    assert done.stdout.startswith("wrote ") and len(done.stdout.splitlines()) == 1
