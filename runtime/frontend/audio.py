@@ -58,6 +58,11 @@ def read_audio(path: str | Path | BinaryIO) -> tuple[np.ndarray, int]:
     Channels are averaged in float32, as upstream does before any resampling. Raises `FrontendError`
     (one line, naming the file) if the file cannot be read or its sample rate is below 16 kHz.
     """
+    if not hasattr(path, "read"):  # libsndfile says only "System error." for these
+        if not Path(path).exists():
+            raise FrontendError(f"audio file {path}: no such file")
+        if Path(path).is_dir():
+            raise FrontendError(f"audio file {path}: is a folder")
     try:
         source = path if hasattr(path, "read") else str(path)
         data, sr = sf.read(source, dtype="float32", always_2d=True)  # (frames, channels)
