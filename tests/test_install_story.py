@@ -205,6 +205,34 @@ def readme_installs() -> dict[str, set[str]]:
     return {f"README [{spec}]": set(spec.split(",")) for spec in found}
 
 
+SCRIPT_EXTRAS = {"cosyvoice-export": "export", "cosyvoice-serve": "serve", "cosyvoice-run": "cpu",
+                 "cosyvoice-golden": "cpu", "cosyvoice-bench": "export"}
+"""The extra each console script needs besides onnxruntime's build (`cpu`: that alone)."""
+
+
+def test_the_readmes_real_model_commands_run_in_the_venv_the_first_command_made() -> None:
+    """The four commands after the first: every console script they call has its extra's distributions in
+    the venv by then (the first command's install, and any install line of the block before the
+    command)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    first = re.search(r"\.venv/bin/pip install -e '\.\[([a-z0-9,-]+)\]'", text)
+    assert first is not None
+    block = text.split("Real model, in four commands", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    installed = set(first[1].split(","))
+    scripts = 0
+    for line in block.strip().splitlines():
+        found = re.search(r"\.venv/bin/pip install -e '\.\[([a-z0-9,-]+)\]'", line)
+        if found:
+            installed |= set(found[1].split(","))
+            continue
+        script = re.match(r"\.venv/bin/(cosyvoice-[a-z]+) ", line)
+        assert script is not None, line
+        scripts += 1
+        missing = distributions({SCRIPT_EXTRAS[script[1]]}) - distributions(installed)
+        assert not missing, (script[1], installed, missing)
+    assert scripts == 4
+
+
 def pixi_installs() -> dict[str, set[str]]:
     """Each pixi environment's extras: those of every feature it holds and of the default feature (the
     union, the most any merging rule could install)."""
