@@ -20,7 +20,14 @@ def __getattr__(name: str) -> Any:
     # imported on first use, so that `cosyvoice_runtime.extras` (the console scripts' front) loads where
     # onnxruntime is missing; `AutoModel` is upstream's name for the object that opens a model directory
     if name in __all__:
-        from .cosyvoice3 import CosyVoice3
+        try:
+            from .cosyvoice3 import CosyVoice3
+        except ModuleNotFoundError as e:
+            from .extras import missing_extra_line
 
+            line = missing_extra_line("cosyvoice_runtime", e, ())
+            if line is None:
+                raise
+            raise ModuleNotFoundError(line.removeprefix("error: "), name=e.name) from None
         return CosyVoice3
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

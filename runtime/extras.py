@@ -64,18 +64,36 @@ def gpu_install_command(tensorrt: bool = False) -> str:
     return install
 
 
+SCRIPT_EXTRA = {"cosyvoice-export": "export", "cosyvoice-serve": "serve"}
+"""The extra a console script needs whatever it is asked (the others need theirs for some commands only)."""
+WITH_ONNXRUNTIME = {"export": ("export", "export-gpu")}
+"""Extras that bring an onnxruntime build themselves: (with the CPU build, with the GPU build)."""
+
+
 def missing_extra_line(script: str, error: ImportError, extras: tuple[str, ...]) -> str | None:
     """The one line that tells the user of `script` what to install, when `error` is a module of
-    onnxruntime or of one of `extras` that is not installed; None for any other import error."""
+    onnxruntime or of one of `extras` that is not installed; None for any other import error. Where the
+    script's own extra (`SCRIPT_EXTRA`) is missing as well as onnxruntime, the line names both, with the one
+    command that installs them."""
     name = error.name or ""
-    if _provides(ONNXRUNTIME, name):
+    ort_missing = _provides(ONNXRUNTIME, name)
+    missing = next((e for e in extras if any(_provides(m, name) for m in EXTRA_MODULES[e])), None)
+    if not ort_missing and missing is None:
+        return None
+    own = SCRIPT_EXTRA.get(script)
+    if ort_missing and own is not None and missing_modules(own):
+        missing = own
+    elif missing is not None and missing == own and not _findable(ONNXRUNTIME):
+        ort_missing = True
+    if missing is None:
         return (f"error: {script} needs onnxruntime, which is not installed: pip install "
                 f"'{DISTRIBUTION}[cpu]' (on a CUDA machine '{DISTRIBUTION}[gpu]')")
-    for extra in extras:
-        if any(_provides(module, name) for module in EXTRA_MODULES[extra]):
-            return (f"error: {script} needs the {extra} extra ({name} is not installed): "
-                    f"{install_command(extra)}")
-    return None
+    if not ort_missing:
+        return (f"error: {script} needs the {missing} extra ({name} is not installed): "
+                f"{install_command(missing)}")
+    cpu, gpu = WITH_ONNXRUNTIME.get(missing, (f"cpu,{missing}", f"gpu,{missing}"))
+    return (f"error: {script} needs onnxruntime and the {missing} extra, which are not installed: pip "
+            f"install '{DISTRIBUTION}[{cpu}]' (on a CUDA machine '{DISTRIBUTION}[{gpu}]')")
 
 
 def run_console_script(script: str, module: str, extras: tuple[str, ...] = ()) -> None:

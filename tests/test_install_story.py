@@ -77,6 +77,27 @@ def test_every_script_without_onnxruntime_says_to_install_one_build(script: str)
     assert re.fullmatch(MISSING_ORT.format(script=script), line)
 
 
+@pytest.mark.parametrize(("script", "blocked", "cpu", "gpu"), [
+    ("cosyvoice-export", "torch", "export", "export-gpu"),
+    ("cosyvoice-serve", "uvicorn", "cpu,serve", "gpu,serve"),
+])
+def test_every_missing_part_is_named_in_the_one_line(script: str, blocked: str, cpu: str, gpu: str) -> None:
+    """Without onnxruntime and without the script's own extra: both in one line, with one command."""
+    line = one_line(run_script(script, "--help", unimportable=("onnxruntime", blocked)))
+    extra = cpu.split(",")[-1]
+    assert line == (f"error: {script} needs onnxruntime and the {extra} extra, which are not installed: pip "
+                    f"install 'cosyvoice-onnx[{cpu}]' (on a CUDA machine 'cosyvoice-onnx[{gpu}]')")
+
+
+def test_the_python_api_names_the_missing_onnxruntime() -> None:
+    code = ("import sys; sys.modules['onnxruntime'] = None\n"
+            "try:\n    from cosyvoice_runtime import AutoModel\n"
+            "except ModuleNotFoundError as e:\n    print(e)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == ("cosyvoice_runtime needs onnxruntime, which is not installed: pip install "
+                                   "'cosyvoice-onnx[cpu]' (on a CUDA machine 'cosyvoice-onnx[gpu]')")
+
+
 @pytest.mark.parametrize("script", ["cosyvoice-run", "cosyvoice-golden", "cosyvoice-bench"])
 def test_the_runtime_scripts_start_without_torch(script: str) -> None:
     done = run_script(script, "--help", unimportable=("torch",))
@@ -206,7 +227,7 @@ def readme_installs() -> dict[str, set[str]]:
 
 
 SCRIPT_EXTRAS = {"cosyvoice-export": "export", "cosyvoice-serve": "serve", "cosyvoice-run": "cpu",
-                 "cosyvoice-golden": "cpu", "cosyvoice-bench": "export"}
+                 "cosyvoice-golden": "cpu", "cosyvoice-bench": "cpu"}
 """The extra each console script needs besides onnxruntime's build (`cpu`: that alone)."""
 
 
