@@ -101,6 +101,18 @@ def write_json_atomic(path: Path, data: Any) -> None:
         write_json(tmp, data)
 
 
+def save_wav(path: str | Path, tts_speech: np.ndarray, sample_rate: int) -> None:
+    """Write `tts_speech` as `torchaudio.save(path, tts_speech, sample_rate)` writes upstream's output,
+    for users without torchaudio: (channels, frames) float samples (a (1, N) `tts_speech`, or (N,)) as a
+    32-bit float WAV, through a temporary file."""
+    samples = np.asarray(tts_speech, dtype=np.float32)
+    if samples.ndim not in (1, 2):
+        raise ValueError(f"tts_speech has shape {samples.shape}; expected (channels, frames) or (frames,)")
+    frames = samples if samples.ndim == 1 else samples.T  # soundfile takes (frames, channels)
+    with atomic_path(Path(path)) as tmp:
+        sf.write(tmp, frames, sample_rate, subtype="FLOAT", format="WAV")
+
+
 @contextmanager
 def atomic_paths(paths: Sequence[Path]) -> Iterator[list[Path]]:
     """`atomic_path` for several outputs at once: a temporary path beside each, all renamed onto theirs once

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cosyvoice_graphs.bundle_layout import FORMAT_VERSION, GRAPHS_DIR, MANIFEST, MODEL_YAML
+from cosyvoice_graphs.precision import FP32
 
 from .atomic_files import write_json_atomic
 from .bundle import RuntimeBundle
@@ -45,14 +46,14 @@ class BundleChoice:
     """Chosen without --model (worth telling the user which)."""
 
 
-def choose_bundle(model: Path | None, *, progress: bool = True) -> BundleChoice:
+def choose_bundle(model: Path | None, *, progress: bool = True, precision: str = FP32.name) -> BundleChoice:
     """`model` if given, else `$COSYVOICE_MODEL_DIR`, else the demo bundle; model bundles are exported
-    (or their cached export reused) first."""
+    (or their cached export reused) first, in `precision` (`cosyvoice-export all --precision`)."""
     if model is not None:
-        return _runtime_bundle(model, "--model", progress, default=False)
+        return _runtime_bundle(model, "--model", progress, precision, default=False)
     env = os.environ.get(MODEL_DIR_ENV, "").strip()
     if env:
-        return _runtime_bundle(Path(env), f"${MODEL_DIR_ENV}", progress, default=True)
+        return _runtime_bundle(Path(env), f"${MODEL_DIR_ENV}", progress, precision, default=True)
     return BundleChoice(DEMO_BUNDLE, "the embedded demo bundle (tiny, random weights: noise, not speech)",
                         default=True)
 
@@ -85,7 +86,8 @@ def cache_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "cosyvoice"
 
 
-def _runtime_bundle(path: Path, origin: str, progress: bool, *, default: bool) -> BundleChoice:
+def _runtime_bundle(path: Path, origin: str, progress: bool, precision: str, *, default: bool
+                    ) -> BundleChoice:
     if (path / MANIFEST).is_file():
         return BundleChoice(path, f"{origin} ({path})", default)
     if not path.exists():
@@ -100,15 +102,17 @@ def _runtime_bundle(path: Path, origin: str, progress: bool, *, default: bool) -
                                  f"bundle (no {MODEL_YAML})")
     resolved = path.resolve()
     folder = cache_root() / f"{resolved.name}-{hashlib.sha256(str(resolved).encode()).hexdigest()[:12]}"
+    if precision != FP32.name:
+        folder = folder.with_name(f"{folder.name}-{precision}")
     out, stamp = folder / "runtime", _stamp(resolved)
     if _format_version(out / MANIFEST) == FORMAT_VERSION and _read_json(folder / STAMP) == stamp:
         return BundleChoice(out, f"{origin} ({path}), exported earlier to {out}", default)
-    _export(resolved, out, f"{path} ({origin})", progress)
+    _export(resolved, out, f"{path} ({origin})", progress, precision)
     write_json_atomic(folder / STAMP, stamp)
     return BundleChoice(out, f"{origin} ({path}), exported now to {out}", default)
 
 
-def _export(model_dir: Path, out: Path, what: str, progress: bool) -> None:
+def _export(model_dir: Path, out: Path, what: str, progress: bool, precision: str = FP32.name) -> None:
     """`cosyvoice-export all` as a command: the runtime never imports the exporter (or torch)."""
     command = console_script("cosyvoice-export")
     # this environment's command cannot run without the extra's modules, which are looked up here unimported
@@ -116,7 +120,8 @@ def _export(model_dir: Path, out: Path, what: str, progress: bool) -> None:
         raise RuntimeBundleError(f"{what} is a model bundle; exporting it needs the export extra "
                                  f"({install_command('export')}), which provides cosyvoice-export")
     # --wait: a second process asking for the same model waits for the first one's export, then reuses it
-    args = [command, "all", "--model-dir", str(model_dir), "--out", str(out), "--wait"]
+    args = [command, "all", "--model-dir", str(model_dir), "--out", str(out), "--precision", precision,
+            "--wait"]
     if progress:  # stdout is the command's own output: the export's report goes to stderr with its bar
         print(f"{what} is a model bundle: exporting it once into {out} ({EXPORT_COST}); later runs reuse it",
               file=sys.stderr, flush=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,8 @@ from typing import BinaryIO, Self
 
 import numpy as np
 import onnxruntime
+
+from cosyvoice_graphs.precision import FP16, FP32
 
 from .bundle import RuntimeBundle
 from .bundle_source import choose_bundle
@@ -52,7 +55,7 @@ from .frontend import (
 from .frontend.audio import MIN_SAMPLE_RATE
 from .prefix_jobs import PrefixJobs
 from .process_memory import release_free_heap
-from .runners import CPU
+from .runners import CPU, TENSORRT
 from .sampling import Sampling
 from .segments import Segment, segments
 from .speakers import Speaker, SpeakerRegistry, check_name, default_speakers_dir, frontend_fingerprint
@@ -64,6 +67,15 @@ PromptWav = str | Path | BinaryIO | tuple[np.ndarray, int] | PromptAudio
 
 TokenWatch = Callable[[Iterator[int]], Iterator[int]]
 """Wraps a segment's speech-id iterator, e.g. to stop it between LLM steps (a server's cancellation)."""
+
+
+def _upstream_provider(load_trt: bool, provider: str) -> str:
+    """The provider upstream's `load_trt` asks for, where `provider` leaves the choice (the default)."""
+    if not load_trt:
+        return provider
+    if provider not in (CPU, TENSORRT):
+        raise UserError(f"load_trt=True asks for TensorRT; provider={provider!r} for something else")
+    return TENSORRT
 
 
 @dataclass
@@ -82,7 +94,8 @@ class CosyVoice3:
     """A runtime bundle's graphs, front end and speakers, opened once (the runtime's front door); the
     prompt front end's models open on the first prompt."""
 
-    def __init__(self, model_dir: str | Path | RuntimeBundle, *, provider: str = CPU,
+    def __init__(self, model_dir: str | Path | RuntimeBundle, *, load_trt: bool = False,
+                 load_vllm: bool = False, fp16: bool = False, trt_concurrent: int = 1, provider: str = CPU,
                  threads: int | None = None, sampling: str = "ras", seed: int = 0, verify: bool = True,
                  speakers_dir: Path | None = None, flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
                  ) -> None:
@@ -93,10 +106,26 @@ class CosyVoice3:
         bundle file's sha256 against the manifest here (the prompt front end's models too, which open on
         first use); `speakers_dir` is the speaker registry folder (default: `default_speakers_dir()`);
         `flow_prefix_bytes` bounds the per-prompt flow prefixes that streams of one speaker share
-        (`Flow.prefixes`)."""
+        (`Flow.prefixes`).
+
+        Upstream's own keywords are taken for what they mean here: `load_trt` runs the graphs on
+        onnxruntime's TensorRT provider (upstream's DiT runs as a TensorRT plan it builds on first use);
+        `fp16` asks for an fp16 bundle (a model bundle is exported in fp16, a runtime bundle must be one);
+        `load_vllm` and `trt_concurrent` have nothing to choose here and are ignored, with a warning."""
+        provider = _upstream_provider(load_trt, provider)
+        for name, value, default, why in (
+                ("load_vllm", load_vllm, False, "the LLM runs on onnxruntime"),
+                ("trt_concurrent", trt_concurrent, 1, "onnxruntime's sessions serve concurrent calls")):
+            if value != default:
+                warnings.warn(f"{name}={value!r} ignored: {why}", stacklevel=2)
         self.sampling = Sampling(sampling, seed)
-        self.bundle = (model_dir if isinstance(model_dir, RuntimeBundle) else
-                       RuntimeBundle.open(choose_bundle(Path(model_dir)).path, verify=verify))
+        precision = FP16.name if fp16 else FP32.name
+        self.bundle = (model_dir if isinstance(model_dir, RuntimeBundle) else RuntimeBundle.open(
+            choose_bundle(Path(model_dir), precision=precision).path, verify=verify))
+        if fp16 and self.bundle.manifest.precision != FP16.name:
+            raise UserError(f"fp16=True: {self.bundle.root} is a {self.bundle.manifest.precision} bundle; "
+                            "give its model directory (exported in fp16 on first use) or an export with "
+                            "cosyvoice-export all --precision fp16")
         self.tokenizer = TextTokenizer(self.bundle.tokenizer_dir)
         self.frontend = TextFrontend(self.tokenizer)
         self._prompt_lock = threading.Lock()

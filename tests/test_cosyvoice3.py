@@ -20,12 +20,12 @@ import soundfile as sf
 from click.testing import CliRunner
 
 import cosyvoice_runtime.cosyvoice3
-from cosyvoice_runtime import AutoModel, CosyVoice3
+from cosyvoice_runtime import AutoModel, CosyVoice3, save_wav
 from cosyvoice_runtime.atomic_files import write_wav_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
-from cosyvoice_runtime.errors import UserError
+from cosyvoice_runtime.errors import ProviderError, UserError
 from cosyvoice_runtime.frontend import PromptFeatures, extract_prompt, open_session
 from cosyvoice_runtime.speakers import REGISTRY, SPEAKERS_DIR_ENV, SpeakerRegistry, frontend_fingerprint
 
@@ -240,3 +240,68 @@ def test_upstreams_example_runs_without_torch(tmp_path: Path) -> None:
         got = np.concatenate([sf.read(f, dtype="int16")[0] for f in files])
         want, _ = _cli(tmp_path, *args, text=text)
         np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+# --- upstream's example, as it is ------------------------------------------------------------------------
+
+UPSTREAM_EXAMPLE = """
+import sys
+sys.modules.update(dict.fromkeys(("torch", "torchaudio")))  # neither is installed here
+{import_line}
+
+cosyvoice = AutoModel(model_dir={model!r})
+for i, j in enumerate(cosyvoice.inference_zero_shot(
+        '八百标兵奔北坡，北坡炮兵并排跑。',
+        'You are a helpful assistant.<|endofprompt|>希望你以后能够做的比我还好呦。',
+        {prompt!r}, stream=False)):
+    {save_line}
+"""
+
+
+def test_upstreams_example_runs_with_its_import_and_save_lines_changed(tmp_path: Path) -> None:
+    """Upstream's example.py, cosyvoice3_example's zero-shot part, with `from cosyvoice.cli.cosyvoice import
+    AutoModel` and `import torchaudio` made one import, and `torchaudio.save(...)` made `save_wav(...)`: it
+    runs where torch cannot be imported, and writes what torchaudio would (a 32-bit float WAV)."""
+    script = UPSTREAM_EXAMPLE.format(
+        import_line="from cosyvoice_runtime import AutoModel, save_wav",
+        model=str(DEMO_BUNDLE), prompt=str(DEMO_BUNDLE / "asset" / "zero_shot_prompt.wav"),
+        save_line="save_wav('zero_shot_{}.wav'.format(i), j['tts_speech'], cosyvoice.sample_rate)")
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    written = sorted(tmp_path.glob("zero_shot_*.wav"))
+    assert [p.name for p in written] == ["zero_shot_0.wav"]
+    info = sf.info(str(written[0]))
+    assert (info.samplerate, info.channels, info.subtype) == (24000, 1, "FLOAT") and info.frames > 0
+
+
+def test_upstreams_constructor_keywords_are_taken(recwarn: pytest.WarningsRecorder) -> None:
+    with CosyVoice3(DEMO_BUNDLE, load_trt=False, load_vllm=True, fp16=False, trt_concurrent=2) as tts:
+        assert tts.sample_rate == 24000
+    assert sorted(str(w.message) for w in recwarn.list) == [
+        "load_vllm=True ignored: the LLM runs on onnxruntime",
+        "trt_concurrent=2 ignored: onnxruntime's sessions serve concurrent calls"]
+    with pytest.raises(UserError) as fp16:
+        CosyVoice3(DEMO_BUNDLE, fp16=True)
+    assert str(fp16.value) == (f"fp16=True: {DEMO_BUNDLE} is a fp32 bundle; give its model directory "
+                               "(exported in fp16 on first use) or an export with cosyvoice-export all "
+                               "--precision fp16")
+    with pytest.raises(UserError, match=r"load_trt=True asks for TensorRT; provider='cuda' for something "
+                                        "else"):
+        CosyVoice3(DEMO_BUNDLE, load_trt=True, provider="cuda")
+    if "TensorrtExecutionProvider" not in onnxruntime.get_available_providers():
+        with pytest.raises(ProviderError, match="provider 'tensorrt' needs onnxruntime's "
+                                                "TensorrtExecutionProvider"):
+            CosyVoice3(DEMO_BUNDLE, load_trt=True)
+
+
+def test_save_wav_takes_what_torchaudio_save_takes(tmp_path: Path) -> None:
+    speech = np.linspace(-0.5, 0.5, 480, dtype=np.float32)
+    save_wav(tmp_path / "a.wav", speech[None], 24000)  # (channels, frames), as tts_speech is
+    save_wav(str(tmp_path / "b.wav"), speech, 24000)
+    for name in ("a.wav", "b.wav"):
+        samples, rate = sf.read(tmp_path / name, dtype="float32")
+        assert rate == 24000 and np.array_equal(samples, speech)
+    with pytest.raises(ValueError, match=r"tts_speech has shape \(1, 1, 480\)"):
+        save_wav(tmp_path / "c.wav", speech[None, None], 24000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.wav", "b.wav"]

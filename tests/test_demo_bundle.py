@@ -201,3 +201,20 @@ def test_a_model_bundle_is_exported_once_saying_so_first(tiny_bundle: Path, tmp_
                             f"{tmp_path / 'cache'}") and "3.3 GB of disk" in first
     assert "validation" in done.stderr or "graph" in done.stderr  # the export's report
     assert done.stdout.startswith("wrote ") and len(done.stdout.splitlines()) == 1
+
+
+def test_an_fp16_export_of_a_model_bundle_has_a_cache_folder_of_its_own(
+        tiny_bundle: Path, runtime_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`AutoModel(model_dir, fp16=True)` on a model bundle: exported with --precision fp16, beside (not over)
+    its fp32 export."""
+    asked: list[tuple[Path, str]] = []
+
+    def fake_export(model_dir: Path, out: Path, what: str, progress: bool, precision: str) -> None:
+        asked.append((out, precision))
+        shutil.copytree(runtime_bundle, out, dirs_exist_ok=True)
+
+    monkeypatch.setattr(bundle_source, "_export", fake_export)
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    fp32, fp16 = choose_bundle(tiny_bundle), choose_bundle(tiny_bundle, precision="fp16")
+    assert [precision for _, precision in asked] == ["fp32", "fp16"]
+    assert fp16.path.parent.name == f"{fp32.path.parent.name}-fp16"
