@@ -2,12 +2,13 @@
 
 Upstream's public methods keep their names, argument names, order and defaults; each generator yields
 `{"tts_speech": float32 array (1, N)}` per text segment (offline) or per chunk (`stream=True`), numpy
-where upstream yields tensors, so a user of upstream's `example.py` changes one import line:
+where upstream yields tensors, so upstream's `example.py` runs with its import and its `torchaudio.save`
+lines changed:
 
-    from cosyvoice_runtime import CosyVoice3
-    cosyvoice = CosyVoice3("bundles/tiny-runtime")
-    for i, out in enumerate(cosyvoice.inference_zero_shot(text, prompt_text, "prompt.wav", stream=False)):
-        soundfile.write(f"zero_shot_{i}.wav", out["tts_speech"][0], cosyvoice.sample_rate)
+    from cosyvoice_runtime import AutoModel, save_wav
+    cosyvoice = AutoModel(model_dir="bundles/tiny-runtime")
+    for i, j in enumerate(cosyvoice.inference_zero_shot(text, prompt_text, "prompt.wav", stream=False)):
+        save_wav("zero_shot_{}.wav".format(i), j["tts_speech"], cosyvoice.sample_rate)
 
 Speakers that `add_zero_shot_spk` adds live in this object until `save_spkinfo` writes them to a
 speaker registry folder (`cosyvoice_runtime.speakers`; by default the one `cosyvoice-serve` and
