@@ -16,11 +16,11 @@ from cosyvoice_runtime.atomic_files import check_writable
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV, console_script
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.speakers import SPEAKERS_DIR_ENV
+from cosyvoice_runtime.synthesis import Mode
 
 from .bundle.errors import BundleError
 from .bundle.layout import LLM_CHECKPOINTS, LLM_VARIANTS
 from .download import DEFAULT_DIR, SOURCES
-from .reference.pipeline import Mode
 
 SIZES = click.Choice(["tiny", "full"])
 DEFAULT_DEMO_BUNDLE = Path("bundles/tiny")
@@ -239,6 +239,7 @@ def _synthesize(model_dir: Path, text: str, prompt_wav: Path | None, prompt_text
 
     from .bundle.model_dir import ModelBundle
     from .reference.llm_decode import GreedySampler, RasSampler
+    from .reference.pipeline import Mode as ReferenceMode
     from .reference.pipeline import ReferencePipeline
 
     check_writable(out, "--out")
@@ -248,7 +249,7 @@ def _synthesize(model_dir: Path, text: str, prompt_wav: Path | None, prompt_text
     prompt = pipe.prompt_features(prompt_wav)
     generator = np.random.Generator(np.random.PCG64(seed))
     sampler = GreedySampler() if sampling == "greedy" else RasSampler(bundle.config.llm.sampling, generator)
-    result = pipe.synthesize(Mode(mode), text, prompt, sampler, prompt_text=prompt_text or "",
+    result = pipe.synthesize(ReferenceMode(mode), text, prompt, sampler, prompt_text=prompt_text or "",
                              instruct_text=instruct, speed=speed)
     write_wav_atomic(out, result.audio, result.sample_rate)
     seconds = len(result.audio) / result.sample_rate

@@ -56,12 +56,15 @@ def one_line(done: subprocess.CompletedProcess[str]) -> str:
 # --- missing extras: one line, exit 2 ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("script", "blocked", "extra"), [("cosyvoice-serve", "fastapi", "serve"),
-                                                       ("cosyvoice-serve", "grpc", "serve"),
-                                                       ("cosyvoice-export", "torch", "export")])
-def test_a_missing_extra_is_one_line_naming_it_and_the_pip_command(script: str, blocked: str, extra: str
-                                                                   ) -> None:
-    line = one_line(run_script(script, "--help", unimportable=(blocked,)))
+@pytest.mark.parametrize(("script", "args", "blocked", "extra"), [
+    ("cosyvoice-serve", ("--help",), "fastapi", "serve"),
+    ("cosyvoice-serve", ("--help",), "grpc", "serve"),
+    ("cosyvoice-export", ("tiny-bundle", "out"), "torch", "export"),
+])
+def test_a_missing_extra_is_one_line_naming_it_and_the_pip_command(script: str, args: tuple[str, ...],
+                                                                   blocked: str, extra: str,
+                                                                   tmp_path: Path) -> None:
+    line = one_line(run_script(script, *args, unimportable=(blocked,), cwd=tmp_path))
     found = re.fullmatch(rf"error: {script} needs the {extra} extra \((\S+) is not installed\): pip install "
                          rf"'cosyvoice-onnx\[{extra}\]'", line)
     assert found, line
@@ -81,9 +84,11 @@ def test_every_script_without_onnxruntime_says_to_install_one_build(script: str)
     ("cosyvoice-export", "torch", "export", "export-gpu"),
     ("cosyvoice-serve", "uvicorn", "cpu,serve", "gpu,serve"),
 ])
-def test_every_missing_part_is_named_in_the_one_line(script: str, blocked: str, cpu: str, gpu: str) -> None:
+def test_every_missing_part_is_named_in_the_one_line(script: str, blocked: str, cpu: str, gpu: str,
+                                                     tmp_path: Path) -> None:
     """Without onnxruntime and without the script's own extra: both in one line, with one command."""
-    line = one_line(run_script(script, "--help", unimportable=("onnxruntime", blocked)))
+    args = ("tiny-bundle", "out") if script == "cosyvoice-export" else ("--help",)
+    line = one_line(run_script(script, *args, unimportable=("onnxruntime", blocked), cwd=tmp_path))
     extra = cpu.split(",")[-1]
     assert line == (f"error: {script} needs onnxruntime and the {extra} extra, which are not installed: pip "
                     f"install 'cosyvoice-onnx[{cpu}]' (on a CUDA machine 'cosyvoice-onnx[{gpu}]')")
@@ -98,8 +103,9 @@ def test_the_python_api_names_the_missing_onnxruntime() -> None:
                                    "'cosyvoice-onnx[cpu]' (on a CUDA machine 'cosyvoice-onnx[gpu]')")
 
 
-@pytest.mark.parametrize("script", ["cosyvoice-run", "cosyvoice-golden", "cosyvoice-bench"])
-def test_the_runtime_scripts_start_without_torch(script: str) -> None:
+@pytest.mark.parametrize("script", ["cosyvoice-run", "cosyvoice-golden", "cosyvoice-bench",
+                                    "cosyvoice-export"])
+def test_the_scripts_help_without_torch(script: str) -> None:
     done = run_script(script, "--help", unimportable=("torch",))
     assert done.returncode == 0, done.stderr
     assert "Usage:" in done.stdout
