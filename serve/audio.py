@@ -16,10 +16,9 @@ import numpy as np
 import soundfile as sf
 
 from .errors import FieldError
+from .settings import MAX_UPLOAD_BYTES
 
 PCM16_BYTES = 2
-MAX_UPLOAD_BYTES = 32 << 20
-"""Largest prompt upload accepted: 30 s (the speech tokenizer's limit) of 96 kHz stereo float32 is 23 MB."""
 
 
 def pcm16(samples: np.ndarray) -> bytes:

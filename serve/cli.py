@@ -6,10 +6,9 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import click
-import uvicorn
 
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
 from cosyvoice_runtime.errors import USER_ERRORS
@@ -18,11 +17,6 @@ from cosyvoice_runtime.runners import CPU
 from cosyvoice_runtime.sampling import MAX_SEED, SAMPLINGS
 from cosyvoice_runtime.speakers import SPEAKERS_DIR_ENV, SpeakerError
 
-from .app import create_app
-from .engine import SERVER_PROVIDERS, Engine
-from .grpc_server import run_grpc
-from .metrics import ServerMetrics
-from .queue import SessionQueue
 from .ray_options import RayOptions, ray_options
 from .settings import (
     API_KEY_ENV,
@@ -30,9 +24,17 @@ from .settings import (
     HOST_ENV,
     MAX_BODY_MIB,
     PORT_ENV,
+    SERVER_PROVIDERS,
     ServerSettings,
     load_dotenv,
 )
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from .engine import Engine
+    from .metrics import ServerMetrics
+    from .queue import SessionQueue
 
 DOTENV = Path(".env")
 DEFAULTS = ServerSettings()
@@ -121,6 +123,12 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
     if grpc_port is not None and (grpc_service or grpc_port == port):
         raise click.UsageError("--grpc-port serves gRPC beside HTTP on another port than --port; --grpc "
                                "serves gRPC alone on --port")
+    # the serve extra, imported here so that --help needs none of it (a missing module is one line: __main__)
+    import uvicorn
+
+    from .app import create_app
+    from .engine import Engine
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
     if first_chunk_tokens is not None and first_chunk_tokens < 1:
         _refuse(f"--first-chunk-tokens must be >= 1, got {first_chunk_tokens}")
@@ -178,6 +186,8 @@ def _run_grpc(engine: Engine, settings: ServerSettings, host: str, port: int, *,
               http: uvicorn.Server | None = None, sessions: SessionQueue | None = None,
               metrics: ServerMetrics | None = None) -> None:
     """`run_grpc`, its lines on stderr; an address that cannot be bound is one line and exit status 1."""
+    from .grpc_server import run_grpc
+
     try:
         run_grpc(engine, settings, host, port, announce=lambda line: click.echo(line, err=True), http=http,
                  sessions=sessions, metrics=metrics)

@@ -34,7 +34,7 @@ from cosyvoice_runtime.bundle_source import choose_bundle
 from cosyvoice_runtime.errors import FrontendError, SynthesisError, UserError
 from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from cosyvoice_runtime.frontend import PromptFeatures
-from cosyvoice_runtime.runners import CPU, OPENVINO, ORT_PROVIDERS
+from cosyvoice_runtime.runners import CPU
 from cosyvoice_runtime.sampling import Sampling
 from cosyvoice_runtime.segments import Segment
 from cosyvoice_runtime.speakers import frontend_fingerprint
@@ -42,9 +42,7 @@ from cosyvoice_runtime.synthesis import Mode, Synthesizer
 
 from .errors import FieldError
 from .queue import Session
-
-SERVER_PROVIDERS = (*ORT_PROVIDERS, OPENVINO)
-"""Providers whose runners are safe to share between sessions (see the module docstring)."""
+from .settings import SERVER_PROVIDERS
 
 
 @dataclass(frozen=True)

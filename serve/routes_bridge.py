@@ -23,11 +23,12 @@ from starlette.concurrency import run_in_threadpool
 
 from cosyvoice_runtime.synthesis import Mode
 
-from .audio import MAX_UPLOAD_BYTES, check_upload, decode_base64_audio, wav_bytes
+from .audio import check_upload, decode_base64_audio, wav_bytes
 from .engine import AudioUpload, SynthesisJob
 from .errors import FieldError
 from .metrics import CONTENT_TYPE
 from .responses import SYNTHESIS_TAG, Seed, offline_audio, request_sampling, require_text
+from .settings import MAX_UPLOAD_BYTES
 from .state import State
 
 router = APIRouter()

@@ -13,17 +13,20 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cosyvoice_runtime.runners import OPENVINO, ORT_PROVIDERS
 from cosyvoice_runtime.sampling import MAX_SEED, SAMPLINGS
 from cosyvoice_runtime.segments import MAX_TEXT_CHARS
 from cosyvoice_runtime.speakers import default_speakers_dir
-
-from .audio import MAX_UPLOAD_BYTES
 
 HOST_ENV = "COSYVOICE_HOST"
 PORT_ENV = "COSYVOICE_PORT"
 API_KEY_ENV = "COSYVOICE_API_KEY"
 DEFAULT_PORT = 50000
 """Upstream's FastAPI and gRPC servers listen on 50000."""
+SERVER_PROVIDERS = (*ORT_PROVIDERS, OPENVINO)
+"""Providers whose runners are safe to share between sessions (see `engine`'s docstring)."""
+MAX_UPLOAD_BYTES = 32 << 20
+"""Largest prompt upload accepted: 30 s (the speech tokenizer's limit) of 96 kHz stereo float32 is 23 MB."""
 MAX_BODY_MIB = math.ceil(4 * MAX_UPLOAD_BYTES / 3 / 2**20) + 1
 """Default `--max-body-mib`: the largest prompt upload base64-encoded (`/synthesize` sends it so in JSON),
 and a MiB for the other fields."""

@@ -57,8 +57,8 @@ def one_line(done: subprocess.CompletedProcess[str]) -> str:
 
 
 @pytest.mark.parametrize(("script", "args", "blocked", "extra"), [
-    ("cosyvoice-serve", ("--help",), "fastapi", "serve"),
-    ("cosyvoice-serve", ("--help",), "grpc", "serve"),
+    ("cosyvoice-serve", ("--model", "x"), "fastapi", "serve"),
+    ("cosyvoice-serve", ("--model", "x"), "grpc", "serve"),
     ("cosyvoice-export", ("tiny-bundle", "out"), "torch", "export"),
 ])
 def test_a_missing_extra_is_one_line_naming_it_and_the_pip_command(script: str, args: tuple[str, ...],
@@ -101,6 +101,13 @@ def test_the_python_api_names_the_missing_onnxruntime() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == ("cosyvoice_runtime needs onnxruntime, which is not installed: pip install "
                                    "'cosyvoice-onnx[cpu]' (on a CUDA machine 'cosyvoice-onnx[gpu]')")
+
+
+def test_the_servers_help_needs_no_serve_extra() -> None:
+    done = run_script("cosyvoice-serve", "--help",
+                      unimportable=("fastapi", "starlette", "uvicorn", "grpc", "av"))
+    assert done.returncode == 0, done.stderr
+    assert "Usage:" in done.stdout and "--provider" in done.stdout
 
 
 @pytest.mark.parametrize("script", ["cosyvoice-run", "cosyvoice-golden", "cosyvoice-bench",

@@ -858,8 +858,8 @@ def test_port_model_and_api_key_from_flags_then_environment_then_dotenv(
     def run(app: FastAPI, host: str, port: int, **_: Any) -> None:
         served.append((host, port, app.state.server.settings.api_key))
 
-    monkeypatch.setattr(serve_cli.Engine, "open", open_engine)
-    monkeypatch.setattr(serve_cli.uvicorn, "run", run)
+    monkeypatch.setattr(Engine, "open", open_engine)
+    monkeypatch.setattr(uvicorn, "run", run)
     monkeypatch.setattr(sys, "argv", ["cosyvoice-serve", "--speakers", str(tmp_path / "speakers"), *flags])
     with pytest.raises(SystemExit) as exit_:
         serve_cli.main()

@@ -26,6 +26,7 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed")
 
 import httpx
 import numpy as np
+import uvicorn
 from click.testing import CliRunner
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -424,8 +425,8 @@ def test_prompt_paths_are_read_inside_prompt_dir_only(engine: Engine, prompt: tu
 def test_the_options_reach_the_settings(engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                         ) -> None:
     served: list[FastAPI] = []
-    monkeypatch.setattr(serve_cli.Engine, "open", lambda *_, **__: _Unclosable(engine))
-    monkeypatch.setattr(serve_cli.uvicorn, "run", lambda app, **_: served.append(app))
+    monkeypatch.setattr(Engine, "open", lambda *_, **__: _Unclosable(engine))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **_: served.append(app))
     args = ["--speakers", str(tmp_path / "speakers"), "--max-body-mib", "3", "--cors-origin", ORIGIN,
             "--cors-origin", "http://localhost:8080", "--docs", "--prompt-dir", str(tmp_path)]
     result = CliRunner().invoke(serve_cli.serve, args)
