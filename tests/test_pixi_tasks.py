@@ -54,6 +54,19 @@ def test_the_real_model_tasks_chain() -> None:
             assert argv[argv.index("--model") + 1] == export[export.index("--out") + 1], name
 
 
+def test_every_task_is_in_one_environment() -> None:
+    """A task that two environments hold makes `pixi run TASK` ask which (and fail where nobody answers);
+    the default feature's tasks are every environment's and pixi runs them in the default one."""
+    features = {name: set(feature.get("tasks", {})) for name, feature in PIXI.get("feature", {}).items()}
+    holders: dict[str, list[str]] = {}
+    for environment, chosen in PIXI["environments"].items():
+        chosen = chosen["features"] if isinstance(chosen, dict) else chosen
+        for task in set().union(*(features.get(f, set()) for f in chosen)):
+            holders.setdefault(task, []).append(environment)
+    assert {task: envs for task, envs in holders.items() if len(envs) > 1} == {}
+    assert not set(holders) & set(PIXI.get("tasks", {}))
+
+
 @pytest.mark.parametrize("task", sorted(OURS))
 def test_task_command_parses(task: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
                              ) -> None:
