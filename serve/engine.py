@@ -20,7 +20,10 @@ uses two onnxruntime sessions of its own, safe the same way, and reads an upload
 from __future__ import annotations
 
 import io
+import itertools
+import logging
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -34,6 +37,7 @@ from cosyvoice_runtime.bundle_source import choose_bundle
 from cosyvoice_runtime.errors import FrontendError, SynthesisError, UserError
 from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from cosyvoice_runtime.frontend import PromptFeatures
+from cosyvoice_runtime.progress import SynthesisProgress
 from cosyvoice_runtime.runners import CPU
 from cosyvoice_runtime.sampling import Sampling
 from cosyvoice_runtime.segments import Segment
@@ -43,6 +47,24 @@ from cosyvoice_runtime.synthesis import Mode, Synthesizer
 from .errors import FieldError
 from .queue import Session
 from .settings import SERVER_PROVIDERS
+
+log = logging.getLogger(__name__)
+_REQUESTS = itertools.count(1)
+"""Numbers the requests' log lines."""
+
+
+class _LogLines(io.TextIOBase):
+    """A text stream whose lines go to the log at INFO, each after `prefix` (what `SynthesisProgress`
+    writes, in the server's log)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def write(self, text: str) -> int:
+        for line in text.splitlines():
+            if line.strip():
+                log.info("%s%s", self.prefix, line)
+        return len(text)
 
 
 @dataclass(frozen=True)
@@ -172,18 +194,34 @@ class Engine:
         yield np.concatenate(list(self._speak(job, session, stream=False)))
 
     def _speak(self, job: SynthesisJob, session: Session, *, stream: bool) -> Iterator[np.ndarray]:
+        """The job's chunks; its stages go to the log: what it is, the speech tokens every few seconds
+        (`SynthesisProgress`), its first audio and its end."""
+        request, start = next(_REQUESTS), time.monotonic()
         pieces, prompt = self._prepare(job)
-        for piece in pieces:
-            speech = self.voice.speak(piece, prompt, job.mode, stream=stream, speed=job.speed,
-                                      sampling=job.sampling, watch=session.watch,
-                                      first_chunk_tokens=job.first_chunk_tokens)
-            try:
-                for chunk in speech:
-                    yield chunk.samples
-            except SynthesisError as e:
-                raise FieldError(job.text_field, str(e), status=422) from None
-            job.usage.text_tokens += len(piece.prompt_text_ids) + len(piece.text_ids)
-            job.usage.speech_tokens += len(speech.speech_tokens)
+        log.info("request %d: %s, %s, %d segment(s), %d characters; %.2f s in the queue", request, job.mode,
+                 "streamed" if stream else "offline", len(pieces), len(job.text), start - session.admitted)
+        samples, first = 0, None
+        with SynthesisProgress(pieces, out=_LogLines(f"request {request}: ")) as progress:
+            for i, piece in enumerate(pieces):
+                def watch(ids: Iterator[int], i: int = i) -> Iterator[int]:
+                    return progress.watch(i)(session.watch(ids))
+
+                speech = self.voice.speak(piece, prompt, job.mode, stream=stream, speed=job.speed,
+                                          sampling=job.sampling, watch=watch,
+                                          first_chunk_tokens=job.first_chunk_tokens)
+                try:
+                    for chunk in speech:
+                        if first is None:
+                            first = time.monotonic() - start
+                            log.info("request %d: first audio after %.2f s", request, first)
+                        samples += len(chunk.samples)
+                        yield chunk.samples
+                except SynthesisError as e:
+                    raise FieldError(job.text_field, str(e), status=422) from None
+                job.usage.text_tokens += len(piece.prompt_text_ids) + len(piece.text_ids)
+                job.usage.speech_tokens += len(speech.speech_tokens)
+        log.info("request %d: done, %.2f s of audio (%d speech tokens) in %.2f s", request,
+                 samples / self.sample_rate, job.usage.speech_tokens, time.monotonic() - start)
 
     def _prepare(self, job: SynthesisJob) -> tuple[list[Segment], PromptFeatures]:
         """The text's segments (upstream's normalisation, split and prompt formats) and the prompt."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import os
 import queue
 import re
@@ -868,3 +869,20 @@ def test_port_model_and_api_key_from_flags_then_environment_then_dotenv(
     err = capsys.readouterr().err
     assert "API key: required" in err and API_KEY not in err
     assert opened == [(None, str(DEMO_BUNDLE))]  # choose_bundle reads $COSYVOICE_MODEL_DIR, set by .env
+
+
+def test_a_request_logs_its_stages(client: TestClient, prompt: tuple[bytes, str],
+                                   caplog: pytest.LogCaptureFixture) -> None:
+    """What the request is, its speech tokens as they come (SynthesisProgress's lines), its first audio
+    and its end, each line naming the request: a long synthesis shows where it is in the server's log."""
+    with caplog.at_level(logging.INFO, logger="cosyvoice_serve.engine"):
+        assert client.post("/inference_zero_shot", **form(prompt)).status_code == 200
+    lines = [r.getMessage() for r in caplog.records if r.name == "cosyvoice_serve.engine"]
+    number = re.match(r"request (\d+): ", lines[0])
+    assert number is not None and all(line.startswith(number[0]) for line in lines), lines
+    stages = [line.removeprefix(number[0]) for line in lines]
+    assert stages[0].startswith("zero-shot, streamed, 1 segment(s), ") and " s in the queue" in stages[0]
+    assert stages[1].startswith("synthesising: segment 1/1, speech tokens; 0 speech tokens of at most ")
+    assert any(s.startswith("first audio after ") for s in stages)
+    assert any(s.startswith("synthesising: segment 1/1, flow and vocoder; ") for s in stages)
+    assert re.fullmatch(r"done, [\d.]+ s of audio \(\d+ speech tokens\) in [\d.]+ s", stages[-1])
