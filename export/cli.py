@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -74,10 +75,30 @@ def manifest(size: str, network: str) -> None:
         click.echo(manifest_tsv(cfg, name), nl=False)
 
 
+def model_dir_option(default: Path | None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """MODEL_DIR as an argument, or as `--model-dir` as `all` and the other commands name it (either, not
+    both); `default` where neither is given, or required when None."""
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        command = click.argument("model_dir", required=False, type=click.Path(path_type=Path))(command)
+        return click.option("--model-dir", "model_dir_option", type=click.Path(path_type=Path),
+                            help="The model directory (or give it as MODEL_DIR).")(command)
+    return decorate
+
+
+def one_model_dir(argument: Path | None, option: Path | None, default: Path | None) -> Path:
+    """The model directory of `model_dir_option`'s two spellings."""
+    if argument is not None and option is not None and argument != option:
+        raise click.UsageError(f"MODEL_DIR {argument} and --model-dir {option}: give one")
+    chosen = argument or option or default
+    if chosen is None:
+        raise click.UsageError("Missing MODEL_DIR (or --model-dir).")
+    return chosen
+
+
 @main.command("check-bundle")
-@click.argument("model_dir", type=click.Path(path_type=Path))
+@model_dir_option(None)
 @LLM_OPTION
-def check_bundle_cmd(model_dir: Path, llm: str) -> None:
+def check_bundle_cmd(model_dir: Path | None, model_dir_option: Path | None, llm: str) -> None:
     """Check that MODEL_DIR is a complete CosyVoice3 model directory of the expected shapes.
 
     Prints one line per file that passed; on the first problem prints one line naming the file
@@ -85,18 +106,20 @@ def check_bundle_cmd(model_dir: Path, llm: str) -> None:
     """
     from .bundle.check import check_bundle
 
+    model_dir = one_model_dir(model_dir, model_dir_option, None)
     check_bundle(model_dir, report=click.echo, llm_checkpoints=LLM_VARIANTS[llm])
     click.echo(f"{model_dir}: bundle ok")
 
 
 @main.command("download")
-@click.argument("model_dir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_DIR)
+@model_dir_option(DEFAULT_DIR)
 @click.option("--source", type=click.Choice(SOURCES), default="huggingface", show_default=True,
               help="The hub: huggingface ($HF_ENDPOINT, else huggingface.co), or modelscope (needs "
                    "`pip install modelscope`).")
 @click.option("--revision", help="Branch, tag or commit of the release [default: the hub's default branch].")
 @LLM_OPTION
-def download_cmd(model_dir: Path, source: str, revision: str | None, llm: str) -> None:
+def download_cmd(model_dir: Path | None, model_dir_option: Path | None, source: str, revision: str | None,
+                 llm: str) -> None:
     """Download Fun-CosyVoice3-0.5B into MODEL_DIR [default: pretrained_models/Fun-CosyVoice3-0.5B], then
     check it as `check-bundle` does.
 
@@ -110,6 +133,7 @@ def download_cmd(model_dir: Path, source: str, revision: str | None, llm: str) -
     from .bundle.check import check_bundle
     from .download import DownloadError, download
 
+    model_dir = one_model_dir(model_dir, model_dir_option, DEFAULT_DIR)
     try:
         download(model_dir, source=source, revision=revision, llm=llm,
                  warn=lambda line: click.echo(line, err=True))

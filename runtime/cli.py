@@ -80,6 +80,9 @@ def _read_text(text: str, stdin: IO[str]) -> str:
 @click.option("--provider", type=click.Choice(PROVIDERS), default=CPU, show_default=True,
               help="onnxruntime cpu/cuda/tensorrt provider, trt for the bundle's TensorRT plans, or openvino "
                    "(OpenVINO's CPU plugin; bf16 graphs run on it under cpu too).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="onnxruntime's intra-op threads per graph  [default: the bundle's tuning file, else the "
+                   "measured setting, else one per core]")
 @click.option("--tokens-out", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the speech tokens of every segment as JSON.")
 @click.option("--chunks-out", type=click.Path(dir_okay=False, path_type=Path),
@@ -100,8 +103,8 @@ def _read_text(text: str, stdin: IO[str]) -> str:
                    f"{TUNING_FILE}, which later runs use, and exit; needs no --text or --out.")
 def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_text: str | None, mode: str,
          instruct: str, sampling: str, seed: int, speed: float, stream: bool, first_chunk_tokens: int | None,
-         provider: str, tokens_out: Path | None, chunks_out: Path | None, verify: bool, out: Path | None,
-         info: bool, tune: bool) -> None:
+         provider: str, threads: int | None, tokens_out: Path | None, chunks_out: Path | None, verify: bool,
+         out: Path | None, info: bool, tune: bool) -> None:
     """Synthesise TEXT in the voice of --prompt-wav with a CosyVoice3 runtime bundle (no torch).
 
     Prints which bundle and prompt it uses, shows progress, and ends with the RTF (and the first
@@ -132,7 +135,8 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
         choice = choose_bundle(model)
         if choice.default:
             click.echo(f"model: {choice.origin}", err=True)
-        with CosyVoice3(choice.path, provider=provider, sampling=sampling, seed=seed, verify=verify) as voice:
+        with CosyVoice3(choice.path, provider=provider, threads=threads, sampling=sampling, seed=seed,
+                        verify=verify) as voice:
             policy = voice.chunk_policy(first_chunk_tokens=first_chunk_tokens) if stream else None
             chosen = choose_prompt(voice.bundle, prompt_wav, prompt_text)
             if chosen.default:

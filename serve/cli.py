@@ -65,6 +65,9 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
 @click.option("--provider", type=click.Choice(SERVER_PROVIDERS), default=CPU,
               help="onnxruntime provider, or openvino (OpenVINO's CPU plugin; bf16 graphs run on it under "
                    "cpu too).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="onnxruntime's intra-op threads per graph [default: the bundle's tuning file, else the "
+                   "measured setting, else one per core].")
 @click.option("--max-conc", type=click.IntRange(min=1), default=DEFAULTS.max_concurrency,
               help="Sessions synthesising at once (one on the CPU: each graph call uses every core).")
 @click.option("--queue", "queue_depth", type=click.IntRange(min=0), default=DEFAULTS.queue_depth,
@@ -107,7 +110,7 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
                    "(lower latency; a deviation from upstream's schedule) [default: upstream's].")
 @ray_options
 def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model: Path | None, provider: str,
-          max_conc: int,
+          threads: int | None, max_conc: int,
           queue_depth: int, timeout: float, speakers_dir: Path | None, sampling: str, seed: int | None,
           flow_prefix_mib: int, max_text: int, api_key: str | None, max_body_mib: int,
           cors_origins: tuple[str, ...], docs: bool, prompt_dir: Path | None, first_chunk_tokens: int | None,
@@ -140,13 +143,17 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
     if ray is not None:
         if grpc_service or grpc_port is not None:
             raise click.UsageError("--ray serves HTTP only; --grpc and --grpc-port run without it")
+        if threads is not None:
+            raise click.UsageError("--threads sets this process's threads; with --ray each replica takes as "
+                                   "many as its --replica-cpus")
         from .ray_app import ReplicaConfig, run_ray  # the ray extra, imported only here
 
         run_ray(ray, ReplicaConfig(model, provider, flow_prefix_mib << 20, settings, ray.speaker_store),
                 host=host, port=port)
         return
     try:
-        engine = Engine.open(model, provider=provider, flow_prefix_bytes=flow_prefix_mib << 20)
+        engine = Engine.open(model, provider=provider, flow_prefix_bytes=flow_prefix_mib << 20,
+                             threads=threads)
     except USER_ERRORS as e:
         _refuse(str(e))
     try:

@@ -189,3 +189,13 @@ def test_not_a_directory(tmp_path: Path) -> None:
     assert code == 2
     expected = f"error: {tmp_path / 'nope'}: not a directory; expected a CosyVoice3 model directory"
     assert err.strip() == expected
+
+
+def test_model_dir_is_spelt_either_way(tiny_bundle: Path) -> None:
+    """check-bundle and download take MODEL_DIR as an argument or as --model-dir, as `all` names it."""
+    for args in ([str(tiny_bundle)], ["--model-dir", str(tiny_bundle)]):
+        done = CliRunner().invoke(main, ["check-bundle", *args])
+        assert done.exit_code == 0 and done.output.endswith(f"{tiny_bundle}: bundle ok\n"), done.output
+    both = CliRunner().invoke(main, ["check-bundle", str(tiny_bundle), "--model-dir", "other"])
+    assert both.exit_code == 2 and f"MODEL_DIR {tiny_bundle} and --model-dir other: give one" in both.output
+    assert "Missing MODEL_DIR (or --model-dir)." in CliRunner().invoke(main, ["check-bundle"]).output

@@ -7,6 +7,7 @@ import io
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from cosyvoice_runtime.cli import main
@@ -70,3 +71,20 @@ def test_cosyvoice_run_shows_its_progress(tmp_path: Path) -> None:
     stderr = done.stderr
     assert "synthesising: segment 1/1, speech tokens; 0 speech tokens of at most " in stderr
     assert "synthesising: segment 1/1, flow and vocoder; " in stderr
+
+
+def test_cosyvoice_run_takes_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--threads reaches the runtime, as cosyvoice-bench's, cosyvoice-golden's and cosyvoice-serve's do."""
+    import cosyvoice_runtime.cli as run_cli
+
+    opened: list[int | None] = []
+    real = run_cli.CosyVoice3
+
+    def recording(*args: object, threads: int | None = None, **kwargs: object) -> object:
+        opened.append(threads)
+        return real(*args, threads=threads, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(run_cli, "CosyVoice3", recording)
+    done = CliRunner().invoke(main, ["--text", "Hi.", "--threads", "1", "--out", str(tmp_path / "a.wav")])
+    assert done.exit_code == 0, done.output
+    assert opened == [1]

@@ -427,12 +427,20 @@ def test_prompt_paths_are_read_inside_prompt_dir_only(engine: Engine, prompt: tu
 def test_the_options_reach_the_settings(engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                         ) -> None:
     served: list[FastAPI] = []
-    monkeypatch.setattr(Engine, "open", lambda *_, **__: _Unclosable(engine))
+    opened: list[dict[str, Any]] = []
+
+    def open_engine(*_: Any, **options: Any) -> _Unclosable:
+        opened.append(options)
+        return _Unclosable(engine)
+
+    monkeypatch.setattr(Engine, "open", open_engine)
     monkeypatch.setattr(uvicorn, "run", lambda app, **_: served.append(app))
     args = ["--speakers", str(tmp_path / "speakers"), "--max-body-mib", "3", "--cors-origin", ORIGIN,
-            "--cors-origin", "http://localhost:8080", "--docs", "--prompt-dir", str(tmp_path)]
+            "--cors-origin", "http://localhost:8080", "--docs", "--prompt-dir", str(tmp_path),
+            "--threads", "3"]
     result = CliRunner().invoke(serve_cli.serve, args)
     assert result.exit_code == 0, result.output
+    assert opened[0]["threads"] == 3
     settings = served[0].state.server.settings
     assert settings.max_body_bytes == 3 << 20 and settings.docs and settings.prompt_dir == tmp_path
     assert settings.cors_origins == (ORIGIN, "http://localhost:8080")
