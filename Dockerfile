@@ -1,5 +1,5 @@
 # The CPU image of `cosyvoice-serve`: the torch-free server with onnxruntime's CPU build (the `cpu` and
-# `serve` extras, at the versions ci/constraints.txt pins). README's "Container" section has the commands;
+# `serve` extras, at the versions ci/constraints.txt pins). docs/server.md's "Container" section has the commands;
 # tests/test_container.py runs this file's entrypoint and health check against a live server, and builds
 # and runs the image where a Docker daemon is at hand.
 #

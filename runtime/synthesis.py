@@ -107,7 +107,7 @@ class ChunkPolicy:
     10 ODE steps, float32; full size 3.6 MB, i.e. 180 MB per second of prompt and speech).
     `"window"`: bounded cost and memory per chunk: attention sees the prompt's blocks and the last
     `flow_window` blocks, in the final chunk too (whose new frames see each other fully); it deviates
-    from upstream (README: figures)."""
+    from upstream (docs/runtime.md: figures)."""
     flow_window: int = 8
     """DiT blocks (50 frames = 1 s each) of generated speech that `flow="window"` keeps in attention
     besides the prompt's."""
@@ -124,7 +124,7 @@ class ChunkPolicy:
     its pad alone (0 to 24 tokens, set by the prompt's length), so no prompt-independent N would fire
     earlier. The price of the cut: the frames of the cut block before the seam were made without the rest
     of their block, the frames after it with; the mel there steps by that difference
-    (tests/test_first_chunk.py measures the seam against upstream's; README: figures)."""
+    (tests/test_first_chunk.py measures the seam against upstream's; docs/runtime.md: figures)."""
 
     def __post_init__(self) -> None:
         if self.vocoder not in ("rerun", "window"):

@@ -280,7 +280,7 @@ class FlowStream:
     upstream does (its full attention changes every frame, so nothing cached applies). With a window,
     the caches keep the prompt's blocks and the last `window` blocks (older keys/values are dropped
     after each step), and the final push is cached too, with full attention among its new frames: the
-    cost of every push is bounded, at a deviation from upstream that the README states.
+    cost of every push is bounded, at a deviation from upstream that docs/runtime.md states.
     """
 
     flow: Flow = field(repr=False)

@@ -232,11 +232,15 @@ def distributions(chosen: set[str]) -> set[str]:
 
 
 def readme_installs() -> dict[str, set[str]]:
-    """Every set of extras the README installs the package with (`'.[a,b]'`, `'cosyvoice-onnx[a]'`)."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    found = re.findall(r"'(?:\.|cosyvoice-onnx)\[([a-z0-9,-]+)\]'", text)
-    assert found, "the README installs the package nowhere"
-    return {f"README [{spec}]": set(spec.split(",")) for spec in found}
+    """Every set of extras the README and the docs pages install the package with (`'.[a,b]'`,
+    `'cosyvoice-onnx[a]'`)."""
+    installs = {}
+    for page in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
+        found = re.findall(r"'(?:\.|cosyvoice-onnx)\[([a-z0-9,-]+)\]'", page.read_text(encoding="utf-8"))
+        where = "README" if page.name == "README.md" else page.name
+        installs |= {f"{where} [{spec}]": set(spec.split(",")) for spec in found}
+    assert "README [export]" in installs, "the README's first command installs the package no more"
+    return installs
 
 
 SCRIPT_EXTRAS = {"cosyvoice-export": "export", "cosyvoice-serve": "serve", "cosyvoice-run": "cpu",

@@ -250,9 +250,9 @@ def test_synthesize_is_cosyvoice_run_offline_as_a_wav(engine: Engine, prompt: tu
 
 
 def readme_table_commands() -> list[str]:
-    """The commands of the README's endpoint table, in order: each row's last cell, one code span (a `\\|`
-    in it, GitHub's escape of a pipe in a table, read as `|`)."""
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    """The commands of the endpoint table of the server's page (docs/server.md), in order: each row's last
+    cell, one code span (a `\\|` in it, GitHub's escape of a pipe in a table, read as `|`)."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "server.md").read_text(encoding="utf-8")
     return [m.group(1).replace("\\|", "|") for m in re.finditer(r"^\|.*\| `([^`]+)` \|$", text, re.MULTILINE)]
 
 
@@ -849,8 +849,9 @@ def test_port_model_and_api_key_from_flags_then_environment_then_dotenv(
         monkeypatch.setenv(key, value)
     opened: list[tuple[Path | None, str | None]] = []
 
-    def open_engine(model: Path | None, provider: str, flow_prefix_bytes: int) -> _Unclosable:
-        assert flow_prefix_bytes == 2 << 30  # --flow-prefix-cache's default, 2048 MiB
+    def open_engine(model: Path | None, provider: str, flow_prefix_bytes: int, threads: int | None
+                    ) -> _Unclosable:
+        assert flow_prefix_bytes == 2 << 30 and threads is None  # --flow-prefix-cache's default, 2048 MiB
         opened.append((model, os.environ.get(MODEL_DIR_ENV)))
         return _Unclosable(engine)
 

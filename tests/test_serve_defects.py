@@ -2,7 +2,7 @@
 are read, speaker names that are one URL segment, silent and short prompts refused on every route, empty
 and blank fields answered alike, a stream cut logged once, upstream's spk2info endpoints answered 501,
 CORS and the docs pages off by default, the bridge's prompt paths confined to --prompt-dir, and the
-README's endpoint table run as written."""
+server page's endpoint table (docs/server.md) run as written."""
 
 from __future__ import annotations
 
@@ -451,15 +451,15 @@ def test_the_options_reach_the_settings(engine: Engine, tmp_path: Path, monkeypa
     assert "upstream's server allows every origin" in help_text and "from a CDN" in help_text
 
 
-# --- the README's endpoint table ----------------------------------------------------------------------------
+# --- the server page's endpoint table (docs/server.md) ------------------------------------------------------
 
 EXPECTED_STATUS = {"/inference_sft": 501, "/inference_instruct": 501}
-"""Endpoints whose README line shows the refusal; every other answers 2xx."""
+"""Endpoints whose docs/server.md line shows the refusal; every other answers 2xx."""
 
 
 @pytest.mark.skipif(shutil.which("curl") is None or shutil.which("base64") is None,
-                    reason="the README's commands need curl and base64")
-def test_every_command_of_the_readmes_endpoint_table_works_as_written(tmp_path: Path) -> None:
+                    reason="the server page's commands need curl and base64")
+def test_every_command_of_the_server_pages_endpoint_table_works_as_written(tmp_path: Path) -> None:
     """Each endpoint row's curl line, run by bash against the real server from a folder holding the demo
     prompt as prompt.wav: speakers registered first and deleted last, as a reader would."""
     default = RuntimeBundle.open(DEMO_BUNDLE).default_prompt()

@@ -4,7 +4,7 @@ the compressed encoders, fed chunk by chunk, keep a tone),
 the body streams as it is synthesised, SSE events carry the same audio and the usage, the standard voices
 work before any speaker is registered and a registered speaker of the same name comes first, the models and
 voices are listed, our `stream` field and `speed` still work, errors reach the SDK, the API key is the SDK's,
-and the README's commands run as written."""
+and the server page's commands (docs/server.md) run as written."""
 
 from __future__ import annotations
 
@@ -294,11 +294,11 @@ def test_the_sdks_api_key_is_the_servers(engine: Engine, tmp_path: Path) -> None
             openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).models.list()
 
 
-# --- the README -----------------------------------------------------------------------------------------
+# --- the server page ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(shutil.which("curl") is None, reason="the README's commands need curl")
-def test_the_readmes_openai_commands_work(server: str, tmp_path: Path) -> None:
+@pytest.mark.skipif(shutil.which("curl") is None, reason="the server page's commands need curl")
+def test_the_server_pages_openai_commands_work(server: str, tmp_path: Path) -> None:
     host = server.removeprefix("http://")
     for marker in ('"voice": "alloy"}', '"stream_format": "sse"', "localhost:50000/v1/models"):
         command = readme_command(marker).replace("localhost:50000", host)
