@@ -74,10 +74,13 @@ def test_a_missing_extra_is_one_line_naming_it_and_the_pip_command(script: str, 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_every_script_without_onnxruntime_says_to_install_one_build(script: str) -> None:
-    if script == "cosyvoice-serve":  # else the missing serve extra is what it names
-        pytest.importorskip("uvicorn", reason="the serve extra is not installed")
+    own = extras.SCRIPT_EXTRA.get(script)
     line = one_line(run_script(script, "--help", unimportable=("onnxruntime",)))
-    assert re.fullmatch(MISSING_ORT.format(script=script), line)
+    if own is not None and extras.missing_modules(own):  # as in the base install: named together
+        assert line.startswith(f"error: {script} needs onnxruntime and the {own} extra, which are not "
+                               "installed: pip install "), line
+    else:
+        assert re.fullmatch(MISSING_ORT.format(script=script), line)
 
 
 @pytest.mark.parametrize(("script", "blocked", "cpu", "gpu"), [
