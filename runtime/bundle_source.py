@@ -30,7 +30,7 @@ from .extras import install_command, missing_modules
 
 MODEL_DIR_ENV = "COSYVOICE_MODEL_DIR"
 CACHE_DIR_ENV = "COSYVOICE_CACHE_DIR"
-EXPORT_COST = "the real model: 2-4 minutes on 2 cores, 7 GB of memory, 3.3 GB of disk"
+EXPORT_COST = "the real model: about 2 minutes on 2 cores, 8 GB of memory, 2.9 GB of disk"
 """What the first use of a model bundle costs (README's quick start, measured on the full-size bundle)."""
 STAMP = "source-stamp.json"
 """Beside a cached export: the size and mtime of every file of the model bundle it was made from."""

@@ -198,7 +198,7 @@ def test_a_model_bundle_is_exported_once_saying_so_first(tiny_bundle: Path, tmp_
     assert done.returncode == 0, done.stderr
     first = done.stderr.splitlines()[0]
     assert first.startswith(f"{tiny_bundle} (--model) is a model bundle: exporting it once into "
-                            f"{tmp_path / 'cache'}") and "3.3 GB of disk" in first
+                            f"{tmp_path / 'cache'}") and "2.9 GB of disk" in first
     assert "validation" in done.stderr or "graph" in done.stderr  # the export's report
     assert done.stdout.startswith("wrote ") and len(done.stdout.splitlines()) == 1
 
