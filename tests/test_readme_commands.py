@@ -14,12 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 pytest.importorskip("torch", reason="needs torch (the export extra)")
 pytestmark = pytest.mark.torch
 
+import httpx
 from test_download import Hub, hub, release  # noqa: F401  (the local hub's fixtures)
 
 from cosyvoice_runtime.demo import DEMO_BUNDLE
