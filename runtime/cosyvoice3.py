@@ -120,13 +120,15 @@ class CosyVoice3:
             if value != default:
                 warnings.warn(f"{name}={value!r} ignored: {why}", stacklevel=2)
         self.sampling = Sampling(sampling, seed)
-        precision = FP16.name if fp16 else FP32.name
-        self.bundle = (model_dir if isinstance(model_dir, RuntimeBundle) else RuntimeBundle.open(
-            choose_bundle(Path(model_dir), precision=precision).path, verify=verify))
-        if fp16 and self.bundle.manifest.precision != FP16.name:
-            raise UserError(f"fp16=True: {self.bundle.root} is a {self.bundle.manifest.precision} bundle; "
-                            "give its model directory (exported in fp16 on first use) or an export with "
+        bundle = model_dir if isinstance(model_dir, RuntimeBundle) else RuntimeBundle.open(
+            choose_bundle(Path(model_dir), precision=FP16.name if fp16 else FP32.name).path)
+        if fp16 and bundle.manifest.precision != FP16.name:
+            raise UserError(f"fp16=True: {bundle.root} is a {bundle.manifest.precision} bundle; give its "
+                            "model directory (exported in fp16 on first use) or an export with "
                             "cosyvoice-export all --precision fp16")
+        if verify and bundle is not model_dir:  # hashed once it is known to be the bundle asked for
+            bundle = RuntimeBundle.open(bundle.root, verify=True)
+        self.bundle = bundle
         self.tokenizer = TextTokenizer(self.bundle.tokenizer_dir)
         self.frontend = TextFrontend(self.tokenizer)
         self._prompt_lock = threading.Lock()

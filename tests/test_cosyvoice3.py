@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -275,12 +276,17 @@ def test_upstreams_example_runs_with_its_import_and_save_lines_changed(tmp_path:
     assert (info.samplerate, info.channels, info.subtype) == (24000, 1, "FLOAT") and info.frames > 0
 
 
-def test_upstreams_constructor_keywords_are_taken(recwarn: pytest.WarningsRecorder) -> None:
+def test_upstreams_constructor_keywords_are_taken(recwarn: pytest.WarningsRecorder, tmp_path: Path) -> None:
     with CosyVoice3(DEMO_BUNDLE, load_trt=False, load_vllm=True, fp16=False, trt_concurrent=2) as tts:
         assert tts.sample_rate == 24000
     assert sorted(str(w.message) for w in recwarn.list) == [
         "load_vllm=True ignored: the LLM runs on onnxruntime",
         "trt_concurrent=2 ignored: onnxruntime's sessions serve concurrent calls"]
+    tampered = shutil.copytree(DEMO_BUNDLE, tmp_path / "bundle")
+    wav = tampered / "asset" / "zero_shot_prompt.wav"
+    wav.write_bytes(bytes(b ^ 1 for b in wav.read_bytes()))  # same size, other bytes: verify would refuse it
+    with pytest.raises(UserError, match="fp16=True: .* is a fp32 bundle"):
+        CosyVoice3(tampered, fp16=True)  # refused before its files are hashed
     with pytest.raises(UserError) as fp16:
         CosyVoice3(DEMO_BUNDLE, fp16=True)
     assert str(fp16.value) == (f"fp16=True: {DEMO_BUNDLE} is a fp32 bundle; give its model directory "
