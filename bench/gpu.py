@@ -22,6 +22,7 @@ from cosyvoice_graphs import Case
 from cosyvoice_graphs.precision import FP16, TF32
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.runners import CPU, CUDA, ORT_PROVIDERS, OrtRunner, provider_chain
+from cosyvoice_runtime.runners.ort import preload_cuda_libraries
 from cosyvoice_runtime.runners.ort_settings import CONV_ALGO_SEARCHES
 
 from .errors import BenchError
@@ -72,14 +73,23 @@ def gpu_rates(shape: tuple[int, int, int], *, quick: bool, provider: str = CUDA,
                  precision_gflops={TF32.name: matmul(np.float32, True), FP16.name: matmul(np.float16, False)})
 
 
+def device_session(model: bytes | str, provider: str, *, tf32: bool, device_id: int = 0,
+                   options: ort.SessionOptions | None = None) -> ort.InferenceSession:
+    """An onnxruntime session of `model` on exactly `provider` with the runtime's provider options (and,
+    on a GPU, the CUDA libraries it loads first); a `BenchError` where onnxruntime placed it elsewhere."""
+    if provider != CPU:
+        preload_cuda_libraries()
+    session = ort.InferenceSession(model, options, providers=provider_chain(provider, device_id, tf32=tf32))
+    if session.get_providers()[0] != ORT_PROVIDERS[provider]:
+        raise BenchError(f"onnxruntime ran it on {session.get_providers()[0]}, not {ORT_PROVIDERS[provider]}")
+    return session
+
+
 def _best_seconds(model: bytes, feeds: dict[str, np.ndarray], provider: str, device_id: int, *, tf32: bool,
                   repeats: int) -> float:
     """The fastest of `repeats` calls of `model` after a warm-up, its inputs and outputs on the device
     (IOBinding), so that no host copy is timed."""
-    session = ort.InferenceSession(model, providers=provider_chain(provider, device_id, tf32=tf32))
-    if session.get_providers()[0] != ORT_PROVIDERS[provider]:
-        raise BenchError(f"onnxruntime ran the rate probe on {session.get_providers()[0]}, not "
-                         f"{ORT_PROVIDERS[provider]}")
+    session = device_session(model, provider, tf32=tf32, device_id=device_id)
     device = CPU if provider == CPU else CUDA
     binding = session.io_binding()
     for name, value in feeds.items():

@@ -28,10 +28,11 @@ from cosyvoice_graphs import CACHE_LEN, PAST_LEN, Case, GraphSpec
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.errors import USER_ERRORS
-from cosyvoice_runtime.runners import CPU, ORT_PROVIDERS, graphs_run, provider_chain
+from cosyvoice_runtime.runners import CPU, ORT_PROVIDERS, graphs_run
 from cosyvoice_runtime.runners.ort_settings import OPTIMIZATION, settings_for
 
 from .errors import BenchError
+from .gpu import device_session
 
 DECODE_PAST = 300
 """Cached positions of the profiled decode step (a 10 s utterance's middle, after a prompt)."""
@@ -60,16 +61,15 @@ def profile_graph(bundle: RuntimeBundle, graph: str, case: Case, provider: str, 
     options = ort.SessionOptions()
     settings = settings_for(bundle.graph_path(graph), graph)
     options.graph_optimization_level = OPTIMIZATION[settings.optimization]
-    if threads or settings.threads:
-        options.intra_op_num_threads = threads or settings.threads or 0
+    chosen = threads or settings.threads
+    if chosen is not None:
+        options.intra_op_num_threads = chosen
     precision = bundle.graph_precision(graph)
     with tempfile.TemporaryDirectory() as tmp:
         options.enable_profiling = True
         options.profile_file_prefix = str(Path(tmp) / graph)
-        session = ort.InferenceSession(str(bundle.graph_path(graph)), options,
-                                       providers=provider_chain(provider, tf32=precision.cuda_tf32))
-        if session.get_providers()[0] != ORT_PROVIDERS[provider]:
-            raise BenchError(f"{graph}: onnxruntime fell back to {session.get_providers()[0]}")
+        session = device_session(str(bundle.graph_path(graph)), provider, tf32=precision.cuda_tf32,
+                                 options=options)
         session.run(None, feeds)
         walls = []
         for _ in range(calls):

@@ -426,8 +426,8 @@ def _notes(s: Settings, gpu: GpuSampler | None) -> dict[str, str]:
             "on a GPU the bounds' rates are the GPU's, measured through onnxruntime's CUDA provider with "
             "every tensor on the device: memory bandwidth (a 1 GiB float32 array read and written) for the "
             "LLM; MatMul at the DiT's shape in the math of each graph's precision (float32 with TF32 off, "
-            "TF32, float16) for the DiT and HiFT; a bound's fraction far below 1 there is per-call and "
-            "per-node overhead (kernel launches, host work between calls), not arithmetic")
+            "TF32, float16) for the DiT and HiFT; what a stage takes beyond its bound there is time the "
+            "bound does not count (kernel launches, host work between calls)")
     if s.provider == CUDA:
         notes["cudnn_search"] = (
             "cuDNN's convolution algorithm search, per mode: the vocoder graph opened fresh, its first call "

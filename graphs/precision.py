@@ -104,12 +104,14 @@ TF32 = Precision(
     "tf32", "GPUs: the float32 graphs with TF32 matmuls and convolutions on CUDA's tensor cores",
     rewrite=None, cpu_provider=CPU, openvino_hint=None, providers=(CPU, CUDA),
     runs_on="onnxruntime's CPU (as fp32) and CUDA providers", weight_bytes=4, cuda_tf32=True)
-"""Gated on the GPU against the CPU's float32 run (the CPU computes it exactly as fp32)."""
+"""Judged on a GPU by golden's tf32 bounds; on the CPU it computes exactly as fp32."""
 
 PRECISIONS: dict[str, Precision] = {p.name: p for p in (FP32, FP16, INT8, INT4, BF16, TF32)}
 """Every precision by name (iterating gives the names, as `--precision` lists them)."""
 PRECISION_NAMES = tuple(PRECISIONS)
-REDUCED_PRECISIONS = tuple(name for name, p in PRECISIONS.items() if not p.exact_on_cpu)
+EXACT_ON_CPU = tuple(name for name, p in PRECISIONS.items() if p.exact_on_cpu)
+"""The precisions whose body is the float32 export, validated with a spec's fp32 bounds (fp32, tf32)."""
+REDUCED_PRECISIONS = tuple(name for name in PRECISIONS if name not in EXACT_ON_CPU)
 """The precisions a spec may bound (`GraphSpec.precision_tolerances`): validated against float32."""
 
 

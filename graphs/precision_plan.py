@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .precision import FP32, INT4, INT8, PRECISIONS, Precision
+from .precision import EXACT_ON_CPU, FP32, INT4, INT8, PRECISIONS, Precision
 from .registry import OPTIONAL_SPECS, SPECS
 from .spec import GraphSpec
 
@@ -110,8 +110,7 @@ class PrecisionPlan:
         fp32 body: it exists to be faster than its graph)."""
         for graph, precision in self.graphs.items():
             optional = graph in OPTIONAL_SPECS
-            exact = tuple(name for name, p in PRECISIONS.items() if p.exact_on_cpu)
-            bounded = (*(() if optional else exact), *specs[graph].precision_tolerances)
+            bounded = (*(() if optional else EXACT_ON_CPU), *specs[graph].precision_tolerances)
             if precision not in bounded:
                 note = " (an optional graph)" if optional else ""
                 raise PrecisionPlanError(f"--precision {self.name}: {graph} has no {precision} body; its "

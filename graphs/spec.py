@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .precision import FP32, PRECISIONS, REDUCED_PRECISIONS
+from .precision import EXACT_ON_CPU, FP32, REDUCED_PRECISIONS
 
 DTYPES: dict[str, type[np.generic]] = {
     "float32": np.float32,
@@ -243,14 +243,14 @@ class GraphSpec:
     def precision_in(self, bundle_precision: str) -> str:
         """This graph's precision in a bundle exported in `bundle_precision`: that one where the spec
         bounds it or it is the float32 body computed otherwise (tf32), else fp32."""
-        if bundle_precision in self.precision_tolerances or _exact_on_cpu(bundle_precision):
+        if bundle_precision in self.precision_tolerances or bundle_precision in EXACT_ON_CPU:
             return bundle_precision
         return FP32.name
 
     def tolerances_for(self, precision: str) -> Mapping[str, Tolerance]:
         """The bounds a body in `precision` is validated with: `tolerances` for the float32 body (fp32,
         tf32)."""
-        if _exact_on_cpu(precision):
+        if precision in EXACT_ON_CPU:
             return self.tolerances
         if precision not in self.precision_tolerances:
             raise ValueError(f"{self.name}: its spec has no {precision} tolerances, so it has no {precision} "
@@ -328,9 +328,3 @@ def empty_caches(spec: GraphSpec) -> dict[str, np.ndarray]:
     return {past: np.zeros(tuple(0 if isinstance(d, str) else d for d in shapes[past].shape),
                            dtype=shapes[past].np_dtype)
             for past, _ in cache_pairs(spec)}
-
-
-def _exact_on_cpu(precision: str) -> bool:
-    """Whether `precision`'s body is the float32 graph, validated on the CPU as fp32 (fp32, tf32)."""
-    found = PRECISIONS.get(precision)
-    return found is not None and found.exact_on_cpu

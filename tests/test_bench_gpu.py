@@ -136,3 +136,28 @@ def test_the_graph_profile_names_each_hot_calls_providers_and_copies(tmp_path: P
         assert f"{r['graph']} (fp32, " in done.output
     missing = CliRunner().invoke(profile_main, ["--model", str(tmp_path / "none")])
     assert missing.exit_code == 2 and missing.output.startswith("error: ")
+
+
+@pytest.mark.filterwarnings("ignore:Specified provider 'CUDAExecutionProvider' is not in available")
+def test_a_probe_session_loads_cudas_libraries_and_refuses_a_fallback(monkeypatch: pytest.MonkeyPatch
+                                                                       ) -> None:
+    """The rate probes and the profiler open their GPU sessions as the runtime does: CUDA's pip libraries
+    loaded first, and a session onnxruntime put on the CPU refused."""
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("CUDA is really available here")
+    from cosyvoice_bench.gpu import device_session
+    from cosyvoice_bench.machine import matmul_model
+    from cosyvoice_runtime.runners import ort as ort_runner
+
+    loads: list[None] = []
+    monkeypatch.setattr(ort, "preload_dlls", lambda: loads.append(None), raising=False)
+    ort_runner.preload_cuda_libraries.cache_clear()
+    try:
+        with pytest.raises(BenchError, match="onnxruntime ran it on CPUExecutionProvider, not "
+                                             "CUDAExecutionProvider"):
+            device_session(matmul_model(2, 2, 2), "cuda", tf32=False)
+        assert loads == [None]
+        assert device_session(matmul_model(2, 2, 2), "cpu", tf32=False).get_providers()[0] == \
+            "CPUExecutionProvider"
+    finally:
+        ort_runner.preload_cuda_libraries.cache_clear()

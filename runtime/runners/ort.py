@@ -38,7 +38,7 @@ ORT_PROVIDERS = {CPU: "CPUExecutionProvider", CUDA: "CUDAExecutionProvider",
 def preload_cuda_libraries() -> None:
     """Load the CUDA and cuDNN libraries of NVIDIA's pip packages (the `gpu` extra installs them) before the
     first GPU session, as onnxruntime's `preload_dlls` does: its CUDA provider finds them only so, or on
-    LD_LIBRARY_PATH. Once per process; what it prints goes to stderr (stdout may carry audio)."""
+    LD_LIBRARY_PATH. Once per process; what it prints goes to stderr, leaving stdout the command's own."""
     preload = getattr(ort, "preload_dlls", None)
     if preload is not None:
         with contextlib.redirect_stdout(sys.stderr):
