@@ -24,7 +24,7 @@ from typing import Any
 import click
 import onnxruntime as ort
 
-from cosyvoice_graphs import CACHE_LEN, PAST_LEN, Case, GraphSpec
+from cosyvoice_graphs import Case, GraphSpec, decode_step_case
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.errors import USER_ERRORS
@@ -46,8 +46,7 @@ def hot_calls(bundle: RuntimeBundle, provider: str) -> dict[str, Case]:
     """The graph the pipeline runs on `provider` for each hot call, and the call's case."""
     run = graphs_run(bundle, provider)
     decode = "llm_decode" if "llm_decode" in run else "llm"
-    llm = Case({"new_len": 1, PAST_LEN: DECODE_PAST},
-               {CACHE_LEN: (DECODE_PAST,)} if decode == "llm_decode" else {})
+    llm = decode_step_case(bundle.specs[decode], DECODE_PAST)
     dit = Case({"new_frames": DIT_NEW, "past_frames": DIT_PAST},
                {"offset": (DIT_PAST,), "block_frames": (bundle.dims.dit_block_frames,)})
     return {decode: llm, "flow_estimator_cached": dit, "hift_decoder": Case({"frames": VOCODER_FRAMES})}

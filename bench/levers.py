@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from cosyvoice_graphs import CACHE_LEN, PAST_LEN, Case, GraphSpec, empty_caches
+from cosyvoice_graphs import Case, GraphSpec, decode_step_case, empty_caches
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.runners import CPU, OPTIMIZATION, OrtRunner, on_openvino
 
@@ -37,8 +37,7 @@ def onnxruntime_levers(bundle: RuntimeBundle, *, frames: int, past_len: int, run
     session; the row the runtime uses is marked (none for a graph it runs on OpenVINO: a bf16 graph's rows
     are its float32 on onnxruntime)."""
     body = decode_body(bundle)
-    values = {CACHE_LEN: (past_len,)} if CACHE_LEN in bundle.specs[body].input_names else {}
-    decode = Case({"new_len": 1, PAST_LEN: past_len}, values)
+    decode = decode_step_case(bundle.specs[body], past_len)
     points = {DIT: (*_offline_dit_call(bundle.specs[DIT], frames), DIT_OUTPUTS),
               body: (decode, bundle.specs[body].sample_inputs(decode), bundle.specs[body].output_names)}
     rows = []

@@ -130,6 +130,32 @@ def _num(value: Any, scale: float = 1.0) -> str:
     return f"{v:.{min(digits, 6)}f}"
 
 
+def _concurrency(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The concurrency table: each level unbatched, then batched (`decode_batch`, where the bundle batches on
+    this provider) and the batched/unbatched ratio of audio per second; LLM tok/s is decodings alone."""
+    batched = any(r.get("batched") for r in rows)
+    header = ["sessions", "length", "shared", "wall s", "audio s/s", "session RTF", "first chunk mean s",
+              "p95 s", "LLM tok/s", "outputs match"]
+    if batched:
+        header += ["batched audio s/s", "ratio", "session RTF", "first chunk p95 s", "LLM tok/s",
+                   "outputs match"]
+    table = []
+    for r in rows:
+        row = [str(r["level"]), r["length"], _num(r["shared_synthesizer"]), _num(r["wall_s"]),
+               _num(r["audio_s_per_s"]), _num(r["session_rtf_mean"]), _num(r["first_chunk_mean_s"]),
+               _num(r.get("first_chunk_p95_s")), _num(r.get("llm_tokens_per_s")), _num(r["outputs_match"])]
+        if batched:
+            b = r.get("batched") or {}
+            ratio = b["audio_s_per_s"] / r["audio_s_per_s"] if b else None
+            row += [_num(b.get("audio_s_per_s")), _num(ratio), _num(b.get("session_rtf_mean")),
+                    _num(b.get("first_chunk_p95_s")), _num(b.get("llm_tokens_per_s")),
+                    _num(b.get("outputs_match"))]
+        table.append(row)
+    title = "concurrency (runtime, streamed sessions in threads, cached prompt" + (
+        "; batched: their decodings in one batch)" if batched else ")")
+    return [title] + ["  " + line for line in _table(header, table)]
+
+
 def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
     rows = [list(header), *map(list, rows)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -184,14 +210,7 @@ def render(result: dict[str, Any]) -> str:
             lines.append(f"  same speech tokens as torch: {_num(case['same_speech_tokens'])}")
         lines += ["  " + line for line in _bounds(case["bounds"], vs_torch)] + [""]
     if result["concurrency"]:
-        lines.append("concurrency (runtime, streamed sessions in threads, cached prompt)")
-        header = ["sessions", "length", "shared", "wall s", "audio s", "audio s/s", "session RTF",
-                  "first chunk mean s", "max s", "outputs match"]
-        lines += ["  " + line for line in _table(header, (
-            [str(r["level"]), r["length"], _num(r["shared_synthesizer"]), _num(r["wall_s"]),
-             _num(r["audio_s"]), _num(r["audio_s_per_s"]), _num(r["session_rtf_mean"]),
-             _num(r["first_chunk_mean_s"]), _num(r["first_chunk_max_s"]), _num(r["outputs_match"])]
-            for r in result["concurrency"]))] + [""]
+        lines += _concurrency(result["concurrency"]) + [""]
     if result["thread_scaling"]:
         lines += _scaling(result["thread_scaling"]) + [""]
     levers = result["levers"]

@@ -11,6 +11,7 @@ while running. A `TrtRunner` keeps device buffers and an execution context per r
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -25,9 +26,10 @@ from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.cosyvoice3 import SegmentSpeech
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.frontend import PromptFeatures
+from cosyvoice_runtime.process_memory import release_free_heap
 from cosyvoice_runtime.runners import TRT
 from cosyvoice_runtime.segments import Segment
-from cosyvoice_runtime.synthesis import AudioChunk, Mode
+from cosyvoice_runtime.synthesis import AudioChunk, Mode, llm_request
 
 from .backend import FirstChunk, OfflineRun, StreamRun
 from .cases import Case
@@ -145,24 +147,50 @@ class RuntimeBackend:
     def concurrent(self, case: Case, prompt: PromptFeatures, level: int, reference_sha256: str
                    ) -> dict[str, Any]:
         """`level` streamed sessions of `case` started together on `level` threads, from tokenised text
-        and a cached prompt (the front end stays outside: wetext's thread safety is not ours to claim).
+        and a cached prompt (the front end stays outside: wetext's thread safety is not ours to claim), and
+        `level` decodings alone (the LLM's tokens per second); then the same with their decodings in one
+        batch (`Synthesizer.set_max_batch`), where this bundle batches on this provider.
 
         `outputs_match` compares every session's audio with `reference_sha256` (a single stream of the
-        same case and seed): sessions that share the `CosyVoice3` must not disturb each other.
+        same case and seed): sessions that share the `CosyVoice3`, or its batch, must not disturb each other.
         """
         piece = self._segment(case)
         shared = self.provider != TRT
         voices = ([self.voice] * level if shared else
                   [CosyVoice3(self.bundle, provider=self.provider, threads=self.threads,
                               seed=self.voice.sampling.seed) for _ in range(level)])
-        barrier = threading.Barrier(level)
+        try:
+            row = {"level": level, "length": case.name, "shared_synthesizer": shared,
+                   **self._sessions(voices, piece, prompt, case.tokens, reference_sha256),
+                   "llm_tokens_per_s": self._decodings(voices, piece, prompt, case.tokens), "batched": None}
+        finally:
+            for voice in voices:
+                if voice is not self.voice:
+                    voice.close()
+        synth = self.voice.synth
+        if level > 1 and synth.lm.in_place is not None:  # the decode batch runs on llm_decode
+            release_free_heap()  # the sessions' threads' heaps, before as many sessions again
+            synth.set_max_batch(level)
+            try:
+                voices = [self.voice] * level
+                row["batched"] = {**self._sessions(voices, piece, prompt, case.tokens, reference_sha256),
+                                  "llm_tokens_per_s": self._decodings(voices, piece, prompt, case.tokens)}
+            finally:
+                synth.set_max_batch(1)
+        release_free_heap()
+        return row
+
+    def _sessions(self, voices: list[CosyVoice3], piece: Segment, prompt: PromptFeatures, tokens: int,
+                  reference_sha256: str) -> dict[str, Any]:
+        """One streamed session per voice, all started together: throughput, session RTF, first chunks."""
+        barrier = threading.Barrier(len(voices))
 
         def session(voice: CosyVoice3) -> tuple[float, float, float, float, str]:
             barrier.wait()
             start = time.perf_counter()
             first = None
             parts = []
-            for chunk in self._speak(voice, piece, prompt, case.tokens, stream=True):
+            for chunk in self._speak(voice, piece, prompt, tokens, stream=True):
                 first = time.perf_counter() - start if first is None else first
                 parts.append(chunk.samples)
             end = time.perf_counter()
@@ -171,33 +199,46 @@ class RuntimeBackend:
             return (start, end, first, len(audio) / voice.sample_rate,
                     hashlib.sha256(audio.tobytes()).hexdigest())
 
-        try:
-            with ThreadPoolExecutor(level) as pool:
-                runs = list(pool.map(session, voices))
-        finally:
-            for voice in voices:
-                if voice is not self.voice:
-                    voice.close()
-        return _concurrency_row(case, level, shared, runs, reference_sha256)
+        with ThreadPoolExecutor(len(voices)) as pool:
+            runs = list(pool.map(session, voices))
+        return _sessions_figures(runs, reference_sha256)
+
+    @staticmethod
+    def _decodings(voices: list[CosyVoice3], piece: Segment, prompt: PromptFeatures, tokens: int) -> float:
+        """Speech tokens per second of one decoding per voice, all started together, nothing else running:
+        the LLM's throughput at that many streams."""
+        request = llm_request(Mode.ZERO_SHOT, piece.text_ids, prompt, piece.prompt_text_ids)
+        barrier = threading.Barrier(len(voices))
+
+        def decode(voice: CosyVoice3) -> tuple[float, float, int]:
+            decoding = voice.synth.decode(request, voice.sampling.sampler(), max_tokens=tokens,
+                                          ignore_stop=True)
+            barrier.wait()
+            start = time.perf_counter()
+            count = sum(1 for _ in decoding)
+            return start, time.perf_counter(), count
+
+        with ThreadPoolExecutor(len(voices)) as pool:
+            runs = list(pool.map(decode, voices))
+        return sum(r[2] for r in runs) / (max(r[1] for r in runs) - min(r[0] for r in runs))
 
     def close(self) -> None:
         self.voice.close()
 
 
-def _concurrency_row(case: Case, level: int, shared: bool,
-                     runs: Sequence[tuple[float, float, float, float, str]], reference_sha256: str
-                     ) -> dict[str, Any]:
+def _sessions_figures(runs: Sequence[tuple[float, float, float, float, str]], reference_sha256: str
+                      ) -> dict[str, Any]:
+    """Concurrent sessions' figures from each one's (start, end, first chunk s, audio s, audio sha256)."""
     wall = max(r[1] for r in runs) - min(r[0] for r in runs)
     audio = sum(r[3] for r in runs)
+    firsts = sorted(r[2] for r in runs)
     return {
-        "level": level,
-        "length": case.name,
-        "shared_synthesizer": shared,
         "wall_s": wall,
         "audio_s": audio,
         "audio_s_per_s": audio / wall,
         "session_rtf_mean": mean([(r[1] - r[0]) / r[3] for r in runs]),
-        "first_chunk_mean_s": mean([r[2] for r in runs]),
-        "first_chunk_max_s": max(r[2] for r in runs),
+        "first_chunk_mean_s": mean(firsts),
+        "first_chunk_p95_s": firsts[math.ceil(0.95 * len(firsts)) - 1],
+        "first_chunk_max_s": firsts[-1],
         "outputs_match": all(r[4] == reference_sha256 for r in runs),
     }

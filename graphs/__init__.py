@@ -3,17 +3,20 @@
 from .precision import PRECISION_NAMES, PRECISIONS, REDUCED_PRECISIONS, Precision, precisions_on
 from .registry import (
     CACHE_LEN,
+    MAX_BATCH,
     ODE_STEPS,
     OPTIONAL_SPECS,
     PAST_LEN,
     SPECS,
     ModelDims,
+    decode_step_case,
     euler_steps,
     metadata,
     ode_time_grid,
     spec,
 )
 from .spec import (
+    BATCH,
     Case,
     DecodeGates,
     DerivedDim,
@@ -26,7 +29,8 @@ from .spec import (
     empty_caches,
 )
 
-__all__ = ["CACHE_LEN", "ODE_STEPS", "OPTIONAL_SPECS", "PAST_LEN", "PRECISIONS", "PRECISION_NAMES",
-           "REDUCED_PRECISIONS", "SPECS", "Case", "DecodeGates", "DerivedDim", "DimRange", "GraphSpec",
-           "ModelDims", "Precision", "SolveGates", "TensorSpec", "Tolerance", "cache_pairs", "empty_caches",
-           "euler_steps", "metadata", "ode_time_grid", "precisions_on", "spec"]
+__all__ = ["BATCH", "CACHE_LEN", "MAX_BATCH", "ODE_STEPS", "OPTIONAL_SPECS", "PAST_LEN", "PRECISIONS",
+           "PRECISION_NAMES", "REDUCED_PRECISIONS", "SPECS", "Case", "DecodeGates", "DerivedDim", "DimRange",
+           "GraphSpec", "ModelDims", "Precision", "SolveGates", "TensorSpec", "Tolerance", "cache_pairs",
+           "decode_step_case", "empty_caches", "euler_steps", "metadata", "ode_time_grid", "precisions_on",
+           "spec"]

@@ -8,7 +8,7 @@ It names one of three things:
   which its spec must bound; the others fp32.
 
 An optional graph (`OPTIONAL_SPECS`: `llm_prefill`, `llm_decode`) is in the bundle only where a profile or a
-list names it, in a reduced precision.
+list names it, in a reduced precision or, where it has a float32 body (`FLOAT32_OPTIONAL`), in fp32.
 
 The manifest records the plan's `name` as the bundle's precision and each graph's own precision beside it.
 """
@@ -37,6 +37,11 @@ PROFILES: dict[str, dict[str, str]] = {
                  "flow_estimator_cached": INT8.name},
 }
 """Named precisions per graph (graphs not named are fp32)."""
+
+
+FLOAT32_OPTIONAL = ("llm_decode",)
+"""Optional graphs with a float32 body: `llm_decode` batches decodings, which `llm` cannot, so `decode=fp32`
+batches them exactly; `llm_prefill` exists only to be faster than `llm` (int8)."""
 
 
 class PrecisionPlanError(ValueError):
@@ -106,11 +111,12 @@ class PrecisionPlan:
         return self.graphs.get(s.name, FP32.name)
 
     def check(self, specs: Mapping[str, GraphSpec]) -> None:
-        """Refuse (one line) a graph given a precision its spec does not bound (an optional graph has no
-        fp32 body: it exists to be faster than its graph)."""
+        """Refuse (one line) a graph given a precision its spec does not bound (an optional graph has a
+        float32 body only where `FLOAT32_OPTIONAL` names it)."""
         for graph, precision in self.graphs.items():
             optional = graph in OPTIONAL_SPECS
-            bounded = (*(() if optional else EXACT_ON_CPU), *specs[graph].precision_tolerances)
+            floats = ((FP32.name,) if graph in FLOAT32_OPTIONAL else ()) if optional else EXACT_ON_CPU
+            bounded = (*floats, *specs[graph].precision_tolerances)
             if precision not in bounded:
                 note = " (an optional graph)" if optional else ""
                 raise PrecisionPlanError(f"--precision {self.name}: {graph} has no {precision} body; its "

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from .precision import BF16, FP16, INT4, INT8
-from .spec import Case, DecodeGates, DerivedDim, DimRange, GraphSpec, SolveGates, TensorSpec, Tolerance
+from .spec import BATCH, Case, DecodeGates, DerivedDim, DimRange, GraphSpec, SolveGates, TensorSpec, Tolerance
 
 OPSET = 17
 FP16_REL_MAX = Tolerance("rel_max_abs", 1e-2)
@@ -194,36 +194,57 @@ def llm_prefill_spec(d: ModelDims) -> GraphSpec:
 
 
 CACHE_LEN = "cache_len"
-"""`llm_decode`'s input: rows of its cache buffers that hold the cache (its cases: all `PAST_LEN` of them)."""
+"""`llm_decode`'s input: per row, the rows of its cache buffers that hold the cache (its cases: all
+`PAST_LEN` of them)."""
+MAX_BATCH = 16
+"""The largest batch `llm_decode`'s profile names (the server's `--max-batch` is at most this)."""
 
 
 def llm_decode_spec(d: ModelDims) -> GraphSpec:
-    """`llm` for onnxruntime's CPU, with its caches in buffers written in place. Each `past_*` is a buffer
-    whose first `cache_len` rows hold the cache; the graph writes the new positions' keys and values at
-    rows `cache_len`.. and returns the buffers as `present_*`, `max(past_len, cache_len + new_len)` rows
-    long. Bound to the memory of `past_*` (onnxruntime's IOBinding), `present_*` are written in place: a
-    decode step neither grows nor copies the cache. Fed buffers of exactly `cache_len` rows, as its cases
-    are, it is `llm`: `present_*` have `total_len` rows.
+    """`llm` for onnxruntime's CPU, with its caches in buffers written in place, and a batch of decodings
+    per call. Row b of each `past_*` is a buffer whose first `cache_len[b]` rows hold that decoding's cache;
+    the graph writes its new positions' keys and values at rows `cache_len[b]`.. and returns the buffers
+    as `present_*`, `max(past_len, max(cache_len) + new_len)` rows long (a row's rows after its own
+    total are unspecified). Bound to the memory of `past_*` (onnxruntime's IOBinding), `present_*` are
+    written in place: a decode step neither grows nor copies the cache. Every row takes `new_len` new
+    positions (the runtime batches decode steps, one position each, and prefills alone). Rows are
+    independent: a row's log-probs and cache do not depend on the others (on the CPU in float32, to the
+    bit: tests/test_batched_decode.py). Fed one row and buffers of exactly `cache_len` rows, as its
+    batch-1 cases are, it is `llm`: `present_*` have `total_len` rows.
 
     Attention is onnxruntime's `GroupQueryAttention` (com.microsoft; CPU kernel), which applies RoPE from
-    a table of the model's `max_position_embeddings` rows (the graph's metadata `max_positions`): one node
-    per layer where `llm` has ~25. Optional (`OPTIONAL_SPECS`): where a bundle's plan names it, the
-    runtime on onnxruntime's CPU runs the decode steps on it and not `llm`; TensorRT and OpenVINO, which
-    have no such operator, keep `llm`."""
+    a table of the model's `max_position_embeddings` rows (the graph's metadata `max_positions`) at each
+    row's own positions: one node per layer where `llm` has ~25. Optional (`OPTIONAL_SPECS`): where a
+    bundle's plan names it, the runtime on onnxruntime's CPU runs the decode steps on it and not `llm`;
+    TensorRT and OpenVINO, which have no such operator, keep `llm`."""
     llm = llm_spec(d)
-    cache_len = TensorSpec(CACHE_LEN, "int64", (1,), "Rows of each past buffer that hold the cache; the new "
-                           "positions start there.", 0, 1)
-    inputs = (llm.inputs[0], cache_len, *llm.inputs[1:])
 
-    def case(new: int, past: int) -> Case:
-        return Case({"new_len": new, PAST_LEN: past}, {CACHE_LEN: (past,)})
+    def batched(t: TensorSpec) -> TensorSpec:
+        return replace(t, shape=(BATCH, *t.shape[1:]))
+
+    cache_len = TensorSpec(CACHE_LEN, "int64", (BATCH,), "Per row, the rows of its past buffers that hold "
+                           "its cache; its new positions start there.", 0, 1)
+    inputs = (batched(llm.inputs[0]), cache_len, *(batched(t) for t in llm.inputs[1:]))
+
+    def case(new: int, past: int, batch: int = 1) -> Case:
+        return Case({BATCH: batch, "new_len": new, PAST_LEN: past}, {CACHE_LEN: (past,) * batch})
 
     return replace(
-        llm, name="llm_decode", doc=llm_decode_spec.__doc__ or "", inputs=inputs,
-        trace=case(5, 3), validate=(case(7, 0), case(1, 9), case(4, 13)),
+        llm, name="llm_decode", version=2, doc=llm_decode_spec.__doc__ or "", inputs=inputs,
+        outputs=tuple(batched(t) for t in llm.outputs),
+        dims={BATCH: DimRange(1, 1, MAX_BATCH), **llm.dims},
+        trace=case(5, 3, batch=2), validate=(case(7, 0), case(1, 9), case(4, 13), case(1, 11, batch=3)),
         precision_tolerances={p: t for p, t in llm.precision_tolerances.items() if p != FP16.name},
         custom_opsets={"com.microsoft": 1},
     )
+
+
+def decode_step_case(s: GraphSpec, past_len: int, *, batch: int = 1) -> Case:
+    """A decode step of `llm` or `llm_decode` after `past_len` cached positions: one new position (per row
+    of `llm_decode`'s `batch`, each buffer holding nothing but its cache)."""
+    if CACHE_LEN not in s.input_names:
+        return Case({"new_len": 1, PAST_LEN: past_len})
+    return Case({BATCH: batch, "new_len": 1, PAST_LEN: past_len}, {CACHE_LEN: (past_len,) * batch})
 
 
 def flow_encoder_spec(d: ModelDims) -> GraphSpec:

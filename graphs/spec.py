@@ -24,6 +24,9 @@ DTYPES: dict[str, type[np.generic]] = {
 
 Shape = tuple[int | str, ...]
 """Each dim is a fixed size or the name of a symbolic dim of the graph."""
+BATCH = "batch"
+"""The symbolic dim of a graph's batch (`llm_decode`'s decodings per call); every other symbolic dim of a
+cache is a length."""
 
 
 @dataclass(frozen=True)
@@ -322,9 +325,10 @@ def cache_pairs(spec: GraphSpec) -> list[tuple[str, str]]:
 
 
 def empty_caches(spec: GraphSpec) -> dict[str, np.ndarray]:
-    """The `past_*` inputs before the first call: zero-length along their symbolic dims (nothing cached
-    yet), zeros where the cache has a fixed size (a causal conv's left padding)."""
+    """The `past_*` inputs of one row before its first call: zero-length along their symbolic lengths
+    (nothing cached yet), one along `BATCH`, zeros where the cache has a fixed size (a causal conv's left
+    padding)."""
     shapes = {t.name: t for t in spec.inputs}
-    return {past: np.zeros(tuple(0 if isinstance(d, str) else d for d in shapes[past].shape),
-                           dtype=shapes[past].np_dtype)
+    return {past: np.zeros(tuple(1 if d == BATCH else 0 if isinstance(d, str) else d
+                                 for d in shapes[past].shape), dtype=shapes[past].np_dtype)
             for past, _ in cache_pairs(spec)}

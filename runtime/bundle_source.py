@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cosyvoice_graphs.bundle_layout import FORMAT_VERSION, GRAPHS_DIR, MANIFEST, MODEL_YAML
+from cosyvoice_graphs.bundle_layout import GRAPHS_DIR, MANIFEST, MODEL_YAML
 from cosyvoice_graphs.precision import FP32
 
 from .atomic_files import write_json_atomic
@@ -105,7 +105,7 @@ def _runtime_bundle(path: Path, origin: str, progress: bool, precision: str, *, 
     if precision != FP32.name:
         folder = folder.with_name(f"{folder.name}-{precision}")
     out, stamp = folder / "runtime", _stamp(resolved)
-    if _format_version(out / MANIFEST) == FORMAT_VERSION and _read_json(folder / STAMP) == stamp:
+    if _read_json(folder / STAMP) == stamp and _opens(out):
         return BundleChoice(out, f"{origin} ({path}), exported earlier to {out}", default)
     _export(resolved, out, f"{path} ({origin})", progress, precision)
     write_json_atomic(folder / STAMP, stamp)
@@ -164,8 +164,11 @@ def _read_json(path: Path) -> object:
         return None
 
 
-def _format_version(manifest: Path) -> object:
-    """The format version of a cached export's manifest (None if it has none): an export an earlier
-    exporter made in another format is made again."""
-    data = _read_json(manifest)
-    return data.get("format_version") if isinstance(data, dict) else None
+def _opens(out: Path) -> bool:
+    """Whether this runtime opens the cached export `out` (its format and its graphs' spec versions are
+    ours): one an earlier exporter made otherwise is made again."""
+    try:
+        RuntimeBundle.open(out)
+    except RuntimeBundleError:
+        return False
+    return True

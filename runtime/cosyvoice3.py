@@ -21,6 +21,7 @@ The lower level, which `cosyvoice-run`, the server, the golden runner and the be
 (the text as upstream normalises, splits and formats it), `prompt_features` (a prompt recording's
 tokens, mel and x-vector; its first call opens the front end's two models, which a process that speaks only
 registered speakers never loads) and `speak` (one segment's audio chunks, with its speech tokens).
+Ours beside upstream's: `synthesize_many`, many texts at once, their decodings batched (`max_batch`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -41,6 +43,7 @@ from cosyvoice_graphs.precision import FP16, FP32
 
 from .bundle import RuntimeBundle
 from .bundle_source import choose_bundle
+from .decode_batch import BatchObserver
 from .errors import UserError
 from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from .frontend import (
@@ -60,7 +63,15 @@ from .runners import CPU, TENSORRT
 from .sampling import Sampling
 from .segments import Segment, segments
 from .speakers import Speaker, SpeakerRegistry, check_name, default_speakers_dir, frontend_fingerprint
-from .synthesis import AudioChunk, ChunkPolicy, Mode, Synthesizer, llm_request
+from .synthesis import (
+    AudioChunk,
+    ChunkPolicy,
+    Mode,
+    Synthesizer,
+    check_max_batch,
+    closing_after,
+    llm_request,
+)
 
 PromptWav = str | Path | BinaryIO | tuple[np.ndarray, int] | PromptAudio
 """A prompt recording: a file's path, an open binary file, (samples, sample rate) with samples (N,) or
@@ -98,8 +109,8 @@ class CosyVoice3:
     def __init__(self, model_dir: str | Path | RuntimeBundle, *, load_trt: bool = False,
                  load_vllm: bool = False, fp16: bool = False, trt_concurrent: int = 1, provider: str = CPU,
                  threads: int | None = None, sampling: str = "ras", seed: int = 0, verify: bool = True,
-                 speakers_dir: Path | None = None, flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
-                 ) -> None:
+                 speakers_dir: Path | None = None, flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+                 max_batch: int = 1, batch_observer: BatchObserver | None = None) -> None:
         """Open `model_dir`: a runtime bundle, a model bundle exported on first use as `cosyvoice-run
         --model` does, or a bundle opened already. `provider` and `threads` place the graphs
         (`cosyvoice_runtime.runners.PROVIDERS`); `sampling` is upstream's repetition-aware sampling
@@ -107,7 +118,10 @@ class CosyVoice3:
         bundle file's sha256 against the manifest here (the prompt front end's models too, which open on
         first use); `speakers_dir` is the speaker registry folder (default: `default_speakers_dir()`);
         `flow_prefix_bytes` bounds the per-prompt flow prefixes that streams of one speaker share
-        (`Flow.prefixes`).
+        (`Flow.prefixes`); `max_batch` > 1 decodes the speech ids of concurrent calls (threads, the server's
+        sessions, `synthesize_many`) together, up to that many per `llm_decode` call (`decode_batch`,
+        reporting to `batch_observer`; the bundle needs `llm_decode`: `--precision cpu-fast` or
+        `decode=fp32`).
 
         Upstream's own keywords are taken for what they mean here: `load_trt` runs the graphs on
         onnxruntime's TensorRT provider (upstream's DiT runs as a TensorRT plan it builds on first use);
@@ -126,6 +140,7 @@ class CosyVoice3:
             raise UserError(f"fp16=True: {bundle.root} is a {bundle.manifest.precision} bundle; give its "
                             "model directory (exported in fp16 on first use) or an export with "
                             "cosyvoice-export all --precision fp16")
+        check_max_batch(max_batch, bundle, provider)
         if verify and bundle is not model_dir:  # hashed once it is known to be the bundle asked for
             bundle = RuntimeBundle.open(bundle.root, verify=True)
         self.bundle = bundle
@@ -134,7 +149,8 @@ class CosyVoice3:
         self._prompt_lock = threading.Lock()
         self._prompt_sessions: tuple[onnxruntime.InferenceSession, onnxruntime.InferenceSession] | None = None
         """CAM++ and the speech tokenizer once a prompt needed them (`_prompt_models`)."""
-        self.synth = Synthesizer(self.bundle, provider, threads=threads, flow_prefix_bytes=flow_prefix_bytes)
+        self.synth = Synthesizer(self.bundle, provider, threads=threads, flow_prefix_bytes=flow_prefix_bytes,
+                                 max_batch=max_batch, batch_observer=batch_observer)
         self.prefix_jobs = PrefixJobs(self.synth.flow, self.synth.live)
         """Speakers' flow prefixes computed in the background (a thread started by the first job)."""
         self._speakers_dir = speakers_dir
@@ -258,12 +274,41 @@ class CosyVoice3:
         if stream:  # checked before the LLM runs
             policy = self.chunk_policy(policy, first_chunk_tokens=first_chunk_tokens)
         request = llm_request(mode, piece.text_ids, prompt, piece.prompt_text_ids)
-        decoding = self.synth.lm.decode(request, (sampling or self.sampling).sampler(), max_tokens=max_tokens,
-                                        ignore_stop=ignore_stop)
+        decoding = self.synth.decode(request, (sampling or self.sampling).sampler(), max_tokens=max_tokens,
+                                     ignore_stop=ignore_stop)
         tokens = watch(decoding) if watch is not None else decoding
-        if stream:
-            return SegmentSpeech(self.synth.stream_tokens(tokens, prompt, policy=policy), decoding.tokens)
-        return SegmentSpeech(self._offline(tokens, prompt, speed), decoding.tokens)
+        chunks = (self.synth.stream_tokens(tokens, prompt, policy=policy) if stream
+                  else self._offline(tokens, prompt, speed))
+        return SegmentSpeech(closing_after(chunks, decoding), decoding.tokens)
+
+    def synthesize_many(self, texts: Sequence[str], prompt_wav: PromptWav | None = None, *,
+                        mode: Mode | str = Mode.ZERO_SHOT, prompt_text: str = "", instruct_text: str = "",
+                        zero_shot_spk_id: str = "", speed: float = 1.0, text_frontend: bool = True
+                        ) -> list[np.ndarray]:
+        """Many texts in one voice (`prompt_wav`, or the speaker `zero_shot_spk_id`), offline: each text's
+        audio, its segments joined, in the order given. The texts run at once, each on a thread of its own
+        (`max_batch` of them), so that their speech ids decode in one batch while their flow and vocoder
+        calls share the cores; each text's audio is what `inference_*` makes of it alone (each segment from
+        a fresh sampler of this object's sampling). Every text is checked before any runs."""
+        mode = Mode(mode)
+        speaker = self._speaker(zero_shot_spk_id)
+        prompt = speaker or prompt_wav
+        if prompt is None:
+            raise UserError("prompt_wav is needed unless zero_shot_spk_id names an added speaker")
+        _check_speed(False, speed)
+        prompt_text = speaker.prompt_text if speaker and mode is Mode.ZERO_SHOT else prompt_text
+        pieces = [self.segments(mode, text, prompt_text=prompt_text, instruct=instruct_text,
+                                text_frontend=text_frontend, text_name=f"texts[{i}]")
+                  for i, text in enumerate(texts)]
+        features = prompt.features if isinstance(prompt, Speaker) else self.prompt_features(prompt)
+
+        def one(segments: list[Segment]) -> np.ndarray:
+            return np.concatenate([chunk.samples for piece in segments
+                                   for chunk in self.speak(piece, features, mode, speed=speed)])
+
+        workers = self.synth.batcher.max_batch if self.synth.batcher is not None else 1
+        with ThreadPoolExecutor(workers, thread_name_prefix="synthesize-many") as pool:
+            return list(pool.map(one, pieces))
 
     def chunk_policy(self, policy: ChunkPolicy | None = None, *, first_chunk_tokens: int | None = None
                      ) -> ChunkPolicy:

@@ -22,7 +22,7 @@ from typing import TypeAlias
 import numpy as np
 import onnxruntime as ort
 
-from cosyvoice_graphs import CACHE_LEN, GraphSpec, cache_pairs, empty_caches
+from cosyvoice_graphs import BATCH, CACHE_LEN, GraphSpec, cache_pairs, empty_caches
 
 from .runners import Feed, OrtRunner, Runner
 from .sampling import Sampler, SilentTokenLimiter
@@ -93,8 +93,8 @@ class KVBuffers:
         tensors = {t.name: t for t in self.spec.inputs}
         arrays = {}
         for past, _ in self.pairs:
-            # a cache's one symbolic dim is its rows
-            shape = tuple(rows if isinstance(d, str) else d for d in tensors[past].shape)
+            # one decoding: one row of the batch, `rows` positions
+            shape = tuple(1 if d == BATCH else rows if isinstance(d, str) else d for d in tensors[past].shape)
             arrays[past] = np.zeros(shape, dtype=tensors[past].np_dtype)  # pages mapped as written
             if self.length:
                 arrays[past][:, :, :self.length] = self.arrays[past][:, :, :self.length]
@@ -184,12 +184,19 @@ class SpeechTokenLM:
 
     def _extend(self, embeds: np.ndarray, cache: KVBuffers) -> np.ndarray:
         """A call on `llm_decode`, which writes the new positions into `cache`'s buffers."""
-        assert self.in_place is not None
         cache.reserve(embeds.shape[1])
-        feeds = {"inputs_embeds": embeds, CACHE_LEN: np.array([cache.length], dtype=np.int64), **cache.values}
-        out = self.in_place.infer_in_place(feeds, self._written_into, ["logp"])
+        logp = self.extend_rows(embeds, np.array([cache.length], dtype=np.int64), cache.values)
         cache.length += embeds.shape[1]
-        return out["logp"][0]
+        return logp[0]
+
+    def extend_rows(self, embeds: np.ndarray, lengths: np.ndarray, buffers: Mapping[str, ort.OrtValue]
+                    ) -> np.ndarray:
+        """One `llm_decode` call over a batch: embeds (B, T, C), row b's cache the first `lengths[b]`
+        positions of row b of `buffers` (`past_*` -> a (B, KV, rows, D) buffer on the CPU), which must have
+        room for T more; writes the new positions there and returns logp (B, V)."""
+        assert self.in_place is not None
+        feeds = {"inputs_embeds": embeds, CACHE_LEN: lengths, **buffers}
+        return self.in_place.infer_in_place(feeds, self._written_into, ["logp"])["logp"]
 
     def decode(self, request: LlmRequest, sampler: Sampler, *, max_tokens: int | None = None,
                ignore_stop: bool = False) -> Decoding:
@@ -234,17 +241,40 @@ class Decoding(Iterator[int]):
 
     def __next__(self) -> int:
         while not self.finished:
-            token = self._sample()
+            token = self.advance()
             if token is not None:
                 return token
         raise StopIteration
 
-    def _sample(self) -> int | None:
-        """One decoding step; returns the kept id, or None if it was dropped or decoding ended."""
+    @property
+    def next_embeds(self) -> np.ndarray:
+        """What the next call is fed: the request's prompt (1, T, C) before the prefill, then the last
+        sampled id's row (1, 1, C)."""
+        return self._next_embeds
+
+    def close(self) -> None:
+        """Stop decoding: no more steps run (the ids kept so far stay)."""
+        self.finished = True
+
+    def wants_step(self) -> bool:
+        """Whether another step runs (False once a stop id, `max_len` or `close` ended decoding)."""
         if self.steps >= self.max_len:
             self.finished = True
+        return not self.finished
+
+    def advance(self) -> int | None:
+        """One decoding step on this decoding's own cache; returns the kept id, or None if it was dropped or
+        decoding ended."""
+        if not self.wants_step():
             return None
         logp, self.cache = self.lm.step(self._next_embeds, self.cache)
+        return self.take(logp)
+
+    def take(self, logp: np.ndarray) -> int | None:
+        """The step after a call: sample from its log-probs (V,) at the last position (masked as upstream
+        does), end at a stop id, feed the id back, apply the silent-token limiter; returns the kept id, or
+        None. A batch (`decode_batch.DecodeBatcher`) makes the call for many decodings and gives each its
+        row."""
         stop_from = self.lm.speech_token_size
         if self.steps < self.min_len or self.ignore_stop:
             logp = logp.copy()

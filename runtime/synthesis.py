@@ -28,13 +28,15 @@ from typing import Any, Literal, Self
 
 import numpy as np
 
+from cosyvoice_graphs import MAX_BATCH
 from cosyvoice_graphs.bundle_layout import FLOW_NOISE, SINE_NOISE, SPEECH_EMBEDDING, TEXT_EMBEDDING
 
 from .bundle import RuntimeBundle
-from .errors import SynthesisError
+from .decode_batch import BatchedDecoding, BatchObserver, DecodeBatcher
+from .errors import SynthesisError, UserError
 from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from .frontend import PromptFeatures
-from .llm import LlmRequest, SpeechTokenLM
+from .llm import Decoding, LlmRequest, SpeechTokenLM
 from .prefix_jobs import LiveWork
 from .runners import CPU, Runner, graphs_run, open_runner
 from .sampling import Sampler
@@ -227,10 +229,14 @@ class Synthesizer:
     """The bundle's graphs, opened once on one provider, and the tables they read."""
 
     def __init__(self, bundle: RuntimeBundle, provider: str = CPU, *, threads: int | None = None,
-                 flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:
+                 flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, max_batch: int = 1,
+                 batch_observer: BatchObserver | None = None) -> None:
         """Open every graph of `bundle` on `provider` (see `cosyvoice_runtime.runners.PROVIDERS`);
-        `flow_prefix_bytes` bounds the streaming flow's per-prompt cache (`Flow.prefixes`)."""
-        self.bundle = bundle
+        `flow_prefix_bytes` bounds the streaming flow's per-prompt cache (`Flow.prefixes`). `max_batch` > 1
+        decodes concurrent requests' speech ids together (`decode_batch`, reporting to `batch_observer`),
+        which needs the bundle's `llm_decode` on onnxruntime's CPU; 1 decodes each on its own."""
+        check_max_batch(max_batch, bundle, provider)  # before any graph opens
+        self.bundle, self.provider = bundle, provider
         self.dims = bundle.dims
         self._runners: dict[str, Runner] = {}
         try:
@@ -251,6 +257,18 @@ class Synthesizer:
         self.live = LiveWork()
         """Streams and offline syntheses in flight, held from their first step to their end: background work
         (`PrefixJobs`) waits while there are any."""
+        self.batcher: DecodeBatcher | None = None
+        """Where decodings run when `max_batch` > 1."""
+        self.set_max_batch(max_batch, batch_observer)
+
+    def set_max_batch(self, max_batch: int, observer: BatchObserver | None = None) -> None:
+        """Decode the requests started from now on in a batch of up to `max_batch` (`decode_batch`, reporting
+        to `observer`), or each on its own (1); the batch before is closed, so call it between requests. A
+        `UserError` (one line) where these graphs cannot batch (`check_max_batch`)."""
+        check_max_batch(max_batch, self.bundle, self.provider)
+        if self.batcher is not None:
+            self.batcher.close()
+        self.batcher = DecodeBatcher(self.lm, max_batch, observer) if max_batch > 1 else None
 
     @property
     def runners(self) -> Mapping[str, Runner]:
@@ -263,7 +281,10 @@ class Synthesizer:
         return self.dims.sample_rate
 
     def close(self) -> None:
-        """Release every runner."""
+        """Stop the batch and release every runner."""
+        batcher: DecodeBatcher | None = getattr(self, "batcher", None)  # None too while the runners open
+        if batcher is not None:
+            batcher.close()
         for runner in self._runners.values():
             runner.close()
 
@@ -273,6 +294,12 @@ class Synthesizer:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+    def decode(self, request: LlmRequest, sampler: Sampler, *, max_tokens: int | None = None,
+               ignore_stop: bool = False) -> Decoding | BatchedDecoding:
+        """`SpeechTokenLM.decode`, its steps after the prefill run in the batch where there is one."""
+        decoding = self.lm.decode(request, sampler, max_tokens=max_tokens, ignore_stop=ignore_stop)
+        return decoding if self.batcher is None else self.batcher.submit(decoding)
 
     # --- offline ---------------------------------------------------------------------------------------
 
@@ -300,8 +327,11 @@ class Synthesizer:
         for benchmarks (see `SpeechTokenLM.decode`).
         """
         request = llm_request(mode, text_ids, prompt, prompt_text_ids)
-        decoding = self.lm.decode(request, sampler, max_tokens=max_tokens, ignore_stop=ignore_stop)
-        return self.synthesize_tokens(decoding, prompt, speed=speed)
+        decoding = self.decode(request, sampler, max_tokens=max_tokens, ignore_stop=ignore_stop)
+        try:
+            return self.synthesize_tokens(decoding, prompt, speed=speed)
+        finally:
+            decoding.close()
 
     def synthesize_tokens(self, tokens: Iterable[int], prompt: PromptFeatures, *, speed: float = 1.0
                           ) -> Synthesis:
@@ -325,8 +355,8 @@ class Synthesizer:
         Upstream ignores `speed` when streaming, so there is none here.
         """
         request = llm_request(mode, text_ids, prompt, prompt_text_ids)
-        decoding = self.lm.decode(request, sampler, max_tokens=max_tokens, ignore_stop=ignore_stop)
-        return self.stream_tokens(decoding, prompt, policy=policy)
+        decoding = self.decode(request, sampler, max_tokens=max_tokens, ignore_stop=ignore_stop)
+        return closing_after(self.stream_tokens(decoding, prompt, policy=policy), decoding)
 
     def stream_tokens(self, tokens: Iterable[int], prompt: PromptFeatures, *,
                       policy: ChunkPolicy | None = None) -> Iterator[AudioChunk]:
@@ -363,6 +393,26 @@ class Synthesizer:
             raise ValueError(f"first_chunk_tokens must be >= {fewest} (the vocoder holds back {held} mel "
                              f"frames), got {policy.first_chunk_tokens}")
         return policy
+
+
+def check_max_batch(max_batch: int, bundle: RuntimeBundle, provider: str) -> None:
+    """A `UserError` (one line) unless `bundle` on `provider` decodes in batches of `max_batch`: 1 always,
+    up to `MAX_BATCH` on `llm_decode` (onnxruntime's CPU)."""
+    if not 1 <= max_batch <= MAX_BATCH:
+        raise UserError(f"max_batch is {max_batch}; expected 1 to {MAX_BATCH}")
+    if max_batch > 1 and "llm_decode" not in graphs_run(bundle, provider):
+        raise UserError(f"max_batch {max_batch}: batched decoding runs on llm_decode on the cpu provider; "
+                        f"{bundle.root} ({bundle.manifest.precision}) on {provider!r} decodes on llm (export "
+                        "--precision cpu-fast, or decode=fp32 for float32)")
+
+
+def closing_after(chunks: Iterator[AudioChunk], decoding: Decoding | BatchedDecoding) -> Iterator[AudioChunk]:
+    """`chunks`, then `decoding` closed, however the stream ends (exhausted, failed, or dropped by its
+    consumer): a batched decoding's row is freed then."""
+    try:
+        yield from chunks
+    finally:
+        decoding.close()
 
 
 class _Stream:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import click
 
+from cosyvoice_graphs import MAX_BATCH
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
@@ -69,7 +70,12 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
               help="onnxruntime's intra-op threads per graph [default: the bundle's tuning file, else the "
                    "measured setting, else one per core].")
 @click.option("--max-conc", type=click.IntRange(min=1), default=DEFAULTS.max_concurrency,
-              help="Sessions synthesising at once (one on the CPU: each graph call uses every core).")
+              help="Sessions synthesising at once (one on the CPU: each graph call uses every core; "
+                   "--max-batch runs more).")
+@click.option("--max-batch", type=click.IntRange(1, MAX_BATCH), default=DEFAULTS.max_batch,
+              help="Sessions whose speech tokens one LLM call decodes together (continuous batching; that "
+                   "many run at once, --max-conc or more). Needs a bundle with llm_decode (export "
+                   "--precision cpu-fast, or decode=fp32 for float32) on the cpu provider; 1: no batching.")
 @click.option("--queue", "queue_depth", type=click.IntRange(min=0), default=DEFAULTS.queue_depth,
               help="Sessions waiting for a slot; beyond them the server answers 503 (gRPC: "
                    "RESOURCE_EXHAUSTED) at once.")
@@ -110,8 +116,8 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
                    "(lower latency; a deviation from upstream's schedule) [default: upstream's].")
 @ray_options
 def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model: Path | None, provider: str,
-          threads: int | None, max_conc: int,
-          queue_depth: int, timeout: float, speakers_dir: Path | None, sampling: str, seed: int | None,
+          threads: int | None, max_conc: int, max_batch: int, queue_depth: int, timeout: float,
+          speakers_dir: Path | None, sampling: str, seed: int | None,
           flow_prefix_mib: int, max_text: int, api_key: str | None, max_body_mib: int,
           cors_origins: tuple[str, ...], docs: bool, prompt_dir: Path | None, first_chunk_tokens: int | None,
           ray: RayOptions | None) -> None:
@@ -135,8 +141,8 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
     if first_chunk_tokens is not None and first_chunk_tokens < 1:
         _refuse(f"--first-chunk-tokens must be >= 1, got {first_chunk_tokens}")
-    settings = ServerSettings(max_concurrency=max_conc, queue_depth=queue_depth, timeout=timeout,
-                              max_text_chars=max_text, sampling=sampling, seed=seed,
+    settings = ServerSettings(max_concurrency=max_conc, max_batch=max_batch, queue_depth=queue_depth,
+                              timeout=timeout, max_text_chars=max_text, sampling=sampling, seed=seed,
                               speakers_dir=speakers_dir or DEFAULTS.speakers_dir, api_key=api_key,
                               max_body_bytes=max_body_mib << 20, cors_origins=cors_origins, docs=docs,
                               prompt_dir=prompt_dir, first_chunk_tokens=first_chunk_tokens)
@@ -153,7 +159,7 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
         return
     try:
         engine = Engine.open(model, provider=provider, flow_prefix_bytes=flow_prefix_mib << 20,
-                             threads=threads)
+                             threads=threads, max_batch=max_batch)
     except USER_ERRORS as e:
         _refuse(str(e))
     try:

@@ -8,7 +8,9 @@ around the runners keep no per-call state: `SpeechTokenLM.decode` returns a `Dec
 cache and history, `Synthesizer.stream_tokens` keeps an utterance's state (its mel, flow and vocoder
 streams) in a `_Stream` of its own, `Flow` and `Vocoder` only read their tables, and the per-prompt flow
 prefixes (`FlowPrefixCache`, read-only arrays) and the lazily drawn sine-noise table (`UniformNoise`) take
-a lock. The registered speakers' prefixes are computed by `CosyVoice3.prefix_jobs` on a thread of its own,
+a lock. With `max_batch` > 1 the sessions' decodings run in one `DecodeBatcher` (`decode_batch`): a thread
+of its own that alone touches the batch's caches and takes prefilled decodings through a lock. The
+registered speakers' prefixes are computed by `CosyVoice3.prefix_jobs` on a thread of its own,
 one graph call at a time, none while any session synthesises. A test runs two sessions at once and gets
 `cosyvoice-run`'s samples from both. The one exception is TensorRT: a `TrtRunner` reuses one execution
 context and its device buffers per call, so the server offers the onnxruntime providers and OpenVINO
@@ -45,6 +47,7 @@ from cosyvoice_runtime.speakers import frontend_fingerprint
 from cosyvoice_runtime.synthesis import Mode, Synthesizer
 
 from .errors import FieldError
+from .metrics import BatchMetrics
 from .queue import Session
 from .settings import SERVER_PROVIDERS
 
@@ -119,16 +122,22 @@ class Engine:
     """A runtime bundle opened for serving: synthesis and prompt extraction, callable from any thread."""
 
     def __init__(self, bundle: RuntimeBundle, origin: str, *, provider: str = CPU,
-                 flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, threads: int | None = None) -> None:
+                 flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, threads: int | None = None,
+                 max_batch: int = 1) -> None:
         """Open every graph of `bundle` on `provider` (one of `SERVER_PROVIDERS`) with `threads` intra-op
         threads (None: the provider's default, every core); `flow_prefix_bytes` bounds the per-prompt flow
-        prefixes that streams from one speaker share (`Flow.prefixes`)."""
+        prefixes that streams from one speaker share (`Flow.prefixes`); `max_batch` > 1 decodes the speech
+        ids of that many sessions in one LLM call (`decode_batch`: a `UserError` where the bundle has no
+        `llm_decode` on `provider`)."""
         if provider not in SERVER_PROVIDERS:
             raise ValueError(f"the server runs on providers whose runners sessions can share "
                              f"({', '.join(SERVER_PROVIDERS)}); got {provider!r}")
         self.bundle, self.origin, self.provider = bundle, origin, provider
+        self.batch_metrics = BatchMetrics() if max_batch > 1 else None
+        """What the decode batch reports, where there is one."""
         self.voice = CosyVoice3(bundle, provider=provider, threads=threads,
-                                flow_prefix_bytes=flow_prefix_bytes)
+                                flow_prefix_bytes=flow_prefix_bytes, max_batch=max_batch,
+                                batch_observer=self.batch_metrics)
         self.default_prompt = bundle.default_prompt()
         """The bundle's own prompt recording and its transcript, or None (exports of upstream's)."""
         self._text_lock = threading.Lock()
@@ -137,11 +146,12 @@ class Engine:
 
     @classmethod
     def open(cls, model: Path | None, *, provider: str = CPU,
-             flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, threads: int | None = None) -> Engine:
+             flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, threads: int | None = None,
+             max_batch: int = 1) -> Engine:
         """The bundle `cosyvoice-run` would use for `--model model` (verified), opened for serving."""
         choice = choose_bundle(model)
         return cls(RuntimeBundle.open(choice.path, verify=True), choice.origin, provider=provider,
-                   flow_prefix_bytes=flow_prefix_bytes, threads=threads)
+                   flow_prefix_bytes=flow_prefix_bytes, threads=threads, max_batch=max_batch)
 
     @property
     def synth(self) -> Synthesizer:

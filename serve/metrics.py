@@ -105,13 +105,41 @@ class Histogram:
         return lines
 
 
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+class BatchMetrics:
+    """What the engine's decode batch reports (a `cosyvoice_runtime.decode_batch.BatchObserver`)."""
+
+    def __init__(self) -> None:
+        self.batch_size = Histogram("tts_decode_batch_size", "Sessions one LLM decode step advanced.",
+                                    BATCH_BUCKETS)
+        self.step_seconds = Histogram("tts_decode_step_seconds", "Seconds of one batched LLM decode step.",
+                                      (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0))
+        self.wait_seconds = Histogram("tts_decode_batch_wait_seconds", "Seconds a session's decoding waited "
+                                      "for a place in the batch after its prefill.", SECONDS_BUCKETS)
+
+    def step(self, rows: int, seconds: float) -> None:
+        self.batch_size.observe(rows)
+        self.step_seconds.observe(seconds)
+
+    def admitted(self, waited: float) -> None:
+        self.wait_seconds.observe(waited)
+
+    @property
+    def histograms(self) -> list[Histogram]:
+        return [self.batch_size, self.step_seconds, self.wait_seconds]
+
+
 class ServerMetrics:
-    """The server's metrics: the bridge's five, first-chunk latency, the queue and session outcomes."""
+    """The server's metrics: the bridge's five, first-chunk latency, the queue and session outcomes, the
+    flow prefixes and the decode batch."""
 
     def __init__(self, running: Callable[[], float], waiting: Callable[[], float], prefixes: FlowPrefixCache,
-                 prefix_jobs: PrefixJobs) -> None:
+                 prefix_jobs: PrefixJobs, batch: BatchMetrics | None = None) -> None:
         """`running` and `waiting` read the session queue's current counts; `prefixes` is the engine's
-        per-prompt flow cache and `prefix_jobs` the background jobs that fill it for speakers."""
+        per-prompt flow cache and `prefix_jobs` the background jobs that fill it for speakers; `batch` what
+        its decode batch reports (none: it has no batch)."""
         self.requests_total = Counter("tts_requests_total", "Synthesis requests received.")
         self.requests_success = Counter("tts_requests_success", "Synthesis requests answered with audio.")
         self.requests_error = Counter("tts_requests_error", "Synthesis requests answered with an error "
@@ -148,7 +176,7 @@ class ServerMetrics:
         self._all: list[Counter | Gauge | Histogram] = [
             self.requests_total, self.requests_success, self.requests_error, self.requests_rejected,
             self.sessions_cancelled, self.synthesis_seconds, self.rtf, self.first_chunk_seconds,
-            self.queue_depth, self.active_sessions, *self.prefix_cache]
+            self.queue_depth, self.active_sessions, *self.prefix_cache, *(batch.histograms if batch else ())]
 
     def render(self) -> str:
         """Every metric in the text exposition format."""

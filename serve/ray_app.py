@@ -100,7 +100,8 @@ class CosyVoiceReplica:
         threads = math.ceil(cpus) if cpus else None
         try:
             self.engine = Engine.open(config.model, provider=config.provider,
-                                      flow_prefix_bytes=config.flow_prefix_bytes, threads=threads)
+                                      flow_prefix_bytes=config.flow_prefix_bytes, threads=threads,
+                                      max_batch=config.settings.max_batch)
         except USER_ERRORS as e:
             raise self._start_error(e) from None
 

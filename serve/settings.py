@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cosyvoice_graphs import MAX_BATCH
 from cosyvoice_runtime.runners import OPENVINO, ORT_PROVIDERS
 from cosyvoice_runtime.sampling import MAX_SEED, SAMPLINGS
 from cosyvoice_runtime.segments import MAX_TEXT_CHARS
@@ -37,7 +38,11 @@ class ServerSettings:
     """How the server admits and bounds work; the model side is `Engine`'s."""
 
     max_concurrency: int = 1
-    """Sessions synthesising at once. One on the CPU: every graph call already uses all cores."""
+    """Sessions synthesising at once. One on the CPU: every graph call already uses all cores (unless their
+    decoding is batched: `max_batch`)."""
+    max_batch: int = 1
+    """Sessions whose speech ids one LLM call decodes together (continuous batching, `decode_batch`; the
+    bundle needs `llm_decode`); 1: each session decodes on its own."""
     queue_depth: int = 8
     """Sessions admitted to wait for a slot; one more is refused with 503 at once."""
     timeout: float = 300.0
@@ -66,9 +71,17 @@ class ServerSettings:
     """Every stream's first chunk after this many speech tokens (`ChunkPolicy.first_chunk_tokens`, a
     deviation from upstream's schedule for latency); None: upstream's schedule."""
 
+    @property
+    def sessions_at_once(self) -> int:
+        """Sessions the queue runs at once: `max_concurrency`, or `max_batch` where more, so that a batch can
+        fill."""
+        return max(self.max_concurrency, self.max_batch)
+
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if not 1 <= self.max_batch <= MAX_BATCH:
+            raise ValueError(f"max_batch must be from 1 to {MAX_BATCH}, got {self.max_batch}")
         if self.queue_depth < 0:
             raise ValueError(f"queue_depth must be >= 0, got {self.queue_depth}")
         if self.timeout <= 0:

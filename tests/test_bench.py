@@ -124,6 +124,9 @@ def check_common(result: dict[str, Any], lengths: list[str], levels: list[int], 
     for row in result["concurrency"]:
         assert row["shared_synthesizer"] is True and row["outputs_match"] is True
         assert row["wall_s"] > 0 and row["audio_s"] > 0 and row["first_chunk_max_s"] > 0
+        assert row["first_chunk_mean_s"] <= row["first_chunk_p95_s"] <= row["first_chunk_max_s"]
+        assert row["llm_tokens_per_s"] > 0
+        assert row["batched"] is None  # the bundle has no llm_decode: no decode batch
     levers = result["levers"]["onnxruntime"]
     assert len(levers) == 2 * 4 * 2 and all(r["seconds_per_call"] > 0 for r in levers)
     assert sorted(r["graph"] for r in levers if r["runtime_default"]) == ["flow_estimator_cached", "llm"]

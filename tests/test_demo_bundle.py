@@ -122,6 +122,10 @@ def test_model_dir_env_is_exported_once_into_the_cache(
     manifest = first.path / MANIFEST  # an export in an earlier format is made again
     manifest.write_text(json.dumps(json.loads(manifest.read_text()) | {"format_version": FORMAT_VERSION - 1}))
     assert "exported now" in choose_bundle(None, progress=False).origin and len(exports) == 3
+    entry = json.loads(manifest.read_text())  # and so is one whose graph is at an earlier spec version
+    entry["graphs"]["llm"]["spec_version"] = 0
+    manifest.write_text(json.dumps(entry))
+    assert "exported now" in choose_bundle(None, progress=False).origin and len(exports) == 4
     explicit = choose_bundle(runtime_bundle)
     assert explicit.path == runtime_bundle and not explicit.default
 

@@ -849,9 +849,10 @@ def test_port_model_and_api_key_from_flags_then_environment_then_dotenv(
         monkeypatch.setenv(key, value)
     opened: list[tuple[Path | None, str | None]] = []
 
-    def open_engine(model: Path | None, provider: str, flow_prefix_bytes: int, threads: int | None
-                    ) -> _Unclosable:
-        assert flow_prefix_bytes == 2 << 30 and threads is None  # --flow-prefix-cache's default, 2048 MiB
+    def open_engine(model: Path | None, provider: str, flow_prefix_bytes: int, threads: int | None,
+                    max_batch: int) -> _Unclosable:
+        # --flow-prefix-cache's default, 2048 MiB; no batching by default
+        assert flow_prefix_bytes == 2 << 30 and threads is None and max_batch == 1
         opened.append((model, os.environ.get(MODEL_DIR_ENV)))
         return _Unclosable(engine)
 

@@ -98,11 +98,12 @@ class GroupQueryAttention(torch.autograd.Function):
     the caches in buffers: eager, the attention it computes (upstream's, as `Qwen2Attention.forward`
     does it); in an ONNX export, the operator.
 
-    qkv (1, T, (H + 2 KV) D) before RoPE; past buffers (1, KV, P, D) whose first `total_len - T` rows hold
-    the cache; `seqlens_k` (1,) int32 = total_len - 1 and `total_len` () int32; cos/sin tables
-    (positions, D/2). Returns the attention output (1, T, H D) and the present buffers (1, KV, max(P,
-    total_len), D): the cache, then the new keys (after RoPE) and values, then zeros. onnxruntime writes
-    the present rows into the past buffers when they are bound to the same memory."""
+    qkv (B, T, (H + 2 KV) D) before RoPE; past buffers (B, KV, P, D) whose first `seqlens_k[b] + 1 - T` rows
+    of row b hold its cache; `seqlens_k` (B,) int32, each row's total length - 1, and `total_len` () int32,
+    the longest; cos/sin tables (positions, D/2). Returns the attention output (B, T, H D) and the present
+    buffers (B, KV, max(P, total_len), D): each row's cache, then its new keys (after RoPE) and values, then
+    zeros here (onnxruntime leaves those rows unspecified). onnxruntime writes the present rows into the
+    past buffers when they are bound to the same memory."""
 
     @staticmethod
     def forward(ctx: Any, qkv: Tensor, past_k: Tensor, past_v: Tensor, seqlens_k: Tensor, total_len: Tensor,
@@ -110,25 +111,27 @@ class GroupQueryAttention(torch.autograd.Function):
                 ) -> tuple[Tensor, Tensor, Tensor]:
         b, t, _ = qkv.shape
         head_dim = past_k.shape[3]
-        total = int(total_len)
-        past = total - t
-        q, k, v = qkv.view(b, t, heads + 2 * kv_heads, head_dim).transpose(1, 2).split(
-            [heads, kv_heads, kv_heads], dim=1)
-        positions = torch.arange(past, total)
-        cos = torch.cat((cos_table[positions], cos_table[positions]), dim=-1)  # (T, D)
-        sin = torch.cat((sin_table[positions], sin_table[positions]), dim=-1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        keys = torch.cat((past_k[:, :, :past], k), dim=2)  # (B, KV, S, D)
-        values = torch.cat((past_v[:, :, :past], v), dim=2)
-        allowed = torch.arange(total)[None, :] <= positions[:, None]  # (T, S)
-        out = _grouped_attention(q, keys, values, allowed, b, t, (heads, kv_heads, head_dim))
-        rows = max(past_k.shape[2], total)
+        rows = max(past_k.shape[2], int(total_len))
         present_k = past_k.new_zeros(b, kv_heads, rows, head_dim)
         present_v = past_v.new_zeros(b, kv_heads, rows, head_dim)
-        present_k[:, :, :total] = keys
-        present_v[:, :, :total] = values
-        return out, present_k, present_v
+        outs = []
+        for row in range(b):  # each row has its own cache length
+            total = int(seqlens_k[row]) + 1
+            past = total - t
+            q, k, v = qkv[row:row + 1].view(1, t, heads + 2 * kv_heads, head_dim).transpose(1, 2).split(
+                [heads, kv_heads, kv_heads], dim=1)
+            positions = torch.arange(past, total)
+            cos = torch.cat((cos_table[positions], cos_table[positions]), dim=-1)  # (T, D)
+            sin = torch.cat((sin_table[positions], sin_table[positions]), dim=-1)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            keys = torch.cat((past_k[row:row + 1, :, :past], k), dim=2)  # (1, KV, S, D)
+            values = torch.cat((past_v[row:row + 1, :, :past], v), dim=2)
+            allowed = torch.arange(total)[None, :] <= positions[:, None]  # (T, S)
+            outs.append(_grouped_attention(q, keys, values, allowed, 1, t, (heads, kv_heads, head_dim)))
+            present_k[row, :, :total] = keys[0]
+            present_v[row, :, :total] = values[0]
+        return torch.cat(outs), present_k, present_v
 
     @staticmethod
     def symbolic(g: Any, qkv: Any, past_k: Any, past_v: Any, seqlens_k: Any, total_len: Any, cos_table: Any,
@@ -258,11 +261,11 @@ class Qwen2Model(nn.Module):
     def forward_buffered(
         self, inputs_embeds: Tensor, cache_len: Tensor, past_keys: list[Tensor], past_values: list[Tensor]
     ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-        """`forward` with the caches in buffers: the first `cache_len` (1,) rows of each past (B, KV, P, D)
-        hold the cache; presents are the buffers with the new positions written after it
-        (`GroupQueryAttention`)."""
-        total = (cache_len + inputs_embeds.shape[1]).to(torch.int32)  # (1,)
-        lengths = (total - 1, total.reshape(()))  # GroupQueryAttention's seqlens_k and total_sequence_length
+        """`forward` with the caches in buffers: the first `cache_len[b]` rows of row b of each past (B, KV,
+        P, D) hold its cache; presents are the buffers with each row's new positions written after its
+        cache (`GroupQueryAttention`)."""
+        total = (cache_len + inputs_embeds.shape[1]).to(torch.int32)  # (B,)
+        lengths = (total - 1, total.max().reshape(()))  # GroupQueryAttention's seqlens_k, total_sequence_len
         positions = torch.arange(self.cfg.max_position_embeddings, device=inputs_embeds.device)
         cos, sin = _rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, inputs_embeds.dtype)
         half = self.cfg.head_dim // 2

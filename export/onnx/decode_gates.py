@@ -88,7 +88,7 @@ def _feeds(spec: GraphSpec, fed: str, step: np.ndarray, caches: dict[str, np.nda
     them hold the cache: all of them, as the caches grow here."""
     feeds = {fed: step, **caches}
     if CACHE_LEN in spec.input_names:
-        feeds[CACHE_LEN] = np.array([next(iter(caches.values())).shape[2]], dtype=np.int64)
+        feeds[CACHE_LEN] = np.array([next(iter(caches.values())).shape[2]], dtype=np.int64)  # one row
     return feeds
 
 

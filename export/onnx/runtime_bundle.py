@@ -556,10 +556,13 @@ def _copy_prompt(out: Path, bundle: ModelBundle) -> tuple[Prompt | None, dict[st
 
 
 def _build_plans(out: Path, results: list[GraphResult], env: TrtEnv, progress: bool) -> None:
-    """A TensorRT plan per graph (from the cache where it has one), validated against onnxruntime."""
+    """A TensorRT plan per graph (from the cache where it has one), validated against onnxruntime; none for a
+    graph of onnxruntime's own operators (`decode=fp32`'s `llm_decode`), which TensorRT cannot parse and the
+    runtime runs on onnxruntime's CPU only."""
     from .trt import build_plan, validate_plan
 
-    for g in tqdm(results, desc="tensorrt", unit="graph", disable=not progress):
+    planned = [g for g in results if not g.spec.custom_opsets]
+    for g in tqdm(planned, desc="tensorrt", unit="graph", disable=not progress):
         onnx_path = out / graph_file(g.name)
         plan = build_plan(onnx_path, g.spec, out / TRT_DIR, env)
         start = time.perf_counter()

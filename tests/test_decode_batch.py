@@ -1,0 +1,224 @@
+"""Batched decoding (`cosyvoice_runtime.decode_batch`): concurrent decodings advanced by one `llm_decode` call
+per step, each row at its own cache length and with its own sampler. On onnxruntime's CPU in float32 a row
+is the same decoding run alone, to the bit: its ids, and the audio made of them."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+pytest.importorskip("torch", reason="needs torch (the export extra)")
+pytestmark = pytest.mark.torch
+
+import numpy as np
+from click.testing import CliRunner
+
+from cosyvoice_export.cli import main
+from cosyvoice_runtime import CosyVoice3
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.decode_batch import BatchedDecoding
+from cosyvoice_runtime.errors import UserError
+from cosyvoice_runtime.llm import LlmRequest
+from cosyvoice_runtime.sampling import make_sampler
+from cosyvoice_runtime.synthesis import Synthesizer
+
+T = TypeVar("T")
+
+
+class Recorder:
+    """A `BatchObserver` that keeps what it is told."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self.waits: list[float] = []
+
+    def step(self, rows: int, seconds: float) -> None:
+        self.sizes.append(rows)
+
+    def admitted(self, waited: float) -> None:
+        self.waits.append(waited)
+
+
+@pytest.fixture(scope="module")
+def exact_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny bundle with a float32 `llm_decode`."""
+    out = tmp_path_factory.mktemp("runtime") / "tiny-decode-fp32"
+    result = CliRunner().invoke(main, ["all", "--model-dir", str(tiny_bundle), "--out", str(out),
+                                       "--precision", "decode=fp32"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _requests(bundle: RuntimeBundle, n: int) -> list[LlmRequest]:
+    """`n` requests of different lengths: prompts of different lengths, and texts whose max_len differ, so
+    that the rows leave the batch one after another."""
+    eop = bundle.endofprompt_id
+    return [LlmRequest(text_ids=(*range(5, 12 + 3 * i), eop), prompt_speech_tokens=tuple(range(9 + 7 * i)))
+            for i in range(n)]
+
+
+def _concurrently(calls: list[Callable[[], T]]) -> list[T]:
+    """Each call on a thread of its own, all started together; their results in order."""
+    results: list[T] = [None] * len(calls)  # type: ignore[list-item]
+
+    def run(i: int) -> None:
+        results[i] = calls[i]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return results
+
+
+@pytest.mark.parametrize("sampling", ["ras", "greedy"])
+def test_batched_rows_are_the_decodings_alone(exact_bundle: Path, sampling: str) -> None:
+    """Five decodings, at most three in the batch: two wait for a row and join mid-batch as others leave at
+    their own max_len; every one's ids equal its run alone."""
+    bundle = RuntimeBundle.open(exact_bundle)
+    requests = _requests(bundle, 5)
+    with Synthesizer(bundle, threads=1) as alone:
+        assert alone.batcher is None
+        want = [list(alone.decode(r, make_sampler(sampling, seed=i))) for i, r in enumerate(requests)]
+    assert len({len(w) for w in want}) == 5  # each leaves at its own step
+    observed = Recorder()
+    with Synthesizer(bundle, threads=1, max_batch=3, batch_observer=observed) as synth:
+        got = _concurrently([lambda r=r, i=i: list(synth.decode(r, make_sampler(sampling, seed=i)))
+                             for i, r in enumerate(requests)])
+        assert synth.batcher is not None and synth.batcher.size == 0
+    assert got == want
+    assert len(observed.waits) == 5  # every decoding joined
+    assert max(observed.sizes) == 3 and min(observed.sizes) == 1
+    assert sum(observed.sizes) == sum(len(w) for w in want) - 5  # every step after each prefill, batched
+
+
+def test_a_closed_decoding_leaves_the_batch(exact_bundle: Path) -> None:
+    """A consumer that stops (a client gone) frees its row at the next step; the others run on unchanged."""
+    bundle = RuntimeBundle.open(exact_bundle)
+    first, second = _requests(bundle, 2)
+    with Synthesizer(bundle, threads=1) as alone:
+        want = list(alone.decode(second, make_sampler("ras", seed=1), max_tokens=150, ignore_stop=True))
+    with Synthesizer(bundle, threads=1, max_batch=2) as synth:
+        assert synth.batcher is not None
+        leaving = synth.decode(first, make_sampler("ras", seed=0), max_tokens=150, ignore_stop=True)
+        staying = synth.decode(second, make_sampler("ras", seed=1), max_tokens=150, ignore_stop=True)
+        assert isinstance(leaving, BatchedDecoding)
+        ids = [next(leaving) for _ in range(3)]
+        rest: list[int] = []
+        thread = threading.Thread(target=lambda: rest.extend(staying))
+        thread.start()
+        _until(lambda: synth.batcher is not None and synth.batcher.size == 2)
+        leaving.close()
+        _until(lambda: synth.batcher is not None and synth.batcher.size <= 1)
+        assert len(leaving.tokens) < 150
+        thread.join(timeout=60)
+        assert list(leaving) == [] and len(ids) == 3
+    assert rest == want
+
+
+def _until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.001)
+
+
+def test_many_texts_in_a_batch_are_each_text_alone(exact_bundle: Path, prompt_wav: Path, prompt_text: str
+                                                    ) -> None:
+    """`synthesize_many` (three texts, their decodings batched) and streams on threads of their own: the audio
+    of each text is its audio alone, to the bit."""
+    texts = ["Hello there, this is one.", "A second sentence, longer than the first one is.", "Third."]
+    with CosyVoice3(exact_bundle, threads=1, seed=7) as voice:
+        want = [np.concatenate([c["tts_speech"][0] for c in voice.inference_zero_shot(t, prompt_text,
+                                                                                       prompt_wav)])
+                for t in texts]
+        want_streamed = [[c["tts_speech"][0] for c in voice.inference_zero_shot(t, prompt_text, prompt_wav,
+                                                                                 stream=True)] for t in texts]
+    observed = Recorder()
+    with CosyVoice3(exact_bundle, threads=1, seed=7, max_batch=3, batch_observer=observed) as voice:
+        got = voice.synthesize_many(texts, prompt_wav, prompt_text=prompt_text)
+        assert max(observed.sizes) > 1
+        streamed = _concurrently([lambda t=t: [c["tts_speech"][0] for c in voice.inference_zero_shot(
+            t, prompt_text, prompt_wav, stream=True)] for t in texts])
+    for a, b in zip(got, want, strict=True):
+        assert np.array_equal(a, b)
+    for chunks, wanted in zip(streamed, want_streamed, strict=True):
+        assert len(chunks) == len(wanted) > 1
+        assert all(np.array_equal(a, b) for a, b in zip(chunks, wanted, strict=True))
+
+
+def test_batching_needs_llm_decode(runtime_bundle: Path) -> None:
+    with pytest.raises(UserError, match="max_batch 2: batched decoding runs on llm_decode on the cpu "):
+        CosyVoice3(runtime_bundle, threads=1, max_batch=2)
+    with pytest.raises(UserError, match="max_batch is 17; expected 1 to 16"):
+        CosyVoice3(runtime_bundle, threads=1, max_batch=17)
+
+
+def test_the_server_batches_its_sessions_and_reports_the_batch(exact_bundle: Path, prompt_wav: Path,
+                                                                prompt_text: str, tmp_path: Path) -> None:
+    """`--max-batch 3`: three concurrent upstream requests run at once, their decodings in one batch, each
+    answered with the audio it gets alone; /metrics shows the batch sizes."""
+    pytest.importorskip("fastapi", reason="needs the serve extra")
+    from fastapi.testclient import TestClient
+
+    from cosyvoice_serve.app import create_app
+    from cosyvoice_serve.engine import Engine
+    from cosyvoice_serve.settings import ServerSettings
+
+    texts = ["Hello there, this is one.", "A second sentence, longer than the first one is.", "Third."]
+    upload = {"prompt_wav": ("prompt.wav", prompt_wav.read_bytes(), "audio/wav")}
+
+    def answers(max_batch: int) -> tuple[list[bytes], str]:
+        engine = Engine(RuntimeBundle.open(exact_bundle), "the tiny bundle", threads=1, max_batch=max_batch)
+        settings = ServerSettings(speakers_dir=tmp_path / "speakers", sampling="greedy", max_batch=max_batch)
+        try:
+            with TestClient(create_app(engine, settings)) as client:
+                responses = _concurrently([lambda t=t: client.post(
+                    "/inference_zero_shot", data={"tts_text": t, "prompt_text": prompt_text}, files=upload)
+                    for t in texts])
+                assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+                return [r.content for r in responses], client.get("/metrics").text
+        finally:
+            engine.close()
+
+    alone, unbatched_metrics = answers(1)
+    batched, metrics = answers(3)
+    assert batched == alone
+    assert "tts_decode_batch_size" not in unbatched_metrics
+    single_rows = _metric(metrics, 'tts_decode_batch_size_bucket{le="1"}')
+    assert _metric(metrics, "tts_decode_batch_size_count") > single_rows  # some steps advanced several
+    assert _metric(metrics, "tts_decode_batch_wait_seconds_count") == 3  # every session joined the batch
+
+
+def _metric(text: str, name: str) -> float:
+    """A metric's value in the Prometheus text format."""
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def test_the_benchmark_has_a_batched_column(exact_bundle: Path, tmp_path: Path) -> None:
+    """`cosyvoice-bench` on a bundle that batches: each concurrency level also runs its sessions with their
+    decodings in one batch, whose audio is the single stream's, and the table shows the ratio."""
+    from cosyvoice_bench.cli import main as bench
+
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(bench, ["--model", str(exact_bundle), "--quick", "--threads", "1", "--json",
+                                        str(out), "--no-progress", "--lengths", "short",
+                                        "--concurrency", "1,3"])
+    assert result.exit_code == 0, result.output
+    assert "batched audio s/s" in result.output and "ratio" in result.output
+    one, three = json.loads(out.read_text())["concurrency"]
+    assert (one["level"], three["level"]) == (1, 3) and one["batched"] is None  # a batch of one is no batch
+    batched = three["batched"]
+    assert three["outputs_match"] is True and batched["outputs_match"] is True
+    assert batched["audio_s_per_s"] > 0 and batched["llm_tokens_per_s"] > 0
+    assert batched["first_chunk_mean_s"] <= batched["first_chunk_p95_s"] <= batched["first_chunk_max_s"]
