@@ -46,6 +46,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure("first_chunk_policy_llm_s", "its LLM (--first-chunk-tokens)", "s", "lower"),
     Figure("first_chunk_policy_flow_s", "its flow (--first-chunk-tokens)", "s", "lower"),
     Figure("first_chunk_policy_vocoder_s", "its vocoder (--first-chunk-tokens)", "s", "lower"),
+    Figure("first_chunk_text_stream_s", "first chunk, text streamed in, from its first word", "s", "lower"),
+    Figure("first_chunk_text_stream_words", "words sent by then (one every 75 ms)", "", None),
     Figure("rtf_offline", "RTF offline", "", "lower"),
     Figure("rtf_stream", "RTF streaming", "", "lower"),
     Figure("front_end_s", "front end (text)", "ms", "lower", 1e3),

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,17 @@ from cosyvoice_runtime.synthesis import AudioChunk, Mode, llm_request
 from .backend import FirstChunk, OfflineRun, StreamRun
 from .cases import Case
 from .measure import CallLog, llm_figures, mean, prefill_length
+
+WORD_INTERVAL_S = 0.075
+"""How often a word comes when the benchmark streams a text in: an LLM writing its answer (50-100 ms)."""
+
+
+@dataclass(frozen=True)
+class TextStreamFirstChunk:
+    """The first chunk of a text streamed in: seconds from its first word, and the words sent by then."""
+
+    seconds: float
+    words: int
 
 
 class RuntimeBackend:
@@ -91,6 +104,30 @@ class RuntimeBackend:
         if self.first_chunk_tokens is None:
             return None
         return self._first_chunk(case, prompt, self.first_chunk_tokens)
+
+    def text_stream_first_chunk(self, case: Case, prompt: PromptFeatures) -> TextStreamFirstChunk:
+        """The first chunk of `case`'s text streamed in (upstream's bistream, `speak_text_stream`) a word
+        every `WORD_INTERVAL_S`, as an LLM writes it, from the first word; and the words sent by then."""
+        words = re.findall(r"\S+\s*", case.text)
+        sent = 0
+
+        def pieces() -> Iterator[str]:
+            nonlocal sent
+            for word in words:
+                if sent:
+                    time.sleep(WORD_INTERVAL_S)
+                sent += 1
+                yield word
+
+        start = time.perf_counter()
+        speech = self.voice.speak_text_stream(pieces(), prompt, Mode.ZERO_SHOT, prompt_text=self.prompt_text,
+                                              max_tokens=case.tokens)
+        chunks = speech.chunks
+        next(chunks)
+        seconds = time.perf_counter() - start
+        if isinstance(chunks, Generator):  # stop decoding: the rest is not measured
+            chunks.close()
+        return TextStreamFirstChunk(seconds, sent)
 
     def _first_chunk(self, case: Case, prompt: PromptFeatures, first_chunk_tokens: int | None) -> FirstChunk:
         start = time.perf_counter()

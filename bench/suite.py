@@ -312,6 +312,7 @@ def _warm(b: Backend, case: Case, wav: Path, prompt: Any, gpu: GpuSampler | None
         streamed = b.stream(case, prompt)
         cached = streamed.first if streamed is not None else b.first_chunk(case, prompt)
         policy = b.policy_first_chunk(case, prompt) if isinstance(b, RuntimeBackend) else None
+        text_stream = b.text_stream_first_chunk(case, prompt) if isinstance(b, RuntimeBackend) else None
         offline = b.offline(case, prompt)
     gpu_usage = usage()
     figures: Figures = {
@@ -323,6 +324,8 @@ def _warm(b: Backend, case: Case, wav: Path, prompt: Any, gpu: GpuSampler | None
         "first_chunk_flow_s": cached.flow_s,
         "first_chunk_vocoder_s": cached.vocoder_s,
         **_policy_figures(policy),
+        "first_chunk_text_stream_s": text_stream.seconds if text_stream else None,
+        "first_chunk_text_stream_words": text_stream.words if text_stream else None,
         "rtf_stream": streamed.seconds / streamed.audio_s if streamed is not None else None,
         **offline.figures,
         "gpu_memory_peak_mib": gpu_usage.memory_peak_mib if gpu_usage else None,

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,7 +61,7 @@ from .prefix_jobs import PrefixJobs
 from .process_memory import release_free_heap
 from .runners import CPU, TENSORRT
 from .sampling import Sampling
-from .segments import Segment, segments
+from .segments import Segment, prompt_ids, segments
 from .speakers import Speaker, SpeakerRegistry, check_name, default_speakers_dir, frontend_fingerprint
 from .synthesis import (
     AudioChunk,
@@ -72,6 +72,7 @@ from .synthesis import (
     closing_after,
     llm_request,
 )
+from .text_stream import TextStreamDecoding
 
 PromptWav = str | Path | BinaryIO | tuple[np.ndarray, int] | PromptAudio
 """A prompt recording: a file's path, an open binary file, (samples, sample rate) with samples (N,) or
@@ -97,6 +98,8 @@ class SegmentSpeech:
 
     chunks: Iterator[AudioChunk]
     speech_tokens: list[int] = field(default_factory=list)
+    text_ids: list[int] = field(default_factory=list)
+    """The text ids the LLM reads, its prompt text's first (text streamed in: those read so far)."""
 
     def __iter__(self) -> Iterator[AudioChunk]:
         return self.chunks
@@ -279,7 +282,8 @@ class CosyVoice3:
         tokens = watch(decoding) if watch is not None else decoding
         chunks = (self.synth.stream_tokens(tokens, prompt, policy=policy) if stream
                   else self._offline(tokens, prompt, speed))
-        return SegmentSpeech(closing_after(chunks, decoding), decoding.tokens)
+        return SegmentSpeech(closing_after(chunks, decoding.close), decoding.tokens,
+                             [*piece.prompt_text_ids, *piece.text_ids])
 
     def synthesize_many(self, texts: Sequence[str], prompt_wav: PromptWav | None = None, *,
                         mode: Mode | str = Mode.ZERO_SHOT, prompt_text: str = "", instruct_text: str = "",
@@ -309,6 +313,40 @@ class CosyVoice3:
         workers = self.synth.batcher.max_batch if self.synth.batcher is not None else 1
         with ThreadPoolExecutor(workers, thread_name_prefix="synthesize-many") as pool:
             return list(pool.map(one, pieces))
+
+    def speak_text_stream(self, pieces: Iterable[str], prompt: PromptFeatures, mode: Mode, *,
+                          prompt_text: str = "", instruct: str = "", stream: bool = True, speed: float = 1.0,
+                          sampling: Sampling | None = None, policy: ChunkPolicy | None = None,
+                          max_tokens: int | None = None, watch: TokenWatch | None = None,
+                          first_chunk_tokens: int | None = None) -> SegmentSpeech:
+        """Audio for text that arrives in pieces while it is spoken (upstream's bistream,
+        `cosyvoice_runtime.text_stream`): each piece tokenised as it is read, neither normalised nor split
+        (as upstream does with a generator), the LLM fed text and speech interleaved; chunks on the
+        policy's schedule (`stream`) or, offline, one final chunk. Zero-shot and instruct2 only: upstream's
+        CosyVoice3 needs `<|endofprompt|>` in the prompt text, which cross-lingual has none of (a
+        `UserError` here). `max_tokens` bounds the ids sampled (benchmarks); the rest as `speak`."""
+        _check_text_stream(mode)
+        _check_speed(stream, speed)
+        if stream:
+            policy = self.chunk_policy(policy, first_chunk_tokens=first_chunk_tokens)
+        ids = prompt_ids(mode, self.tokenizer, prompt_text=prompt_text, instruct=instruct)
+        speech = [int(t) for t in prompt.speech_tokens[0]] if mode is Mode.ZERO_SHOT else []
+        read = list(ids)
+        decoding = TextStreamDecoding(self.synth.lm, self._text_ids(pieces, read), ids, speech,
+                                      (sampling or self.sampling).sampler(), max_tokens=max_tokens)
+        tokens = watch(decoding) if watch is not None else decoding
+        chunks = (self.synth.stream_tokens(tokens, prompt, policy=policy) if stream
+                  else self._offline(tokens, prompt, speed))
+        return SegmentSpeech(closing_after(chunks, decoding.close), decoding.tokens, read)
+
+    def _text_ids(self, pieces: Iterable[str], read: list[int]) -> Iterator[int]:
+        """The ids of each piece of text, tokenised as it comes, each also appended to `read`."""
+        for piece in pieces:
+            if not isinstance(piece, str):
+                raise UserError(f"tts_text: a piece of streamed text is {type(piece).__name__}, not str")
+            for i in self.tokenizer.encode(piece):
+                read.append(i)
+                yield i
 
     def chunk_policy(self, policy: ChunkPolicy | None = None, *, first_chunk_tokens: int | None = None
                      ) -> ChunkPolicy:
@@ -354,13 +392,21 @@ class CosyVoice3:
                 release_free_heap()
             return self._prompt_sessions
 
-    def _inference(self, mode: Mode, tts_text: str, prompt: Speaker | PromptWav | None, stream: bool,
+    def _inference(self, mode: Mode, tts_text: str | Iterable[str], prompt: Speaker | PromptWav | None,
+                   stream: bool,
                    speed: float, text_frontend: bool, *, prompt_text: str = "", instruct: str = "",
                    first_chunk_tokens: int | None = None) -> Iterator[dict[str, np.ndarray]]:
         if prompt is None:
             raise UserError("prompt_wav is needed unless zero_shot_spk_id names an added speaker")
         _check_speed(stream, speed)
         policy = self.chunk_policy(first_chunk_tokens=first_chunk_tokens) if stream else None
+        if not isinstance(tts_text, str):  # pieces of text still to come: upstream's bistream
+            _check_text_stream(mode)
+            prompt_ids(mode, self.tokenizer, prompt_text=prompt_text, instruct=instruct)  # checked first
+            features = prompt.features if isinstance(prompt, Speaker) else self.prompt_features(prompt)
+            speech = self.speak_text_stream(tts_text, features, mode, prompt_text=prompt_text,
+                                            instruct=instruct, stream=stream, speed=speed, policy=policy)
+            return ({"tts_speech": chunk.samples[None]} for chunk in speech)
         # everything is checked before the first segment runs
         pieces = self.segments(mode, tts_text, prompt_text=prompt_text, instruct=instruct,
                                text_frontend=text_frontend)
@@ -376,6 +422,13 @@ class CosyVoice3:
     def _offline(self, tokens: Iterator[int], prompt: PromptFeatures, speed: float) -> Iterator[AudioChunk]:
         """The segment as one final chunk, made when first asked for."""
         yield self.synth.synthesize_tokens(tokens, prompt, speed=speed).as_chunk()
+
+
+def _check_text_stream(mode: Mode) -> None:
+    if mode is Mode.CROSS_LINGUAL:
+        raise UserError("cross-lingual cannot take its text in pieces: upstream's CosyVoice3 streams text "
+                        "after a prompt text holding <|endofprompt|>, which cross-lingual has none of (use "
+                        "zero-shot or instruct2)")
 
 
 def _check_speed(stream: bool, speed: float) -> None:

@@ -34,26 +34,28 @@ class Segment:
 def segments(text: str, mode: Mode, tokenizer: TextTokenizer, frontend: TextFrontend | None, *,
              prompt_text: str = "", instruct: str = "") -> list[Segment]:
     """Normalise and split `text` as upstream does (`frontend` None: one piece, as given, upstream's
-    `text_frontend=False`), and format each piece for `mode`.
-
-    Zero-shot: prompt text = system prompt + `<|endofprompt|>` + transcript; cross-lingual: each
-    piece gets that prefix itself; instruct2: prompt text = system prompt + instruction +
-    `<|endofprompt|>`. A transcript or instruction that already holds `<|endofprompt|>` is used as is.
-    """
-    if mode is Mode.ZERO_SHOT:
-        if not prompt_text.strip():
-            raise UserError("zero-shot needs prompt_text (the transcript of prompt_wav)")
-        prompt = prompt_text if ENDOFPROMPT in prompt_text else zero_shot_prompt(prompt_text)
-    elif mode is Mode.INSTRUCT2:
-        if not instruct.strip():
-            raise UserError("instruct2 needs instruct_text")
-        prompt = instruct if ENDOFPROMPT in instruct else instruct_prompt(instruct)
-    else:
-        prompt = ""
-    prompt_ids = tokenizer.encode(prompt) if prompt else []
+    `text_frontend=False`), and format each piece for `mode` (`prompt_ids`; cross-lingual: each piece gets
+    the system prompt and `<|endofprompt|>` itself, unless it holds `<|endofprompt|>` already)."""
+    prompt = prompt_ids(mode, tokenizer, prompt_text=prompt_text, instruct=instruct)
     out = []
     for piece in frontend.split(text) if frontend is not None else [text]:
         if mode is Mode.CROSS_LINGUAL and ENDOFPROMPT not in piece:
             piece = cross_lingual_text(piece)
-        out.append(Segment(piece, tokenizer.encode(piece), prompt_ids))
+        out.append(Segment(piece, tokenizer.encode(piece), prompt))
     return out
+
+
+def prompt_ids(mode: Mode, tokenizer: TextTokenizer, *, prompt_text: str = "", instruct: str = ""
+               ) -> list[int]:
+    """The prompt text's ids for `mode`. Zero-shot: system prompt + `<|endofprompt|>` + transcript;
+    instruct2: system prompt + instruction + `<|endofprompt|>`; cross-lingual: none. A transcript or
+    instruction that already holds `<|endofprompt|>` is used as is."""
+    if mode is Mode.ZERO_SHOT:
+        if not prompt_text.strip():
+            raise UserError("zero-shot needs prompt_text (the transcript of prompt_wav)")
+        return tokenizer.encode(prompt_text if ENDOFPROMPT in prompt_text else zero_shot_prompt(prompt_text))
+    if mode is Mode.INSTRUCT2:
+        if not instruct.strip():
+            raise UserError("instruct2 needs instruct_text")
+        return tokenizer.encode(instruct if ENDOFPROMPT in instruct else instruct_prompt(instruct))
+    return []

@@ -20,7 +20,7 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from types import MappingProxyType, TracebackType
@@ -356,7 +356,7 @@ class Synthesizer:
         """
         request = llm_request(mode, text_ids, prompt, prompt_text_ids)
         decoding = self.decode(request, sampler, max_tokens=max_tokens, ignore_stop=ignore_stop)
-        return closing_after(self.stream_tokens(decoding, prompt, policy=policy), decoding)
+        return closing_after(self.stream_tokens(decoding, prompt, policy=policy), decoding.close)
 
     def stream_tokens(self, tokens: Iterable[int], prompt: PromptFeatures, *,
                       policy: ChunkPolicy | None = None) -> Iterator[AudioChunk]:
@@ -406,13 +406,13 @@ def check_max_batch(max_batch: int, bundle: RuntimeBundle, provider: str) -> Non
                         "--precision cpu-fast, or decode=fp32 for float32)")
 
 
-def closing_after(chunks: Iterator[AudioChunk], decoding: Decoding | BatchedDecoding) -> Iterator[AudioChunk]:
-    """`chunks`, then `decoding` closed, however the stream ends (exhausted, failed, or dropped by its
-    consumer): a batched decoding's row is freed then."""
+def closing_after(chunks: Iterator[AudioChunk], close: Callable[[], None]) -> Iterator[AudioChunk]:
+    """`chunks`, then `close` (a decoding's), however the stream ends (exhausted, failed, or dropped by its
+    consumer): a batched decoding's row is freed then, a text stream's source no longer read."""
     try:
         yield from chunks
     finally:
-        decoding.close()
+        close()
 
 
 class _Stream:

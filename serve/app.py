@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cosyvoice_runtime.speakers import SpeakerRegistry
 
-from . import routes_bridge, routes_openai, routes_page, routes_speakers, routes_upstream
+from . import routes_bridge, routes_openai, routes_page, routes_speakers, routes_stream, routes_upstream
 from .auth import RequireApiKey
 from .body_limit import LimitBody
 from .engine import Engine
@@ -23,8 +23,8 @@ from .responses import CANCELLED, OUTCOME, SYNTHESIS_TAG
 from .settings import ServerSettings
 from .state import ServerState, Speakers
 
-ROUTERS = tuple(module.router for module in (routes_upstream, routes_bridge, routes_openai, routes_speakers,
-                                             routes_page))
+ROUTERS = tuple(module.router for module in (routes_upstream, routes_bridge, routes_openai, routes_stream,
+                                             routes_speakers, routes_page))
 """Every route of the app (FastAPI's docs and schema aside)."""
 CORS_HEADERS = ("Authorization", "X-API-Key", "Content-Type")
 """Request headers a cross-origin page may send: the API key's two and the body's type."""

@@ -50,7 +50,8 @@ def key_matches(expected: str, headers: Iterable[tuple[str, str]]) -> bool:
 
 
 class RequireApiKey:
-    """ASGI middleware: every HTTP request but those to `OPEN_PATHS` must carry `key`, else 401.
+    """ASGI middleware: every HTTP request but those to `OPEN_PATHS` must carry `key`, else 401, and every
+    WebSocket handshake, else it is refused (closed before it is accepted: HTTP 403, close code 1008).
 
     It answers before the app reads the body, so an unauthenticated upload is never parsed.
     """
@@ -59,12 +60,15 @@ class RequireApiKey:
         self.app, self.key = app, key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in scope["headers"]]
         if key_matches(self.key, headers):
             await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008, "reason": MISSING_KEY[:120]})
             return
         response = error_response(401, MISSING_KEY, headers={"WWW-Authenticate": "Bearer"},
                                   path=scope["path"])

@@ -79,6 +79,10 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
 @click.option("--queue", "queue_depth", type=click.IntRange(min=0), default=DEFAULTS.queue_depth,
               help="Sessions waiting for a slot; beyond them the server answers 503 (gRPC: "
                    "RESOURCE_EXHAUSTED) at once.")
+@click.option("--stream-idle", "stream_idle", type=click.FloatRange(min=0, min_open=True),
+              default=DEFAULTS.stream_idle_timeout,
+              help="Seconds a text-streaming WebSocket session (/v1/audio/speech/stream) may go without a "
+                   "message before its end.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=DEFAULTS.timeout,
               help="Seconds a request may take from admission to its last sample.")
 @click.option("--speakers", "speakers_dir", type=click.Path(file_okay=False, path_type=Path),
@@ -116,7 +120,8 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
                    "(lower latency; a deviation from upstream's schedule) [default: upstream's].")
 @ray_options
 def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model: Path | None, provider: str,
-          threads: int | None, max_conc: int, max_batch: int, queue_depth: int, timeout: float,
+          threads: int | None, max_conc: int, max_batch: int, queue_depth: int, stream_idle: float,
+          timeout: float,
           speakers_dir: Path | None, sampling: str, seed: int | None,
           flow_prefix_mib: int, max_text: int, api_key: str | None, max_body_mib: int,
           cors_origins: tuple[str, ...], docs: bool, prompt_dir: Path | None, first_chunk_tokens: int | None,
@@ -142,7 +147,8 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
     if first_chunk_tokens is not None and first_chunk_tokens < 1:
         _refuse(f"--first-chunk-tokens must be >= 1, got {first_chunk_tokens}")
     settings = ServerSettings(max_concurrency=max_conc, max_batch=max_batch, queue_depth=queue_depth,
-                              timeout=timeout, max_text_chars=max_text, sampling=sampling, seed=seed,
+                              stream_idle_timeout=stream_idle, timeout=timeout, max_text_chars=max_text,
+                              sampling=sampling, seed=seed,
                               speakers_dir=speakers_dir or DEFAULTS.speakers_dir, api_key=api_key,
                               max_body_bytes=max_body_mib << 20, cors_origins=cors_origins, docs=docs,
                               prompt_dir=prompt_dir, first_chunk_tokens=first_chunk_tokens)

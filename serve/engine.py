@@ -26,7 +26,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -203,6 +203,32 @@ class Engine:
         """The job's audio offline (upstream's non-streaming path, `speed` applied): one array."""
         yield np.concatenate(list(self._speak(job, session, stream=False)))
 
+    def stream_text(self, job: SynthesisJob, pieces: Iterable[str], session: Session) -> Iterator[np.ndarray]:
+        """The job's audio while its text comes in `pieces` (upstream's bistream, `speak_text_stream`;
+        `job.text` is unused): each chunk's new samples. Zero-shot or instruct2."""
+        request, start = next(_REQUESTS), time.monotonic()
+        prompt = self._prompt(job)
+        log.info("request %d: %s, text streamed in; %.2f s in the queue", request, job.mode,
+                 start - session.admitted)
+        speech = self.voice.speak_text_stream(pieces, prompt, job.mode,
+                                              prompt_text=job.prompt_text, instruct=job.instruct,
+                                              sampling=job.sampling, watch=session.watch,
+                                              first_chunk_tokens=job.first_chunk_tokens)
+        samples, first = 0, None
+        try:
+            for chunk in speech:
+                if first is None:
+                    first = time.monotonic() - start
+                    log.info("request %d: first audio after %.2f s", request, first)
+                samples += len(chunk.samples)
+                yield chunk.samples
+        except SynthesisError as e:
+            raise FieldError(job.text_field, str(e), status=422) from None
+        job.usage.text_tokens += len(speech.text_ids)
+        job.usage.speech_tokens += len(speech.speech_tokens)
+        log.info("request %d: done, %.2f s of audio (%d speech tokens) in %.2f s", request,
+                 samples / self.sample_rate, job.usage.speech_tokens, time.monotonic() - start)
+
     def _speak(self, job: SynthesisJob, session: Session, *, stream: bool) -> Iterator[np.ndarray]:
         """The job's chunks; its stages go to the log: what it is, the speech tokens every few seconds
         (`SynthesisProgress`), its first audio and its end."""
@@ -228,7 +254,7 @@ class Engine:
                         yield chunk.samples
                 except SynthesisError as e:
                     raise FieldError(job.text_field, str(e), status=422) from None
-                job.usage.text_tokens += len(piece.prompt_text_ids) + len(piece.text_ids)
+                job.usage.text_tokens += len(speech.text_ids)
                 job.usage.speech_tokens += len(speech.speech_tokens)
         log.info("request %d: done, %.2f s of audio (%d speech tokens) in %.2f s", request,
                  samples / self.sample_rate, job.usage.speech_tokens, time.monotonic() - start)
@@ -241,8 +267,12 @@ class Engine:
                                              instruct=job.instruct, text_name=job.text_field)
             except (FrontendError, UserError) as e:
                 raise FieldError(job.text_field, str(e)) from None
+        return pieces, self._prompt(job)
+
+    def _prompt(self, job: SynthesisJob) -> PromptFeatures:
+        """The job's prompt features: a speaker's, an upload's (extracted now) or the bundle's own."""
         if isinstance(job.prompt, AudioUpload):
-            return pieces, self.extract(job.prompt)
+            return self.extract(job.prompt)
         if isinstance(job.prompt, BundlePrompt):
-            return pieces, self.default_features()
-        return pieces, job.prompt
+            return self.default_features()
+        return job.prompt

@@ -45,6 +45,9 @@ class ServerSettings:
     bundle needs `llm_decode`); 1: each session decodes on its own."""
     queue_depth: int = 8
     """Sessions admitted to wait for a slot; one more is refused with 503 at once."""
+    stream_idle_timeout: float = 30.0
+    """Seconds a text-streaming WebSocket session (`/v1/audio/speech/stream`) may go without a message before
+    its `end`; past it the session is closed (4408) and its slot freed."""
     timeout: float = 300.0
     """Seconds from admission to the last sample; a session past it is stopped (504, or a cut stream)."""
     max_text_chars: int = MAX_TEXT_CHARS
@@ -84,6 +87,8 @@ class ServerSettings:
             raise ValueError(f"max_batch must be from 1 to {MAX_BATCH}, got {self.max_batch}")
         if self.queue_depth < 0:
             raise ValueError(f"queue_depth must be >= 0, got {self.queue_depth}")
+        if self.stream_idle_timeout <= 0:
+            raise ValueError(f"stream_idle_timeout must be > 0, got {self.stream_idle_timeout}")
         if self.timeout <= 0:
             raise ValueError(f"timeout must be > 0, got {self.timeout}")
         if self.sampling not in SAMPLINGS:

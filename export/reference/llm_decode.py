@@ -13,7 +13,7 @@ Follows `Qwen2LM.inference` / `inference_wrapper` (`cosyvoice/llm/llm.py`), `ras
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -129,3 +129,93 @@ def generate_speech_tokens(
             out.append(token)
         x = lm.embed_speech(torch.tensor([[token]], dtype=torch.long, device=x.device))  # (1, 1, C)
     return out
+
+
+MIX_RATIO = (5, 15)
+FILL_OFFSET = 3
+
+
+@torch.no_grad()
+def generate_speech_tokens_bistream(
+    lm: CosyVoice3LM,
+    text_ids: Iterable[int],
+    prompt_text_ids: Sequence[int],
+    prompt_speech_tokens: Sequence[int],
+    eop_id: int,
+    sampler: Sampler,
+    *,
+    max_tokens: int | None = None,
+) -> list[int]:
+    """Upstream's `Qwen2LM.inference_bistream` for CosyVoice3 (text ids arriving one at a time), with the
+    silent-token limiter of `llm_job`; returns the kept ids. Upstream's final loop has no length bound; this
+    one stops at `MAX_TOKEN_TEXT_RATIO` sampled ids per text id, or `max_tokens` (the runtime's
+    `text_stream.TextStreamDecoding` has the same bound)."""
+    cfg = lm.cfg
+    device = lm.speech_embedding.weight.device
+    texts, speech_rows = MIX_RATIO
+    fill, eos, size = cfg.speech_token_size + FILL_OFFSET, cfg.eos, cfg.speech_token_size
+
+    def text(ids: Sequence[int]) -> Tensor:
+        return lm.embed_text(torch.tensor([list(ids)], dtype=torch.long, device=device))
+
+    def speech(ids: Sequence[int]) -> Tensor:
+        return lm.embed_speech(torch.tensor([list(ids)], dtype=torch.long, device=device))
+
+    prompt_text, prompt_speech = list(prompt_text_ids), list(prompt_speech_tokens)
+    eop = prompt_text.index(eop_id)
+    x = torch.cat((speech([cfg.sos]), text(prompt_text[:eop + 1])), dim=1)
+    queued = prompt_text[eop + 1:]
+    next_fill = (len(prompt_speech) // speech_rows + 1) * speech_rows - len(prompt_speech)
+    keys, values = lm.empty_cache(device=device, dtype=x.dtype)
+    history: list[int] = []
+    emitted: list[int] = []
+    count = 0
+
+    def step(x: Tensor) -> Tensor:
+        nonlocal keys, values
+        logp, keys, values = lm.forward_step(x, keys, values)
+        return logp[0].float()
+
+    for text_id in text_ids:
+        count += 1
+        queued.append(int(text_id))
+        while prompt_speech and len(queued) >= texts:
+            x = torch.cat((x, text(queued[:texts]), speech(prompt_speech[:speech_rows])), dim=1)
+            queued, prompt_speech = queued[texts:], prompt_speech[speech_rows:]
+        if prompt_speech:
+            continue
+        after_fill = bool(history) and history[-1] == fill
+        if after_fill or (not history and x.shape[1] == 1):
+            if len(queued) < texts:
+                continue
+            x = text(queued[:texts]) if after_fill else torch.cat((x, text(queued[:texts])), dim=1)
+            queued = queued[texts:]
+        while True:
+            logp = step(x)
+            if next_fill != -1 and len(history) == next_fill:
+                token = fill
+            else:
+                logp[size] = float("-inf")
+                token = sampler(logp, history)
+            if token == fill:
+                next_fill = len(history) + speech_rows + 1
+            history.append(token)
+            if token == fill:
+                break
+            if token >= size:
+                raise ValueError(f"should not get token {token}")
+            emitted.append(token)
+            x = speech([token])
+    x = torch.cat((x, text(queued), speech([cfg.task_id])), dim=1)
+    limit = int(count * MAX_TOKEN_TEXT_RATIO) if max_tokens is None else max_tokens
+    while len(history) < limit:
+        token = sampler(step(x), history)
+        history.append(token)
+        if token == eos:
+            break
+        if token >= size:
+            raise ValueError(f"should not get token {token}")
+        emitted.append(token)
+        x = speech([token])
+    limiter = SilentTokenLimiter()
+    return [t for t in emitted if limiter.keep(t)]
