@@ -91,6 +91,9 @@ class GoldenCase:
     speed: float
     max_tokens: int | None
     """LLM steps per segment instead of upstream's max_len (for the tiny random LLM, which rarely stops)."""
+    pieces: tuple[str, ...] | None
+    """The text in the pieces it is streamed in (upstream's bistream: one segment, `text` their
+    concatenation), or None: `text` given whole."""
     provider: str
     precision: str
     tolerance: Mapping[str, Bounds]
@@ -104,6 +107,7 @@ class GoldenCase:
         out["chunk_policy"] = ({k: v for k, v in asdict(self.chunk_policy).items() if v is not None}
                                if self.chunk_policy else None)
         out["tolerance"] = {p: asdict(b) for p, b in self.tolerance.items()}
+        out["pieces"] = list(self.pieces) if self.pieces is not None else None
         return out
 
 
@@ -152,8 +156,9 @@ _CASE_TYPES: dict[str, type | tuple[type, ...]] = {
     "name": str, "bundle": str, "text": str, "prompt_wav": str, "prompt_text": str, "instruct": str,
     "mode": str, "stream": bool, "chunk_policy": dict, "sampling": str, "seed": int,
     "speed": (int, float), "max_tokens": int, "provider": str, "precision": str, "tolerance": dict,
+    "pieces": list,
 }
-_OPTIONAL = {"max_tokens"}
+_OPTIONAL = {"max_tokens", "pieces"}
 
 
 def load_cases(path: Path = CASES_FILE) -> Cases:
@@ -205,6 +210,11 @@ def _case(raw: dict[str, Any], default_bounds: Mapping[str, Bounds], where: str)
     if unknown:
         raise GoldenError(f"{where}: unknown field {unknown[0]!r}; fields are {', '.join(_CASE_TYPES)}")
     where = f"{where} ({raw['name']!r})" if isinstance(raw.get("name"), str) else where
+    pieces = _pieces(raw, where)
+    if pieces is not None:
+        raw = {**raw, "text": raw.get("text", "".join(pieces))}
+        if raw["text"] != "".join(pieces):
+            raise GoldenError(f"{where}: text must be its pieces joined (or left out)")
     v = {k: _get(raw, k, t, where) for k, t in _CASE_TYPES.items() if k not in _OPTIONAL or k in raw}
     _choice(v["mode"], tuple(m.value for m in Mode), f"{where}: mode")
     _choice(v["sampling"], SAMPLINGS, f"{where}: sampling")
@@ -214,6 +224,8 @@ def _case(raw: dict[str, Any], default_bounds: Mapping[str, Bounds], where: str)
         raise GoldenError(f"{where}: name and text must not be empty")
     if v["stream"] and v["speed"] != 1.0:
         raise GoldenError(f"{where}: speed works offline only (upstream ignores it when streaming)")
+    if pieces is not None and v["mode"] == Mode.CROSS_LINGUAL.value:
+        raise GoldenError(f"{where}: pieces stream text after a prompt text, which cross-lingual has none of")
     if not v["stream"] and v["chunk_policy"]:
         raise GoldenError(f"{where}: chunk_policy is for streaming cases")
     policy = None
@@ -231,7 +243,17 @@ def _case(raw: dict[str, Any], default_bounds: Mapping[str, Bounds], where: str)
         name=v["name"], bundle=v["bundle"], text=v["text"], prompt_wav=v["prompt_wav"],
         prompt_text=v["prompt_text"], instruct=v["instruct"], mode=Mode(v["mode"]), stream=v["stream"],
         chunk_policy=policy, sampling=v["sampling"], seed=v["seed"], speed=float(v["speed"]),
-        max_tokens=v.get("max_tokens"), provider=v["provider"], precision=v["precision"], tolerance=tolerance)
+        max_tokens=v.get("max_tokens"), pieces=pieces, provider=v["provider"], precision=v["precision"],
+        tolerance=tolerance)
+
+
+def _pieces(raw: Mapping[str, Any], where: str) -> tuple[str, ...] | None:
+    value = raw.get("pieces")
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value or not all(isinstance(p, str) for p in value):
+        raise GoldenError(f"{where}: pieces is {value!r}, expected a list of strings")
+    return tuple(value)
 
 
 def _bounds(raw: Any, where: str) -> Bounds:

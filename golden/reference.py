@@ -22,7 +22,13 @@ from cosyvoice_export.bundle.tiny import write_bundle
 from cosyvoice_export.onnx.graphs import WRAPPERS, Networks
 from cosyvoice_export.onnx.validate import case_label, run_torch
 from cosyvoice_export.reference.frontend import PromptFeatures
-from cosyvoice_export.reference.llm_decode import GreedySampler, RasSampler, Sampler, generate_speech_tokens
+from cosyvoice_export.reference.llm_decode import (
+    GreedySampler,
+    RasSampler,
+    Sampler,
+    generate_speech_tokens,
+    generate_speech_tokens_bistream,
+)
 from cosyvoice_export.reference.pipeline import Mode as ReferenceMode
 from cosyvoice_export.reference.pipeline import ReferencePipeline
 from cosyvoice_runtime.bundle import RuntimeBundle
@@ -91,14 +97,21 @@ def reference_segments(pipe: ReferencePipeline, case: GoldenCase, pieces: list[S
     mode = ReferenceMode(case.mode.value)
     out = []
     for piece in pieces:
-        inputs = pipe.llm_inputs(mode, piece.text, prompt, prompt_text=prompt_text,
+        inputs = pipe.llm_inputs(mode, "" if case.pieces else piece.text, prompt, prompt_text=prompt_text,
                                  instruct_text=case.instruct)
-        if (inputs.text_ids, inputs.prompt_text_ids) != (piece.text_ids, piece.prompt_text_ids):
+        text_ids = ([i for p in case.pieces for i in pipe.tokenizer.encode(p)] if case.pieces
+                    else inputs.text_ids)  # pieces: each tokenised on its own, as upstream's bistream
+        if (text_ids, inputs.prompt_text_ids) != (piece.text_ids, piece.prompt_text_ids):
             raise GoldenError(f"case {case.name}: the runtime's and the reference's tokenizers disagree on "
                               f"{piece.text!r}")
-        tokens = generate_speech_tokens(pipe.llm, inputs.text_ids, inputs.prompt_text_ids,
-                                        inputs.prompt_speech_tokens, pipe.eop_id, _sampler(pipe, case),
-                                        max_tokens=case.max_tokens)
+        if case.pieces:
+            tokens = generate_speech_tokens_bistream(pipe.llm, text_ids, inputs.prompt_text_ids,
+                                                     inputs.prompt_speech_tokens, pipe.eop_id,
+                                                     _sampler(pipe, case), max_tokens=case.max_tokens)
+        else:
+            tokens = generate_speech_tokens(pipe.llm, text_ids, inputs.prompt_text_ids,
+                                            inputs.prompt_speech_tokens, pipe.eop_id, _sampler(pipe, case),
+                                            max_tokens=case.max_tokens)
         if case.chunk_policy is None:
             mel, audio = pipe.token2wav(tokens, prompt, speed=case.speed)
             out.append(ReferenceSegment(tokens, [((0, len(tokens)), audio)], mel.numpy()))

@@ -28,7 +28,7 @@ from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.sampling import Sampling
-from cosyvoice_runtime.segments import Segment
+from cosyvoice_runtime.segments import Segment, prompt_ids
 from cosyvoice_runtime.synthesis import AudioChunk, Mode
 
 from .cases import DEMO, FROM_BUNDLE, Cases, GoldenCase
@@ -186,24 +186,38 @@ class Runtime:
         return Prompt(wav, text, self._prompts[key])
 
     def segments(self, case: GoldenCase) -> list[Segment]:
-        """The case's text, split and formatted for its mode as `cosyvoice-run` does."""
+        """The case's text, split and formatted for its mode as `cosyvoice-run` does; text in pieces: one
+        segment, each piece tokenised on its own (as `speak_text_stream` reads them)."""
+        voice = self.voice(case)[0]
         try:
-            return self.voice(case)[0].segments(case.mode, case.text, prompt_text=self.prompt(case).text,
-                                                instruct=case.instruct)
+            if case.pieces is not None:
+                prompt = prompt_ids(case.mode, voice.tokenizer, prompt_text=self.prompt(case).text,
+                                    instruct=case.instruct)
+                ids = [i for p in case.pieces for i in voice.tokenizer.encode(p)]
+                return [Segment(case.text, ids, prompt)]
+            return voice.segments(case.mode, case.text, prompt_text=self.prompt(case).text,
+                                  instruct=case.instruct)
         except UserError as e:
             raise GoldenError(f"case {case.name}: {e}") from None
 
     def run(self, case: GoldenCase) -> CaseRun:
         """Synthesise `case`: every segment with a fresh sampler, offline or streamed."""
         voice, recorder = self.voice(case)
-        prompt, pieces = self.prompt(case).features, self.segments(case)
+        prompt, pieces = self.prompt(case), self.segments(case)
+        sampling = Sampling(case.sampling, case.seed)
         start = time.perf_counter()
         done = []
         with recorder.record() as stats:
             for piece in pieces:
-                speech = voice.speak(piece, prompt, case.mode, stream=case.stream, speed=case.speed,
-                                     sampling=Sampling(case.sampling, case.seed), policy=case.chunk_policy,
-                                     max_tokens=case.max_tokens)
+                if case.pieces is not None:
+                    speech = voice.speak_text_stream(iter(case.pieces), prompt.features, case.mode,
+                                                     prompt_text=prompt.text, instruct=case.instruct,
+                                                     stream=case.stream, speed=case.speed, sampling=sampling,
+                                                     policy=case.chunk_policy, max_tokens=case.max_tokens)
+                else:
+                    speech = voice.speak(piece, prompt.features, case.mode, stream=case.stream,
+                                         speed=case.speed, sampling=sampling, policy=case.chunk_policy,
+                                         max_tokens=case.max_tokens)
                 chunks = list(speech)
                 done.append(SegmentRun(list(speech.speech_tokens), chunks))
         return CaseRun(done, stats.to_json(), time.perf_counter() - start)

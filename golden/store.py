@@ -39,7 +39,7 @@ AUDIO = "audio"
 MEL = "mel"
 """The torch reference's generated mel in a case's npz file."""
 EXPECTATION_FIELDS = ("text", "prompt_text", "instruct", "mode", "stream", "chunk_policy", "sampling", "seed",
-                      "speed", "max_tokens", "precision")
+                      "speed", "max_tokens", "precision", "pieces")
 """The case fields that change what is synthesised: a golden recorded with other values is stale."""
 
 
