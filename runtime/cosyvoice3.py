@@ -78,6 +78,8 @@ PromptWav = str | Path | BinaryIO | tuple[np.ndarray, int] | PromptAudio
 """A prompt recording: a file's path, an open binary file, (samples, sample rate) with samples (N,) or
 (N, channels) in [-1, 1], or audio read already."""
 
+TtsText = str | Iterable[str]
+"""A text, or its pieces as they come (upstream takes a generator: its bistream)."""
 TokenWatch = Callable[[Iterator[int]], Iterator[int]]
 """Wraps a segment's speech-id iterator, e.g. to stop it between LLM steps (a server's cancellation)."""
 
@@ -166,13 +168,14 @@ class CosyVoice3:
 
     # --- upstream's methods -------------------------------------------------------------------------
 
-    def inference_zero_shot(self, tts_text: str, prompt_text: str, prompt_wav: PromptWav | None,
+    def inference_zero_shot(self, tts_text: TtsText, prompt_text: str, prompt_wav: PromptWav | None,
                             zero_shot_spk_id: str = "", stream: bool = False, speed: float = 1.0,
                             text_frontend: bool = True, *, first_chunk_tokens: int | None = None
                             ) -> Iterator[dict[str, np.ndarray]]:
         """Speak `tts_text` in the voice of `prompt_wav`, whose transcript is `prompt_text` (a bare
         transcript, or upstream's "You are a helpful assistant.<|endofprompt|>" + transcript), or of the
         speaker `zero_shot_spk_id` (`add_zero_shot_spk`; then `prompt_text` and `prompt_wav` are unused).
+        `tts_text` may be pieces still to come, as upstream's generator (`speak_text_stream`).
         `first_chunk_tokens` (ours, streaming only): `ChunkPolicy.first_chunk_tokens`, a deviation from
         upstream's chunk schedule for latency; None keeps upstream's."""
         speaker = self._speaker(zero_shot_spk_id)
@@ -180,22 +183,23 @@ class CosyVoice3:
                                prompt_text=speaker.prompt_text if speaker else prompt_text,
                                first_chunk_tokens=first_chunk_tokens)
 
-    def inference_cross_lingual(self, tts_text: str, prompt_wav: PromptWav | None, zero_shot_spk_id: str = "",
-                                stream: bool = False, speed: float = 1.0, text_frontend: bool = True, *,
-                                first_chunk_tokens: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+    def inference_cross_lingual(self, tts_text: TtsText, prompt_wav: PromptWav | None,
+                                zero_shot_spk_id: str = "", stream: bool = False, speed: float = 1.0,
+                                text_frontend: bool = True, *, first_chunk_tokens: int | None = None
+                                ) -> Iterator[dict[str, np.ndarray]]:
         """Speak `tts_text` (any language, fine-grained tags allowed) in the voice of `prompt_wav` or of
-        the speaker `zero_shot_spk_id`, without the prompt's transcript. `first_chunk_tokens`: as
-        `inference_zero_shot`'s."""
+        the speaker `zero_shot_spk_id`, without the prompt's transcript; not text in pieces (upstream's
+        CosyVoice3 cannot either: a `UserError`). `first_chunk_tokens`: as `inference_zero_shot`'s."""
         speaker = self._speaker(zero_shot_spk_id)
         return self._inference(Mode.CROSS_LINGUAL, tts_text, speaker or prompt_wav, stream, speed,
                                text_frontend, first_chunk_tokens=first_chunk_tokens)
 
-    def inference_instruct2(self, tts_text: str, instruct_text: str, prompt_wav: PromptWav | None,
+    def inference_instruct2(self, tts_text: TtsText, instruct_text: str, prompt_wav: PromptWav | None,
                             zero_shot_spk_id: str = "", stream: bool = False, speed: float = 1.0,
                             text_frontend: bool = True, *, first_chunk_tokens: int | None = None
                             ) -> Iterator[dict[str, np.ndarray]]:
         """Speak `tts_text` as `instruct_text` asks (e.g. "请用广东话表达。"), in the voice of `prompt_wav` or
-        of the speaker `zero_shot_spk_id`. `first_chunk_tokens`: as `inference_zero_shot`'s."""
+        of the speaker `zero_shot_spk_id`; `tts_text` and `first_chunk_tokens` as `inference_zero_shot`'s."""
         speaker = self._speaker(zero_shot_spk_id)
         return self._inference(Mode.INSTRUCT2, tts_text, speaker or prompt_wav, stream, speed, text_frontend,
                                instruct=instruct_text, first_chunk_tokens=first_chunk_tokens)
@@ -392,7 +396,7 @@ class CosyVoice3:
                 release_free_heap()
             return self._prompt_sessions
 
-    def _inference(self, mode: Mode, tts_text: str | Iterable[str], prompt: Speaker | PromptWav | None,
+    def _inference(self, mode: Mode, tts_text: TtsText, prompt: Speaker | PromptWav | None,
                    stream: bool,
                    speed: float, text_frontend: bool, *, prompt_text: str = "", instruct: str = "",
                    first_chunk_tokens: int | None = None) -> Iterator[dict[str, np.ndarray]]:
