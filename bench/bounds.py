@@ -22,12 +22,12 @@ from cosyvoice_export.bundle.yaml_config import model_config_from_yaml
 from cosyvoice_export.config import DiTConfig, HiFTConfig, Qwen2Config
 from cosyvoice_graphs.precision import FP32, INT8, Precision
 from cosyvoice_runtime.bundle import RuntimeBundle
-from cosyvoice_runtime.runners import CPU, graphs_run
+from cosyvoice_runtime.runners import CPU, decode_body
 
 from .backend import Figures
 from .machine import Rates
 
-LLM, DIT, HIFT = "llm", "flow_estimator_cached", "hift_decoder"
+DIT, HIFT = "flow_estimator_cached", "hift_decoder"
 """The graphs the three bounds are of."""
 
 
@@ -51,12 +51,6 @@ class ModelShapes:
         return cls(config.llm.qwen, config.flow.dit, config.hift, bundle.dims.speech_vocab,
                    bundle.graph_precision(decode_body(bundle, provider)), bundle.graph_precision(DIT),
                    bundle.graph_precision(HIFT))
-
-
-def decode_body(bundle: RuntimeBundle, provider: str = CPU) -> str:
-    """The graph the runtime runs the LLM's decode steps on with `provider`: `llm_decode` where the bundle
-    has it and the provider runs it, else `llm`."""
-    return "llm_decode" if "llm_decode" in graphs_run(bundle, provider) else LLM
 
 
 def llm_weight_count(qwen: Qwen2Config, speech_vocab: int) -> int:

@@ -28,7 +28,7 @@ from cosyvoice_graphs import Case, GraphSpec, decode_step_case
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.errors import USER_ERRORS
-from cosyvoice_runtime.runners import CPU, ORT_PROVIDERS, graphs_run
+from cosyvoice_runtime.runners import CPU, ORT_PROVIDERS, decode_body
 from cosyvoice_runtime.runners.ort_settings import OPTIMIZATION, settings_for
 
 from .errors import BenchError
@@ -44,8 +44,7 @@ VOCODER_FRAMES = 57 + 29
 
 def hot_calls(bundle: RuntimeBundle, provider: str) -> dict[str, Case]:
     """The graph the pipeline runs on `provider` for each hot call, and the call's case."""
-    run = graphs_run(bundle, provider)
-    decode = "llm_decode" if "llm_decode" in run else "llm"
+    decode = decode_body(bundle, provider)
     llm = decode_step_case(bundle.specs[decode], DECODE_PAST)
     dit = Case({"new_frames": DIT_NEW, "past_frames": DIT_PAST},
                {"offset": (DIT_PAST,), "block_frames": (bundle.dims.dit_block_frames,)})

@@ -15,11 +15,9 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from cosyvoice_graphs import Case, GraphSpec, decode_step_case, empty_caches
+from cosyvoice_graphs import LLM_DECODE, Case, GraphSpec, decode_step_case, empty_caches
 from cosyvoice_runtime.bundle import RuntimeBundle
-from cosyvoice_runtime.runners import CPU, OPTIMIZATION, OrtRunner, on_openvino
-
-from .bounds import decode_body
+from cosyvoice_runtime.runners import CPU, OPTIMIZATION, OrtRunner, decode_body, on_openvino
 
 LEVER_THREADS = (1, 2)
 """Intra-op thread counts tried per graph and optimisation level."""
@@ -36,7 +34,7 @@ def onnxruntime_levers(bundle: RuntimeBundle, *, frames: int, past_len: int, run
     returned grown as `llm`'s are) for every optimisation level and thread count, each in a fresh CPU
     session; the row the runtime uses is marked (none for a graph it runs on OpenVINO: a bf16 graph's rows
     are its float32 on onnxruntime)."""
-    body = decode_body(bundle)
+    body = decode_body(bundle, CPU)
     decode = decode_step_case(bundle.specs[body], past_len)
     points = {DIT: (*_offline_dit_call(bundle.specs[DIT], frames), DIT_OUTPUTS),
               body: (decode, bundle.specs[body].sample_inputs(decode), bundle.specs[body].output_names)}
@@ -124,7 +122,7 @@ def _is_square(shape: Sequence[int], frames: int) -> bool:
 
 
 def _kv_buffers_lever(bundle: RuntimeBundle) -> dict[str, Any]:
-    if decode_body(bundle) == "llm_decode":
+    if decode_body(bundle, CPU) == LLM_DECODE:
         return {"lever": "pre-allocated KV caches", "status": "done in the export and the runtime",
                 "detail": "the decode steps run on llm_decode (GroupQueryAttention), which writes each new "
                           "position into buffers bound as its inputs and outputs (KVBuffers, "

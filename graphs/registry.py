@@ -132,6 +132,9 @@ def _f32(name: str, shape: tuple[int | str, ...], doc: str = "", low: float = -1
     return TensorSpec(name, "float32", shape, doc, low, high)
 
 
+LLM = "llm"
+LLM_DECODE = "llm_decode"
+"""The LLM's two decode bodies: `llm` runs everywhere, `llm_decode` on onnxruntime's CPU (and batches)."""
 PAST_LEN = "past_len"
 """The symbolic dim of the LLM graphs' caches: the positions cached (in `llm_decode`, a buffer's rows)."""
 
@@ -151,7 +154,7 @@ def llm_spec(d: ModelDims) -> GraphSpec:
                    _f32(f"past_value_{i}", kv, f"Layer {i} values.")]
         outputs += [_f32(f"present_key_{i}", present), _f32(f"present_value_{i}", present)]
     return GraphSpec(
-        name="llm", version=1, opset=OPSET, doc=llm_spec.__doc__ or "",
+        name=LLM, version=1, opset=OPSET, doc=llm_spec.__doc__ or "",
         inputs=tuple(inputs), outputs=tuple(outputs),
         dims={"new_len": DimRange(1, 1, 1024), PAST_LEN: DimRange(0, 256, 2048)},
         derived={"total_len": DerivedDim({"new_len": 1, PAST_LEN: 1})},
@@ -230,7 +233,7 @@ def llm_decode_spec(d: ModelDims) -> GraphSpec:
         return Case({BATCH: batch, "new_len": new, PAST_LEN: past}, {CACHE_LEN: (past,) * batch})
 
     return replace(
-        llm, name="llm_decode", version=2, doc=llm_decode_spec.__doc__ or "", inputs=inputs,
+        llm, name=LLM_DECODE, version=2, doc=llm_decode_spec.__doc__ or "", inputs=inputs,
         outputs=tuple(batched(t) for t in llm.outputs),
         dims={BATCH: DimRange(1, 1, MAX_BATCH), **llm.dims},
         trace=case(5, 3, batch=2), validate=(case(7, 0), case(1, 9), case(4, 13), case(1, 11, batch=3)),
@@ -409,7 +412,7 @@ def hift_decoder_spec(d: ModelDims) -> GraphSpec:
 
 
 SPECS: dict[str, Callable[[ModelDims], GraphSpec]] = {
-    "llm": llm_spec,
+    LLM: llm_spec,
     "flow_encoder": flow_encoder_spec,
     "flow_estimator_cached": flow_estimator_cached_spec,
     "hift_f0": hift_f0_spec,
@@ -418,7 +421,7 @@ SPECS: dict[str, Callable[[ModelDims], GraphSpec]] = {
 """The graphs of every runtime bundle, in pipeline order."""
 OPTIONAL_SPECS: dict[str, Callable[[ModelDims], GraphSpec]] = {
     "llm_prefill": llm_prefill_spec,
-    "llm_decode": llm_decode_spec,
+    LLM_DECODE: llm_decode_spec,
 }
 """The graphs a bundle has only where its precision plan names them: second bodies of another graph's
 function, faster for some of its calls."""

@@ -28,7 +28,7 @@ from typing import Any, Literal, Self
 
 import numpy as np
 
-from cosyvoice_graphs import MAX_BATCH
+from cosyvoice_graphs import LLM_DECODE, MAX_BATCH
 from cosyvoice_graphs.bundle_layout import FLOW_NOISE, SINE_NOISE, SPEECH_EMBEDDING, TEXT_EMBEDDING
 
 from .bundle import RuntimeBundle
@@ -38,7 +38,7 @@ from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from .frontend import PromptFeatures
 from .llm import Decoding, LlmRequest, SpeechTokenLM
 from .prefix_jobs import LiveWork
-from .runners import CPU, Runner, graphs_run, open_runner
+from .runners import CPU, Runner, decode_body, graphs_run, open_runner
 from .sampling import Sampler
 from .token2wav import Flow, FlowStream, Vocoder, VocoderStream, change_speed
 
@@ -246,7 +246,7 @@ class Synthesizer:
             self.close()
             raise
         r = self._runners
-        self.lm = SpeechTokenLM(r.get("llm_decode") or r["llm"], bundle.table(TEXT_EMBEDDING),
+        self.lm = SpeechTokenLM(r[decode_body(bundle, provider)], bundle.table(TEXT_EMBEDDING),
                                 bundle.table(SPEECH_EMBEDDING),
                                 sos=bundle.sos, task_id=bundle.task_id, endofprompt_id=bundle.endofprompt_id,
                                 speech_token_size=self.dims.speech_token_size, prefill=r.get("llm_prefill"))
@@ -400,7 +400,7 @@ def check_max_batch(max_batch: int, bundle: RuntimeBundle, provider: str) -> Non
     up to `MAX_BATCH` on `llm_decode` (onnxruntime's CPU)."""
     if not 1 <= max_batch <= MAX_BATCH:
         raise UserError(f"max_batch is {max_batch}; expected 1 to {MAX_BATCH}")
-    if max_batch > 1 and "llm_decode" not in graphs_run(bundle, provider):
+    if max_batch > 1 and decode_body(bundle, provider) != LLM_DECODE:
         raise UserError(f"max_batch {max_batch}: batched decoding runs on llm_decode on the cpu provider; "
                         f"{bundle.root} ({bundle.manifest.precision}) on {provider!r} decodes on llm (export "
                         "--precision cpu-fast, or decode=fp32 for float32)")

@@ -8,7 +8,7 @@ another execution provider: what was asked for runs, or `ProviderError` says why
 
 from __future__ import annotations
 
-from cosyvoice_graphs import precisions_on
+from cosyvoice_graphs import LLM, LLM_DECODE, precisions_on
 from cosyvoice_graphs.providers import CPU, CPU_PROVIDERS, CUDA, OPENVINO, PROVIDERS, TENSORRT, TRT
 
 from ..bundle import RuntimeBundle
@@ -20,8 +20,8 @@ from .trt import TrtRunner
 
 __all__ = ["CPU", "CPU_PROVIDERS", "CUDA", "OPENVINO", "OPTIMIZATION", "ORT_PROVIDERS", "PROVIDERS",
            "TENSORRT", "TRT", "Feed", "OpenVinoRunner", "OrtRunner", "Runner", "RunnerBase", "TrtRunner",
-           "check_feeds", "feed_nbytes", "feed_shape", "graphs_run", "on_openvino", "open_runner",
-           "provider_chain"]
+           "check_feeds", "decode_body", "feed_nbytes", "feed_shape", "graphs_run", "on_openvino",
+           "open_runner", "provider_chain"]
 
 
 def on_openvino(bundle: RuntimeBundle, graph: str, provider: str) -> bool:
@@ -31,13 +31,18 @@ def on_openvino(bundle: RuntimeBundle, graph: str, provider: str) -> bool:
     return provider == OPENVINO or cpu_on_openvino
 
 
+def decode_body(bundle: RuntimeBundle, provider: str) -> str:
+    """The graph the LLM's decode steps run on with `provider`: `llm_decode` where the bundle has it and
+    `provider` runs it (onnxruntime's CPU: it needs onnxruntime's own operators), else `llm`."""
+    if LLM_DECODE in bundle.specs and provider == CPU and not on_openvino(bundle, LLM_DECODE, provider):
+        return LLM_DECODE
+    return LLM
+
+
 def graphs_run(bundle: RuntimeBundle, provider: str) -> list[str]:
-    """The graphs of `bundle` a pipeline on `provider` runs: all of them, but where the bundle has
-    `llm_decode` and `provider` runs it (onnxruntime's CPU: it needs onnxruntime's own operators), the
-    decode steps run on it and `llm` stays closed; elsewhere `llm_decode` does."""
-    decode_here = "llm_decode" in bundle.specs and provider == CPU and not on_openvino(bundle, "llm_decode",
-                                                                                          provider)
-    skipped = "llm" if decode_here else "llm_decode"
+    """The graphs of `bundle` a pipeline on `provider` runs: all of them but the decode body it does not
+    run (`decode_body`: where `llm_decode` takes the decode steps, `llm` stays closed)."""
+    skipped = LLM if decode_body(bundle, provider) == LLM_DECODE else LLM_DECODE
     return [name for name in bundle.specs if name != skipped]
 
 
