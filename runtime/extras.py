@@ -26,7 +26,8 @@ CPU_ONNXRUNTIME, GPU_ONNXRUNTIME = "onnxruntime", "onnxruntime-gpu"
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "export": ("torch", "transformers", "safetensors", "onnx", "onnxslim", "onnx_ir", "librosa",
                "huggingface_hub", "filelock"),
-    "serve": ("fastapi", "uvicorn", "multipart", "python_multipart", "grpc", "google.protobuf", "av"),
+    "serve": ("fastapi", "uvicorn", "websockets", "multipart", "python_multipart", "grpc", "google.protobuf",
+              "av"),
     "ray": ("ray",),
 }
 """The modules each extra a console script may need brings (besides onnxruntime), by import name."""

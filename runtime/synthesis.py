@@ -21,6 +21,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from types import MappingProxyType, TracebackType
@@ -32,6 +33,7 @@ from cosyvoice_graphs import LLM_DECODE, MAX_BATCH
 from cosyvoice_graphs.bundle_layout import FLOW_NOISE, SINE_NOISE, SPEECH_EMBEDDING, TEXT_EMBEDDING
 
 from .bundle import RuntimeBundle
+from .chunk_turns import ChunkTurns
 from .decode_batch import BatchedDecoding, BatchObserver, DecodeBatcher
 from .errors import SynthesisError, UserError
 from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
@@ -259,6 +261,8 @@ class Synthesizer:
         (`PrefixJobs`) waits while there are any."""
         self.batcher: DecodeBatcher | None = None
         """Where decodings run when `max_batch` > 1."""
+        self.turns: ChunkTurns | None = None
+        """The order of the batch's sessions' flow and vocoder work (`chunk_turn`)."""
         self.set_max_batch(max_batch, batch_observer)
 
     def set_max_batch(self, max_batch: int, observer: BatchObserver | None = None) -> None:
@@ -269,6 +273,12 @@ class Synthesizer:
         if self.batcher is not None:
             self.batcher.close()
         self.batcher = DecodeBatcher(self.lm, max_batch, observer) if max_batch > 1 else None
+        self.turns = ChunkTurns() if max_batch > 1 else None
+
+    def chunk_turn(self, *, first: bool) -> AbstractContextManager[None]:
+        """The turn a chunk's flow and vocoder work waits for: with a decode batch, whose sessions share the
+        CPU, one chunk at a time, first chunks first (`ChunkTurns`); else none."""
+        return self.turns.turn(first) if self.turns is not None else nullcontext()
 
     @property
     def runners(self) -> Mapping[str, Runner]:
@@ -341,7 +351,8 @@ class Synthesizer:
             start = time.perf_counter()
             ids = [int(t) for t in tokens]
             llm_s = time.perf_counter() - start
-            mel, audio, timings = self.token2wav(ids, prompt, speed=speed)
+            with self.chunk_turn(first=True):  # all of its audio at once
+                mel, audio, timings = self.token2wav(ids, prompt, speed=speed)
         return Synthesis(ids, mel, audio, self.sample_rate, {"llm": llm_s, **timings})
 
     # --- streaming -------------------------------------------------------------------------------------
@@ -463,6 +474,10 @@ class _Stream:
         return frames % self.synth.dims.dit_block_frames != 0
 
     def _chunk(self, tokens: list[int], hop: int, llm_s: float, *, final: bool) -> AudioChunk:
+        with self.synth.chunk_turn(first=self.index == 0):
+            return self._run_chunk(tokens, hop, llm_s, final=final)
+
+    def _run_chunk(self, tokens: list[int], hop: int, llm_s: float, *, final: bool) -> AudioChunk:
         synth = self.synth
         start = time.perf_counter()
         if self.flow_stream is None:

@@ -96,7 +96,7 @@ def test_batched_rows_are_the_decodings_alone(exact_bundle: Path, sampling: str)
         assert synth.batcher is not None and synth.batcher.size == 0
     assert got == want
     assert len(observed.waits) == 5  # every decoding joined
-    assert max(observed.sizes) == 3 and min(observed.sizes) == 1
+    assert max(observed.sizes) == 3 and min(observed.sizes) < 3  # full, and smaller as rows left
     assert sum(observed.sizes) == sum(len(w) for w in want) - 5  # every step after each prefill, batched
 
 

@@ -1,0 +1,47 @@
+"""Turns at the flow and the vocoder for streams that share the machine: first chunks first.
+
+Concurrent streams each run their chunks' flow and vocoder calls on threads of their own; on a CPU those
+calls share the cores, so four streams' first chunks all finish late together. `ChunkTurns` lets at most
+`slots` chunks run at once and, among the waiting, gives the next turn to a first chunk (a listener
+waiting for any audio) before a later one, otherwise in the order they asked. It orders work, never
+changes it: every chunk's samples are what they would be without it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class ChunkTurns:
+    """At most `slots` chunks at once; first chunks before later ones, each kind in arrival order."""
+
+    def __init__(self, slots: int = 1) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.slots = slots
+        self._cond = threading.Condition()
+        self._waiting: list[tuple[int, int]] = []
+        """(0 for a first chunk else 1, arrival number) of each chunk waiting, a heap."""
+        self._arrivals = itertools.count()
+        self._running = 0
+
+    @contextmanager
+    def turn(self, first: bool) -> Iterator[None]:
+        """Wait for this chunk's turn (`first`: the stream's first chunk), hold it while the block runs."""
+        ticket = (0 if first else 1, next(self._arrivals))
+        with self._cond:
+            heapq.heappush(self._waiting, ticket)
+            while self._running >= self.slots or self._waiting[0] != ticket:
+                self._cond.wait()
+            heapq.heappop(self._waiting)
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()

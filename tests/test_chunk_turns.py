@@ -1,0 +1,61 @@
+"""`ChunkTurns`: batched sessions' flow and vocoder work one chunk at a time, first chunks first."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from cosyvoice_runtime.chunk_turns import ChunkTurns
+
+
+def test_a_first_chunk_goes_before_later_ones_that_asked_earlier() -> None:
+    turns = ChunkTurns(slots=1)
+    order: list[str] = []
+    holding = threading.Event()
+    release = threading.Event()
+
+    def holder() -> None:
+        with turns.turn(first=False):
+            holding.set()
+            release.wait(10)
+
+    def chunk(name: str, first: bool) -> None:
+        with turns.turn(first=first):
+            order.append(name)
+
+    threads = [threading.Thread(target=holder)]
+    threads[0].start()
+    assert holding.wait(10)
+    for name, first in (("later-1", False), ("later-2", False), ("first-1", True), ("first-2", True)):
+        thread = threading.Thread(target=chunk, args=(name, first))
+        thread.start()
+        threads.append(thread)
+        time.sleep(0.05)  # each asks after the one before
+    assert order == []  # one slot, held
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert order == ["first-1", "first-2", "later-1", "later-2"]
+
+
+def test_slots_run_at_once_and_a_failure_frees_its_turn() -> None:
+    turns = ChunkTurns(slots=2)
+    inside = threading.Barrier(2, timeout=10)
+
+    def chunk() -> None:
+        with turns.turn(first=True):
+            inside.wait()  # both hold a turn at the same time, or this times out
+
+    threads = [threading.Thread(target=chunk) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    with pytest.raises(RuntimeError), turns.turn(first=False):
+        raise RuntimeError("the chunk failed")
+    with turns.turn(first=False):  # its turn was given back
+        pass
+    with pytest.raises(ValueError, match="slots must be >= 1"):
+        ChunkTurns(slots=0)
