@@ -20,6 +20,7 @@ from typing import Any
 
 from cosyvoice_export.bundle.yaml_config import model_config_from_yaml
 from cosyvoice_export.config import DiTConfig, HiFTConfig, Qwen2Config
+from cosyvoice_graphs import DIT, HIFT_DECODER
 from cosyvoice_graphs.precision import FP32, INT8, Precision
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.runners import CPU, decode_body
@@ -27,7 +28,6 @@ from cosyvoice_runtime.runners import CPU, decode_body
 from .backend import Figures
 from .machine import Rates
 
-DIT, HIFT = "flow_estimator_cached", "hift_decoder"
 """The graphs the three bounds are of."""
 
 
@@ -50,7 +50,7 @@ class ModelShapes:
                                         bundle.tokenizer_dir / "config.json")
         return cls(config.llm.qwen, config.flow.dit, config.hift, bundle.dims.speech_vocab,
                    bundle.graph_precision(decode_body(bundle, provider)), bundle.graph_precision(DIT),
-                   bundle.graph_precision(HIFT))
+                   bundle.graph_precision(HIFT_DECODER))
 
 
 def llm_weight_count(qwen: Qwen2Config, speech_vocab: int) -> int:

@@ -15,13 +15,12 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from cosyvoice_graphs import LLM_DECODE, Case, GraphSpec, decode_step_case, empty_caches
+from cosyvoice_graphs import DIT, LLM_DECODE, Case, GraphSpec, decode_step_case, empty_caches
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.runners import CPU, OPTIMIZATION, OrtRunner, decode_body, on_openvino
 
 LEVER_THREADS = (1, 2)
 """Intra-op thread counts tried per graph and optimisation level."""
-DIT = "flow_estimator_cached"
 DIT_OUTPUTS = ["velocity"]
 """What the runtime's offline flow fetches from the DiT: its caches are never read."""
 

@@ -3,6 +3,8 @@
 from .precision import PRECISION_NAMES, PRECISIONS, REDUCED_PRECISIONS, Precision, precisions_on
 from .registry import (
     CACHE_LEN,
+    DIT,
+    HIFT_DECODER,
     LLM,
     LLM_DECODE,
     MAX_BATCH,
@@ -31,8 +33,8 @@ from .spec import (
     empty_caches,
 )
 
-__all__ = ["BATCH", "CACHE_LEN", "LLM", "LLM_DECODE", "MAX_BATCH", "ODE_STEPS", "OPTIONAL_SPECS", "PAST_LEN",
-           "PRECISIONS", "PRECISION_NAMES", "REDUCED_PRECISIONS", "SPECS", "Case", "DecodeGates",
-           "DerivedDim", "DimRange", "GraphSpec", "ModelDims", "Precision", "SolveGates", "TensorSpec",
-           "Tolerance", "cache_pairs", "decode_step_case", "empty_caches", "euler_steps", "metadata",
-           "ode_time_grid", "precisions_on", "spec"]
+__all__ = ["BATCH", "CACHE_LEN", "DIT", "HIFT_DECODER", "LLM", "LLM_DECODE", "MAX_BATCH", "ODE_STEPS",
+           "OPTIONAL_SPECS", "PAST_LEN", "PRECISIONS", "PRECISION_NAMES", "REDUCED_PRECISIONS", "SPECS",
+           "Case", "DecodeGates", "DerivedDim", "DimRange", "GraphSpec", "ModelDims", "Precision",
+           "SolveGates", "TensorSpec", "Tolerance", "cache_pairs", "decode_step_case", "empty_caches",
+           "euler_steps", "metadata", "ode_time_grid", "precisions_on", "spec"]

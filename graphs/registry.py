@@ -135,6 +135,10 @@ def _f32(name: str, shape: tuple[int | str, ...], doc: str = "", low: float = -1
 LLM = "llm"
 LLM_DECODE = "llm_decode"
 """The LLM's two decode bodies: `llm` runs everywhere, `llm_decode` on onnxruntime's CPU (and batches)."""
+DIT = "flow_estimator_cached"
+"""The flow's DiT estimator, the graph the ODE calls."""
+HIFT_DECODER = "hift_decoder"
+"""The vocoder's decoder (the f0 predictor is `hift_f0`)."""
 PAST_LEN = "past_len"
 """The symbolic dim of the LLM graphs' caches: the positions cached (in `llm_decode`, a buffer's rows)."""
 
@@ -414,9 +418,9 @@ def hift_decoder_spec(d: ModelDims) -> GraphSpec:
 SPECS: dict[str, Callable[[ModelDims], GraphSpec]] = {
     LLM: llm_spec,
     "flow_encoder": flow_encoder_spec,
-    "flow_estimator_cached": flow_estimator_cached_spec,
+    DIT: flow_estimator_cached_spec,
     "hift_f0": hift_f0_spec,
-    "hift_decoder": hift_decoder_spec,
+    HIFT_DECODER: hift_decoder_spec,
 }
 """The graphs of every runtime bundle, in pipeline order."""
 OPTIONAL_SPECS: dict[str, Callable[[ModelDims], GraphSpec]] = {
