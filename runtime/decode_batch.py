@@ -6,7 +6,9 @@ joins the batch; every batch step is one `llm_decode` call over all joined rows,
 length (`GroupQueryAttention` takes one per row), and each row's id is drawn by its own decoding (its
 request's sampler and seed, its masks and limiter). A row leaves at its stop id, at `max_len`, or when its
 consumer closes it (a client that went away); the last row moves into its place, so the rows stay packed.
-Rows wait for a place (`max_batch`) in the order they joined, and every joined row advances at every step.
+Rows wait for a place (`max_batch`) in the order they joined, and every joined row advances at every step,
+but the batch waits while every row holds `AHEAD_IDS` ids its consumer has not taken: then the streams'
+flow and vocoder calls, which need the cores for the audio due first, are not slowed by ids due later.
 
 On onnxruntime's CPU in float32 a row's log-probs are those of the same decoding run alone, to the bit
 (tests/test_decode_batch.py): the batched call computes each row's matmul outputs as the single-row call
@@ -29,6 +31,11 @@ from cosyvoice_graphs import MAX_BATCH, GraphSpec, cache_pairs
 
 from .errors import SynthesisError
 from .llm import FIRST_BUFFER_STEPS, Decoding, KVBuffers, SpeechTokenLM
+
+AHEAD_IDS = 32
+"""Ids a row may hold untaken before the batch waits (when every row does): about what a stream's first chunk
+takes (a hop of 25 and the flow's look-ahead of 3), so that the ids of later chunks are decoded as they are
+needed rather than while other streams' first audio is due. Measured: performance.md."""
 
 
 class BatchObserver(Protocol):
@@ -154,6 +161,8 @@ class BatchedDecoding(Iterator[int]):
             if first is not None:
                 return first
         item = self.ids.get()
+        if self.ids.qsize() < AHEAD_IDS:  # the batch may be waiting for this consumer
+            self.batcher.wake()
         if item is None or isinstance(item, BaseException):
             self._ended = True
             if item is None:
@@ -227,7 +236,7 @@ class DecodeBatcher:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self._waiting and not self._rows:
+                while not self._closed and self._idle():
                     self._cond.wait()
                 if self._closed:
                     for item in (*self._rows, *self._waiting):
@@ -244,6 +253,13 @@ class DecodeBatcher:
                     self._step()
             except Exception as e:  # a failed call: every joined decoding gets the error, none waits forever
                 self._fail(e)
+
+    def _idle(self) -> bool:
+        """Nothing to do now: no decoding waits for a row, and every joined one (if any) is going on and has
+        `AHEAD_IDS` ids its consumer has not taken."""
+        return not self._waiting and all(
+            not item.closed and not item.decoding.finished and item.ids.qsize() >= AHEAD_IDS
+            for item in self._rows)
 
     def _fail(self, error: Exception) -> None:
         for item in self._rows:
