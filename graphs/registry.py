@@ -216,7 +216,7 @@ def llm_decode_spec(d: ModelDims) -> GraphSpec:
     written in place: a decode step neither grows nor copies the cache. Every row takes `new_len` new
     positions (the runtime batches decode steps, one position each, and prefills alone). Rows are
     independent: a row's log-probs and cache do not depend on the others (on the CPU in float32, to the
-    bit: tests/test_batched_decode.py). Fed one row and buffers of exactly `cache_len` rows, as its
+    bit: tests/test_decode_batch.py). Fed one row and buffers of exactly `cache_len` rows, as its
     batch-1 cases are, it is `llm`: `present_*` have `total_len` rows.
 
     Attention is onnxruntime's `GroupQueryAttention` (com.microsoft; CPU kernel), which applies RoPE from

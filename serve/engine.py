@@ -36,6 +36,7 @@ import numpy as np
 from cosyvoice_runtime import CosyVoice3
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import choose_bundle
+from cosyvoice_runtime.cosyvoice3 import SegmentSpeech
 from cosyvoice_runtime.errors import FrontendError, SynthesisError, UserError
 from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from cosyvoice_runtime.frontend import PromptFeatures
@@ -214,20 +215,11 @@ class Engine:
                                               prompt_text=job.prompt_text, instruct=job.instruct,
                                               sampling=job.sampling, watch=session.watch,
                                               first_chunk_tokens=job.first_chunk_tokens)
-        samples, first = 0, None
-        try:
-            for chunk in speech:
-                if first is None:
-                    first = time.monotonic() - start
-                    log.info("request %d: first audio after %.2f s", request, first)
-                samples += len(chunk.samples)
-                yield chunk.samples
-        except SynthesisError as e:
-            raise FieldError(job.text_field, str(e), status=422) from None
-        job.usage.text_tokens += len(speech.text_ids)
-        job.usage.speech_tokens += len(speech.speech_tokens)
-        log.info("request %d: done, %.2f s of audio (%d speech tokens) in %.2f s", request,
-                 samples / self.sample_rate, job.usage.speech_tokens, time.monotonic() - start)
+        samples = 0
+        for audio in self._samples(request, start, speech, job, first=True):
+            samples += len(audio)
+            yield audio
+        self._log_done(request, start, samples, job)
 
     def _speak(self, job: SynthesisJob, session: Session, *, stream: bool) -> Iterator[np.ndarray]:
         """The job's chunks; its stages go to the log: what it is, the speech tokens every few seconds
@@ -236,7 +228,7 @@ class Engine:
         pieces, prompt = self._prepare(job)
         log.info("request %d: %s, %s, %d segment(s), %d characters; %.2f s in the queue", request, job.mode,
                  "streamed" if stream else "offline", len(pieces), len(job.text), start - session.admitted)
-        samples, first = 0, None
+        samples = 0
         with SynthesisProgress(pieces, out=_LogLines(f"request {request}: ")) as progress:
             for i, piece in enumerate(pieces):
                 def watch(ids: Iterator[int], i: int = i) -> Iterator[int]:
@@ -245,17 +237,27 @@ class Engine:
                 speech = self.voice.speak(piece, prompt, job.mode, stream=stream, speed=job.speed,
                                           sampling=job.sampling, watch=watch,
                                           first_chunk_tokens=job.first_chunk_tokens)
-                try:
-                    for chunk in speech:
-                        if first is None:
-                            first = time.monotonic() - start
-                            log.info("request %d: first audio after %.2f s", request, first)
-                        samples += len(chunk.samples)
-                        yield chunk.samples
-                except SynthesisError as e:
-                    raise FieldError(job.text_field, str(e), status=422) from None
-                job.usage.text_tokens += len(speech.text_ids)
-                job.usage.speech_tokens += len(speech.speech_tokens)
+                for audio in self._samples(request, start, speech, job, first=samples == 0):
+                    samples += len(audio)
+                    yield audio
+        self._log_done(request, start, samples, job)
+
+    def _samples(self, request: int, start: float, speech: SegmentSpeech, job: SynthesisJob, *, first: bool
+                 ) -> Iterator[np.ndarray]:
+        """`speech`'s chunks' samples (the request's first audio logged where `first`), then its text and
+        speech tokens counted in `job.usage`; a failed synthesis as a 422 naming the text field."""
+        try:
+            for chunk in speech:
+                if first:
+                    log.info("request %d: first audio after %.2f s", request, time.monotonic() - start)
+                    first = False
+                yield chunk.samples
+        except SynthesisError as e:
+            raise FieldError(job.text_field, str(e), status=422) from None
+        job.usage.text_tokens += len(speech.text_ids)
+        job.usage.speech_tokens += len(speech.speech_tokens)
+
+    def _log_done(self, request: int, start: float, samples: int, job: SynthesisJob) -> None:
         log.info("request %d: done, %.2f s of audio (%d speech tokens) in %.2f s", request,
                  samples / self.sample_rate, job.usage.speech_tokens, time.monotonic() - start)
 

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from cosyvoice_runtime.sampling import SilentTokenLimiter, ras_sample
+from cosyvoice_runtime.text_stream import FILL_OFFSET, MIX_RATIO
 
 from ..config import RASConfig
 from ..nets.llm import CosyVoice3LM
@@ -130,9 +131,6 @@ def generate_speech_tokens(
         x = lm.embed_speech(torch.tensor([[token]], dtype=torch.long, device=x.device))  # (1, 1, C)
     return out
 
-
-MIX_RATIO = (5, 15)
-FILL_OFFSET = 3
 
 
 @torch.no_grad()
