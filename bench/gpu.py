@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from cosyvoice_graphs import Case
+from cosyvoice_graphs import HIFT_DECODER, Case
 from cosyvoice_graphs.precision import FP16, TF32
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.runners import CPU, CUDA, ORT_PROVIDERS, OrtRunner, provider_chain
@@ -107,7 +107,6 @@ def _best_seconds(model: bytes, feeds: dict[str, np.ndarray], provider: str, dev
 
 # --- the cuDNN algorithm search -----------------------------------------------------------------------------
 
-VOCODER = "hift_decoder"
 LEVER_FRAMES = (57, 83, 500)
 """Mel frames of the vocoder calls the search lever times: shapes no call before it had (a streamed
 chunk's window, a longer one, an offline utterance's 20 s)."""
@@ -118,10 +117,10 @@ def conv_search_levers(bundle: RuntimeBundle, provider: str = CUDA, *, frames: t
     """Per cuDNN algorithm search mode (`CONV_ALGO_SEARCHES`): the vocoder graph opened fresh with it, then
     per frame count its first call (which pays the search for that shape) and the fastest of 3 calls after
     it, in ms."""
-    spec = bundle.specs[VOCODER]
+    spec = bundle.specs[HIFT_DECODER]
     rows = []
     for search in CONV_ALGO_SEARCHES:
-        with OrtRunner(bundle.graph_path(VOCODER), spec, provider, conv_algo_search=search) as runner:
+        with OrtRunner(bundle.graph_path(HIFT_DECODER), spec, provider, conv_algo_search=search) as runner:
             for n in frames:
                 feeds = spec.sample_inputs(Case({"frames": n}))
                 start = time.perf_counter()
@@ -132,7 +131,7 @@ def conv_search_levers(bundle: RuntimeBundle, provider: str = CUDA, *, frames: t
                     start = time.perf_counter()
                     runner.infer(feeds)
                     warm.append(time.perf_counter() - start)
-                rows.append({"graph": VOCODER, "conv_algo_search": search, "frames": n,
+                rows.append({"graph": HIFT_DECODER, "conv_algo_search": search, "frames": n,
                              "first_call_ms": first * 1e3, "warm_call_ms": min(warm) * 1e3})
         on_row()
     return rows

@@ -24,7 +24,7 @@ from typing import Any
 import click
 import onnxruntime as ort
 
-from cosyvoice_graphs import Case, GraphSpec, decode_step_case
+from cosyvoice_graphs import DIT, HIFT_DECODER, Case, GraphSpec, decode_step_case
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.errors import USER_ERRORS
@@ -48,7 +48,7 @@ def hot_calls(bundle: RuntimeBundle, provider: str) -> dict[str, Case]:
     llm = decode_step_case(bundle.specs[decode], DECODE_PAST)
     dit = Case({"new_frames": DIT_NEW, "past_frames": DIT_PAST},
                {"offset": (DIT_PAST,), "block_frames": (bundle.dims.dit_block_frames,)})
-    return {decode: llm, "flow_estimator_cached": dit, "hift_decoder": Case({"frames": VOCODER_FRAMES})}
+    return {decode: llm, DIT: dit, HIFT_DECODER: Case({"frames": VOCODER_FRAMES})}
 
 
 def profile_graph(bundle: RuntimeBundle, graph: str, case: Case, provider: str, *, calls: int,

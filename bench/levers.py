@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from cosyvoice_graphs import DIT, LLM_DECODE, Case, GraphSpec, decode_step_case, empty_caches
+from cosyvoice_graphs import DIT, LLM, LLM_DECODE, Case, GraphSpec, decode_step_case, empty_caches
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.runners import CPU, OPTIMIZATION, OrtRunner, decode_body, on_openvino
 
@@ -135,7 +135,7 @@ def _kv_buffers_lever(bundle: RuntimeBundle) -> dict[str, Any]:
 def export_levers(bundle: RuntimeBundle, mask_cost: Mapping[str, Any] | None) -> list[dict[str, Any]]:
     """The export-side levers, as our graphs stand (read from their specs and exporters, not re-done);
     `mask_cost` is `attention_mask_cost`'s measurement, None where it was not taken."""
-    logp_shape = bundle.specs["llm"].outputs[0].shape
+    logp_shape = bundle.specs[LLM].outputs[0].shape
     mask = ("not measured (--provider is not cpu)" if mask_cost is None else
             f"measured: {mask_cost['share']:.1%} of a full-attention call at {mask_cost['frames']} frames "
             f"({mask_cost['mask_s'] * 1e3:.3g} of {mask_cost['call_s'] * 1e3:.3g} ms, onnxruntime profile)")

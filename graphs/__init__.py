@@ -4,9 +4,12 @@ from .precision import PRECISION_NAMES, PRECISIONS, REDUCED_PRECISIONS, Precisio
 from .registry import (
     CACHE_LEN,
     DIT,
+    FLOW_ENCODER,
     HIFT_DECODER,
+    HIFT_F0,
     LLM,
     LLM_DECODE,
+    LLM_PREFILL,
     MAX_BATCH,
     ODE_STEPS,
     OPTIONAL_SPECS,
@@ -33,8 +36,9 @@ from .spec import (
     empty_caches,
 )
 
-__all__ = ["BATCH", "CACHE_LEN", "DIT", "HIFT_DECODER", "LLM", "LLM_DECODE", "MAX_BATCH", "ODE_STEPS",
-           "OPTIONAL_SPECS", "PAST_LEN", "PRECISIONS", "PRECISION_NAMES", "REDUCED_PRECISIONS", "SPECS",
-           "Case", "DecodeGates", "DerivedDim", "DimRange", "GraphSpec", "ModelDims", "Precision",
-           "SolveGates", "TensorSpec", "Tolerance", "cache_pairs", "decode_step_case", "empty_caches",
-           "euler_steps", "metadata", "ode_time_grid", "precisions_on", "spec"]
+__all__ = ["BATCH", "CACHE_LEN", "DIT", "FLOW_ENCODER", "HIFT_DECODER", "HIFT_F0", "LLM", "LLM_DECODE",
+           "LLM_PREFILL", "MAX_BATCH", "ODE_STEPS", "OPTIONAL_SPECS", "PAST_LEN", "PRECISIONS",
+           "PRECISION_NAMES", "REDUCED_PRECISIONS", "SPECS", "Case", "DecodeGates", "DerivedDim", "DimRange",
+           "GraphSpec", "ModelDims", "Precision", "SolveGates", "TensorSpec", "Tolerance", "cache_pairs",
+           "decode_step_case", "empty_caches", "euler_steps", "metadata", "ode_time_grid", "precisions_on",
+           "spec"]

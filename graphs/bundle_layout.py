@@ -34,10 +34,6 @@ SINE_NOISE = "sine_noise"
 """(1, samples, harmonics): the NSF source's uniform noise, read from the utterance's first sample;
 stored as the MT19937 state it is drawn from (`generated_table_file`)."""
 
-NOISE_TABLES = {FLOW_NOISE: ("flow_estimator_cached", "new_frames"),
-                SINE_NOISE: ("hift_decoder", "samples")}
-"""Noise table -> (graph, symbolic dim) whose largest profile size is the longest the runtime can read."""
-
 RETIRED_GRAPHS = frozenset({"flow_estimator"})
 """Graphs that earlier exporters wrote and this one no longer does: an export into a folder that holds
 them deletes their files (the bundles that list them are of format version 2). `flow_estimator` was the

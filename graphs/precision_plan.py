@@ -8,7 +8,8 @@ It names one of three things:
   which its spec must bound; the others fp32.
 
 An optional graph (`OPTIONAL_SPECS`: `llm_prefill`, `llm_decode`) is in the bundle only where a profile or a
-list names it, in a reduced precision or, where it has a float32 body (`FLOAT32_OPTIONAL`), in fp32.
+list names it, in a reduced precision or, where it has a float32 body (`GraphRecipe.float32_optional`), in
+fp32.
 
 The manifest records the plan's `name` as the bundle's precision and each graph's own precision beside it.
 """
@@ -19,29 +20,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .precision import EXACT_ON_CPU, FP32, INT4, INT8, PRECISIONS, Precision
-from .registry import OPTIONAL_SPECS, SPECS
+from .recipes import RECIPES
+from .registry import DIT, LLM, LLM_DECODE, LLM_PREFILL, OPTIONAL_SPECS, SPECS
 from .spec import GraphSpec
 
 GRAPH_ALIASES: dict[str, tuple[str, ...]] = {
-    "prefill": ("llm_prefill",),
-    "decode": ("llm_decode",),
-    "dit": ("flow_estimator_cached",),
-    "encoder": ("flow_encoder",),
-    "hift": ("hift_f0", "hift_decoder"),
-}
-"""Short names of graphs in `graph=precision` (an alias may name several graphs: each takes the precision)."""
+    alias: tuple(r.name for r in RECIPES.values() if alias in r.aliases)
+    for alias in dict.fromkeys(a for r in RECIPES.values() for a in r.aliases)}
+"""Short names of graphs in `graph=precision` (`GraphRecipe.aliases`) -> the graphs each names, in pipeline
+order (an alias may name several graphs: each takes the precision)."""
 
 PROFILES: dict[str, dict[str, str]] = {
     # the fastest gated CPU bodies measured on the full-size random bundle (docs/performance-log.md)
-    "cpu-fast": {"llm": INT4.name, "llm_prefill": INT8.name, "llm_decode": INT4.name,
-                 "flow_estimator_cached": INT8.name},
+    "cpu-fast": {LLM: INT4.name, LLM_PREFILL: INT8.name, LLM_DECODE: INT4.name, DIT: INT8.name},
 }
 """Named precisions per graph (graphs not named are fp32)."""
-
-
-FLOAT32_OPTIONAL = ("llm_decode",)
-"""Optional graphs with a float32 body: `llm_decode` batches decodings, which `llm` cannot, so `decode=fp32`
-batches them exactly; `llm_prefill` exists only to be faster than `llm` (int8)."""
 
 
 class PrecisionPlanError(ValueError):
@@ -112,10 +105,10 @@ class PrecisionPlan:
 
     def check(self, specs: Mapping[str, GraphSpec]) -> None:
         """Refuse (one line) a graph given a precision its spec does not bound (an optional graph has a
-        float32 body only where `FLOAT32_OPTIONAL` names it)."""
+        float32 body only where its recipe says so: `GraphRecipe.float32_optional`)."""
         for graph, precision in self.graphs.items():
             optional = graph in OPTIONAL_SPECS
-            floats = ((FP32.name,) if graph in FLOAT32_OPTIONAL else ()) if optional else EXACT_ON_CPU
+            floats = ((FP32.name,) if RECIPES[graph].float32_optional else ()) if optional else EXACT_ON_CPU
             bounded = (*floats, *specs[graph].precision_tolerances)
             if precision not in bounded:
                 note = " (an optional graph)" if optional else ""

@@ -22,40 +22,37 @@ INT8_LOGP = Tolerance("rel_max_abs", 5e-2)
 INT8_CACHE = Tolerance("rel_max_abs", 1e-1)
 INT8_DECODE_GATES = DecodeGates("logp", steps=200, mean_kl=2e-2, top_k=25, top_logp_error=1.0,
                                 greedy_mismatches=30)
-"""Measured on the full-size random bundle: mean KL 6.8e-3, top-25 error 0.62, 14 of 201 greedy ids
-different (tiny: 9.1e-4, 0.24, 7). Random weights flatten the distributions (top id ~0.33 on average),
-which makes near-ties and so greedy flips common; a trained LLM's are peakier."""
+"""Loose against what the full-size random bundle measured (docs/export.md, "Tolerances and gates: what was
+measured"): random weights flatten the distributions, which makes near-ties and so greedy flips common; a
+trained LLM's are peakier."""
 INT4_LOGP = Tolerance("rel_max_abs", 5e-1)
 INT4_CACHE = Tolerance("rel_max_abs", 1.0)
 INT4_DECODE_GATES = DecodeGates("logp", steps=200, mean_kl=1.0, top_k=25, top_logp_error=12.0,
                                 greedy_mismatches=130)
-"""Looser than int8's because 4 bits are: a 32-weight block of a Gaussian row gets 16 levels, a rounding
-error of ~8% of each matmul's output against int8's ~0.5%, and the random weights pass it through 24
-layers undamped. Measured on the full-size random bundle (MatMulNBits, block 32, symmetric): mean KL 0.69,
-top-25 error 8.2, 99 of 201 greedy ids different, log-probs 0.33 and caches 0.66 of their scale (tiny:
-0.094, 2.1, 58; 0.095, 0.32); blocks of 64 or 128 and zero points were further off. The bounds keep 1.3x
-to 1.5x that: they catch a broken conversion, not a loss a trained LLM would show, which needs its own
-figures."""
+"""Looser than int8's because 4 bits are: a 32-weight block of a Gaussian row gets 16 levels, and the random
+weights pass the rounding through 24 layers undamped. 1.3x to 1.5x what the full-size random bundle
+measured (docs/export.md, "Tolerances and gates: what was measured"): they catch a broken conversion, not
+a loss a trained LLM would show, which needs its own figures."""
 PREFILL_INT8_LOGP = Tolerance("rel_max_abs", 2e-1)
 PREFILL_INT8_CACHE = Tolerance("rel_max_abs", 3e-1)
 """`llm_prefill`'s int8 (activations quantized per tensor, where `llm`'s int8 has a scale per 32 channels):
-measured against the fp32 graph on the full-size random bundle, log-probs at most 9.2e-2 and caches 1.65e-1
-of their scale over the spec's cases and a 242-position prefill."""
+about twice what the full-size random bundle measured against the fp32 graph (docs/export.md, "Tolerances
+and gates: what was measured")."""
 PREFILL_INT8_DECODE_GATES = DecodeGates("logp", steps=200, mean_kl=7e-2, top_k=25, top_logp_error=2.0,
                                         greedy_mismatches=45)
 """`llm_prefill`'s int8 gates, run as `llm`'s are (its prefill and all 200 steps on it, though the runtime
-only prefills on it): measured on the full-size random bundle, mean KL 0.048, top-25 error 1.54, 31 of 201
-greedy ids different (`llm`'s int8: 0.0069, 0.59, 12; its int4: 0.69, 8.2, 99); the bounds keep ~1.5x."""
+only prefills on it): ~1.5x what the full-size random bundle measured (docs/export.md, "Tolerances and
+gates: what was measured")."""
 INT8_VELOCITY = Tolerance("rel_max_abs", 5e-2)
 BF16_DIT = Tolerance("rel_max_abs", 3e-2)
 """bf16 keeps 8 significant bits, and OpenVINO runs nearly the whole DiT in it (matmuls, LayerNorms,
-attention with its softmax, the residual stream), Sin and Cos apart. Measured with OpenVINO on AVX512-BF16
-(AMD EPYC, Zen 4): at most 1.31e-2 (a key cache) on the full-size random bundle, 6.85e-3 on the tiny one."""
+attention with its softmax, the residual stream), Sin and Cos apart: about twice the worst error measured
+with OpenVINO on AVX512-BF16 (docs/export.md, "Tolerances and gates: what was measured")."""
 SOLVE_GATES = SolveGates("velocity", frames=250, min_snr_db=30.0)
 """The int8 DiT's flow gate: the mel of a 10 s-scale solve within 30 dB of float32's."""
 BF16_SOLVE_GATES = SolveGates("velocity", frames=250, min_snr_db=45.0)
-"""The bf16 DiT's flow gate. Measured with OpenVINO on AVX512-BF16: 52.7 dB on the full-size random
-bundle, 53.5 dB on the tiny one."""
+"""The bf16 DiT's flow gate, some 8 dB below what OpenVINO on AVX512-BF16 measured (docs/export.md,
+"Tolerances and gates: what was measured")."""
 
 
 @dataclass(frozen=True)
@@ -135,8 +132,14 @@ def _f32(name: str, shape: tuple[int | str, ...], doc: str = "", low: float = -1
 LLM = "llm"
 LLM_DECODE = "llm_decode"
 """The LLM's two decode bodies: `llm` runs everywhere, `llm_decode` on onnxruntime's CPU (and batches)."""
+LLM_PREFILL = "llm_prefill"
+"""The LLM's prefill body: `llm`'s function for the calls over many new positions."""
+FLOW_ENCODER = "flow_encoder"
+"""The flow's token encoder: speech tokens and the x-vector -> the DiT's conditioning."""
 DIT = "flow_estimator_cached"
 """The flow's DiT estimator, the graph the ODE calls."""
+HIFT_F0 = "hift_f0"
+"""The vocoder's F0 predictor."""
 HIFT_DECODER = "hift_decoder"
 """The vocoder's decoder (the f0 predictor is `hift_f0`)."""
 PAST_LEN = "past_len"
@@ -193,7 +196,7 @@ def llm_prefill_spec(d: ModelDims) -> GraphSpec:
     llm = llm_spec(d)
     prefill = {o.name: PREFILL_INT8_LOGP if o.name == "logp" else PREFILL_INT8_CACHE for o in llm.outputs}
     return replace(
-        llm, name="llm_prefill", doc=llm_prefill_spec.__doc__ or "",
+        llm, name=LLM_PREFILL, doc=llm_prefill_spec.__doc__ or "",
         # tuned (TensorRT's opt, `cosyvoice-run --tune`) for a prefill: prompt and sentence, nothing cached
         dims={"new_len": DimRange(1, 250, 1024), PAST_LEN: DimRange(0, 0, 2048)},
         precision_tolerances={INT8.name: prefill}, decode_gates={INT8.name: PREFILL_INT8_DECODE_GATES},
@@ -261,7 +264,7 @@ def flow_encoder_spec(d: ModelDims) -> GraphSpec:
     each, which stands for upstream's zero right-padding."""
     n = d.pre_lookahead_len
     return GraphSpec(
-        name="flow_encoder", version=1, opset=OPSET, doc=flow_encoder_spec.__doc__ or "",
+        name=FLOW_ENCODER, version=1, opset=OPSET, doc=flow_encoder_spec.__doc__ or "",
         inputs=(
             TensorSpec("tokens", "int64", (1, "tokens"), "Speech tokens, prompt first.",
                        0, d.speech_token_size),
@@ -338,7 +341,7 @@ def flow_estimator_cached_spec(d: ModelDims) -> GraphSpec:
         return Case({"new_frames": new, "past_frames": past}, {"offset": (offset,), "block_frames": (block,)})
 
     return GraphSpec(
-        name="flow_estimator_cached", version=3, opset=OPSET, doc=flow_estimator_cached_spec.__doc__ or "",
+        name=DIT, version=3, opset=OPSET, doc=flow_estimator_cached_spec.__doc__ or "",
         inputs=tuple(inputs), outputs=tuple(outputs),
         # TensorRT tunes its kernels for opt: nothing cached and ~10 s of frames (prompt included), the
         # shape of the offline flow, a stream's first chunk and its final re-run, which run most of the
@@ -372,7 +375,7 @@ def hift_f0_spec(d: ModelDims) -> GraphSpec:
     Mel frames beyond the input count as zeros (upstream's final call); a non-final call keeps only
     the first frames - 3, which see real look-ahead frames only."""
     return GraphSpec(
-        name="hift_f0", version=1, opset=OPSET, doc=hift_f0_spec.__doc__ or "",
+        name=HIFT_F0, version=1, opset=OPSET, doc=hift_f0_spec.__doc__ or "",
         inputs=(_f32("mel", (1, d.mel_bins, "frames"), "Log-mel frames.", -10.0, 2.0),),
         outputs=(_f32("f0", (1, "frames"), "Fundamental frequency in Hz (|classifier output|)."),),
         dims={"frames": DimRange(4, 500, 3000)},
@@ -397,7 +400,7 @@ def hift_decoder_spec(d: ModelDims) -> GraphSpec:
     as zeros (final call); a non-final call keeps the first (frames - 8) * samples_per_frame samples."""
     h, spf = d.harmonics, d.samples_per_frame
     return GraphSpec(
-        name="hift_decoder", version=1, opset=OPSET, doc=hift_decoder_spec.__doc__ or "",
+        name=HIFT_DECODER, version=1, opset=OPSET, doc=hift_decoder_spec.__doc__ or "",
         inputs=(
             _f32("mel", (1, d.mel_bins, "frames"), "Log-mel frames.", -10.0, 2.0),
             _f32("f0", (1, "frames"), "F0 in Hz from hift_f0.", 0.0, 300.0),
@@ -417,14 +420,14 @@ def hift_decoder_spec(d: ModelDims) -> GraphSpec:
 
 SPECS: dict[str, Callable[[ModelDims], GraphSpec]] = {
     LLM: llm_spec,
-    "flow_encoder": flow_encoder_spec,
+    FLOW_ENCODER: flow_encoder_spec,
     DIT: flow_estimator_cached_spec,
-    "hift_f0": hift_f0_spec,
+    HIFT_F0: hift_f0_spec,
     HIFT_DECODER: hift_decoder_spec,
 }
 """The graphs of every runtime bundle, in pipeline order."""
 OPTIONAL_SPECS: dict[str, Callable[[ModelDims], GraphSpec]] = {
-    "llm_prefill": llm_prefill_spec,
+    LLM_PREFILL: llm_prefill_spec,
     LLM_DECODE: llm_decode_spec,
 }
 """The graphs a bundle has only where its precision plan names them: second bodies of another graph's

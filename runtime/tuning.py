@@ -19,12 +19,11 @@ from .atomic_files import write_json_atomic
 from .bundle import RuntimeBundle
 from .runners import CPU, OPTIMIZATION, OrtRunner, graphs_run, on_openvino
 from .runners.ort_settings import (
-    DEFAULT_SETTINGS,
-    FALLBACK,
     TUNING_FILE,
     TUNING_FORMAT,
     TUNING_VERSION,
     OrtSettings,
+    default_settings,
     graph_files,
     machine,
     usable_cpus,
@@ -72,7 +71,7 @@ def tune(bundle: RuntimeBundle, *, repeats: int = 5, threads: Sequence[int] | No
         if on_openvino(bundle, graph, CPU):
             continue
         feeds = spec.sample_inputs(opt_case(spec))
-        default = OrtSettings(DEFAULT_SETTINGS.get(graph, FALLBACK).optimization, max(counts))
+        default = OrtSettings(default_settings(graph).optimization, max(counts))
         ratios = {default: 1.0}
         with _runner(bundle, graph, default) as base:
             base.infer(feeds)

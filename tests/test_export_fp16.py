@@ -20,12 +20,15 @@ from cosyvoice_export.bundle.model_dir import ModelBundle
 from cosyvoice_export.bundle.tiny import config_for_size
 from cosyvoice_export.cli import main
 from cosyvoice_export.onnx import fp16
+from cosyvoice_export.onnx.bundle_assembly import export_all
 from cosyvoice_export.onnx.dims import model_dims
-from cosyvoice_export.onnx.graphs import WRAPPERS, Networks
-from cosyvoice_export.onnx.runtime_bundle import MANIFEST, OutputDirError, export_all
+from cosyvoice_export.onnx.graphs import EXPORT_RECIPES, Networks
+from cosyvoice_export.onnx.output_dir import OutputDirError
 from cosyvoice_export.onnx.trace import check_contract
 from cosyvoice_export.onnx.validate import ValidationError, validate_graph
 from cosyvoice_graphs import SPECS, ModelDims, Tolerance, spec
+from cosyvoice_graphs.bundle_layout import MANIFEST
+from cosyvoice_graphs.recipes import RECIPES
 
 FRAGILE_OPS = ("LayerNormalization", "Softmax", "LogSoftmax", "Sin", "Cos", "Exp", "Pow", "Sqrt",
                "ReduceMean", "ReduceL2")
@@ -54,7 +57,7 @@ def test_fp16_bundle_validates_with_fp16_bounds(fp16_bundle: Path) -> None:
     manifest = json.loads((fp16_bundle / MANIFEST).read_text())
     assert manifest["precision"] == "fp16"
     for name, g in manifest["graphs"].items():
-        assert g["precision"] == ("fp16" if name in fp16.FP16_GRAPHS else "fp32")
+        assert g["precision"] == ("fp16" if RECIPES[name].fp16_fp32_scopes is not None else "fp32")
         assert g["validation"]["passed"]
         for output, figure in g["validation"]["outputs"].items():
             want = spec(name, tiny_dims()).tolerances_for(g["precision"])[output]
@@ -66,7 +69,7 @@ def test_io_is_the_spec_and_fragile_ops_stay_float32(fp16_bundle: Path, name: st
     model, types = graph_types(fp16_bundle / "graphs" / f"{name}.onnx")
     check_contract(model, spec(name, tiny_dims()))  # names, order, dtypes (float32), ranks
     halves = {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT16}
-    if name not in fp16.FP16_GRAPHS:
+    if RECIPES[name].fp16_fp32_scopes is None:
         assert not halves and TensorProto.FLOAT16 not in types.values()
         return
     assert halves, "no weight was converted"
@@ -102,15 +105,15 @@ def test_bad_bound_fails_naming_graph_and_output(fp16_bundle: Path, tiny_bundle:
     bounds = loose.precision_tolerances["fp16"]
     tight = replace(loose, precision_tolerances={"fp16": {**bounds, "mu": Tolerance("rel_max_abs", 1e-9)}})
     s = tight.at_precision("fp16")
-    validation = validate_graph(fp16_bundle / "graphs" / "flow_encoder.onnx", WRAPPERS["flow_encoder"](nets),
-                                s)
+    wrapper = EXPORT_RECIPES["flow_encoder"].wrapper(nets)
+    validation = validate_graph(fp16_bundle / "graphs" / "flow_encoder.onnx", wrapper, s)
     with pytest.raises(ValidationError, match=r"flow_encoder: output mu at .*rel_max_abs") as e:
         validation.raise_for_failure()
     assert (e.value.graph, e.value.output) == ("flow_encoder", "mu")
 
 
-def test_fp16_bodies_are_exactly_the_specs_with_fp16_bounds() -> None:
+def test_a_graph_without_fp16_bounds_has_no_fp16_spec() -> None:
+    """Which graphs have an fp16 body: tests/test_graph_recipes.py."""
     dims = tiny_dims()
-    assert set(fp16.FP16_GRAPHS) == {n for n in SPECS if "fp16" in spec(n, dims).precision_tolerances}
     with pytest.raises(ValueError, match="hift_f0: its spec has no fp16 tolerances"):
         spec("hift_f0", dims).at_precision("fp16")

@@ -24,14 +24,14 @@ from onnx import TensorProto, helper
 
 from cosyvoice_export.bundle.tiny import config_for_size
 from cosyvoice_export.cli import main
-from cosyvoice_export.onnx import quantize
+from cosyvoice_export.onnx.bundle_assembly import export_all
 from cosyvoice_export.onnx.dims import model_dims
-from cosyvoice_export.onnx.runtime_bundle import MANIFEST, export_all
 from cosyvoice_export.onnx.trt import TrtUnavailable
 from cosyvoice_golden.cases import Bounds, loosest
 from cosyvoice_golden.cli import main as golden_main
-from cosyvoice_graphs import OPTIONAL_SPECS, SPECS, ModelDims, spec
-from cosyvoice_graphs.bundle_layout import PROMPT_TEXT, PROMPT_WAV
+from cosyvoice_graphs import SPECS, ModelDims, spec
+from cosyvoice_graphs.bundle_layout import MANIFEST, PROMPT_TEXT, PROMPT_WAV
+from cosyvoice_graphs.recipes import RECIPES
 from cosyvoice_runtime import CosyVoice3
 from cosyvoice_runtime.bundle import RuntimeBundle, read_onnx_metadata
 from cosyvoice_runtime.cli import main as run_main
@@ -74,7 +74,7 @@ def test_manifest_and_metadata_record_each_graphs_precision(mixed_bundle: Path) 
             want = s.tolerances_for(g["precision"])[output]
             assert (figure["metric"], figure["bound"]) == (want.metric, want.bound)
     llm_meta = read_onnx_metadata(mixed_bundle / manifest["graphs"]["llm"]["file"])
-    assert llm_meta["int4_scheme"] == quantize.SCHEMES["int4"]["llm"].describe()
+    assert llm_meta["int4_scheme"] == RECIPES["llm"].quantization["int4"].describe()
     assert llm_meta["int4_scheme"].startswith("MatMulNBits bits=4 ")
     gates = manifest["graphs"]["llm"]["validation"]["gates"]
     assert {m: g["bound"] for m, g in gates.items()} == spec("llm", tiny_dims()).decode_gates["int4"].bounds()
@@ -86,7 +86,7 @@ def test_the_llm_projections_are_4_bit_matmulnbits(mixed_bundle: Path) -> None:
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     layers = tiny_dims().llm_layers
     assert len(nbits) == 4 * layers  # q|k|v stacked, o, gate|up stacked, down
-    scheme = quantize.SCHEMES["int4"]["llm"]
+    scheme = RECIPES["llm"].quantization["int4"]
     for node in nbits:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         assert (attrs["bits"], attrs["block_size"], attrs["accuracy_level"]) == (4, scheme.block_size, 4)
@@ -104,7 +104,7 @@ def test_the_prefill_body_is_the_llm_with_dynamically_quantized_matmuls(mixed_bu
     assert entry["file"] == "graphs/llm_prefill.onnx"
     meta = read_onnx_metadata(mixed_bundle / entry["file"])
     assert meta["spec_name"] == "llm_prefill"
-    assert meta["int8_scheme"] == quantize.SCHEMES["int8"]["llm_prefill"].describe()
+    assert meta["int8_scheme"] == RECIPES["llm_prefill"].quantization["int8"].describe()
     assert meta["int8_scheme"].startswith("DynamicQuantizeMatMul ")
     gates = entry["validation"]["gates"]
     assert {m: g["bound"] for m, g in gates.items()} == spec("llm_prefill", tiny_dims()).decode_gates[
@@ -217,10 +217,3 @@ def test_tensorrt_plans_of_a_4_bit_llm_are_refused(tiny_bundle: Path, tmp_path: 
     with pytest.raises(TrtUnavailable, match=rf"--trt with --precision {MIXED}: int4 graphs run on "):
         export_all(tiny_bundle, tmp_path / "out", trt=True, precision=PLAN, progress=False)
     assert not (tmp_path / "out").exists()
-
-
-def test_quantized_bodies_are_exactly_the_specs_with_their_bounds() -> None:
-    dims = tiny_dims()
-    for precision, schemes in quantize.SCHEMES.items():
-        assert set(schemes) == {n for n in (*SPECS, *OPTIONAL_SPECS)
-                                if precision in spec(n, dims).precision_tolerances}

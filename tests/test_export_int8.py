@@ -25,18 +25,18 @@ from onnx import TensorProto
 from cosyvoice_export.bundle.model_dir import ModelBundle
 from cosyvoice_export.bundle.tiny import config_for_size
 from cosyvoice_export.cli import main
-from cosyvoice_export.onnx import quantize
-from cosyvoice_export.onnx.decode_gates import SEQUENCES, validate_decode
+from cosyvoice_export.onnx.bundle_assembly import export_all
+from cosyvoice_export.onnx.decode_gates import validate_decode
 from cosyvoice_export.onnx.dims import model_dims
-from cosyvoice_export.onnx.graphs import WRAPPERS, Networks
-from cosyvoice_export.onnx.runtime_bundle import MANIFEST, export_all
+from cosyvoice_export.onnx.graphs import EXPORT_RECIPES, Networks
 from cosyvoice_export.onnx.solve_gates import validate_solve
 from cosyvoice_export.onnx.trace import check_contract
 from cosyvoice_export.onnx.trt import TrtUnavailable
 from cosyvoice_export.onnx.validate import GraphValidation, ValidationError
 from cosyvoice_golden.cli import main as golden_main
 from cosyvoice_graphs import OPTIONAL_SPECS, SPECS, ModelDims, spec
-from cosyvoice_graphs.bundle_layout import PROMPT_TEXT, PROMPT_WAV
+from cosyvoice_graphs.bundle_layout import MANIFEST, PROMPT_TEXT, PROMPT_WAV
+from cosyvoice_graphs.recipes import RECIPES
 from cosyvoice_runtime.bundle import RuntimeBundle, read_onnx_metadata
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
@@ -74,13 +74,13 @@ def test_manifest_and_metadata_record_int8(int8_bundle: Path) -> None:
     assert manifest["precision"] == "int8"
     for name, g in manifest["graphs"].items():
         s = spec(name, tiny_dims())
-        assert g["precision"] == ("int8" if name in quantize.SCHEMES["int8"] else "fp32")
+        assert g["precision"] == ("int8" if "int8" in RECIPES[name].quantization else "fp32")
         assert read_onnx_metadata(int8_bundle / g["file"]).get("precision", "fp32") == g["precision"]
         assert g["validation"]["passed"]
         for output, figure in g["validation"]["outputs"].items():
             want = s.tolerances_for(g["precision"])[output]
             assert (figure["metric"], figure["bound"]) == (want.metric, want.bound)
-    for name in quantize.SCHEMES["int8"].keys() - OPTIONAL_SPECS:  # a bundle-wide int8 has no optional graph
+    for name in (n for n in SPECS if "int8" in RECIPES[n].quantization):  # bundle-wide: no optional graph
         s = spec(name, tiny_dims())
         gates = manifest["graphs"][name]["validation"]["gates"]
         bounds = (s.decode_gates.get("int8") or s.solve_gates["int8"]).bounds()
@@ -116,7 +116,7 @@ def test_only_the_dit_blocks_linears_take_int8_weights(int8_bundle: Path) -> Non
     # q, k, v, out and the two feed-forward matmuls of every block
     assert len(quantized) == 6 * depth and all("/transformer_blocks." in n for n in quantized)
     kept = _float_weight_matmuls(model)
-    assert kept and all(re.search("|".join(quantize.SCHEMES["int8"][graph].fp32_scopes), n) for n in kept)
+    assert kept and all(re.search("|".join(RECIPES[graph].quantization["int8"].fp32_scopes), n) for n in kept)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -173,8 +173,10 @@ def test_a_missed_gate_fails_naming_graph_and_gate(tiny_bundle: Path, int8_bundl
     nets = Networks(bundle.config, *(bundle.load_network(n) for n in ("llm", "flow", "hift")))
     s = spec("llm", model_dims(bundle.config))
     tight = replace(s, decode_gates={"int8": replace(s.decode_gates["int8"], steps=20, mean_kl=1e-12)})
-    gates = validate_decode(int8_bundle / "graphs" / "llm.onnx", WRAPPERS["llm"](nets), tight, "int8",
-                            SEQUENCES["llm"](nets))
+    recipe = EXPORT_RECIPES["llm"]
+    assert recipe.sequence is not None
+    gates = validate_decode(int8_bundle / "graphs" / "llm.onnx", recipe.wrapper(nets), tight, "int8",
+                            recipe.sequence(nets))
     assert [f.metric for f in gates if not f.passed] == ["mean_kl"]
     with pytest.raises(ValidationError, match=r"llm: output logp at teacher-forced decode: 182-position "
                                               r"prefill \+ 20 steps: mean_kl error .* > bound 1e-12"):
@@ -244,4 +246,5 @@ def test_int8_with_tensorrt_plans_is_refused(tiny_bundle: Path, tmp_path: Path) 
 
 def test_every_decode_gated_graph_has_a_sequence() -> None:
     dims = tiny_dims()
-    assert set(SEQUENCES) >= {n for n in (*SPECS, *OPTIONAL_SPECS) if spec(n, dims).decode_gates}
+    assert {n for n, r in EXPORT_RECIPES.items() if r.sequence is not None} >= {
+        n for n in (*SPECS, *OPTIONAL_SPECS) if spec(n, dims).decode_gates}

@@ -19,7 +19,7 @@ from cosyvoice_export.cli import main
 from cosyvoice_export.memory import GB, MemoryMonitor, monitor_memory, stage
 from cosyvoice_export.onnx import trace
 from cosyvoice_export.onnx.dims import model_dims
-from cosyvoice_export.onnx.graphs import WRAPPERS, Networks
+from cosyvoice_export.onnx.graphs import EXPORT_RECIPES, Networks
 from cosyvoice_graphs import SPECS, spec
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.process_memory import rss_bytes
@@ -99,10 +99,10 @@ def test_onnxslim_with_the_weights_on_disk_writes_the_same_graph(networks: Netwo
     and writes back shape constants, and the graph is simplified again in memory)."""
     dims = model_dims(networks.config)
     for name in SPECS:
-        s = spec(name, dims)
+        s, wrapper = spec(name, dims), EXPORT_RECIPES[name].wrapper
         monkeypatch.setattr(trace, "MOVED_WEIGHT_BYTES", 1 << 62)  # nothing moves: onnxslim as it comes
-        whole = trace.export_graph(WRAPPERS[name](networks), s, dims, tmp_path / "whole" / f"{name}.onnx")
+        whole = trace.export_graph(wrapper(networks), s, dims, tmp_path / "whole" / f"{name}.onnx")
         monkeypatch.setattr(trace, "MOVED_WEIGHT_BYTES", moved)
-        light = trace.export_graph(WRAPPERS[name](networks), s, dims, tmp_path / "light" / f"{name}.onnx")
+        light = trace.export_graph(wrapper(networks), s, dims, tmp_path / "light" / f"{name}.onnx")
         assert whole.simplified and light.simplified, name
         assert light.path.read_bytes() == whole.path.read_bytes(), name

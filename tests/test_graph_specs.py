@@ -26,7 +26,8 @@ from cosyvoice_graphs import (
     metadata,
     spec,
 )
-from cosyvoice_graphs.bundle_layout import FLOW_NOISE, NOISE_TABLES
+from cosyvoice_graphs.bundle_layout import FLOW_NOISE
+from cosyvoice_graphs.recipes import NOISE_TABLES
 
 FULL = model_dims(full_size())
 

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from cosyvoice_graphs import OPTIONAL_SPECS
+from cosyvoice_graphs import HIFT_DECODER, LLM, LLM_DECODE, OPTIONAL_SPECS, SPECS
 from cosyvoice_graphs.bundle_layout import MANIFEST
+from cosyvoice_graphs.recipes import RECIPES
 from cosyvoice_runtime import tuning
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
@@ -21,13 +22,14 @@ from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import RuntimeBundleError
 from cosyvoice_runtime.runners import OPTIMIZATION, OrtRunner, Runner, open_runner
 from cosyvoice_runtime.runners.ort_settings import (
-    DEFAULT_SETTINGS,
+    FALLBACK,
     FORCE_SPINNING_STOP,
-    KEEP_SPINNING,
     TUNING_FILE,
     TUNING_FORMAT,
     TUNING_VERSION,
+    default_settings,
     graph_files,
+    keeps_spinning,
     machine,
     read_tuning,
 )
@@ -64,14 +66,15 @@ def write_tuning(root: Path, graphs: dict[str, tuple[str, int]], **changes: Any)
 
 def test_every_graph_has_a_measured_default(runtime_bundle: Path) -> None:
     bundle = RuntimeBundle.open(runtime_bundle)
-    assert set(DEFAULT_SETTINGS) == set(bundle.specs)
+    assert all(r.ort_optimization in OPTIMIZATION for r in RECIPES.values())
+    assert default_settings("toy") == FALLBACK and not keeps_spinning("toy")  # a graph without a recipe
     for graph in bundle.specs:
         with open_runner(bundle, graph) as runner:
-            assert session_settings(runner)[0] == DEFAULT_SETTINGS[graph].optimization, graph
+            assert session_settings(runner)[0] == default_settings(graph).optimization, graph
             # the sessions of a pipeline take turns on the cores: only the decode body, called back to back,
             # keeps its workers spinning after a call
-            assert _config(runner, FORCE_SPINNING_STOP) == (None if graph in KEEP_SPINNING else "1"), graph
-    assert KEEP_SPINNING <= {*bundle.specs, *OPTIONAL_SPECS}
+            assert _config(runner, FORCE_SPINNING_STOP) == (None if keeps_spinning(graph) else "1"), graph
+    assert {g for g in (*SPECS, *OPTIONAL_SPECS) if keeps_spinning(g)} == {LLM, LLM_DECODE}
 
 
 def _config(runner: Runner, key: str) -> str | None:
@@ -90,7 +93,7 @@ def test_tuning_file_is_applied_and_explicit_arguments_win(copy: Path) -> None:
         assert session_settings(f0) == ("basic", 1)
         assert session_settings(encoder) == ("disable", 2)
     with open_runner(bundle, "hift_decoder") as decoder:  # not in the file: the table's
-        assert session_settings(decoder)[0] == DEFAULT_SETTINGS["hift_decoder"].optimization
+        assert session_settings(decoder)[0] == default_settings(HIFT_DECODER).optimization
     spec = bundle.specs["hift_f0"]
     with OrtRunner(bundle.graph_path("hift_f0"), spec, threads=2, optimization="extended") as given:
         assert session_settings(given) == ("extended", 2)
@@ -134,7 +137,7 @@ def test_cli_tune_writes_a_file_the_runner_uses(copy: Path, monkeypatch: pytest.
     for graph, setting in tuned.items():
         assert setting.threads == 1 and setting.optimization in OPTIMIZATION
         assert set(data["graphs"][graph]["ratio_to_default"]) == {f"{level}/1" for level in OPTIMIZATION}
-        assert data["graphs"][graph]["ratio_to_default"][f"{DEFAULT_SETTINGS[graph].optimization}/1"] == 1.0
+        assert data["graphs"][graph]["ratio_to_default"][f"{default_settings(graph).optimization}/1"] == 1.0
         assert f"{graph}: {setting.optimization}, 1 thread(s)" in result.stdout
         with open_runner(bundle, graph) as runner:
             assert session_settings(runner) == (setting.optimization, 1)

@@ -12,7 +12,7 @@ from cosyvoice_runtime.demo import DEMO_BUNDLE
 
 DIT = "flow_estimator_cached"
 KNOWN_GRAPHS = ("llm, flow_encoder, flow_estimator_cached, hift_f0, hift_decoder, llm_prefill, llm_decode, "
-                "prefill, decode, dit, encoder, hift")
+                "encoder, dit, hift, prefill, decode")
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,10 @@ matmul/conv compute are float16, while numerically fragile ops stay float32 and 
 spec's dtypes.
 
 A node is converted only if its op type is on an allowlist of ops whose float inputs and outputs share
-one type (so float16 in means float16 out) and its module scope is not a fragile one; every other node
-stays float32. Each float value then has one home precision, and a Cast is inserted wherever a node
-reads a value of the other precision. fp16 graphs are validated against the torch fp32 wrapper with
-its spec's fp16 bounds (`GraphSpec.precision_tolerances`).
+one type (so float16 in means float16 out) and its module scope is not a fragile one (its graph's
+`GraphRecipe.fp16_fp32_scopes`); every other node stays float32. Each float value then has one home
+precision, and a Cast is inserted wherever a node reads a value of the other precision. fp16 graphs are
+validated against the torch fp32 wrapper with its spec's fp16 bounds (`GraphSpec.precision_tolerances`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from cosyvoice_graphs import GraphSpec
+from cosyvoice_graphs.recipes import RECIPES
 
 from .trace import ExportError, replace_graph
 
@@ -41,23 +42,6 @@ CONVERTIBLE_OPS = frozenset({
 Pow, Sqrt, reductions, comparisons, Range, ConstantOfShape, ...) stays float32."""
 ANY_INPUT_OPS = frozenset({"Shape", "Size", "Cast"})
 """Ops that read any input dtype: their inputs are never cast."""
-
-ROOT = r"^[^/]*/[^/]*$|^[^/]*$"
-"""Nodes outside every submodule: the wrapper's own glue (masks, normalisations, HiFT's source, STFT and
-iSTFT), kept float32 everywhere."""
-FP16_GRAPHS: dict[str, tuple[str, ...]] = {
-    # RMSNorm (decomposed into Pow/ReduceMean/Sqrt/Div/Mul) and the output projection
-    "llm": (ROOT, r"layernorm/", r"/norm/", r"/llm_decoder/"),
-    # only the x-vector normalisation (in ROOT) is fragile
-    "flow_encoder": (ROOT,),
-    # AdaLN norms and the modulation table (ROOT), the output projection, RoPE tables; the caches'
-    # concatenations are data movement
-    "flow_estimator_cached": (ROOT, r"norm", r"/proj_out/", r"/rotary_embed/"),
-    # Snake activations, the source merge (F0 path), the output conv; the source/STFT/iSTFT are ROOT
-    "hift_decoder": (ROOT, r"/activations", r"/l_linear/", r"/conv_post/"),
-}
-"""Graphs exported with fp16 bodies -> regexes of node names (module scopes) kept float32. hift_f0 is not
-here: upstream runs the F0 predictor in float64, so it stays float32 entirely."""
 
 
 class Fp16Error(ExportError):
@@ -83,15 +67,17 @@ def _rename(model: onnx.ModelProto, old: str, new: str) -> None:
 
 
 def convert(model: onnx.ModelProto, graph: str) -> onnx.ModelProto:
-    """Rewrite the fp32 `model` of `graph` (a key of `FP16_GRAPHS`) in place as an fp16 graph with
+    """Rewrite the fp32 `model` of `graph` (one whose recipe has fp16 scopes) in place as an fp16 graph with
     float32 I/O; returns it."""
-    if graph not in FP16_GRAPHS:
-        raise Fp16Error(f"{graph}: not exported in fp16 (fp16 graphs: {', '.join(FP16_GRAPHS)})")
+    scopes = RECIPES[graph].fp16_fp32_scopes if graph in RECIPES else None
+    if scopes is None:
+        fp16 = [r.name for r in RECIPES.values() if r.fp16_fp32_scopes is not None]
+        raise Fp16Error(f"{graph}: not exported in fp16 (fp16 graphs: {', '.join(fp16)})")
     g = model.graph
     if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in g.node
            for a in n.attribute):
         raise Fp16Error(f"{graph}: has control-flow subgraphs, which the fp16 conversion does not handle")
-    fragile = re.compile("|".join(FP16_GRAPHS[graph]))
+    fragile = re.compile("|".join(scopes))
     types = _value_types(model)
     # graph outputs keep float32: a converted producer writes a float16 twin, cast back at the end
     outputs = {o.name for o in g.output}

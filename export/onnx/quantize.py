@@ -2,7 +2,7 @@
 float32.
 
 Two operators, chosen per graph by measurement on this project's CPU (docs/performance-log.md, int8 LLM,
-int8 DiT and int4 LLM):
+int8 DiT and int4 LLM) and recorded in its recipe (`GraphRecipe.quantization`):
 
 - `NBITS`, for the llm, whose decode multiplies one row at a time (memory-bound): each MatMul with a
   constant weight becomes onnxruntime's `MatMulNBits` with `bits`-bit weights, one float32 scale (and, when
@@ -11,8 +11,8 @@ int8 DiT and int4 LLM):
   and multiply in integers. Per-block activation scales keep an outlier in one channel from costing the
   others their precision. int8 and int4 differ only in the bits and the block.
 - `DYNAMIC`, for the graphs that multiply hundreds of rows at once (compute-bound): the DiT estimators and
-  the llm's prefill body (`llm_prefill`), where `MatMulNBits`' kernels run at a third of the CPU's int8 rate
-  or below float32 (AVX2): onnxruntime's dynamic quantization (weights
+  the llm's prefill body (`llm_prefill`), where `MatMulNBits`' kernels run far below the CPU's int8 rate
+  (below float32 on AVX2): onnxruntime's dynamic quantization (weights
   int8 per output channel with 7-bit range, activations uint8 per tensor at run time,
   `DynamicQuantizeMatMul` after graph optimisation). 7 bits because AVX2 without VNNI multiplies u8 x s8
   pairs into saturating 16-bit sums. The DiT has no 4-bit body: its spec bounds no int4.
@@ -31,67 +31,19 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import onnx
 
 from cosyvoice_graphs import GraphSpec
+from cosyvoice_graphs.recipes import ACCURACY_LEVEL, DYNAMIC, NBITS, RECIPES, QuantScheme
 
 from .trace import PARTIAL, ExportError, replace_graph
 
 REVISIONS = {"int8": 1, "int4": 1}
 """Precision -> its quantization's revision: bump one when its quantization changes (it forces its graphs to
 be exported again)."""
-ACCURACY_LEVEL = 4
-"""`NBITS`: `MatMulNBits.accuracy_level`: 4 = int8 activations and integer compute (0/1 = float32
-compute, 12x slower here)."""
-NBITS = "MatMulNBits"
-DYNAMIC = "DynamicQuantizeMatMul"
-
-
-@dataclass(frozen=True)
-class Scheme:
-    """How one graph's weight matmuls are quantized."""
-
-    operator: str
-    """`NBITS` or `DYNAMIC`."""
-    fp32_scopes: tuple[str, ...]
-    """Regexes of node names (module scopes) whose matmuls stay float32."""
-    bits: int = 8
-    """`NBITS`: bits per weight (`DYNAMIC` is int8)."""
-    block_size: int = 32
-    """`NBITS`: input channels per weight scale (and per activation scale)."""
-    symmetric: bool = True
-    """`NBITS`: scales only (True), or scales and zero points."""
-
-    def describe(self) -> str:
-        """The scheme as recorded in the graph's metadata."""
-        if self.operator == NBITS:
-            kind = "symmetric" if self.symmetric else "asymmetric"
-            return (f"MatMulNBits bits={self.bits} block_size={self.block_size} {kind} "
-                    f"accuracy_level={ACCURACY_LEVEL}")
-        return "DynamicQuantizeMatMul weights=int8 per-channel reduce_range activations=uint8 per-tensor"
-
-
-# llm_decoder: 2% of the full-size weights, and its output is the log-probs themselves
-_LLM_FP32 = (r"/llm_decoder/",)
-_DIT_FP32 = (
-    # the input/output projections (80 channels wide: little to gain at the ends)
-    r"/input_embed/", r"/proj_out/",
-)
-SCHEMES: dict[str, dict[str, Scheme]] = {
-    "int8": {"llm": Scheme(NBITS, _LLM_FP32, bits=8, block_size=32),
-             "llm_decode": Scheme(NBITS, _LLM_FP32, bits=8, block_size=32),
-             "llm_prefill": Scheme(DYNAMIC, _LLM_FP32),
-             "flow_estimator_cached": Scheme(DYNAMIC, _DIT_FP32)},
-    # block 32, symmetric: of 32/64/128 (symmetric or with zero points) the closest to fp32 by the decode
-    # gates at about the same decode time (docs/performance-log.md, int4 LLM)
-    "int4": {"llm": Scheme(NBITS, _LLM_FP32, bits=4, block_size=32),
-             "llm_decode": Scheme(NBITS, _LLM_FP32, bits=4, block_size=32)},
-}
-"""Precision -> the graphs quantized in it, and how."""
 
 
 class QuantizeError(ExportError):
@@ -120,14 +72,21 @@ def _quantizer_class() -> Any:
     return MatMulNBitsQuantizer
 
 
-def quantize(path: Path, graph: str, precision: str) -> onnx.ModelProto:
-    """The fp32 graph `graph` at `path` with its weight MatMuls quantized by its scheme in `precision` (a
-    key of `SCHEMES`), except in its float32 scopes."""
-    schemes = SCHEMES.get(precision, {})
-    if graph not in schemes:
+def scheme_of(graph: str, precision: str) -> QuantScheme:
+    """How `graph`'s weight matmuls are quantized in `precision` (its recipe's); `QuantizeError` where it has
+    no body in it."""
+    recipe = RECIPES.get(graph)
+    if recipe is None or precision not in recipe.quantization:
+        quantized = [r.name for r in RECIPES.values() if precision in r.quantization]
         raise QuantizeError(f"{graph}: not exported in {precision} ({precision} graphs: "
-                            f"{', '.join(schemes) or 'none'})")
-    scheme = schemes[graph]
+                            f"{', '.join(quantized) or 'none'})")
+    return recipe.quantization[precision]
+
+
+def quantize(path: Path, graph: str, precision: str) -> onnx.ModelProto:
+    """The fp32 graph `graph` at `path` with its weight MatMuls quantized by its scheme in `precision`
+    (`scheme_of`), except in its float32 scopes."""
+    scheme = scheme_of(graph, precision)
     model = onnx.load(str(path))
     kept = re.compile("|".join(scheme.fp32_scopes))
     excluded = [n.name for n in model.graph.node if kept.search(n.name)]
@@ -146,7 +105,7 @@ QUANTIZED_OPS = {NBITS: {"MatMulNBits"}, DYNAMIC: {"MatMulInteger", "DynamicQuan
 """Operators a scheme's quantized matmuls are written as."""
 
 
-def _nbits(model: onnx.ModelProto, excluded: list[str], scheme: Scheme) -> onnx.ModelProto:
+def _nbits(model: onnx.ModelProto, excluded: list[str], scheme: QuantScheme) -> onnx.ModelProto:
     quantizer = _quantizer_class()(model, bits=scheme.bits, block_size=scheme.block_size,
                                    is_symmetric=scheme.symmetric, accuracy_level=ACCURACY_LEVEL,
                                    nodes_to_exclude=excluded)
@@ -194,4 +153,4 @@ def write_quantized(path: Path, s: GraphSpec, precision: str) -> Path:
     model = quantize(path, s.name, precision)
     return replace_graph(path, model, s, {"precision": precision,
                                           f"{precision}_revision": str(REVISIONS[precision]),
-                                          f"{precision}_scheme": SCHEMES[precision][s.name].describe()})
+                                          f"{precision}_scheme": scheme_of(s.name, precision).describe()})

@@ -23,9 +23,9 @@ from .ort_settings import (
     CONV_ALGO_SEARCH,
     FALLBACK,
     FORCE_SPINNING_STOP,
-    KEEP_SPINNING,
     OPTIMIZATION,
     cuda_options,
+    keeps_spinning,
     settings_for,
 )
 
@@ -68,13 +68,13 @@ class OrtRunner(RunnerBase):
                  optimization: str | None = None, device_id: int = 0, tf32: bool = False,
                  conv_algo_search: str = CONV_ALGO_SEARCH) -> None:
         """`threads`: intra-op threads; `optimization`: a key of `OPTIMIZATION`; either, when None, is
-        the graph's setting (CPU only) in its bundle's tuning file, else in `DEFAULT_SETTINGS`, else
-        `FALLBACK` (`ort_settings`). `device_id`: the CUDA device for "cuda" and "tensorrt"; `tf32`: the
+        the graph's setting (CPU only) in its bundle's tuning file, else its default, else `FALLBACK`
+        (`ort_settings.settings_for`). `device_id`: the CUDA device for "cuda" and "tensorrt"; `tf32`: the
         CUDA provider computes float32 matmuls and convolutions in TF32; `conv_algo_search`: how it picks
         cuDNN's convolution algorithms (`ort_settings.cuda_options`)."""
         super().__init__(spec)
         if optimization is None or threads is None:
-            # the table and the tuning file are CPU measurements; GPU sessions keep onnxruntime's defaults
+            # the defaults and the tuning file are CPU measurements; GPU sessions keep onnxruntime's defaults
             chosen = settings_for(Path(path), spec.name) if provider == CPU else FALLBACK
             optimization = chosen.optimization if optimization is None else optimization
             threads = chosen.threads if threads is None else threads
@@ -94,7 +94,7 @@ class OrtRunner(RunnerBase):
         options.graph_optimization_level = OPTIMIZATION[optimization]
         if threads is not None:
             options.intra_op_num_threads = threads
-        if spec.name not in KEEP_SPINNING:
+        if not keeps_spinning(spec.name):
             options.add_session_config_entry(FORCE_SPINNING_STOP, "1")
         providers = provider_chain(provider, device_id, tf32=tf32, conv_algo_search=conv_algo_search)
         self.session = ort.InferenceSession(str(path), options, providers=providers)
