@@ -216,7 +216,7 @@ def all_cmd(model_dir: Path, out: Path, trt: bool, llm: str, force: bool, wait: 
     """
     from .memory import monitor_memory
     from .onnx.bf16 import Bf16Unavailable
-    from .onnx.runtime_bundle import export_all
+    from .onnx.bundle_assembly import export_all
     from .onnx.trace import ExportError
     from .onnx.trt import TrtUnavailable
 
@@ -262,8 +262,7 @@ def _synthesize(model_dir: Path, text: str, prompt_wav: Path | None, prompt_text
     from cosyvoice_runtime.atomic_files import write_wav_atomic
 
     from .bundle.model_dir import ModelBundle
-    from .reference.llm_decode import GreedySampler, RasSampler
-    from .reference.pipeline import Mode as ReferenceMode
+    from .reference.llm_decode import TorchGreedySampler, TorchRasSampler
     from .reference.pipeline import ReferencePipeline
 
     check_writable(out, "--out")
@@ -272,8 +271,9 @@ def _synthesize(model_dir: Path, text: str, prompt_wav: Path | None, prompt_text
     pipe = ReferencePipeline(bundle)
     prompt = pipe.prompt_features(prompt_wav)
     generator = np.random.Generator(np.random.PCG64(seed))
-    sampler = GreedySampler() if sampling == "greedy" else RasSampler(bundle.config.llm.sampling, generator)
-    result = pipe.synthesize(ReferenceMode(mode), text, prompt, sampler, prompt_text=prompt_text or "",
+    sampler = (TorchGreedySampler() if sampling == "greedy"
+               else TorchRasSampler(bundle.config.llm.sampling, generator))
+    result = pipe.synthesize(Mode(mode), text, prompt, sampler, prompt_text=prompt_text or "",
                              instruct_text=instruct, speed=speed)
     write_wav_atomic(out, result.audio, result.sample_rate)
     seconds = len(result.audio) / result.sample_rate
@@ -330,7 +330,7 @@ def demo(text: str, prompt_wav: Path | None, prompt_text: str | None, stream: bo
     are reused on later runs) and the `cosyvoice-run` command synthesises TEXT from it. Random
     weights make noise, not speech: the point is that every stage runs.
     """
-    from .onnx.runtime_bundle import export_all
+    from .onnx.bundle_assembly import export_all
 
     check_writable(out, "--out")  # before the minutes of export, not after them
     env = os.environ.get(MODEL_DIR_ENV)

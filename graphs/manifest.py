@@ -5,6 +5,9 @@ Reading checks the format and its version first (the keys are that version's), t
 that every path stays inside the bundle and that every file the manifest uses is listed in its `files`;
 a problem is one `ManifestError` line naming the manifest and the key, what was expected and what was
 found. Whether the bundle matches the reader (spec versions, files on disk) is the reader's to check.
+
+`GraphRecord`, what an export keeps beside the bundle about each graph it made so that a later export into
+the same folder can reuse it, is written and read with the same records.
 """
 
 from __future__ import annotations
@@ -416,6 +419,63 @@ class Manifest:
     def llm_source(self) -> FileEntry:
         """The size and sha256 of the LLM's checkpoint (`llm_checkpoint`)."""
         return self.sources[self.llm_checkpoint]
+
+
+# --- an export's record of one graph --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GraphInputs:
+    """What an exported graph is a function of: while none of it changes, the graph need not be exported
+    again."""
+
+    spec_name: str
+    spec_version: int
+    exporter_version: str
+    sources: Mapping[str, str]
+    """Model-bundle file -> sha256 of what the graph was made from."""
+    precision: str
+    """The graph's precision, with the revision of its conversion where it has one (`fp16 rev 1`)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"spec_name": self.spec_name, "spec_version": self.spec_version,
+                "exporter_version": self.exporter_version, "sources": dict(sorted(self.sources.items())),
+                "precision": self.precision}
+
+    @classmethod
+    def read(cls, r: _Object) -> GraphInputs:
+        return cls(r.text("spec_name"), r.integer("spec_version"), r.text("exporter_version"),
+                   r.text_map("sources"), r.text("precision"))
+
+
+@dataclass(frozen=True)
+class GraphRecord:
+    """One graph as the export that made it records it beside the bundle (no manifest lists the record):
+    what it was made from, its files and how it validated, which lets a later export into the same folder
+    reuse it."""
+
+    inputs: GraphInputs
+    files: Mapping[str, FileEntry]
+    """Path in the bundle -> entry of its ONNX files; the graph first, then its external data."""
+    simplified: bool
+    simplify_error: str | None
+    timings: Mapping[str, float]
+    validation: Validation
+
+    def to_json(self) -> dict[str, Any]:
+        return {"inputs": self.inputs.to_json(), "files": {rel: e.to_json() for rel, e in self.files.items()},
+                "simplified": self.simplified, "simplify_error": self.simplify_error,
+                "timings": dict(self.timings), "validation": self.validation.to_json()}
+
+    @classmethod
+    def from_json(cls, data: object, where: str) -> GraphRecord:
+        """The record in `data` (parsed JSON); `where` (its path) starts every error."""
+        r = _Object(data, where, "")
+        files = r.objects("files")
+        for rel in files:
+            _check_path(rel, where, f"files key {rel!r}")
+        return cls(GraphInputs.read(r.obj("inputs")), {rel: FileEntry.read(e) for rel, e in files.items()},
+                   r.flag("simplified"), r.optional_text("simplify_error"), r.number_map("timings"),
+                   Validation.read(r.obj("validation")))
 
 
 # --- reading -------------------------------------------------------------------------------------------

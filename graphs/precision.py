@@ -1,7 +1,7 @@
 """The precisions a runtime bundle is exported in, one record each: what it is for, whether the exporter
 rewrites the float32 graph, and where its graphs run. The exporter, the runtime, golden and bench consult
 the record; a new precision is a record here plus its conversion in the exporter
-(`cosyvoice_export.onnx.runtime_bundle.CONVERSIONS`).
+(`cosyvoice_export.onnx.conversions.CONVERSIONS`).
 
 Each graph of a bundle has one precision, which its spec must bound (`GraphSpec.precision_tolerances`);
 `cosyvoice_graphs.precision_plan` says which, from what `--precision` names. Graph I/O is the spec's in every

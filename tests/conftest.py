@@ -52,7 +52,7 @@ def runtime_bundle(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
     it."""
     if not HAS_TORCH:
         return DEMO_BUNDLE
-    from cosyvoice_export.onnx.runtime_bundle import export_all
+    from cosyvoice_export.onnx.bundle_assembly import export_all
 
     tiny_bundle: Path = request.getfixturevalue("tiny_bundle")
     report = export_all(tiny_bundle, tmp_path_factory.mktemp("runtime") / "tiny", progress=False)

@@ -27,10 +27,12 @@ from torch import Tensor, nn
 
 from cosyvoice_export.bundle.model_dir import ModelBundle
 from cosyvoice_export.cli import main
-from cosyvoice_export.onnx import runtime_bundle, trace, trt
+from cosyvoice_export.onnx import bundle_assembly, graph_export, output_dir, trace, trt
+from cosyvoice_export.onnx.bundle_assembly import export_all
 from cosyvoice_export.onnx.dims import model_dims
-from cosyvoice_export.onnx.graphs import WRAPPERS, Networks
-from cosyvoice_export.onnx.runtime_bundle import MANIFEST, OutputDirError, export_all
+from cosyvoice_export.onnx.export_report import Report
+from cosyvoice_export.onnx.graphs import EXPORT_RECIPES, Networks
+from cosyvoice_export.onnx.output_dir import OutputDirError
 from cosyvoice_export.onnx.trace import (
     EXPORTER_VERSION,
     PARTIAL,
@@ -59,7 +61,8 @@ from cosyvoice_graphs import (
     precision_plan,
     spec,
 )
-from cosyvoice_graphs.bundle_layout import PROMPT_TEXT, PROMPT_WAV
+from cosyvoice_graphs.bundle_layout import MANIFEST, PROMPT_TEXT, PROMPT_WAV
+from cosyvoice_graphs.manifest import GraphRecord
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.cli import main as run_main
 
@@ -203,7 +206,7 @@ def networks(tiny_bundle: Path) -> Networks:
 def test_export_graph(name: str, networks: Networks, tmp_path: Path) -> None:
     dims = model_dims(networks.config)
     s = spec(name, dims)
-    wrapper = WRAPPERS[name](networks)
+    wrapper = EXPORT_RECIPES[name].wrapper(networks)
     result = export_graph(wrapper, s, dims, tmp_path / f"{name}.onnx")
     check_contract(onnx.load(str(result.path)), s)
     assert graph_metadata(result.path) == metadata(s, dims, {"exporter_version": EXPORTER_VERSION})
@@ -214,7 +217,7 @@ def test_export_graph(name: str, networks: Networks, tmp_path: Path) -> None:
 
 def test_every_spec_has_a_wrapper_and_an_export_test() -> None:
     specs = {*SPECS, *OPTIONAL_SPECS}
-    assert specs <= set(WRAPPERS), f"specs without a wrapper: {sorted(specs - set(WRAPPERS))}"
+    assert specs <= set(EXPORT_RECIPES), f"specs without a wrapper: {sorted(specs - set(EXPORT_RECIPES))}"
     (params,) = [m for m in test_export_graph.pytestmark if m.name == "parametrize"]
     assert set(params.args[1]) == set(SPECS), "every registered graph needs a case in test_export_graph"
 
@@ -305,6 +308,26 @@ def test_second_run_reuses_unchanged_graphs(exported: tuple[Path, str], tmp_path
     assert forced.passed and not any(g.reused for g in forced.graphs)
 
 
+def test_a_record_in_an_earlier_format_is_exported_again(exported: tuple[Path, str], tmp_path: Path,
+                                                           tiny_bundle: Path) -> None:
+    """A graph record that does not read as a `GraphRecord` (here: the figures of an earlier exporter's
+    format) is no reason to stop: its graph is exported again, the others are reused."""
+    out = tmp_path / "bundle"
+    shutil.copytree(exported[0], out)
+    before = json.loads((out / MANIFEST).read_text())
+    path = out / ".export" / "graph-flow_encoder.json"
+    old = json.loads(path.read_text())
+    old["validation"] = {"provider": "CPUExecutionProvider", "against": "torch", "figures": [], "gates": []}
+    path.write_text(json.dumps(old | {"passed": True}))
+    report = export_all(tiny_bundle, out, progress=False)
+    assert report.passed
+    assert [g.name for g in report.graphs if not g.reused] == ["flow_encoder"]
+    after = json.loads((out / MANIFEST).read_text())
+    assert after["files"] == before["files"]
+    assert after["graphs"]["flow_encoder"]["validation"] == before["graphs"]["flow_encoder"]["validation"]
+    assert GraphRecord.from_json(json.loads(path.read_text()), str(path)).validation.passed
+
+
 def test_export_deletes_the_retired_graphs_of_an_earlier_export(exported: tuple[Path, str], tmp_path: Path,
                                                                  tiny_bundle: Path) -> None:
     """An OUT written before `flow_estimator` was retired: its files, record and TensorRT plans go, so the
@@ -349,14 +372,14 @@ def test_interrupted_export_leaves_no_manifest(exported: tuple[Path, str], tmp_p
 
 def test_failing_graph_exits_nonzero_naming_graph_output_and_error(tiny_bundle: Path, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    real = runtime_bundle.validate_against
+    real = graph_export.validate_against
 
     def strict(path: Path, reference: TorchReference, *, precision: str) -> GraphValidation:
         v = real(path, reference, precision=precision)  # then hold every output to half the error it has
         return replace(v, figures=tuple(replace(f, bound=f.measured / 2) for f in v.figures))
 
     monkeypatch.setattr(precision_plan, "SPECS", {"flow_encoder": SPECS["flow_encoder"]})  # one small graph
-    monkeypatch.setattr(runtime_bundle, "validate_against", strict)
+    monkeypatch.setattr(graph_export, "validate_against", strict)
     out = tmp_path / "out"
     code, stdout, err = run("all", "--model-dir", str(tiny_bundle), "--out", str(out))
     assert code == 1
@@ -366,7 +389,8 @@ def test_failing_graph_exits_nonzero_naming_graph_output_and_error(tiny_bundle: 
     assert errors and all(e.startswith("error: flow_encoder: output ") and " > bound " in e for e in errors)
     assert any(e.startswith("error: flow_encoder: output mu at tokens=") for e in errors)
     assert not (out / MANIFEST).exists() and (out / "graphs" / "flow_encoder.onnx").is_file()
-    assert json.loads((out / ".export" / "graph-flow_encoder.json").read_text())["passed"] is False
+    record = out / ".export" / "graph-flow_encoder.json"
+    assert not GraphRecord.from_json(json.loads(record.read_text()), str(record)).validation.passed
 
 
 def test_foreign_or_unwritable_out_is_refused(tiny_bundle: Path, tmp_path: Path) -> None:
@@ -385,18 +409,18 @@ def test_a_second_export_into_the_same_out_stops_or_waits(tiny_bundle: Path, tmp
     """A first export (a thread here) holds OUT's lock while it works: a second one stops at once with one
     line, exit 2; another process with --wait says it waits, waits, and then reuses every graph the first
     exported."""
-    out, lock = tmp_path / "out", runtime_bundle.lock_path(tmp_path / "out")
+    out, lock = tmp_path / "out", output_dir.lock_path(tmp_path / "out")
     assert lock == tmp_path / "out.lock"
     working, go = threading.Event(), threading.Event()
-    real = runtime_bundle._hash_sources
+    real = bundle_assembly._hash_sources
 
     def held(*args: Any) -> Any:  # the first export, under the lock, until the others have tried
         working.set()
         assert go.wait(600)
         return real(*args)
 
-    monkeypatch.setattr(runtime_bundle, "_hash_sources", held)
-    reports: list[runtime_bundle.Report] = []
+    monkeypatch.setattr(bundle_assembly, "_hash_sources", held)
+    reports: list[Report] = []
     first = threading.Thread(target=lambda: reports.append(export_all(tiny_bundle, out, progress=False)))
     first.start()
     try:

@@ -17,10 +17,11 @@ import onnx
 from click.testing import CliRunner
 
 from cosyvoice_export.cli import main
-from cosyvoice_export.onnx.runtime_bundle import MANIFEST, export_all
+from cosyvoice_export.onnx.bundle_assembly import export_all
 from cosyvoice_export.onnx.trt import TrtUnavailable
 from cosyvoice_golden.cli import main as golden_main
 from cosyvoice_graphs import SPECS
+from cosyvoice_graphs.bundle_layout import MANIFEST
 from cosyvoice_runtime.bundle import RuntimeBundle, read_onnx_metadata
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.llm import LlmRequest

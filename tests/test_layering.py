@@ -70,7 +70,7 @@ def test_the_graph_is_read() -> None:
     assert {"cosyvoice_runtime.cosyvoice3", "cosyvoice_serve.engine", "cosyvoice_export.cli"} <= set(GRAPH)
     assert "cosyvoice_runtime" in GRAPH["cosyvoice_serve.engine"]  # from cosyvoice_runtime import CosyVoice3
     assert "cosyvoice_runtime.synthesis" in GRAPH["cosyvoice_runtime.cosyvoice3"]
-    assert "cosyvoice_export.onnx.runtime_bundle" in GRAPH["cosyvoice_export.cli"]  # deferred, in a command
+    assert "cosyvoice_export.onnx.bundle_assembly" in GRAPH["cosyvoice_export.cli"]  # deferred, in a command
 
 
 @pytest.mark.parametrize("package", sorted(PACKAGES))

@@ -21,12 +21,12 @@ from cosyvoice_export.bundle.model_dir import ModelBundle
 from cosyvoice_export.bundle.tiny import config_for_size
 from cosyvoice_export.cli import main
 from cosyvoice_export.onnx.dims import model_dims
-from cosyvoice_export.onnx.runtime_bundle import MANIFEST
 from cosyvoice_export.onnx.trace import EXPORTER_VERSION, export_graph
 from cosyvoice_export.onnx.validate import validate_graph
 from cosyvoice_export.onnx.wrappers.llm import LLMDecodeGraph
 from cosyvoice_golden.stats import GraphRecorder
 from cosyvoice_graphs import CACHE_LEN, cache_pairs, empty_caches, metadata, spec
+from cosyvoice_graphs.bundle_layout import MANIFEST
 from cosyvoice_graphs.precision_plan import PROFILES
 from cosyvoice_runtime.bundle import RuntimeBundle, read_onnx_metadata
 from cosyvoice_runtime.llm import FIRST_BUFFER_STEPS, KVBuffers, LlmRequest, SpeechTokenLM

@@ -26,10 +26,11 @@ from click.testing import CliRunner
 
 from cosyvoice_export.cli import main as export_main
 from cosyvoice_export.onnx import bf16 as export_bf16
-from cosyvoice_export.onnx.runtime_bundle import MANIFEST, export_all
+from cosyvoice_export.onnx.bundle_assembly import export_all
 from cosyvoice_export.onnx.trt import TrtUnavailable
 from cosyvoice_golden.cli import main as golden_main
 from cosyvoice_graphs import PRECISIONS, SPECS
+from cosyvoice_graphs.bundle_layout import MANIFEST
 from cosyvoice_runtime.bundle import RuntimeBundle, read_onnx_metadata
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE

@@ -136,7 +136,7 @@ def test_a_manifest_with_an_unknown_precision_is_one_line(tmp_path: Path) -> Non
 def test_the_exporter_has_a_conversion_for_every_reduced_precision() -> None:
     """A conversion rewrites the float32 graph exactly where the record says so."""
     pytest.importorskip("torch", reason="needs torch (the export extra)")
-    from cosyvoice_export.onnx.runtime_bundle import CONVERSIONS
+    from cosyvoice_export.onnx.conversions import CONVERSIONS
 
     assert tuple(CONVERSIONS) == tuple(name for name in PRECISIONS if name != FP32.name)
     for name, conversion in CONVERSIONS.items():

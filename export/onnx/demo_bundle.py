@@ -14,7 +14,8 @@ from cosyvoice_runtime.demo import DEMO_BUNDLE, DEMO_SEED
 
 from ..bundle.errors import BundleError
 from ..bundle.tiny import write_bundle
-from .runtime_bundle import STATE_DIR, export_all
+from .bundle_assembly import export_all
+from .output_dir import STATE_DIR
 
 
 def write_demo_bundle(out: Path | None = None, *, progress: bool = False) -> Path:

@@ -2,8 +2,9 @@
 `cosyvoice-run --tune` writes beside a bundle's manifest after measuring on the user's machine.
 
 A setting comes from, first to last: what the caller passes (`OrtRunner(optimization=, threads=)`), the
-bundle's tuning file, `DEFAULT_SETTINGS`. The tuning file is refused, in one line, when it is damaged or was
-measured for other graph files, another CPU or another onnxruntime: a stale choice would be silently slower.
+bundle's tuning file, `default_settings` (the graph's recipe). The tuning file is refused, in one line, when
+it is damaged or was measured for other graph files, another CPU or another onnxruntime: a stale choice would
+be silently slower.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any
 import onnxruntime as ort
 
 from cosyvoice_graphs.bundle_layout import GRAPHS_DIR, MANIFEST
+from cosyvoice_graphs.manifest import Manifest, ManifestError
+from cosyvoice_graphs.recipes import RECIPES
 
 from ..errors import RuntimeBundleError
 
@@ -42,28 +45,10 @@ class OrtSettings:
     """Intra-op threads; None: onnxruntime's default (one per core)."""
 
 
-DEFAULT_SETTINGS: dict[str, OrtSettings] = {
-    "llm": OrtSettings("all"),
-    "flow_encoder": OrtSettings("all"),
-    "flow_estimator_cached": OrtSettings("all"),
-    "hift_f0": OrtSettings("all"),
-    "hift_decoder": OrtSettings("all"),
-}
-"""Per graph, what the runtime uses on the CPU without a tuning file. `all` everywhere: on a Zen 4 EPYC
-(AVX-512, VNNI, 2 cores) no other level was clearly faster for any graph of the fp32 and int8 bundles
-(the LLM's decode step within 6% at every level, the int8 DiT's 10% slower at `disable` and `basic`); every
-level A/B in one process, docs/performance-log.md, "Per-graph onnxruntime settings"."""
 FORCE_SPINNING_STOP = "session.force_spinning_stop"
 """onnxruntime's session option that puts the intra-op workers to sleep when a call ends."""
-KEEP_SPINNING = frozenset({"llm", "llm_decode"})
-"""Graphs whose intra-op workers keep spinning after a call, onnxruntime's default; every other graph's
-session stops them (`FORCE_SPINNING_STOP`). A pipeline runs its sessions one after another on the same
-cores, and workers still spinning after one session's call take them from the next one's: on a Zen 4 EPYC
-(AVX-512, VNNI, 2 threads) the first DiT call of a chunk, after the encoder, took 142-158 ms instead of
-95-105. The decode bodies (`llm`, `llm_decode`) are the exception: called back to back with ~0.5 ms of
-sampling in between, waking their workers every step cost 3 ms a step there (docs/performance-log.md)."""
 FALLBACK = OrtSettings("all")
-"""For a graph the table does not name, and for the GPU providers."""
+"""For a graph without a recipe, and for the GPU providers."""
 CONV_ALGO_SEARCHES = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
 """How onnxruntime's CUDA provider picks a cuDNN convolution algorithm for a new input shape: by timing every
 candidate (onnxruntime's default: the first call of each shape pays for it), by cuDNN's heuristics, or
@@ -71,6 +56,21 @@ cuDNN's default algorithm."""
 CONV_ALGO_SEARCH = "EXHAUSTIVE"
 """The CUDA sessions' choice among `CONV_ALGO_SEARCHES`: onnxruntime's default, until the GPU benchmark's
 lever rows measure the others on a GPU."""
+
+
+def default_settings(graph: str) -> OrtSettings:
+    """What the runtime uses for `graph` on the CPU without a tuning file: its recipe's optimisation level
+    (`GraphRecipe.ort_optimization`, where it says why), onnxruntime's default threads; `FALLBACK` for a
+    graph without a recipe."""
+    recipe = RECIPES.get(graph)
+    return FALLBACK if recipe is None else OrtSettings(recipe.ort_optimization)
+
+
+def keeps_spinning(graph: str) -> bool:
+    """Whether `graph`'s intra-op workers keep spinning after a call (`GraphRecipe.ort_keep_spinning`, where
+    it says why); every other graph's session stops them (`FORCE_SPINNING_STOP`)."""
+    recipe = RECIPES.get(graph)
+    return recipe is not None and recipe.ort_keep_spinning
 
 
 def cuda_options(device_id: int, *, tf32: bool, conv_algo_search: str = CONV_ALGO_SEARCH) -> dict[str, str]:
@@ -109,21 +109,24 @@ def _cpu_model() -> str:
 
 def settings_for(graph_path: Path, graph: str) -> OrtSettings:
     """The settings of `graph`, whose file is `graph_path`: its bundle's tuning file's when there is one
-    (`graph_path` in the bundle's graphs folder), else `DEFAULT_SETTINGS`'."""
+    (`graph_path` in the bundle's graphs folder), else `default_settings`'."""
     graph_path = Path(graph_path)
     if graph_path.parent.name == GRAPHS_DIR:
         tuned = read_tuning(graph_path.parent.parent).get(graph)
         if tuned is not None:
             return tuned
-    return DEFAULT_SETTINGS.get(graph, FALLBACK)
+    return default_settings(graph)
 
 
 def graph_files(root: Path) -> dict[str, dict[str, Any]]:
     """Graph name -> its manifest file entry ({"size", "sha256"}), read from `root`'s manifest: what a
     tuning was measured on."""
-    manifest = json.loads((root / MANIFEST).read_text())
-    files = manifest["files"]
-    return {name: files[entry["file"]] for name, entry in manifest["graphs"].items()}
+    path = root / MANIFEST
+    try:
+        manifest = Manifest.from_json(json.loads(path.read_text(encoding="utf-8")), str(path))
+    except ManifestError as e:
+        raise RuntimeBundleError(str(e)) from None
+    return {name: manifest.files[g.file].to_json() for name, g in manifest.graphs.items()}
 
 
 def read_tuning(root: Path) -> dict[str, OrtSettings]:

@@ -1,0 +1,141 @@
+"""The folder `cosyvoice-export all` writes a runtime bundle into (OUT): its lock, its preparation, the
+removal of retired graphs, and the writing of every file in it.
+
+Besides the bundle's files, OUT/.export holds what only the exporter reads: the precision plan OUT was
+exported with and one record per exported graph, which is what lets a later run skip it.
+
+Every file is written to a temporary name and renamed, and an existing manifest is removed before
+anything in OUT changes, so an interrupted export never leaves a manifest that claims files that are
+not complete. An export holds OUT.lock, beside OUT, while it runs: two exports never write into one OUT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+from filelock import FileLock, Timeout
+
+from cosyvoice_graphs.bundle_layout import GRAPHS_DIR, MANIFEST, RETIRED_GRAPHS, TRT_DIR
+from cosyvoice_graphs.manifest import FileEntry
+from cosyvoice_graphs.precision import FP32
+
+from ..bundle.errors import BundleError
+from .trace import PARTIAL, file_sha256
+
+STATE_DIR = ".export"
+PRECISION_FILE = "precision"
+"""In STATE_DIR: the precision plan OUT was exported with (`PrecisionPlan.name`); one OUT holds one."""
+
+
+class OutputDirError(BundleError):
+    """OUT cannot be used: a foreign non-empty directory, or not writable."""
+
+
+def lock_path(out: Path) -> Path:
+    """The lock file of exports into `out`: beside the folder, never in the bundle (nor its manifest);
+    left in place, as a lock file may be in use when it would be deleted."""
+    out = out.resolve()
+    return out.with_name(f"{out.name}.lock")
+
+
+@contextmanager
+def locked(out: Path, wait: bool) -> Iterator[None]:
+    """Hold `out`'s lock; `OutputDirError` if another export holds it (unless `wait`)."""
+    path = lock_path(out)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(path)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            if not wait:
+                raise OutputDirError(f"{out}: another export into it is running (it holds {path}); run "
+                                     "again when it has finished, or pass --wait") from None
+            print(f"waiting for another export into {out} to finish (it holds {path})", file=sys.stderr,
+                  flush=True)
+            lock.acquire()
+    except OSError as e:
+        raise OutputDirError(f"{out}: cannot write there (its lock {path}: {e.strerror or type(e).__name__})"
+                             ) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def prepare_out(out: Path, precision: str) -> None:
+    """Refuse a foreign or unwritable OUT, or one exported with another precision plan (`precision`, a
+    `PrecisionPlan.name`); mark it as ours (and its plan) and drop its manifest before changing it."""
+    if out.exists() and not out.is_dir():
+        raise OutputDirError(f"{out}: exists and is not a directory")
+    ours = (out / MANIFEST).is_file() or (out / STATE_DIR).is_dir()
+    if out.is_dir() and not ours and any(out.iterdir()):
+        raise OutputDirError(f"{out}: not empty and not a runtime bundle (no {MANIFEST}); "
+                             "choose a new or empty directory")
+    marker = out / STATE_DIR / PRECISION_FILE
+    # bundles written before precisions were recorded are fp32
+    found = marker.read_text().strip() if marker.is_file() else FP32.name if ours else precision
+    if found != precision:
+        raise OutputDirError(f"{out}: holds a {found} runtime bundle; --precision {precision} needs "
+                             "a new or empty --out (one precision plan per bundle)")
+    try:
+        (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"{precision}\n")
+        probe = out / STATE_DIR / f".probe{PARTIAL}"
+        probe.write_bytes(b"")
+        probe.unlink()
+        (out / MANIFEST).unlink(missing_ok=True)
+    except OSError as e:
+        raise OutputDirError(f"{out}: cannot write there ({e.strerror or type(e).__name__})") from None
+    for leftover in sorted(out.rglob(f".*{PARTIAL}"), reverse=True):
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
+
+
+def graph_record_file(graph: str) -> str:
+    """Where in OUT the record of `graph`'s export lies (a `GraphRecord`)."""
+    return f"{STATE_DIR}/graph-{graph}.json"
+
+
+def drop_retired_graphs(out: Path) -> None:
+    """Delete what an earlier export wrote for `RETIRED_GRAPHS` (the graph and its external data, its
+    record, its TensorRT plans): the runtime never opens them and the new manifest does not list them."""
+    for name in RETIRED_GRAPHS:
+        for path in (*(out / GRAPHS_DIR).glob(f"{name}.onnx*"), *(out / TRT_DIR).glob(f"{name}.*.plan"),
+                     out / graph_record_file(name)):
+            path.unlink(missing_ok=True)
+
+
+def file_entry(path: Path) -> FileEntry:
+    """`path`'s size and sha256."""
+    return FileEntry(path.stat().st_size, file_sha256(path))
+
+
+def install(out: Path, rel: str, write: Callable[[IO[bytes]], object]) -> FileEntry:
+    """Write `out/rel` through a temporary name; returns its entry."""
+    path = out / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}{PARTIAL}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        entry = file_entry(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return entry
+
+
+def write_json(out: Path, rel: str, data: Mapping[str, Any]) -> FileEntry:
+    """Write `data` to `out/rel` as indented UTF-8 JSON, through `install`."""
+    text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+    return install(out, rel, lambda f: f.write(text.encode()))
