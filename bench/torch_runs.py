@@ -17,10 +17,11 @@ import numpy as np
 import torch
 
 from cosyvoice_export.bundle.model_dir import ModelBundle
-from cosyvoice_export.reference.frontend import PromptFeatures
-from cosyvoice_export.reference.llm_decode import RasSampler, generate_speech_tokens
-from cosyvoice_export.reference.pipeline import LLMInputs, Mode, ReferencePipeline
-from cosyvoice_runtime.synthesis import ChunkPolicy
+from cosyvoice_export.reference.frontend import TorchPromptFeatures
+from cosyvoice_export.reference.llm_decode import TorchRasSampler, generate_speech_tokens
+from cosyvoice_export.reference.pipeline import LLMInputs, ReferencePipeline
+from cosyvoice_runtime.chunk_policy import ChunkPolicy
+from cosyvoice_runtime.synthesis import Mode
 
 from .backend import FirstChunk, OfflineRun
 from .cases import Case
@@ -43,15 +44,16 @@ class TorchBackend:
         self._log = CallLog()
         self.load_s = time.perf_counter() - start
 
-    def prompt_features(self, wav: Path) -> PromptFeatures:
+    def prompt_features(self, wav: Path) -> TorchPromptFeatures:
         return self.pipe.prompt_features(wav)
 
-    def _inputs(self, case: Case, prompt: PromptFeatures) -> LLMInputs:
+    def _inputs(self, case: Case, prompt: TorchPromptFeatures) -> LLMInputs:
         """The reference's front end: tokenisation and the zero-shot prompt format (no normalisation)."""
         return self.pipe.llm_inputs(Mode.ZERO_SHOT, case.text, prompt, prompt_text=self.prompt_text)
 
     def _decode(self, inputs: LLMInputs, steps: int) -> list[int]:
-        sampler = RasSampler(self.pipe.config.llm.sampling, np.random.Generator(np.random.PCG64(self.seed)))
+        sampler = TorchRasSampler(self.pipe.config.llm.sampling,
+                                  np.random.Generator(np.random.PCG64(self.seed)))
         return generate_speech_tokens(self.pipe.llm, inputs.text_ids, inputs.prompt_text_ids,
                                       inputs.prompt_speech_tokens, self.pipe.eop_id, sampler,
                                       max_tokens=steps, ignore_stop=True)
@@ -60,7 +62,7 @@ class TorchBackend:
         """The reference pipeline keeps nothing per prompt: every stream runs the flow from frame 0."""
 
     @torch.no_grad()
-    def first_chunk(self, case: Case, prompt: PromptFeatures) -> FirstChunk:
+    def first_chunk(self, case: Case, prompt: TorchPromptFeatures) -> FirstChunk:
         start = time.perf_counter()
         pipe = self.pipe
         inputs = self._inputs(case, prompt)
@@ -77,11 +79,11 @@ class TorchBackend:
         return FirstChunk(end - start, len(audio) / pipe.config.sample_rate, flow_start - llm_start,
                           vocoder_start - flow_start, end - vocoder_start)
 
-    def stream(self, case: Case, prompt: PromptFeatures) -> None:
+    def stream(self, case: Case, prompt: TorchPromptFeatures) -> None:
         """The reference has no streaming path."""
         return None
 
-    def offline(self, case: Case, prompt: PromptFeatures) -> OfflineRun:
+    def offline(self, case: Case, prompt: TorchPromptFeatures) -> OfflineRun:
         start = time.perf_counter()
         inputs = self._inputs(case, prompt)
         front_end_s = time.perf_counter() - start

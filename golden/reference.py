@@ -19,22 +19,21 @@ import torch
 from cosyvoice_export.bundle.errors import BundleError
 from cosyvoice_export.bundle.model_dir import ModelBundle
 from cosyvoice_export.bundle.tiny import write_bundle
-from cosyvoice_export.onnx.graphs import WRAPPERS, Networks
+from cosyvoice_export.onnx.graphs import EXPORT_RECIPES, Networks
 from cosyvoice_export.onnx.validate import case_label, run_torch
-from cosyvoice_export.reference.frontend import PromptFeatures
+from cosyvoice_export.reference.frontend import TorchPromptFeatures
 from cosyvoice_export.reference.llm_decode import (
-    GreedySampler,
-    RasSampler,
-    Sampler,
+    TorchGreedySampler,
+    TorchRasSampler,
+    TorchSampler,
     generate_speech_tokens,
     generate_speech_tokens_bistream,
 )
-from cosyvoice_export.reference.pipeline import Mode as ReferenceMode
 from cosyvoice_export.reference.pipeline import ReferencePipeline
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.demo import DEMO_SEED
 from cosyvoice_runtime.segments import Segment
-from cosyvoice_runtime.synthesis import ChunkPolicy
 
 from .cases import GoldenCase
 from .errors import GoldenError
@@ -83,10 +82,10 @@ class ReferenceSegment:
     """float32 (1, 80, frames): the generated mel the vocoder read (a stream's chunks' accumulated)."""
 
 
-def _sampler(pipe: ReferencePipeline, case: GoldenCase) -> Sampler:
+def _sampler(pipe: ReferencePipeline, case: GoldenCase) -> TorchSampler:
     if case.sampling == "greedy":
-        return GreedySampler()
-    return RasSampler(pipe.config.llm.sampling, np.random.Generator(np.random.PCG64(case.seed)))
+        return TorchGreedySampler()
+    return TorchRasSampler(pipe.config.llm.sampling, np.random.Generator(np.random.PCG64(case.seed)))
 
 
 def reference_segments(pipe: ReferencePipeline, case: GoldenCase, pieces: list[Segment], prompt_wav: Path,
@@ -94,11 +93,10 @@ def reference_segments(pipe: ReferencePipeline, case: GoldenCase, pieces: list[S
     """Synthesise `case`'s segments (as `cosyvoice-run` splits them) with the torch reference: each with a
     fresh sampler, offline or streamed."""
     prompt = pipe.prompt_features(prompt_wav)
-    mode = ReferenceMode(case.mode.value)
     out = []
     for piece in pieces:
-        inputs = pipe.llm_inputs(mode, "" if case.pieces else piece.text, prompt, prompt_text=prompt_text,
-                                 instruct_text=case.instruct)
+        inputs = pipe.llm_inputs(case.mode, "" if case.pieces else piece.text, prompt,
+                                 prompt_text=prompt_text, instruct_text=case.instruct)
         text_ids = ([i for p in case.pieces for i in pipe.tokenizer.encode(p)] if case.pieces
                     else inputs.text_ids)  # pieces: each tokenised on its own, as upstream's bistream
         if (text_ids, inputs.prompt_text_ids) != (piece.text_ids, piece.prompt_text_ids):
@@ -120,7 +118,7 @@ def reference_segments(pipe: ReferencePipeline, case: GoldenCase, pieces: list[S
     return out
 
 
-def stream(pipe: ReferencePipeline, tokens: list[int], prompt: PromptFeatures, policy: ChunkPolicy
+def stream(pipe: ReferencePipeline, tokens: list[int], prompt: TorchPromptFeatures, policy: ChunkPolicy
            ) -> tuple[list[tuple[tuple[int, int], np.ndarray]], np.ndarray]:
     """Upstream's CosyVoice3 streaming token2wav over the torch networks for a finished token list, on
     the runtime's schedule: chunk k covers hop_k tokens and fires once hop_k + lookahead tokens follow
@@ -144,7 +142,7 @@ def graph_golden(pipe: ReferencePipeline, bundle: RuntimeBundle, graph: str, ind
     if bad:
         raise GoldenError(f"graph {graph}: its spec has validation cases 0..{len(spec.validate) - 1}, "
                           f"not {bad[0]}")
-    wrapper = WRAPPERS[graph](Networks(pipe.config, pipe.llm, pipe.flow, pipe.hift))
+    wrapper = EXPORT_RECIPES[graph].wrapper(Networks(pipe.config, pipe.llm, pipe.flow, pipe.hift))
     cases = []
     for i in indices:
         case = spec.validate[i]

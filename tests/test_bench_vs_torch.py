@@ -27,8 +27,7 @@ from cosyvoice_export.bundle.model_dir import ModelBundle
 from cosyvoice_export.nets.dit import dit_attention_mask
 from cosyvoice_export.nets.llm import CosyVoice3LM
 from cosyvoice_export.onnx.wrappers.hift import PolyphaseUpsample
-from cosyvoice_export.reference.llm_decode import GreedySampler as TorchGreedy
-from cosyvoice_export.reference.llm_decode import generate_speech_tokens
+from cosyvoice_export.reference.llm_decode import TorchGreedySampler, generate_speech_tokens
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.sampling import GreedySampler
 from cosyvoice_runtime.synthesis import Synthesizer
@@ -52,8 +51,8 @@ def test_pinned_greedy_tokens_equal_the_reference(runtime_bundle: Path, torch_lm
         log = CallLog()
         with log.wrap({"step": (torch_lm, "forward_step")}):
             reference = generate_speech_tokens(torch_lm, request.text_ids, request.prompt_text_ids,
-                                               request.prompt_speech_tokens, lm.endofprompt_id, TorchGreedy(),
-                                               max_tokens=PINNED, ignore_stop=True)
+                                               request.prompt_speech_tokens, lm.endofprompt_id,
+                                               TorchGreedySampler(), max_tokens=PINNED, ignore_stop=True)
         assert reference == tokens and len(log.seconds("step")) == runtime.steps == PINNED
         eos = lm.speech_token_size + 1
         stop_first = StopFirst(eos)

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from cosyvoice_export.config import LLMConfig, RASConfig, full_size, tiny
 from cosyvoice_export.nets.llm import CosyVoice3LM, init_random_
-from cosyvoice_export.reference.llm_decode import GreedySampler, RasSampler, generate_speech_tokens
+from cosyvoice_export.reference.llm_decode import TorchGreedySampler, TorchRasSampler, generate_speech_tokens
 from cosyvoice_runtime.sampling import SILENT_TOKENS, SilentTokenLimiter, nucleus_size, ras_sample, top_order
 from cosyvoice_runtime.sampling import RasConfig as RuntimeRasConfig
 
@@ -142,7 +142,7 @@ def _logp(probs: dict[int, float], vocab: int = 40) -> Tensor:
 
 def _draws(logp: Tensor, history: Sequence[int], cfg: RASConfig, n: int, seed: int = 0) -> Counter[int]:
     """n draws of the reference's sampler (the runtime's numpy RAS) from one seeded generator."""
-    sampler = RasSampler(cfg, np.random.Generator(np.random.PCG64(seed)))
+    sampler = TorchRasSampler(cfg, np.random.Generator(np.random.PCG64(seed)))
     return Counter(sampler(logp, history) for _ in range(n))
 
 
@@ -208,7 +208,7 @@ def test_ras_is_reproducible_per_generator_seed() -> None:
 
 def test_greedy_is_argmax_first_on_ties() -> None:
     logp = torch.tensor([-3.0, -1.0, -0.5, -0.5, -2.0])
-    assert GreedySampler()(logp, [2, 2, 2]) == 2
+    assert TorchGreedySampler()(logp, [2, 2, 2]) == 2
 
 
 def test_silent_limiter_keeps_five_per_run_and_resets_on_speech() -> None:
@@ -265,14 +265,15 @@ def test_max_len_is_twenty_times_tts_text(lm: CosyVoice3LM) -> None:
 
 def test_missing_endofprompt_is_rejected(lm: CosyVoice3LM) -> None:
     with pytest.raises(ValueError, match="endofprompt"):
-        generate_speech_tokens(lm, [5, 6, 7], [8, 9], [], EOP, GreedySampler())
-    assert generate_speech_tokens(lm, [5, 6, 7], [8, EOP], [], EOP, GreedySampler(), max_tokens=3)
+        generate_speech_tokens(lm, [5, 6, 7], [8, 9], [], EOP, TorchGreedySampler())
+    assert generate_speech_tokens(lm, [5, 6, 7], [8, EOP], [], EOP, TorchGreedySampler(), max_tokens=3)
 
 
 def test_greedy_decode_equals_uncached_recomputation(lm: CosyVoice3LM) -> None:
     cfg = lm.cfg
     text, prompt_text, prompt_speech = [7, 8, 9, EOP], [20, 21], [300, 301, 302]
-    out = generate_speech_tokens(lm, text, prompt_text, prompt_speech, EOP, GreedySampler(), max_tokens=12)
+    out = generate_speech_tokens(lm, text, prompt_text, prompt_speech, EOP, TorchGreedySampler(),
+                                 max_tokens=12)
 
     # The input layout written out by hand: sos and task_id are speech_embedding rows.
     w = lm.speech_embedding.weight
@@ -299,7 +300,7 @@ def test_eos_can_end_decoding_inside_min_len_unless_ignore_stop(lm: CosyVoice3LM
     model = copy.deepcopy(lm)
     with torch.no_grad():
         model.llm_decoder.weight[model.cfg.eos] *= 50  # eos now dominates every step
-    args = ([5, 6, 7, EOP], [], [], EOP, GreedySampler())
+    args = ([5, 6, 7, EOP], [], [], EOP, TorchGreedySampler())
     assert generate_speech_tokens(model, *args) == []  # upstream quirk: min_len masks sos only
     out = generate_speech_tokens(model, *args, max_tokens=10, ignore_stop=True)
     assert len(out) == 10 and max(out) < model.cfg.speech_token_size
@@ -307,7 +308,7 @@ def test_eos_can_end_decoding_inside_min_len_unless_ignore_stop(lm: CosyVoice3LM
 
 def test_ras_decode_same_seed_same_tokens(lm: CosyVoice3LM) -> None:
     def run(seed: int) -> list[int]:
-        sampler = RasSampler(lm.cfg.sampling, np.random.Generator(np.random.PCG64(seed)))
+        sampler = TorchRasSampler(lm.cfg.sampling, np.random.Generator(np.random.PCG64(seed)))
         return generate_speech_tokens(lm, [30, 31, 32, EOP], [], [400, 401], EOP, sampler, max_tokens=25)
 
     first = run(0)

@@ -20,6 +20,7 @@ from onnx import TensorProto, helper
 from cosyvoice_export.bundle.errors import BundleError
 from cosyvoice_export.config import MelConfig
 from cosyvoice_export.reference import frontend as fe
+from cosyvoice_runtime.frontend import align_prompt, open_session
 
 # --- independent numpy references -------------------------------------------------------------------
 
@@ -239,20 +240,20 @@ def test_load_wav_refuses_8khz(tmp_path: Path) -> None:
     assert str(path) in message and "8000" in message and "\n" not in message
 
 
-# --- prompt alignment -------------------------------------------------------------------------------
+# --- prompt alignment (the runtime's helper, on the reference's tensors) -----------------------------
 
 
 def test_align_prompt_cuts_tails() -> None:
     mel = torch.arange(11 * 80, dtype=torch.float32).reshape(1, 11, 80)
     tokens = torch.arange(7).reshape(1, 7)
-    m, t = fe.align_prompt(mel, tokens, 2)  # mel-limited: n = min(5, 7)
+    m, t = align_prompt(mel, tokens, 2)  # mel-limited: n = min(5, 7)
     assert m.shape == (1, 10, 80) and t.shape == (1, 5)
     assert torch.equal(m, mel[:, :10]) and torch.equal(t, tokens[:, :5])
 
-    m, t = fe.align_prompt(mel, tokens[:, :3], 2)  # token-limited: n = min(5, 3)
+    m, t = align_prompt(mel, tokens[:, :3], 2)  # token-limited: n = min(5, 3)
     assert m.shape == (1, 6, 80) and torch.equal(t, tokens[:, :3])
 
-    m, t = fe.align_prompt(mel, tokens, 3)  # the ratio is honoured: n = min(3, 7)
+    m, t = align_prompt(mel, tokens, 3)  # the ratio is honoured: n = min(3, 7)
     assert m.shape == (1, 9, 80) and t.shape == (1, 3)
 
 
@@ -299,15 +300,7 @@ def _campplus_model(path: Path) -> None:
 def sessions(tmp_path: Path) -> tuple[onnxruntime.InferenceSession, onnxruntime.InferenceSession]:
     _tokenizer_model(tmp_path / "tok.onnx")
     _campplus_model(tmp_path / "spk.onnx")
-    return fe.open_session(tmp_path / "tok.onnx"), fe.open_session(tmp_path / "spk.onnx")
-
-
-def test_open_session_options(sessions: tuple[onnxruntime.InferenceSession, ...]) -> None:
-    tok, _ = sessions
-    assert tok.get_providers() == ["CPUExecutionProvider"]
-    opts = tok.get_session_options()
-    assert opts.intra_op_num_threads == 1
-    assert opts.graph_optimization_level == onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return open_session(tmp_path / "tok.onnx"), open_session(tmp_path / "spk.onnx")
 
 
 def test_speech_tokens_feed_by_position(sessions: tuple[onnxruntime.InferenceSession, ...]) -> None:

@@ -17,9 +17,10 @@ from click.testing import CliRunner
 from cosyvoice_export.bundle.layout import PROMPT_TEXT, PROMPT_WAV
 from cosyvoice_export.bundle.model_dir import ModelBundle
 from cosyvoice_export.cli import main
-from cosyvoice_export.reference.frontend import PromptFeatures
-from cosyvoice_export.reference.llm_decode import GreedySampler, RasSampler
-from cosyvoice_export.reference.pipeline import Mode, ReferencePipeline
+from cosyvoice_export.reference.frontend import TorchPromptFeatures
+from cosyvoice_export.reference.llm_decode import TorchGreedySampler, TorchRasSampler
+from cosyvoice_export.reference.pipeline import ReferencePipeline
+from cosyvoice_runtime.synthesis import Mode
 
 TEXT = "Hello there."
 MAX_TOKENS = 24  # keeps each run short; the stop rule is tested in test_llm.py
@@ -31,7 +32,7 @@ def pipe(tiny_bundle: Path) -> ReferencePipeline:
 
 
 @pytest.fixture(scope="module")
-def prompt(pipe: ReferencePipeline, tiny_bundle: Path) -> PromptFeatures:
+def prompt(pipe: ReferencePipeline, tiny_bundle: Path) -> TorchPromptFeatures:
     return pipe.prompt_features(tiny_bundle / PROMPT_WAV)
 
 
@@ -40,7 +41,7 @@ def transcript(tiny_bundle: Path) -> str:
     return (tiny_bundle / PROMPT_TEXT).read_text().strip()
 
 
-def test_prompt_features_are_aligned(prompt: PromptFeatures, pipe: ReferencePipeline) -> None:
+def test_prompt_features_are_aligned(prompt: TorchPromptFeatures, pipe: ReferencePipeline) -> None:
     n = prompt.speech_tokens.shape[1]
     assert n > 50  # 4.5 s at 25 Hz, cut to the mel length
     assert prompt.mel.shape == (1, 2 * n, 80)
@@ -49,7 +50,7 @@ def test_prompt_features_are_aligned(prompt: PromptFeatures, pipe: ReferencePipe
     assert len(set(prompt.speech_tokens[0].tolist())) > 5
 
 
-def test_llm_inputs_per_mode(pipe: ReferencePipeline, prompt: PromptFeatures, transcript: str) -> None:
+def test_llm_inputs_per_mode(pipe: ReferencePipeline, prompt: TorchPromptFeatures, transcript: str) -> None:
     enc, eop = pipe.tokenizer.encode, pipe.eop_id
     zs = pipe.llm_inputs(Mode.ZERO_SHOT, TEXT, prompt, prompt_text=transcript)
     assert zs.text_ids == enc(TEXT)
@@ -75,9 +76,9 @@ def test_llm_inputs_per_mode(pipe: ReferencePipeline, prompt: PromptFeatures, tr
 
 
 @pytest.mark.parametrize("mode", list(Mode))
-def test_every_mode_synthesizes(pipe: ReferencePipeline, prompt: PromptFeatures, transcript: str,
+def test_every_mode_synthesizes(pipe: ReferencePipeline, prompt: TorchPromptFeatures, transcript: str,
                                 mode: Mode) -> None:
-    sampler = RasSampler(pipe.config.llm.sampling, np.random.Generator(np.random.PCG64(0)))
+    sampler = TorchRasSampler(pipe.config.llm.sampling, np.random.Generator(np.random.PCG64(0)))
     out = pipe.synthesize(mode, TEXT, prompt, sampler, prompt_text=transcript, instruct_text="Speak slowly.",
                           max_tokens=MAX_TOKENS)
     n = len(out.speech_tokens)
@@ -90,10 +91,10 @@ def test_every_mode_synthesizes(pipe: ReferencePipeline, prompt: PromptFeatures,
     assert out.sample_rate == 24000
 
 
-def test_seeded_runs_repeat_and_seeds_differ(pipe: ReferencePipeline, prompt: PromptFeatures,
+def test_seeded_runs_repeat_and_seeds_differ(pipe: ReferencePipeline, prompt: TorchPromptFeatures,
                                              transcript: str) -> None:
     def run(seed: int) -> list[int]:
-        sampler = RasSampler(pipe.config.llm.sampling, np.random.Generator(np.random.PCG64(seed)))
+        sampler = TorchRasSampler(pipe.config.llm.sampling, np.random.Generator(np.random.PCG64(seed)))
         return pipe.synthesize(Mode.ZERO_SHOT, TEXT, prompt, sampler, prompt_text=transcript,
                                max_tokens=MAX_TOKENS).speech_tokens
 
@@ -101,7 +102,8 @@ def test_seeded_runs_repeat_and_seeds_differ(pipe: ReferencePipeline, prompt: Pr
     assert run(0) != run(1)
 
 
-def test_token2wav_is_deterministic_and_speed_scales(pipe: ReferencePipeline, prompt: PromptFeatures) -> None:
+def test_token2wav_is_deterministic_and_speed_scales(pipe: ReferencePipeline, prompt: TorchPromptFeatures
+                                                     ) -> None:
     tokens = [5, 17, 300, 4000, 6560, 12, 12, 99, 1000, 2000]
     mel, wav = pipe.token2wav(tokens, prompt)
     mel2, wav2 = pipe.token2wav(tokens, prompt)
@@ -112,9 +114,12 @@ def test_token2wav_is_deterministic_and_speed_scales(pipe: ReferencePipeline, pr
         pipe.token2wav([], prompt)
 
 
-def test_greedy_ignores_the_seed(pipe: ReferencePipeline, prompt: PromptFeatures, transcript: str) -> None:
-    a = pipe.synthesize(Mode.ZERO_SHOT, TEXT, prompt, GreedySampler(), prompt_text=transcript, max_tokens=8)
-    b = pipe.synthesize(Mode.ZERO_SHOT, TEXT, prompt, GreedySampler(), prompt_text=transcript, max_tokens=8)
+def test_greedy_ignores_the_seed(pipe: ReferencePipeline, prompt: TorchPromptFeatures, transcript: str
+                                 ) -> None:
+    a = pipe.synthesize(Mode.ZERO_SHOT, TEXT, prompt, TorchGreedySampler(), prompt_text=transcript,
+                        max_tokens=8)
+    b = pipe.synthesize(Mode.ZERO_SHOT, TEXT, prompt, TorchGreedySampler(), prompt_text=transcript,
+                        max_tokens=8)
     assert a.speech_tokens == b.speech_tokens
     assert np.array_equal(a.audio, b.audio)
 

@@ -20,10 +20,8 @@ import torch.nn.functional as F
 from cosyvoice_export.bundle.model_dir import ModelBundle
 from cosyvoice_export.nets.cfm import time_grid as torch_time_grid
 from cosyvoice_export.onnx.wrappers.hift import sine_phase as torch_sine_phase
-from cosyvoice_export.reference.frontend import PromptFeatures as TorchPrompt
-from cosyvoice_export.reference.llm_decode import GreedySampler as TorchGreedy
-from cosyvoice_export.reference.llm_decode import RasSampler as TorchRas
-from cosyvoice_export.reference.pipeline import Mode as RefMode
+from cosyvoice_export.reference.frontend import TorchPromptFeatures
+from cosyvoice_export.reference.llm_decode import TorchGreedySampler, TorchRasSampler
 from cosyvoice_export.reference.pipeline import ReferencePipeline
 from cosyvoice_graphs import ode_time_grid
 from cosyvoice_runtime.bundle import RuntimeBundle
@@ -52,12 +50,12 @@ def pipe(tiny_bundle: Path) -> ReferencePipeline:
 
 
 @pytest.fixture(scope="module")
-def torch_prompt(pipe: ReferencePipeline, prompt_wav: Path) -> TorchPrompt:
+def torch_prompt(pipe: ReferencePipeline, prompt_wav: Path) -> TorchPromptFeatures:
     return pipe.prompt_features(prompt_wav)
 
 
 @pytest.fixture(scope="module")
-def prompt(torch_prompt: TorchPrompt) -> PromptFeatures:
+def prompt(torch_prompt: TorchPromptFeatures) -> PromptFeatures:
     """The reference's prompt features as numpy: both sides start from the same inputs."""
     return PromptFeatures(torch_prompt.speech_tokens.numpy(), torch_prompt.mel.numpy(),
                           torch_prompt.embedding.numpy())
@@ -95,14 +93,14 @@ def test_numpy_helpers_equal_torch_bit_for_bit(pipe: ReferencePipeline) -> None:
 # --- offline vs the torch reference -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", list(RefMode))
+@pytest.mark.parametrize("mode", list(Mode))
 def test_greedy_offline_equals_the_reference(pipe: ReferencePipeline, synth: Synthesizer,
-                                             torch_prompt: TorchPrompt, prompt: PromptFeatures,
-                                             prompt_text: str, mode: RefMode) -> None:
+                                             torch_prompt: TorchPromptFeatures, prompt: PromptFeatures,
+                                             prompt_text: str, mode: Mode) -> None:
     kw = {"prompt_text": prompt_text, "instruct_text": "Speak slowly."}
-    ref = pipe.synthesize(mode, TEXT, torch_prompt, TorchGreedy(), max_tokens=RAS_TOKENS, **kw)
+    ref = pipe.synthesize(mode, TEXT, torch_prompt, TorchGreedySampler(), max_tokens=RAS_TOKENS, **kw)
     inputs = pipe.llm_inputs(mode, TEXT, torch_prompt, **kw)
-    got = synth.synthesize(inputs.text_ids, prompt, sampler=make_sampler("greedy"), mode=Mode(mode.value),
+    got = synth.synthesize(inputs.text_ids, prompt, sampler=make_sampler("greedy"), mode=mode,
                            prompt_text_ids=inputs.prompt_text_ids, max_tokens=RAS_TOKENS)
     assert got.speech_tokens == ref.speech_tokens and len(got.speech_tokens) > 10
     assert got.audio.shape == ref.audio.shape == (480 * 2 * len(ref.speech_tokens),)
@@ -112,12 +110,12 @@ def test_greedy_offline_equals_the_reference(pipe: ReferencePipeline, synth: Syn
 
 
 def test_seeded_ras_offline_equals_the_reference(pipe: ReferencePipeline, synth: Synthesizer,
-                                                 torch_prompt: TorchPrompt, prompt: PromptFeatures,
+                                                 torch_prompt: TorchPromptFeatures, prompt: PromptFeatures,
                                                  prompt_text: str) -> None:
-    inputs = pipe.llm_inputs(RefMode.ZERO_SHOT, TEXT, torch_prompt, prompt_text=prompt_text)
+    inputs = pipe.llm_inputs(Mode.ZERO_SHOT, TEXT, torch_prompt, prompt_text=prompt_text)
     for seed in (0, 7):
-        torch_sampler = TorchRas(pipe.config.llm.sampling, np.random.Generator(np.random.PCG64(seed)))
-        ref = pipe.synthesize(RefMode.ZERO_SHOT, TEXT, torch_prompt, torch_sampler, prompt_text=prompt_text,
+        torch_sampler = TorchRasSampler(pipe.config.llm.sampling, np.random.Generator(np.random.PCG64(seed)))
+        ref = pipe.synthesize(Mode.ZERO_SHOT, TEXT, torch_prompt, torch_sampler, prompt_text=prompt_text,
                               max_tokens=RAS_TOKENS)
         got = synth.synthesize(inputs.text_ids, prompt, sampler=make_sampler("ras", seed),
                                prompt_text_ids=inputs.prompt_text_ids, max_tokens=RAS_TOKENS)
@@ -127,8 +125,8 @@ def test_seeded_ras_offline_equals_the_reference(pipe: ReferencePipeline, synth:
         assert mel_max < MEL_MAX and audio_mean < AUDIO_MEAN and audio_max < AUDIO_MAX
 
 
-def test_speed_equals_the_reference(pipe: ReferencePipeline, synth: Synthesizer, torch_prompt: TorchPrompt,
-                                    prompt: PromptFeatures) -> None:
+def test_speed_equals_the_reference(pipe: ReferencePipeline, synth: Synthesizer,
+                                    torch_prompt: TorchPromptFeatures, prompt: PromptFeatures) -> None:
     tokens = [int(t) for t in np.random.default_rng(0).integers(0, 6561, 40)]
     for speed in (0.8, 1.25):
         ref_mel, ref_audio = pipe.token2wav(tokens, torch_prompt, speed=speed)
@@ -154,30 +152,31 @@ def _upstream_hops(prompt_tokens: int, n_tokens: int) -> list[int]:
         token_hop_len = min(100, token_hop_len * 2)
 
 
-def _torch_stream(pipe: ReferencePipeline, tokens: list[int], prompt: TorchPrompt) -> list[np.ndarray]:
+def _torch_stream(pipe: ReferencePipeline, tokens: list[int], prompt: TorchPromptFeatures
+                  ) -> list[np.ndarray]:
     """Upstream's CosyVoice3 streaming over the torch networks, on upstream's hops written out here."""
     hops = _upstream_hops(prompt.speech_tokens.shape[1], len(tokens))
     return [samples for _, samples in pipe.token2wav_stream(tokens, prompt, hops, lookahead=3)[0]]
 
 
 @pytest.fixture(scope="module")
-def stream_tokens(pipe: ReferencePipeline, torch_prompt: TorchPrompt, prompt_text: str) -> list[int]:
-    sampler = TorchRas(pipe.config.llm.sampling, np.random.Generator(np.random.PCG64(3)))
-    tokens = pipe.synthesize(RefMode.ZERO_SHOT, TEXT, torch_prompt, sampler, prompt_text=prompt_text,
+def stream_tokens(pipe: ReferencePipeline, torch_prompt: TorchPromptFeatures, prompt_text: str) -> list[int]:
+    sampler = TorchRasSampler(pipe.config.llm.sampling, np.random.Generator(np.random.PCG64(3)))
+    tokens = pipe.synthesize(Mode.ZERO_SHOT, TEXT, torch_prompt, sampler, prompt_text=prompt_text,
                              max_tokens=STREAM_TOKENS).speech_tokens
     assert len(tokens) > 200
     return tokens
 
 
-def _chunks(synth: Synthesizer, pipe: ReferencePipeline, torch_prompt: TorchPrompt, prompt: PromptFeatures,
-            prompt_text: str) -> list[AudioChunk]:
-    inputs = pipe.llm_inputs(RefMode.ZERO_SHOT, TEXT, torch_prompt, prompt_text=prompt_text)
+def _chunks(synth: Synthesizer, pipe: ReferencePipeline, torch_prompt: TorchPromptFeatures,
+            prompt: PromptFeatures, prompt_text: str) -> list[AudioChunk]:
+    inputs = pipe.llm_inputs(Mode.ZERO_SHOT, TEXT, torch_prompt, prompt_text=prompt_text)
     return list(synth.stream(inputs.text_ids, prompt, sampler=make_sampler("ras", 3),
                              prompt_text_ids=inputs.prompt_text_ids, max_tokens=STREAM_TOKENS))
 
 
 def test_stream_equals_torch_streaming_and_repeats(pipe: ReferencePipeline, synth: Synthesizer,
-                                                   torch_prompt: TorchPrompt, prompt: PromptFeatures,
+                                                   torch_prompt: TorchPromptFeatures, prompt: PromptFeatures,
                                                    prompt_text: str, stream_tokens: list[int]) -> None:
     chunks = _chunks(synth, pipe, torch_prompt, prompt, prompt_text)
     p, n = prompt.speech_tokens.shape[1], len(stream_tokens)
@@ -215,7 +214,8 @@ def test_stream_equals_torch_streaming_and_repeats(pipe: ReferencePipeline, synt
 
 
 def test_stream_of_few_tokens_is_one_final_chunk(synth: Synthesizer, prompt: PromptFeatures,
-                                                 pipe: ReferencePipeline, torch_prompt: TorchPrompt) -> None:
+                                                 pipe: ReferencePipeline,
+                                                 torch_prompt: TorchPromptFeatures) -> None:
     tokens = [int(t) for t in np.random.default_rng(1).integers(0, 6561, 20)]
     chunks = list(synth.stream_tokens(tokens, prompt))
     assert len(chunks) == 1 and chunks[0].is_final and chunks[0].token_range == (0, 20)

@@ -18,9 +18,11 @@ from click.testing import CliRunner
 from cosyvoice_export.bundle.model_dir import ModelBundle
 from cosyvoice_export.cli import main
 from cosyvoice_export.nets.llm import CosyVoice3LM
-from cosyvoice_export.reference.llm_decode import GreedySampler as TorchGreedy
-from cosyvoice_export.reference.llm_decode import RasSampler as TorchRas
-from cosyvoice_export.reference.llm_decode import generate_speech_tokens_bistream
+from cosyvoice_export.reference.llm_decode import (
+    TorchGreedySampler,
+    TorchRasSampler,
+    generate_speech_tokens_bistream,
+)
 from cosyvoice_runtime import CosyVoice3
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.errors import SynthesisError, UserError
@@ -61,7 +63,7 @@ def test_greedy_ids_are_the_references(runtime_bundle: Path, decode_bundle: Path
     bundle = RuntimeBundle.open(path)
     prompt_text, prompt_speech = _prompt(bundle, speech)
     want = generate_speech_tokens_bistream(reference_lm, TEXT_IDS, prompt_text, prompt_speech,
-                                           bundle.endofprompt_id, TorchGreedy(), max_tokens=260)
+                                           bundle.endofprompt_id, TorchGreedySampler(), max_tokens=260)
     with Synthesizer(bundle, threads=1) as synth:
         assert synth.lm.spec.name == graph
         decoding = TextStreamDecoding(synth.lm, iter(TEXT_IDS), prompt_text, prompt_speech, GreedySampler(),
@@ -77,7 +79,7 @@ def test_seeded_ras_ids_are_the_references(runtime_bundle: Path, reference_lm: C
     bundle = RuntimeBundle.open(runtime_bundle)
     prompt_text, prompt_speech = _prompt(bundle, 40)
     cfg = RasConfig()
-    torch_ras = TorchRas(cfg, np.random.Generator(np.random.PCG64(5)))
+    torch_ras = TorchRasSampler(cfg, np.random.Generator(np.random.PCG64(5)))
     want = generate_speech_tokens_bistream(reference_lm, TEXT_IDS, prompt_text, prompt_speech,
                                            bundle.endofprompt_id, torch_ras, max_tokens=200)
     with Synthesizer(bundle, threads=1) as synth:

@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import kaldi_native_fbank as knf
 import librosa
 import numpy as np
 import onnxruntime
@@ -25,6 +24,8 @@ import torch
 from cosyvoice_export.bundle.errors import BundleError
 from cosyvoice_export.config import MelConfig
 from cosyvoice_runtime.frontend.audio import resample
+from cosyvoice_runtime.frontend.features import fbank_frames
+from cosyvoice_runtime.frontend.prompt import align_prompt
 
 MIN_SAMPLE_RATE = 16000
 """Upstream `load_wav` refuses to upsample from below 16 kHz."""
@@ -93,34 +94,9 @@ def kaldi_fbank(wav16k: torch.Tensor) -> torch.Tensor:
     waveform stays in [-1, 1] (upstream does not scale it to the int16 range).
     """
     samples = wav16k.reshape(-1).to(torch.float32).numpy()
-    opts = knf.FbankOptions()
-    opts.frame_opts.samp_freq = 16000
-    opts.frame_opts.frame_shift_ms = 10.0
-    opts.frame_opts.frame_length_ms = 25.0
-    opts.frame_opts.dither = 0.0  # knf's default is not 0
-    opts.frame_opts.preemph_coeff = 0.97
-    opts.frame_opts.remove_dc_offset = True
-    opts.frame_opts.window_type = "povey"
-    opts.frame_opts.round_to_power_of_two = True
-    opts.frame_opts.snip_edges = True
-    opts.mel_opts.num_bins = 80
-    opts.mel_opts.low_freq = 20.0
-    opts.mel_opts.high_freq = 0.0
-    opts.mel_opts.is_librosa = False
-    opts.mel_opts.htk_mode = False
-    opts.use_energy = False
-    opts.energy_floor = 0.0
-    opts.raw_energy = True
-    opts.use_power = True
-    opts.use_log_fbank = True
-
-    fbank = knf.OnlineFbank(opts)
-    fbank.accept_waveform(16000, samples)
-    fbank.input_finished()
-    n = fbank.num_frames_ready
-    if n == 0:
+    feat = torch.from_numpy(fbank_frames(samples))  # (T, 80)
+    if feat.shape[0] == 0:
         raise BundleError(f"prompt audio of {samples.shape[0]} samples is shorter than one 25 ms frame")
-    feat = torch.from_numpy(np.stack([fbank.get_frame(i) for i in range(n)]))
     return feat - feat.mean(dim=0, keepdim=True)
 
 
@@ -155,15 +131,7 @@ def prompt_mel(wav24k: torch.Tensor, cfg: MelConfig) -> torch.Tensor:
     return torch.log(torch.clamp(mel, min=1e-5)).transpose(1, 2)
 
 
-# --- ONNX feature models ----------------------------------------------------------------------------
-
-
-def open_session(path: str | Path) -> onnxruntime.InferenceSession:
-    """An ONNX Runtime CPU session with upstream's options (ORT_ENABLE_ALL, one intra-op thread)."""
-    opts = onnxruntime.SessionOptions()
-    opts.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.intra_op_num_threads = 1
-    return onnxruntime.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+# --- ONNX feature models (sessions from the runtime's `open_session`) ---------------------------------
 
 
 def speech_tokens(session: onnxruntime.InferenceSession, wav16k: torch.Tensor) -> torch.Tensor:
@@ -198,27 +166,13 @@ def speaker_embedding(session: onnxruntime.InferenceSession, wav16k: torch.Tenso
 # --- prompt assembly --------------------------------------------------------------------------------
 
 
-def align_prompt(
-    mel: torch.Tensor, tokens: torch.Tensor, token_mel_ratio: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cut prompt mel (1, T, C) and tokens (1, N) to n = min(T // ratio, N) tokens and ratio * n frames.
-
-    Both are cut at the tail; the cut tokens serve both the LLM prompt and the flow prompt.
-    """
-    n = min(mel.shape[1] // token_mel_ratio, tokens.shape[1])
-    return mel[:, : token_mel_ratio * n], tokens[:, :n]
-
-
 @dataclass(frozen=True)
-class PromptFeatures:
-    """Everything the networks take from a prompt recording."""
+class TorchPromptFeatures:
+    """The runtime's `PromptFeatures` (same fields, shapes and dtypes) as the tensors the networks take."""
 
     speech_tokens: torch.Tensor
-    """int64 (1, n): speech tokens, already cut to the mel alignment."""
     mel: torch.Tensor
-    """float32 (1, token_mel_ratio * n, 80): prompt mel at 50 Hz."""
     embedding: torch.Tensor
-    """float32 (1, 192): CAM++ x-vector (the flow's speaker embedding)."""
 
 
 def extract_prompt(
@@ -227,12 +181,12 @@ def extract_prompt(
     tokenizer_session: onnxruntime.InferenceSession,
     mel_cfg: MelConfig,
     token_mel_ratio: int,
-) -> PromptFeatures:
+) -> TorchPromptFeatures:
     """Load a prompt recording and compute its aligned tokens, mel and x-vector (upstream
-    `frontend_zero_shot`'s audio half; sessions come from `open_session`)."""
+    `frontend_zero_shot`'s audio half; sessions come from the runtime's `open_session`)."""
     wav16k = load_wav(wav_path, 16000)
     wav_mel = load_wav(wav_path, mel_cfg.sampling_rate)
     tokens = speech_tokens(tokenizer_session, wav16k)
     mel, tokens = align_prompt(prompt_mel(wav_mel, mel_cfg), tokens, token_mel_ratio)
     embedding = speaker_embedding(campplus_session, wav16k)
-    return PromptFeatures(speech_tokens=tokens, mel=mel, embedding=embedding)
+    return TorchPromptFeatures(speech_tokens=tokens, mel=mel, embedding=embedding)

@@ -30,14 +30,16 @@ from ..nets.llm import CosyVoice3LM
 MIN_TOKEN_TEXT_RATIO = 2.0
 MAX_TOKEN_TEXT_RATIO = 20.0
 
-class Sampler(Protocol):
-    """Picks the next id from log-probs (V,) given the ids this call has emitted so far."""
+
+class TorchSampler(Protocol):
+    """The runtime's `Sampler` over torch log-probs: the next id from log-probs (V,) given the ids this
+    call has emitted so far."""
 
     def __call__(self, logp: Tensor, history: Sequence[int]) -> int: ...
 
 
 @dataclass
-class RasSampler:
+class TorchRasSampler:
     """Upstream's repetition-aware sampling with the yaml's settings and an explicit generator.
 
     The draws are the runtime's (`cosyvoice_runtime.sampling.ras_sample`: one uniform per draw,
@@ -52,7 +54,7 @@ class RasSampler:
 
 
 @dataclass
-class GreedySampler:
+class TorchGreedySampler:
     """Argmax (first index on ties), no RAS: deterministic decoding for exact comparisons."""
 
     def __call__(self, logp: Tensor, history: Sequence[int]) -> int:
@@ -87,7 +89,7 @@ def generate_speech_tokens(
     prompt_text_ids: Sequence[int],
     prompt_speech_tokens: Sequence[int],
     eop_id: int,
-    sampler: Sampler,
+    sampler: TorchSampler,
     *,
     max_tokens: int | None = None,
     ignore_stop: bool = False,
@@ -132,7 +134,6 @@ def generate_speech_tokens(
     return out
 
 
-
 @torch.no_grad()
 def generate_speech_tokens_bistream(
     lm: CosyVoice3LM,
@@ -140,7 +141,7 @@ def generate_speech_tokens_bistream(
     prompt_text_ids: Sequence[int],
     prompt_speech_tokens: Sequence[int],
     eop_id: int,
-    sampler: Sampler,
+    sampler: TorchSampler,
     *,
     max_tokens: int | None = None,
 ) -> list[int]:

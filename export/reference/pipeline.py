@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from cosyvoice_runtime.frontend import ENDOFPROMPT as END_OF_PROMPT
-from cosyvoice_runtime.frontend import cross_lingual_text, instruct_prompt, zero_shot_prompt
+from cosyvoice_runtime.frontend import cross_lingual_text, instruct_prompt, open_session, zero_shot_prompt
+from cosyvoice_runtime.synthesis import Mode
 
 from ..bundle.layout import CAMPPLUS, SPEECH_TOKENIZER
 from ..bundle.model_dir import ModelBundle
@@ -27,16 +27,8 @@ from ..nets.flow import CausalMaskedDiffWithDiT
 from ..nets.hift import CausalHiFTGenerator
 from ..nets.llm import CosyVoice3LM
 from ..noise import noise_tables
-from .frontend import PromptFeatures, extract_prompt, open_session
-from .llm_decode import Sampler, generate_speech_tokens
-
-
-class Mode(StrEnum):
-    """Upstream's inference entry points for CosyVoice3 (`inference_zero_shot`, ...)."""
-
-    ZERO_SHOT = "zero-shot"
-    CROSS_LINGUAL = "cross-lingual"
-    INSTRUCT2 = "instruct2"
+from .frontend import TorchPromptFeatures, extract_prompt
+from .llm_decode import TorchSampler, generate_speech_tokens
 
 
 @dataclass(frozen=True)
@@ -49,8 +41,8 @@ class LLMInputs:
 
 
 @dataclass(frozen=True)
-class Synthesis:
-    """One synthesised segment."""
+class TorchSynthesis:
+    """One synthesised segment (the runtime's `Synthesis` holds the mel in numpy)."""
 
     speech_tokens: list[int]
     mel: torch.Tensor
@@ -77,12 +69,12 @@ class ReferencePipeline:
         self._campplus = open_session(bundle.root / CAMPPLUS)
         self._speech_tokenizer = open_session(bundle.root / SPEECH_TOKENIZER)
 
-    def prompt_features(self, wav_path: Path | str) -> PromptFeatures:
+    def prompt_features(self, wav_path: Path | str) -> TorchPromptFeatures:
         """Speech tokens, mel and x-vector of a prompt recording, aligned 2:1 as upstream does."""
         return extract_prompt(wav_path, self._campplus, self._speech_tokenizer, self.config.feat,
                               self.config.token_mel_ratio)
 
-    def llm_inputs(self, mode: Mode, tts_text: str, prompt: PromptFeatures, *, prompt_text: str = "",
+    def llm_inputs(self, mode: Mode, tts_text: str, prompt: TorchPromptFeatures, *, prompt_text: str = "",
                    instruct_text: str = "") -> LLMInputs:
         """Upstream's frontend text handling per mode (`frontend_zero_shot` and its variants).
 
@@ -108,7 +100,7 @@ class ReferencePipeline:
         return LLMInputs(encode(tts_text), encode(instruct_text), [])
 
     @torch.no_grad()
-    def token2wav(self, speech_tokens: list[int], prompt: PromptFeatures, *, speed: float = 1.0
+    def token2wav(self, speech_tokens: list[int], prompt: TorchPromptFeatures, *, speed: float = 1.0
                   ) -> tuple[torch.Tensor, np.ndarray]:
         """Offline `token2wav`: full-attention flow, `speed` by linear mel interpolation, final HiFT."""
         if not speech_tokens:
@@ -122,7 +114,7 @@ class ReferencePipeline:
         return mel, wav[0].numpy()
 
     @torch.no_grad()
-    def token2wav_stream(self, speech_tokens: list[int], prompt: PromptFeatures, hops: Sequence[int],
+    def token2wav_stream(self, speech_tokens: list[int], prompt: TorchPromptFeatures, hops: Sequence[int],
                          lookahead: int) -> tuple[list[tuple[tuple[int, int], np.ndarray]], np.ndarray]:
         """Upstream's CosyVoice3 streaming `token2wav` over a finished token list, chunk by chunk.
 
@@ -148,13 +140,13 @@ class ReferencePipeline:
             offset, emitted = end, len(wav)
         return out, acc.numpy()
 
-    def synthesize(self, mode: Mode, tts_text: str, prompt: PromptFeatures, sampler: Sampler, *,
+    def synthesize(self, mode: Mode, tts_text: str, prompt: TorchPromptFeatures, sampler: TorchSampler, *,
                    prompt_text: str = "", instruct_text: str = "", speed: float = 1.0,
-                   max_tokens: int | None = None) -> Synthesis:
+                   max_tokens: int | None = None) -> TorchSynthesis:
         """Text (one segment) to speech, as upstream's non-streaming `inference_*` for `mode`."""
         inputs = self.llm_inputs(mode, tts_text, prompt, prompt_text=prompt_text, instruct_text=instruct_text)
         tokens = generate_speech_tokens(self.llm, inputs.text_ids, inputs.prompt_text_ids,
                                         inputs.prompt_speech_tokens, self.eop_id, sampler,
                                         max_tokens=max_tokens)
         mel, audio = self.token2wav(tokens, prompt, speed=speed)
-        return Synthesis(tokens, mel, audio, self.config.sample_rate)
+        return TorchSynthesis(tokens, mel, audio, self.config.sample_rate)

@@ -153,15 +153,23 @@ def kaldi_fbank(wav16k: np.ndarray) -> np.ndarray:
     povey window, 512-point power spectrum, mel banks from 20 Hz to Nyquist, natural log floored at
     float32 eps. The waveform stays in [-1, 1]: upstream does not scale it to the int16 range.
     """
+    feat = fbank_frames(wav16k)  # (T, 80)
+    if feat.shape[0] == 0:
+        raise FrontendError(f"kaldi fbank: {wav16k.shape[0]} samples are shorter than one 25 ms frame")
+    return (feat - feat.mean(axis=0, dtype=np.float64, keepdims=True)).astype(np.float32)
+
+
+def fbank_frames(wav16k: np.ndarray) -> np.ndarray:
+    """`kaldi_fbank` before the mean is taken away -> float32 (T, 80), no frames under 25 ms of audio.
+
+    The torch reference normalises these frames itself, in torch's float32 arithmetic.
+    """
     samples = np.ascontiguousarray(wav16k, dtype=np.float32)
     fbank = knf.OnlineFbank(_fbank_options())
     fbank.accept_waveform(SPEECH_SAMPLE_RATE, samples)
     fbank.input_finished()
-    n = fbank.num_frames_ready
-    if n == 0:
-        raise FrontendError(f"kaldi fbank: {samples.shape[0]} samples are shorter than one 25 ms frame")
-    feat = np.stack([np.asarray(fbank.get_frame(i), dtype=np.float32) for i in range(n)])  # (T, 80)
-    return (feat - feat.mean(axis=0, dtype=np.float64, keepdims=True)).astype(np.float32)
+    frames = [np.asarray(fbank.get_frame(i), dtype=np.float32) for i in range(fbank.num_frames_ready)]
+    return np.stack(frames) if frames else np.zeros((0, FBANK_BINS), dtype=np.float32)
 
 
 def prompt_mel(wav: np.ndarray, cfg: PromptMelConfig | None = None) -> np.ndarray:

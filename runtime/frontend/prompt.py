@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, Self, TypeVar
 
 import numpy as np
 import onnxruntime
@@ -50,7 +51,20 @@ def speaker_embedding(session: onnxruntime.InferenceSession, wav16k: np.ndarray)
     return np.asarray(out, dtype=np.float32).reshape(1, -1)
 
 
-def align_prompt(mel: np.ndarray, tokens: np.ndarray, token_mel_ratio: int) -> tuple[np.ndarray, np.ndarray]:
+class _Sliceable(Protocol):
+    """An array that numpy and torch slice alike (the torch reference cuts its tensors here too)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def __getitem__(self, index: tuple[slice, slice], /) -> Self: ...
+
+
+_Mel = TypeVar("_Mel", bound=_Sliceable)
+_Tokens = TypeVar("_Tokens", bound=_Sliceable)
+
+
+def align_prompt(mel: _Mel, tokens: _Tokens, token_mel_ratio: int) -> tuple[_Mel, _Tokens]:
     """Cut prompt mel (1, T, C) and tokens (1, N) to n = min(T // ratio, N) tokens and ratio * n frames.
 
     Both are cut at the tail; the cut tokens serve the LLM prompt and the flow prompt alike.
