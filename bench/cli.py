@@ -13,6 +13,8 @@ from cosyvoice_export.bundle.errors import BundleError
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import choose_prompt
+from cosyvoice_runtime.chunk_policy import ChunkPolicy
+from cosyvoice_runtime.cli_options import first_chunk_option
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, PROVIDERS
 
@@ -62,9 +64,8 @@ def _user_errors() -> Iterator[None]:
               help="Warm rounds per case; medians are reported  [default: 3; 1 with --quick]")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the RAS sampler.")
 @click.option("--quick", is_flag=True, help="Smoke run: few tokens, one round, short machine probes.")
-@click.option("--first-chunk-tokens", type=click.IntRange(min=1), default=None,
-              help="Also measure the first chunk with the runtime's latency policy: after N tokens (and the "
-                   "flow's look-ahead), beside upstream's schedule (a deviation from upstream).")
+@first_chunk_option("Also measure the first chunk with the runtime's latency policy: after N tokens (and the "
+                    "flow's look-ahead), beside upstream's schedule (a deviation from upstream).")
 @click.option("--thread-scaling/--no-thread-scaling", default=None,
               help="Also run the runtime at 1 and 2 threads (longest case): first chunk, per-stage times and "
                    "bounds at each (CPU providers)  [default: on with --threads >= 2, off with --quick and "
@@ -77,7 +78,7 @@ def _user_errors() -> Iterator[None]:
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch: bool,
          model_dir: Path | None, threads: int | None, provider: str, lengths: str, concurrency: str,
-         tokens: int | None, repeat: int | None, seed: int, quick: bool, first_chunk_tokens: int | None,
+         tokens: int | None, repeat: int | None, seed: int, quick: bool, chunk_policy: ChunkPolicy | None,
          thread_scaling: bool | None, json_out: Path | None, plots: bool, progress: bool) -> None:
     """Benchmark a CosyVoice3 runtime bundle: first-chunk latency, RTF, per-stage times, LLM tokens/s,
     memory, concurrency, hardware bounds and onnxruntime levers, optionally beside the torch reference."""
@@ -116,7 +117,7 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
             model=model, prompt_wav=prompt_wav, prompt_text=prompt_text, cases=make_cases(names, long_tokens),
             concurrency=levels, threads=threads, provider=provider,
             repeat=repeat or (1 if quick else 3), quick=quick, seed=seed, model_dir=model_dir,
-            first_chunk_tokens=first_chunk_tokens,
+            latency_policy=chunk_policy,
             thread_scaling=thread_scaling if thread_scaling is not None else threads >= 2 and not quick)
         result = run(settings, progress=progress)
         written = write_plots(result, json_out) if plots and json_out is not None else []

@@ -25,8 +25,8 @@ import numpy as np
 
 from cosyvoice_runtime import CosyVoice3
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.chunk_policy import ChunkPolicy, check_policy
 from cosyvoice_runtime.cosyvoice3 import SegmentSpeech
-from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.process_memory import release_free_heap
 from cosyvoice_runtime.runners import TRT
@@ -56,22 +56,16 @@ class RuntimeBackend:
     name = "runtime"
 
     def __init__(self, bundle: RuntimeBundle, *, provider: str, threads: int, prompt_text: str, seed: int,
-                 first_chunk_tokens: int | None = None) -> None:
+                 latency_policy: ChunkPolicy | None = None) -> None:
         """Open every graph on `provider` with `threads` intra-op threads; `prompt_text` is the prompt
-        recording's transcript (zero-shot), `seed` the RAS sampler's; `first_chunk_tokens`: the latency
-        policy `policy_first_chunk` measures (`ChunkPolicy.first_chunk_tokens`), checked against these
-        graphs here (a `UserError` before anything is measured)."""
+        recording's transcript (zero-shot), `seed` the RAS sampler's; `latency_policy`: the chunk policy
+        `policy_first_chunk` measures beside upstream's, checked against these graphs first (a `UserError`
+        before anything opens)."""
         start = time.perf_counter()
         self.bundle, self.provider, self.threads = bundle, provider, threads
         self.prompt_text = prompt_text
+        self.latency_policy = check_policy(latency_policy, bundle) if latency_policy is not None else None
         self.voice = CosyVoice3(bundle, provider=provider, threads=threads, seed=seed)
-        self.first_chunk_tokens = first_chunk_tokens
-        if first_chunk_tokens is not None:
-            try:
-                self.voice.chunk_policy(first_chunk_tokens=first_chunk_tokens)
-            except UserError:
-                self.voice.close()
-                raise
         self._log = CallLog()
         self.load_s = time.perf_counter() - start
 
@@ -86,11 +80,11 @@ class RuntimeBackend:
 
     @staticmethod
     def _speak(voice: CosyVoice3, piece: Segment, prompt: PromptFeatures, tokens: int, *, stream: bool,
-               first_chunk_tokens: int | None = None) -> SegmentSpeech:
-        """Exactly `tokens` decoding steps (the stop ids masked), streamed (on upstream's schedule, or with
-        the first chunk after `first_chunk_tokens`) or offline."""
+               policy: ChunkPolicy | None = None) -> SegmentSpeech:
+        """Exactly `tokens` decoding steps (the stop ids masked), streamed (on the voice's schedule, or on
+        `policy`) or offline."""
         return voice.speak(piece, prompt, Mode.ZERO_SHOT, stream=stream, max_tokens=tokens, ignore_stop=True,
-                           first_chunk_tokens=first_chunk_tokens)
+                           policy=policy)
 
     def forget_prompts(self) -> None:
         """Drop the streaming flow's per-prompt prefixes (`Flow.prefixes`)."""
@@ -100,10 +94,10 @@ class RuntimeBackend:
         return self._first_chunk(case, prompt, None)
 
     def policy_first_chunk(self, case: Case, prompt: PromptFeatures) -> FirstChunk | None:
-        """The first chunk with the latency policy (`first_chunk_tokens`); None without one."""
-        if self.first_chunk_tokens is None:
+        """The first chunk on the latency policy; None without one."""
+        if self.latency_policy is None:
             return None
-        return self._first_chunk(case, prompt, self.first_chunk_tokens)
+        return self._first_chunk(case, prompt, self.latency_policy)
 
     def text_stream_first_chunk(self, case: Case, prompt: PromptFeatures) -> TextStreamFirstChunk:
         """The first chunk of `case`'s text streamed in (upstream's bistream, `speak_text_stream`) a word
@@ -129,10 +123,9 @@ class RuntimeBackend:
             chunks.close()
         return TextStreamFirstChunk(seconds, sent)
 
-    def _first_chunk(self, case: Case, prompt: PromptFeatures, first_chunk_tokens: int | None) -> FirstChunk:
+    def _first_chunk(self, case: Case, prompt: PromptFeatures, policy: ChunkPolicy | None) -> FirstChunk:
         start = time.perf_counter()
-        speech = self._speak(self.voice, self._segment(case), prompt, case.tokens, stream=True,
-                             first_chunk_tokens=first_chunk_tokens)
+        speech = self._speak(self.voice, self._segment(case), prompt, case.tokens, stream=True, policy=policy)
         chunk = next(iter(speech))
         return self._first(chunk, time.perf_counter() - start)
 

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from cosyvoice_graphs.bundle_layout import FORMAT_VERSION
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, CUDA, OPTIMIZATION
 from cosyvoice_runtime.runners.ort_settings import CONV_ALGO_SEARCHES
 
@@ -57,9 +58,9 @@ class Settings:
     seed: int = 0
     model_dir: Path | None = None
     """The torch reference's model directory (`--vs-torch`), None for the runtime alone."""
-    first_chunk_tokens: int | None = None
-    """The runtime's latency policy (`ChunkPolicy.first_chunk_tokens`), whose first chunk is measured
-    beside upstream's schedule's; None: upstream's schedule alone."""
+    latency_policy: ChunkPolicy | None = None
+    """A chunk policy of the runtime's (`--first-chunk-tokens`), whose first chunk is measured beside
+    upstream's schedule's; None: upstream's schedule alone."""
     thread_scaling: bool = False
     """Also run the runtime at each of `thread_levels` (longest case) and measure the rates there."""
 
@@ -91,7 +92,7 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
     on_gpu = s.provider not in CPU_PROVIDERS
     def runtime_at(threads: int) -> Callable[[], Backend]:
         return lambda: RuntimeBackend(bundle, provider=s.provider, threads=threads, prompt_text=s.prompt_text,
-                                      seed=s.seed, first_chunk_tokens=s.first_chunk_tokens)
+                                      seed=s.seed, latency_policy=s.latency_policy)
 
     factories = {"runtime": runtime_at(s.threads)}
     jobs = {"runtime": PeakJob("runtime", s.model, s.prompt_wav, s.prompt_text, s.threads, s.provider,
@@ -192,7 +193,9 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
             "prompt_wav": str(s.prompt_wav), "prompt_text": s.prompt_text, "mode": "zero-shot",
             "sampling": "ras", "seed": s.seed, "threads": s.threads, "provider": s.provider,
             "lengths": [c.name for c in s.cases], "concurrency": s.concurrency, "repeat": s.repeat,
-            "quick": s.quick, "first_chunk_tokens": s.first_chunk_tokens, "thread_scaling": s.thread_scaling,
+            "quick": s.quick,
+            "first_chunk_tokens": s.latency_policy.first_chunk_tokens if s.latency_policy else None,
+            "thread_scaling": s.thread_scaling,
         },
         "machine": machine,
         "cpu_class": machine["cpu_class"],
@@ -400,11 +403,12 @@ def _notes(s: Settings, gpu: GpuSampler | None) -> dict[str, str]:
         "cpu_class": "the CPU's vector class (AVX2 / AVX-512, VNNI, BF16, AMX): figures from different "
                      "classes are not comparable as equals",
     }
-    if s.first_chunk_tokens is not None:
+    if s.latency_policy is not None:
         notes["first_chunk_policy"] = (
-            f"--first-chunk-tokens {s.first_chunk_tokens}: the runtime's latency policy (a deviation from "
-            "upstream's chunk schedule): the first chunk after that many tokens plus the flow's look-ahead, "
-            "measured warm with the cached prompt beside upstream's schedule's; runtime only")
+            f"--first-chunk-tokens {s.latency_policy.first_chunk_tokens}: the runtime's latency policy (a "
+            "deviation from upstream's chunk schedule): the first chunk after that many tokens plus the "
+            "flow's look-ahead, measured warm with the cached prompt beside upstream's schedule's; runtime "
+            "only")
     if s.thread_scaling:
         notes["thread_scaling"] = (
             "the runtime on the longest case at each thread count (at --threads: the warm rounds' figures; "

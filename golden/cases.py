@@ -15,9 +15,10 @@ from typing import Any
 
 from cosyvoice_graphs import PRECISION_NAMES, SPECS
 from cosyvoice_graphs.precision import FP32
+from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.runners import PROVIDERS
 from cosyvoice_runtime.sampling import SAMPLINGS
-from cosyvoice_runtime.synthesis import ChunkPolicy, Mode
+from cosyvoice_runtime.synthesis import Mode
 
 from .errors import GoldenError
 

@@ -20,6 +20,8 @@ import numpy as np
 from .atomic_files import atomic_paths, check_writable, write_json, write_wav
 from .bundle import RuntimeBundle
 from .bundle_source import MODEL_DIR_ENV, choose_bundle, choose_prompt
+from .chunk_policy import ChunkPolicy
+from .cli_options import first_chunk_option
 from .cosyvoice3 import CosyVoice3
 from .demo import DEMO_BUNDLE
 from .errors import USER_ERRORS, UserError
@@ -29,7 +31,7 @@ from .runners import CPU, PROVIDERS
 from .runners.ort_settings import TUNING_FILE, read_tuning
 from .sampling import SAMPLINGS
 from .segments import MAX_TEXT_CHARS, Segment
-from .synthesis import ChunkPolicy, Mode
+from .synthesis import Mode
 from .tuning import tune
 
 
@@ -74,9 +76,8 @@ def _read_text(text: str, stdin: IO[str]) -> str:
 @click.option("--speed", type=click.FloatRange(min=0.5, max=2.0), default=1.0, show_default=True,
               help="Speaking rate (offline only, as upstream).")
 @click.option("--stream", is_flag=True, help="Synthesise in streaming chunks (upstream's chunk schedule).")
-@click.option("--first-chunk-tokens", type=int, default=None, metavar="N",
-              help="With --stream: the first chunk after N speech tokens, later chunks on upstream's "
-                   "boundaries (lower latency; a deviation from upstream's schedule) [default: upstream's].")
+@first_chunk_option("With --stream: the first chunk after N speech tokens, later chunks on upstream's "
+                    "boundaries (lower latency; a deviation from upstream's schedule) [default: upstream's].")
 @click.option("--provider", type=click.Choice(PROVIDERS), default=CPU, show_default=True,
               help="onnxruntime cpu/cuda/tensorrt provider, trt for the bundle's TensorRT plans, or openvino "
                    "(OpenVINO's CPU plugin; bf16 graphs run on it under cpu too).")
@@ -102,9 +103,9 @@ def _read_text(text: str, stdin: IO[str]) -> str:
                    f"it as loaded as the machine will be), write the fastest into the bundle's "
                    f"{TUNING_FILE}, which later runs use, and exit; needs no --text or --out.")
 def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_text: str | None, mode: str,
-         instruct: str, sampling: str, seed: int, speed: float, stream: bool, first_chunk_tokens: int | None,
-         provider: str, threads: int | None, tokens_out: Path | None, chunks_out: Path | None, verify: bool,
-         out: Path | None, info: bool, tune: bool) -> None:
+         instruct: str, sampling: str, seed: int, speed: float, stream: bool,
+         chunk_policy: ChunkPolicy | None, provider: str, threads: int | None, tokens_out: Path | None,
+         chunks_out: Path | None, verify: bool, out: Path | None, info: bool, tune: bool) -> None:
     """Synthesise TEXT in the voice of --prompt-wav with a CosyVoice3 runtime bundle (no torch).
 
     Prints which bundle and prompt it uses, shows progress, and ends with the RTF (and the first
@@ -124,7 +125,7 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
             raise UserError("--speed works offline only (upstream ignores it when streaming)")
         if chunks_out is not None and not stream:
             raise UserError("--chunks-out needs --stream")
-        if first_chunk_tokens is not None and not stream:
+        if chunk_policy is not None and not stream:
             raise UserError("--first-chunk-tokens needs --stream")
         for option, path in (("--out", out), ("--tokens-out", tokens_out), ("--chunks-out", chunks_out)):
             if path is not None:  # refused now, not after the synthesis with some outputs written
@@ -136,8 +137,7 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
         if choice.default:
             click.echo(f"model: {choice.origin}", err=True)
         with CosyVoice3(choice.path, provider=provider, threads=threads, sampling=sampling, seed=seed,
-                        verify=verify) as voice:
-            policy = voice.chunk_policy(first_chunk_tokens=first_chunk_tokens) if stream else None
+                        verify=verify, chunk_policy=chunk_policy) as voice:
             chosen = choose_prompt(voice.bundle, prompt_wav, prompt_text)
             if chosen.default:
                 click.echo(f"prompt: the bundle's {chosen.wav.name} ({chosen.text!r})", err=True)
@@ -148,7 +148,7 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
             pieces = voice.segments(Mode(mode), text, prompt_text=chosen.text, instruct=instruct)
             prompt = voice.prompt_features(given_audio if given_audio is not None else chosen.wav)
             ready = time.perf_counter()
-            result = _run(voice, pieces, prompt, Mode(mode), speed, stream, policy)
+            result = _run(voice, pieces, prompt, Mode(mode), speed, stream)
             sample_rate = voice.sample_rate
         audio = np.concatenate(result.audio) if result.audio else np.zeros(0, np.float32)
         sides = {path: data for path, data in (
@@ -209,14 +209,13 @@ class _Result:
 
 
 def _run(voice: CosyVoice3, pieces: list[Segment], prompt: PromptFeatures, mode: Mode, speed: float,
-         stream: bool, policy: ChunkPolicy | None) -> _Result:
+         stream: bool) -> _Result:
     """Each segment in turn (each with a fresh sampler from the seed, as a fresh upstream request)."""
     result = _Result([], [], [], None)
     start = time.perf_counter()
     with SynthesisProgress(pieces) as progress:
         for i, piece in enumerate(pieces):
-            speech = voice.speak(piece, prompt, mode, stream=stream, speed=speed, policy=policy,
-                                 watch=progress.watch(i))
+            speech = voice.speak(piece, prompt, mode, stream=stream, speed=speed, watch=progress.watch(i))
             for chunk in speech:
                 result.audio.append(chunk.samples)
                 if stream:

@@ -43,6 +43,7 @@ from cosyvoice_graphs.precision import FP16, FP32
 
 from .bundle import RuntimeBundle
 from .bundle_source import choose_bundle
+from .chunk_policy import ChunkPolicy, check_policy
 from .decode_batch import BatchObserver
 from .errors import UserError
 from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
@@ -65,7 +66,6 @@ from .segments import Segment, prompt_ids, segments
 from .speakers import Speaker, SpeakerRegistry, check_name, default_speakers_dir, frontend_fingerprint
 from .synthesis import (
     AudioChunk,
-    ChunkPolicy,
     Mode,
     Synthesizer,
     check_max_batch,
@@ -115,7 +115,8 @@ class CosyVoice3:
                  load_vllm: bool = False, fp16: bool = False, trt_concurrent: int = 1, provider: str = CPU,
                  threads: int | None = None, sampling: str = "ras", seed: int = 0, verify: bool = True,
                  speakers_dir: Path | None = None, flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
-                 max_batch: int = 1, batch_observer: BatchObserver | None = None) -> None:
+                 max_batch: int = 1, batch_observer: BatchObserver | None = None,
+                 chunk_policy: ChunkPolicy | None = None) -> None:
         """Open `model_dir`: a runtime bundle, a model bundle exported on first use as `cosyvoice-run
         --model` does, or a bundle opened already. `provider` and `threads` place the graphs
         (`cosyvoice_runtime.runners.PROVIDERS`); `sampling` is upstream's repetition-aware sampling
@@ -126,7 +127,8 @@ class CosyVoice3:
         (`Flow.prefixes`); `max_batch` > 1 decodes the speech ids of concurrent calls (threads, the server's
         sessions, `synthesize_many`) together, up to that many per `llm_decode` call (`decode_batch`,
         reporting to `batch_observer`; the bundle needs `llm_decode`: `--precision cpu-fast` or
-        `decode=fp32`).
+        `decode=fp32`); `chunk_policy` is when every stream emits its chunks (None: upstream's schedule;
+        `ChunkPolicy.first_chunk_tokens` a deviation from it for latency), checked against the graphs here.
 
         Upstream's own keywords are taken for what they mean here: `load_trt` runs the graphs on
         onnxruntime's TensorRT provider (upstream's DiT runs as a TensorRT plan it builds on first use);
@@ -146,6 +148,7 @@ class CosyVoice3:
                             "model directory (exported in fp16 on first use) or an export with "
                             "cosyvoice-export all --precision fp16")
         check_max_batch(max_batch, bundle, provider)
+        check_policy(chunk_policy, bundle)
         if verify and bundle is not model_dir:  # hashed once it is known to be the bundle asked for
             bundle = RuntimeBundle.open(bundle.root, verify=True)
         self.bundle = bundle
@@ -155,7 +158,8 @@ class CosyVoice3:
         self._prompt_sessions: tuple[onnxruntime.InferenceSession, onnxruntime.InferenceSession] | None = None
         """CAM++ and the speech tokenizer once a prompt needed them (`_prompt_models`)."""
         self.synth = Synthesizer(self.bundle, provider, threads=threads, flow_prefix_bytes=flow_prefix_bytes,
-                                 max_batch=max_batch, batch_observer=batch_observer)
+                                 max_batch=max_batch, batch_observer=batch_observer,
+                                 chunk_policy=chunk_policy)
         self.prefix_jobs = PrefixJobs(self.synth.flow, self.synth.live)
         """Speakers' flow prefixes computed in the background (a thread started by the first job)."""
         self._speakers_dir = speakers_dir
@@ -170,39 +174,34 @@ class CosyVoice3:
 
     def inference_zero_shot(self, tts_text: TtsText, prompt_text: str, prompt_wav: PromptWav | None,
                             zero_shot_spk_id: str = "", stream: bool = False, speed: float = 1.0,
-                            text_frontend: bool = True, *, first_chunk_tokens: int | None = None
-                            ) -> Iterator[dict[str, np.ndarray]]:
+                            text_frontend: bool = True) -> Iterator[dict[str, np.ndarray]]:
         """Speak `tts_text` in the voice of `prompt_wav`, whose transcript is `prompt_text` (a bare
         transcript, or upstream's "You are a helpful assistant.<|endofprompt|>" + transcript), or of the
         speaker `zero_shot_spk_id` (`add_zero_shot_spk`; then `prompt_text` and `prompt_wav` are unused).
-        `tts_text` may be pieces still to come, as upstream's generator (`speak_text_stream`).
-        `first_chunk_tokens` (ours, streaming only): `ChunkPolicy.first_chunk_tokens`, a deviation from
-        upstream's chunk schedule for latency; None keeps upstream's."""
+        `tts_text` may be pieces still to come, as upstream's generator (`speak_text_stream`). A stream's
+        chunks follow this object's `policy`."""
         speaker = self._speaker(zero_shot_spk_id)
         return self._inference(Mode.ZERO_SHOT, tts_text, speaker or prompt_wav, stream, speed, text_frontend,
-                               prompt_text=speaker.prompt_text if speaker else prompt_text,
-                               first_chunk_tokens=first_chunk_tokens)
+                               prompt_text=speaker.prompt_text if speaker else prompt_text)
 
     def inference_cross_lingual(self, tts_text: TtsText, prompt_wav: PromptWav | None,
                                 zero_shot_spk_id: str = "", stream: bool = False, speed: float = 1.0,
-                                text_frontend: bool = True, *, first_chunk_tokens: int | None = None
-                                ) -> Iterator[dict[str, np.ndarray]]:
+                                text_frontend: bool = True) -> Iterator[dict[str, np.ndarray]]:
         """Speak `tts_text` (any language, fine-grained tags allowed) in the voice of `prompt_wav` or of
         the speaker `zero_shot_spk_id`, without the prompt's transcript; not text in pieces (upstream's
-        CosyVoice3 cannot either: a `UserError`). `first_chunk_tokens`: as `inference_zero_shot`'s."""
+        CosyVoice3 cannot either: a `UserError`)."""
         speaker = self._speaker(zero_shot_spk_id)
         return self._inference(Mode.CROSS_LINGUAL, tts_text, speaker or prompt_wav, stream, speed,
-                               text_frontend, first_chunk_tokens=first_chunk_tokens)
+                               text_frontend)
 
     def inference_instruct2(self, tts_text: TtsText, instruct_text: str, prompt_wav: PromptWav | None,
                             zero_shot_spk_id: str = "", stream: bool = False, speed: float = 1.0,
-                            text_frontend: bool = True, *, first_chunk_tokens: int | None = None
-                            ) -> Iterator[dict[str, np.ndarray]]:
+                            text_frontend: bool = True) -> Iterator[dict[str, np.ndarray]]:
         """Speak `tts_text` as `instruct_text` asks (e.g. "请用广东话表达。"), in the voice of `prompt_wav` or
-        of the speaker `zero_shot_spk_id`; `tts_text` and `first_chunk_tokens` as `inference_zero_shot`'s."""
+        of the speaker `zero_shot_spk_id`; `tts_text` as `inference_zero_shot`'s."""
         speaker = self._speaker(zero_shot_spk_id)
         return self._inference(Mode.INSTRUCT2, tts_text, speaker or prompt_wav, stream, speed, text_frontend,
-                               instruct=instruct_text, first_chunk_tokens=first_chunk_tokens)
+                               instruct=instruct_text)
 
     def add_zero_shot_spk(self, prompt_text: str, prompt_wav: PromptWav, zero_shot_spk_id: str, *,
                           precompute: bool = True) -> bool:
@@ -270,16 +269,16 @@ class CosyVoice3:
 
     def speak(self, piece: Segment, prompt: PromptFeatures, mode: Mode, *, stream: bool = False,
               speed: float = 1.0, sampling: Sampling | None = None, policy: ChunkPolicy | None = None,
-              max_tokens: int | None = None, ignore_stop: bool = False, watch: TokenWatch | None = None,
-              first_chunk_tokens: int | None = None) -> SegmentSpeech:
+              max_tokens: int | None = None, ignore_stop: bool = False, watch: TokenWatch | None = None
+              ) -> SegmentSpeech:
         """One segment's audio: upstream's offline path (one final chunk, `speed` applied) or its chunk
-        schedule (`stream`, `policy`: `Synthesizer.stream_tokens`), decoded with a fresh sampler of
-        `sampling` (default: this object's). `max_tokens` and `ignore_stop` are for benchmarks
-        (`SpeechTokenLM.decode`); `watch` wraps the speech-id iterator; `first_chunk_tokens` replaces the
-        policy's (`ChunkPolicy.first_chunk_tokens`; a `UserError` if these graphs cannot take it)."""
+        schedule (`stream`: `Synthesizer.stream_tokens`; `policy` replaces this object's, a `UserError` if
+        these graphs cannot take it), decoded with a fresh sampler of `sampling` (default: this object's).
+        `max_tokens` and `ignore_stop` are for benchmarks (`SpeechTokenLM.decode`); `watch` wraps the
+        speech-id iterator."""
         _check_speed(stream, speed)
-        if stream:  # checked before the LLM runs
-            policy = self.chunk_policy(policy, first_chunk_tokens=first_chunk_tokens)
+        if stream and policy is not None:  # checked before the LLM runs
+            policy = check_policy(policy, self.bundle)
         request = llm_request(mode, piece.text_ids, prompt, piece.prompt_text_ids)
         decoding = self.synth.decode(request, (sampling or self.sampling).sampler(), max_tokens=max_tokens,
                                      ignore_stop=ignore_stop)
@@ -321,8 +320,7 @@ class CosyVoice3:
     def speak_text_stream(self, pieces: Iterable[str], prompt: PromptFeatures, mode: Mode, *,
                           prompt_text: str = "", instruct: str = "", stream: bool = True, speed: float = 1.0,
                           sampling: Sampling | None = None, policy: ChunkPolicy | None = None,
-                          max_tokens: int | None = None, watch: TokenWatch | None = None,
-                          first_chunk_tokens: int | None = None) -> SegmentSpeech:
+                          max_tokens: int | None = None, watch: TokenWatch | None = None) -> SegmentSpeech:
         """Audio for text that arrives in pieces while it is spoken (upstream's bistream,
         `cosyvoice_runtime.text_stream`): each piece tokenised as it is read, neither normalised nor split
         (as upstream does with a generator), the LLM fed text and speech interleaved; chunks on the
@@ -331,8 +329,8 @@ class CosyVoice3:
         `UserError` here). `max_tokens` bounds the ids sampled (benchmarks); the rest as `speak`."""
         _check_text_stream(mode)
         _check_speed(stream, speed)
-        if stream:
-            policy = self.chunk_policy(policy, first_chunk_tokens=first_chunk_tokens)
+        if stream and policy is not None:
+            policy = check_policy(policy, self.bundle)
         ids = prompt_ids(mode, self.tokenizer, prompt_text=prompt_text, instruct=instruct)
         speech = [int(t) for t in prompt.speech_tokens[0]] if mode is Mode.ZERO_SHOT else []
         read = list(ids)
@@ -352,13 +350,10 @@ class CosyVoice3:
                 read.append(i)
                 yield i
 
-    def chunk_policy(self, policy: ChunkPolicy | None = None, *, first_chunk_tokens: int | None = None
-                     ) -> ChunkPolicy:
-        """`Synthesizer.check_policy`, its refusal a `UserError` (one line)."""
-        try:
-            return self.synth.check_policy(policy, first_chunk_tokens=first_chunk_tokens)
-        except ValueError as e:
-            raise UserError(str(e)) from None
+    @property
+    def policy(self) -> ChunkPolicy:
+        """When every stream emits its chunks unless `speak` is given a policy (checked already)."""
+        return self.synth.policy
 
     def close(self) -> None:
         """Cancel the prefix jobs and release the graphs and the front end's models."""
@@ -398,29 +393,28 @@ class CosyVoice3:
 
     def _inference(self, mode: Mode, tts_text: TtsText, prompt: Speaker | PromptWav | None,
                    stream: bool,
-                   speed: float, text_frontend: bool, *, prompt_text: str = "", instruct: str = "",
-                   first_chunk_tokens: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+                   speed: float, text_frontend: bool, *, prompt_text: str = "", instruct: str = ""
+                   ) -> Iterator[dict[str, np.ndarray]]:
         if prompt is None:
             raise UserError("prompt_wav is needed unless zero_shot_spk_id names an added speaker")
         _check_speed(stream, speed)
-        policy = self.chunk_policy(first_chunk_tokens=first_chunk_tokens) if stream else None
         if not isinstance(tts_text, str):  # pieces of text still to come: upstream's bistream
             _check_text_stream(mode)
             prompt_ids(mode, self.tokenizer, prompt_text=prompt_text, instruct=instruct)  # checked first
             features = prompt.features if isinstance(prompt, Speaker) else self.prompt_features(prompt)
             speech = self.speak_text_stream(tts_text, features, mode, prompt_text=prompt_text,
-                                            instruct=instruct, stream=stream, speed=speed, policy=policy)
+                                            instruct=instruct, stream=stream, speed=speed)
             return ({"tts_speech": chunk.samples[None]} for chunk in speech)
         # everything is checked before the first segment runs
         pieces = self.segments(mode, tts_text, prompt_text=prompt_text, instruct=instruct,
                                text_frontend=text_frontend)
         features = prompt.features if isinstance(prompt, Speaker) else self.prompt_features(prompt)
-        return self._yield(pieces, features, mode, stream, speed, policy)
+        return self._yield(pieces, features, mode, stream, speed)
 
-    def _yield(self, pieces: list[Segment], features: PromptFeatures, mode: Mode, stream: bool, speed: float,
-               policy: ChunkPolicy | None) -> Iterator[dict[str, np.ndarray]]:
+    def _yield(self, pieces: list[Segment], features: PromptFeatures, mode: Mode, stream: bool, speed: float
+               ) -> Iterator[dict[str, np.ndarray]]:
         for piece in pieces:
-            for chunk in self.speak(piece, features, mode, stream=stream, speed=speed, policy=policy):
+            for chunk in self.speak(piece, features, mode, stream=stream, speed=speed):
                 yield {"tts_speech": chunk.samples[None]}
 
     def _offline(self, tokens: Iterator[int], prompt: PromptFeatures, speed: float) -> Iterator[AudioChunk]:

@@ -18,21 +18,21 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType, TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Self
 
 import numpy as np
 
-from cosyvoice_graphs import LLM_DECODE, MAX_BATCH
+from cosyvoice_graphs import DIT, FLOW_ENCODER, HIFT_DECODER, HIFT_F0, LLM_DECODE, LLM_PREFILL, MAX_BATCH
 from cosyvoice_graphs.bundle_layout import FLOW_NOISE, SINE_NOISE, SPEECH_EMBEDDING, TEXT_EMBEDDING
 
 from .bundle import RuntimeBundle
+from .chunk_policy import ChunkPolicy, check_policy
 from .chunk_turns import ChunkTurns
 from .decode_batch import BatchedDecoding, BatchObserver, DecodeBatcher
 from .errors import SynthesisError, UserError
@@ -46,7 +46,7 @@ from .token2wav import Flow, FlowStream, Vocoder, VocoderStream, change_speed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AudioChunk", "ChunkPolicy", "ChunkTimings", "Mode", "Synthesis", "SynthesisError", "Synthesizer",
+__all__ = ["AudioChunk", "ChunkTimings", "Mode", "Synthesis", "SynthesisError", "Synthesizer",
            "llm_request"]
 
 
@@ -77,95 +77,6 @@ def llm_request(mode: Mode, text_ids: Sequence[int], prompt: PromptFeatures,
             raise ValueError("cross-lingual takes no prompt text")
         return LlmRequest(text)
     return LlmRequest(text, prompt_text)
-
-
-@dataclass(frozen=True)
-class ChunkPolicy:
-    """When streaming emits a chunk: upstream's CosyVoice3 constants (`model.py`), deterministic.
-
-    Chunk k covers `hop_k` new tokens and waits for `lookahead` more: hop_0 = token_hop + pad, where
-    pad = ceil(P / token_hop) * token_hop - P for P prompt tokens aligns the first chunk's end with a
-    DiT attention block; hop_(k+1) = min(max_hop, token_hop * scale^(k+1)) (25+pad, 50, 100, 100, ...).
-    Once the LLM has finished, the remaining tokens (fewer than the next hop + lookahead) go into one
-    final, finalizing chunk. This is upstream's first-request behaviour; its hop is not carried over
-    between requests, and its timing-dependent exit test is not reproduced.
-
-    `first_chunk_tokens` (off by default) deviates from that schedule for latency: see its docstring.
-    """
-
-    token_hop: int = 25
-    max_hop: int = 100
-    scale: int = 2
-    lookahead: int = 3
-    """Tokens after a non-final chunk that the flow's pre-lookahead layer reads (`pre_lookahead_len`)."""
-    vocoder: Literal["rerun", "window"] = "window"
-    """`"rerun"`: the vocoder over the whole accumulated mel per chunk (upstream, quadratic cost);
-    `"window"`: over the new frames plus a fixed left margin (`VocoderStream`), the same samples."""
-    flow: Literal["rerun", "cache", "window"] = "cache"
-    """`"rerun"`: each non-final chunk runs the block-causal flow over every frame so far and keeps the
-    new ones (upstream: quadratic cost). `"cache"`: over the new frames only, with the keys/values of
-    the earlier ones cached per ODE step (`FlowStream`); the final chunk is re-run as upstream. The
-    default, because it is provably the same computation (the earlier frames are whole blocks that
-    never attend forward) and measured equal to float rounding (mel within 1e-5, audio within the
-    vocoder's tolerance). Its caches take 160·depth·dim bytes per frame (keys and values, 2 CFG rows,
-    10 ODE steps, float32; full size 3.6 MB, i.e. 180 MB per second of prompt and speech).
-    `"window"`: bounded cost and memory per chunk: attention sees the prompt's blocks and the last
-    `flow_window` blocks, in the final chunk too (whose new frames see each other fully); it deviates
-    from upstream (docs/runtime.md: figures)."""
-    flow_window: int = 8
-    """DiT blocks (50 frames = 1 s each) of generated speech that `flow="window"` keeps in attention
-    besides the prompt's."""
-    first_chunk_tokens: int | None = None
-    """None: upstream's schedule. N: the first chunk fires after N tokens (and the look-ahead), then the
-    chunks end where upstream's do, from its first boundary past N on (N = 10 with a first hop of 38:
-    10, 28, 50, 100, ...), so one extra chunk comes first and every later boundary is upstream's.
-    Boundaries still depend on the token sequence only. The first chunk usually ends inside a DiT block:
-    under `"cache"`/`"window"` it runs the frames after the prompt's prefix against its caches without
-    keeping them (`FlowStream.peek`; `"rerun"` runs every frame), and the next chunk ends on upstream's
-    block boundary and re-runs the cut block whole, as upstream's re-run of the prefix would. So `"cache"`
-    still gives `"rerun"`'s frames (to float rounding), and every later seam is upstream's. Why not
-    demand a whole block: the first block boundary after the prompt is upstream's own first boundary or
-    its pad alone (0 to 24 tokens, set by the prompt's length), so no prompt-independent N would fire
-    earlier. The price of the cut: the frames of the cut block before the seam were made without the rest
-    of their block, the frames after it with; the mel there steps by that difference
-    (tests/test_first_chunk.py measures the seam against upstream's; docs/runtime.md: figures)."""
-
-    def __post_init__(self) -> None:
-        if self.vocoder not in ("rerun", "window"):
-            raise ValueError(f"vocoder must be 'rerun' or 'window', got {self.vocoder!r}")
-        if self.flow not in ("rerun", "cache", "window"):
-            raise ValueError(f"flow must be 'rerun', 'cache' or 'window', got {self.flow!r}")
-        if self.flow_window < 1:
-            raise ValueError(f"flow_window must be >= 1 block, got {self.flow_window}")
-        if self.first_chunk_tokens is not None and self.first_chunk_tokens < 1:
-            raise ValueError(f"first_chunk_tokens must be >= 1 token (None: upstream's schedule), "
-                             f"got {self.first_chunk_tokens}")
-
-    def first_pad(self, prompt_tokens: int) -> int:
-        """Tokens added to the first hop so that prompt + first hop is a multiple of `token_hop`."""
-        return math.ceil(prompt_tokens / self.token_hop) * self.token_hop - prompt_tokens
-
-    def hops(self, prompt_tokens: int) -> Iterator[int]:
-        """The hop of every chunk, first to last (endless)."""
-        upstream = self._upstream_hops(prompt_tokens)
-        if self.first_chunk_tokens is None:
-            yield from upstream
-            return
-        yield self.first_chunk_tokens
-        end = 0
-        for hop in upstream:  # the rest of upstream's hop that crosses the first chunk's end
-            end += hop
-            if end > self.first_chunk_tokens:
-                yield end - self.first_chunk_tokens
-                break
-        yield from upstream
-
-    def _upstream_hops(self, prompt_tokens: int) -> Iterator[int]:
-        yield self.token_hop + self.first_pad(prompt_tokens)
-        hop = self.token_hop
-        while True:
-            hop = min(self.max_hop, hop * self.scale)
-            yield hop
 
 
 @dataclass(frozen=True)
@@ -232,12 +143,17 @@ class Synthesizer:
 
     def __init__(self, bundle: RuntimeBundle, provider: str = CPU, *, threads: int | None = None,
                  flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, max_batch: int = 1,
-                 batch_observer: BatchObserver | None = None) -> None:
+                 batch_observer: BatchObserver | None = None, chunk_policy: ChunkPolicy | None = None
+                 ) -> None:
         """Open every graph of `bundle` on `provider` (see `cosyvoice_runtime.runners.PROVIDERS`);
         `flow_prefix_bytes` bounds the streaming flow's per-prompt cache (`Flow.prefixes`). `max_batch` > 1
         decodes concurrent requests' speech ids together (`decode_batch`, reporting to `batch_observer`),
-        which needs the bundle's `llm_decode` on onnxruntime's CPU; 1 decodes each on its own."""
-        check_max_batch(max_batch, bundle, provider)  # before any graph opens
+        which needs the bundle's `llm_decode` on onnxruntime's CPU; 1 decodes each on its own. `chunk_policy`
+        is the streams' schedule (None: upstream's); it and `max_batch` are checked before any graph opens
+        (a `UserError`)."""
+        check_max_batch(max_batch, bundle, provider)
+        self.policy = check_policy(chunk_policy, bundle)
+        """The streams' chunk schedule unless a call gives its own."""
         self.bundle, self.provider = bundle, provider
         self.dims = bundle.dims
         self._runners: dict[str, Runner] = {}
@@ -251,10 +167,10 @@ class Synthesizer:
         self.lm = SpeechTokenLM(r[decode_body(bundle, provider)], bundle.table(TEXT_EMBEDDING),
                                 bundle.table(SPEECH_EMBEDDING),
                                 sos=bundle.sos, task_id=bundle.task_id, endofprompt_id=bundle.endofprompt_id,
-                                speech_token_size=self.dims.speech_token_size, prefill=r.get("llm_prefill"))
-        self.flow = Flow(r["flow_encoder"], r["flow_estimator_cached"], bundle.table(FLOW_NOISE), self.dims,
+                                speech_token_size=self.dims.speech_token_size, prefill=r.get(LLM_PREFILL))
+        self.flow = Flow(r[FLOW_ENCODER], r[DIT], bundle.table(FLOW_NOISE), self.dims,
                          prefix_cache_bytes=flow_prefix_bytes)
-        self.vocoder = Vocoder(r["hift_f0"], r["hift_decoder"], bundle.uniform_noise(SINE_NOISE), self.dims,
+        self.vocoder = Vocoder(r[HIFT_F0], r[HIFT_DECODER], bundle.uniform_noise(SINE_NOISE), self.dims,
                                bundle.manifest.model.hift)
         self.live = LiveWork()
         """Streams and offline syntheses in flight, held from their first step to their end: background work
@@ -377,33 +293,12 @@ class Synthesizer:
         over tokens[:offset + hop + lookahead] keeping the frames after 2·offset (re-run or cached:
         `policy.flow`), then the non-finalizing vocoder over the accumulated mel (all of it, or a
         window: `policy.vocoder`). When `tokens` ends, the final chunk runs the full-attention flow
-        over all tokens (`"window"`: over the new ones) and the finalizing vocoder.
+        over all tokens (`"window"`: over the new ones) and the finalizing vocoder. `policy` replaces
+        `self.policy` for this stream (checked here: a `UserError`).
         """
-        policy = self.check_policy(policy)
+        policy = self.policy if policy is None else check_policy(policy, self.bundle)
         log.info("streaming with %s", policy)
         return _Stream(self, prompt, policy).run(iter(tokens))
-
-    def check_policy(self, policy: ChunkPolicy | None = None, *, first_chunk_tokens: int | None = None
-                     ) -> ChunkPolicy:
-        """`policy` (default: upstream's schedule with the flow's look-ahead), its `first_chunk_tokens`
-        replaced when one is given, checked against these graphs (`ValueError`: one line saying why)."""
-        policy = policy or ChunkPolicy(lookahead=self.dims.pre_lookahead_len)
-        if first_chunk_tokens is not None:
-            policy = replace(policy, first_chunk_tokens=first_chunk_tokens)
-        if policy.lookahead != self.dims.pre_lookahead_len:
-            raise ValueError(f"policy lookahead {policy.lookahead} is not the flow's "
-                             f"{self.dims.pre_lookahead_len}")
-        block, ratio = self.dims.dit_block_frames, self.dims.token_mel_ratio
-        if policy.flow != "rerun" and (policy.token_hop * ratio % block or policy.max_hop * ratio % block):
-            raise ValueError(f"flow={policy.flow!r} needs hops of whole {block}-frame DiT blocks; "
-                             f"token_hop {policy.token_hop} and max_hop {policy.max_hop} are not")
-        # a non-final vocoder call holds back its look-ahead frames, so the first chunk must exceed them
-        held = self.vocoder.layout.final_lookahead
-        fewest = held // ratio + 1
-        if policy.first_chunk_tokens is not None and policy.first_chunk_tokens < fewest:
-            raise ValueError(f"first_chunk_tokens must be >= {fewest} (the vocoder holds back {held} mel "
-                             f"frames), got {policy.first_chunk_tokens}")
-        return policy
 
 
 def check_max_batch(max_batch: int, bundle: RuntimeBundle, provider: str) -> None:

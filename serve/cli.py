@@ -12,6 +12,8 @@ import click
 
 from cosyvoice_graphs import MAX_BATCH
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
+from cosyvoice_runtime.chunk_policy import ChunkPolicy
+from cosyvoice_runtime.cli_options import first_chunk_option
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from cosyvoice_runtime.runners import CPU
@@ -115,17 +117,16 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
 @click.option("--prompt-dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Let /synthesize's prompt_audio name a file in this folder by path, as the bridge server "
                    "took it (paths leading out of it are refused) [default: paths refused, base64 only].")
-@click.option("--first-chunk-tokens", type=int, default=None, metavar="N",
-              help="Every stream's first chunk after N speech tokens, later chunks on upstream's boundaries "
-                   "(lower latency; a deviation from upstream's schedule) [default: upstream's].")
+@first_chunk_option("Every stream's first chunk after N speech tokens, later chunks on upstream's boundaries "
+                    "(lower latency; a deviation from upstream's schedule) [default: upstream's].")
 @ray_options
 def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model: Path | None, provider: str,
           threads: int | None, max_conc: int, max_batch: int, queue_depth: int, stream_idle: float,
           timeout: float,
           speakers_dir: Path | None, sampling: str, seed: int | None,
           flow_prefix_mib: int, max_text: int, api_key: str | None, max_body_mib: int,
-          cors_origins: tuple[str, ...], docs: bool, prompt_dir: Path | None, first_chunk_tokens: int | None,
-          ray: RayOptions | None) -> None:
+          cors_origins: tuple[str, ...], docs: bool, prompt_dir: Path | None,
+          chunk_policy: ChunkPolicy | None, ray: RayOptions | None) -> None:
     """Serve CosyVoice3 over HTTP: upstream's /inference_* endpoints, the bridge's /synthesize, /health,
     /speakers and /metrics, OpenAI-style /v1/audio/speech and a web page at / (no torch); with --grpc-port,
     upstream's gRPC service beside it; or, with --grpc, that service alone; or, with --ray, HTTP through
@@ -144,14 +145,12 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
     from .engine import Engine
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
-    if first_chunk_tokens is not None and first_chunk_tokens < 1:
-        _refuse(f"--first-chunk-tokens must be >= 1, got {first_chunk_tokens}")
     settings = ServerSettings(max_concurrency=max_conc, max_batch=max_batch, queue_depth=queue_depth,
                               stream_idle_timeout=stream_idle, timeout=timeout, max_text_chars=max_text,
                               sampling=sampling, seed=seed,
                               speakers_dir=speakers_dir or DEFAULTS.speakers_dir, api_key=api_key,
                               max_body_bytes=max_body_mib << 20, cors_origins=cors_origins, docs=docs,
-                              prompt_dir=prompt_dir, first_chunk_tokens=first_chunk_tokens)
+                              prompt_dir=prompt_dir, chunk_policy=chunk_policy)
     if ray is not None:
         if grpc_service or grpc_port is not None:
             raise click.UsageError("--ray serves HTTP only; --grpc and --grpc-port run without it")
@@ -165,14 +164,10 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
         return
     try:
         engine = Engine.open(model, provider=provider, flow_prefix_bytes=flow_prefix_mib << 20,
-                             threads=threads, max_batch=max_batch)
+                             threads=threads, max_batch=max_batch, chunk_policy=chunk_policy)
     except USER_ERRORS as e:
         _refuse(str(e))
     try:
-        try:  # checked against the graphs before serving, not at the first stream
-            engine.voice.chunk_policy(first_chunk_tokens=first_chunk_tokens)
-        except USER_ERRORS as e:
-            _refuse(f"--first-chunk-tokens: {e}")
         click.echo(f"model: {engine.origin}", err=True)
         click.echo(f"API key: {'required' if api_key else 'none (every endpoint is open)'}", err=True)
         if grpc_service:

@@ -36,6 +36,7 @@ import numpy as np
 from cosyvoice_runtime import CosyVoice3
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import choose_bundle
+from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cosyvoice3 import SegmentSpeech
 from cosyvoice_runtime.errors import FrontendError, SynthesisError, UserError
 from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
@@ -113,9 +114,6 @@ class SynthesisJob:
     """Speaking rate; offline only, as upstream."""
     text_field: str = "text"
     """The request field of `text`, named in errors."""
-    first_chunk_tokens: int | None = None
-    """When streamed, the first chunk after this many speech tokens (`ChunkPolicy.first_chunk_tokens`,
-    the server's `--first-chunk-tokens`); None: upstream's schedule."""
     usage: TokenUsage = field(default_factory=TokenUsage)
 
 
@@ -124,12 +122,13 @@ class Engine:
 
     def __init__(self, bundle: RuntimeBundle, origin: str, *, provider: str = CPU,
                  flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, threads: int | None = None,
-                 max_batch: int = 1) -> None:
+                 max_batch: int = 1, chunk_policy: ChunkPolicy | None = None) -> None:
         """Open every graph of `bundle` on `provider` (one of `SERVER_PROVIDERS`) with `threads` intra-op
         threads (None: the provider's default, every core); `flow_prefix_bytes` bounds the per-prompt flow
         prefixes that streams from one speaker share (`Flow.prefixes`); `max_batch` > 1 decodes the speech
         ids of that many sessions in one LLM call (`decode_batch`: a `UserError` where the bundle has no
-        `llm_decode` on `provider`)."""
+        `llm_decode` on `provider`); `chunk_policy` is every stream's schedule (None: upstream's; a
+        `UserError` where these graphs cannot stream on it)."""
         if provider not in SERVER_PROVIDERS:
             raise ValueError(f"the server runs on providers whose runners sessions can share "
                              f"({', '.join(SERVER_PROVIDERS)}); got {provider!r}")
@@ -138,7 +137,7 @@ class Engine:
         """What the decode batch reports, where there is one."""
         self.voice = CosyVoice3(bundle, provider=provider, threads=threads,
                                 flow_prefix_bytes=flow_prefix_bytes, max_batch=max_batch,
-                                batch_observer=self.batch_metrics)
+                                batch_observer=self.batch_metrics, chunk_policy=chunk_policy)
         self.default_prompt = bundle.default_prompt()
         """The bundle's own prompt recording and its transcript, or None (exports of upstream's)."""
         self._text_lock = threading.Lock()
@@ -148,11 +147,12 @@ class Engine:
     @classmethod
     def open(cls, model: Path | None, *, provider: str = CPU,
              flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, threads: int | None = None,
-             max_batch: int = 1) -> Engine:
+             max_batch: int = 1, chunk_policy: ChunkPolicy | None = None) -> Engine:
         """The bundle `cosyvoice-run` would use for `--model model` (verified), opened for serving."""
         choice = choose_bundle(model)
         return cls(RuntimeBundle.open(choice.path, verify=True), choice.origin, provider=provider,
-                   flow_prefix_bytes=flow_prefix_bytes, threads=threads, max_batch=max_batch)
+                   flow_prefix_bytes=flow_prefix_bytes, threads=threads, max_batch=max_batch,
+                   chunk_policy=chunk_policy)
 
     @property
     def synth(self) -> Synthesizer:
@@ -213,8 +213,7 @@ class Engine:
                  start - session.admitted)
         speech = self.voice.speak_text_stream(pieces, prompt, job.mode,
                                               prompt_text=job.prompt_text, instruct=job.instruct,
-                                              sampling=job.sampling, watch=session.watch,
-                                              first_chunk_tokens=job.first_chunk_tokens)
+                                              sampling=job.sampling, watch=session.watch)
         samples = 0
         for audio in self._samples(request, start, speech, job, first=True):
             samples += len(audio)
@@ -235,8 +234,7 @@ class Engine:
                     return progress.watch(i)(session.watch(ids))
 
                 speech = self.voice.speak(piece, prompt, job.mode, stream=stream, speed=job.speed,
-                                          sampling=job.sampling, watch=watch,
-                                          first_chunk_tokens=job.first_chunk_tokens)
+                                          sampling=job.sampling, watch=watch)
                 for audio in self._samples(request, start, speech, job, first=samples == 0):
                     samples += len(audio)
                     yield audio

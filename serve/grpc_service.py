@@ -25,7 +25,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import replace
 
 import grpc
 import numpy as np
@@ -148,7 +147,6 @@ class CosyVoiceService(cosyvoice_pb2_grpc.CosyVoiceServicer):
             metrics.requests_total.inc()
         try:
             job = synthesis_job(request, self.settings, request_seed(context.invocation_metadata()))
-            job = replace(job, first_chunk_tokens=self.settings.first_chunk_tokens)
             stream = self.sessions.submit(lambda session: self.engine.stream(job, session))
         except ApiError as e:
             if metrics is not None:

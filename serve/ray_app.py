@@ -101,7 +101,8 @@ class CosyVoiceReplica:
         try:
             self.engine = Engine.open(config.model, provider=config.provider,
                                       flow_prefix_bytes=config.flow_prefix_bytes, threads=threads,
-                                      max_batch=config.settings.max_batch)
+                                      max_batch=config.settings.max_batch,
+                                      chunk_policy=config.settings.chunk_policy)
         except USER_ERRORS as e:
             raise self._start_error(e) from None
 

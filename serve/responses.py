@@ -15,7 +15,6 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import replace
 from typing import Annotated, TypeVar
 
 import numpy as np
@@ -124,7 +123,6 @@ async def stream_response(state: ServerState, request: Request, job: SynthesisJo
     chunks; `offline` synthesises on upstream's offline path instead (one chunk, `speed` applied)."""
     encode = encoder or PcmEncoder()
     work = state.engine.synthesize if offline else state.engine.stream
-    job = replace(job, first_chunk_tokens=state.settings.first_chunk_tokens)
     stream = submit(state, lambda session: work(job, session))
     first = await first_item(state, request, stream)
     state.metrics.first_chunk_seconds.observe(time.monotonic() - stream.session.admitted)

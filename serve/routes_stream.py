@@ -124,8 +124,7 @@ async def _serve(socket: WebSocket, state: ServerState) -> None:
     instruct = (start.instructions or "").strip()
     _check_length(len(instruct), settings.max_text_chars, "instructions")
     job = SynthesisJob(Mode.INSTRUCT2 if instruct else Mode.ZERO_SHOT, "", prompt, sampling,
-                       prompt_text="" if instruct else prompt_text, instruct=instruct, text_field="text",
-                       first_chunk_tokens=settings.first_chunk_tokens)
+                       prompt_text="" if instruct else prompt_text, instruct=instruct, text_field="text")
     feed = TextFeed()
     try:
         stream = state.sessions.submit(lambda session: state.engine.stream_text(job, feed.pieces(session),

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cosyvoice_graphs import MAX_BATCH
+from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.runners import OPENVINO, ORT_PROVIDERS
 from cosyvoice_runtime.sampling import MAX_SEED, SAMPLINGS
 from cosyvoice_runtime.segments import MAX_TEXT_CHARS
@@ -70,9 +71,9 @@ class ServerSettings:
     """Serve FastAPI's /docs and /redoc pages, which load their scripts and styles from a CDN."""
     prompt_dir: Path | None = None
     """A folder whose files the bridge's `prompt_audio` may name by path; None: paths are refused."""
-    first_chunk_tokens: int | None = None
-    """Every stream's first chunk after this many speech tokens (`ChunkPolicy.first_chunk_tokens`, a
-    deviation from upstream's schedule for latency); None: upstream's schedule."""
+    chunk_policy: ChunkPolicy | None = None
+    """When every stream emits its chunks (None: upstream's schedule); the engine's graphs check it
+    (`check_policy`), so that the server starts with a policy they can stream on or not at all."""
 
     @property
     def sessions_at_once(self) -> int:
@@ -99,8 +100,6 @@ class ServerSettings:
             raise ValueError(f"seed must be from 0 to {MAX_SEED}, got {self.seed}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
-        if self.first_chunk_tokens is not None and self.first_chunk_tokens < 1:
-            raise ValueError(f"first_chunk_tokens must be >= 1, got {self.first_chunk_tokens}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be blank (None: no key)")
 

@@ -11,10 +11,11 @@ are printed for the README.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,14 +23,13 @@ from click.testing import CliRunner
 
 from cosyvoice_graphs import ODE_STEPS
 from cosyvoice_runtime import CosyVoice3
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.chunk_policy import ChunkPolicy, check_policy
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.frontend import PromptFeatures
-from cosyvoice_runtime.synthesis import AudioChunk, ChunkPolicy, Mode
-
-if TYPE_CHECKING:
-    from cosyvoice_serve import Engine
+from cosyvoice_runtime.synthesis import AudioChunk, Mode
 
 TEXT = "Hello there, this is a test of the streaming seams."
 TOKENS = 150
@@ -165,21 +165,38 @@ def test_cache_gives_reruns_samples_with_a_cut_first_chunk(voice: CosyVoice3,
     assert np.abs(got - want).mean() < 2e-3  # the vocoder's tolerance, as test_flow_stream_cache
 
 
-def test_a_first_chunk_the_graphs_cannot_make_is_refused_in_one_line(voice: CosyVoice3) -> None:
-    with pytest.raises(ValueError, match=r"^first_chunk_tokens must be >= 1 token"):
-        ChunkPolicy(first_chunk_tokens=0)
-    with pytest.raises(UserError, match=r"^first_chunk_tokens must be >= 5 \(the vocoder holds back 8 mel"):
-        voice.chunk_policy(first_chunk_tokens=4)
-    assert voice.chunk_policy(first_chunk_tokens=5).first_chunk_tokens == 5
-
-
-def test_inference_methods_take_it_as_a_keyword(voice: CosyVoice3) -> None:
+def test_a_first_chunk_the_graphs_cannot_make_is_refused_in_one_line(voice: CosyVoice3,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    for bad in (0, 4):
+        with pytest.raises(UserError, match=r"^first_chunk_tokens must be >= 5 \(the vocoder holds back 8"):
+            check_policy(ChunkPolicy(first_chunk_tokens=bad), voice.bundle)
+    assert check_policy(ChunkPolicy(first_chunk_tokens=5), voice.bundle).first_chunk_tokens == 5
+    monkeypatch.setattr("cosyvoice_runtime.synthesis.open_runner", None)  # refused before a graph opens
+    with pytest.raises(UserError, match="first_chunk_tokens must be >= 5"):
+        CosyVoice3(voice.bundle, chunk_policy=ChunkPolicy(first_chunk_tokens=4), verify=False)
     default = voice.bundle.default_prompt()
     assert default is not None
-    out = list(voice.inference_cross_lingual("Hi.", default[0], stream=True, first_chunk_tokens=FIRST))
-    assert len(out) >= 2
-    with pytest.raises(UserError, match="first_chunk_tokens must be >= 5"):
-        voice.inference_zero_shot("Hi.", default[1], default[0], stream=True, first_chunk_tokens=2)
+    piece = voice.segments(Mode.ZERO_SHOT, "Hi.", prompt_text=default[1])[0]
+    prompt = voice.prompt_features(default[0])
+    with pytest.raises(UserError, match="first_chunk_tokens must be >= 5"):  # before the LLM runs
+        voice.speak(piece, prompt, Mode.ZERO_SHOT, stream=True, policy=ChunkPolicy(first_chunk_tokens=2))
+
+
+def test_upstreams_methods_stream_on_the_voices_policy_with_upstreams_signatures(voice: CosyVoice3) -> None:
+    default = voice.bundle.default_prompt()
+    assert default is not None
+    for method in (CosyVoice3.inference_zero_shot, CosyVoice3.inference_cross_lingual,
+                   CosyVoice3.inference_instruct2):
+        assert "first_chunk_tokens" not in inspect.signature(method).parameters
+    assert voice.policy.first_chunk_tokens is None
+    with CosyVoice3(voice.bundle, sampling="greedy", threads=1,
+                    chunk_policy=ChunkPolicy(first_chunk_tokens=FIRST)) as early:
+        assert early.policy.first_chunk_tokens == FIRST
+        first = next(iter(early.inference_cross_lingual("Hi there.", default[0], stream=True)))
+        theirs = next(iter(voice.inference_cross_lingual("Hi there.", default[0], stream=True)))
+    spf = voice.bundle.dims.samples_per_frame
+    assert first["tts_speech"].shape[1] < theirs["tts_speech"].shape[1]
+    assert first["tts_speech"].shape[1] % spf == 0
 
 
 def test_cosyvoice_run_streams_with_it_and_refuses_a_bad_one(tmp_path: Path) -> None:
@@ -189,41 +206,47 @@ def test_cosyvoice_run_streams_with_it_and_refuses_a_bad_one(tmp_path: Path) -> 
     assert ok.exit_code == 0, ok.output
     chunks = json.loads((tmp_path / "chunks.json").read_text())
     assert chunks[0]["token_range"] == [0, FIRST]
-    for bad, why in (("0", "must be >= 1"), ("4", "must be >= 5")):
+    for bad in ("0", "4"):
         result = CliRunner().invoke(run_main, [*base, "--first-chunk-tokens", bad])
-        assert result.exit_code == 2 and _one_error_line(result.stderr, why)
+        assert result.exit_code == 2 and _one_error_line(result.stderr, "must be >= 5")
     result = CliRunner().invoke(run_main, [*base[:-3], "--out", str(tmp_path / "o.wav"),
                                            "--first-chunk-tokens", "10"])
     assert result.exit_code == 2 and result.stderr == "error: --first-chunk-tokens needs --stream\n"
 
 
-def test_the_server_applies_it_to_every_stream(engine: Engine, tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from fastapi.testclient import TestClient  # the engine fixture skips without the serve extra
+def test_the_server_applies_it_to_every_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    from fastapi.testclient import TestClient
 
-    from cosyvoice_serve import ServerSettings, create_app
+    from cosyvoice_serve import Engine, ServerSettings, create_app
 
-    seen: list[ChunkPolicy | None] = []
-    stream_tokens = engine.synth.stream_tokens
+    policy = ChunkPolicy(first_chunk_tokens=FIRST)
+    settings = ServerSettings(speakers_dir=tmp_path / "speakers", sampling="greedy", chunk_policy=policy)
+    engine = Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle", chunk_policy=settings.chunk_policy)
+    try:
+        seen: list[ChunkPolicy] = []
+        stream_tokens = engine.synth.stream_tokens
 
-    def spy(tokens: Any, prompt: PromptFeatures, *, policy: ChunkPolicy | None = None
-            ) -> Iterator[AudioChunk]:
-        seen.append(policy)
-        return stream_tokens(tokens, prompt, policy=policy)
+        def spy(tokens: Any, prompt: PromptFeatures, *, policy: ChunkPolicy | None = None
+                ) -> Iterator[AudioChunk]:
+            seen.append(policy or engine.synth.policy)
+            return stream_tokens(tokens, prompt, policy=policy)
 
-    monkeypatch.setattr(engine.synth, "stream_tokens", spy)
-    settings = ServerSettings(speakers_dir=tmp_path / "speakers", sampling="greedy", first_chunk_tokens=FIRST)
-    with TestClient(create_app(engine, settings)) as client:
-        response = client.post("/v1/audio/speech", json={"input": "Hi.", "voice": "alloy",
-                                                         "response_format": "pcm"})
-    assert response.status_code == 200, response.text
-    assert [p.first_chunk_tokens if p else None for p in seen] == [FIRST]
+        monkeypatch.setattr(engine.synth, "stream_tokens", spy)
+        with TestClient(create_app(engine, settings)) as client:
+            for _ in range(2):
+                response = client.post("/v1/audio/speech", json={"input": "Hi.", "voice": "alloy",
+                                                                 "response_format": "pcm"})
+                assert response.status_code == 200, response.text
+    finally:
+        engine.close()
+    assert seen == [policy, policy]
 
 
 def test_cosyvoice_serve_refuses_a_bad_one_at_start_in_one_line() -> None:
     pytest.importorskip("fastapi", reason="the serve extra is not installed")
     from cosyvoice_serve.cli import serve
 
-    for bad, why in (("0", "must be >= 1"), ("3", "must be >= 5")):
+    for bad in ("0", "3"):
         result = CliRunner().invoke(serve, ["--first-chunk-tokens", bad])
-        assert result.exit_code == 2 and _one_error_line(result.stderr, why)
+        assert result.exit_code == 2 and _one_error_line(result.stderr, "must be >= 5")

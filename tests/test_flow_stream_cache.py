@@ -21,9 +21,10 @@ import pytest
 
 from cosyvoice_graphs import ODE_STEPS
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.flow_prefix import FlowPrefixCache
 from cosyvoice_runtime.frontend import PromptFeatures
-from cosyvoice_runtime.synthesis import AudioChunk, ChunkPolicy, Synthesizer
+from cosyvoice_runtime.synthesis import AudioChunk, Synthesizer
 
 MEL_MAX = 1e-5  # cache vs re-run, measured ~3e-6: the graphs' float rounding on other shapes
 AUDIO_MEAN = 2e-3  # hift_decoder's tolerance; measured ~2e-5 (an ulp of mel can move f0: vocoder tests)

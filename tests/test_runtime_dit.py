@@ -14,9 +14,10 @@ import pytest
 
 from cosyvoice_graphs import ODE_STEPS, SPECS, empty_caches
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.frontend import PromptFeatures
-from cosyvoice_runtime.synthesis import ChunkPolicy, Synthesizer
+from cosyvoice_runtime.synthesis import Synthesizer
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import soundfile as sf
 from click.testing import CliRunner
 
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cli import main
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.sampling import (
@@ -27,7 +28,7 @@ from cosyvoice_runtime.sampling import (
     ras_sample,
     softmax,
 )
-from cosyvoice_runtime.synthesis import ChunkPolicy, Mode, Synthesizer, llm_request
+from cosyvoice_runtime.synthesis import Mode, Synthesizer, llm_request
 
 # --- sampling ---------------------------------------------------------------------------------------
 

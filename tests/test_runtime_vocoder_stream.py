@@ -24,8 +24,9 @@ import pytest
 
 from cosyvoice_export.config import full_size, tiny
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.frontend import PromptFeatures
-from cosyvoice_runtime.synthesis import ChunkPolicy, Synthesizer
+from cosyvoice_runtime.synthesis import Synthesizer
 from cosyvoice_runtime.token2wav import (
     Vocoder,
     accumulate_phase,

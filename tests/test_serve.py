@@ -42,6 +42,7 @@ from fastapi.testclient import TestClient
 
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
+from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.frontend import PromptFeatures, zero_shot_prompt
@@ -850,9 +851,9 @@ def test_port_model_and_api_key_from_flags_then_environment_then_dotenv(
     opened: list[tuple[Path | None, str | None]] = []
 
     def open_engine(model: Path | None, provider: str, flow_prefix_bytes: int, threads: int | None,
-                    max_batch: int) -> _Unclosable:
-        # --flow-prefix-cache's default, 2048 MiB; no batching by default
-        assert flow_prefix_bytes == 2 << 30 and threads is None and max_batch == 1
+                    max_batch: int, chunk_policy: ChunkPolicy | None) -> _Unclosable:
+        # --flow-prefix-cache's default, 2048 MiB; no batching by default; upstream's chunk schedule
+        assert flow_prefix_bytes == 2 << 30 and threads is None and max_batch == 1 and chunk_policy is None
         opened.append((model, os.environ.get(MODEL_DIR_ENV)))
         return _Unclosable(engine)
 
