@@ -35,7 +35,7 @@ from .llm import FIRST_BUFFER_STEPS, Decoding, KVBuffers, SpeechTokenLM
 AHEAD_IDS = 32
 """Ids a row may hold untaken before the batch waits (when every row does): about what a stream's first chunk
 takes (a hop of 25 and the flow's look-ahead of 3), so that the ids of later chunks are decoded as they are
-needed rather than while other streams' first audio is due. Measured: performance.md."""
+needed rather than while other streams' first audio is due (docs/runtime.md, "Measured defaults")."""
 
 
 class BatchObserver(Protocol):

@@ -28,9 +28,8 @@ from .runners import Feed, OrtRunner, Runner
 from .sampling import Sampler, SilentTokenLimiter
 
 PREFILL_BODY_FROM = 4
-"""New positions from which a call runs on the bundle's prefill body (`llm_prefill`) when it has one: on the
-Zen 4 of docs/performance-log.md the int4 `llm` is faster up to 2 positions and the prefill body from 4 on
-(1.5x at 4, 1.7x at 16 and 32, 2.2-2.6x at a 242-position prefill)."""
+"""New positions from which a call runs on the bundle's prefill body (`llm_prefill`) when it has one: where
+the prefill body measured faster than the int4 `llm` (docs/runtime.md, "Measured defaults")."""
 FIRST_BUFFER_STEPS = 256
 """Decode steps `KVBuffers` first make room for after the prefill; a full buffer doubles."""
 MIN_TOKEN_TEXT_RATIO = 2.0

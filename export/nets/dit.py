@@ -288,8 +288,8 @@ class DiT(nn.Module):
         cos, sin = freqs.cos(), freqs.sin()
         # The additive form of the mask, built once: scaled_dot_product_attention turns a boolean mask
         # into exactly this, but its ONNX export does so per block and then guards every block's
-        # softmax against all-masked rows (IsNaN + Where over (B, H, T, S), 17% of a 650-frame call),
-        # and no row is all-masked here (the masks open any row that would be).
+        # softmax against all-masked rows (IsNaN + Where over (B, H, T, S), a large share of a call:
+        # docs/performance-log.md), and no row is all-masked here (the masks open any row that would be).
         bias = torch.zeros_like(attn_mask, dtype=h.dtype).masked_fill(~attn_mask, float("-inf"))
         kv = []
         for i, block in enumerate(self.transformer_blocks):
