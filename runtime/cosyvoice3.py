@@ -179,7 +179,7 @@ class CosyVoice3:
         transcript, or upstream's "You are a helpful assistant.<|endofprompt|>" + transcript), or of the
         speaker `zero_shot_spk_id` (`add_zero_shot_spk`; then `prompt_text` and `prompt_wav` are unused).
         `tts_text` may be pieces still to come, as upstream's generator (`speak_text_stream`). A stream's
-        chunks follow this object's `policy`."""
+        chunks follow this object's `chunk_policy`."""
         speaker = self._speaker(zero_shot_spk_id)
         return self._inference(Mode.ZERO_SHOT, tts_text, speaker or prompt_wav, stream, speed, text_frontend,
                                prompt_text=speaker.prompt_text if speaker else prompt_text)
@@ -351,9 +351,9 @@ class CosyVoice3:
                 yield i
 
     @property
-    def policy(self) -> ChunkPolicy:
+    def chunk_policy(self) -> ChunkPolicy:
         """When every stream emits its chunks unless `speak` is given a policy (checked already)."""
-        return self.synth.policy
+        return self.synth.chunk_policy
 
     def close(self) -> None:
         """Cancel the prefix jobs and release the graphs and the front end's models."""

@@ -152,7 +152,7 @@ class Synthesizer:
         is the streams' schedule (None: upstream's); it and `max_batch` are checked before any graph opens
         (a `UserError`)."""
         check_max_batch(max_batch, bundle, provider)
-        self.policy = check_policy(chunk_policy, bundle)
+        self.chunk_policy = check_policy(chunk_policy, bundle)
         """The streams' chunk schedule unless a call gives its own."""
         self.bundle, self.provider = bundle, provider
         self.dims = bundle.dims
@@ -294,9 +294,9 @@ class Synthesizer:
         `policy.flow`), then the non-finalizing vocoder over the accumulated mel (all of it, or a
         window: `policy.vocoder`). When `tokens` ends, the final chunk runs the full-attention flow
         over all tokens (`"window"`: over the new ones) and the finalizing vocoder. `policy` replaces
-        `self.policy` for this stream (checked here: a `UserError`).
+        `self.chunk_policy` for this stream (checked here: a `UserError`).
         """
-        policy = self.policy if policy is None else check_policy(policy, self.bundle)
+        policy = self.chunk_policy if policy is None else check_policy(policy, self.bundle)
         log.info("streaming with %s", policy)
         return _Stream(self, prompt, policy).run(iter(tokens))
 

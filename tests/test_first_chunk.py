@@ -188,10 +188,10 @@ def test_upstreams_methods_stream_on_the_voices_policy_with_upstreams_signatures
     for method in (CosyVoice3.inference_zero_shot, CosyVoice3.inference_cross_lingual,
                    CosyVoice3.inference_instruct2):
         assert "first_chunk_tokens" not in inspect.signature(method).parameters
-    assert voice.policy.first_chunk_tokens is None
+    assert voice.chunk_policy.first_chunk_tokens is None
     with CosyVoice3(voice.bundle, sampling="greedy", threads=1,
                     chunk_policy=ChunkPolicy(first_chunk_tokens=FIRST)) as early:
-        assert early.policy.first_chunk_tokens == FIRST
+        assert early.chunk_policy.first_chunk_tokens == FIRST
         first = next(iter(early.inference_cross_lingual("Hi there.", default[0], stream=True)))
         theirs = next(iter(voice.inference_cross_lingual("Hi there.", default[0], stream=True)))
     spf = voice.bundle.dims.samples_per_frame
@@ -229,7 +229,7 @@ def test_the_server_applies_it_to_every_stream(tmp_path: Path, monkeypatch: pyte
 
         def spy(tokens: Any, prompt: PromptFeatures, *, policy: ChunkPolicy | None = None
                 ) -> Iterator[AudioChunk]:
-            seen.append(policy or engine.synth.policy)
+            seen.append(policy or engine.synth.chunk_policy)
             return stream_tokens(tokens, prompt, policy=policy)
 
         monkeypatch.setattr(engine.synth, "stream_tokens", spy)
