@@ -299,10 +299,16 @@ def test_second_run_reuses_unchanged_graphs(exported: tuple[Path, str], tmp_path
                                             ) -> None:
     out = tmp_path / "bundle"
     shutil.copytree(exported[0], out)
-    before = json.loads((out / MANIFEST).read_text())["files"]
+    fresh = json.loads((out / MANIFEST).read_text())
+    before = fresh["files"]
     report = export_all(tiny_bundle, out, progress=False)
     assert report.passed and all(g.reused for g in report.graphs)
     assert {rel: {"size": e.size, "sha256": e.sha256} for rel, e in report.files.items()} == before
+    # a reused graph's entry reads as the fresh one's, its sources by name
+    reused = json.loads((out / MANIFEST).read_text())
+    sources = {g: list(e["sources"].items()) for g, e in fresh["graphs"].items()}
+    assert {g: list(e["sources"].items()) for g, e in reused["graphs"].items()} == sources
+    assert all(items == sorted(items) for items in sources.values())
     assert "reused" in report.table()
     forced = export_all(tiny_bundle, out, progress=False, force=True)
     assert forced.passed and not any(g.reused for g in forced.graphs)

@@ -91,10 +91,11 @@ def _recorded_figures(graph: str, v: Validation) -> GraphValidation:
 
 
 def graph_inputs(s: GraphSpec, sources: Mapping[str, str], precision: str) -> GraphInputs:
-    """What a graph is a function of: when none of it changed, the graph need not be exported again."""
+    """What a graph is a function of: when none of it changed, the graph need not be exported again. The
+    sources by name, so that a fresh graph's record and manifest entry list them as a reused one's do."""
     conversion = CONVERSIONS.get(precision)
     made = precision if conversion is None else f"{precision} rev {conversion.revision}"
-    return GraphInputs(s.name, s.version, EXPORTER_VERSION, sources, made)
+    return GraphInputs(s.name, s.version, EXPORTER_VERSION, dict(sorted(sources.items())), made)
 
 
 def _read_record(out: Path, graph: str) -> GraphRecord | None:
