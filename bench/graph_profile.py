@@ -7,7 +7,8 @@ call's wall time (median), and from the profile of the calls after a warm-up, th
 provider ran and their time, the copies between host and device onnxruntime inserted (`Memcpy*` nodes:
 on a GPU, each is a transfer and a synchronisation inside the call), and the op types that took the most
 time. On a GPU this separates kernel time from per-node overhead (wall time minus node time) and names the
-nodes left on the CPU.
+nodes left on the CPU. The decode step runs as the runtime runs it: on `llm_decode` (where the CPU runs it)
+its caches are written in place, and `--decode-rows N` profiles a step of N batched decodings.
 """
 
 from __future__ import annotations
@@ -18,13 +19,25 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
+import numpy as np
 import onnxruntime as ort
 
-from cosyvoice_graphs import DIT, HIFT_DECODER, Case, GraphSpec, decode_step_case
+from cosyvoice_graphs import (
+    CACHE_LEN,
+    DIT,
+    HIFT_DECODER,
+    LLM_DECODE,
+    MAX_BATCH,
+    Case,
+    GraphSpec,
+    cache_pairs,
+    decode_step_case,
+)
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.errors import USER_ERRORS
@@ -42,10 +55,17 @@ VOCODER_FRAMES = 57 + 29
 """The profiled vocoder call: a first chunk's frames and the window's left margin."""
 
 
-def hot_calls(bundle: RuntimeBundle, provider: str) -> dict[str, Case]:
-    """The graph the pipeline runs on `provider` for each hot call, and the call's case."""
+def hot_calls(bundle: RuntimeBundle, provider: str, *, decode_rows: int = 1, decode_past: int = DECODE_PAST
+              ) -> dict[str, Case]:
+    """The graph the pipeline runs on `provider` for each hot call, and the call's case: the decode step of
+    `decode_rows` decodings (more than one: on `llm_decode` only, else a `BenchError`) after `decode_past`
+    cached positions, in buffers with room for it."""
     decode = decode_body(bundle, provider)
-    llm = decode_step_case(bundle.specs[decode], DECODE_PAST)
+    if decode_rows > 1 and decode != LLM_DECODE:
+        raise BenchError(f"--decode-rows {decode_rows}: batched decode steps run on llm_decode, which this "
+                         f"bundle's decode steps on {provider} do not (export it with --precision cpu-fast "
+                         "or decode=int4/int8/fp32, and profile on the cpu provider)")
+    llm = decode_step_case(bundle.specs[decode], decode_past, batch=decode_rows, room=1)
     dit = Case({"new_frames": DIT_NEW, "past_frames": DIT_PAST},
                {"offset": (DIT_PAST,), "block_frames": (bundle.dims.dit_block_frames,)})
     return {decode: llm, DIT: dit, HIFT_DECODER: Case({"frames": VOCODER_FRAMES})}
@@ -68,11 +88,13 @@ def profile_graph(bundle: RuntimeBundle, graph: str, case: Case, provider: str, 
         options.profile_file_prefix = str(Path(tmp) / graph)
         session = device_session(str(bundle.graph_path(graph)), provider, tf32=precision.cuda_tf32,
                                  options=options)
-        session.run(None, feeds)
+        call = in_place_call(session, spec, feeds) if CACHE_LEN in spec.input_names else (
+            lambda: session.run(None, feeds))
+        call()
         walls = []
         for _ in range(calls):
             start = time.perf_counter()
-            session.run(None, feeds)
+            call()
             walls.append(time.perf_counter() - start)
         events = json.loads(Path(session.end_profiling()).read_text())
     runs = sorted((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])[1:]
@@ -100,6 +122,25 @@ def profile_graph(bundle: RuntimeBundle, graph: str, case: Case, provider: str, 
     }
 
 
+def in_place_call(session: ort.InferenceSession, spec: GraphSpec, feeds: dict[str, np.ndarray]
+                   ) -> Callable[[], None]:
+    """A call of `llm_decode` as the runtime makes it: every `present_*` written into its `past_*` buffer
+    (bound to the same memory), so that no call allocates or copies the caches."""
+    binding = session.io_binding()
+    buffers = {past: ort.OrtValue.ortvalue_from_numpy(feeds[past]) for past, _ in cache_pairs(spec)}
+    for name, value in feeds.items():
+        if name in buffers:
+            binding.bind_ortvalue_input(name, buffers[name])
+        else:
+            binding.bind_cpu_input(name, value)
+    for past, present in cache_pairs(spec):
+        binding.bind_ortvalue_output(present, buffers[past])
+    for name in spec.output_names:
+        if name not in {present for _, present in cache_pairs(spec)}:
+            binding.bind_output(name, CPU)
+    return lambda: session.run_with_iobinding(binding)
+
+
 def render(rows: list[dict[str, Any]]) -> str:
     """The profiles as text: one block per graph."""
     lines = []
@@ -123,17 +164,24 @@ def render(rows: list[dict[str, Any]]) -> str:
               help="Profiled calls per graph, after one warm-up.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Intra-op threads on the CPU  [default: the runtime's setting]")
+@click.option("--decode-rows", type=click.IntRange(1, MAX_BATCH), default=1, show_default=True,
+              help="Decodings in the profiled decode step (a batch, as `--max-batch` runs them; more than "
+                   "one needs the bundle's llm_decode, on the cpu provider).")
+@click.option("--decode-past", type=click.IntRange(min=0), default=DECODE_PAST, show_default=True,
+              help="Cached positions of each decoding in the profiled decode step.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the profiles as JSON (atomically).")
-def main(model: Path, provider: str, calls: int, threads: int | None, json_out: Path | None) -> None:
+def main(model: Path, provider: str, calls: int, threads: int | None, decode_rows: int, decode_past: int,
+         json_out: Path | None) -> None:
     """Profile the pipeline's hot graph calls (an LLM decode step, a first chunk's DiT call, the vocoder's
     window) with onnxruntime's profiler: time per provider, host/device copies, top op types."""
     try:
         if json_out is not None:
             check_writable(json_out, "--json")
         bundle = RuntimeBundle.open(model)
+        calls_of = hot_calls(bundle, provider, decode_rows=decode_rows, decode_past=decode_past)
         rows = [profile_graph(bundle, graph, case, provider, calls=calls, threads=threads)
-                for graph, case in hot_calls(bundle, provider).items()]
+                for graph, case in calls_of.items()]
     except (BenchError, *USER_ERRORS) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -249,12 +249,13 @@ def llm_decode_spec(d: ModelDims) -> GraphSpec:
     )
 
 
-def decode_step_case(s: GraphSpec, past_len: int, *, batch: int = 1) -> Case:
+def decode_step_case(s: GraphSpec, past_len: int, *, batch: int = 1, room: int = 0) -> Case:
     """A decode step of `llm` or `llm_decode` after `past_len` cached positions: one new position (per row
-    of `llm_decode`'s `batch`, each buffer holding nothing but its cache)."""
+    of `llm_decode`'s `batch`, each buffer holding its cache and `room` positions more: 1 or more, and its
+    `present_*` can be written in place, as the runtime's are)."""
     if CACHE_LEN not in s.input_names:
         return Case({"new_len": 1, PAST_LEN: past_len})
-    return Case({BATCH: batch, "new_len": 1, PAST_LEN: past_len}, {CACHE_LEN: (past_len,) * batch})
+    return Case({BATCH: batch, "new_len": 1, PAST_LEN: past_len + room}, {CACHE_LEN: (past_len,) * batch})
 
 
 def flow_encoder_spec(d: ModelDims) -> GraphSpec:

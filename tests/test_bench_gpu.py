@@ -136,6 +136,10 @@ def test_the_graph_profile_names_each_hot_calls_providers_and_copies(tmp_path: P
         assert f"{r['graph']} (fp32, " in done.output
     missing = CliRunner().invoke(profile_main, ["--model", str(tmp_path / "none")])
     assert missing.exit_code == 2 and missing.output.startswith("error: ")
+    batched = CliRunner().invoke(profile_main, ["--model", str(DEMO_BUNDLE), "--decode-rows", "2"])
+    assert batched.exit_code == 2
+    assert batched.output.startswith("error: --decode-rows 2: batched decode steps run on llm_decode, which "
+                                     "this bundle's decode steps on cpu do not")
 
 
 @pytest.mark.filterwarnings("ignore:Specified provider 'CUDAExecutionProvider' is not in available")

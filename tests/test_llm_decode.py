@@ -17,6 +17,8 @@ import onnx
 import onnxruntime as ort
 from click.testing import CliRunner
 
+from cosyvoice_bench.graph_profile import in_place_call
+from cosyvoice_bench.graph_profile import main as profile_main
 from cosyvoice_export.bundle.model_dir import ModelBundle
 from cosyvoice_export.bundle.tiny import config_for_size
 from cosyvoice_export.cli import main
@@ -25,7 +27,7 @@ from cosyvoice_export.onnx.trace import EXPORTER_VERSION, export_graph
 from cosyvoice_export.onnx.validate import validate_graph
 from cosyvoice_export.onnx.wrappers.llm import LLMDecodeGraph
 from cosyvoice_golden.stats import GraphRecorder
-from cosyvoice_graphs import CACHE_LEN, cache_pairs, empty_caches, metadata, spec
+from cosyvoice_graphs import CACHE_LEN, cache_pairs, decode_step_case, empty_caches, metadata, spec
 from cosyvoice_graphs.bundle_layout import MANIFEST
 from cosyvoice_graphs.precision_plan import PROFILES
 from cosyvoice_runtime.bundle import RuntimeBundle, read_onnx_metadata
@@ -223,3 +225,27 @@ def test_golden_statistics_see_the_steps_in_place(fast_bundle: Path) -> None:
             synth.lm.decode(_request(bundle), GreedySampler(), max_tokens=5, ignore_stop=True).run()
         assert stats.calls == {"llm_prefill": 1, "llm_decode": 4}
         assert set(stats.outputs["llm_decode"]) == {"logp"}
+
+
+def test_the_profile_runs_a_batched_decode_step_in_place(fast_bundle: Path, tmp_path: Path) -> None:
+    """`graph_profile --decode-rows 3` profiles one `llm_decode` step of three decodings, each with room for
+    its new position, whose keys and values are written into the bound buffers as the runtime's are."""
+    out = tmp_path / "profile.json"
+    args = ["--model", str(fast_bundle), "--calls", "2", "--decode-rows", "3", "--decode-past", "20"]
+    done = CliRunner().invoke(profile_main, [*args, "--json", str(out)])
+    assert done.exit_code == 0, done.output
+    decode = json.loads(out.read_text())["profiles"][0]
+    assert decode["graph"] == "llm_decode" and decode["shape"] == {"batch": 3, "new_len": 1, "past_len": 21}
+    assert "llm_decode (int4, batch=3, new_len=1, past_len=21)" in done.output
+
+    bundle = RuntimeBundle.open(fast_bundle)
+    s = bundle.specs["llm_decode"]
+    feeds = s.sample_inputs(decode_step_case(s, 20, batch=3, room=1))
+    for past, _ in cache_pairs(s):
+        feeds[past][:, :, 20] = 0  # the row the step writes
+    session = ort.InferenceSession(str(bundle.graph_path("llm_decode")), providers=["CPUExecutionProvider"])
+    before = {past: feeds[past].copy() for past, _ in cache_pairs(s)}
+    in_place_call(session, s, feeds)()
+    for past, _ in cache_pairs(s):  # the buffers wrap the feeds' memory: the new rows are there
+        assert np.abs(feeds[past][:, :, 20]).min() > 0
+        np.testing.assert_array_equal(feeds[past][:, :, :20], before[past][:, :, :20])
