@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,13 +98,17 @@ class SegmentSpeech:
     """One segment's audio as it is made: iterate for its chunks (offline: one final chunk with all of
     it); `speech_tokens` holds the speech ids decoded so far (all of them once the chunks are exhausted)."""
 
-    chunks: Iterator[AudioChunk]
+    chunks: Generator[AudioChunk, None, None]
     speech_tokens: list[int] = field(default_factory=list)
     text_ids: list[int] = field(default_factory=list)
     """The text ids the LLM reads, its prompt text's first (text streamed in: those read so far)."""
 
     def __iter__(self) -> Iterator[AudioChunk]:
         return self.chunks
+
+    def close(self) -> None:
+        """Stop making audio before the end: its decoding stops (a batched one's row is freed)."""
+        self.chunks.close()
 
 
 class CosyVoice3:

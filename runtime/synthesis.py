@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -312,7 +312,8 @@ def check_max_batch(max_batch: int, bundle: RuntimeBundle, provider: str) -> Non
                         "--precision cpu-fast, or decode=fp32 for float32)")
 
 
-def closing_after(chunks: Iterator[AudioChunk], close: Callable[[], None]) -> Iterator[AudioChunk]:
+def closing_after(chunks: Iterator[AudioChunk], close: Callable[[], None]
+                  ) -> Generator[AudioChunk, None, None]:
     """`chunks`, then `close` (a decoding's), however the stream ends (exhausted, failed, or dropped by its
     consumer): a batched decoding's row is freed then, a text stream's source no longer read."""
     try:

@@ -117,6 +117,10 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
 @click.option("--prompt-dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Let /synthesize's prompt_audio name a file in this folder by path, as the bridge server "
                    "took it (paths leading out of it are refused) [default: paths refused, base64 only].")
+@click.option("--warm-up/--no-warm-up", default=DEFAULTS.warm_up,
+              help="Before serving, stream a few chunks in the bundle's own voice, so that the first request "
+                   "does not pay for the first synthesis (the text normaliser's grammars, the prompt's "
+                   "features, every graph's first calls: a few seconds at start-up on a CPU).")
 @first_chunk_option("Every stream's first chunk after N speech tokens, later chunks on upstream's boundaries "
                     "(lower latency; a deviation from upstream's schedule) [default: upstream's].")
 @ray_options
@@ -125,7 +129,7 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
           timeout: float,
           speakers_dir: Path | None, sampling: str, seed: int | None,
           flow_prefix_mib: int, max_text: int, api_key: str | None, max_body_mib: int,
-          cors_origins: tuple[str, ...], docs: bool, prompt_dir: Path | None,
+          cors_origins: tuple[str, ...], docs: bool, prompt_dir: Path | None, warm_up: bool,
           chunk_policy: ChunkPolicy | None, ray: RayOptions | None) -> None:
     """Serve CosyVoice3 over HTTP: upstream's /inference_* endpoints, the bridge's /synthesize, /health,
     /speakers and /metrics, OpenAI-style /v1/audio/speech and a web page at / (no torch); with --grpc-port,
@@ -150,7 +154,7 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
                               sampling=sampling, seed=seed,
                               speakers_dir=speakers_dir or DEFAULTS.speakers_dir, api_key=api_key,
                               max_body_bytes=max_body_mib << 20, cors_origins=cors_origins, docs=docs,
-                              prompt_dir=prompt_dir, chunk_policy=chunk_policy)
+                              prompt_dir=prompt_dir, chunk_policy=chunk_policy, warm_up=warm_up)
     if ray is not None:
         if grpc_service or grpc_port is not None:
             raise click.UsageError("--ray serves HTTP only; --grpc and --grpc-port run without it")
@@ -169,6 +173,8 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
         _refuse(str(e))
     try:
         click.echo(f"model: {engine.origin}", err=True)
+        if warm_up:
+            engine.warm_up()
         click.echo(f"API key: {'required' if api_key else 'none (every endpoint is open)'}", err=True)
         if grpc_service:
             _run_grpc(engine, settings, host, port)

@@ -80,6 +80,10 @@ class AudioUpload:
     field: str
 
 
+WARM_UP_CHUNKS = 2
+"""Chunks `Engine.warm_up` streams: a first chunk's shapes and a later chunk's."""
+
+
 class BundlePrompt(Enum):
     """The prompt recording the bundle carries (`RuntimeBundle.default_prompt`)."""
 
@@ -195,6 +199,30 @@ class Engine:
             if self._default_features is None:
                 self._default_features = self.voice.prompt_features(self.default_prompt[0])
             return self._default_features
+
+    def warm_up(self) -> float | None:
+        """Stream the bundle's own prompt's transcript in its own voice for `WARM_UP_CHUNKS` chunks, then
+        stop, so that the first request does not pay what only a first synthesis pays: the text normaliser's
+        grammars, the bundle prompt's features and flow prefix, onnxruntime's first calls of every graph at
+        a stream's first shapes (on a GPU, cuDNN's algorithm search for them). Returns the seconds it
+        took, or None for a bundle without a prompt of its own (nothing to warm up with)."""
+        if self.default_prompt is None:
+            log.info("warm-up: skipped, the bundle carries no prompt of its own")
+            return None
+        start = time.monotonic()
+        text = self.default_prompt[1]
+        prompt = self.default_features()
+        with self._text_lock:
+            pieces = self.voice.segments(Mode.ZERO_SHOT, text, prompt_text=text)
+        speech = self.voice.speak(pieces[0], prompt, Mode.ZERO_SHOT, stream=True)
+        try:
+            for _ in itertools.islice(speech, WARM_UP_CHUNKS):
+                pass
+        finally:
+            speech.close()
+        seconds = time.monotonic() - start
+        log.info("warm-up: %d chunks in the bundle's own voice in %.2f s", WARM_UP_CHUNKS, seconds)
+        return seconds
 
     def stream(self, job: SynthesisJob, session: Session) -> Iterator[np.ndarray]:
         """The job's audio as the runtime streams it: each chunk's new samples, segment after segment."""

@@ -105,6 +105,8 @@ class CosyVoiceReplica:
                                       chunk_policy=config.settings.chunk_policy)
         except USER_ERRORS as e:
             raise self._start_error(e) from None
+        if config.settings.warm_up:
+            self.engine.warm_up()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """The server's app over this replica's engine, with its speakers where every replica finds them."""

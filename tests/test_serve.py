@@ -46,12 +46,14 @@ from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.frontend import PromptFeatures, zero_shot_prompt
+from cosyvoice_runtime.sampling import Sampling
 from cosyvoice_runtime.speakers import LOCK, REGISTRY, SpeakerRegistry
+from cosyvoice_runtime.synthesis import Mode
 from cosyvoice_serve import Engine, ServerSettings, create_app
 from cosyvoice_serve import cli as serve_cli
 from cosyvoice_serve.app import ROUTERS
 from cosyvoice_serve.auth import MISSING_KEY, OPEN_PATHS
-from cosyvoice_serve.engine import AudioUpload, SynthesisJob
+from cosyvoice_serve.engine import WARM_UP_CHUNKS, AudioUpload, BundlePrompt, SynthesisJob
 from cosyvoice_serve.queue import Session
 from cosyvoice_serve.routes_bridge import MISSING_PROMPT
 from cosyvoice_serve.settings import API_KEY_ENV, PORT_ENV, read_dotenv
@@ -872,6 +874,48 @@ def test_port_model_and_api_key_from_flags_then_environment_then_dotenv(
     err = capsys.readouterr().err
     assert "API key: required" in err and API_KEY not in err
     assert opened == [(None, str(DEMO_BUNDLE))]  # choose_bundle reads $COSYVOICE_MODEL_DIR, set by .env
+
+
+def test_the_warm_up_leaves_the_bundle_voice_ready(caplog: pytest.LogCaptureFixture) -> None:
+    """`Engine.warm_up` streams a few chunks in the bundle's own voice and stops: a request in that voice then
+    finds its flow prefix made (a hit, not a second miss); a bundle without a prompt of its own skips it."""
+    warm = Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle")
+    try:
+        prefixes = warm.synth.flow.prefixes
+        with caplog.at_level(logging.INFO, logger="cosyvoice_serve.engine"):
+            seconds = warm.warm_up()
+        assert seconds is not None and seconds > 0
+        assert (prefixes.misses, prefixes.hits) == (1, 0)
+        messages = [r.getMessage() for r in caplog.records]
+        assert f"warm-up: {WARM_UP_CHUNKS} chunks in the bundle's own voice in {seconds:.2f} s" in messages
+        assert warm.default_prompt is not None
+        job = SynthesisJob(Mode.ZERO_SHOT, SHORT, BundlePrompt.DEFAULT, Sampling(),
+                           prompt_text=warm.default_prompt[1])
+        chunks = warm.stream(job, Session(60))
+        assert len(next(chunks)) > 0
+        chunks.close()
+        assert (prefixes.misses, prefixes.hits) == (1, 1)
+        warm.default_prompt = None
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="cosyvoice_serve.engine"):
+            assert warm.warm_up() is None
+        skipped = "warm-up: skipped, the bundle carries no prompt of its own"
+        assert [r.getMessage() for r in caplog.records] == [skipped]
+    finally:
+        warm.close()
+
+
+@pytest.mark.parametrize(("flags", "warmed"), [([], 1), (["--no-warm-up"], 0)])
+def test_the_server_warms_up_before_serving_unless_told_not_to(engine: Engine, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               flags: list[str], warmed: int) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(Engine, "open", lambda *_, **__: _Unclosable(engine))
+    monkeypatch.setattr(Engine, "warm_up", lambda self: calls.append("warm-up"))
+    monkeypatch.setattr(uvicorn, "run", lambda *_, **__: calls.append("serve"))
+    result = CliRunner().invoke(serve_cli.serve, ["--speakers", str(tmp_path / "speakers"), *flags])
+    assert result.exit_code == 0, result.output
+    assert calls == ["warm-up"] * warmed + ["serve"]
 
 
 def test_a_request_logs_its_stages(client: TestClient, prompt: tuple[bytes, str],
