@@ -123,7 +123,7 @@ def profile_graph(bundle: RuntimeBundle, graph: str, case: Case, provider: str, 
 
 
 def in_place_call(session: ort.InferenceSession, spec: GraphSpec, feeds: dict[str, np.ndarray]
-                   ) -> Callable[[], None]:
+                  ) -> Callable[[], None]:
     """A call of `llm_decode` as the runtime makes it: every `present_*` written into its `past_*` buffer
     (bound to the same memory), so that no call allocates or copies the caches."""
     binding = session.io_binding()

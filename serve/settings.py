@@ -76,7 +76,7 @@ class ServerSettings:
     (`check_policy`), so that the server starts with a policy they can stream on or not at all."""
     warm_up: bool = True
     """Stream a few chunks in the bundle's own voice before serving (`Engine.warm_up`), so that the first
-    request does not pay for the first synthesis (2 s more for its first chunk at full size on a CPU)."""
+    request does not pay for the first synthesis (what that costs: docs/server.md)."""
 
     @property
     def sessions_at_once(self) -> int:
