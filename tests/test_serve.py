@@ -616,11 +616,13 @@ def rss_mib(pid: int) -> float:
 
 
 LOAD_STREAMS, LOAD_CONCURRENCY, LOAD_QUEUE = 16, 4, 4
+WARM_UP_LOADS = 2
 RSS_SLACK_MIB = 32
 """How far above its post-warm-up baseline the server's RSS may stay after the load. The warm-up is the
-same load once, so the allocators (a glibc arena per worker thread, onnxruntime's arena, the buffers of
+same load twice, so the allocators (a glibc arena per worker thread, onnxruntime's arena, the buffers of
 16 uploads parsed at once) have grown to what it needs and keep their freed pages; what the measured
-round may add is churn, 2 to 12 MiB in runs here, a third of the bound at most. A session of the demo
+round may add is churn, 0 to 18 MiB in 22 runs here (after one warm-up load the next one still grew by up
+to 34 MiB now and then: the arenas do not always reach their size in one). A session of the demo
 model holds well under 1 MiB (its upload, prompt features, KV cache and queued chunks), so this bound
 catches what piles up per request at scale (sessions, threads or buffers never released, a copy of a
 model graph), not a leak of a few small objects per session."""
@@ -649,9 +651,10 @@ def test_16_streams_at_concurrency_4_complete_or_get_a_prompt_503_and_memory_ret
     with cosyvoice_serve(tmp_path, *args) as (server, _), \
             httpx.Client(base_url=base_url, timeout=60) as client:
         wait_for_http(client)
-        # Warm-up: the same load once, so that the allocators have grown to what it needs.
-        assert {status for status, *_ in at_once(LOAD_STREAMS)} == {200, 503}
-        wait_until(client, running=0, waiting=0)
+        # Warm-up: the same load twice, so that the allocators have grown to what it needs.
+        for _ in range(WARM_UP_LOADS):
+            assert {status for status, *_ in at_once(LOAD_STREAMS)} == {200, 503}
+            wait_until(client, running=0, waiting=0)
         baseline = rss_mib(server.pid)
         results = at_once(LOAD_STREAMS)
         wait_until(client, running=0, waiting=0)
@@ -667,7 +670,7 @@ def test_16_streams_at_concurrency_4_complete_or_get_a_prompt_503_and_memory_ret
         assert json.loads(body)["detail"].startswith("server busy") and headers["retry-after"] == "1"
     # Prompt: a refusal came while the sessions it queued behind still ran, not once they had ended.
     assert max(ended for *_, ended in busy) < max(ended for *_, ended in done)
-    assert metric(text, "tts_requests_total") == 2 * LOAD_STREAMS
+    assert metric(text, "tts_requests_total") == (WARM_UP_LOADS + 1) * LOAD_STREAMS
     assert metric(text, "tts_requests_rejected") == metric(text, "tts_requests_error") >= len(busy)
     assert after - baseline < RSS_SLACK_MIB, f"RSS {baseline:.0f} MiB -> {after:.0f} MiB"
 
