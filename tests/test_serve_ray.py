@@ -74,8 +74,8 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> ServerSettings:
 
 def start_ray() -> None:
     """`ray.init` of a local node, tried twice: Ray gives its raylet a fixed 30 s to come up and register,
-    which late in the full suite on two busy cores it has missed now and then (three runs so far: the GCS
-    port file or the node's registration timed out), while this module alone has always started."""
+    which late in the full suite on two busy cores it sometimes misses (the GCS port file or the node's
+    registration times out), while this module run alone starts."""
     for attempt in (1, 2):
         try:
             ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
