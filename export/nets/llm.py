@@ -9,8 +9,8 @@ explicit tensors so that `forward_step` can be traced for ONNX.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Any, cast
+from collections.abc import Sequence
+from typing import Any, NamedTuple, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +93,28 @@ def _grouped_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, b: int,
     return out.transpose(1, 2).reshape(b, t, -1)  # (B, T, H*D)
 
 
+class CausalPositions(NamedTuple):
+    """Where a block of new positions attends from when it follows a cache of P positions: the RoPE cos/sin
+    at its positions (T, D) and which of the S = P + T keys each may see (T, S) bool."""
+
+    cos: Tensor
+    sin: Tensor
+    allowed: Tensor
+
+
+class BufferedPositions(NamedTuple):
+    """Where a block of new positions attends from when each row's cache sits in a buffer
+    (`GroupQueryAttention`): the RoPE cos/sin tables (positions, D/2), indexed at each row's own positions,
+    and its (seqlens_k (B,), total_len ()) int32."""
+
+    rope: tuple[Tensor, Tensor]
+    lengths: tuple[Tensor, Tensor]
+
+
+Positions: TypeAlias = CausalPositions | BufferedPositions
+"""What a layer's attention needs besides its input and caches; its type picks the attention."""
+
+
 class GroupQueryAttention(torch.autograd.Function):
     """onnxruntime's `GroupQueryAttention` (com.microsoft) over packed q/k/v, with RoPE from tables and
     the caches in buffers: eager, the attention it computes (upstream's, as `Qwen2Attention.forward`
@@ -161,10 +183,13 @@ class Qwen2Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, allowed: Tensor, past_k: Tensor, past_v: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """x (B, T, C); cos/sin (T, D); allowed (T, S) bool; past (B, KV, P, D) -> out, present k, v."""
+    def forward(self, x: Tensor, positions: Positions, past_k: Tensor, past_v: Tensor
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, C); past (B, KV, P, D) -> out, present k, v: after the cache (`CausalPositions`), or
+        written into buffers (`BufferedPositions`)."""
+        if isinstance(positions, BufferedPositions):
+            return self._buffered(x, positions, past_k, past_v)
+        cos, sin, allowed = positions
         b, t, _ = x.shape
         q, k, v = _linears(x, (self.q_proj, self.k_proj, self.v_proj))
         q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
@@ -178,13 +203,12 @@ class Qwen2Attention(nn.Module):
         sizes = (self.num_heads, self.num_kv_heads, self.head_dim)
         return self.o_proj(_grouped_attention(q, k, v, allowed, b, t, sizes)), k, v
 
-    def forward_buffered(self, x: Tensor, rope: tuple[Tensor, Tensor], lengths: tuple[Tensor, Tensor],
-                         past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """`forward` with the caches in buffers (`GroupQueryAttention`): x (B, T, C); rope the (positions,
-        D/2) cos/sin tables; lengths its (seqlens_k, total_len); past (B, KV, P, D) buffers."""
+    def _buffered(self, x: Tensor, positions: BufferedPositions, past_k: Tensor, past_v: Tensor
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+        """`forward` with the caches in buffers (`GroupQueryAttention`)."""
         qkv = _packed_linears(x, (self.q_proj, self.k_proj, self.v_proj))
-        out, k, v = GroupQueryAttention.apply(qkv, past_k, past_v, *lengths, *rope, self.num_heads,
-                                              self.num_kv_heads)
+        out, k, v = GroupQueryAttention.apply(qkv, past_k, past_v, *positions.lengths, *positions.rope,
+                                              self.num_heads, self.num_kv_heads)
         return self.o_proj(out), k, v
 
 
@@ -212,19 +236,9 @@ class Qwen2DecoderLayer(nn.Module):
         self.input_layernorm = Qwen2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = Qwen2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, allowed: Tensor, past_k: Tensor, past_v: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        return self._block(x, lambda h: self.self_attn(h, cos, sin, allowed, past_k, past_v))
-
-    def forward_buffered(self, x: Tensor, rope: tuple[Tensor, Tensor], lengths: tuple[Tensor, Tensor],
-                         past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """`forward` with the caches in buffers (`Qwen2Attention.forward_buffered`)."""
-        return self._block(x, lambda h: self.self_attn.forward_buffered(h, rope, lengths, past_k, past_v))
-
-    def _block(self, x: Tensor, attend: Callable[[Tensor], tuple[Tensor, Tensor, Tensor]]
-               ) -> tuple[Tensor, Tensor, Tensor]:
-        attn, k, v = attend(self.input_layernorm(x))
+    def forward(self, x: Tensor, positions: Positions, past_k: Tensor, past_v: Tensor
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        attn, k, v = self.self_attn(self.input_layernorm(x), positions, past_k, past_v)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k, v
@@ -240,52 +254,43 @@ class Qwen2Model(nn.Module):
         self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = Qwen2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self, inputs_embeds: Tensor, past_keys: list[Tensor], past_values: list[Tensor]
-    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    def forward(self, inputs_embeds: Tensor, past_keys: list[Tensor], past_values: list[Tensor],
+                cache_len: Tensor | None = None) -> tuple[Tensor, list[Tensor], list[Tensor]]:
         """Embeddings (B, T, C) + pasts (B, KV, P, D) -> final-norm hidden (B, T, C), presents.
 
-        Presents are (B, KV, P+T, D) per layer; positions continue from the past length, and the new
-        block is causal and sees the whole past.
+        Without `cache_len`, presents are (B, KV, P+T, D) per layer; positions continue from the past
+        length, and the new block is causal and sees the whole past. With it, the caches are in buffers:
+        the first `cache_len[b]` rows of row b of each past hold its cache, and presents are the buffers
+        with each row's new positions written after its cache (`GroupQueryAttention`).
         """
+        positions = (self._causal(inputs_embeds, past_keys[0]) if cache_len is None
+                     else self._buffered(inputs_embeds, cache_len))
+        x = inputs_embeds
+        present_keys: list[Tensor] = []
+        present_values: list[Tensor] = []
+        for layer, past_k, past_v in zip(self.layers, past_keys, past_values, strict=True):
+            x, k, v = layer(x, positions, past_k, past_v)
+            present_keys.append(k)
+            present_values.append(v)
+        return self.norm(x), present_keys, present_values
+
+    def _causal(self, inputs_embeds: Tensor, past: Tensor) -> CausalPositions:
         t = inputs_embeds.shape[1]
-        past_len = past_keys[0].shape[2]
+        past_len = past.shape[2]
         device = inputs_embeds.device
         q_pos = torch.arange(t, device=device) + past_len  # (T,)
         k_pos = torch.arange(past_len + t, device=device)  # (S,)
         allowed = k_pos[None, :] <= q_pos[:, None]  # (T, S)
         cos, sin = _rope_cos_sin(q_pos, self.cfg.head_dim, self.cfg.rope_theta, inputs_embeds.dtype)
-        return self._stack(inputs_embeds, past_keys, past_values,
-                           lambda layer, x, past_k, past_v: layer(x, cos, sin, allowed, past_k, past_v))
+        return CausalPositions(cos, sin, allowed)
 
-    def forward_buffered(
-        self, inputs_embeds: Tensor, cache_len: Tensor, past_keys: list[Tensor], past_values: list[Tensor]
-    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-        """`forward` with the caches in buffers: the first `cache_len[b]` rows of row b of each past (B, KV,
-        P, D) hold its cache; presents are the buffers with each row's new positions written after its
-        cache (`GroupQueryAttention`)."""
+    def _buffered(self, inputs_embeds: Tensor, cache_len: Tensor) -> BufferedPositions:
         total = (cache_len + inputs_embeds.shape[1]).to(torch.int32)  # (B,)
         lengths = (total - 1, total.max().reshape(()))  # GroupQueryAttention's seqlens_k, total_sequence_len
         positions = torch.arange(self.cfg.max_position_embeddings, device=inputs_embeds.device)
         cos, sin = _rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, inputs_embeds.dtype)
-        half = self.cfg.head_dim // 2
-        rope = (cos[:, :half], sin[:, :half])  # the tables hold each frequency once
-        return self._stack(inputs_embeds, past_keys, past_values,
-                           lambda layer, x, past_k, past_v: layer.forward_buffered(x, rope, lengths, past_k,
-                                                                                   past_v))
-
-    def _stack(self, x: Tensor, past_keys: list[Tensor], past_values: list[Tensor],
-               step: Callable[[Qwen2DecoderLayer, Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
-               ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-        """Every layer's `step` (layer, x, past key, past value -> x, present key, present value) in turn,
-        then the final norm: hidden states and presents."""
-        present_keys: list[Tensor] = []
-        present_values: list[Tensor] = []
-        for layer, past_k, past_v in zip(self.layers, past_keys, past_values, strict=True):
-            x, k, v = step(cast(Qwen2DecoderLayer, layer), x, past_k, past_v)
-            present_keys.append(k)
-            present_values.append(v)
-        return self.norm(x), present_keys, present_values
+        half = self.cfg.head_dim // 2  # the tables hold each frequency once
+        return BufferedPositions((cos[:, :half], sin[:, :half]), lengths)
 
 
 class Qwen2CausalLM(nn.Module):
@@ -361,9 +366,9 @@ class CosyVoice3LM(nn.Module):
         self, inputs_embeds: Tensor, cache_len: Tensor, past_keys: list[Tensor], past_values: list[Tensor]
     ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
         """`forward_step` with the caches in buffers whose first `cache_len` rows hold them
-        (`Qwen2Model.forward_buffered`)."""
-        hidden, present_keys, present_values = self.backbone.forward_buffered(
-            inputs_embeds, cache_len, past_keys, past_values)
+        (`Qwen2Model.forward`)."""
+        hidden, present_keys, present_values = self.backbone(inputs_embeds, past_keys, past_values,
+                                                             cache_len=cache_len)
         return self._logp(hidden), present_keys, present_values
 
     def _logp(self, hidden: Tensor) -> Tensor:
