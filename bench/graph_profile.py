@@ -41,7 +41,7 @@ from cosyvoice_graphs import (
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.errors import USER_ERRORS
-from cosyvoice_runtime.runners import CPU, ORT_PROVIDERS, decode_body
+from cosyvoice_runtime.runners import CPU, CUDA, ORT_PROVIDERS, decode_body
 from cosyvoice_runtime.runners.ort_settings import OPTIMIZATION, settings_for
 
 from .errors import BenchError
@@ -64,7 +64,7 @@ def hot_calls(bundle: RuntimeBundle, provider: str, *, decode_rows: int = 1, dec
     if decode_rows > 1 and decode != LLM_DECODE:
         raise BenchError(f"--decode-rows {decode_rows}: batched decode steps run on llm_decode, which this "
                          f"bundle's decode steps on {provider} do not (export it with --precision cpu-fast "
-                         "or decode=int4/int8/fp32, and profile on the cpu provider)")
+                         "or decode=int4/int8/fp32 for the cpu provider, decode=fp16 for cuda)")
     llm = decode_step_case(bundle.specs[decode], decode_past, batch=decode_rows, room=1)
     dit = Case({"new_frames": DIT_NEW, "past_frames": DIT_PAST},
                {"offset": (DIT_PAST,), "block_frames": (bundle.dims.dit_block_frames,)})
@@ -88,7 +88,7 @@ def profile_graph(bundle: RuntimeBundle, graph: str, case: Case, provider: str, 
         options.profile_file_prefix = str(Path(tmp) / graph)
         session = device_session(str(bundle.graph_path(graph)), provider, tf32=precision.cuda_tf32,
                                  options=options)
-        call = in_place_call(session, spec, feeds) if CACHE_LEN in spec.input_names else (
+        call = in_place_call(session, spec, feeds, provider) if CACHE_LEN in spec.input_names else (
             lambda: session.run(None, feeds))
         call()
         walls = []
@@ -122,12 +122,15 @@ def profile_graph(bundle: RuntimeBundle, graph: str, case: Case, provider: str, 
     }
 
 
-def in_place_call(session: ort.InferenceSession, spec: GraphSpec, feeds: dict[str, np.ndarray]
-                  ) -> Callable[[], None]:
+def in_place_call(session: ort.InferenceSession, spec: GraphSpec, feeds: dict[str, np.ndarray],
+                  provider: str = CPU) -> Callable[[], None]:
     """A call of `llm_decode` as the runtime makes it: every `present_*` written into its `past_*` buffer
-    (bound to the same memory), so that no call allocates or copies the caches."""
+    (bound to the same memory, on the provider's device), so that no call allocates or copies the
+    caches."""
     binding = session.io_binding()
-    buffers = {past: ort.OrtValue.ortvalue_from_numpy(feeds[past]) for past, _ in cache_pairs(spec)}
+    device = CPU if provider == CPU else CUDA
+    buffers = {past: ort.OrtValue.ortvalue_from_numpy(feeds[past], device, 0)
+               for past, _ in cache_pairs(spec)}
     for name, value in feeds.items():
         if name in buffers:
             binding.bind_ortvalue_input(name, buffers[name])
@@ -166,7 +169,7 @@ def render(rows: list[dict[str, Any]]) -> str:
               help="Intra-op threads on the CPU  [default: the runtime's setting]")
 @click.option("--decode-rows", type=click.IntRange(1, MAX_BATCH), default=1, show_default=True,
               help="Decodings in the profiled decode step (a batch, as `--max-batch` runs them; more than "
-                   "one needs the bundle's llm_decode, on the cpu provider).")
+                   "one needs the bundle's llm_decode: on the cpu provider, or in fp16 on cuda).")
 @click.option("--decode-past", type=click.IntRange(min=0), default=DECODE_PAST, show_default=True,
               help="Cached positions of each decoding in the profiled decode step.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),

@@ -31,7 +31,7 @@ from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.process_memory import release_free_heap
 from cosyvoice_runtime.runners import TRT
 from cosyvoice_runtime.segments import Segment
-from cosyvoice_runtime.synthesis import AudioChunk, Mode, llm_request
+from cosyvoice_runtime.synthesis import AudioChunk, Mode, batches, llm_request
 
 from .backend import FirstChunk, OfflineRun, StreamRun
 from .cases import Case
@@ -198,7 +198,7 @@ class RuntimeBackend:
                 if voice is not self.voice:
                     voice.close()
         synth = self.voice.synth
-        if level > 1 and synth.lm.in_place is not None:  # the decode batch runs on llm_decode
+        if level > 1 and batches(self.bundle, self.provider):
             release_free_heap()  # the sessions' threads' heaps, before as many sessions again
             synth.set_max_batch(level)
             try:

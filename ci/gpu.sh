@@ -11,9 +11,12 @@
 #   golden       cosyvoice-golden check on the demo bundle: tokens, mel and audio against torch (fp32)
 #   gates-P      the demo model exported in P (tf32, fp16) and judged on the GPU by golden's precision bounds
 #   tests        the tests that use CUDA where it is present
-#   export-P     the full-size random bundle exported in P (fp32, fp16)
+#   export-P     the full-size random bundle exported in P (fp32, decode=fp16: the decode steps on an
+#                fp16 llm_decode, its caches in buffers on the GPU, the rest fp32; fp16)
 #   profile-P    its hot graph calls under onnxruntime's profiler: time per provider, host/device copies
+#   rows4-P      with an llm_decode: its decode step for 4 decodings at once, profiled
 #   bench-P      cosyvoice-bench on it: first chunk p50/p95, stages against the GPU's bounds, concurrency
+# (P in a step's or a file's name with its = and , as -)
 #
 # PROVIDER=cpu SIZE=tiny runs the same steps on a CPU: that is how the script is tested.
 set -uo pipefail
@@ -21,7 +24,7 @@ OUT=${1:?usage: ci/gpu.sh OUT}
 PROVIDER=${PROVIDER:-cuda}
 SIZE=${SIZE:-full}
 GATES=${GATES:-"tf32 fp16"}
-PRECISIONS=${PRECISIONS:-"fp32 fp16"}
+PRECISIONS=${PRECISIONS:-"fp32 decode=fp16 fp16"}
 DEADLINE=${DEADLINE:-540}
 WORK=${WORK:-/tmp/gpu-work}
 PY=${PYTHON:-python3}
@@ -62,16 +65,19 @@ for p in $GATES; do
         && $PY -m cosyvoice_golden check --model $WORK/tiny-$p --precision $p --provider $PROVIDER"
 done
 step tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_bench_gpu.py tests/test_precision.py \
-    tests/test_runtime_core.py
+    tests/test_runtime_core.py tests/test_llm_decode.py::test_the_fp16_body_decodes_in_place_close_to_llm
 [ -f "$WORK/$SIZE/llm.pt" ] || step model 240 "$PY" -m cosyvoice_export tiny-bundle "$WORK/$SIZE" --size "$SIZE"
 for p in $PRECISIONS; do
-    step "export-$p" 300 bash -c "$(declare -f export_bundle); PY=$PY; export_bundle $p $WORK/$SIZE \
-        $WORK/$SIZE-$p"
-    [ -f "$WORK/$SIZE-$p/manifest.json" ] || continue
-    step "profile-$p" 120 "$PY" -m cosyvoice_bench.graph_profile --model "$WORK/$SIZE-$p" --provider "$PROVIDER" \
-        --json "$OUT/profile-$p.json"
-    step "bench-$p" 300 "$PY" -m cosyvoice_bench --model "$WORK/$SIZE-$p" --provider "$PROVIDER" --lengths long \
+    tag=${p//[=,]/-}
+    bundle=$WORK/$SIZE-$tag
+    step "export-$tag" 300 bash -c "$(declare -f export_bundle); PY=$PY; export_bundle $p $WORK/$SIZE $bundle"
+    [ -f "$bundle/manifest.json" ] || continue
+    step "profile-$tag" 120 "$PY" -m cosyvoice_bench.graph_profile --model "$bundle" --provider "$PROVIDER" \
+        --json "$OUT/profile-$tag.json"
+    grep -q '"llm_decode"' "$bundle/manifest.json" && step "rows4-$tag" 120 "$PY" -m cosyvoice_bench.graph_profile \
+        --model "$bundle" --provider "$PROVIDER" --decode-rows 4 --json "$OUT/rows4-$tag.json"
+    step "bench-$tag" 300 "$PY" -m cosyvoice_bench --model "$bundle" --provider "$PROVIDER" --lengths long \
         --concurrency 1,4 --quick --repeat 3 --tokens 250 --first-chunk-tokens 10 --no-progress \
-        --json "$OUT/bench-$p.json"
+        --json "$OUT/bench-$tag.json"
 done
 echo "done in $((SECONDS - start)) s; the logs are in $OUT" | tee -a "$OUT/summary.txt"

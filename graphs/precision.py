@@ -5,7 +5,8 @@ the record; a new precision is a record here plus its conversion in the exporter
 
 Each graph of a bundle has one precision, which its spec must bound (`GraphSpec.precision_tolerances`);
 `cosyvoice_graphs.precision_plan` says which, from what `--precision` names. Graph I/O is the spec's in every
-precision.
+precision, but where a spec gives a body other dtypes (`GraphSpec.precision_dtypes`: the float16 caches of the
+fp16 `llm_decode`).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ FP32 = Precision(
 """Also the precision of a graph whose manifest entry or metadata records none."""
 FP16 = Precision(
     "fp16", "GPUs: float16 weights and matmuls, half the memory and traffic",
-    rewrite="float16 weights and matmul/conv compute; numerically fragile ops and the I/O in float32",
+    rewrite="float16 weights and matmul/conv compute; numerically fragile ops and the I/O in float32 (but "
+            "the float16 caches of llm_decode's)",
     cpu_provider=CPU, openvino_hint=None, providers=(CPU, CUDA, TENSORRT, TRT),
     runs_on="onnxruntime and TensorRT", weight_bytes=2)
 INT8 = Precision(

@@ -89,6 +89,7 @@ _LLM_FP32 = (r"/llm_decoder/",)
 """llm_decoder: 2% of the full-size weights, and its output is the log-probs themselves."""
 _DIT_FP32 = (r"/input_embed/", r"/proj_out/")
 """The DiT's input/output projections (80 channels wide: little to gain at the ends)."""
+_LLM_FP16_FP32 = (ROOT_SCOPE, r"layernorm/", r"/norm/", r"/llm_decoder/")
 _LLM_INT8 = QuantScheme(NBITS, _LLM_FP32, bits=8, block_size=32)
 _LLM_INT4 = QuantScheme(NBITS, _LLM_FP32, bits=4, block_size=32)
 """Block 32, symmetric: of 32/64/128 (symmetric or with zero points) the closest to fp32 by the decode gates
@@ -96,7 +97,7 @@ at about the same decode time (docs/performance-log.md, int4 LLM)."""
 
 RECIPES: dict[str, GraphRecipe] = {r.name: r for r in (
     # RMSNorm (decomposed into Pow/ReduceMean/Sqrt/Div/Mul) and the output projection stay float32 in fp16
-    GraphRecipe(LLM, fp16_fp32_scopes=(ROOT_SCOPE, r"layernorm/", r"/norm/", r"/llm_decoder/"),
+    GraphRecipe(LLM, fp16_fp32_scopes=_LLM_FP16_FP32,
                 quantization={INT8.name: _LLM_INT8, INT4.name: _LLM_INT4}, ort_keep_spinning=True),
     # only the x-vector normalisation (in ROOT_SCOPE) is fragile
     GraphRecipe(FLOW_ENCODER, aliases=("encoder",), fp16_fp32_scopes=(ROOT_SCOPE,)),
@@ -116,8 +117,9 @@ RECIPES: dict[str, GraphRecipe] = {r.name: r for r in (
     # no float32 body: it exists only to be faster than `llm` (int8)
     GraphRecipe(LLM_PREFILL, aliases=("prefill",), quantization={INT8.name: QuantScheme(DYNAMIC, _LLM_FP32)}),
     # a float32 body: it batches decodings, which `llm` cannot, so `decode=fp32` batches them exactly
-    GraphRecipe(LLM_DECODE, aliases=("decode",), quantization={INT8.name: _LLM_INT8, INT4.name: _LLM_INT4},
-                float32_optional=True, ort_keep_spinning=True),
+    GraphRecipe(LLM_DECODE, aliases=("decode",), fp16_fp32_scopes=_LLM_FP16_FP32,
+                quantization={INT8.name: _LLM_INT8, INT4.name: _LLM_INT4}, float32_optional=True,
+                ort_keep_spinning=True),
 )}
 """Every graph's recipe, in pipeline order (`SPECS`, then `OPTIONAL_SPECS`)."""
 

@@ -14,7 +14,18 @@ from typing import Any
 import numpy as np
 
 from .precision import BF16, FP16, INT4, INT8
-from .spec import BATCH, Case, DecodeGates, DerivedDim, DimRange, GraphSpec, SolveGates, TensorSpec, Tolerance
+from .spec import (
+    BATCH,
+    Case,
+    DecodeGates,
+    DerivedDim,
+    DimRange,
+    GraphSpec,
+    SolveGates,
+    TensorSpec,
+    Tolerance,
+    cache_pairs,
+)
 
 OPSET = 17
 FP16_REL_MAX = Tolerance("rel_max_abs", 1e-2)
@@ -211,22 +222,24 @@ MAX_BATCH = 16
 
 
 def llm_decode_spec(d: ModelDims) -> GraphSpec:
-    """`llm` for onnxruntime's CPU, with its caches in buffers written in place, and a batch of decodings
-    per call. Row b of each `past_*` is a buffer whose first `cache_len[b]` rows hold that decoding's cache;
-    the graph writes its new positions' keys and values at rows `cache_len[b]`.. and returns the buffers
-    as `present_*`, `max(past_len, max(cache_len) + new_len)` rows long (a row's rows after its own
-    total are unspecified). Bound to the memory of `past_*` (onnxruntime's IOBinding), `present_*` are
-    written in place: a decode step neither grows nor copies the cache. Every row takes `new_len` new
-    positions (the runtime batches decode steps, one position each, and prefills alone). Rows are
-    independent: a row's log-probs and cache do not depend on the others (on the CPU in float32, to the
-    bit: tests/test_decode_batch.py). Fed one row and buffers of exactly `cache_len` rows, as its
-    batch-1 cases are, it is `llm`: `present_*` have `total_len` rows.
+    """`llm` for onnxruntime (its CPU provider, and CUDA in fp16), with its caches in buffers written in
+    place, and a batch of decodings per call. Row b of each `past_*` is a buffer whose first
+    `cache_len[b]` rows hold that decoding's cache; the graph writes its new positions' keys and values at
+    rows `cache_len[b]`.. and returns the buffers as `present_*`, `max(past_len, max(cache_len) +
+    new_len)` rows long (a row's rows after its own total are unspecified). Bound to the memory of
+    `past_*` (onnxruntime's IOBinding), `present_*` are written in place: a decode step neither grows nor
+    copies the cache. Every row takes `new_len` new positions (the runtime batches decode steps, one
+    position each, and prefills alone). Rows are independent: a row's log-probs and cache do not depend on
+    the others (on the CPU in float32, to the bit: tests/test_decode_batch.py). Fed one row and buffers of
+    exactly `cache_len` rows, as its batch-1 cases are, it is `llm`: `present_*` have `total_len` rows.
 
-    Attention is onnxruntime's `GroupQueryAttention` (com.microsoft; CPU kernel), which applies RoPE from
-    a table of the model's `max_position_embeddings` rows (the graph's metadata `max_positions`) at each
-    row's own positions: one node per layer where `llm` has ~25. Optional (`OPTIONAL_SPECS`): where a
-    bundle's plan names it, the runtime on onnxruntime's CPU runs the decode steps on it and not `llm`;
-    TensorRT and OpenVINO, which have no such operator, keep `llm`."""
+    Attention is onnxruntime's `GroupQueryAttention` (com.microsoft), which applies RoPE from a table of
+    the model's `max_position_embeddings` rows (the graph's metadata `max_positions`) at each row's own
+    positions: one node per layer where `llm` has ~25. Its CUDA kernel computes in float16 only (of the
+    precisions here), so the fp16 body's caches are float16 (`precision_dtypes`). Optional
+    (`OPTIONAL_SPECS`): where a bundle's plan names it, the runtime runs the decode steps on it and not
+    `llm` on onnxruntime's CPU, and on CUDA where it is fp16 (`runners.decode_body`); TensorRT and
+    OpenVINO, which have no such operator, keep `llm`."""
     llm = llm_spec(d)
 
     def batched(t: TensorSpec) -> TensorSpec:
@@ -244,7 +257,8 @@ def llm_decode_spec(d: ModelDims) -> GraphSpec:
         outputs=tuple(batched(t) for t in llm.outputs),
         dims={BATCH: DimRange(1, 1, MAX_BATCH), **llm.dims},
         trace=case(5, 3, batch=2), validate=(case(7, 0), case(1, 9), case(4, 13), case(1, 11, batch=3)),
-        precision_tolerances={p: t for p, t in llm.precision_tolerances.items() if p != FP16.name},
+        # the attention reads and writes float16 buffers in place as it does float32 ones
+        precision_dtypes={FP16.name: {name: "float16" for pair in cache_pairs(llm) for name in pair}},
         custom_opsets={"com.microsoft": 1},
     )
 

@@ -206,6 +206,10 @@ class GraphSpec:
     """Reduced precision -> sequence-level bounds that its body must also meet (autoregressive graphs)."""
     solve_gates: Mapping[str, SolveGates] = field(default_factory=dict)
     """Reduced precision -> ODE-level bounds that its body must also meet (flow estimators)."""
+    precision_dtypes: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    """Reduced precision -> the I/O tensors a body in it has in another dtype than the spec's (name ->
+    dtype): the caches an fp16 `llm_decode` writes in place, which a float32 interface would copy through a
+    Cast at every call. `io_at` gives the spec of that body."""
     custom_opsets: Mapping[str, int] = field(default_factory=dict)
     """Operator domains besides ONNX's that the graph uses (domain -> version), which the exporter declares:
     onnxruntime's contrib operators (`llm_decode`'s `GroupQueryAttention`)."""
@@ -237,6 +241,14 @@ class GraphSpec:
                 raise ValueError(f"{self.name}: gates for {precision}, which has no tolerances")
             if gates.output not in {t.name for t in self.outputs}:
                 raise ValueError(f"{self.name}: gates on unknown output {gates.output!r}")
+        for precision, dtypes in self.precision_dtypes.items():
+            if precision not in self.precision_tolerances:
+                raise ValueError(f"{self.name}: I/O dtypes for {precision}, which has no tolerances")
+            unknown = set(dtypes) - set(names)
+            if unknown:
+                raise ValueError(f"{self.name}: {precision} dtypes for unknown tensors {sorted(unknown)}")
+            if any(d not in DTYPES for d in dtypes.values()):
+                raise ValueError(f"{self.name}: {precision} dtypes must be among {sorted(DTYPES)}")
         for case in (self.trace, *self.validate):
             if set(case.dims) != set(self.dims):
                 raise ValueError(f"{self.name}: a case must size every free dim {sorted(self.dims)}")
@@ -261,8 +273,21 @@ class GraphSpec:
         return self.precision_tolerances[precision]
 
     def at_precision(self, precision: str) -> GraphSpec:
-        """This spec with the bounds of a body in `precision` as its `tolerances`."""
-        return replace(self, tolerances=self.tolerances_for(precision))
+        """This spec with the bounds of a body in `precision` as its `tolerances`, and that body's I/O
+        (`io_at`)."""
+        return replace(self.io_at(precision), tolerances=self.tolerances_for(precision))
+
+    def io_at(self, precision: str) -> GraphSpec:
+        """This spec with the I/O dtypes of a body in `precision` (`precision_dtypes`; the spec's own for
+        every other precision)."""
+        dtypes = self.precision_dtypes.get(precision, {})
+        if not dtypes:
+            return self
+
+        def typed(tensors: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+            return tuple(replace(t, dtype=dtypes.get(t.name, t.dtype)) for t in tensors)
+
+        return replace(self, inputs=typed(self.inputs), outputs=typed(self.outputs))
 
     @property
     def input_names(self) -> list[str]:

@@ -56,7 +56,8 @@ class RuntimeBundle:
         self.dims: ModelDims = manifest.model.dims
         """The model constants every graph's shapes follow."""
         self.specs = specs
-        """Graph name -> its spec, in pipeline order."""
+        """Graph name -> its spec, in pipeline order, with the I/O of its precision's body
+        (`GraphSpec.io_at`)."""
         self._tables: dict[str, np.ndarray] = {}
         self._metadata: dict[str, dict[str, str]] = {}
 
@@ -87,6 +88,8 @@ class RuntimeBundle:
                     f"{where}: graphs.{name} is spec {entry.spec_name!r} version {entry.spec_version!r}, "
                     f"this runtime needs {name!r} version {s.version}")
         bundle = cls(root, manifest, specs)
+        # a body's I/O may differ from the spec's in its precision (`GraphSpec.io_at`)
+        bundle.specs = {name: s.io_at(bundle.graph_precision(name).name) for name, s in specs.items()}
         for rel, file in manifest.files.items():
             bundle._check_file(rel, file, verify)
         return bundle

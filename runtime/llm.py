@@ -24,7 +24,7 @@ import onnxruntime as ort
 
 from cosyvoice_graphs import BATCH, CACHE_LEN, GraphSpec, cache_pairs, empty_caches
 
-from .runners import Feed, OrtRunner, Runner
+from .runners import CPU, Feed, OrtRunner, Runner
 from .sampling import Sampler, SilentTokenLimiter
 
 PREFILL_BODY_FROM = 4
@@ -51,22 +51,28 @@ class LlmRequest:
 class KVBuffers:
     """`llm_decode`'s caches: a buffer per `past_*` input whose first `length` rows hold the cache, which
     the graph extends in place (`OrtRunner.infer_in_place`). A buffer too short for a call is replaced by
-    one twice as long (at most `max_rows`, the positions of the graph's RoPE table), the cache copied."""
+    one twice as long (at most `max_rows`, the positions of the graph's RoPE table), the cache copied.
 
-    def __init__(self, spec: GraphSpec, rows: int, max_rows: int) -> None:
+    On the CPU the buffers are numpy arrays (`arrays`, their pages mapped as they are written) that `values`
+    wrap; on a GPU (`device`) they are onnxruntime's `values` alone, in the device's memory, which only the
+    graph writes (a replacement copies the cache through the host: a few times per decoding)."""
+
+    def __init__(self, spec: GraphSpec, rows: int, max_rows: int, device: str = CPU, device_id: int = 0
+                 ) -> None:
         self.spec = spec
         self.pairs = cache_pairs(spec)
         self.max_rows = max_rows
+        self.device, self.device_id = device, device_id
         self.length = 0
         self.arrays: dict[str, np.ndarray] = {}
-        """The buffers, which `values` wrap without a copy."""
+        """The buffers on the CPU, which `values` wrap without a copy; empty on a GPU."""
         self.values: dict[str, ort.OrtValue] = {}
         self._allocate(min(rows, max_rows))
 
     @property
     def rows(self) -> int:
         """Positions the buffers hold."""
-        return next(iter(self.arrays.values())).shape[2]
+        return int(next(iter(self.values.values())).shape()[2])
 
     def reserve(self, new: int) -> None:
         """Room for `new` more positions; a one-line `ValueError` past `max_rows`."""
@@ -79,7 +85,9 @@ class KVBuffers:
 
     def fill(self, caches: Mapping[str, Feed]) -> None:
         """Take the caches of a call that grew them (`llm_prefill`: `present_*` fed back by name) as the
-        cache: `length` becomes theirs."""
+        cache: `length` becomes theirs. CPU buffers only (on a GPU the prefill runs on `llm_decode`)."""
+        if self.device != CPU:
+            raise ValueError(f"{self.spec.name}: buffers on {self.device} are written by the graph alone")
         host = {past: v.numpy() if isinstance(v, ort.OrtValue) else v for past, v in caches.items()}
         length = next(iter(host.values())).shape[2]
         self.length = 0
@@ -95,10 +103,12 @@ class KVBuffers:
             # one decoding: one row of the batch, `rows` positions
             shape = tuple(1 if d == BATCH else rows if isinstance(d, str) else d for d in tensors[past].shape)
             arrays[past] = np.zeros(shape, dtype=tensors[past].np_dtype)  # pages mapped as written
-            if self.length:
-                arrays[past][:, :, :self.length] = self.arrays[past][:, :, :self.length]
-        self.arrays = arrays
-        self.values = {past: ort.OrtValue.ortvalue_from_numpy(a) for past, a in arrays.items()}
+            if self.length:  # the cache so far (`numpy()`: the CPU buffer itself, or a GPU buffer's copy)
+                arrays[past][:, :, :self.length] = self.values[past].numpy()[:, :, :self.length]
+        # on the CPU an OrtValue of an array is that array's memory; on a GPU, a copy there
+        self.values = {past: ort.OrtValue.ortvalue_from_numpy(a, self.device, self.device_id)
+                       for past, a in arrays.items()}
+        self.arrays = arrays if self.device == CPU else {}
 
 
 Cache: TypeAlias = dict[str, Feed] | KVBuffers
@@ -112,10 +122,11 @@ class SpeechTokenLM:
     def __init__(self, runner: Runner, text_embedding: np.ndarray,
                  speech_embedding: np.ndarray, *, sos: int, task_id: int, endofprompt_id: int,
                  speech_token_size: int, prefill: Runner | None = None) -> None:
-        """`runner` is the bundle's `llm`, or its `llm_decode` on onnxruntime's CPU, whose caches then live
-        in `KVBuffers`. `text_embedding` (text vocab, C) and `speech_embedding` (speech vocab, C) are the
-        bundle's tables; sos and task_id are rows of the latter. `prefill` (the bundle's `llm_prefill`,
-        where it has one) runs the calls over `PREFILL_BODY_FROM` new positions or more, `runner` the rest."""
+        """`runner` is the bundle's `llm`, or its `llm_decode` (`runners.decode_body`), whose caches then
+        live in `KVBuffers` on its device. `text_embedding` (text vocab, C) and `speech_embedding` (speech
+        vocab, C) are the bundle's tables; sos and task_id are rows of the latter. `prefill` (the bundle's
+        `llm_prefill`, where it has one: `runners.prefill_body`) runs the calls over `PREFILL_BODY_FROM` new
+        positions or more, `runner` the rest."""
         self.runner = runner
         self.prefill = prefill
         self.spec = runner.spec
@@ -132,6 +143,9 @@ class SpeechTokenLM:
         if CACHE_LEN in self.spec.input_names:
             if not isinstance(runner, OrtRunner):
                 raise TypeError(f"{self.spec.name} runs on onnxruntime, not on {type(runner).__name__}")
+            if runner.device_type != CPU and prefill is not None:
+                raise ValueError(f"{self.spec.name} on {runner.device_type} prefills itself, into its "
+                                 "buffers there; no prefill body")
             self.in_place = runner
             self.max_positions = int(runner.metadata["max_positions"])
 
@@ -139,7 +153,8 @@ class SpeechTokenLM:
         """The caches before the first call: zero-length `past_*` inputs, (1, kv_heads, 0, head_dim) each,
         or, for `llm_decode`, empty `KVBuffers` with room for `positions` + `FIRST_BUFFER_STEPS`."""
         if self.in_place is not None:
-            return KVBuffers(self.spec, positions + FIRST_BUFFER_STEPS, self.max_positions)
+            return KVBuffers(self.spec, positions + FIRST_BUFFER_STEPS, self.max_positions,
+                             self.in_place.device_type, self.in_place.device_id)
         return empty_caches(self.spec)
 
     def prompt_embeds(self, request: LlmRequest) -> np.ndarray:

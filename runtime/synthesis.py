@@ -28,7 +28,7 @@ from typing import Any, Self
 
 import numpy as np
 
-from cosyvoice_graphs import DIT, FLOW_ENCODER, HIFT_DECODER, HIFT_F0, LLM_DECODE, LLM_PREFILL, MAX_BATCH
+from cosyvoice_graphs import DIT, FLOW_ENCODER, HIFT_DECODER, HIFT_F0, LLM_DECODE, MAX_BATCH
 from cosyvoice_graphs.bundle_layout import FLOW_NOISE, SINE_NOISE, SPEECH_EMBEDDING, TEXT_EMBEDDING
 
 from .bundle import RuntimeBundle
@@ -40,7 +40,7 @@ from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from .frontend import PromptFeatures
 from .llm import Decoding, LlmRequest, SpeechTokenLM
 from .prefix_jobs import LiveWork
-from .runners import CPU, Runner, decode_body, graphs_run, open_runner
+from .runners import CPU, Runner, decode_body, graphs_run, open_runner, prefill_body
 from .sampling import Sampler
 from .token2wav import Flow, FlowStream, Vocoder, VocoderStream, change_speed
 
@@ -164,10 +164,12 @@ class Synthesizer:
             self.close()
             raise
         r = self._runners
+        prefill = prefill_body(bundle, provider)
         self.lm = SpeechTokenLM(r[decode_body(bundle, provider)], bundle.table(TEXT_EMBEDDING),
                                 bundle.table(SPEECH_EMBEDDING),
                                 sos=bundle.sos, task_id=bundle.task_id, endofprompt_id=bundle.endofprompt_id,
-                                speech_token_size=self.dims.speech_token_size, prefill=r.get(LLM_PREFILL))
+                                speech_token_size=self.dims.speech_token_size,
+                                prefill=None if prefill is None else r[prefill])
         self.flow = Flow(r[FLOW_ENCODER], r[DIT], bundle.table(FLOW_NOISE), self.dims,
                          prefix_cache_bytes=flow_prefix_bytes)
         self.vocoder = Vocoder(r[HIFT_F0], r[HIFT_DECODER], bundle.uniform_noise(SINE_NOISE), self.dims,
@@ -301,15 +303,22 @@ class Synthesizer:
         return _Stream(self, prompt, policy).run(iter(tokens))
 
 
+def batches(bundle: RuntimeBundle, provider: str) -> bool:
+    """Whether `bundle` on `provider` decodes requests in a batch (`max_batch` > 1): on `llm_decode` on
+    onnxruntime's CPU (on a GPU its buffers are the decoding's own)."""
+    return provider == CPU and decode_body(bundle, provider) == LLM_DECODE
+
+
 def check_max_batch(max_batch: int, bundle: RuntimeBundle, provider: str) -> None:
     """A `UserError` (one line) unless `bundle` on `provider` decodes in batches of `max_batch`: 1 always,
-    up to `MAX_BATCH` on `llm_decode` (onnxruntime's CPU)."""
+    up to `MAX_BATCH` where it `batches`."""
     if not 1 <= max_batch <= MAX_BATCH:
         raise UserError(f"max_batch is {max_batch}; expected 1 to {MAX_BATCH}")
-    if max_batch > 1 and decode_body(bundle, provider) != LLM_DECODE:
+    if max_batch > 1 and not batches(bundle, provider):
+        body = decode_body(bundle, provider)
         raise UserError(f"max_batch {max_batch}: batched decoding runs on llm_decode on the cpu provider; "
-                        f"{bundle.root} ({bundle.manifest.precision}) on {provider!r} decodes on llm (export "
-                        "--precision cpu-fast, or decode=fp32 for float32)")
+                        f"{bundle.root} ({bundle.manifest.precision}) on {provider!r} decodes on {body} "
+                        "(export --precision cpu-fast, or decode=fp32 for float32, and run on the cpu)")
 
 
 def closing_after(chunks: Iterator[AudioChunk], close: Callable[[], None]

@@ -1,6 +1,7 @@
 """Batched decoding (`cosyvoice_runtime.decode_batch`): concurrent decodings advanced by one `llm_decode` call
 per step, each row at its own cache length and with its own sampler. On onnxruntime's CPU in float32 a row
-is the same decoding run alone, to the bit: its ids, and the audio made of them."""
+is the same decoding run alone, to the bit: its ids, and the audio made of them; the fp16 body (float16
+caches, CUDA's) gives each row its ids alone there too."""
 
 from __future__ import annotations
 
@@ -56,6 +57,16 @@ def exact_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return out
 
 
+@pytest.fixture(scope="module")
+def fp16_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny bundle with an fp16 `llm_decode`."""
+    out = tmp_path_factory.mktemp("runtime") / "tiny-decode-fp16"
+    result = CliRunner().invoke(main, ["all", "--model-dir", str(tiny_bundle), "--out", str(out),
+                                       "--precision", "decode=fp16"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
 def _requests(bundle: RuntimeBundle, n: int) -> list[LlmRequest]:
     """`n` requests of different lengths: prompts of different lengths, and texts whose max_len differ, so
     that the rows leave the batch one after another."""
@@ -80,15 +91,19 @@ def _concurrently(calls: list[Callable[[], T]]) -> list[T]:
 
 
 @pytest.mark.parametrize("sampling", ["ras", "greedy"])
-def test_batched_rows_are_the_decodings_alone(exact_bundle: Path, sampling: str) -> None:
+@pytest.mark.parametrize("body", ["exact_bundle", "fp16_bundle"])
+def test_batched_rows_are_the_decodings_alone(body: str, sampling: str, request: pytest.FixtureRequest
+                                              ) -> None:
     """Five decodings, at most three in the batch: two wait for a row and join mid-batch as others leave at
     their own max_len; every one's ids equal its run alone."""
-    bundle = RuntimeBundle.open(exact_bundle)
+    bundle = RuntimeBundle.open(request.getfixturevalue(body))
     requests = _requests(bundle, 5)
     with Synthesizer(bundle, threads=1) as alone:
         assert alone.batcher is None
-        want = [list(alone.decode(r, make_sampler(sampling, seed=i))) for i, r in enumerate(requests)]
-    assert len({len(w) for w in want}) == 5  # each leaves at its own step
+        runs = [alone.decode(r, make_sampler(sampling, seed=i)) for i, r in enumerate(requests)]
+        want = [list(run) for run in runs]
+        steps = [run.steps for run in runs]  # a step more than ids where a stop id ended it
+    assert len(set(steps)) == 5  # each leaves at its own step
     observed = Recorder()
     with Synthesizer(bundle, threads=1, max_batch=3, batch_observer=observed) as synth:
         got = _concurrently([lambda r=r, i=i: list(synth.decode(r, make_sampler(sampling, seed=i)))
@@ -97,7 +112,7 @@ def test_batched_rows_are_the_decodings_alone(exact_bundle: Path, sampling: str)
     assert got == want
     assert len(observed.waits) == 5  # every decoding joined
     assert max(observed.sizes) == 3 and min(observed.sizes) < 3  # full, and smaller as rows left
-    assert sum(observed.sizes) == sum(len(w) for w in want) - 5  # every step after each prefill, batched
+    assert sum(observed.sizes) == sum(steps) - 5  # every step after each prefill, batched
 
 
 def test_a_closed_decoding_leaves_the_batch(exact_bundle: Path) -> None:

@@ -137,6 +137,11 @@ def _tiny_spec(**overrides: object) -> GraphSpec:
     ({"outputs": (TensorSpec("a", "float32", (1, "m")),)}, "duplicate tensor names"),
     ({"derived": {"m": DerivedDim({"q": 1})}}, "unknown free dims"),
     ({"trace": Case({})}, "must size every free dim"),
+    ({"precision_dtypes": {"fp16": {"a": "float16"}}}, "I/O dtypes for fp16, which has no tolerances"),
+    ({"precision_tolerances": {"fp16": {"b": Tolerance("max_abs", 1e-2)}},
+      "precision_dtypes": {"fp16": {"z": "float16"}}}, r"fp16 dtypes for unknown tensors \['z'\]"),
+    ({"precision_tolerances": {"fp16": {"b": Tolerance("max_abs", 1e-2)}},
+      "precision_dtypes": {"fp16": {"a": "half"}}}, "fp16 dtypes must be among"),
 ])
 def test_inconsistent_specs_are_rejected(overrides: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -209,3 +214,22 @@ def test_solve_gates() -> None:
         _tiny_spec(solve_gates={"int8": gates})
     with pytest.raises(ValueError, match="gates on unknown output 'zz'"):
         _tiny_spec(precision_tolerances={"int8": bounds}, solve_gates={"int8": replace(gates, output="zz")})
+
+
+def test_a_body_may_have_its_own_io_dtypes() -> None:
+    """`llm_decode`'s fp16 body (CUDA's) has float16 caches, the rest of its I/O the spec's; every other body
+    and graph has the spec's I/O."""
+    s = spec("llm_decode", FULL)
+    body = s.io_at("fp16")
+    caches = {name for pair in cache_pairs(s) for name in pair}
+    assert {t.name for t in (*body.inputs, *body.outputs) if t.dtype == "float16"} == caches
+    assert [t.name for t in body.inputs] == s.input_names and body.outputs[0] == s.outputs[0]
+    assert s.at_precision("fp16").inputs == body.inputs
+    assert s.at_precision("fp16").tolerances == s.precision_tolerances["fp16"]
+    for precision in ("fp32", "int8", "int4", "tf32"):
+        assert s.io_at(precision) is s
+    for name in SPECS:
+        g = spec(name, FULL)
+        assert g.io_at("fp16") is g
+    fed = body.sample_inputs(s.validate[1])
+    assert fed["past_key_0"].dtype == np.float16 and fed["inputs_embeds"].dtype == np.float32

@@ -23,7 +23,7 @@ from cosyvoice_export.bundle.model_dir import ModelBundle
 from cosyvoice_export.bundle.tiny import config_for_size
 from cosyvoice_export.cli import main
 from cosyvoice_export.onnx.dims import model_dims
-from cosyvoice_export.onnx.trace import EXPORTER_VERSION, export_graph
+from cosyvoice_export.onnx.trace import EXPORTER_VERSION, check_contract, export_graph
 from cosyvoice_export.onnx.validate import validate_graph
 from cosyvoice_export.onnx.wrappers.llm import LLMDecodeGraph
 from cosyvoice_golden.stats import GraphRecorder
@@ -31,11 +31,22 @@ from cosyvoice_graphs import CACHE_LEN, cache_pairs, decode_step_case, empty_cac
 from cosyvoice_graphs.bundle_layout import MANIFEST
 from cosyvoice_graphs.precision_plan import PROFILES
 from cosyvoice_runtime.bundle import RuntimeBundle, read_onnx_metadata
+from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.llm import FIRST_BUFFER_STEPS, KVBuffers, LlmRequest, SpeechTokenLM
-from cosyvoice_runtime.runners import CPU, CUDA, OPENVINO, TRT, Runner, graphs_run, open_runner
+from cosyvoice_runtime.runners import (
+    CPU,
+    CUDA,
+    OPENVINO,
+    TRT,
+    Runner,
+    decode_body,
+    graphs_run,
+    open_runner,
+    prefill_body,
+)
 from cosyvoice_runtime.runners.ort_settings import FORCE_SPINNING_STOP
 from cosyvoice_runtime.sampling import GreedySampler
-from cosyvoice_runtime.synthesis import Synthesizer
+from cosyvoice_runtime.synthesis import Synthesizer, check_max_batch
 from cosyvoice_runtime.tuning import opt_case
 
 STEPS = FIRST_BUFFER_STEPS + 44
@@ -49,6 +60,16 @@ def fast_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> 
                                        "--precision", "cpu-fast"])
     assert result.exit_code == 0, result.output
     assert "llm_decode [int4 decode]" in result.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp16_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`llm_decode` in fp16 (CUDA's body), beside an int8 prefill body and the float32 `llm`."""
+    out = tmp_path_factory.mktemp("runtime") / "tiny-decode-fp16"
+    result = CliRunner().invoke(main, ["all", "--model-dir", str(tiny_bundle), "--out", str(out),
+                                       "--precision", "decode=fp16,prefill=int8"])
+    assert result.exit_code == 0, result.output
     return out
 
 
@@ -198,7 +219,7 @@ def test_in_place_equals_the_graph_grown_on_its_own_cases(fast_bundle: Path) -> 
         for past, present in cache_pairs(s):
             np.testing.assert_array_equal(buffers.arrays[past][:, :, :past_len + new_len], grown[present])
         with pytest.raises(ValueError, match=r"llm_decode.past_key_0: an output written in place needs its "
-                                             r"input as an OrtValue on the CPU"):
+                                             r"input as an OrtValue on cpu"):
             runner.infer_in_place({**at, **buffers.arrays}, {"present_key_0": "past_key_0"}, ["logp"])
 
 
@@ -249,3 +270,85 @@ def test_the_profile_runs_a_batched_decode_step_in_place(fast_bundle: Path, tmp_
     for past, _ in cache_pairs(s):  # the buffers wrap the feeds' memory: the new rows are there
         assert np.abs(feeds[past][:, :, 20]).min() > 0
         np.testing.assert_array_equal(feeds[past][:, :, :20], before[past][:, :, :20])
+
+
+def test_the_fp16_body_keeps_its_caches_in_float16_buffers(fp16_bundle: Path) -> None:
+    """CUDA's `GroupQueryAttention` computes in float16 only: the fp16 body's caches are float16 I/O, which
+    the attention reads and writes itself (no Cast copies them), and the rest of its I/O is float32."""
+    manifest = json.loads((fp16_bundle / MANIFEST).read_text())
+    entry = manifest["graphs"]["llm_decode"]
+    dims = model_dims(config_for_size("tiny"))
+    s = spec("llm_decode", dims)
+    assert entry["precision"] == "fp16" and entry["validation"]["passed"]
+    for output, figure in entry["validation"]["outputs"].items():
+        assert (figure["metric"], figure["bound"]) == (s.precision_tolerances["fp16"][output].metric,
+                                                        s.precision_tolerances["fp16"][output].bound)
+    model = onnx.load(str(fp16_bundle / entry["file"]))
+    check_contract(model, s.io_at("fp16"))
+    half, single = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
+    io = {v.name: v.type.tensor_type.elem_type for v in (*model.graph.input, *model.graph.output)}
+    caches = {name for pair in cache_pairs(s) for name in pair}
+    assert {n for n, t in io.items() if t == half} == caches
+    assert io["inputs_embeds"] == io["logp"] == single
+    attention = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(attention) == dims.llm_layers
+    assert {n.name.rsplit("/", 1)[0] for n in attention} == {f"/model/layers.{i}/self_attn"
+                                                              for i in range(dims.llm_layers)}
+    writers = {out: n for n in model.graph.node for out in n.output}
+    for past, present in cache_pairs(s):
+        assert writers[present].op_type == "GroupQueryAttention"
+        assert all(n.op_type != "Cast" for n in model.graph.node if past in n.input)
+    tables = {t.name: t.data_type for t in model.graph.initializer}
+    assert all(tables[n.input[7]] == tables[n.input[8]] == half for n in attention)  # RoPE's cos and sin
+
+
+def test_cuda_decodes_on_the_fp16_body_in_buffers_of_its_own(fp16_bundle: Path, fast_bundle: Path) -> None:
+    """Where the CUDA provider takes the decode steps (an fp16 `llm_decode`), the prefill runs on it too,
+    into the buffers on the GPU, and neither `llm` nor the prefill body opens; it does not batch (yet)."""
+    bundle = RuntimeBundle.open(fp16_bundle)
+    everything = set(bundle.specs)
+    assert (decode_body(bundle, CUDA), prefill_body(bundle, CUDA)) == ("llm_decode", None)
+    assert set(graphs_run(bundle, CUDA)) == everything - {"llm", "llm_prefill"}
+    assert (decode_body(bundle, CPU), prefill_body(bundle, CPU)) == ("llm_decode", "llm_prefill")
+    assert set(graphs_run(bundle, CPU)) == everything - {"llm"}
+    assert bundle.specs["llm_decode"].inputs[2].dtype == "float16"  # the bundle's spec is its body's
+    fast = RuntimeBundle.open(fast_bundle)  # int4: not on CUDA, whose kernel has no int4 attention
+    assert (decode_body(fast, CUDA), prefill_body(fast, CUDA)) == ("llm", "llm_prefill")
+    with pytest.raises(UserError, match=r"max_batch 2: batched decoding runs on llm_decode on the cpu "
+                                        r"provider; .* on 'cuda' decodes on llm_decode "):
+        check_max_batch(2, bundle, CUDA)
+    check_max_batch(2, bundle, CPU)
+
+
+@pytest.mark.parametrize("provider", [CPU, CUDA])
+def test_the_fp16_body_decodes_in_place_close_to_llm(fp16_bundle: Path, provider: str) -> None:
+    """On the GPU as on the CPU (where the code is the same, in the CPU's memory): prefilled on `llm_decode`
+    itself, float16 buffers on the device that the steps write in place and that grow past their first size,
+    the log-probs within the fp16 bounds of float32 `llm`'s on the CPU, teacher-forced over the run."""
+    if provider == CUDA and "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("needs onnxruntime's CUDA provider (onnxruntime-gpu and a GPU)")
+    bundle = RuntimeBundle.open(fp16_bundle)
+    with (Synthesizer(bundle, provider=provider, threads=1) as synth,
+          open_runner(bundle, "llm", threads=1) as llm):
+        lm = synth.lm
+        assert lm.prefill is None if provider == CUDA else lm.prefill is synth.runners["llm_prefill"]
+        lm = _twin(lm, lm.runner, None)
+        grown = _twin(lm, llm, None)
+        embeds = lm.prompt_embeds(_request(bundle))
+        prompt = embeds.shape[1]
+        caches = [lm.empty_cache(prompt), grown.empty_cache()]
+        buffers = caches[0]
+        assert isinstance(buffers, KVBuffers)
+        worst, before = 0.0, (0, {})
+        for _ in range(STEPS):
+            (a, caches[0]), (b, caches[1]) = lm.step(embeds, caches[0]), grown.step(embeds, caches[1])
+            worst = max(worst, float(np.abs(a - b).max() / np.abs(b).max()))
+            embeds = lm.speech_embedding[[int(np.argmax(b[:lm.speech_token_size]))]][None]
+            now = (buffers.rows, {past: value.data_ptr() for past, value in buffers.values.items()})
+            assert now[0] != before[0] or now[1] == before[1]  # written in place until the buffers grow
+            before = now
+        assert buffers.rows == 2 * (prompt + FIRST_BUFFER_STEPS)  # grown
+        assert all(v.device_name().lower() == provider and v.data_type() == "tensor(float16)"
+                   for v in buffers.values.values())
+        bound = spec("llm_decode", bundle.dims).precision_tolerances["fp16"]["logp"].bound
+        assert 0 < worst < bound

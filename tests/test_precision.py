@@ -120,11 +120,13 @@ def test_a_manifest_with_an_unknown_precision_is_one_line(tmp_path: Path) -> Non
     manifest["graphs"]["llm"]["precision"] = "fp8"
     manifest["graphs"][DIT]["precision"] = "bf16"
     (root / MANIFEST).write_text(json.dumps(manifest))
-    bundle = RuntimeBundle.open(root)
     with pytest.raises(RuntimeBundleError) as info:
-        bundle.graph_precision("llm")
+        RuntimeBundle.open(root)  # each graph's I/O follows its precision (`GraphSpec.io_at`)
     assert str(info.value) == (f"{root / MANIFEST}: graphs.llm.precision: unknown precision 'fp8'; known: "
                                "fp32, fp16, int8, int4, bf16, tf32")
+    manifest["graphs"]["llm"]["precision"] = "fp32"
+    (root / MANIFEST).write_text(json.dumps(manifest))
+    bundle = RuntimeBundle.open(root)
     # the runner refuses a provider the graph's precision does not run on before it reads the graph
     with pytest.raises(ProviderError) as refused:
         open_runner(bundle, DIT, CUDA)

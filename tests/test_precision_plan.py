@@ -49,7 +49,7 @@ def test_tf32_is_the_float32_body_for_every_graph(dims: ModelDims) -> None:
     with pytest.raises(PrecisionPlanError) as info:
         _of(PrecisionPlan.parse("decode=tf32"), dims)
     assert str(info.value) == ("--precision llm_decode=tf32: llm_decode has no tf32 body; its spec bounds "
-                               "fp32, int8, int4 (an optional graph)")
+                               "fp32, fp16, int8, int4 (an optional graph)")
 
 
 def test_a_precision_per_graph(dims: ModelDims) -> None:
@@ -111,8 +111,8 @@ def test_unknown_names_are_refused_in_one_line(text: str, message: str) -> None:
                      "optional graph)"),
     ("prefill=fp32", "--precision llm_prefill=fp32: llm_prefill has no fp32 body; its spec bounds int8 (an "
                      "optional graph)"),
-    ("decode=fp16", "--precision llm_decode=fp16: llm_decode has no fp16 body; its spec bounds fp32, int8, "
-                    "int4 (an optional graph)"),
+    ("decode=bf16", "--precision llm_decode=bf16: llm_decode has no bf16 body; its spec bounds fp32, fp16, "
+                    "int8, int4 (an optional graph)"),
 ])
 def test_a_precision_the_spec_does_not_bound_is_refused(dims: ModelDims, text: str, message: str
                                                         ) -> None:

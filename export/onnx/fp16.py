@@ -1,6 +1,6 @@
 """fp16 graphs, correct by construction: an exported fp32 graph rewritten so that its weights and its
-matmul/conv compute are float16, while numerically fragile ops stay float32 and the I/O keeps the
-spec's dtypes.
+matmul/conv compute are float16, while numerically fragile ops stay float32 and the I/O has the dtypes
+of the spec's fp16 body (`GraphSpec.io_at`: float32, but for the float16 caches of `llm_decode`).
 
 A node is converted only if its op type is on an allowlist of ops whose float inputs and outputs share
 one type (so float16 in means float16 out) and its module scope is not a fragile one (its graph's
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from cosyvoice_graphs import GraphSpec
+from cosyvoice_graphs.precision import FP16
 from cosyvoice_graphs.recipes import RECIPES
 
 from .trace import ExportError, replace_graph
@@ -37,6 +39,8 @@ CONVERTIBLE_OPS = frozenset({
     # data movement: exact in any precision
     "Reshape", "Transpose", "Slice", "Gather", "Concat", "Unsqueeze", "Squeeze", "Split", "Expand", "Tile",
     "Pad", "Identity", "Flatten", "Cast",
+    # onnxruntime's attention over a KV cache (`llm_decode`): its float inputs and outputs share one type
+    "GroupQueryAttention",
 })
 """Ops a converted node may have. Anything else (LayerNormalization, Softmax, LogSoftmax, Sin, Cos, Exp,
 Pow, Sqrt, reductions, comparisons, Range, ConstantOfShape, ...) stays float32."""
@@ -50,14 +54,25 @@ class Fp16Error(ExportError):
 
 def _value_types(model: onnx.ModelProto) -> dict[str, int]:
     """Element type of every value, from type inference on a weightless copy (initializers as typed
-    inputs), which works for graphs of any size."""
+    inputs), which works for graphs of any size. onnx cannot infer onnxruntime's own operators: the float
+    outputs of those that convert (one float type `T`) take their first input's type, and inference runs
+    again past them (once per such operator in a chain: a pass per `llm_decode` layer)."""
     g = model.graph
     weights = [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in g.initializer]
-    probe = helper.make_model(helper.make_graph(list(g.node), g.name, [*g.input, *weights], list(g.output)),
-                              opset_imports=list(model.opset_import), ir_version=model.ir_version)
-    inferred = onnx.shape_inference.infer_shapes(probe)
-    values = (*inferred.graph.input, *inferred.graph.output, *inferred.graph.value_info)
-    return {v.name: v.type.tensor_type.elem_type for v in values if v.type.tensor_type.elem_type}
+    contrib = [n for n in g.node if n.op_type in CONVERTIBLE_OPS and n.domain not in ("", "ai.onnx")]
+    given: list[onnx.ValueInfoProto] = []
+    while True:
+        graph = helper.make_graph(list(g.node), g.name, [*g.input, *weights], list(g.output),
+                                  value_info=given)
+        probe = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+        inferred = onnx.shape_inference.infer_shapes(probe)
+        values = (*inferred.graph.input, *inferred.graph.output, *inferred.graph.value_info)
+        types = {v.name: v.type.tensor_type.elem_type for v in values if v.type.tensor_type.elem_type}
+        found = [helper.make_tensor_value_info(out, types[n.input[0]], None) for n in contrib
+                 if n.input[0] in types for out in n.output if out and out not in types]
+        if not found:
+            return types
+        given += found
 
 
 def _rename(model: onnx.ModelProto, old: str, new: str) -> None:
@@ -66,9 +81,11 @@ def _rename(model: onnx.ModelProto, old: str, new: str) -> None:
         node.output[:] = [new if n == old else n for n in node.output]
 
 
-def convert(model: onnx.ModelProto, graph: str) -> onnx.ModelProto:
+def convert(model: onnx.ModelProto, graph: str, half_io: Collection[str] = ()) -> onnx.ModelProto:
     """Rewrite the fp32 `model` of `graph` (one whose recipe has fp16 scopes) in place as an fp16 graph with
-    float32 I/O; returns it."""
+    float32 I/O but for the inputs and outputs named in `half_io`, which are float16; returns it. A float16
+    output that a converted node computes is that node's own output, not a Cast's copy of it (so an output
+    written in place into its input's memory stays so)."""
     scopes = RECIPES[graph].fp16_fp32_scopes if graph in RECIPES else None
     if scopes is None:
         fp16 = [r.name for r in RECIPES.values() if r.fp16_fp32_scopes is not None]
@@ -79,15 +96,16 @@ def convert(model: onnx.ModelProto, graph: str) -> onnx.ModelProto:
         raise Fp16Error(f"{graph}: has control-flow subgraphs, which the fp16 conversion does not handle")
     fragile = re.compile("|".join(scopes))
     types = _value_types(model)
-    # graph outputs keep float32: a converted producer writes a float16 twin, cast back at the end
-    outputs = {o.name for o in g.output}
-    half_outputs = [n.output[i] for n in g.node for i in range(len(n.output))
-                    if n.output[i] in outputs and types.get(n.output[i]) == FLOAT]
-    for name in half_outputs:
-        _rename(model, name, f"{name}.fp16")
-        types[f"{name}.fp16"] = FLOAT
-
     converted = [n.op_type in CONVERTIBLE_OPS and not fragile.search(n.name) for n in g.node]
+    # a float output keeps its I/O dtype: its producer writes a twin, cast to that dtype at the end, unless
+    # the producer computes it in that dtype already
+    outputs = {o.name: HALF if o.name in half_io else FLOAT for o in g.output}
+    cast_outputs = [name for n, half in zip(g.node, converted, strict=True) for name in n.output
+                    if name in outputs and types.get(name) == FLOAT
+                    and not (half and outputs[name] == HALF)]
+    for name in cast_outputs:
+        _rename(model, name, f"{name}.twin")
+        types[f"{name}.twin"] = FLOAT
     home: dict[str, int] = {}
     for node, half in zip(g.node, converted, strict=True):
         for out in node.output:
@@ -110,7 +128,11 @@ def convert(model: onnx.ModelProto, graph: str) -> onnx.ModelProto:
             home[t.name] = HALF
         else:
             home[t.name] = FLOAT
-    home.update({i.name: FLOAT for i in g.input if i.type.tensor_type.elem_type == FLOAT})
+    for value in (*g.input, *g.output):
+        if value.type.tensor_type.elem_type == FLOAT and value.name in half_io:
+            value.type.tensor_type.elem_type = HALF
+    home.update({i.name: i.type.tensor_type.elem_type for i in g.input
+                 if i.type.tensor_type.elem_type in (FLOAT, HALF)})
 
     nodes: list[onnx.NodeProto] = []
     casts: dict[tuple[str, int], str] = {}
@@ -129,8 +151,9 @@ def convert(model: onnx.ModelProto, graph: str) -> onnx.ModelProto:
                 if a.name == "to" and a.i == FLOAT:
                     a.i = HALF
         nodes.append(node)
-    for name in half_outputs:
-        nodes.append(helper.make_node("Cast", [f"{name}.fp16"], [name], name=f"{name}/Cast", to=FLOAT))
+    for name in cast_outputs:
+        twin = f"{name}.twin"
+        nodes.append(helper.make_node("Cast", [twin], [name], name=f"{name}/Cast", to=outputs[name]))
     del g.node[:]
     g.node.extend(nodes)
     del g.value_info[:]  # fp32 types of converted values are stale; the runtime infers them again
@@ -141,5 +164,7 @@ def write_fp16(path: Path, s: GraphSpec) -> Path:
     """Replace the fp32 graph at `path` (and its external data) by its fp16 conversion, checked and with
     the I/O `s` says, atomically; returns `path`."""
     model = onnx.load(str(path))
-    convert(model, s.name)
-    return replace_graph(path, model, s, {"precision": "fp16", "fp16_revision": str(FP16_REVISION)})
+    body = s.io_at(FP16.name)
+    half_io = [t.name for t in (*body.inputs, *body.outputs) if t.dtype == "float16"]
+    convert(model, s.name, half_io)
+    return replace_graph(path, model, body, {"precision": FP16.name, "fp16_revision": str(FP16_REVISION)})

@@ -99,8 +99,10 @@ def dynamic_axes(spec: GraphSpec) -> dict[str, dict[int, str]]:
 
 
 def torch_inputs(spec: GraphSpec, feeds: Mapping[str, np.ndarray]) -> tuple[torch.Tensor, ...]:
-    """The spec's inputs, in order, as torch tensors (the positional arguments of a wrapper)."""
-    return tuple(torch.from_numpy(feeds[name]) for name in spec.input_names)
+    """The spec's inputs, in order, as torch tensors (the positional arguments of a wrapper); float16 feeds
+    (the caches of an fp16 body, `GraphSpec.io_at`) as float32, which the wrapper computes in."""
+    return tuple(torch.from_numpy(feeds[name].astype(np.float32) if feeds[name].dtype == np.float16
+                                  else feeds[name]) for name in spec.input_names)
 
 
 def _check_value(graph: str, v: onnx.ValueInfoProto, t: TensorSpec, output: bool) -> None:

@@ -8,7 +8,8 @@ another execution provider: what was asked for runs, or `ProviderError` says why
 
 from __future__ import annotations
 
-from cosyvoice_graphs import LLM, LLM_DECODE, precisions_on
+from cosyvoice_graphs import LLM, LLM_DECODE, LLM_PREFILL, precisions_on
+from cosyvoice_graphs.precision import FP16
 from cosyvoice_graphs.providers import CPU, CPU_PROVIDERS, CUDA, OPENVINO, PROVIDERS, TENSORRT, TRT
 
 from ..bundle import RuntimeBundle
@@ -21,7 +22,7 @@ from .trt import TrtRunner
 __all__ = ["CPU", "CPU_PROVIDERS", "CUDA", "OPENVINO", "OPTIMIZATION", "ORT_PROVIDERS", "PROVIDERS",
            "TENSORRT", "TRT", "Feed", "OpenVinoRunner", "OrtRunner", "Runner", "RunnerBase", "TrtRunner",
            "check_feeds", "decode_body", "feed_nbytes", "feed_shape", "graphs_run", "on_openvino",
-           "open_runner", "provider_chain"]
+           "open_runner", "prefill_body", "provider_chain"]
 
 
 def on_openvino(bundle: RuntimeBundle, graph: str, provider: str) -> bool:
@@ -33,17 +34,32 @@ def on_openvino(bundle: RuntimeBundle, graph: str, provider: str) -> bool:
 
 def decode_body(bundle: RuntimeBundle, provider: str) -> str:
     """The graph the LLM's decode steps run on with `provider`: `llm_decode` where the bundle has it and
-    `provider` runs it (onnxruntime's CPU: it needs onnxruntime's own operators), else `llm`."""
-    if LLM_DECODE in bundle.specs and provider == CPU and not on_openvino(bundle, LLM_DECODE, provider):
-        return LLM_DECODE
+    `provider` runs it (it needs onnxruntime's own operators: on its CPU provider, and on CUDA in fp16, the
+    only float type, with bfloat16, of the CUDA kernel of its `GroupQueryAttention`), else `llm`."""
+    if LLM_DECODE in bundle.specs:
+        if provider == CPU and not on_openvino(bundle, LLM_DECODE, provider):
+            return LLM_DECODE
+        if provider == CUDA and bundle.graph_precision(LLM_DECODE) == FP16:
+            return LLM_DECODE
     return LLM
 
 
+def prefill_body(bundle: RuntimeBundle, provider: str) -> str | None:
+    """The graph a request's prefill runs on where it is not the decode body: the bundle's `llm_prefill`,
+    unless the decode steps keep their caches on a GPU (`llm_decode` on CUDA), where the prefill writes
+    them there itself; None where there is none."""
+    if LLM_PREFILL not in bundle.specs or (decode_body(bundle, provider) == LLM_DECODE and provider != CPU):
+        return None
+    return LLM_PREFILL
+
+
 def graphs_run(bundle: RuntimeBundle, provider: str) -> list[str]:
-    """The graphs of `bundle` a pipeline on `provider` runs: all of them but the decode body it does not
-    run (`decode_body`: where `llm_decode` takes the decode steps, `llm` stays closed)."""
-    skipped = LLM if decode_body(bundle, provider) == LLM_DECODE else LLM_DECODE
-    return [name for name in bundle.specs if name != skipped]
+    """The graphs of `bundle` a pipeline on `provider` runs: all of them but the bodies it does not run
+    (`decode_body`: where `llm_decode` takes the decode steps, `llm` stays closed; `prefill_body`)."""
+    skipped = {LLM if decode_body(bundle, provider) == LLM_DECODE else LLM_DECODE}
+    if prefill_body(bundle, provider) is None:
+        skipped.add(LLM_PREFILL)
+    return [name for name in bundle.specs if name not in skipped]
 
 
 def open_runner(bundle: RuntimeBundle, graph: str, provider: str = CPU, *, threads: int | None = None

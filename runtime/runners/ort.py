@@ -141,19 +141,19 @@ class OrtRunner(RunnerBase):
 
     def infer_in_place(self, feeds: Mapping[str, Feed], in_place: Mapping[str, str], names: Sequence[str]
                        ) -> dict[str, np.ndarray]:
-        """`infer_outputs` for the outputs `names`, each output of `in_place` (output -> input) written into
-        the memory of its input's feed, an `OrtValue` on the CPU: for a graph that extends its inputs in
-        place (`llm_decode`'s caches), nothing is allocated or copied for them. onnxruntime refuses a call
-        where such an output would not have its input's shape."""
+        """`infer_outputs` for the outputs `names` (to the host), each output of `in_place` (output -> input)
+        written into the memory of its input's feed, an `OrtValue` on the session's device: for a graph that
+        extends its inputs in place (`llm_decode`'s caches), nothing is allocated or copied for them.
+        onnxruntime refuses a call where such an output would not have its input's shape."""
         self._check_call(feeds, [*names, *in_place])
-        if self.provider != CPU:
-            raise ValueError(f"{self.spec.name}: outputs written in place need the CPU provider, not "
+        if self.provider == TENSORRT:
+            raise ValueError(f"{self.spec.name}: outputs written in place need the cpu or cuda provider, not "
                              f"{self.provider!r}")
         for source in in_place.values():
             value = feeds[source]
-            if not isinstance(value, ort.OrtValue) or value.device_name().lower() != CPU:
+            if not isinstance(value, ort.OrtValue) or value.device_name().lower() != self.device_type:
                 raise ValueError(f"{self.spec.name}.{source}: an output written in place needs its input as "
-                                 "an OrtValue on the CPU")
+                                 f"an OrtValue on {self.device_type}")
         binding = self._bound_inputs(feeds)
         for name in names:
             binding.bind_output(name, CPU)
