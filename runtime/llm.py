@@ -181,7 +181,10 @@ class SpeechTokenLM:
         many = embeds.shape[1] >= PREFILL_BODY_FROM
         if isinstance(cache, KVBuffers):
             if self.prefill is not None and many:
-                past = {p: a[:, :, :cache.length] for p, a in cache.arrays.items()}
+                # in the prefill body's dtype (float32; an fp16 body's buffers are float16)
+                dtypes = {t.name: t.np_dtype for t in self.prefill.spec.inputs}
+                past = {p: a[:, :, :cache.length].astype(dtypes[p], copy=False)
+                        for p, a in cache.arrays.items()}
                 logp, grown = self._grow(self.prefill, embeds, past)
                 cache.fill(grown)
                 return logp, cache

@@ -318,6 +318,14 @@ def test_cuda_decodes_on_the_fp16_body_in_buffers_of_its_own(fp16_bundle: Path, 
                                         r"provider; .* on 'cuda' decodes on llm_decode "):
         check_max_batch(2, bundle, CUDA)
     check_max_batch(2, bundle, CPU)
+    with Synthesizer(bundle, threads=1) as synth:  # on the CPU the int8 prefill fills the float16 buffers
+        decoding = synth.lm.decode(_request(bundle), GreedySampler(), max_tokens=5, ignore_stop=True)
+        assert len(decoding.run()) == 5
+        buffers = decoding.cache
+        assert isinstance(buffers, KVBuffers) and buffers.length == synth.lm.prompt_embeds(
+            _request(bundle)).shape[1] + 4
+        assert all(np.abs(a[:, :, :buffers.length]).max() > 0 and a.dtype == np.float16
+                   for a in buffers.arrays.values())
 
 
 @pytest.mark.parametrize("provider", [CPU, CUDA])
