@@ -61,6 +61,18 @@ def runtime_bundle(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
 
 
 @pytest.fixture(scope="session")
+def fp16_decode_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny_bundle` exported with an fp16 `llm_decode` (CUDA's decode body) beside an int8 prefill body and
+    the float32 rest; tests must not modify it."""
+    from cosyvoice_export.onnx.bundle_assembly import export_all
+
+    out = tmp_path_factory.mktemp("runtime") / "tiny-decode-fp16"
+    report = export_all(tiny_bundle, out, precision="decode=fp16,prefill=int8", progress=False)
+    assert report.manifest is not None, report.table()
+    return report.out
+
+
+@pytest.fixture(scope="session")
 def prompt_wav() -> Path:
     """`tiny_bundle`'s prompt recording as the demo bundle carries it, byte for byte (test_export_all and
     test_demo_bundle check so); tests must not modify it."""

@@ -57,16 +57,6 @@ def exact_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return out
 
 
-@pytest.fixture(scope="module")
-def fp16_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny bundle with an fp16 `llm_decode`."""
-    out = tmp_path_factory.mktemp("runtime") / "tiny-decode-fp16"
-    result = CliRunner().invoke(main, ["all", "--model-dir", str(tiny_bundle), "--out", str(out),
-                                       "--precision", "decode=fp16"])
-    assert result.exit_code == 0, result.output
-    return out
-
-
 def _requests(bundle: RuntimeBundle, n: int) -> list[LlmRequest]:
     """`n` requests of different lengths: prompts of different lengths, and texts whose max_len differ, so
     that the rows leave the batch one after another."""
@@ -91,7 +81,7 @@ def _concurrently(calls: list[Callable[[], T]]) -> list[T]:
 
 
 @pytest.mark.parametrize("sampling", ["ras", "greedy"])
-@pytest.mark.parametrize("body", ["exact_bundle", "fp16_bundle"])
+@pytest.mark.parametrize("body", ["exact_bundle", "fp16_decode_bundle"])
 def test_batched_rows_are_the_decodings_alone(body: str, sampling: str, request: pytest.FixtureRequest
                                               ) -> None:
     """Five decodings, at most three in the batch: two wait for a row and join mid-batch as others leave at

@@ -63,16 +63,6 @@ def fast_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return out
 
 
-@pytest.fixture(scope="module")
-def fp16_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`llm_decode` in fp16 (CUDA's body), beside an int8 prefill body and the float32 `llm`."""
-    out = tmp_path_factory.mktemp("runtime") / "tiny-decode-fp16"
-    result = CliRunner().invoke(main, ["all", "--model-dir", str(tiny_bundle), "--out", str(out),
-                                       "--precision", "decode=fp16,prefill=int8"])
-    assert result.exit_code == 0, result.output
-    return out
-
-
 def _request(bundle: RuntimeBundle) -> LlmRequest:
     return LlmRequest(text_ids=(*range(5, 25), bundle.endofprompt_id), prompt_speech_tokens=tuple(range(40)))
 
@@ -272,10 +262,10 @@ def test_the_profile_runs_a_batched_decode_step_in_place(fast_bundle: Path, tmp_
         np.testing.assert_array_equal(feeds[past][:, :, :20], before[past][:, :, :20])
 
 
-def test_the_fp16_body_keeps_its_caches_in_float16_buffers(fp16_bundle: Path) -> None:
+def test_the_fp16_body_keeps_its_caches_in_float16_buffers(fp16_decode_bundle: Path) -> None:
     """CUDA's `GroupQueryAttention` computes in float16 only: the fp16 body's caches are float16 I/O, which
     the attention reads and writes itself (no Cast copies them), and the rest of its I/O is float32."""
-    manifest = json.loads((fp16_bundle / MANIFEST).read_text())
+    manifest = json.loads((fp16_decode_bundle / MANIFEST).read_text())
     entry = manifest["graphs"]["llm_decode"]
     dims = model_dims(config_for_size("tiny"))
     s = spec("llm_decode", dims)
@@ -283,7 +273,7 @@ def test_the_fp16_body_keeps_its_caches_in_float16_buffers(fp16_bundle: Path) ->
     for output, figure in entry["validation"]["outputs"].items():
         assert (figure["metric"], figure["bound"]) == (s.precision_tolerances["fp16"][output].metric,
                                                         s.precision_tolerances["fp16"][output].bound)
-    model = onnx.load(str(fp16_bundle / entry["file"]))
+    model = onnx.load(str(fp16_decode_bundle / entry["file"]))
     check_contract(model, s.io_at("fp16"))
     half, single = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
     io = {v.name: v.type.tensor_type.elem_type for v in (*model.graph.input, *model.graph.output)}
@@ -302,10 +292,11 @@ def test_the_fp16_body_keeps_its_caches_in_float16_buffers(fp16_bundle: Path) ->
     assert all(tables[n.input[7]] == tables[n.input[8]] == half for n in attention)  # RoPE's cos and sin
 
 
-def test_cuda_decodes_on_the_fp16_body_in_buffers_of_its_own(fp16_bundle: Path, fast_bundle: Path) -> None:
+def test_cuda_decodes_on_the_fp16_body_in_buffers_of_its_own(fp16_decode_bundle: Path, fast_bundle: Path
+                                                              ) -> None:
     """Where the CUDA provider takes the decode steps (an fp16 `llm_decode`), the prefill runs on it too,
     into the buffers on the GPU, and neither `llm` nor the prefill body opens; it does not batch (yet)."""
-    bundle = RuntimeBundle.open(fp16_bundle)
+    bundle = RuntimeBundle.open(fp16_decode_bundle)
     everything = set(bundle.specs)
     assert (decode_body(bundle, CUDA), prefill_body(bundle, CUDA)) == ("llm_decode", None)
     assert set(graphs_run(bundle, CUDA)) == everything - {"llm", "llm_prefill"}
@@ -329,13 +320,13 @@ def test_cuda_decodes_on_the_fp16_body_in_buffers_of_its_own(fp16_bundle: Path, 
 
 
 @pytest.mark.parametrize("provider", [CPU, CUDA])
-def test_the_fp16_body_decodes_in_place_close_to_llm(fp16_bundle: Path, provider: str) -> None:
+def test_the_fp16_body_decodes_in_place_close_to_llm(fp16_decode_bundle: Path, provider: str) -> None:
     """On the GPU as on the CPU (where the code is the same, in the CPU's memory): prefilled on `llm_decode`
     itself, float16 buffers on the device that the steps write in place and that grow past their first size,
     the log-probs within the fp16 bounds of float32 `llm`'s on the CPU, teacher-forced over the run."""
     if provider == CUDA and "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip("needs onnxruntime's CUDA provider (onnxruntime-gpu and a GPU)")
-    bundle = RuntimeBundle.open(fp16_bundle)
+    bundle = RuntimeBundle.open(fp16_decode_bundle)
     with (Synthesizer(bundle, provider=provider, threads=1) as synth,
           open_runner(bundle, "llm", threads=1) as llm):
         lm = synth.lm
