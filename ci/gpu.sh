@@ -9,7 +9,8 @@
 # the first stopped: bundles and exports under WORK are reused.
 #   gpu          nvidia-smi's view of the card
 #   golden       cosyvoice-golden check on the demo bundle: tokens, mel and audio against torch (fp32)
-#   gates-P      the demo model exported in P (tf32, fp16) and judged on the GPU by golden's precision bounds
+#   gates-P      the demo model exported in P (tf32, decode=fp16, fp16) and judged on the GPU by golden's
+#                precision bounds
 #   tests        the tests that use CUDA where it is present
 #   export-P     the full-size random bundle exported in P (fp32, decode=fp16: the decode steps on an
 #                fp16 llm_decode, its caches in buffers on the GPU, the rest fp32; fp16)
@@ -23,7 +24,7 @@ set -uo pipefail
 OUT=${1:?usage: ci/gpu.sh OUT}
 PROVIDER=${PROVIDER:-cuda}
 SIZE=${SIZE:-full}
-GATES=${GATES:-"tf32 fp16"}
+GATES=${GATES:-"tf32 decode=fp16 fp16"}
 PRECISIONS=${PRECISIONS:-"fp32 decode=fp16 fp16"}
 DEADLINE=${DEADLINE:-540}
 WORK=${WORK:-/tmp/gpu-work}
@@ -61,8 +62,9 @@ step gpu 30 bash -c 'nvidia-smi || echo "no nvidia-smi"'
 step golden 120 "$PY" -m cosyvoice_golden check --provider "$PROVIDER"
 [ -f "$WORK/tiny/llm.pt" ] || step tiny-model 120 "$PY" -m cosyvoice_export tiny-bundle "$WORK/tiny"
 for p in $GATES; do
-    step "gates-$p" 240 bash -c "$(declare -f export_bundle); PY=$PY; export_bundle $p $WORK/tiny $WORK/tiny-$p \
-        && $PY -m cosyvoice_golden check --model $WORK/tiny-$p --precision $p --provider $PROVIDER"
+    tag=${p//[=,]/-}
+    step "gates-$tag" 240 bash -c "$(declare -f export_bundle); PY=$PY; export_bundle $p $WORK/tiny \
+        $WORK/tiny-$tag && $PY -m cosyvoice_golden check --model $WORK/tiny-$tag --precision $p --provider $PROVIDER"
 done
 step tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_bench_gpu.py tests/test_precision.py \
     tests/test_runtime_core.py tests/test_llm_decode.py::test_the_fp16_body_decodes_in_place_close_to_llm

@@ -19,9 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(out: Path, work: Path, **env: str) -> list[str]:
-    settings = {"PROVIDER": "cpu", "SIZE": "tiny", "GATES": "tf32", "PRECISIONS": "fp32 decode=fp16",
-                "WORK": str(work),
-                "PYTHON": sys.executable, **env}
+    settings = {"PROVIDER": "cpu", "SIZE": "tiny", "GATES": "tf32 decode=fp16",
+                "PRECISIONS": "fp32 decode=fp16", "WORK": str(work), "PYTHON": sys.executable, **env}
     done = subprocess.run(["bash", str(ROOT / "ci" / "gpu.sh"), str(out)], capture_output=True, text=True,
                           env={**os.environ, **settings}, timeout=900)
     assert done.returncode == 0, done.stderr
@@ -32,9 +31,9 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
     work = tmp_path / "work"
     lines = _run(tmp_path / "out", work)
     steps = [line.split(":")[0] for line in lines[:-1]]
-    assert steps == ["gpu", "golden", "tiny-model", "gates-tf32", "tests", "export-fp32", "profile-fp32",
-                     "bench-fp32", "export-decode-fp16", "profile-decode-fp16", "rows4-decode-fp16",
-                     "bench-decode-fp16"]
+    assert steps == ["gpu", "golden", "tiny-model", "gates-tf32", "gates-decode-fp16", "tests", "export-fp32",
+                     "profile-fp32", "bench-fp32", "export-decode-fp16", "profile-decode-fp16",
+                     "rows4-decode-fp16", "bench-decode-fp16"]
     assert all(": exit 0 after " in line for line in lines[:-1]), lines
     rows = json.loads((tmp_path / "out" / "rows4-decode-fp16.json").read_text())["profiles"][0]
     assert rows["graph"] == "llm_decode" and rows["precision"] == "fp16" and rows["shape"]["batch"] == 4
