@@ -295,7 +295,7 @@ def test_the_fp16_body_keeps_its_caches_in_float16_buffers(fp16_decode_bundle: P
 def test_cuda_decodes_on_the_fp16_body_in_buffers_of_its_own(fp16_decode_bundle: Path, fast_bundle: Path
                                                               ) -> None:
     """Where the CUDA provider takes the decode steps (an fp16 `llm_decode`), the prefill runs on it too,
-    into the buffers on the GPU, and neither `llm` nor the prefill body opens; it does not batch (yet)."""
+    into the buffers on the GPU, and neither `llm` nor the prefill body opens; it does not batch."""
     bundle = RuntimeBundle.open(fp16_decode_bundle)
     everything = set(bundle.specs)
     assert (decode_body(bundle, CUDA), prefill_body(bundle, CUDA)) == ("llm_decode", None)
