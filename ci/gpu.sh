@@ -9,14 +9,15 @@
 # the first stopped: bundles and exports under WORK are reused.
 #   gpu          nvidia-smi's view of the card
 #   golden       cosyvoice-golden check on the demo bundle: tokens, mel and audio against torch (fp32)
-#   gates-P      the demo model exported in P (tf32, decode=fp16, fp16) and judged on the GPU by golden's
+#   gates-P      the demo model exported in P (decode=fp16, tf32, fp16) and judged on the GPU by golden's
 #                precision bounds
 #   tests        the tests that use CUDA where it is present
-#   export-P     the full-size random bundle exported in P (fp32, decode=fp16: the decode steps on an
-#                fp16 llm_decode, its caches in buffers on the GPU, the rest fp32; fp16)
+#   export-P     the full-size random bundle exported in P (decode=fp16: the decode steps on an fp16
+#                llm_decode, its caches in buffers on the GPU, the rest fp32; fp32; fp16)
 #   profile-P    its hot graph calls under onnxruntime's profiler: time per provider, host/device copies
-#   rows4-P      with an llm_decode: its decode step for 4 decodings at once, profiled
+#   rowsN-P      with an llm_decode: its decode step for N (4, 16) decodings at once, profiled
 #   bench-P      cosyvoice-bench on it: first chunk p50/p95, stages against the GPU's bounds, concurrency
+#                1 and 4, or BATCH_LEVELS (1, 4, 16) with an llm_decode, each beside its batched decode
 # (P in a step's or a file's name with its = and , as -)
 #
 # PROVIDER=cpu SIZE=tiny runs the same steps on a CPU: that is how the script is tested.
@@ -24,8 +25,9 @@ set -uo pipefail
 OUT=${1:?usage: ci/gpu.sh OUT}
 PROVIDER=${PROVIDER:-cuda}
 SIZE=${SIZE:-full}
-GATES=${GATES:-"tf32 decode=fp16 fp16"}
-PRECISIONS=${PRECISIONS:-"fp32 decode=fp16 fp16"}
+GATES=${GATES:-"decode=fp16 tf32 fp16"}
+PRECISIONS=${PRECISIONS:-"decode=fp16 fp32 fp16"}
+BATCH_LEVELS=${BATCH_LEVELS:-1,4,16}
 DEADLINE=${DEADLINE:-540}
 WORK=${WORK:-/tmp/gpu-work}
 PY=${PYTHON:-python3}
@@ -66,8 +68,9 @@ for p in $GATES; do
     step "gates-$tag" 240 bash -c "$(declare -f export_bundle); PY=$PY; export_bundle $p $WORK/tiny \
         $WORK/tiny-$tag && $PY -m cosyvoice_golden check --model $WORK/tiny-$tag --precision $p --provider $PROVIDER"
 done
-step tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_bench_gpu.py tests/test_precision.py \
-    tests/test_runtime_core.py tests/test_llm_decode.py::test_the_fp16_body_decodes_in_place_close_to_llm
+step tests 300 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_bench_gpu.py tests/test_precision.py \
+    tests/test_runtime_core.py tests/test_llm_decode.py::test_the_fp16_body_decodes_in_place_close_to_llm \
+    tests/test_decode_batch.py::test_batched_rows_follow_their_runs_alone
 [ -f "$WORK/$SIZE/llm.pt" ] || step model 240 "$PY" -m cosyvoice_export tiny-bundle "$WORK/$SIZE" --size "$SIZE"
 for p in $PRECISIONS; do
     tag=${p//[=,]/-}
@@ -76,10 +79,16 @@ for p in $PRECISIONS; do
     [ -f "$bundle/manifest.json" ] || continue
     step "profile-$tag" 120 "$PY" -m cosyvoice_bench.graph_profile --model "$bundle" --provider "$PROVIDER" \
         --json "$OUT/profile-$tag.json"
-    grep -q '"llm_decode"' "$bundle/manifest.json" && step "rows4-$tag" 120 "$PY" -m cosyvoice_bench.graph_profile \
-        --model "$bundle" --provider "$PROVIDER" --decode-rows 4 --json "$OUT/rows4-$tag.json"
-    step "bench-$tag" 300 "$PY" -m cosyvoice_bench --model "$bundle" --provider "$PROVIDER" --lengths long \
-        --concurrency 1,4 --quick --repeat 3 --tokens 250 --first-chunk-tokens 10 --no-progress \
+    levels=1,4
+    if grep -q '"llm_decode"' "$bundle/manifest.json"; then
+        levels=$BATCH_LEVELS
+        for rows in 4 16; do
+            step "rows$rows-$tag" 120 "$PY" -m cosyvoice_bench.graph_profile --model "$bundle" \
+                --provider "$PROVIDER" --decode-rows $rows --json "$OUT/rows$rows-$tag.json"
+        done
+    fi
+    step "bench-$tag" 420 "$PY" -m cosyvoice_bench --model "$bundle" --provider "$PROVIDER" --lengths long \
+        --concurrency $levels --quick --repeat 3 --tokens 250 --first-chunk-tokens 10 --no-progress \
         --json "$OUT/bench-$tag.json"
 done
 echo "done in $((SECONDS - start)) s; the logs are in $OUT" | tee -a "$OUT/summary.txt"

@@ -1,18 +1,21 @@
 """Many decodings advanced together: continuous batching of the LLM's decode steps on `llm_decode`.
 
 A `DecodeBatcher` owns a thread and one set of cache buffers with a row per decoding (`BatchBuffers`). A
-decoding submitted to it prefills on its consumer's thread, alone and exactly as it would unbatched, then
-joins the batch; every batch step is one `llm_decode` call over all joined rows, each at its own cache
-length (`GroupQueryAttention` takes one per row), and each row's id is drawn by its own decoding (its
-request's sampler and seed, its masks and limiter). A row leaves at its stop id, at `max_len`, or when its
-consumer closes it (a client that went away); the last row moves into its place, so the rows stay packed.
-Rows wait for a place (`max_batch`) in the order they joined, and every joined row advances at every step,
-but the batch waits while every row holds `AHEAD_IDS` ids its consumer has not taken: then the streams'
-flow and vocoder calls, which need the cores for the audio due first, are not slowed by ids due later.
+decoding submitted to it prefills alone, exactly as it would unbatched (on the CPU on its consumer's thread
+and its own buffers, then copied into a row; on a GPU by the batcher, into its row), then joins the batch;
+every batch step is one `llm_decode` call over all joined rows, each at its own cache length
+(`GroupQueryAttention` takes one per row), and each row's id is drawn by its own decoding (its request's
+sampler and seed, its masks and limiter). A row leaves at its stop id, at `max_len`, or when its consumer
+closes it (a client that went away); on the CPU the last row moves into its place, so the rows stay
+packed, and on a GPU the row stays free for the next decoding (`SlotBuffers`). Rows wait for a place
+(`max_batch`) in the order they joined, and every joined row advances at every step, but the batch waits
+while every row holds `AHEAD_IDS` ids its consumer has not taken: then the streams' flow and vocoder calls,
+which need the cores for the audio due first, are not slowed by ids due later.
 
 On onnxruntime's CPU in float32 a row's log-probs are those of the same decoding run alone, to the bit
-(tests/test_decode_batch.py): the batched call computes each row's matmul outputs as the single-row call
-does, and attention row by row; so its ids, and the audio made from them, are the same.
+(tests/test_decode_batch.py, both ways of keeping the rows): the batched call computes each row's matmul
+outputs as the single-row call does, and attention row by row; so its ids, and the audio made from them,
+are the same.
 """
 
 from __future__ import annotations
@@ -21,16 +24,17 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Protocol
 
 import numpy as np
 import onnxruntime as ort
 
-from cosyvoice_graphs import MAX_BATCH, GraphSpec, cache_pairs
+from cosyvoice_graphs import MAX_BATCH, GraphSpec
 
 from .errors import SynthesisError
-from .llm import FIRST_BUFFER_STEPS, Decoding, KVBuffers, SpeechTokenLM
+from .llm import FIRST_BUFFER_STEPS, Decoding, KVBuffers, SpeechTokenLM, placed, zeroed_caches
+from .runners import CPU, BufferView
 
 AHEAD_IDS = 32
 """Ids a row may hold untaken before the batch waits (when every row does): about what a stream's first chunk
@@ -45,7 +49,8 @@ class BatchObserver(Protocol):
         """A batch step advanced `rows` decodings in `seconds`."""
 
     def admitted(self, waited: float) -> None:
-        """A decoding joined the batch `waited` seconds after its prefill ended."""
+        """A decoding got a row `waited` seconds after it was queued for one (after its prefill, where it
+        prefills on its own)."""
 
 
 class _Quiet:
@@ -57,24 +62,72 @@ class _Quiet:
 
 
 class BatchBuffers:
-    """The batch's caches: per `past_*` input of `llm_decode` one (max_batch, KV, rows, D) buffer whose row i
-    holds the i-th decoding's cache, its first `lengths[i]` positions. Pages of rows never used are never
-    touched, so a large `max_batch` costs address space only."""
+    """The batch's caches: per `past_*` input of `llm_decode` one (max_batch, KV, rows, D) buffer on the
+    runner's device whose row i holds the cache of the decoding in row i, its first `lengths[i]` positions. A
+    call runs over the first `len(lengths)` rows (`views`). A buffer too short is replaced by one twice as
+    long (up to `max_rows`, the RoPE table's), the rows in use copied (on a GPU through the host: a few times
+    in a batch's life, as the buffers never shrink)."""
 
-    def __init__(self, spec: GraphSpec, max_batch: int, rows: int, max_rows: int) -> None:
+    def __init__(self, spec: GraphSpec, max_batch: int, rows: int, max_rows: int, device: str = CPU,
+                 device_id: int = 0) -> None:
         self.spec = spec
         self.max_batch = max_batch
         self.max_rows = max_rows
+        self.device, self.device_id = device, device_id
         self.lengths: list[int] = []
         self.arrays: dict[str, np.ndarray] = {}
-        self._values: dict[int, dict[str, ort.OrtValue]] = {}
-        """Batch size -> `OrtValue`s over the first rows of `arrays` (made once per size and allocation)."""
+        """The buffers on the CPU (`values` wrap their memory); empty on a GPU."""
+        self.values: dict[str, ort.OrtValue] = {}
+        self._views: dict[tuple[int, int], Mapping[str, ort.OrtValue | BufferView]] = {}
         self._allocate(min(rows, max_rows))
 
     @property
     def rows(self) -> int:
         """Positions each row can hold."""
-        return next(iter(self.arrays.values())).shape[2]
+        return int(next(iter(self.values.values())).shape()[2])
+
+    def fit(self, positions: int) -> None:
+        """Room for `positions` in every row (the buffers double, up to `max_rows`)."""
+        if positions > self.max_rows:
+            raise ValueError(f"{self.spec.name}: {positions} positions, but its RoPE table ends at "
+                             f"{self.max_rows}")
+        if positions > self.rows:
+            self._allocate(min(max(positions, 2 * self.rows), self.max_rows))
+
+    def views(self, first: int, count: int) -> Mapping[str, ort.OrtValue | BufferView]:
+        """Rows `first` to `first + count` of each buffer, as a call's `past_*` feeds and the memory its
+        `present_*` outputs are written into (made once per rows and allocation)."""
+        key = (first, count)
+        if key not in self._views:
+            self._views[key] = self._view(first, count)
+        return self._views[key]
+
+    def _view(self, first: int, count: int) -> dict[str, ort.OrtValue | BufferView]:
+        return {past: BufferView(value, first, count) for past, value in self.values.items()}
+
+    def clear(self) -> None:
+        """No rows in use."""
+        self.lengths.clear()
+
+    def _allocate(self, rows: int) -> None:
+        used = len(self.lengths)
+        arrays = zeroed_caches(self.spec, self.max_batch, rows)  # pages of rows never used stay unmapped
+        if self.values and used:
+            for past, array in arrays.items():
+                old = self.values[past].numpy()  # the CPU buffer itself, or a GPU buffer's copy
+                array[:used, :, :old.shape[2]] = old[:used]
+        self.arrays, self.values = placed(arrays, self.device, self.device_id)
+        self._views = {}
+
+
+class PackedBuffers(BatchBuffers):
+    """The batch's caches in host memory, its rows packed: a decoding prefilled on its own buffers is copied
+    into the next row, and a row that leaves is replaced by the last."""
+
+    def _view(self, first: int, count: int) -> dict[str, ort.OrtValue | BufferView]:
+        # an OrtValue of rows of an array is their memory: bound as a tensor, cheaper than by address
+        return {past: ort.OrtValue.ortvalue_from_numpy(array[first:first + count])
+                for past, array in self.arrays.items()}
 
     def admit(self, cache: KVBuffers) -> None:
         """Append a row holding `cache`'s positions (a decoding's own buffers after its prefill)."""
@@ -96,40 +149,48 @@ class BatchBuffers:
             self.lengths[row] = length
         self.lengths.pop()
 
-    def fit(self, positions: int) -> None:
-        """Room for `positions` in every row (the buffers double, up to `max_rows`)."""
-        if positions > self.max_rows:
-            raise ValueError(f"{self.spec.name}: {positions} positions, but its RoPE table ends at "
-                             f"{self.max_rows}")
-        if positions > self.rows:
-            self._allocate(min(max(positions, 2 * self.rows), self.max_rows))
 
-    def values(self) -> dict[str, ort.OrtValue]:
-        """The buffers of the rows in use, as the call's `past_*` feeds (no copy: the first rows of each
-        buffer are contiguous)."""
-        n = len(self.lengths)
-        if n not in self._values:
-            self._values[n] = {past: ort.OrtValue.ortvalue_from_numpy(array[:n])
-                               for past, array in self.arrays.items()}
-        return self._values[n]
+class SlotBuffers(BatchBuffers):
+    """The batch's caches in a GPU's memory, where onnxruntime's Python API copies no part of a buffer:
+    rows never move. A decoding takes the first free row (its slot) and its prefill writes there; a call
+    runs over the rows up to the last one taken, a free one among them as an idle row (cache length 0,
+    its outputs dropped: one row's arithmetic, a GPU's smallest cost)."""
 
-    def _allocate(self, rows: int) -> None:
-        tensors = {t.name: t for t in self.spec.inputs}
-        used = len(self.lengths)
-        arrays = {}
-        for past, _ in cache_pairs(self.spec):
-            kv_heads, head_dim = tensors[past].shape[1], tensors[past].shape[3]
-            arrays[past] = np.zeros((self.max_batch, kv_heads, rows, head_dim), dtype=tensors[past].np_dtype)
-            if self.arrays:
-                old = self.arrays[past]
-                arrays[past][:used, :, :old.shape[2]] = old[:used]
-        self.arrays = arrays
-        self._values = {}
+    def __init__(self, spec: GraphSpec, max_batch: int, rows: int, max_rows: int, device: str = CPU,
+                 device_id: int = 0) -> None:
+        super().__init__(spec, max_batch, rows, max_rows, device, device_id)
+        self.free: set[int] = set()
+        """The free rows among the first `len(lengths)`."""
+
+    def take(self) -> int:
+        """The row a new decoding writes its cache in: the first free one."""
+        if self.free:
+            slot = min(self.free)
+            self.free.remove(slot)
+            return slot
+        if len(self.lengths) == self.max_batch:
+            raise ValueError(f"the batch is full ({self.max_batch} rows)")
+        self.lengths.append(0)
+        return len(self.lengths) - 1
+
+    def clear(self) -> None:
+        super().clear()
+        self.free.clear()
+
+    def release(self, slot: int) -> None:
+        """Free `slot`; calls stop at the last row still taken."""
+        self.lengths[slot] = 0
+        self.free.add(slot)
+        while self.lengths and len(self.lengths) - 1 in self.free:
+            self.free.remove(len(self.lengths) - 1)
+            self.lengths.pop()
 
 
 class BatchedDecoding(Iterator[int]):
-    """A decoding run by a `DecodeBatcher`: iterate for its kept ids. The first `next` runs its prefill and
-    first step on the calling thread, then the batcher runs the rest; `close` takes it out of the batch."""
+    """A decoding run by a `DecodeBatcher`: iterate for its kept ids. With the batch in host memory the first
+    `next` runs its prefill and first step on the calling thread, then the batcher runs the rest; with the
+    batch on a GPU the batcher runs them all, the prefill into the decoding's row. `close` takes it out of
+    the batch."""
 
     def __init__(self, batcher: DecodeBatcher, decoding: Decoding) -> None:
         self.batcher = batcher
@@ -138,7 +199,8 @@ class BatchedDecoding(Iterator[int]):
         """Kept ids from the batcher, then None (the end) or the error that ended it."""
         self.closed = False
         """Set by `close`: the batcher drops the row at its next step."""
-        self.prefilled_at = 0.0
+        self.queued_at = 0.0
+        """When it was queued for a row (after its prefill where it prefills on its own)."""
         self._started = False
         self._ended = False
 
@@ -152,9 +214,9 @@ class BatchedDecoding(Iterator[int]):
             raise StopIteration
         if not self._started:
             self._started = True
-            first = self.decoding.advance()  # the prefill, alone
+            first = None if self.batcher.prefills else self.decoding.advance()  # the prefill, alone
             if self.decoding.wants_step():
-                self.prefilled_at = time.perf_counter()
+                self.queued_at = time.perf_counter()
                 self.batcher.join(self)
             else:
                 self.ids.put(None)
@@ -180,32 +242,45 @@ class BatchedDecoding(Iterator[int]):
 
 class DecodeBatcher:
     """One thread that advances every joined decoding of `lm` (which must run on `llm_decode`) by one id per
-    `llm_decode` call, at most `max_batch` at once."""
+    `llm_decode` call, at most `max_batch` at once.
 
-    def __init__(self, lm: SpeechTokenLM, max_batch: int, observer: BatchObserver | None = None) -> None:
+    Where `lm` runs on the CPU its buffers are `PackedBuffers` and each decoding prefills on its consumer's
+    thread (its own buffers, on the prefill body where the bundle has one) beside the batch; on a GPU
+    they are `SlotBuffers` and the batcher prefills each decoding into its row (a device copy of a row is
+    what onnxruntime's Python API lacks). `in_slots` chooses (None: by the device), so that the CPU's tests
+    run the GPU's way too."""
+
+    def __init__(self, lm: SpeechTokenLM, max_batch: int, observer: BatchObserver | None = None, *,
+                 in_slots: bool | None = None) -> None:
         if lm.in_place is None:
-            raise ValueError(f"batched decoding runs on llm_decode (onnxruntime's CPU), not {lm.spec.name}")
+            raise ValueError(f"batched decoding runs on llm_decode, not {lm.spec.name}")
         if not 1 <= max_batch <= MAX_BATCH:
             raise ValueError(f"max_batch must be from 1 to {MAX_BATCH}, got {max_batch}")
         self.lm = lm
         self.max_batch = max_batch
         self.observer: BatchObserver = observer or _Quiet()
-        self.buffers = BatchBuffers(lm.spec, max_batch, FIRST_BUFFER_STEPS, lm.max_positions)
-        self._rows: list[BatchedDecoding] = []
-        """The joined decodings, row i of `buffers` the i-th's cache (the batcher's thread's alone)."""
+        device, device_id = lm.in_place.device_type, lm.in_place.device_id
+        self.prefills = device != CPU if in_slots is None else in_slots
+        """Whether the batcher runs each decoding's prefill, into its row (`SlotBuffers`)."""
+        kind = SlotBuffers if self.prefills else PackedBuffers
+        self.buffers = kind(lm.spec, max_batch, FIRST_BUFFER_STEPS, lm.max_positions, device, device_id)
+        self._rows: list[BatchedDecoding | None] = []
+        """The decodings in the batch, row i of `buffers` the i-th's cache; None: a free row (`SlotBuffers`).
+        The batcher's thread's alone."""
         self._waiting: deque[BatchedDecoding] = deque()
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
 
     def submit(self, decoding: Decoding) -> BatchedDecoding:
-        """`decoding` (not started) as an iterator whose steps after the prefill run in the batch."""
+        """`decoding` (not started) as an iterator whose steps (after the prefill, where it is the
+        consumer's) run in the batch."""
         if decoding.steps:
             raise ValueError("a decoding joins a batch before its first step")
         return BatchedDecoding(self, decoding)
 
     def join(self, item: BatchedDecoding) -> None:
-        """Queue a prefilled decoding for a row."""
+        """Queue a decoding for a row (prefilled, unless the batcher `prefills`)."""
         with self._cond:
             if self._closed:
                 raise SynthesisError("the model was closed")
@@ -223,7 +298,7 @@ class DecodeBatcher:
     @property
     def size(self) -> int:
         """Decodings in the batch now."""
-        return len(self._rows)
+        return sum(item is not None for item in self._rows)
 
     def close(self) -> None:
         """Stop the thread; every decoding in it or waiting ends with a `SynthesisError`."""
@@ -239,12 +314,12 @@ class DecodeBatcher:
                 while not self._closed and self._idle():
                     self._cond.wait()
                 if self._closed:
-                    for item in (*self._rows, *self._waiting):
+                    for item in (*self._joined(), *self._waiting):
                         item.ids.put(SynthesisError("the model was closed"))
                     self._rows, self._waiting = [], deque()
                     return
                 joining = [self._waiting.popleft()
-                           for _ in range(min(len(self._waiting), self.max_batch - len(self._rows)))]
+                           for _ in range(min(len(self._waiting), self.max_batch - self.size))]
             try:
                 for item in joining:
                     self._admit(item)
@@ -254,55 +329,92 @@ class DecodeBatcher:
             except Exception as e:  # a failed call: every joined decoding gets the error, none waits forever
                 self._fail(e)
 
+    def _joined(self) -> list[BatchedDecoding]:
+        return [item for item in self._rows if item is not None]
+
     def _idle(self) -> bool:
         """Nothing to do now: no decoding waits for a row, and every joined one (if any) is going on and has
         `AHEAD_IDS` ids its consumer has not taken."""
         return not self._waiting and all(
             not item.closed and not item.decoding.finished and item.ids.qsize() >= AHEAD_IDS
-            for item in self._rows)
+            for item in self._joined())
 
     def _fail(self, error: Exception) -> None:
-        for item in self._rows:
+        for item in self._joined():
             item.ids.put(error)
         self._rows = []
-        self.buffers.lengths.clear()
+        self.buffers.clear()
 
     def _admit(self, item: BatchedDecoding) -> None:
-        cache = item.decoding.cache
-        assert isinstance(cache, KVBuffers)  # `llm_decode`'s, or filled from the prefill body's
-        try:
-            self.buffers.admit(cache)
+        """Give `item` a row: its own buffers copied in (`PackedBuffers`), or its prefill run into a free
+        one (`SlotBuffers`)."""
+        buffers = self.buffers
+        waited = time.perf_counter() - item.queued_at
+        try:  # room for its positions: a one-line error past the RoPE table
+            if isinstance(buffers, SlotBuffers):
+                buffers.fit(item.decoding.next_embeds.shape[1] + 1)
+            else:
+                cache = item.decoding.cache
+                assert isinstance(cache, KVBuffers)  # `llm_decode`'s, or filled from the prefill body's
+                buffers.admit(cache)
         except ValueError as e:
             item.ids.put(SynthesisError(str(e)))
             return
-        item.decoding.cache = {}  # its cache lives in the batch now
-        self._rows.append(item)
-        self.observer.admitted(time.perf_counter() - item.prefilled_at)
+        self.observer.admitted(waited)
+        if isinstance(buffers, SlotBuffers):
+            self._prefill(item, buffers)
+        else:
+            item.decoding.cache = None  # its cache lives in the batch now
+            self._rows.append(item)
+
+    def _prefill(self, item: BatchedDecoding, buffers: SlotBuffers) -> None:
+        """`item`'s prefill, alone, into the first free row (which has room for it); its first id
+        sampled."""
+        embeds = item.decoding.next_embeds  # (1, T, C): the prompt
+        slot = buffers.take()
+        self._rows += [None] * (len(buffers.lengths) - len(self._rows))
+        self._rows[slot] = item
+        logp = self.lm.extend_rows(embeds, np.zeros(1, dtype=np.int64), buffers.views(slot, 1))
+        buffers.lengths[slot] = embeds.shape[1]
+        token = item.decoding.take(logp[0])
+        if token is not None:
+            item.ids.put(token)
 
     def _leave(self) -> None:
         """Drop the rows that are done: ended, closed, or out of positions."""
+        buffers = self.buffers
         for row in reversed(range(len(self._rows))):
             item = self._rows[row]
+            if item is None:
+                continue
             if item.closed or not item.decoding.wants_step():
                 item.ids.put(None)
-            elif (need := self.buffers.lengths[row] + 1) > self.buffers.max_rows:
+            elif (need := buffers.lengths[row] + 1) > buffers.max_rows:
                 item.ids.put(SynthesisError(f"{self.lm.spec.name}: {need} positions, but its RoPE table ends "
-                                            f"at {self.buffers.max_rows}"))
+                                            f"at {buffers.max_rows}"))
             else:
                 continue
-            self.buffers.remove(row)
-            self._rows[row] = self._rows[-1]
-            self._rows.pop()
+            if isinstance(buffers, SlotBuffers):
+                buffers.release(row)
+                self._rows[row] = None
+                del self._rows[len(buffers.lengths):]
+            else:
+                buffers.remove(row)
+                self._rows[row] = self._rows[-1]
+                self._rows.pop()
 
     def _step(self) -> None:
         rows, buffers = self._rows, self.buffers
         buffers.fit(max(buffers.lengths) + 1)
-        embeds = np.concatenate([item.decoding.next_embeds for item in rows])  # (B, 1, C)
+        idle = np.zeros((1, 1, self.lm.speech_embedding.shape[1]), dtype=np.float32)
+        embeds = np.concatenate([idle if item is None else item.decoding.next_embeds for item in rows])
         start = time.perf_counter()
-        logp = self.lm.extend_rows(embeds, np.array(buffers.lengths, dtype=np.int64), buffers.values())
-        self.observer.step(len(rows), time.perf_counter() - start)
+        logp = self.lm.extend_rows(embeds, np.array(buffers.lengths, dtype=np.int64),
+                                   buffers.views(0, len(rows)))
+        self.observer.step(self.size, time.perf_counter() - start)
         for row, item in enumerate(rows):
-            buffers.lengths[row] += 1
-            token = item.decoding.take(logp[row])
-            if token is not None:
-                item.ids.put(token)
+            if item is not None:
+                buffers.lengths[row] += 1
+                token = item.decoding.take(logp[row])
+                if token is not None:
+                    item.ids.put(token)

@@ -22,9 +22,9 @@ from typing import TypeAlias
 import numpy as np
 import onnxruntime as ort
 
-from cosyvoice_graphs import BATCH, CACHE_LEN, GraphSpec, cache_pairs, empty_caches
+from cosyvoice_graphs import CACHE_LEN, GraphSpec, cache_pairs, empty_caches
 
-from .runners import CPU, Feed, OrtRunner, Runner
+from .runners import CPU, BufferView, Feed, OrtRunner, Runner
 from .sampling import Sampler, SilentTokenLimiter
 
 PREFILL_BODY_FROM = 4
@@ -88,7 +88,7 @@ class KVBuffers:
         cache: `length` becomes theirs. CPU buffers only (on a GPU the prefill runs on `llm_decode`)."""
         if self.device != CPU:
             raise ValueError(f"{self.spec.name}: buffers on {self.device} are written by the graph alone")
-        host = {past: v.numpy() if isinstance(v, ort.OrtValue) else v for past, v in caches.items()}
+        host = {past: v if isinstance(v, np.ndarray) else v.numpy() for past, v in caches.items()}
         length = next(iter(host.values())).shape[2]
         self.length = 0
         self.reserve(length)
@@ -97,18 +97,28 @@ class KVBuffers:
         self.length = length
 
     def _allocate(self, rows: int) -> None:
-        tensors = {t.name: t for t in self.spec.inputs}
-        arrays = {}
-        for past, _ in self.pairs:
-            # one decoding: one row of the batch, `rows` positions
-            shape = tuple(1 if d == BATCH else rows if isinstance(d, str) else d for d in tensors[past].shape)
-            arrays[past] = np.zeros(shape, dtype=tensors[past].np_dtype)  # pages mapped as written
-            if self.length:  # the cache so far (`numpy()`: the CPU buffer itself, or a GPU buffer's copy)
-                arrays[past][:, :, :self.length] = self.values[past].numpy()[:, :, :self.length]
-        # on the CPU an OrtValue of an array is that array's memory; on a GPU, a copy there
-        self.values = {past: ort.OrtValue.ortvalue_from_numpy(a, self.device, self.device_id)
-                       for past, a in arrays.items()}
-        self.arrays = arrays if self.device == CPU else {}
+        arrays = zeroed_caches(self.spec, 1, rows)  # one decoding: one row of the batch
+        if self.length:  # the cache so far (`numpy()`: the CPU buffer itself, or a GPU buffer's copy)
+            for past, array in arrays.items():
+                array[:, :, :self.length] = self.values[past].numpy()[:, :, :self.length]
+        self.arrays, self.values = placed(arrays, self.device, self.device_id)
+
+
+def zeroed_caches(spec: GraphSpec, batch: int, rows: int) -> dict[str, np.ndarray]:
+    """Per `past_*` input of `llm_decode`'s `spec` a zeroed (batch, KV, rows, D) buffer: `rows` positions
+    for each of `batch` decodings (pages mapped as they are written)."""
+    tensors = {t.name: t for t in spec.inputs}
+    return {past: np.zeros((batch, tensors[past].shape[1], rows, tensors[past].shape[3]),
+                           dtype=tensors[past].np_dtype)
+            for past, _ in cache_pairs(spec)}
+
+
+def placed(arrays: dict[str, np.ndarray], device: str, device_id: int
+           ) -> tuple[dict[str, np.ndarray], dict[str, ort.OrtValue]]:
+    """Buffers on `device`: on the CPU the arrays themselves and `OrtValue`s over their memory; on a GPU
+    no arrays and `OrtValue`s holding a copy in the device's memory."""
+    values = {past: ort.OrtValue.ortvalue_from_numpy(a, device, device_id) for past, a in arrays.items()}
+    return (arrays if device == CPU else {}), values
 
 
 Cache: TypeAlias = dict[str, Feed] | KVBuffers
@@ -206,11 +216,12 @@ class SpeechTokenLM:
         cache.length += embeds.shape[1]
         return logp[0]
 
-    def extend_rows(self, embeds: np.ndarray, lengths: np.ndarray, buffers: Mapping[str, ort.OrtValue]
-                    ) -> np.ndarray:
+    def extend_rows(self, embeds: np.ndarray, lengths: np.ndarray,
+                    buffers: Mapping[str, ort.OrtValue | BufferView]) -> np.ndarray:
         """One `llm_decode` call over a batch: embeds (B, T, C), row b's cache the first `lengths[b]`
-        positions of row b of `buffers` (`past_*` -> a (B, KV, rows, D) buffer on the CPU), which must have
-        room for T more; writes the new positions there and returns logp (B, V)."""
+        positions of row b of `buffers` (`past_*` -> a (B, KV, rows, D) buffer, or rows of one, on the
+        runner's device), which must have room for T more; writes the new positions there and returns
+        logp (B, V)."""
         assert self.in_place is not None
         feeds = {"inputs_embeds": embeds, CACHE_LEN: lengths, **buffers}
         return self.in_place.infer_in_place(feeds, self._written_into, ["logp"])["logp"]
@@ -236,10 +247,10 @@ class Decoding(Iterator[int]):
     """One segment's decoding in progress: an iterator of kept speech ids with its state in the open.
 
     `cache` holds the `past_*` values for the next call (`OrtValue`s left where onnxruntime computed
-    them, or numpy arrays from other runners) or the `KVBuffers` `llm_decode` writes, `history` every
-    sampled id (limiter-dropped ones included: upstream's RAS history), `tokens` the kept ids so far,
-    `steps` the graph calls made after the prefill, and `stop_id` the id that ended decoding (None if
-    `max_len` did).
+    them, or numpy arrays from other runners) or the `KVBuffers` `llm_decode` writes (made by the first
+    call: a decoding prefilled in a batch's row has none), `history` every sampled id (limiter-dropped
+    ones included: upstream's RAS history), `tokens` the kept ids so far, `steps` the graph calls made
+    after the prefill, and `stop_id` the id that ended decoding (None if `max_len` did).
     """
 
     def __init__(self, lm: SpeechTokenLM, request: LlmRequest, sampler: Sampler, *, min_len: int,
@@ -248,7 +259,7 @@ class Decoding(Iterator[int]):
         self.sampler = sampler
         self.min_len, self.max_len, self.ignore_stop = min_len, max_len, ignore_stop
         self._next_embeds: np.ndarray = lm.prompt_embeds(request)  # (1, T, C)
-        self.cache = lm.empty_cache(self._next_embeds.shape[1])
+        self.cache: Cache | None = None
         self.history: list[int] = []
         self.tokens: list[int] = []
         self.steps = 0
@@ -284,6 +295,8 @@ class Decoding(Iterator[int]):
         decoding ended."""
         if not self.wants_step():
             return None
+        if self.cache is None:
+            self.cache = self.lm.empty_cache(self._next_embeds.shape[1])
         logp, self.cache = self.lm.step(self._next_embeds, self.cache)
         return self.take(logp)
 

@@ -148,9 +148,9 @@ class Synthesizer:
         """Open every graph of `bundle` on `provider` (see `cosyvoice_runtime.runners.PROVIDERS`);
         `flow_prefix_bytes` bounds the streaming flow's per-prompt cache (`Flow.prefixes`). `max_batch` > 1
         decodes concurrent requests' speech ids together (`decode_batch`, reporting to `batch_observer`),
-        which needs the bundle's `llm_decode` on onnxruntime's CPU; 1 decodes each on its own. `chunk_policy`
-        is the streams' schedule (None: upstream's); it and `max_batch` are checked before any graph opens
-        (a `UserError`)."""
+        which needs the bundle's `llm_decode` on the decode steps (`batches`); 1 decodes each on its own.
+        `chunk_policy` is the streams' schedule (None: upstream's); it and `max_batch` are checked before any
+        graph opens (a `UserError`)."""
         check_max_batch(max_batch, bundle, provider)
         self.chunk_policy = check_policy(chunk_policy, bundle)
         """The streams' chunk schedule unless a call gives its own."""
@@ -304,9 +304,9 @@ class Synthesizer:
 
 
 def batches(bundle: RuntimeBundle, provider: str) -> bool:
-    """Whether `bundle` on `provider` decodes requests in a batch (`max_batch` > 1): on `llm_decode` on
-    onnxruntime's CPU (on a GPU its buffers are the decoding's own)."""
-    return provider == CPU and decode_body(bundle, provider) == LLM_DECODE
+    """Whether `bundle` on `provider` decodes requests in a batch (`max_batch` > 1): where its decode steps
+    run on `llm_decode` (`decode_body`: on onnxruntime's CPU, and on CUDA in fp16)."""
+    return decode_body(bundle, provider) == LLM_DECODE
 
 
 def check_max_batch(max_batch: int, bundle: RuntimeBundle, provider: str) -> None:
@@ -316,9 +316,10 @@ def check_max_batch(max_batch: int, bundle: RuntimeBundle, provider: str) -> Non
         raise UserError(f"max_batch is {max_batch}; expected 1 to {MAX_BATCH}")
     if max_batch > 1 and not batches(bundle, provider):
         body = decode_body(bundle, provider)
-        raise UserError(f"max_batch {max_batch}: batched decoding runs on llm_decode on the cpu provider; "
-                        f"{bundle.root} ({bundle.manifest.precision}) on {provider!r} decodes on {body} "
-                        "(export --precision cpu-fast, or decode=fp32 for float32, and run on the cpu)")
+        raise UserError(f"max_batch {max_batch}: batched decoding runs on llm_decode, on the cpu provider or "
+                        f"in fp16 on cuda; {bundle.root} ({bundle.manifest.precision}) on {provider!r} "
+                        f"decodes on {body} (export --precision cpu-fast, or decode=fp32 for float32, for "
+                        "the cpu; decode=fp16 for cuda)")
 
 
 def closing_after(chunks: Iterator[AudioChunk], close: Callable[[], None]

@@ -399,12 +399,12 @@ class FlowStream:
 
     def _windowed(self, caches: dict[str, np.ndarray]) -> dict[str, Feed]:
         """`caches` with the keys/values of frames outside the window dropped (all kept without one)."""
+        out: dict[str, Feed] = dict(caches)
         if self.window is None:
-            return caches
+            return out
         block = self.flow.dims.dit_block_frames
         head = -(-self.prompt.mel.shape[1] // block) * block  # the prompt's blocks
         tail = self.window * block
-        out = dict(caches)
         for name in self.growing:
             a = caches[name]  # (2, H, frames, Dh)
             if a.shape[2] > head + tail:

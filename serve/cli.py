@@ -76,8 +76,9 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
                    "--max-batch runs more).")
 @click.option("--max-batch", type=click.IntRange(1, MAX_BATCH), default=DEFAULTS.max_batch,
               help="Sessions whose speech tokens one LLM call decodes together (continuous batching; that "
-                   "many run at once, --max-conc or more). Needs a bundle with llm_decode (export "
-                   "--precision cpu-fast, or decode=fp32 for float32) on the cpu provider; 1: no batching.")
+                   "many run at once, --max-conc or more). Needs a bundle with llm_decode: on the cpu "
+                   "provider (export --precision cpu-fast, or decode=fp32 for float32), or on cuda in fp16 "
+                   "(decode=fp16); 1: no batching.")
 @click.option("--queue", "queue_depth", type=click.IntRange(min=0), default=DEFAULTS.queue_depth,
               help="Sessions waiting for a slot; beyond them the server answers 503 (gRPC: "
                    "RESOURCE_EXHAUSTED) at once.")

@@ -9,7 +9,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -19,14 +19,17 @@ pytest.importorskip("torch", reason="needs torch (the export extra)")
 pytestmark = pytest.mark.torch
 
 import numpy as np
+import onnxruntime as ort
 from click.testing import CliRunner
 
 from cosyvoice_export.cli import main
+from cosyvoice_graphs import spec
 from cosyvoice_runtime import CosyVoice3
 from cosyvoice_runtime.bundle import RuntimeBundle
-from cosyvoice_runtime.decode_batch import BatchedDecoding
+from cosyvoice_runtime.decode_batch import DecodeBatcher
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.llm import LlmRequest
+from cosyvoice_runtime.runners import CPU, CUDA
 from cosyvoice_runtime.sampling import make_sampler
 from cosyvoice_runtime.synthesis import Synthesizer
 
@@ -34,14 +37,20 @@ T = TypeVar("T")
 
 
 class Recorder:
-    """A `BatchObserver` that keeps what it is told."""
+    """A `BatchObserver` that keeps what it is told, and with `batcher` the rows each call ran over (idle
+    ones included)."""
 
-    def __init__(self) -> None:
+    def __init__(self, batcher: Callable[[], DecodeBatcher | None] = lambda: None) -> None:
         self.sizes: list[int] = []
+        self.call_rows: list[int] = []
         self.waits: list[float] = []
+        self._batcher = batcher
 
     def step(self, rows: int, seconds: float) -> None:
         self.sizes.append(rows)
+        batcher = self._batcher()
+        if batcher is not None:
+            self.call_rows.append(len(batcher.buffers.lengths))
 
     def admitted(self, waited: float) -> None:
         self.waits.append(waited)
@@ -81,11 +90,14 @@ def _concurrently(calls: list[Callable[[], T]]) -> list[T]:
 
 
 @pytest.mark.parametrize("sampling", ["ras", "greedy"])
-@pytest.mark.parametrize("body", ["exact_bundle", "fp16_decode_bundle"])
-def test_batched_rows_are_the_decodings_alone(body: str, sampling: str, request: pytest.FixtureRequest
-                                              ) -> None:
+@pytest.mark.parametrize(("body", "in_slots"), [("exact_bundle", False), ("exact_bundle", True),
+                                                ("fp16_decode_bundle", False)])
+def test_batched_rows_are_the_decodings_alone(body: str, in_slots: bool, sampling: str,
+                                              request: pytest.FixtureRequest) -> None:
     """Five decodings, at most three in the batch: two wait for a row and join mid-batch as others leave at
-    their own max_len; every one's ids equal its run alone."""
+    their own max_len; every one's ids equal its run alone. Rows packed (the CPU's way), and in slots (a
+    GPU's: the batcher prefills each decoding into a free row on `llm_decode`, as a GPU's run alone does;
+    here in the CPU's memory)."""
     bundle = RuntimeBundle.open(request.getfixturevalue(body))
     requests = _requests(bundle, 5)
     with Synthesizer(bundle, threads=1) as alone:
@@ -94,39 +106,109 @@ def test_batched_rows_are_the_decodings_alone(body: str, sampling: str, request:
         want = [list(run) for run in runs]
         steps = [run.steps for run in runs]  # a step more than ids where a stop id ended it
     assert len(set(steps)) == 5  # each leaves at its own step
-    observed = Recorder()
-    with Synthesizer(bundle, threads=1, max_batch=3, batch_observer=observed) as synth:
-        got = _concurrently([lambda r=r, i=i: list(synth.decode(r, make_sampler(sampling, seed=i)))
-                             for i, r in enumerate(requests)])
-        assert synth.batcher is not None and synth.batcher.size == 0
+    with Synthesizer(bundle, threads=1) as synth:
+        observed = Recorder()
+        batcher = DecodeBatcher(synth.lm, 3, observed, in_slots=in_slots)
+        try:
+            got = _concurrently([lambda r=r, i=i: list(batcher.submit(synth.lm.decode(
+                r, make_sampler(sampling, seed=i)))) for i, r in enumerate(requests)])
+            assert batcher.size == 0 and batcher.buffers.lengths == []
+        finally:
+            batcher.close()
     assert got == want
     assert len(observed.waits) == 5  # every decoding joined
     assert max(observed.sizes) == 3 and min(observed.sizes) < 3  # full, and smaller as rows left
     assert sum(observed.sizes) == sum(steps) - 5  # every step after each prefill, batched
 
 
-def test_a_closed_decoding_leaves_the_batch(exact_bundle: Path) -> None:
-    """A consumer that stops (a client gone) frees its row at the next step; the others run on unchanged."""
+class Replay:
+    """A sampler that keeps the log-probs it is shown (the speech ids') and returns their argmax, or, given
+    another run's ids, that run's in turn (teacher forcing)."""
+
+    def __init__(self, ids: list[int] | None = None) -> None:
+        self.forced = ids
+        self.ids: list[int] = []
+        self.seen: list[np.ndarray] = []
+
+    def __call__(self, logp: np.ndarray, history: Sequence[int]) -> int:
+        self.seen.append(logp.copy())
+        token = int(np.argmax(logp)) if self.forced is None else self.forced[len(self.ids)]
+        self.ids.append(token)
+        return token
+
+
+@pytest.mark.parametrize(("body", "provider"), [("exact_bundle", CPU), ("fp16_decode_bundle", CUDA)])
+def test_batched_rows_follow_their_runs_alone(body: str, provider: str, request: pytest.FixtureRequest
+                                             ) -> None:
+    """On a GPU a row's arithmetic may differ from its run alone in the last bits (the kernels follow the
+    batch's shape). Five decodings, greedy alone, then in a batch of three (on a GPU in slots, prefilled by
+    the batcher) fed the ids they took alone: the log-probs within the fp16 bound of theirs alone, and the
+    same greedy id wherever alone the best two differ by more than twice the worst difference; on the CPU
+    in float32, equal to the bit."""
+    if provider == CUDA and "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("needs onnxruntime's CUDA provider (onnxruntime-gpu and a GPU)")
+    bundle = RuntimeBundle.open(request.getfixturevalue(body))
+    requests = _requests(bundle, 5)
+    speech = bundle.dims.speech_token_size
+    alone = [Replay() for _ in requests]
+    with Synthesizer(bundle, provider, threads=1) as synth:
+        for r, sampler in zip(requests, alone, strict=True):
+            synth.decode(r, sampler, max_tokens=60, ignore_stop=True).run()
+    batched = [Replay(sampler.ids) for sampler in alone]
+    with Synthesizer(bundle, provider, threads=1, max_batch=3) as synth:
+        assert synth.batcher is not None and synth.batcher.prefills == (provider != CPU)
+        _concurrently([lambda r=r, s=s: list(synth.decode(r, s, max_tokens=60, ignore_stop=True))
+                       for r, s in zip(requests, batched, strict=True)])
+    pairs = [(a[:speech], b[:speech]) for x, y in zip(alone, batched, strict=True)
+             for a, b in zip(x.seen, y.seen, strict=True)]
+    assert len(pairs) == 5 * 60
+    worst = max(float(np.abs(a - b).max() / np.abs(a).max()) for a, b in pairs)
+    if provider == CPU:
+        assert worst == 0
+        return
+    assert worst < spec("llm_decode", bundle.dims).precision_tolerances["fp16"]["logp"].bound
+    for a, b in pairs:
+        best, second = np.sort(a)[-2:][::-1]
+        if best - second > 2 * worst * np.abs(a).max():
+            assert np.argmax(a) == np.argmax(b)
+
+
+@pytest.mark.parametrize("in_slots", [False, True])
+def test_a_closed_decoding_leaves_the_batch(exact_bundle: Path, in_slots: bool) -> None:
+    """A consumer that stops (a client gone) frees its row at the next step; the others run on unchanged,
+    past the buffers' first size. In slots the first row stays free, an idle row of the calls, until a new
+    decoding takes it."""
     bundle = RuntimeBundle.open(exact_bundle)
-    first, second = _requests(bundle, 2)
+    first, second, third = _requests(bundle, 3)
     with Synthesizer(bundle, threads=1) as alone:
-        want = list(alone.decode(second, make_sampler("ras", seed=1), max_tokens=150, ignore_stop=True))
-    with Synthesizer(bundle, threads=1, max_batch=2) as synth:
-        assert synth.batcher is not None
-        leaving = synth.decode(first, make_sampler("ras", seed=0), max_tokens=150, ignore_stop=True)
-        staying = synth.decode(second, make_sampler("ras", seed=1), max_tokens=150, ignore_stop=True)
-        assert isinstance(leaving, BatchedDecoding)
-        ids = [next(leaving) for _ in range(3)]
-        rest: list[int] = []
-        thread = threading.Thread(target=lambda: rest.extend(staying))
-        thread.start()
-        _until(lambda: synth.batcher is not None and synth.batcher.size == 2)
-        leaving.close()
-        _until(lambda: synth.batcher is not None and synth.batcher.size <= 1)
-        assert len(leaving.tokens) < 150
-        thread.join(timeout=60)
-        assert list(leaving) == [] and len(ids) == 3
+        want = list(alone.decode(second, make_sampler("ras", seed=1), max_tokens=300, ignore_stop=True))
+        want_third = list(alone.decode(third, make_sampler("ras", seed=2), max_tokens=40, ignore_stop=True))
+    with Synthesizer(bundle, threads=1) as synth:
+        batcher = DecodeBatcher(synth.lm, 2, observed := Recorder(lambda: batcher), in_slots=in_slots)
+        try:
+            leaving = batcher.submit(synth.lm.decode(first, make_sampler("ras", seed=0), max_tokens=300,
+                                                     ignore_stop=True))
+            staying = batcher.submit(synth.lm.decode(second, make_sampler("ras", seed=1), max_tokens=300,
+                                                     ignore_stop=True))
+            ids = [next(leaving) for _ in range(3)]
+            rest: list[int] = []
+            thread = threading.Thread(target=lambda: rest.extend(staying))
+            thread.start()
+            _until(lambda: batcher.size == 2)
+            leaving.close()
+            _until(lambda: batcher.size <= 1)
+            assert len(leaving.tokens) < 300
+            assert list(leaving) == [] and len(ids) == 3
+            if in_slots:  # the second keeps its row, behind the first's, free now: calls over two rows
+                _until(lambda: (1, 2) in zip(observed.sizes, observed.call_rows, strict=False))
+                joining = batcher.submit(synth.lm.decode(third, make_sampler("ras", seed=2), max_tokens=40,
+                                                         ignore_stop=True))
+                assert list(joining) == want_third  # in the free row (of two), which held the first's cache
+            thread.join(timeout=120)
+        finally:
+            batcher.close()
     assert rest == want
+    assert max(observed.sizes) == 2
 
 
 def _until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
@@ -161,7 +243,7 @@ def test_many_texts_in_a_batch_are_each_text_alone(exact_bundle: Path, prompt_wa
 
 
 def test_batching_needs_llm_decode(runtime_bundle: Path) -> None:
-    with pytest.raises(UserError, match="max_batch 2: batched decoding runs on llm_decode on the cpu "):
+    with pytest.raises(UserError, match="max_batch 2: batched decoding runs on llm_decode, on the cpu "):
         CosyVoice3(runtime_bundle, threads=1, max_batch=2)
     with pytest.raises(UserError, match="max_batch is 17; expected 1 to 16"):
         CosyVoice3(runtime_bundle, threads=1, max_batch=17)

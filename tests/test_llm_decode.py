@@ -38,6 +38,7 @@ from cosyvoice_runtime.runners import (
     CUDA,
     OPENVINO,
     TRT,
+    BufferView,
     Runner,
     decode_body,
     graphs_run,
@@ -209,8 +210,23 @@ def test_in_place_equals_the_graph_grown_on_its_own_cases(fast_bundle: Path) -> 
         for past, present in cache_pairs(s):
             np.testing.assert_array_equal(buffers.arrays[past][:, :, :past_len + new_len], grown[present])
         with pytest.raises(ValueError, match=r"llm_decode.past_key_0: an output written in place needs its "
-                                             r"input as an OrtValue on cpu"):
+                                             r"input as an OrtValue or a BufferView on cpu"):
             runner.infer_in_place({**at, **buffers.arrays}, {"present_key_0": "past_key_0"}, ["logp"])
+        # the cache in row 1 of three, bound by its address: that row written, the others untouched
+        batch = {p: np.full((3, a.shape[1], rows, a.shape[3]), 7, dtype=a.dtype) for p, a in caches.items()}
+        for past, array in batch.items():
+            array[1, :, :past_len] = caches[past][0]
+        values = {past: ort.OrtValue.ortvalue_from_numpy(a) for past, a in batch.items()}
+        views = {past: BufferView(v, 1, 1) for past, v in values.items()}
+        assert views["past_key_0"].shape == (1, *batch["past_key_0"].shape[1:])
+        assert views["past_key_0"].address == values["past_key_0"].data_ptr() + batch["past_key_0"][0].nbytes
+        out = runner.infer_in_place({**at, **views}, in_place, ["logp"])
+        np.testing.assert_array_equal(out["logp"], grown["logp"])
+        for past, present in cache_pairs(s):
+            np.testing.assert_array_equal(batch[past][1:2, :, :past_len + new_len], grown[present])
+            assert (batch[past][[0, 2]] == 7).all() and (batch[past][1, :, past_len + new_len:] == 7).all()
+        with pytest.raises(ValueError, match="a view of 2 rows from row 2 of a tensor of 3 rows"):
+            BufferView(values["past_key_0"], 2, 2)
 
 
 def test_tuning_times_the_decode_body_at_a_full_cache(fast_bundle: Path) -> None:
@@ -295,7 +311,8 @@ def test_the_fp16_body_keeps_its_caches_in_float16_buffers(fp16_decode_bundle: P
 def test_cuda_decodes_on_the_fp16_body_in_buffers_of_its_own(fp16_decode_bundle: Path, fast_bundle: Path
                                                               ) -> None:
     """Where the CUDA provider takes the decode steps (an fp16 `llm_decode`), the prefill runs on it too,
-    into the buffers on the GPU, and neither `llm` nor the prefill body opens; it does not batch."""
+    into the buffers on the GPU, and neither `llm` nor the prefill body opens; it batches there (an int4
+    bundle, which decodes on `llm` there, does not)."""
     bundle = RuntimeBundle.open(fp16_decode_bundle)
     everything = set(bundle.specs)
     assert (decode_body(bundle, CUDA), prefill_body(bundle, CUDA)) == ("llm_decode", None)
@@ -305,9 +322,10 @@ def test_cuda_decodes_on_the_fp16_body_in_buffers_of_its_own(fp16_decode_bundle:
     assert bundle.specs["llm_decode"].inputs[2].dtype == "float16"  # the bundle's spec is its body's
     fast = RuntimeBundle.open(fast_bundle)  # int4: not on CUDA, whose kernel has no int4 attention
     assert (decode_body(fast, CUDA), prefill_body(fast, CUDA)) == ("llm", "llm_prefill")
-    with pytest.raises(UserError, match=r"max_batch 2: batched decoding runs on llm_decode on the cpu "
-                                        r"provider; .* on 'cuda' decodes on llm_decode "):
-        check_max_batch(2, bundle, CUDA)
+    with pytest.raises(UserError, match=r"max_batch 2: batched decoding runs on llm_decode, on the cpu "
+                                        r"provider or in fp16 on cuda; .* on 'cuda' decodes on llm "):
+        check_max_batch(2, fast, CUDA)
+    check_max_batch(2, bundle, CUDA)
     check_max_batch(2, bundle, CPU)
     with Synthesizer(bundle, threads=1) as synth:  # on the CPU the int8 prefill fills the float16 buffers
         decoding = synth.lm.decode(_request(bundle), GreedySampler(), max_tokens=5, ignore_stop=True)

@@ -14,15 +14,15 @@ from cosyvoice_graphs.providers import CPU, CPU_PROVIDERS, CUDA, OPENVINO, PROVI
 
 from ..bundle import RuntimeBundle
 from ..errors import ProviderError, RuntimeBundleError
-from .base import Feed, Runner, RunnerBase, check_feeds, feed_nbytes, feed_shape
+from .base import BufferView, Feed, Runner, RunnerBase, check_feeds, feed_nbytes, feed_shape
 from .openvino import OpenVinoRunner
 from .ort import OPTIMIZATION, ORT_PROVIDERS, OrtRunner, provider_chain
 from .trt import TrtRunner
 
 __all__ = ["CPU", "CPU_PROVIDERS", "CUDA", "OPENVINO", "OPTIMIZATION", "ORT_PROVIDERS", "PROVIDERS",
-           "TENSORRT", "TRT", "Feed", "OpenVinoRunner", "OrtRunner", "Runner", "RunnerBase", "TrtRunner",
-           "check_feeds", "decode_body", "feed_nbytes", "feed_shape", "graphs_run", "on_openvino",
-           "open_runner", "prefill_body", "provider_chain"]
+           "TENSORRT", "TRT", "BufferView", "Feed", "OpenVinoRunner", "OrtRunner", "Runner", "RunnerBase",
+           "TrtRunner", "check_feeds", "decode_body", "feed_nbytes", "feed_shape", "graphs_run",
+           "on_openvino", "open_runner", "prefill_body", "provider_chain"]
 
 
 def on_openvino(bundle: RuntimeBundle, graph: str, provider: str) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Protocol, Self, TypeAlias, runtime_checkable
 
@@ -16,8 +17,47 @@ from cosyvoice_graphs import GraphSpec
 
 from ..errors import FeedError
 
-Feed: TypeAlias = np.ndarray | ort.OrtValue
-"""A graph input: a numpy array, or an onnxruntime value left on its device by `OrtRunner.infer_kept`."""
+_ORT_DTYPES: dict[str, np.dtype[Any]] = {
+    "tensor(float)": np.dtype(np.float32), "tensor(float16)": np.dtype(np.float16),
+    "tensor(int64)": np.dtype(np.int64), "tensor(int32)": np.dtype(np.int32),
+    "tensor(bool)": np.dtype(np.bool_)}
+
+
+@dataclass(frozen=True)
+class BufferView:  # a decode step binds ~50: what binding needs is computed once
+    """Rows `first` to `first + count` of an onnxruntime tensor's first dim, on the tensor's device: a part
+    of a buffer that a graph reads, or writes in place (`OrtRunner.infer_in_place`), bound by its address
+    without a copy. onnxruntime's Python API has no view of part of a tensor and copies whole tensors only:
+    this is how one decoding's row of a batch's caches on a GPU is a call's feed."""
+
+    value: ort.OrtValue
+    first: int
+    count: int
+    shape: tuple[int, ...] = field(init=False)
+    dtype: np.dtype[Any] = field(init=False)
+    device: str = field(init=False)
+    """onnxruntime's name of the device ("cpu", "cuda")."""
+    address: int = field(init=False)
+    """Where row `first` starts (the rows are contiguous: a row holds the product of the other dims)."""
+
+    def __post_init__(self) -> None:
+        rows, *rest = self.value.shape()
+        if not (0 <= self.first and 0 < self.count and self.first + self.count <= rows):
+            raise ValueError(f"a view of {self.count} rows from row {self.first} of a tensor of {rows} rows")
+        dtype = _ORT_DTYPES.get(self.value.data_type(), np.dtype(object))
+        described = {"shape": (self.count, *rest), "dtype": dtype, "device": self.value.device_name().lower(),
+                     "address": self.value.data_ptr() + self.first * math.prod(rest) * dtype.itemsize}
+        for name, value in described.items():
+            object.__setattr__(self, name, value)
+
+    def numpy(self) -> np.ndarray:
+        """The rows on the host (a copy of the whole tensor where it is on a device)."""
+        return self.value.numpy()[self.first:self.first + self.count]
+
+
+Feed: TypeAlias = np.ndarray | ort.OrtValue | BufferView
+"""A graph input: a numpy array, an onnxruntime value left on its device by `OrtRunner.infer_kept`, or rows
+of one (`BufferView`)."""
 
 
 @runtime_checkable
@@ -49,15 +89,9 @@ class Runner(Protocol):
                  tb: TracebackType | None) -> None: ...
 
 
-_ORT_DTYPES: dict[str, np.dtype[Any]] = {
-    "tensor(float)": np.dtype(np.float32), "tensor(float16)": np.dtype(np.float16),
-    "tensor(int64)": np.dtype(np.int64), "tensor(int32)": np.dtype(np.int32),
-    "tensor(bool)": np.dtype(np.bool_)}
-
-
 def _shape_dtype(value: object) -> tuple[tuple[int, ...], np.dtype[Any]] | None:
-    """Shape and dtype of a feed (numpy or `OrtValue`); None for anything else."""
-    if isinstance(value, np.ndarray):
+    """Shape and dtype of a feed (numpy, `OrtValue` or `BufferView`); None for anything else."""
+    if isinstance(value, np.ndarray | BufferView):
         return value.shape, value.dtype
     if isinstance(value, ort.OrtValue):
         return tuple(value.shape()), _ORT_DTYPES.get(value.data_type(), np.dtype(object))
@@ -190,5 +224,5 @@ class RunnerBase(ABC):
 
 
 def _on_host(feeds: Mapping[str, Feed]) -> dict[str, np.ndarray]:
-    """`feeds` as numpy arrays (`OrtValue`s copied to the host)."""
-    return {k: v.numpy() if isinstance(v, ort.OrtValue) else v for k, v in feeds.items()}
+    """`feeds` as numpy arrays (`OrtValue`s and `BufferView`s copied to the host)."""
+    return {k: v if isinstance(v, np.ndarray) else v.numpy() for k, v in feeds.items()}

@@ -18,7 +18,7 @@ from cosyvoice_graphs.providers import CPU, CUDA, TENSORRT
 from ..errors import ProviderError, RuntimeBundleError
 from ..extras import gpu_install_command
 from ..process_memory import release_free_heap
-from .base import Feed, RunnerBase
+from .base import BufferView, Feed, RunnerBase
 from .ort_settings import (
     CONV_ALGO_SEARCH,
     FALLBACK,
@@ -142,33 +142,44 @@ class OrtRunner(RunnerBase):
     def infer_in_place(self, feeds: Mapping[str, Feed], in_place: Mapping[str, str], names: Sequence[str]
                        ) -> dict[str, np.ndarray]:
         """`infer_outputs` for the outputs `names` (to the host), each output of `in_place` (output -> input)
-        written into the memory of its input's feed, an `OrtValue` on the session's device: for a graph that
-        extends its inputs in place (`llm_decode`'s caches), nothing is allocated or copied for them.
-        onnxruntime refuses a call where such an output would not have its input's shape."""
+        written into the memory of its input's feed, an `OrtValue` or a `BufferView` on the session's
+        device: for a graph that extends its inputs in place (`llm_decode`'s caches), nothing is allocated
+        or copied for them. onnxruntime refuses a call where such an output would not have its input's
+        shape."""
         self._check_call(feeds, [*names, *in_place])
         if self.provider == TENSORRT:
             raise ValueError(f"{self.spec.name}: outputs written in place need the cpu or cuda provider, not "
                              f"{self.provider!r}")
         for source in in_place.values():
             value = feeds[source]
-            if not isinstance(value, ort.OrtValue) or value.device_name().lower() != self.device_type:
+            device = value.device if isinstance(value, BufferView) else (
+                value.device_name().lower() if isinstance(value, ort.OrtValue) else None)
+            if device != self.device_type:
                 raise ValueError(f"{self.spec.name}.{source}: an output written in place needs its input as "
-                                 f"an OrtValue on {self.device_type}")
+                                 f"an OrtValue or a BufferView on {self.device_type}")
         binding = self._bound_inputs(feeds)
         for name in names:
             binding.bind_output(name, CPU)
         for output, source in in_place.items():
-            binding.bind_ortvalue_output(output, feeds[source])
+            value = feeds[source]
+            if isinstance(value, BufferView):
+                binding.bind_output(output, self.device_type, self.device_id, value.dtype, list(value.shape),
+                                    value.address)
+            else:
+                binding.bind_ortvalue_output(output, value)
         self.session.run_with_iobinding(binding)
         return {name: v.numpy() for name, v in zip(names, binding.get_outputs(), strict=False)}
 
     def _bound_inputs(self, feeds: Mapping[str, Feed]) -> ort.IOBinding:
-        """A new IOBinding of the session with `feeds` bound: `OrtValue`s where they are, arrays from the
-        host."""
+        """A new IOBinding of the session with `feeds` bound: `OrtValue`s and `BufferView`s where they are,
+        arrays from the host."""
         binding = self.session.io_binding()
         for name, value in feeds.items():
             if isinstance(value, ort.OrtValue):
                 binding.bind_ortvalue_input(name, value)
+            elif isinstance(value, BufferView):
+                binding.bind_input(name, value.device, self.device_id if value.device != CPU else 0,
+                                   value.dtype, list(value.shape), value.address)
             else:
                 binding.bind_cpu_input(name, np.ascontiguousarray(value))
         return binding
