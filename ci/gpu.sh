@@ -17,7 +17,9 @@
 #   profile-P    its hot graph calls under onnxruntime's profiler: time per provider, host/device copies
 #   rowsN-P      with an llm_decode: its decode step for N (4, 16) decodings at once, profiled
 #   bench-P      cosyvoice-bench on it: first chunk p50/p95, stages against the GPU's bounds, concurrency
-#                1 and 4, or BATCH_LEVELS (1, 4, 16) with an llm_decode, each beside its batched decode
+#                1 and 4 (beside the batched decode, with an llm_decode)
+#   streamsN-P   with an llm_decode: STREAMS (16) concurrent streams of 125 tokens, unbatched and batched
+#                (issue 30's target), a bench of their own so that a slow level costs only its own figures
 # (P in a step's or a file's name with its = and , as -)
 #
 # PROVIDER=cpu SIZE=tiny runs the same steps on a CPU: that is how the script is tested.
@@ -27,7 +29,7 @@ PROVIDER=${PROVIDER:-cuda}
 SIZE=${SIZE:-full}
 GATES=${GATES:-"decode=fp16 tf32 fp16"}
 PRECISIONS=${PRECISIONS:-"decode=fp16 fp32 fp16"}
-BATCH_LEVELS=${BATCH_LEVELS:-1,4,16}
+STREAMS=${STREAMS:-16}
 DEADLINE=${DEADLINE:-540}
 WORK=${WORK:-/tmp/gpu-work}
 PY=${PYTHON:-python3}
@@ -79,16 +81,18 @@ for p in $PRECISIONS; do
     [ -f "$bundle/manifest.json" ] || continue
     step "profile-$tag" 120 "$PY" -m cosyvoice_bench.graph_profile --model "$bundle" --provider "$PROVIDER" \
         --json "$OUT/profile-$tag.json"
-    levels=1,4
-    if grep -q '"llm_decode"' "$bundle/manifest.json"; then
-        levels=$BATCH_LEVELS
+    batches=$(grep -c '"llm_decode"' "$bundle/manifest.json")
+    if ((batches)); then
         for rows in 4 16; do
             step "rows$rows-$tag" 120 "$PY" -m cosyvoice_bench.graph_profile --model "$bundle" \
                 --provider "$PROVIDER" --decode-rows $rows --json "$OUT/rows$rows-$tag.json"
         done
     fi
-    step "bench-$tag" 420 "$PY" -m cosyvoice_bench --model "$bundle" --provider "$PROVIDER" --lengths long \
-        --concurrency $levels --quick --repeat 3 --tokens 250 --first-chunk-tokens 10 --no-progress \
+    step "bench-$tag" 300 "$PY" -m cosyvoice_bench --model "$bundle" --provider "$PROVIDER" --lengths long \
+        --concurrency 1,4 --quick --repeat 3 --tokens 250 --first-chunk-tokens 10 --no-progress \
         --json "$OUT/bench-$tag.json"
+    ((batches)) && step "streams$STREAMS-$tag" 360 "$PY" -m cosyvoice_bench --model "$bundle" \
+        --provider "$PROVIDER" --lengths long --concurrency "$STREAMS" --quick --tokens 125 --no-progress \
+        --json "$OUT/streams$STREAMS-$tag.json"
 done
 echo "done in $((SECONDS - start)) s; the logs are in $OUT" | tee -a "$OUT/summary.txt"

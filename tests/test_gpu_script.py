@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _run(out: Path, work: Path, **env: str) -> list[str]:
     settings = {"PROVIDER": "cpu", "SIZE": "tiny", "GATES": "tf32 decode=fp16",
-                "PRECISIONS": "fp32 decode=fp16", "BATCH_LEVELS": "1,4", "WORK": str(work),
+                "PRECISIONS": "fp32 decode=fp16", "STREAMS": "3", "WORK": str(work),
                 "PYTHON": sys.executable, **env}
     done = subprocess.run(["bash", str(ROOT / "ci" / "gpu.sh"), str(out)], capture_output=True, text=True,
                           env={**os.environ, **settings}, timeout=900)
@@ -34,12 +34,12 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
     steps = [line.split(":")[0] for line in lines[:-1]]
     assert steps == ["gpu", "golden", "tiny-model", "gates-tf32", "gates-decode-fp16", "tests", "export-fp32",
                      "profile-fp32", "bench-fp32", "export-decode-fp16", "profile-decode-fp16",
-                     "rows4-decode-fp16", "rows16-decode-fp16", "bench-decode-fp16"]
+                     "rows4-decode-fp16", "rows16-decode-fp16", "bench-decode-fp16", "streams3-decode-fp16"]
     assert all(": exit 0 after " in line for line in lines[:-1]), lines
     rows = json.loads((tmp_path / "out" / "rows4-decode-fp16.json").read_text())["profiles"][0]
     assert rows["graph"] == "llm_decode" and rows["precision"] == "fp16" and rows["shape"]["batch"] == 4
-    batched = json.loads((tmp_path / "out" / "bench-decode-fp16.json").read_text())["concurrency"][1]
-    assert batched["level"] == 4 and batched["batched"]["llm_tokens_per_s"] > 0
+    (streams,) = json.loads((tmp_path / "out" / "streams3-decode-fp16.json").read_text())["concurrency"]
+    assert streams["level"] == 3 and streams["batched"]["llm_tokens_per_s"] > 0
     result = json.loads((tmp_path / "out" / "bench-fp32.json").read_text())
     assert result["settings"]["provider"] == "cpu" and result["bundle"]["precision"] == "fp32"
     case = result["cases"][0]["runtime"]
