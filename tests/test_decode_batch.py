@@ -10,6 +10,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -75,18 +76,11 @@ def _requests(bundle: RuntimeBundle, n: int) -> list[LlmRequest]:
 
 
 def _concurrently(calls: list[Callable[[], T]]) -> list[T]:
-    """Each call on a thread of its own, all started together; their results in order."""
-    results: list[T] = [None] * len(calls)  # type: ignore[list-item]
-
-    def run(i: int) -> None:
-        results[i] = calls[i]()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    return results
+    """Each call on a thread of its own, all started together; their results in order (the first error
+    raised in one of them is raised here)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [future.result(timeout=120) for future in futures]
 
 
 @pytest.mark.parametrize("sampling", ["ras", "greedy"])
