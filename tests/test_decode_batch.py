@@ -116,8 +116,8 @@ def test_batched_rows_are_the_decodings_alone(body: str, in_slots: bool, samplin
 
 
 class Replay:
-    """A sampler that keeps the log-probs it is shown (the speech ids') and returns their argmax, or, given
-    another run's ids, that run's in turn (teacher forcing)."""
+    """A sampler that keeps the log-probs it is shown and returns their argmax, or, given another run's ids,
+    that run's in turn (teacher forcing)."""
 
     def __init__(self, ids: list[int] | None = None) -> None:
         self.forced = ids
