@@ -19,7 +19,7 @@
 #   bench-P      cosyvoice-bench on it: first chunk p50/p95, stages against the GPU's bounds, concurrency
 #                1 and 4 (beside the batched decode, with an llm_decode)
 #   streamsN-P   with an llm_decode: STREAMS (16) concurrent streams of 125 tokens, unbatched and batched
-#                (issue 30's target), a bench of their own so that a slow level costs only its own figures
+#                (the many-streams target), a bench of their own so that a slow level costs only its figures
 # (P in a step's or a file's name with its = and , as -)
 #
 # PROVIDER=cpu SIZE=tiny runs the same steps on a CPU: that is how the script is tested.

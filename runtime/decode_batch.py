@@ -267,6 +267,8 @@ class DecodeBatcher:
         self._rows: list[BatchedDecoding | None] = []
         """The decodings in the batch, row i of `buffers` the i-th's cache; None: a free row (`SlotBuffers`).
         The batcher's thread's alone."""
+        self._idle_embeds = np.zeros((1, 1, lm.speech_embedding.shape[1]), dtype=np.float32)
+        """What a free row among the used ones is fed (`SlotBuffers`)."""
         self._waiting: deque[BatchedDecoding] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -406,8 +408,8 @@ class DecodeBatcher:
     def _step(self) -> None:
         rows, buffers = self._rows, self.buffers
         buffers.fit(max(buffers.lengths) + 1)
-        idle = np.zeros((1, 1, self.lm.speech_embedding.shape[1]), dtype=np.float32)
-        embeds = np.concatenate([idle if item is None else item.decoding.next_embeds for item in rows])
+        embeds = np.concatenate([self._idle_embeds if item is None else item.decoding.next_embeds
+                                 for item in rows])
         start = time.perf_counter()
         logp = self.lm.extend_rows(embeds, np.array(buffers.lengths, dtype=np.int64),
                                    buffers.views(0, len(rows)))
