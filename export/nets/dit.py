@@ -165,10 +165,23 @@ class _AdaLayerNormZeroFinal(nn.Module):
         return F.layer_norm(x, (self.dim,), eps=LN_EPS) * (1 + scale)[:, None] + shift[:, None]
 
 
+def _attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
+    """Softmax attention of q (B, H, T, Dh) over k, v (B, H, S, Dh) with the additive `bias` at `scale`
+    (Dh ** -0.5): upstream's `scaled_dot_product_attention` in eager torch. Its ONNX export scales q and
+    every key by the scale's root, a pass over all S keys per call whose Mul also sits between the keys'
+    Transpose and the MatMul, where onnxruntime would fuse the two; an export scales the T queries alone,
+    the same product (exactly for a power-of-two scale, as 64 dims' 1/8)."""
+    if not torch.onnx.is_in_onnx_export():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    scores = torch.matmul(q * scale, k.transpose(-1, -2)) + bias  # (B, H, T, S)
+    return torch.matmul(scores.softmax(dim=-1), v)
+
+
 class _Attention(nn.Module):
     def __init__(self, dim: int, heads: int, dim_head: int) -> None:
         super().__init__()
         self.heads = heads
+        self.scale = dim_head**-0.5
         inner = heads * dim_head
         self.to_q = nn.Linear(dim, inner)
         self.to_k = nn.Linear(dim, inner)
@@ -190,7 +203,7 @@ class _Attention(nn.Module):
         q, k, v = (y.view(B, T, self.heads, -1).transpose(1, 2) for y in (q, k, v))  # (B, H, T, Dh)
         if past is not None:
             k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)  # (B, H, P + T, Dh)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias)  # (B, H, T, Dh)
+        y = _attention(q, k, v, attn_bias, self.scale)  # (B, H, T, Dh)
         y = self.to_out[0](y.transpose(1, 2).reshape(B, T, -1))  # (B, T, dim)
         return y.masked_fill(~keep, 0.0), k, v  # padded query rows are zeroed, as upstream
 
@@ -286,10 +299,10 @@ class DiT(nn.Module):
         h, conv = self.input_embed(x, cond, mu, spks, past_conv)  # (B, T, dim)
         freqs = self.rotary_embed(positions)  # (T, dim_head)
         cos, sin = freqs.cos(), freqs.sin()
-        # The additive form of the mask, built once: scaled_dot_product_attention turns a boolean mask
-        # into exactly this, but its ONNX export does so per block and then guards every block's
-        # softmax against all-masked rows (IsNaN + Where over (B, H, T, S), a large share of a call:
-        # docs/performance-log.md), and no row is all-masked here (the masks open any row that would be).
+        # The additive form of the mask, built once for every block (scaled_dot_product_attention turns a
+        # boolean one into it per block, and its export then guards every block's softmax against
+        # all-masked rows: IsNaN + Where over (B, H, T, S), docs/performance-log.md); no row is all-masked
+        # here (the masks open any row that would be).
         bias = torch.zeros_like(attn_mask, dtype=h.dtype).masked_fill(~attn_mask, float("-inf"))
         kv = []
         for i, block in enumerate(self.transformer_blocks):
