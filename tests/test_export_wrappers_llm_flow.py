@@ -247,6 +247,27 @@ def test_llm_graph_has_one_matmul_per_shared_input(cfg: ModelConfig, exported: d
     assert len(shapes) == 4 * q.num_hidden_layers + 1
 
 
+def test_dit_attention_reads_its_keys_once(cfg: ModelConfig, exported: dict[str, Path], tmp_path: Path
+                                           ) -> None:
+    """The export scales each block's queries by a constant (`dit._attention`): no scale computed from a
+    shape, and after onnxruntime's optimisation every block's scores are one `FusedMatMul` reading the keys
+    transposed in place, with no pass over the keys of its own."""
+    nodes = onnx.load(exported["flow_estimator_cached"]).graph.node
+    assert not [n for n in nodes if n.op_type == "Sqrt"]
+    depth = cfg.flow.dit.depth
+    keys = {n.output[0] for n in nodes if n.op_type == "Transpose" and n.input[0].startswith("present_key_")}
+    assert len(keys) == depth
+    assert sorted(n.op_type for n in nodes if keys & set(n.input)) == ["MatMul"] * depth
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(exported["flow_estimator_cached"]), options, providers=["CPUExecutionProvider"])
+    optimized = onnx.load(tmp_path / "optimized.onnx").graph.node
+    readers = [n for n in optimized if any(i.startswith("present_key_") for i in n.input)]
+    assert [n.op_type for n in readers] == ["FusedMatMul"] * depth
+    assert all(onnx.helper.get_node_attr_value(n, "transB") == 1 for n in readers)
+
+
 @pytest.mark.parametrize("name", GRAPHS)
 def test_onnxruntime_matches_torch(name: str, cfg: ModelConfig, wrappers: dict[str, nn.Module],
                                    exported: dict[str, Path]) -> None:
