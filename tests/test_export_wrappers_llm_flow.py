@@ -247,13 +247,14 @@ def test_llm_graph_has_one_matmul_per_shared_input(cfg: ModelConfig, exported: d
     assert len(shapes) == 4 * q.num_hidden_layers + 1
 
 
-def test_dit_attention_reads_its_keys_once(cfg: ModelConfig, exported: dict[str, Path], tmp_path: Path
-                                           ) -> None:
-    """The export scales each block's queries by a constant (`dit._attention`): no scale computed from a
-    shape, and after onnxruntime's optimisation every block's scores are one `FusedMatMul` reading the keys
-    transposed in place, with no pass over the keys of its own."""
+def test_dit_export_is_what_onnxruntime_fuses(cfg: ModelConfig, exported: dict[str, Path], tmp_path: Path
+                                              ) -> None:
+    """The DiT's export is written for onnxruntime's fusions: each block's queries scaled by a constant
+    (`dit._attention`; no scale computed from a shape), so that its scores are one `FusedMatMul` reading the
+    keys transposed in place, with no pass over the keys of its own; its GELU one `FastGelu` (`_TanhGelu`);
+    and no masking of query rows (every frame a real one)."""
     nodes = onnx.load(exported["flow_estimator_cached"]).graph.node
-    assert not [n for n in nodes if n.op_type == "Sqrt"]
+    assert not [n for n in nodes if n.op_type in ("Sqrt", "Where") and "/transformer_blocks." in n.name]
     depth = cfg.flow.dit.depth
     keys = {n.output[0] for n in nodes if n.op_type == "Transpose" and n.input[0].startswith("present_key_")}
     assert len(keys) == depth
@@ -266,6 +267,8 @@ def test_dit_attention_reads_its_keys_once(cfg: ModelConfig, exported: dict[str,
     readers = [n for n in optimized if any(i.startswith("present_key_") for i in n.input)]
     assert [n.op_type for n in readers] == ["FusedMatMul"] * depth
     assert all(onnx.helper.get_node_attr_value(n, "transB") == 1 for n in readers)
+    assert [n.op_type for n in optimized].count("FastGelu") == depth
+    assert not [n for n in optimized if n.op_type == "Tanh" and "/ff/" in n.name]
 
 
 @pytest.mark.parametrize("name", GRAPHS)

@@ -188,7 +188,7 @@ class _Attention(nn.Module):
         self.to_v = nn.Linear(dim, inner)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_bias: Tensor, keep: Tensor,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_bias: Tensor, keep: Tensor | None,
                 past: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, dim) -> (B, T, dim), and the keys (after RoPE) and values (B, H, S, Dh) attended to.
 
@@ -205,7 +205,22 @@ class _Attention(nn.Module):
             k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)  # (B, H, P + T, Dh)
         y = _attention(q, k, v, attn_bias, self.scale)  # (B, H, T, Dh)
         y = self.to_out[0](y.transpose(1, 2).reshape(B, T, -1))  # (B, T, dim)
-        return y.masked_fill(~keep, 0.0), k, v  # padded query rows are zeroed, as upstream
+        if keep is not None:
+            y = y.masked_fill(~keep, 0.0)  # padded query rows are zeroed, as upstream
+        return y, k, v
+
+
+class _TanhGelu(nn.Module):
+    """Upstream's `nn.GELU(approximate="tanh")` in eager torch. Its ONNX export is eight elementwise passes
+    in an order onnxruntime's FastGelu fusion does not match; an export writes the same formula in the order
+    it does, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) with x^3 a Pow, which onnxruntime then runs as
+    one node (on the CPU and CUDA)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not torch.onnx.is_in_onnx_export():
+            return F.gelu(x, approximate="tanh")
+        inner = (x + 0.044715 * x.pow(3)) * math.sqrt(2 / math.pi)
+        return (0.5 * x) * (1 + torch.tanh(inner))
 
 
 class _FeedForward(nn.Module):
@@ -213,7 +228,7 @@ class _FeedForward(nn.Module):
         super().__init__()
         # Index 1 held upstream's dropout (inactive at inference); kept so the keys read `ff.2`.
         self.ff = nn.Sequential(
-            nn.Sequential(nn.Linear(dim, dim * mult), nn.GELU(approximate="tanh")),
+            nn.Sequential(nn.Linear(dim, dim * mult), _TanhGelu()),
             nn.Identity(),
             nn.Linear(dim * mult, dim),
         )
@@ -231,7 +246,8 @@ class _DiTBlock(nn.Module):
         self.ff = _FeedForward(dim, ff_mult)
 
     def forward(self, x: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, attn_bias: Tensor,
-                keep: Tensor, past: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                keep: Tensor | None, past: tuple[Tensor, Tensor] | None = None
+                ) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, dim) -> (B, T, dim), and the attention's keys and values (see `_Attention`); `emb` is
         `attn_norm`'s modulation."""
         norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(x, emb)
@@ -277,7 +293,7 @@ class DiT(nn.Module):
         return torch.cat([*parts, self.norm_out.modulation(c)], dim=1)
 
     def forward_cached(self, x: Tensor, mu: Tensor, modulation: Tensor, spks: Tensor, cond: Tensor,
-                       positions: Tensor, attn_mask: Tensor, keep: Tensor,
+                       positions: Tensor, attn_mask: Tensor, keep: Tensor | None,
                        past_conv: tuple[Tensor, Tensor] | None,
                        past_kv: Sequence[tuple[Tensor, Tensor]] | None
                        ) -> tuple[Tensor, tuple[Tensor, Tensor], list[tuple[Tensor, Tensor]]]:
@@ -286,8 +302,9 @@ class DiT(nn.Module):
         x, mu, cond: (B, 80, T); modulation: (B or 1, (6 depth + 2) dim), the ODE time's `modulation`;
         spks: (B, 80); positions: (T,) int, the new frames' indices
         in the sequence (RoPE); attn_mask: (B or 1, 1, T, P + T) bool over [cached | new] keys;
-        keep: (B, T, 1) bool, False on padded query rows. `past_conv`: the last kernel - 1 input frames
-        of the conv position embedding's two convs (B, dim, kernel - 1), None at the sequence start;
+        keep: (B, T, 1) bool, False on padded query rows (None: none padded). `past_conv`: the last
+        kernel - 1 input frames of the conv position embedding's two convs (B, dim, kernel - 1), None at
+        the sequence start;
         `past_kv`: per block, keys (after RoPE) and values (B, H, P, Dh), None for P = 0. Returns the velocity
         (B, 80, T), the conv caches after the new frames and each block's keys/values (B, H, P + T, Dh):
         fed back, they make a sequence of chunks equal one forward over all frames whenever no earlier

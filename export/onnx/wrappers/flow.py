@@ -68,7 +68,8 @@ class FlowEstimatorCachedGraph(nn.Module):
     Inputs: x, mu (2, 80, T), ode_step (1,), spks (2, 80), cond (2, 80, T), offset (1,) (the position of
     the first new frame), block_frames (1,), past_pos_conv1/2 (2, dim, kernel - 1), then past_key_i,
     past_value_i (2, H, P, Dh) per block i. Outputs: velocity (2, 80, T), present_pos_conv1/2, then
-    present_key_i, present_value_i (2, H, P + T, Dh).
+    present_key_i, present_value_i (2, H, P + T, Dh). Every frame is a real one (the runtime never pads), so
+    no query row is masked.
     """
 
     modulations: Tensor
@@ -92,9 +93,8 @@ class FlowEstimatorCachedGraph(nn.Module):
             raise ValueError(f"expected {2 * self.depth} past key/value tensors, got {len(past_kv)}")
         positions = offset + torch.arange(x.shape[2], device=x.device)  # (T,)
         attn_mask = cached_attention_mask(past_kv[0].shape[2], positions, block_frames)  # (1, 1, T, P + T)
-        keep = torch.ones(x.shape[0], x.shape[2], 1, dtype=torch.bool, device=x.device)  # (2, T, 1)
         pairs = list(zip(past_kv[0::2], past_kv[1::2], strict=True))
         modulation = self.modulations.index_select(0, ode_step)  # (1, M): both CFG rows share t
         velocity, conv, kv = self.dit.forward_cached(x, mu, modulation, spks, cond, positions, attn_mask,
-                                                     keep, (past_pos_conv1, past_pos_conv2), pairs)
+                                                     None, (past_pos_conv1, past_pos_conv2), pairs)
         return (velocity, *conv, *[y for pair in kv for y in pair])  # key_0, value_0, key_1, ...
