@@ -10,9 +10,9 @@ streams) in a `_Stream` of its own, `Flow` and `Vocoder` only read their tables,
 prefixes (`FlowPrefixCache`, read-only arrays) and the lazily drawn sine-noise table (`UniformNoise`) take
 a lock. With `max_batch` > 1 the sessions' decodings run in one `DecodeBatcher` (`decode_batch`): a thread
 of its own that alone touches the batch's caches and takes decodings through a lock (prefilled on the
-CPU; on a GPU it prefills them). The
-registered speakers' prefixes are computed by `CosyVoice3.prefix_jobs` on a thread of its own,
-one graph call at a time, none while any session synthesises. A test runs two sessions at once and gets
+CPU; on a GPU it prefills them). The registered speakers' prefixes are computed by
+`CosyVoice3.prefix_jobs` on a thread of its own, one graph call at a time, none while any session
+synthesises. A test runs two sessions at once and gets
 `cosyvoice-run`'s samples from both. The one exception is TensorRT: a `TrtRunner` reuses one execution
 context and its device buffers per call, so the server offers the onnxruntime providers and OpenVINO
 (`cpu`, `cuda`, `tensorrt`, `openvino`). The text front end is used under a lock: the wetext grammars load
