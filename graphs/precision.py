@@ -62,6 +62,14 @@ class Precision:
         return self.rewrite is None and self.cpu_provider == CPU
 
     @property
+    def onnxruntime_operators(self) -> bool:
+        """Whether its graphs may use onnxruntime's own operators (its `com.microsoft` domain): rewritten for
+        onnxruntime (int8, int4), they run there alone, never on OpenVINO nor as TensorRT plans. tf32's
+        graphs are the float32 export itself, fp32's graphs to the byte."""
+        return (self.rewrite is not None and self.cpu_provider == CPU and OPENVINO not in self.providers
+                and TRT not in self.providers)
+
+    @property
     def trt_plans(self) -> bool:
         """Whether the exporter builds TensorRT plans of its graphs (`--trt`)."""
         return TRT in self.providers

@@ -271,6 +271,34 @@ def test_dit_export_is_what_onnxruntime_fuses(cfg: ModelConfig, exported: dict[s
     assert not [n for n in optimized if n.op_type == "Tanh" and "/ff/" in n.name]
 
 
+def test_the_fused_dit_export_computes_the_standard_ones_outputs(cfg: ModelConfig, exported: dict[str, Path],
+                                                                  flow: flow_net.CausalMaskedDiffWithDiT,
+                                                                  tmp_path: Path) -> None:
+    """With `fused_attention` (a graph only onnxruntime runs) each block's RoPE is two `RotaryEmbedding`s and
+    its attention over the caches one `MultiHeadAttention`, and onnxruntime's CPU provider computes the
+    standard export's outputs at every case of the spec to float rounding (2.5e-7 of their scale measured):
+    its rotary kernel rounds its own way (fused multiply-adds); the attention alone is exact (a power-of-two
+    scale; the mask adds 0 or -inf)."""
+    s = _spec("flow_estimator_cached", cfg)
+    path = tmp_path / "fused.onnx"
+    _export(FlowEstimatorCachedGraph(flow.decoder.estimator, fused_attention=True).eval(), s, path)
+    nodes = onnx.load(path).graph.node
+    depth = cfg.flow.dit.depth
+    fused = [n for n in nodes if n.op_type == "MultiHeadAttention"]
+    assert len(fused) == depth and all(n.domain == "com.microsoft" for n in fused)
+    assert [n.output[1:] for n in fused] == [[f"present_key_{i}", f"present_value_{i}"] for i in range(depth)]
+    assert [n.op_type for n in nodes].count("RotaryEmbedding") == 2 * depth  # q and k
+    assert not [n for n in nodes if n.op_type in ("Softmax", "Neg")]
+    linears = [n for n in nodes if n.op_type == "MatMul" and "/attn/" in n.name]
+    assert len(linears) == 4 * depth  # q, k, v, out: the attention's own products are in the operator
+    plain, ort_ops = (ort.InferenceSession(str(p), providers=["CPUExecutionProvider"])
+                      for p in (exported["flow_estimator_cached"], path))
+    for case in (s.trace, *s.validate):
+        feeds = s.sample_inputs(case)
+        for name, a, b in zip(s.output_names, plain.run(None, feeds), ort_ops.run(None, feeds), strict=True):
+            assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max(), (dict(case.dims), name)
+
+
 @pytest.mark.parametrize("name", GRAPHS)
 def test_onnxruntime_matches_torch(name: str, cfg: ModelConfig, wrappers: dict[str, nn.Module],
                                    exported: dict[str, Path]) -> None:

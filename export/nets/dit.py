@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +70,32 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     pairs = xr.unflatten(-1, (-1, 2))  # (B, T, rot_dim/2, 2)
     rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)  # (B, T, rot_dim)
     return torch.cat((xr * cos + rotated * sin, xp), dim=-1)
+
+
+class _OrtRotaryEmbedding(torch.autograd.Function):
+    """onnxruntime's `RotaryEmbedding` (com.microsoft), interleaved, over x (B, T, R) with the angles' cos/sin
+    halves (T, R/2): eager, `_apply_rope` over all R channels; in an ONNX export, the operator, one node where
+    the standard operators take about twenty. onnxruntime's kernel rounds its products on its own (fused
+    multiply-adds), so its results differ from `_apply_rope`'s in the last bit."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return _apply_rope(x, cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1))
+
+    @staticmethod
+    def symbolic(g: Any, x: Any, cos: Any, sin: Any) -> Any:
+        # position_ids [0]: x's frame i takes the angles' row i
+        start = g.op("Constant", value_t=torch.tensor([0], dtype=torch.int64))
+        out = g.op("com.microsoft::RotaryEmbedding", x, start, cos, sin, interleaved_i=1, num_heads_i=1)
+        out.setType(x.type())  # a type torch cannot infer for an operator outside ONNX's domain
+        return out
+
+
+def _ort_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """`_apply_rope` with onnxruntime's operator (`_OrtRotaryEmbedding`) on the rotated channels."""
+    rot_dim = cos.shape[-1]
+    rotated = _OrtRotaryEmbedding.apply(x[..., :rot_dim], cos[:, 0::2], sin[:, 0::2])
+    return torch.cat((rotated, x[..., rot_dim:]), dim=-1)
 
 
 class _SinusPositionEmbedding(nn.Module):
@@ -177,6 +203,34 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> T
     return torch.matmul(scores.softmax(dim=-1), v)
 
 
+class _MultiHeadAttention(torch.autograd.Function):
+    """onnxruntime's `MultiHeadAttention` (com.microsoft) over a chunk's new q/k/v (B, T, H Dh) (after RoPE)
+    and the cached keys/values (B, H, P, Dh): eager, the attention of `_Attention`; in an ONNX export, the
+    operator, one node for the caches' growth, the scores and their mask, the softmax and the values' sum.
+    Returns the output (B, T, H Dh) and the keys/values (B, H, P + T, Dh), the caches then the new frames'.
+    Its scale is the operator's default, Dh ** -0.5."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, past_k: Tensor, past_v: Tensor,
+                heads: int) -> tuple[Tensor, Tensor, Tensor]:
+        B, T, _ = q.shape
+        q, k, v = (y.view(B, T, heads, -1).transpose(1, 2) for y in (q, k, v))  # (B, H, T, Dh)
+        k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # (B, H, T, Dh)
+        return y.transpose(1, 2).reshape(B, T, -1), k, v
+
+    @staticmethod
+    def symbolic(g: Any, q: Any, k: Any, v: Any, bias: Any, past_k: Any, past_v: Any, heads: int) -> Any:
+        absent = g.op("prim::Constant").setType(torch._C.OptionalType.ofTensor())  # no q/k/v bias, key mask
+        y, present_k, present_v = g.op("com.microsoft::MultiHeadAttention", q, k, v, absent, absent, bias,
+                                       past_k, past_v, num_heads_i=heads, outputs=3)
+        # the types torch cannot infer for an operator outside ONNX's domain
+        y.setType(q.type())
+        present_k.setType(past_k.type())
+        present_v.setType(past_v.type())
+        return y, present_k, present_v
+
+
 class _Attention(nn.Module):
     def __init__(self, dim: int, heads: int, dim_head: int) -> None:
         super().__init__()
@@ -189,22 +243,28 @@ class _Attention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_bias: Tensor, keep: Tensor | None,
-                past: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                past: tuple[Tensor, Tensor] | None = None, fused: bool = False
+                ) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, dim) -> (B, T, dim), and the keys (after RoPE) and values (B, H, S, Dh) attended to.
 
         `past` holds the keys and values (B, H, P, Dh) of earlier frames, which come first: S = P + T
         and `attn_bias` (B, 1, T, S) is added to the scores (0 where visible, -inf where not). cos/sin
-        (T, dim_head) are the angles of x's positions.
+        (T, dim_head) are the angles of x's positions. `fused`: with `past`, an ONNX export writes RoPE and
+        the attention as onnxruntime's `RotaryEmbedding` and `MultiHeadAttention`.
         """
         B, T, _ = x.shape
-        q = _apply_rope(self.to_q(x), cos, sin)  # (B, T, inner)
-        k = _apply_rope(self.to_k(x), cos, sin)
-        v = self.to_v(x)
-        q, k, v = (y.view(B, T, self.heads, -1).transpose(1, 2) for y in (q, k, v))  # (B, H, T, Dh)
-        if past is not None:
-            k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)  # (B, H, P + T, Dh)
-        y = _attention(q, k, v, attn_bias, self.scale)  # (B, H, T, Dh)
-        y = self.to_out[0](y.transpose(1, 2).reshape(B, T, -1))  # (B, T, dim)
+        if fused and past is not None and torch.onnx.is_in_onnx_export():
+            q, k = _ort_rope(self.to_q(x), cos, sin), _ort_rope(self.to_k(x), cos, sin)  # (B, T, inner)
+            y, k, v = _MultiHeadAttention.apply(q, k, self.to_v(x), attn_bias, past[0], past[1], self.heads)
+        else:
+            q = _apply_rope(self.to_q(x), cos, sin)  # (B, T, inner)
+            k = _apply_rope(self.to_k(x), cos, sin)
+            v = self.to_v(x)
+            q, k, v = (y.view(B, T, self.heads, -1).transpose(1, 2) for y in (q, k, v))  # (B, H, T, Dh)
+            if past is not None:
+                k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)  # (B, H, P + T, Dh)
+            y = _attention(q, k, v, attn_bias, self.scale).transpose(1, 2).reshape(B, T, -1)  # (B, T, inner)
+        y = self.to_out[0](y)  # (B, T, dim)
         if keep is not None:
             y = y.masked_fill(~keep, 0.0)  # padded query rows are zeroed, as upstream
         return y, k, v
@@ -246,12 +306,12 @@ class _DiTBlock(nn.Module):
         self.ff = _FeedForward(dim, ff_mult)
 
     def forward(self, x: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, attn_bias: Tensor,
-                keep: Tensor | None, past: tuple[Tensor, Tensor] | None = None
+                keep: Tensor | None, past: tuple[Tensor, Tensor] | None = None, fused: bool = False
                 ) -> tuple[Tensor, Tensor, Tensor]:
-        """x (B, T, dim) -> (B, T, dim), and the attention's keys and values (see `_Attention`); `emb` is
-        `attn_norm`'s modulation."""
+        """x (B, T, dim) -> (B, T, dim), and the attention's keys and values (see `_Attention`, also for
+        `fused`); `emb` is `attn_norm`'s modulation."""
         norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(x, emb)
-        attn, k, v = self.attn(norm, cos, sin, attn_bias, keep, past)
+        attn, k, v = self.attn(norm, cos, sin, attn_bias, keep, past, fused)
         x = x + gate_msa[:, None] * attn
         norm = F.layer_norm(x, (self.dim,), eps=LN_EPS) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
         return x + gate_mlp[:, None] * self.ff(norm), k, v
@@ -295,7 +355,7 @@ class DiT(nn.Module):
     def forward_cached(self, x: Tensor, mu: Tensor, modulation: Tensor, spks: Tensor, cond: Tensor,
                        positions: Tensor, attn_mask: Tensor, keep: Tensor | None,
                        past_conv: tuple[Tensor, Tensor] | None,
-                       past_kv: Sequence[tuple[Tensor, Tensor]] | None
+                       past_kv: Sequence[tuple[Tensor, Tensor]] | None, *, fused_attention: bool = False
                        ) -> tuple[Tensor, tuple[Tensor, Tensor], list[tuple[Tensor, Tensor]]]:
         """Velocity of T new frames that continue earlier ones, given the earlier frames' caches.
 
@@ -308,7 +368,9 @@ class DiT(nn.Module):
         `past_kv`: per block, keys (after RoPE) and values (B, H, P, Dh), None for P = 0. Returns the velocity
         (B, 80, T), the conv caches after the new frames and each block's keys/values (B, H, P + T, Dh):
         fed back, they make a sequence of chunks equal one forward over all frames whenever no earlier
-        frame may attend to a later one (the block-causal mask on block boundaries).
+        frame may attend to a later one (the block-causal mask on block boundaries). `fused_attention`: an
+        ONNX export writes each block's RoPE and attention over `past_kv` as onnxruntime's own operators, for
+        graphs that only onnxruntime runs (`_Attention`); eager torch computes the same either way.
         """
         x, mu, cond = x.transpose(1, 2), mu.transpose(1, 2), cond.transpose(1, 2)  # (B, T, 80)
         dim = self.cfg.dim
@@ -323,7 +385,8 @@ class DiT(nn.Module):
         bias = torch.zeros_like(attn_mask, dtype=h.dtype).masked_fill(~attn_mask, float("-inf"))
         kv = []
         for i, block in enumerate(self.transformer_blocks):
-            h, k, v = block(h, mods[i], cos, sin, bias, keep, None if past_kv is None else past_kv[i])
+            h, k, v = block(h, mods[i], cos, sin, bias, keep, None if past_kv is None else past_kv[i],
+                            fused_attention)
             kv.append((k, v))
         h = self.norm_out(h, mods[-1])
         return self.proj_out(h).transpose(1, 2), conv, kv  # (B, 80, T)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from cosyvoice_graphs import GraphSpec, ModelDims
+from cosyvoice_graphs import GraphSpec, ModelDims, Precision
 from cosyvoice_graphs.bundle_layout import graph_file
 from cosyvoice_graphs.manifest import (
     FileEntry,
@@ -140,7 +140,7 @@ def export_and_validate(out: Path, s: GraphSpec, dims: ModelDims, nets: LazyNetw
     (out / graph_record_file(s.name)).unlink(missing_ok=True)  # the record must never outlive its file
     _label(bar, s.name, "load networks")
     recipe = EXPORT_RECIPES[s.name]
-    wrapper = recipe.wrapper(nets)
+    wrapper = recipe.wrapper(nets, onnxruntime_operators=Precision.named(precision).onnxruntime_operators)
     checkpoints = checkpoints_of(wrapper, nets)
     sources = {n: source_sha[n].sha256 for n in (*CONFIG_SOURCES, *checkpoints)}
     meta = {"source_checkpoint": ",".join(checkpoints),

@@ -84,23 +84,42 @@ def llm_sequence(nets: NetworkSource) -> DecodeSequence:
     return DecodeSequence(prefill[None].astype(np.float32), speech.astype(np.float32), cfg.speech_token_size)
 
 
+class WrapperFactory(Protocol):
+    """Builds a graph's wrapper from a bundle's networks. `onnxruntime_operators`: its export may use
+    onnxruntime's own operators (`Precision.onnxruntime_operators`); the wrapper's eager torch computes the
+    same either way."""
+
+    def __call__(self, nets: NetworkSource, *, onnxruntime_operators: bool = False) -> nn.Module: ...
+
+
+def _dit(nets: NetworkSource, *, onnxruntime_operators: bool = False) -> nn.Module:
+    return FlowEstimatorCachedGraph(nets.flow.decoder.estimator, fused_attention=onnxruntime_operators)
+
+
+def _plain(build: Callable[[NetworkSource], nn.Module]) -> WrapperFactory:
+    """A wrapper whose export is the same for every precision."""
+    def factory(nets: NetworkSource, *, onnxruntime_operators: bool = False) -> nn.Module:
+        return build(nets)
+    return factory
+
+
 @dataclass(frozen=True)
 class ExportRecipe:
     """The torch side of one graph."""
 
-    wrapper: Callable[[NetworkSource], nn.Module]
+    wrapper: WrapperFactory
     """Builds the graph's wrapper from a bundle's networks."""
     sequence: Callable[[NetworkSource], DecodeSequence] | None = None
     """Builds the sequence its decode gates are measured on (every spec with `decode_gates` has one)."""
 
 
 EXPORT_RECIPES: dict[str, ExportRecipe] = {
-    LLM: ExportRecipe(lambda n: LLMGraph(n.llm), llm_sequence),
-    FLOW_ENCODER: ExportRecipe(lambda n: FlowEncoderGraph(n.flow)),
-    DIT: ExportRecipe(lambda n: FlowEstimatorCachedGraph(n.flow.decoder.estimator)),
-    HIFT_F0: ExportRecipe(lambda n: HiFTF0Graph(n.hift)),
-    HIFT_DECODER: ExportRecipe(lambda n: HiFTDecoderGraph(n.hift)),
-    LLM_PREFILL: ExportRecipe(lambda n: LLMGraph(n.llm), llm_sequence),
-    LLM_DECODE: ExportRecipe(lambda n: LLMDecodeGraph(n.llm), llm_sequence),
+    LLM: ExportRecipe(_plain(lambda n: LLMGraph(n.llm)), llm_sequence),
+    FLOW_ENCODER: ExportRecipe(_plain(lambda n: FlowEncoderGraph(n.flow))),
+    DIT: ExportRecipe(_dit),
+    HIFT_F0: ExportRecipe(_plain(lambda n: HiFTF0Graph(n.hift))),
+    HIFT_DECODER: ExportRecipe(_plain(lambda n: HiFTDecoderGraph(n.hift))),
+    LLM_PREFILL: ExportRecipe(_plain(lambda n: LLMGraph(n.llm)), llm_sequence),
+    LLM_DECODE: ExportRecipe(_plain(lambda n: LLMDecodeGraph(n.llm)), llm_sequence),
 }
 """Graph name (as in `cosyvoice_graphs.SPECS` and `OPTIONAL_SPECS`) -> its torch side."""
