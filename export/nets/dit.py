@@ -203,6 +203,19 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> T
     return torch.matmul(scores.softmax(dim=-1), v)
 
 
+def _attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, past: tuple[Tensor, Tensor] | None, heads: int,
+            scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Multi-head attention of new q, k, v (B, T, H Dh) (after RoPE) over the cached keys/values `past`
+    (B, H, P, Dh; None for none) then their own: the output (B, T, H Dh) and the keys/values attended to
+    (B, H, P + T, Dh)."""
+    B, T, _ = q.shape
+    q, k, v = (y.view(B, T, heads, -1).transpose(1, 2) for y in (q, k, v))  # (B, H, T, Dh)
+    if past is not None:
+        k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)  # (B, H, P + T, Dh)
+    y = _attention(q, k, v, bias, scale)  # (B, H, T, Dh)
+    return y.transpose(1, 2).reshape(B, T, -1), k, v
+
+
 class _MultiHeadAttention(torch.autograd.Function):
     """onnxruntime's `MultiHeadAttention` (com.microsoft) over a chunk's new q/k/v (B, T, H Dh) (after RoPE)
     and the cached keys/values (B, H, P, Dh): eager, the attention of `_Attention`; in an ONNX export, the
@@ -213,11 +226,7 @@ class _MultiHeadAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, past_k: Tensor, past_v: Tensor,
                 heads: int) -> tuple[Tensor, Tensor, Tensor]:
-        B, T, _ = q.shape
-        q, k, v = (y.view(B, T, heads, -1).transpose(1, 2) for y in (q, k, v))  # (B, H, T, Dh)
-        k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # (B, H, T, Dh)
-        return y.transpose(1, 2).reshape(B, T, -1), k, v
+        return _attend(q, k, v, bias, (past_k, past_v), heads, (q.shape[-1] // heads) ** -0.5)
 
     @staticmethod
     def symbolic(g: Any, q: Any, k: Any, v: Any, bias: Any, past_k: Any, past_v: Any, heads: int) -> Any:
@@ -252,18 +261,12 @@ class _Attention(nn.Module):
         (T, dim_head) are the angles of x's positions. `fused`: with `past`, an ONNX export writes RoPE and
         the attention as onnxruntime's `RotaryEmbedding` and `MultiHeadAttention`.
         """
-        B, T, _ = x.shape
         if fused and past is not None and torch.onnx.is_in_onnx_export():
             q, k = _ort_rope(self.to_q(x), cos, sin), _ort_rope(self.to_k(x), cos, sin)  # (B, T, inner)
             y, k, v = _MultiHeadAttention.apply(q, k, self.to_v(x), attn_bias, past[0], past[1], self.heads)
         else:
-            q = _apply_rope(self.to_q(x), cos, sin)  # (B, T, inner)
-            k = _apply_rope(self.to_k(x), cos, sin)
-            v = self.to_v(x)
-            q, k, v = (y.view(B, T, self.heads, -1).transpose(1, 2) for y in (q, k, v))  # (B, H, T, Dh)
-            if past is not None:
-                k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)  # (B, H, P + T, Dh)
-            y = _attention(q, k, v, attn_bias, self.scale).transpose(1, 2).reshape(B, T, -1)  # (B, T, inner)
+            q, k = _apply_rope(self.to_q(x), cos, sin), _apply_rope(self.to_k(x), cos, sin)
+            y, k, v = _attend(q, k, self.to_v(x), attn_bias, past, self.heads, self.scale)
         y = self.to_out[0](y)  # (B, T, dim)
         if keep is not None:
             y = y.masked_fill(~keep, 0.0)  # padded query rows are zeroed, as upstream
