@@ -62,10 +62,11 @@ class Precision:
         return self.rewrite is None and self.cpu_provider == CPU
 
     @property
-    def onnxruntime_operators(self) -> bool:
-        """Whether its graphs may use onnxruntime's own operators (its `com.microsoft` domain): rewritten for
-        onnxruntime (int8, int4), they run there alone, never on OpenVINO nor as TensorRT plans. tf32's
-        graphs are the float32 export itself, fp32's graphs to the byte."""
+    def onnxruntime_only(self) -> bool:
+        """Whether its graphs run on onnxruntime alone, so that their export may be written for it: its own
+        operators (its `com.microsoft` domain) and the forms its kernels run fastest. Rewritten for
+        onnxruntime (int8, int4), they never run on OpenVINO nor as TensorRT plans. tf32's graphs are the
+        float32 export itself, fp32's graphs to the byte."""
         return (self.rewrite is not None and self.cpu_provider == CPU and OPENVINO not in self.providers
                 and TRT not in self.providers)
 

@@ -119,15 +119,17 @@ def test_only_the_dit_blocks_linears_take_int8_weights(int8_bundle: Path) -> Non
     assert kept and all(re.search("|".join(RECIPES[graph].quantization["int8"].fp32_scopes), n) for n in kept)
 
 
-def test_the_int8_dit_attends_with_onnxruntimes_operators(int8_bundle: Path) -> None:
+def test_the_int8_dit_is_written_for_onnxruntime(int8_bundle: Path) -> None:
     """Only onnxruntime runs an int8 graph, so each DiT block's RoPE and attention are its `RotaryEmbedding`
-    and `MultiHeadAttention`; the fp32 DiT, which OpenVINO and TensorRT run too, keeps standard operators."""
+    and `MultiHeadAttention` and Mish has no Softplus; the fp32 DiT, which OpenVINO and TensorRT run too,
+    keeps standard operators in their standard forms."""
     ops = [n.op_type for n in _int8_body(int8_bundle, "flow_estimator_cached").graph.node]
     depth = tiny_dims().dit_depth
     assert ops.count("MultiHeadAttention") == depth and ops.count("RotaryEmbedding") == 2 * depth
-    assert "Softmax" not in ops
+    assert "Softmax" not in ops and "Softplus" not in ops
     fp32 = onnx.load(str(DEMO_BUNDLE / "graphs" / "flow_estimator_cached.onnx"), load_external_data=False)
     assert not [n for n in fp32.graph.node if n.domain == "com.microsoft"]
+    assert [n.op_type for n in fp32.graph.node].count("Softplus") == 2
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -271,31 +271,40 @@ def test_dit_export_is_what_onnxruntime_fuses(cfg: ModelConfig, exported: dict[s
     assert not [n for n in optimized if n.op_type == "Tanh" and "/ff/" in n.name]
 
 
-def test_the_fused_dit_export_computes_the_standard_ones_outputs(cfg: ModelConfig, exported: dict[str, Path],
-                                                                  flow: flow_net.CausalMaskedDiffWithDiT,
-                                                                  tmp_path: Path) -> None:
-    """With `fused_attention` (a graph only onnxruntime runs) each block's RoPE is two `RotaryEmbedding`s and
-    its attention over the caches one `MultiHeadAttention`, and onnxruntime's CPU provider computes the
-    standard export's outputs at every case of the spec to float rounding (2.5e-7 of their scale measured):
-    its rotary kernel rounds its own way (fused multiply-adds); the attention alone is exact (a power-of-two
-    scale; the mask adds 0 or -inf)."""
+def test_the_dit_export_for_onnxruntime_computes_the_standard_ones_outputs(
+        cfg: ModelConfig, exported: dict[str, Path], flow: flow_net.CausalMaskedDiffWithDiT,
+        tmp_path: Path) -> None:
+    """Written for onnxruntime alone (`onnxruntime_only`), each block's RoPE is two `RotaryEmbedding`s over
+    the whole q and k (head 0's channels rotated) and its attention over the caches one
+    `MultiHeadAttention`; its modulated norms are LayerNormalizations with the modulation as their scale and
+    bias; Mish has no Softplus. onnxruntime's CPU provider computes the standard export's outputs at every
+    case of the spec to float rounding: its rotary kernel rounds its own way (fused multiply-adds), so do
+    the fused norms and Mish's other form; the attention alone is exact (a power-of-two scale; the mask
+    adds 0 or -inf)."""
     s = _spec("flow_estimator_cached", cfg)
-    path = tmp_path / "fused.onnx"
-    _export(FlowEstimatorCachedGraph(flow.decoder.estimator, fused_attention=True).eval(), s, path)
+    path = tmp_path / "for_onnxruntime.onnx"
+    _export(FlowEstimatorCachedGraph(flow.decoder.estimator, onnxruntime_only=True).eval(), s, path)
     nodes = onnx.load(path).graph.node
-    depth = cfg.flow.dit.depth
+    depth, dims = cfg.flow.dit.depth, cfg.flow.dit
     fused = [n for n in nodes if n.op_type == "MultiHeadAttention"]
     assert len(fused) == depth and all(n.domain == "com.microsoft" for n in fused)
     assert [n.output[1:] for n in fused] == [[f"present_key_{i}", f"present_value_{i}"] for i in range(depth)]
-    assert [n.op_type for n in nodes].count("RotaryEmbedding") == 2 * depth  # q and k
-    assert not [n for n in nodes if n.op_type in ("Softmax", "Neg")]
+    rope = [n for n in nodes if n.op_type == "RotaryEmbedding"]
+    assert len(rope) == 2 * depth  # q and k
+    assert {onnx.helper.get_node_attr_value(n, "rotary_embedding_dim") for n in rope} == {dims.dim_head}
+    assert not [n for n in nodes if n.op_type in ("Softmax", "Neg", "Softplus")]
+    assert not [n for n in nodes if n.op_type in ("Split", "Concat") and "/attn/" in n.name]
     linears = [n for n in nodes if n.op_type == "MatMul" and "/attn/" in n.name]
     assert len(linears) == 4 * depth  # q, k, v, out: the attention's own products are in the operator
-    plain, ort_ops = (ort.InferenceSession(str(p), providers=["CPUExecutionProvider"])
-                      for p in (exported["flow_estimator_cached"], path))
+    norms = [n for n in nodes if n.op_type == "LayerNormalization"]
+    assert len(norms) == 2 * depth + 1 and all(len(n.input) == 3 for n in norms)
+    initializers = {t.name for t in onnx.load(path).graph.initializer}
+    assert not [n for n in norms if n.input[1] in initializers]  # the modulation, not a fixed weight
+    plain, ort_only = (ort.InferenceSession(str(p), providers=["CPUExecutionProvider"])
+                       for p in (exported["flow_estimator_cached"], path))
     for case in (s.trace, *s.validate):
         feeds = s.sample_inputs(case)
-        for name, a, b in zip(s.output_names, plain.run(None, feeds), ort_ops.run(None, feeds), strict=True):
+        for name, a, b in zip(s.output_names, plain.run(None, feeds), ort_only.run(None, feeds), strict=True):
             assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max(), (dict(case.dims), name)
 
 

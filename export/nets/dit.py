@@ -73,29 +73,45 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class _OrtRotaryEmbedding(torch.autograd.Function):
-    """onnxruntime's `RotaryEmbedding` (com.microsoft), interleaved, over x (B, T, R) with the angles' cos/sin
-    halves (T, R/2): eager, `_apply_rope` over all R channels; in an ONNX export, the operator, one node where
-    the standard operators take about twenty. onnxruntime's kernel rounds its products on its own (fused
-    multiply-adds), so its results differ from `_apply_rope`'s in the last bit."""
+    """onnxruntime's `RotaryEmbedding` (com.microsoft), interleaved, over x (B, T, C) with the angles' cos/sin
+    halves (T, R/2), R = `rotated`: its first R channels rotated, the rest passed. Eager, `_apply_rope`; in an
+    ONNX export, the operator (one head of C channels, `rotary_embedding_dim` R), one node where the standard
+    operators take about twenty. onnxruntime's kernel rounds its products on its own (fused multiply-adds),
+    so its results differ from `_apply_rope`'s in the last bit."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor, rotated: int) -> Tensor:
         return _apply_rope(x, cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1))
 
     @staticmethod
-    def symbolic(g: Any, x: Any, cos: Any, sin: Any) -> Any:
+    def symbolic(g: Any, x: Any, cos: Any, sin: Any, rotated: int) -> Any:
         # position_ids [0]: x's frame i takes the angles' row i
         start = g.op("Constant", value_t=torch.tensor([0], dtype=torch.int64))
-        out = g.op("com.microsoft::RotaryEmbedding", x, start, cos, sin, interleaved_i=1, num_heads_i=1)
+        out = g.op("com.microsoft::RotaryEmbedding", x, start, cos, sin, interleaved_i=1, num_heads_i=1,
+                   rotary_embedding_dim_i=rotated)
         out.setType(x.type())  # a type torch cannot infer for an operator outside ONNX's domain
         return out
 
 
-def _ort_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """`_apply_rope` with onnxruntime's operator (`_OrtRotaryEmbedding`) on the rotated channels."""
-    rot_dim = cos.shape[-1]
-    rotated = _OrtRotaryEmbedding.apply(x[..., :rot_dim], cos[:, 0::2], sin[:, 0::2])
-    return torch.cat((rotated, x[..., rot_dim:]), dim=-1)
+def _ort_rope(x: Tensor, cos: Tensor, sin: Tensor, rotated: int) -> Tensor:
+    """`_apply_rope` with onnxruntime's operator (`_OrtRotaryEmbedding`); `rotated`: cos's channels, as a
+    Python int (the tracer's shapes are not)."""
+    return _OrtRotaryEmbedding.apply(x, cos[:, 0::2], sin[:, 0::2], rotated)
+
+
+def _conv_mish(conv: nn.Sequential, x: Tensor, onnxruntime_only: bool) -> Tensor:
+    """`conv` (upstream's conv, then Mish: x tanh(softplus(x))) over x. For onnxruntime alone, an ONNX export
+    writes the Mish as x n / (n + 2) with n = e (e + 2), e = exp(min(x, 20)), the same function
+    (tanh(log(1 + e)) = n / (n + 2); past 20 the tanh is 1 in float32, and the cap keeps n finite):
+    onnxruntime's Softplus kernel is scalar (5 ns an element on two cores, these seven operators about 0.5),
+    and this form is nearer torch's Mish than that kernel. float16 would overflow n, so no other graph has
+    it."""
+    if not (onnxruntime_only and torch.onnx.is_in_onnx_export()):
+        return conv(x)
+    y = conv[0](x)
+    e = torch.exp(torch.clamp(y, max=20.0))
+    n = e * (e + 2)
+    return y * (n / (n + 2))
 
 
 class _SinusPositionEmbedding(nn.Module):
@@ -129,19 +145,20 @@ class _CausalConvPositionEmbedding(nn.Module):
         self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
         self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
 
-    def forward(self, x: Tensor, past: tuple[Tensor, Tensor] | None = None
+    def forward(self, x: Tensor, past: tuple[Tensor, Tensor] | None = None, onnxruntime_only: bool = False
                 ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """x (B, T, C) -> (B, T, C), and the last kernel - 1 input frames of each conv (B, C, kernel - 1).
 
         `past` holds those of the frames before x; None is the start of the sequence, whose left
-        context is upstream's zero padding (so zero caches are the same thing).
+        context is upstream's zero padding (so zero caches are the same thing). `onnxruntime_only`: see
+        `_conv_mish`.
         """
         ctx = self.kernel_size - 1
         h = x.transpose(1, 2)  # (B, C, T)
         h1 = F.pad(h, (ctx, 0)) if past is None else torch.cat((past[0], h), dim=2)  # (B, C, ctx + T)
-        h = self.conv1(h1)  # (B, C, T); left context only: causal
+        h = _conv_mish(self.conv1, h1, onnxruntime_only)  # (B, C, T); left context only: causal
         h2 = F.pad(h, (ctx, 0)) if past is None else torch.cat((past[1], h), dim=2)
-        h = self.conv2(h2)
+        h = _conv_mish(self.conv2, h2, onnxruntime_only)
         return h.transpose(1, 2), (h1[:, :, -ctx:], h2[:, :, -ctx:])
 
 
@@ -152,28 +169,39 @@ class _InputEmbedding(nn.Module):
         self.conv_pos_embed = _CausalConvPositionEmbedding(cfg.dim, cfg.conv_pos_kernel, cfg.conv_pos_groups)
 
     def forward(self, x: Tensor, cond: Tensor, mu: Tensor, spks: Tensor,
-                past_conv: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+                past_conv: tuple[Tensor, Tensor] | None = None, onnxruntime_only: bool = False
+                ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """(B, T, dim), and the conv position embedding's caches (see `_CausalConvPositionEmbedding`)."""
         spks = spks[:, None, :].expand(-1, x.shape[1], -1)  # (B, T, spk_dim)
         x = self.proj(torch.cat((x, cond, mu, spks), dim=-1))  # (B, T, dim); upstream's column order
-        pos, conv = self.conv_pos_embed(x, past_conv)
+        pos, conv = self.conv_pos_embed(x, past_conv, onnxruntime_only)
         return pos + x, conv
+
+
+def _modulated_norm(x: Tensor, dim: int, scale: Tensor, shift: Tensor, onnxruntime_only: bool) -> Tensor:
+    """layer_norm(x) (1 + scale) + shift over x (B, T, dim), scale and shift (B or 1, dim); `dim` a Python
+    int (the ONNX tracer turns `x.shape[-1:]` into a non-constant shape). For onnxruntime alone, an ONNX
+    export of one modulation row (the CFG rows share their time) passes them as LayerNormalization's own
+    scale and bias: that kernel's products and sums, one pass over x where there were three."""
+    if onnxruntime_only and torch.onnx.is_in_onnx_export() and scale.shape[0] == 1:
+        return F.layer_norm(x, (dim,), 1 + scale[0], shift[0], eps=LN_EPS)
+    return F.layer_norm(x, (dim,), eps=LN_EPS) * (1 + scale[:, None]) + shift[:, None]
 
 
 class _AdaLayerNormZero(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
-        self.dim = dim  # a Python int: the ONNX tracer turns `x.shape[-1:]` into a non-constant shape
+        self.dim = dim
         self.linear = nn.Linear(dim, 6 * dim)
 
     def modulation(self, c: Tensor) -> Tensor:
         return self.linear(F.silu(c))  # (B, 6 * dim)
 
-    def forward(self, x: Tensor, emb: Tensor) -> tuple[Tensor, ...]:
-        """x (B, T, dim), emb (B or 1, 6 dim) from `modulation`."""
+    def forward(self, x: Tensor, emb: Tensor, onnxruntime_only: bool = False) -> tuple[Tensor, ...]:
+        """x (B, T, dim), emb (B or 1, 6 dim) from `modulation`; `onnxruntime_only`: see `_modulated_norm`."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
-        x = F.layer_norm(x, (self.dim,), eps=LN_EPS) * (1 + scale_msa[:, None]) + shift_msa[:, None]
-        return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
+        norm = _modulated_norm(x, self.dim, scale_msa, shift_msa, onnxruntime_only)
+        return norm, gate_msa, shift_mlp, scale_mlp, gate_mlp
 
 
 class _AdaLayerNormZeroFinal(nn.Module):
@@ -185,10 +213,10 @@ class _AdaLayerNormZeroFinal(nn.Module):
     def modulation(self, c: Tensor) -> Tensor:
         return self.linear(F.silu(c))  # (B, 2 * dim)
 
-    def forward(self, x: Tensor, emb: Tensor) -> Tensor:
-        """x (B, T, dim), emb (B or 1, 2 dim) from `modulation`."""
+    def forward(self, x: Tensor, emb: Tensor, onnxruntime_only: bool = False) -> Tensor:
+        """x (B, T, dim), emb (B or 1, 2 dim) from `modulation`; `onnxruntime_only`: see `_modulated_norm`."""
         scale, shift = emb.chunk(2, dim=1)  # scale first here, unlike the blocks
-        return F.layer_norm(x, (self.dim,), eps=LN_EPS) * (1 + scale)[:, None] + shift[:, None]
+        return _modulated_norm(x, self.dim, scale, shift, onnxruntime_only)
 
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
@@ -243,7 +271,7 @@ class _MultiHeadAttention(torch.autograd.Function):
 class _Attention(nn.Module):
     def __init__(self, dim: int, heads: int, dim_head: int) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.dim_head = heads, dim_head
         self.scale = dim_head**-0.5
         inner = heads * dim_head
         self.to_q = nn.Linear(dim, inner)
@@ -252,17 +280,18 @@ class _Attention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_bias: Tensor, keep: Tensor | None,
-                past: tuple[Tensor, Tensor] | None = None, fused: bool = False
+                past: tuple[Tensor, Tensor] | None = None, onnxruntime_only: bool = False
                 ) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, dim) -> (B, T, dim), and the keys (after RoPE) and values (B, H, S, Dh) attended to.
 
         `past` holds the keys and values (B, H, P, Dh) of earlier frames, which come first: S = P + T
         and `attn_bias` (B, 1, T, S) is added to the scores (0 where visible, -inf where not). cos/sin
-        (T, dim_head) are the angles of x's positions. `fused`: with `past`, an ONNX export writes RoPE and
-        the attention as onnxruntime's `RotaryEmbedding` and `MultiHeadAttention`.
+        (T, dim_head) are the angles of x's positions. `onnxruntime_only`: with `past`, an ONNX export writes
+        RoPE and the attention as onnxruntime's `RotaryEmbedding` and `MultiHeadAttention`.
         """
-        if fused and past is not None and torch.onnx.is_in_onnx_export():
-            q, k = _ort_rope(self.to_q(x), cos, sin), _ort_rope(self.to_k(x), cos, sin)  # (B, T, inner)
+        if onnxruntime_only and past is not None and torch.onnx.is_in_onnx_export():
+            # (B, T, inner) each
+            q, k = (_ort_rope(y, cos, sin, self.dim_head) for y in (self.to_q(x), self.to_k(x)))
             y, k, v = _MultiHeadAttention.apply(q, k, self.to_v(x), attn_bias, past[0], past[1], self.heads)
         else:
             q, k = _apply_rope(self.to_q(x), cos, sin), _apply_rope(self.to_k(x), cos, sin)
@@ -309,14 +338,14 @@ class _DiTBlock(nn.Module):
         self.ff = _FeedForward(dim, ff_mult)
 
     def forward(self, x: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, attn_bias: Tensor,
-                keep: Tensor | None, past: tuple[Tensor, Tensor] | None = None, fused: bool = False
+                keep: Tensor | None, past: tuple[Tensor, Tensor] | None = None, onnxruntime_only: bool = False
                 ) -> tuple[Tensor, Tensor, Tensor]:
-        """x (B, T, dim) -> (B, T, dim), and the attention's keys and values (see `_Attention`, also for
-        `fused`); `emb` is `attn_norm`'s modulation."""
-        norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(x, emb)
-        attn, k, v = self.attn(norm, cos, sin, attn_bias, keep, past, fused)
+        """x (B, T, dim) -> (B, T, dim), and the attention's keys and values (see `_Attention`, and
+        `_modulated_norm` for `onnxruntime_only`); `emb` is `attn_norm`'s modulation."""
+        norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(x, emb, onnxruntime_only)
+        attn, k, v = self.attn(norm, cos, sin, attn_bias, keep, past, onnxruntime_only)
         x = x + gate_msa[:, None] * attn
-        norm = F.layer_norm(x, (self.dim,), eps=LN_EPS) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
+        norm = _modulated_norm(x, self.dim, scale_mlp, shift_mlp, onnxruntime_only)
         return x + gate_mlp[:, None] * self.ff(norm), k, v
 
 
@@ -358,7 +387,7 @@ class DiT(nn.Module):
     def forward_cached(self, x: Tensor, mu: Tensor, modulation: Tensor, spks: Tensor, cond: Tensor,
                        positions: Tensor, attn_mask: Tensor, keep: Tensor | None,
                        past_conv: tuple[Tensor, Tensor] | None,
-                       past_kv: Sequence[tuple[Tensor, Tensor]] | None, *, fused_attention: bool = False
+                       past_kv: Sequence[tuple[Tensor, Tensor]] | None, *, onnxruntime_only: bool = False
                        ) -> tuple[Tensor, tuple[Tensor, Tensor], list[tuple[Tensor, Tensor]]]:
         """Velocity of T new frames that continue earlier ones, given the earlier frames' caches.
 
@@ -371,14 +400,16 @@ class DiT(nn.Module):
         `past_kv`: per block, keys (after RoPE) and values (B, H, P, Dh), None for P = 0. Returns the velocity
         (B, 80, T), the conv caches after the new frames and each block's keys/values (B, H, P + T, Dh):
         fed back, they make a sequence of chunks equal one forward over all frames whenever no earlier
-        frame may attend to a later one (the block-causal mask on block boundaries). `fused_attention`: an
-        ONNX export writes each block's RoPE and attention over `past_kv` as onnxruntime's own operators, for
-        graphs that only onnxruntime runs (`_Attention`); eager torch computes the same either way.
+        frame may attend to a later one (the block-causal mask on block boundaries). `onnxruntime_only`: an
+        ONNX export for a graph that only onnxruntime runs writes each block's RoPE and attention over
+        `past_kv` as onnxruntime's own operators (`_Attention`), the modulated norms as LayerNormalization's
+        scale and bias (`_modulated_norm`) and Mish in operators its CPU kernels run vectorized
+        (`_conv_mish`); eager torch computes the same either way.
         """
         x, mu, cond = x.transpose(1, 2), mu.transpose(1, 2), cond.transpose(1, 2)  # (B, T, 80)
         dim = self.cfg.dim
         mods = modulation.split([6 * dim] * self.cfg.depth + [2 * dim], dim=1)
-        h, conv = self.input_embed(x, cond, mu, spks, past_conv)  # (B, T, dim)
+        h, conv = self.input_embed(x, cond, mu, spks, past_conv, onnxruntime_only)  # (B, T, dim)
         freqs = self.rotary_embed(positions)  # (T, dim_head)
         cos, sin = freqs.cos(), freqs.sin()
         # The additive form of the mask, built once for every block (scaled_dot_product_attention turns a
@@ -389,7 +420,7 @@ class DiT(nn.Module):
         kv = []
         for i, block in enumerate(self.transformer_blocks):
             h, k, v = block(h, mods[i], cos, sin, bias, keep, None if past_kv is None else past_kv[i],
-                            fused_attention)
+                            onnxruntime_only)
             kv.append((k, v))
-        h = self.norm_out(h, mods[-1])
+        h = self.norm_out(h, mods[-1], onnxruntime_only)
         return self.proj_out(h).transpose(1, 2), conv, kv  # (B, 80, T)

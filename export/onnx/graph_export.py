@@ -140,7 +140,7 @@ def export_and_validate(out: Path, s: GraphSpec, dims: ModelDims, nets: LazyNetw
     (out / graph_record_file(s.name)).unlink(missing_ok=True)  # the record must never outlive its file
     _label(bar, s.name, "load networks")
     recipe = EXPORT_RECIPES[s.name]
-    wrapper = recipe.wrapper(nets, onnxruntime_operators=Precision.named(precision).onnxruntime_operators)
+    wrapper = recipe.wrapper(nets, onnxruntime_only=Precision.named(precision).onnxruntime_only)
     checkpoints = checkpoints_of(wrapper, nets)
     sources = {n: source_sha[n].sha256 for n in (*CONFIG_SOURCES, *checkpoints)}
     meta = {"source_checkpoint": ",".join(checkpoints),

@@ -85,20 +85,20 @@ def llm_sequence(nets: NetworkSource) -> DecodeSequence:
 
 
 class WrapperFactory(Protocol):
-    """Builds a graph's wrapper from a bundle's networks. `onnxruntime_operators`: its export may use
-    onnxruntime's own operators (`Precision.onnxruntime_operators`); the wrapper's eager torch computes the
-    same either way."""
+    """Builds a graph's wrapper from a bundle's networks. `onnxruntime_only`: its export may be written for
+    onnxruntime alone (`Precision.onnxruntime_only`); the wrapper's eager torch computes the same either
+    way."""
 
-    def __call__(self, nets: NetworkSource, *, onnxruntime_operators: bool = False) -> nn.Module: ...
+    def __call__(self, nets: NetworkSource, *, onnxruntime_only: bool = False) -> nn.Module: ...
 
 
-def _dit(nets: NetworkSource, *, onnxruntime_operators: bool = False) -> nn.Module:
-    return FlowEstimatorCachedGraph(nets.flow.decoder.estimator, fused_attention=onnxruntime_operators)
+def _dit(nets: NetworkSource, *, onnxruntime_only: bool = False) -> nn.Module:
+    return FlowEstimatorCachedGraph(nets.flow.decoder.estimator, onnxruntime_only=onnxruntime_only)
 
 
 def _plain(build: Callable[[NetworkSource], nn.Module]) -> WrapperFactory:
     """A wrapper whose export is the same for every precision."""
-    def factory(nets: NetworkSource, *, onnxruntime_operators: bool = False) -> nn.Module:
+    def factory(nets: NetworkSource, *, onnxruntime_only: bool = False) -> nn.Module:
         return build(nets)
     return factory
 

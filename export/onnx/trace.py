@@ -29,12 +29,13 @@ from cosyvoice_graphs import GraphSpec, ModelDims, TensorSpec, metadata
 
 from ..memory import free_memory, stage
 
-EXPORT_REVISION = 8
+EXPORT_REVISION = 9
 """Bump when what is written for an unchanged spec changes (this module, a wrapper or a network's traced
 graph; 3: the DiT's additive attention mask; 4: HiFT's polyphase upsampling; 5: the LLM's q/k/v and
 gate/up projections as one matmul each; 6: the DiT's attention scaling its queries only; 7: the DiT's GELU
 as onnxruntime fuses it, no query rows masked; 8: the DiT's RoPE and attention as onnxruntime's operators
-in its int8 graph): it forces a re-export."""
+in its int8 graph; 9: that graph's RoPE over the whole q/k, norms with the modulation as their scale and
+bias, Mish without Softplus): it forces a re-export."""
 EXPORTER_VERSION = (
     f"cosyvoice-onnx {version('cosyvoice-onnx')} rev {EXPORT_REVISION}; torch {torch.__version__}; "
     f"onnx {onnx.__version__}; onnxslim {onnxslim.__version__}"

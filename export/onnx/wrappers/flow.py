@@ -69,17 +69,17 @@ class FlowEstimatorCachedGraph(nn.Module):
     the first new frame), block_frames (1,), past_pos_conv1/2 (2, dim, kernel - 1), then past_key_i,
     past_value_i (2, H, P, Dh) per block i. Outputs: velocity (2, 80, T), present_pos_conv1/2, then
     present_key_i, present_value_i (2, H, P + T, Dh). Every frame is a real one (the runtime never pads), so
-    no query row is masked. `fused_attention`: its export writes each block's RoPE and attention as
-    onnxruntime's own operators (`DiT.forward_cached`), for a graph that only onnxruntime runs.
+    no query row is masked. `onnxruntime_only`: its export is written for a graph that only onnxruntime runs
+    (`DiT.forward_cached`).
     """
 
     modulations: Tensor
 
-    def __init__(self, dit: DiT, *, fused_attention: bool = False) -> None:
+    def __init__(self, dit: DiT, *, onnxruntime_only: bool = False) -> None:
         super().__init__()
         self.dit = dit
         self.depth = dit.cfg.depth
-        self.fused_attention = fused_attention
+        self.onnxruntime_only = onnxruntime_only
         # per step over the CFG batch of 2, as upstream's solve calls it: the same matmul shapes, so the
         # same float32 rounding as `DiT.forward`
         with torch.no_grad():
@@ -99,5 +99,5 @@ class FlowEstimatorCachedGraph(nn.Module):
         modulation = self.modulations.index_select(0, ode_step)  # (1, M): both CFG rows share t
         velocity, conv, kv = self.dit.forward_cached(x, mu, modulation, spks, cond, positions, attn_mask,
                                                      None, (past_pos_conv1, past_pos_conv2), pairs,
-                                                     fused_attention=self.fused_attention)
+                                                     onnxruntime_only=self.onnxruntime_only)
         return (velocity, *conv, *[y for pair in kv for y in pair])  # key_0, value_0, key_1, ...
