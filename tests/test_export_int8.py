@@ -108,6 +108,15 @@ def test_only_the_llm_projections_take_int8_weights(int8_bundle: Path) -> None:
     assert _float_weight_matmuls(model) == ["/llm_decoder/MatMul"]  # the output head stays float32
 
 
+def test_the_int8_llm_attends_with_onnxruntimes_operator(int8_bundle: Path) -> None:
+    """Only onnxruntime runs an int8 graph, so each layer of the `llm` attends with its
+    `GroupQueryAttention`; the fp32 `llm`, which OpenVINO and TensorRT run too, keeps standard operators."""
+    ops = [n.op_type for n in _int8_body(int8_bundle, "llm").graph.node]
+    assert ops.count("GroupQueryAttention") == tiny_dims().llm_layers and "Softmax" not in ops
+    fp32 = onnx.load(str(DEMO_BUNDLE / "graphs" / "llm.onnx"), load_external_data=False)
+    assert not [n for n in fp32.graph.node if n.domain == "com.microsoft"]
+
+
 def test_only_the_dit_blocks_linears_take_int8_weights(int8_bundle: Path) -> None:
     graph = "flow_estimator_cached"
     model = _int8_body(int8_bundle, graph)

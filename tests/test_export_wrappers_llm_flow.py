@@ -308,6 +308,35 @@ def test_the_dit_export_for_onnxruntime_computes_the_standard_ones_outputs(
             assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max(), (dict(case.dims), name)
 
 
+@pytest.mark.parametrize("name", ["llm", "llm_prefill"])
+def test_the_llm_export_for_onnxruntime_computes_the_standard_ones_outputs(
+        name: str, cfg: ModelConfig, lm: llm_net.CosyVoice3LM, tmp_path: Path) -> None:
+    """Written for onnxruntime alone (`onnxruntime_only`), each layer's RoPE and attention over its cache is
+    one `GroupQueryAttention` (the cache taken as a buffer it fills, the new positions written after it),
+    with none of the standard export's softmax, causal mask or rotated halves; onnxruntime's CPU provider
+    computes the standard export's log-probs and caches at every case of the spec, with and without a
+    cache before the new positions, to float rounding (its kernel rounds its own way)."""
+    s = _spec(name, cfg)
+    paths = {only: tmp_path / f"{only}.onnx" for only in (False, True)}
+    for only, path in paths.items():
+        _export(LLMGraph(lm, onnxruntime_only=only).eval(), s, path)
+    nodes = onnx.load(paths[True]).graph.node
+    layers = cfg.llm.qwen.num_hidden_layers
+    gqa = [n for n in nodes if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == layers and all(n.domain == "com.microsoft" for n in gqa)
+    assert [n.output[1:] for n in gqa] == [[f"present_key_{i}", f"present_value_{i}"] for i in range(layers)]
+    assert [n.op_type for n in nodes].count("Softmax") == 0 and "Where" not in [n.op_type for n in nodes]
+    plain, ort_only = (ort.InferenceSession(str(paths[only]), providers=["CPUExecutionProvider"])
+                       for only in (False, True))
+    cases = (s.trace, *s.validate)
+    assert {case.dims["past_len"] > 0 for case in cases} == {False, True}
+    for case in cases:
+        feeds = s.sample_inputs(case)
+        for out, a, b in zip(s.output_names, plain.run(None, feeds), ort_only.run(None, feeds), strict=True):
+            assert a.shape == b.shape, (dict(case.dims), out)
+            assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max(), (dict(case.dims), out)
+
+
 @pytest.mark.parametrize("name", GRAPHS)
 def test_onnxruntime_matches_torch(name: str, cfg: ModelConfig, wrappers: dict[str, nn.Module],
                                    exported: dict[str, Path]) -> None:

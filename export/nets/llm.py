@@ -255,14 +255,21 @@ class Qwen2Model(nn.Module):
         self.norm = Qwen2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, inputs_embeds: Tensor, past_keys: list[Tensor], past_values: list[Tensor],
-                cache_len: Tensor | None = None) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+                cache_len: Tensor | None = None, *, onnxruntime_only: bool = False
+                ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
         """Embeddings (B, T, C) + pasts (B, KV, P, D) -> final-norm hidden (B, T, C), presents.
 
         Without `cache_len`, presents are (B, KV, P+T, D) per layer; positions continue from the past
         length, and the new block is causal and sees the whole past. With it, the caches are in buffers:
         the first `cache_len[b]` rows of row b of each past hold its cache, and presents are the buffers
         with each row's new positions written after its cache (`GroupQueryAttention`).
+        `onnxruntime_only` (without `cache_len`): an ONNX export for a graph only onnxruntime runs writes
+        each layer's RoPE and attention as `GroupQueryAttention` too, over pasts it takes as buffers that
+        their caches fill (presents (B, KV, P+T, D) as well), where the standard export writes about forty
+        operators a layer (RoPE's halves, the caches' growth, the scores, the causal mask, the softmax).
         """
+        if cache_len is None and onnxruntime_only and torch.onnx.is_in_onnx_export():
+            cache_len = torch.zeros(inputs_embeds.shape[0], dtype=torch.int64) + past_keys[0].shape[2]
         positions = (self._causal(inputs_embeds, past_keys[0]) if cache_len is None
                      else self._buffered(inputs_embeds, cache_len))
         x = inputs_embeds
@@ -352,14 +359,17 @@ class CosyVoice3LM(nn.Module):
         return keys, values
 
     def forward_step(
-        self, inputs_embeds: Tensor, past_keys: list[Tensor], past_values: list[Tensor]
+        self, inputs_embeds: Tensor, past_keys: list[Tensor], past_values: list[Tensor], *,
+        onnxruntime_only: bool = False
     ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
         """One decoding call: embeddings (B, T, C) + pasts -> (logp (B, V) of the last position, presents).
 
         `logp` is `log_softmax(llm_decoder(h))` of the final-norm hidden state, V = speech_vocab.
-        Caches are (B, num_kv_heads, T_total, head_dim), keys after RoPE.
+        Caches are (B, num_kv_heads, T_total, head_dim), keys after RoPE. `onnxruntime_only`: see
+        `Qwen2Model.forward`.
         """
-        hidden, present_keys, present_values = self.backbone(inputs_embeds, past_keys, past_values)
+        hidden, present_keys, present_values = self.backbone(inputs_embeds, past_keys, past_values,
+                                                             onnxruntime_only=onnxruntime_only)
         return self._logp(hidden), present_keys, present_values
 
     def forward_step_buffered(

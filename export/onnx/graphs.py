@@ -96,6 +96,10 @@ def _dit(nets: NetworkSource, *, onnxruntime_only: bool = False) -> nn.Module:
     return FlowEstimatorCachedGraph(nets.flow.decoder.estimator, onnxruntime_only=onnxruntime_only)
 
 
+def _llm(nets: NetworkSource, *, onnxruntime_only: bool = False) -> nn.Module:
+    return LLMGraph(nets.llm, onnxruntime_only=onnxruntime_only)
+
+
 def _plain(build: Callable[[NetworkSource], nn.Module]) -> WrapperFactory:
     """A wrapper whose export is the same for every precision."""
     def factory(nets: NetworkSource, *, onnxruntime_only: bool = False) -> nn.Module:
@@ -114,12 +118,12 @@ class ExportRecipe:
 
 
 EXPORT_RECIPES: dict[str, ExportRecipe] = {
-    LLM: ExportRecipe(_plain(lambda n: LLMGraph(n.llm)), llm_sequence),
+    LLM: ExportRecipe(_llm, llm_sequence),
     FLOW_ENCODER: ExportRecipe(_plain(lambda n: FlowEncoderGraph(n.flow))),
     DIT: ExportRecipe(_dit),
     HIFT_F0: ExportRecipe(_plain(lambda n: HiFTF0Graph(n.hift))),
     HIFT_DECODER: ExportRecipe(_plain(lambda n: HiFTDecoderGraph(n.hift))),
-    LLM_PREFILL: ExportRecipe(_plain(lambda n: LLMGraph(n.llm)), llm_sequence),
+    LLM_PREFILL: ExportRecipe(_llm, llm_sequence),
     LLM_DECODE: ExportRecipe(_plain(lambda n: LLMDecodeGraph(n.llm)), llm_sequence),
 }
 """Graph name (as in `cosyvoice_graphs.SPECS` and `OPTIONAL_SPECS`) -> its torch side."""

@@ -29,13 +29,14 @@ from cosyvoice_graphs import GraphSpec, ModelDims, TensorSpec, metadata
 
 from ..memory import free_memory, stage
 
-EXPORT_REVISION = 9
+EXPORT_REVISION = 10
 """Bump when what is written for an unchanged spec changes (this module, a wrapper or a network's traced
 graph; 3: the DiT's additive attention mask; 4: HiFT's polyphase upsampling; 5: the LLM's q/k/v and
 gate/up projections as one matmul each; 6: the DiT's attention scaling its queries only; 7: the DiT's GELU
 as onnxruntime fuses it, no query rows masked; 8: the DiT's RoPE and attention as onnxruntime's operators
 in its int8 graph; 9: that graph's RoPE over the whole q/k, norms with the modulation as their scale and
-bias, Mish without Softplus): it forces a re-export."""
+bias, Mish without Softplus; 10: the int8/int4 llm and llm_prefill's attention as GroupQueryAttention): it
+forces a re-export."""
 EXPORTER_VERSION = (
     f"cosyvoice-onnx {version('cosyvoice-onnx')} rev {EXPORT_REVISION}; torch {torch.__version__}; "
     f"onnx {onnx.__version__}; onnxslim {onnxslim.__version__}"
@@ -156,12 +157,19 @@ def _declare_spec_dims(model: onnx.ModelProto, spec: GraphSpec) -> None:
 
 
 def _simplify(model: onnx.ModelProto, spec: GraphSpec) -> tuple[onnx.ModelProto, str | None]:
-    """onnxslim's graph if it succeeds and keeps the I/O contract, else the input graph and why not."""
+    """onnxslim's graph if it succeeds and keeps the I/O contract, else the input graph and why not.
+
+    onnxslim can leave an output of onnxruntime's own operators (which its shape inference does not know)
+    with a value_info of no type; such an entry says nothing, and onnxruntime's quantizer refuses a matmul
+    that reads it, so it is dropped (the quantizer then takes the value as float32, as it is)."""
     try:
         slim = onnxslim.slim(model)
         check_contract(slim, spec)
     except Exception as e:  # any failure of the optional simplifier: keep the plain export
         return model, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    typed = [v for v in slim.graph.value_info if v.type.HasField("tensor_type")]
+    del slim.graph.value_info[:]
+    slim.graph.value_info.extend(typed)
     return slim, None
 
 

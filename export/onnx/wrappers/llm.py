@@ -13,18 +13,22 @@ class LLMGraph(nn.Module):
 
     Inputs: `inputs_embeds` (1, new_len, C), then `past_key_i`, `past_value_i` (1, KV, past_len, D) for
     each layer i. Outputs: `logp` (1, V), then `present_key_i`, `present_value_i` (1, KV, total_len, D).
+    `onnxruntime_only`: its export is written for a graph that only onnxruntime runs
+    (`Qwen2Model.forward`).
     """
 
-    def __init__(self, lm: CosyVoice3LM) -> None:
+    def __init__(self, lm: CosyVoice3LM, *, onnxruntime_only: bool = False) -> None:
         super().__init__()
         self.lm = lm
         self.num_layers = lm.cfg.qwen.num_hidden_layers
+        self.onnxruntime_only = onnxruntime_only
 
     def forward(self, inputs_embeds: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
         """inputs_embeds, past_key_0, past_value_0, past_key_1, ... -> logp, present_key_0, ..."""
         if len(past) != 2 * self.num_layers:
             raise ValueError(f"expected {2 * self.num_layers} past tensors, got {len(past)}")
-        logp, keys, values = self.lm.forward_step(inputs_embeds, list(past[0::2]), list(past[1::2]))
+        logp, keys, values = self.lm.forward_step(inputs_embeds, list(past[0::2]), list(past[1::2]),
+                                                  onnxruntime_only=self.onnxruntime_only)
         presents = [t for kv in zip(keys, values, strict=True) for t in kv]  # key_0, value_0, key_1, ...
         return (logp, *presents)
 
