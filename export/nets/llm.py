@@ -264,11 +264,12 @@ class Qwen2Model(nn.Module):
         the first `cache_len[b]` rows of row b of each past hold its cache, and presents are the buffers
         with each row's new positions written after its cache (`GroupQueryAttention`).
         `onnxruntime_only` (without `cache_len`): an ONNX export for a graph only onnxruntime runs writes
-        each layer's RoPE and attention as `GroupQueryAttention` too, over pasts it takes as buffers that
-        their caches fill (presents (B, KV, P+T, D) as well), where the standard export writes about forty
-        operators a layer (RoPE's halves, the caches' growth, the scores, the causal mask, the softmax).
+        each layer's RoPE and attention as `GroupQueryAttention` too, the pasts taken as buffers their caches
+        fill (presents (B, KV, P+T, D) as well), where the standard export writes about forty operators a
+        layer (RoPE's halves, the caches' growth, the scores, the causal mask, the softmax).
         """
         if cache_len is None and onnxruntime_only and torch.onnx.is_in_onnx_export():
+            # every row's cache fills its past: P rows
             cache_len = torch.zeros(inputs_embeds.shape[0], dtype=torch.int64) + past_keys[0].shape[2]
         positions = (self._causal(inputs_embeds, past_keys[0]) if cache_len is None
                      else self._buffered(inputs_embeds, cache_len))

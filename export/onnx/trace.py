@@ -159,9 +159,10 @@ def _declare_spec_dims(model: onnx.ModelProto, spec: GraphSpec) -> None:
 def _simplify(model: onnx.ModelProto, spec: GraphSpec) -> tuple[onnx.ModelProto, str | None]:
     """onnxslim's graph if it succeeds and keeps the I/O contract, else the input graph and why not.
 
-    onnxslim can leave an output of onnxruntime's own operators (which its shape inference does not know)
-    with a value_info of no type; such an entry says nothing, and onnxruntime's quantizer refuses a matmul
-    that reads it, so it is dropped (the quantizer then takes the value as float32, as it is)."""
+    onnxslim can leave an output of one of onnxruntime's own operators with a value_info of no type (seen
+    on the first of an int8 prefill's `GroupQueryAttention`s); such an entry says nothing, and onnxruntime's
+    quantizer refuses a matmul that reads it, so it is dropped (the quantizer then takes the value as
+    float32, as it is)."""
     try:
         slim = onnxslim.slim(model)
         check_contract(slim, spec)
