@@ -103,9 +103,9 @@ def _conv_mish(conv: nn.Sequential, x: Tensor, onnxruntime_only: bool) -> Tensor
     """`conv` (upstream's conv, then Mish: x tanh(softplus(x))) over x. For onnxruntime alone, an ONNX export
     writes the Mish as x n / (n + 2) with n = e (e + 2), e = exp(min(x, 20)), the same function
     (tanh(log(1 + e)) = n / (n + 2); past 20 the tanh is 1 in float32, and the cap keeps n finite):
-    onnxruntime's Softplus kernel is scalar (5 ns an element on two cores, these seven operators about 0.5),
-    and this form is nearer torch's Mish than that kernel. float16 would overflow n, so no other graph has
-    it."""
+    onnxruntime's Softplus kernel is scalar, about ten times the time of these seven operators (on an
+    AVX-512 Zen 5, docs/performance-log.md), and this form is nearer torch's Mish than that kernel. float16
+    would overflow n, so no other graph has it."""
     if not (onnxruntime_only and torch.onnx.is_in_onnx_export()):
         return conv(x)
     y = conv[0](x)
