@@ -168,7 +168,8 @@ def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:
 @click.option("--trt", is_flag=True,
               help="Also build a TensorRT plan per graph (cached by ONNX sha256 + profile + GPU + TensorRT "
                    "version) and validate it against onnxruntime. Needs a CUDA device and the export-gpu "
-                   "extra.")
+                   "extra. fp16 graphs are then written in standard operators, which TensorRT parses; "
+                   "without --trt their DiT and llm use onnxruntime's own attention and rotary operators.")
 @click.option("--llm", type=click.Choice(list(LLM_CHECKPOINTS)), default="base", show_default=True,
               help="The LLM to export: base = llm.pt, the one upstream's loader reads; rl = llm.rl.pt, the "
                    "release's reinforcement-learned LLM (same keys). The manifest records which, with its "

@@ -434,7 +434,8 @@ class GraphInputs:
     sources: Mapping[str, str]
     """Model-bundle file -> sha256 of what the graph was made from."""
     precision: str
-    """The graph's precision, with the revision of its conversion where it has one (`fp16 rev 1`)."""
+    """The graph's precision, with the revision of its conversion where it has one and the form of a graph
+    written for onnxruntime alone (`fp16 rev 1, for onnxruntime`)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"spec_name": self.spec_name, "spec_version": self.spec_version,

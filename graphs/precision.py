@@ -61,14 +61,15 @@ class Precision:
         fp32 bounds validate them there, and no spec bounds them apart."""
         return self.rewrite is None and self.cpu_provider == CPU
 
-    @property
-    def onnxruntime_only(self) -> bool:
-        """Whether its graphs run on onnxruntime alone, so that their export may be written for it: its own
-        operators (its `com.microsoft` domain) and the forms its kernels run fastest. Rewritten for
-        onnxruntime (int8, int4), they never run on OpenVINO nor as TensorRT plans. tf32's graphs are the
-        float32 export itself, fp32's graphs to the byte."""
+    def onnxruntime_only(self, *, trt_plans: bool) -> bool:
+        """Whether its graphs, in an export that builds TensorRT plans of them (`trt_plans`, `--trt`) or not,
+        run on onnxruntime alone, so that their export may be written for it: its own operators (its
+        `com.microsoft` domain) and the forms its kernels run fastest. Rewritten graphs never run on
+        OpenVINO; int8's and int4's never as TensorRT plans, fp16's only from an export that builds them
+        (onnxruntime's TensorRT provider hands onnxruntime's operators to its CUDA provider). tf32's graphs
+        are the float32 export itself, fp32's graphs to the byte."""
         return (self.rewrite is not None and self.cpu_provider == CPU and OPENVINO not in self.providers
-                and TRT not in self.providers)
+                and not (trt_plans and self.trt_plans))
 
     @property
     def trt_plans(self) -> bool:

@@ -12,18 +12,23 @@ import pytest
 pytest.importorskip("torch", reason="needs torch (the export extra)")
 pytestmark = pytest.mark.torch
 
+import numpy as np
 import onnx
 from click.testing import CliRunner
 from onnx import TensorProto
+from onnx.reference import ReferenceEvaluator
+from tqdm import tqdm
 
 from cosyvoice_export.bundle.model_dir import ModelBundle
 from cosyvoice_export.bundle.tiny import config_for_size
 from cosyvoice_export.cli import main
 from cosyvoice_export.onnx import fp16
-from cosyvoice_export.onnx.bundle_assembly import export_all
+from cosyvoice_export.onnx.bundle_assembly import _hash_sources, _source_files, export_all
 from cosyvoice_export.onnx.dims import model_dims
+from cosyvoice_export.onnx.graph_export import export_and_validate, reuse_graph
 from cosyvoice_export.onnx.graphs import EXPORT_RECIPES, Networks
-from cosyvoice_export.onnx.output_dir import OutputDirError
+from cosyvoice_export.onnx.lazy_networks import LazyNetworks
+from cosyvoice_export.onnx.output_dir import OutputDirError, graph_record_file
 from cosyvoice_export.onnx.trace import check_contract
 from cosyvoice_export.onnx.validate import ValidationError, validate_graph
 from cosyvoice_graphs import SPECS, ModelDims, Tolerance, spec
@@ -90,6 +95,74 @@ def test_blocked_scopes_stay_float32(fp16_bundle: Path) -> None:
     assert head
     for n in head:
         assert all(types[v] != TensorProto.FLOAT16 for v in n.output if v), n.name
+
+
+def test_without_tensorrt_plans_the_dit_and_llm_use_onnxruntimes_operators_in_float16(fp16_bundle: Path
+                                                                                       ) -> None:
+    """An fp16 export that builds no TensorRT plans writes the DiT and the llm for onnxruntime alone
+    (`Precision.onnxruntime_only`): their attention and RoPE are its operators, computing in float16."""
+    expected = {"flow_estimator_cached": {"MultiHeadAttention", "RotaryEmbedding"},
+                "llm": {"GroupQueryAttention"}}
+    for name, ops in expected.items():
+        model, types = graph_types(fp16_bundle / "graphs" / f"{name}.onnx")
+        fused = [n for n in model.graph.node if n.op_type in ops]
+        assert {n.op_type for n in fused} == ops and all(n.domain == "com.microsoft" for n in fused)
+        assert all(types[n.output[0]] == TensorProto.FLOAT16 for n in fused), name
+        record = json.loads((fp16_bundle / graph_record_file(name)).read_text())
+        assert record["inputs"]["precision"] == f"fp16 rev {fp16.FP16_REVISION}, for onnxruntime"
+
+
+def test_with_tensorrt_plans_the_fp16_dit_keeps_standard_operators(tiny_bundle: Path, tmp_path: Path) -> None:
+    """An export that builds TensorRT plans (`--trt`, which needs a GPU: the graph step alone here) writes the
+    standard operators TensorRT parses, and records the form apart, so neither export reuses the other's."""
+    bundle = ModelBundle.open(tiny_bundle)
+    s = spec("flow_estimator_cached", model_dims(bundle.config))
+    source_sha = _hash_sources(_source_files(bundle), False)
+    with tqdm(disable=True) as bar:
+        result = export_and_validate(tmp_path, s, model_dims(bundle.config), LazyNetworks(bundle), source_sha,
+                                     bar, "fp16", trt=True)
+    assert result.validation.passed
+    ops = {n.op_type for n in onnx.load(tmp_path / "graphs" / f"{s.name}.onnx").graph.node}
+    assert "MultiHeadAttention" not in ops and "RotaryEmbedding" not in ops and "Softmax" in ops
+    assert result.record.inputs.precision == f"fp16 rev {fp16.FP16_REVISION}"
+    assert reuse_graph(tmp_path, s, source_sha, "fp16", trt=True) is not None
+    assert reuse_graph(tmp_path, s, source_sha, "fp16", trt=False) is None
+
+
+def test_the_dits_mish_stays_finite_in_float16(fp16_bundle: Path) -> None:
+    """The conv position embedding's Mish as the fp16 DiT computes it on a GPU, every operation rounded to
+    float16 (onnx's reference evaluator; onnxruntime's CPU provider runs a float16 chain of elementwise
+    operators in float32, so it cannot show this): finite where its intermediate values overflow (from
+    x = 5.5), and within float16's rounding of x tanh(softplus(x))."""
+    model = onnx.load(fp16_bundle / "graphs" / "flow_estimator_cached.onnx")
+    mish, y = _first_mish(model)
+    x = np.linspace(-30, 30, 601).astype(np.float16)
+    with np.errstate(over="ignore", divide="ignore"):  # the overflows under test
+        got = ReferenceEvaluator(mish).run(None, {y: x})[0]
+    exact = x.astype(np.float64) * np.tanh(np.log1p(np.exp(x.astype(np.float64))))
+    assert got.dtype == np.float16 and np.isfinite(got).all()
+    assert np.max(np.abs(got - exact) / np.maximum(1, np.abs(exact))) < 2e-3
+
+
+def _first_mish(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str]:
+    """The nodes from the first Mish's input (what its `Clip` reads) to its output (the `Div` of that input),
+    as a model of their own, and that input's name."""
+    nodes = list(model.graph.node)
+    y = next(n for n in nodes if n.op_type == "Clip").input[0]
+    out = next(n for n in nodes if n.op_type == "Div" and n.input[0] == y).output[0]
+    producers = {o: n for n in nodes for o in n.output}
+    keep, todo = [], [out]
+    while todo:
+        node = producers.get(todo.pop())
+        if node is not None and node not in keep and y not in node.output:
+            keep.append(node)
+            todo += [i for i in node.input if i and i != y]
+    names = {i for n in keep for i in n.input}
+    weights = [t for t in model.graph.initializer if t.name in names]
+    io = [onnx.helper.make_tensor_value_info(v, TensorProto.FLOAT16, None) for v in (y, out)]
+    graph = onnx.helper.make_graph(sorted(keep, key=nodes.index), "mish", io[:1], io[1:], weights)
+    opsets = list(model.opset_import)
+    return onnx.helper.make_model(graph, opset_imports=opsets, ir_version=model.ir_version), y
 
 
 def test_mixing_precisions_in_one_out_is_refused(fp16_bundle: Path, tiny_bundle: Path) -> None:

@@ -49,6 +49,14 @@ def test_where_each_precision_runs() -> None:
     assert [name for name, p in PRECISIONS.items() if p.cuda_tf32] == ["tf32"]
 
 
+def test_which_graphs_are_written_for_onnxruntime_alone() -> None:
+    """Rewritten graphs that neither OpenVINO nor a TensorRT plan of this export reads: int8 and int4
+    always, fp16 where the export builds no plans; never fp32's, tf32's (fp32's graph) or bf16's."""
+    alone = {plans: [name for name, p in PRECISIONS.items() if p.onnxruntime_only(trt_plans=plans)]
+             for plans in (False, True)}
+    assert alone == {False: ["fp16", "int8", "int4"], True: ["int8", "int4"]}
+
+
 def test_a_record_must_hold_together() -> None:
     with pytest.raises(ValueError, match="fp32: unknown provider 'tpu'"):
         replace(FP32, providers=(*PROVIDERS, "tpu"))

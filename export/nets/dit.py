@@ -101,17 +101,18 @@ def _ort_rope(x: Tensor, cos: Tensor, sin: Tensor, rotated: int) -> Tensor:
 
 def _conv_mish(conv: nn.Sequential, x: Tensor, onnxruntime_only: bool) -> Tensor:
     """`conv` (upstream's conv, then Mish: x tanh(softplus(x))) over x. For onnxruntime alone, an ONNX export
-    writes the Mish as x n / (n + 2) with n = e (e + 2), e = exp(min(x, 20)), the same function
-    (tanh(log(1 + e)) = n / (n + 2); past 20 the tanh is 1 in float32, and the cap keeps n finite):
-    onnxruntime's Softplus kernel is scalar, about ten times the time of these seven operators (on an
-    AVX-512 Zen 5, docs/performance-log.md), and this form is nearer torch's Mish than that kernel. float16
-    would overflow n, so no other graph has it."""
+    writes the Mish as x / (1 + 2 / n) with n = e (e + 2), e = exp(min(x, 20)), the same function
+    (tanh(log(1 + e)) = n / (n + 2); past 20 the tanh is 1 in float32): onnxruntime's Softplus kernel is
+    scalar, about ten times the time of these seven operators (on an AVX-512 Zen 5,
+    docs/performance-log.md), and this form is nearer torch's Mish than that kernel. It stays finite and
+    accurate in float16, where e and n overflow from x = 5.5 (n = inf gives x; n = 0, from e's underflow,
+    gives 0; n / (n + 2) would be NaN and 1 - 2 / (n + 2) would cancel)."""
     if not (onnxruntime_only and torch.onnx.is_in_onnx_export()):
         return conv(x)
     y = conv[0](x)
     e = torch.exp(torch.clamp(y, max=20.0))
     n = e * (e + 2)
-    return y * (n / (n + 2))
+    return y / (1 + y.new_tensor(2.0) / n)  # a tensor 2: `2 / n` would trace as Reciprocal and Mul
 
 
 class _SinusPositionEmbedding(nn.Module):

@@ -145,6 +145,7 @@ def _assemble(bundle: ModelBundle, out: Path, force: bool, plan: PrecisionPlan, 
     source_sha = _hash_sources(_source_files(bundle), progress)
     nets = LazyNetworks(bundle)
 
+    trt = trt_env is not None  # plans to build: graphs in the operators TensorRT parses
     results: list[GraphResult] = []
     with tqdm(total=len(specs) + 2, desc="runtime bundle", unit="step", disable=not progress) as bar:
         with _step(bar, "tables"):  # first: the LLM they are read from is the first graph's network
@@ -153,8 +154,8 @@ def _assemble(bundle: ModelBundle, out: Path, force: bool, plan: PrecisionPlan, 
             with _step(bar, f"{s.name}: reuse check"):
                 nets.next_task()
                 p = plan.precision_of(s)
-                reused = None if force else reuse_graph(out, s, source_sha, p)
-                results.append(reused or export_and_validate(out, s, dims, nets, source_sha, bar, p))
+                reused = None if force else reuse_graph(out, s, source_sha, p, trt)
+                results.append(reused or export_and_validate(out, s, dims, nets, source_sha, bar, p, trt))
         with _step(bar, "frontend, tokenizer"):
             copied = _copy_files(out, bundle, source_sha)
             prompt, prompt_files = _copy_prompt(out, bundle)

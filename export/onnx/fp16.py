@@ -39,8 +39,9 @@ CONVERTIBLE_OPS = frozenset({
     # data movement: exact in any precision
     "Reshape", "Transpose", "Slice", "Gather", "Concat", "Unsqueeze", "Squeeze", "Split", "Expand", "Tile",
     "Pad", "Identity", "Flatten", "Cast",
-    # onnxruntime's attention over a KV cache (`llm_decode`): its float inputs and outputs share one type
-    "GroupQueryAttention",
+    # onnxruntime's own operators in the graphs written for it (`llm_decode`, and `llm` and the DiT where no
+    # TensorRT plans are built): their float inputs and outputs share one type
+    "GroupQueryAttention", "MultiHeadAttention", "RotaryEmbedding",
 })
 """Ops a converted node may have. Anything else (LayerNormalization, Softmax, LogSoftmax, Sin, Cos, Exp,
 Pow, Sqrt, reductions, comparisons, Range, ConstantOfShape, ...) stays float32."""

@@ -90,11 +90,15 @@ def _recorded_figures(graph: str, v: Validation) -> GraphValidation:
     return GraphValidation(graph, v.provider, v.against, figures, gates)
 
 
-def graph_inputs(s: GraphSpec, sources: Mapping[str, str], precision: str) -> GraphInputs:
+def graph_inputs(s: GraphSpec, sources: Mapping[str, str], precision: str, trt: bool) -> GraphInputs:
     """What a graph is a function of: when none of it changed, the graph need not be exported again. The
-    sources by name, so that a fresh graph's record and manifest entry list them as a reused one's do."""
+    sources by name, so that a fresh graph's record and manifest entry list them as a reused one's do.
+    `trt`: whether the export builds TensorRT plans, on which the graph's form may depend
+    (`Precision.onnxruntime_only`)."""
     conversion = CONVERSIONS.get(precision)
     made = precision if conversion is None else f"{precision} rev {conversion.revision}"
+    if Precision.named(precision).onnxruntime_only(trt_plans=trt):
+        made += ", for onnxruntime"
     return GraphInputs(s.name, s.version, EXPORTER_VERSION, dict(sorted(sources.items())), made)
 
 
@@ -108,7 +112,7 @@ def _read_record(out: Path, graph: str) -> GraphRecord | None:
         return None
 
 
-def reuse_graph(out: Path, s: GraphSpec, source_sha: Mapping[str, FileEntry], precision: str
+def reuse_graph(out: Path, s: GraphSpec, source_sha: Mapping[str, FileEntry], precision: str, trt: bool
                 ) -> GraphResult | None:
     """The graph from an earlier run, if its inputs are unchanged, it passed, and its files are intact."""
     record = _read_record(out, s.name)
@@ -118,7 +122,7 @@ def reuse_graph(out: Path, s: GraphSpec, source_sha: Mapping[str, FileEntry], pr
     if not set(sources) <= set(source_sha):
         return None
     current = {n: source_sha[n].sha256 for n in sources}
-    if record.inputs != graph_inputs(s, current, precision):
+    if record.inputs != graph_inputs(s, current, precision, trt):
         return None
     for rel, entry in record.files.items():
         path = out / rel
@@ -129,9 +133,11 @@ def reuse_graph(out: Path, s: GraphSpec, source_sha: Mapping[str, FileEntry], pr
 
 
 def export_and_validate(out: Path, s: GraphSpec, dims: ModelDims, nets: LazyNetworks,
-                        source_sha: Mapping[str, FileEntry], bar: tqdm, precision: str) -> GraphResult:
+                        source_sha: Mapping[str, FileEntry], bar: tqdm, precision: str, trt: bool
+                        ) -> GraphResult:
     """Export and validate one graph (a reduced-precision graph: against its bounds for that precision,
-    and its decode or solve gates where the spec has them), then record it for later runs.
+    and its decode or solve gates where the spec has them), then record it for later runs. `trt`: the
+    export builds TensorRT plans, which read standard operators only (`Precision.onnxruntime_only`).
 
     The torch side of the validation runs first and the networks are freed once the graph is traced, so
     that neither the torch networks nor the ONNX graph's copies of their weights (the checker's, onnxslim's,
@@ -140,7 +146,8 @@ def export_and_validate(out: Path, s: GraphSpec, dims: ModelDims, nets: LazyNetw
     (out / graph_record_file(s.name)).unlink(missing_ok=True)  # the record must never outlive its file
     _label(bar, s.name, "load networks")
     recipe = EXPORT_RECIPES[s.name]
-    wrapper = recipe.wrapper(nets, onnxruntime_only=Precision.named(precision).onnxruntime_only)
+    for_onnxruntime = Precision.named(precision).onnxruntime_only(trt_plans=trt)
+    wrapper = recipe.wrapper(nets, onnxruntime_only=for_onnxruntime)
     checkpoints = checkpoints_of(wrapper, nets)
     sources = {n: source_sha[n].sha256 for n in (*CONFIG_SOURCES, *checkpoints)}
     meta = {"source_checkpoint": ",".join(checkpoints),
@@ -179,7 +186,7 @@ def export_and_validate(out: Path, s: GraphSpec, dims: ModelDims, nets: LazyNetw
     timings = {"export_s": round(result.seconds, 3),
                "validate_s": round(reference_s + time.perf_counter() - start, 3)}
     _label(bar, s.name, "record")
-    record = GraphRecord(graph_inputs(s, sources, precision),
+    record = GraphRecord(graph_inputs(s, sources, precision, trt),
                          {str(p.relative_to(out)): file_entry(p) for p in reversed(paths)},
                          result.simplified, result.simplify_error, timings, validation_record(validation))
     write_json(out, graph_record_file(s.name), record.to_json())
