@@ -4,7 +4,9 @@ Concurrent streams each run their chunks' flow and vocoder calls on threads of t
 calls share the cores, so four streams' first chunks all finish late together. `ChunkTurns` lets at most
 `slots` chunks run at once and, among the waiting, gives the next turn to a first chunk (a listener
 waiting for any audio) before a later one, otherwise in the order they asked. It orders work, never
-changes it: every chunk's samples are what they would be without it.
+changes it: every chunk's samples are what they would be without it. While a first chunk holds or waits for
+a turn (`first_due`) the decode batch decodes only the ids of first chunks too (`DecodeBatcher`), and
+`on_first_done` tells it when one ends.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
@@ -23,17 +25,27 @@ class ChunkTurns:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.slots = slots
+        self.on_first_done: Callable[[], None] = lambda: None
+        """Called after a first chunk's turn ends (the decode batch's `wake`)."""
         self._cond = threading.Condition()
         self._waiting: list[tuple[int, int]] = []
         """(0 for a first chunk else 1, arrival number) of each chunk waiting, a heap."""
         self._arrivals = itertools.count()
         self._running = 0
+        self._firsts = 0
+        """First chunks waiting for a turn or holding one."""
+
+    @property
+    def first_due(self) -> bool:
+        """Whether a stream's first chunk holds a turn or waits for one."""
+        return self._firsts > 0
 
     @contextmanager
     def turn(self, first: bool) -> Iterator[None]:
         """Wait for this chunk's turn (`first`: the stream's first chunk), hold it while the block runs."""
         ticket = (0 if first else 1, next(self._arrivals))
         with self._cond:
+            self._firsts += first
             heapq.heappush(self._waiting, ticket)
             while self._running >= self.slots or self._waiting[0] != ticket:
                 self._cond.wait()
@@ -44,4 +56,7 @@ class ChunkTurns:
         finally:
             with self._cond:
                 self._running -= 1
+                self._firsts -= first
                 self._cond.notify_all()
+            if first:
+                self.on_first_done()

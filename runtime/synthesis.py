@@ -190,8 +190,13 @@ class Synthesizer:
         check_max_batch(max_batch, self.bundle, self.provider)
         if self.batcher is not None:
             self.batcher.close()
-        self.batcher = DecodeBatcher(self.lm, max_batch, observer) if max_batch > 1 else None
-        self.turns = ChunkTurns() if max_batch > 1 else None
+        if max_batch > 1:
+            turns = ChunkTurns()
+            batcher = DecodeBatcher(self.lm, max_batch, observer, first_audio_due=lambda: turns.first_due)
+            turns.on_first_done = batcher.wake
+            self.batcher, self.turns = batcher, turns
+        else:
+            self.batcher, self.turns = None, None
 
     def chunk_turn(self, *, first: bool) -> AbstractContextManager[None]:
         """The turn a chunk's flow and vocoder work waits for: with a decode batch, whose sessions share the
@@ -366,8 +371,11 @@ class _Stream:
                     break
                 self.tokens.append(token)
                 if len(self.tokens) - self.offset >= hop + self.policy.lookahead:
-                    yield self._chunk(self.tokens[: self.offset + hop + self.policy.lookahead], hop, llm_s,
-                                      final=False)
+                    chunk = self._chunk(self.tokens[: self.offset + hop + self.policy.lookahead], hop, llm_s,
+                                        final=False)
+                    if isinstance(source, BatchedDecoding):  # its later ids wait for others' first audio
+                        source.sent_audio = True
+                    yield chunk
                     hop, llm_s = next(hops), 0.0
             if not self.tokens:
                 raise SynthesisError("the LLM produced no speech tokens; nothing to vocode")

@@ -59,3 +59,37 @@ def test_slots_run_at_once_and_a_failure_frees_its_turn() -> None:
         pass
     with pytest.raises(ValueError, match="slots must be >= 1"):
         ChunkTurns(slots=0)
+
+
+def test_first_chunks_due_are_known_and_each_end_is_told() -> None:
+    """`first_due` while a first chunk holds a turn or waits for one (the decode batch then pauses for ids
+    due later), and `on_first_done` after each first chunk's turn, not a later chunk's."""
+    turns = ChunkTurns(slots=1)
+    done: list[bool] = []
+    turns.on_first_done = lambda: done.append(turns.first_due)
+    assert not turns.first_due
+    holding, release = threading.Event(), threading.Event()
+
+    def later() -> None:
+        with turns.turn(first=False):
+            holding.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=later)
+    holder.start()
+    assert holding.wait(10) and not turns.first_due  # a later chunk alone
+    first = threading.Thread(target=lambda: _hold_first(turns))
+    first.start()
+    deadline = time.monotonic() + 10
+    while not turns.first_due:  # waiting for the held turn
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    release.set()
+    for thread in (holder, first):
+        thread.join(10)
+    assert done == [False] and not turns.first_due
+
+
+def _hold_first(turns: ChunkTurns) -> None:
+    with turns.turn(first=True):
+        assert turns.first_due

@@ -27,12 +27,12 @@ from cosyvoice_export.cli import main
 from cosyvoice_graphs import spec
 from cosyvoice_runtime import CosyVoice3
 from cosyvoice_runtime.bundle import RuntimeBundle
-from cosyvoice_runtime.decode_batch import DecodeBatcher
+from cosyvoice_runtime.decode_batch import BatchedDecoding, DecodeBatcher
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.llm import LlmRequest
 from cosyvoice_runtime.runners import CPU, CUDA
 from cosyvoice_runtime.sampling import make_sampler
-from cosyvoice_runtime.synthesis import Synthesizer
+from cosyvoice_runtime.synthesis import Mode, Synthesizer, llm_request
 
 T = TypeVar("T")
 
@@ -203,6 +203,67 @@ def test_a_closed_decoding_leaves_the_batch(exact_bundle: Path, in_slots: bool) 
             batcher.close()
     assert rest == want
     assert max(observed.sizes) == 2
+
+
+def test_while_first_audio_is_due_the_batch_steps_only_for_streams_without_audio(exact_bundle: Path) -> None:
+    """While a stream's first audio is being made or waits to be (`first_audio_due`), the batch steps for a
+    consumer that has sent no audio and waits for ids, and not for one that has sent audio: its ids wait
+    until the first audio is out, then come as before."""
+    bundle = RuntimeBundle.open(exact_bundle)
+    early, late = _requests(bundle, 2)
+    due = threading.Event()
+    due.set()
+    with Synthesizer(bundle, threads=1) as synth:
+        batcher = DecodeBatcher(synth.lm, 2, observed := Recorder(), first_audio_due=due.is_set)
+        try:
+            sent = batcher.submit(synth.lm.decode(early, make_sampler("ras", seed=0), max_tokens=300,
+                                                  ignore_stop=True))
+            sent.sent_audio = True
+            assert next(sent) is not None  # from its prefill, on this thread
+            silent = batcher.submit(synth.lm.decode(late, make_sampler("ras", seed=1), max_tokens=300,
+                                                    ignore_stop=True))
+            assert len([next(silent) for _ in range(5)]) == 5  # no audio yet: the batch steps for it
+            steps = -1
+            while steps != len(observed.sizes) or not sent.ids.empty():  # until a step in flight has ended
+                steps = len(observed.sizes)
+                while not sent.ids.empty():
+                    next(sent)
+                time.sleep(0.2)
+            got: list[int] = []
+            thread = threading.Thread(target=lambda: got.append(next(sent)))
+            thread.start()
+            thread.join(0.5)
+            assert thread.is_alive() and not got and len(observed.sizes) == steps  # it waits
+            due.clear()
+            batcher.wake()
+            thread.join(30)
+            assert len(got) == 1 and len(observed.sizes) > steps
+        finally:
+            batcher.close()
+
+
+def test_a_batched_stream_tells_the_batch_once_its_first_audio_is_out(exact_bundle: Path, prompt_wav: Path,
+                                                                       prompt_text: str) -> None:
+    """The pipeline's batch pauses for its chunk turns' first chunks (`ChunkTurns.first_due`, woken as each
+    ends), and a stream's decoding is marked as having sent audio once its first chunk is made."""
+    with CosyVoice3(exact_bundle, threads=1, max_batch=2) as voice:
+        synth = voice.synth
+        assert synth.turns is not None and synth.batcher is not None
+        assert synth.turns.on_first_done == synth.batcher.wake and not synth.batcher.first_audio_due()
+        with synth.turns.turn(first=True):
+            assert synth.batcher.first_audio_due()
+        prompt = voice.prompt_features(prompt_wav)
+        piece = voice.segments(Mode.ZERO_SHOT, "A sentence long enough for two chunks of speech, at least.",
+                               prompt_text=prompt_text)[0]
+        decoding = synth.decode(llm_request(Mode.ZERO_SHOT, piece.text_ids, prompt, piece.prompt_text_ids),
+                                make_sampler("ras", seed=0), max_tokens=120, ignore_stop=True)
+        assert isinstance(decoding, BatchedDecoding)
+        chunks = synth.stream_tokens(decoding, prompt)
+        assert not decoding.sent_audio
+        first = next(chunks)
+        assert first.index == 0 and decoding.sent_audio
+        assert [c.index for c in chunks][-1] > 0
+        decoding.close()
 
 
 def _until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
