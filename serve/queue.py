@@ -55,6 +55,8 @@ class Session:
         """When its work ended without error."""
         self._cancel = threading.Event()
         self.future: Future[None] | None = None
+        self.released = threading.Event()
+        """Set once its slot is free: its work has ended, or it was dropped before it ran."""
 
     def cancel(self) -> None:
         """Stop the session: drop it if it still waits, else make its next `check` raise `Cancelled`."""
@@ -156,7 +158,7 @@ class SessionQueue:
         except BaseException:
             self._release(None)
             raise
-        session.future.add_done_callback(self._release)
+        session.future.add_done_callback(lambda future: self._release(future, session))
         return stream
 
     def _run(self, work: Callable[[Session], Iterable[T]], session: Session, stream: SessionStream[T]
@@ -177,13 +179,16 @@ class SessionQueue:
             with self._lock:
                 self._running -= 1
                 self._in_flight -= 1
+            session.released.set()
         stream.put(last)
 
-    def _release(self, future: Future[None] | None) -> None:
+    def _release(self, future: Future[None] | None, session: Session | None = None) -> None:
         """Free the slot of a session that never ran (the others free theirs in `_run`)."""
         if future is None or future.cancelled():
             with self._lock:
                 self._in_flight -= 1
+            if session is not None:
+                session.released.set()
 
     def shutdown(self) -> None:
         """Drop the waiting sessions and take no new ones; running ones go on to their end."""

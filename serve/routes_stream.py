@@ -6,8 +6,8 @@ The client sends JSON text frames: a `start` (the voice, as `/v1/audio/speech` t
 by default), then `done` with the usage, and closes (1000). The session takes a slot of the same queue as
 the other routes, from the start message to its end. Anything else ends it with an `error` message and a
 close code (`CLOSE`): a bad message or field, text past `--max-text` in all, no message for
-`--stream-idle` seconds before `end`, a full queue, or a failed synthesis. A client that closes the socket
-cancels its session; its slot is free within one LLM step.
+`--stream-idle` seconds before `end`, a full queue, or a failed synthesis; the slot is free by the time the
+close arrives. A client that closes the socket cancels its session; its slot is free within one LLM step.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 router = APIRouter()
 PATH = "/v1/audio/speech/stream"
 
+RELEASE_WAIT_S = 10.0
+"""How long a closing session waits for its work to stop and free its slot (one LLM step or one flow or
+vocoder call) before the socket closes anyway."""
 CLOSE = {"bad_message": 1008, "too_much_text": 1009, "failed": 1011, "busy": 1013, "idle": 4408}
 """Close codes: RFC 6455's policy violation, message too big, internal error and try again later, and, in
 the private range, 4408 for a client idle past `--stream-idle` (HTTP's 408)."""
@@ -168,6 +171,8 @@ async def _serve(socket: WebSocket, state: ServerState) -> None:
         feed.end()
         stream.cancel()
         encoder.close()
+        # a client told to go (idle, a bad message) finds the slot free when it comes back at once
+        await asyncio.to_thread(stream.session.released.wait, RELEASE_WAIT_S)
 
 
 async def _read_text(socket: WebSocket, feed: TextFeed, max_chars: int, idle: float) -> None:

@@ -119,6 +119,29 @@ def test_an_idle_client_is_closed_and_frees_its_slot(engine: Engine, tmp_path: P
                                  {"type": "end"}])[2] == 1000
 
 
+def test_a_client_told_to_go_finds_its_slot_free_when_it_comes_back_at_once(
+        engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server closes a session (idle here) only once its work has stopped and freed the slot, however
+    long the work takes to stop (half a second here, as a flow call can): one slot and no queue, and the
+    client that reconnects at once is served."""
+    stream_text = engine.stream_text
+
+    def slow_to_stop(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        try:
+            yield from stream_text(*args, **kwargs)
+        finally:
+            time.sleep(0.5)
+
+    monkeypatch.setattr(engine, "stream_text", slow_to_stop)
+    with socket_to(engine, tmp_path, stream_idle_timeout=0.5, queue_depth=0) as (open_socket, _):
+        with open_socket() as ws:
+            _, _, code = converse(ws, [{"type": "start", "voice": "alloy"}, {"type": "text", "text": "Hi"}])
+        assert code == 4408
+        with open_socket() as ws:
+            assert converse(ws, [{"type": "start", "voice": "alloy"}, {"type": "text", "text": "Hello."},
+                                 {"type": "end"}])[2] == 1000
+
+
 def test_a_full_queue_and_a_client_that_leaves(engine: Engine, tmp_path: Path) -> None:
     """One slot, no queue: a second session is refused (1013) while the first waits for text; the first
     client leaving cancels its session and frees the slot."""
