@@ -66,8 +66,8 @@ class Precision:
         run on onnxruntime alone, so that their export may be written for it: its own operators (its
         `com.microsoft` domain) and the forms its kernels run fastest. Rewritten graphs never run on
         OpenVINO; int8's and int4's never as TensorRT plans, fp16's only from an export that builds them
-        (onnxruntime's TensorRT provider hands onnxruntime's operators to its CUDA provider). tf32's graphs
-        are the float32 export itself, fp32's graphs to the byte."""
+        (onnxruntime's TensorRT provider would leave onnxruntime's operators to its CUDA provider: not run
+        here). tf32's graphs are the float32 export itself, fp32's graphs to the byte."""
         return (self.rewrite is not None and self.cpu_provider == CPU and OPENVINO not in self.providers
                 and not (trt_plans and self.trt_plans))
 
