@@ -21,7 +21,7 @@ from typing import Any
 from cosyvoice_export.bundle.yaml_config import model_config_from_yaml
 from cosyvoice_export.config import DiTConfig, HiFTConfig, Qwen2Config
 from cosyvoice_graphs import DIT, HIFT_DECODER
-from cosyvoice_graphs.precision import FP32, INT8, Precision
+from cosyvoice_graphs.precision import BF16, FP32, INT8, Precision
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.runners import CPU, decode_body
 
@@ -115,6 +115,12 @@ def dit_bound_s(dit: DiTConfig, frames: int, precision: Precision, rates: Rates)
 def needs_int8_rate(shapes: ModelShapes) -> bool:
     """Whether a bound runs at the int8 matmul rate (the DiT in int8)."""
     return shapes.dit_precision == INT8
+
+
+def needs_bf16_rate(shapes: ModelShapes) -> bool:
+    """Whether a bound runs at OpenVINO's bf16 matmul rate (the DiT or HiFT's decoder in bf16; the LLM's
+    bound is its bytes read)."""
+    return BF16 in (shapes.dit_precision, shapes.hift_precision)
 
 
 def hift_flops(hift: HiFTConfig, frames: int) -> int:

@@ -1,12 +1,14 @@
 """The machine: what it is (CPU model, vector features and the class they make), and what it can do: memory
 bandwidth (numpy copies) and matmul throughput (onnxruntime graphs: float32 `MatMul`, and the int8
-`DynamicQuantizeMatMul` of an int8 DiT) at the benchmark's thread count."""
+`DynamicQuantizeMatMul` of an int8 DiT; OpenVINO's bf16 `MatMul` where a graph runs in bf16) at the
+benchmark's thread count."""
 
 from __future__ import annotations
 
 import os
 import platform
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -18,7 +20,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from cosyvoice_graphs.precision import FP32, Precision
+from cosyvoice_graphs.precision import BF16, FP32, Precision
+from cosyvoice_runtime.runners.openvino import import_openvino
 from cosyvoice_runtime.runners.ort_settings import usable_cpus
 
 CPU_FLAGS = ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
@@ -117,12 +120,13 @@ class Rates:
     device: str = "cpu"
     """Where they were measured: "cpu", or "cuda" (the GPU, through onnxruntime's CUDA provider)."""
     precision_gflops: Mapping[str, float] = field(default_factory=dict)
-    """`MatMul` rates of other precisions' math, by precision name (on a GPU: tf32, fp16)."""
+    """`MatMul` rates of other precisions' math, by precision name (on a GPU: tf32, fp16; on a CPU: bf16,
+    OpenVINO's, where a graph runs in it)."""
 
     def matmul_rate(self, precision: Precision) -> tuple[float, str]:
         """GFLOP/s of `precision`'s matmul math as measured, and what it is in words: its own rate where
-        measured, else float32's (no CPU rate of fp16 or bf16 is measured, so such a graph can pass its
-        bound)."""
+        measured, else float32's (no CPU rate of fp16 is measured, nor bf16's where no graph runs in it, so
+        such a graph can pass its bound)."""
         if precision.name in self.precision_gflops:
             return self.precision_gflops[precision.name], f"{precision.name} MatMul"
         if precision == FP32:
@@ -131,14 +135,17 @@ class Rates:
 
 
 def measure_rates(threads: int, shape: tuple[int, int, int], *, int8: bool, quick: bool,
-                  bandwidth_gbs: float | None = None) -> Rates:
+                  bandwidth_gbs: float | None = None, bf16: bool = False) -> Rates:
     """The rates at `threads` threads, the matmuls at `shape`; `bandwidth_gbs` when already measured at
-    that thread count. `quick`: a small copy and fewer repeats (smoke runs)."""
+    that thread count; `bf16`: OpenVINO's bf16 rate too (a bf16 graph's bound). `quick`: a small copy and
+    fewer repeats (smoke runs)."""
     repeats = 2 if quick else 5
     if bandwidth_gbs is None:
         bandwidth_gbs = memory_bandwidth(threads, mib=64 if quick else 512, repeats=repeats)
+    others = {BF16.name: bf16_matmul_gflops(*shape, threads, repeats=repeats)} if bf16 else {}
     return Rates(threads, bandwidth_gbs, shape, matmul_gflops(*shape, threads, repeats=repeats),
-                 int8_matmul_gflops(*shape, threads, repeats=repeats) if int8 else None)
+                 int8_matmul_gflops(*shape, threads, repeats=repeats) if int8 else None,
+                 precision_gflops=others)
 
 
 # --- memory bandwidth ---------------------------------------------------------------------------------
@@ -191,6 +198,33 @@ def int8_matmul_gflops(m: int, k: int, n: int, threads: int, repeats: int = 5) -
     rng = np.random.default_rng(0)
     feeds = {"a": rng.standard_normal((m, k), dtype=np.float32)}
     return _gflops(int8_matmul_model(m, k, n), feeds, m, k, n, threads, repeats)
+
+
+def bf16_matmul_gflops(m: int, k: int, n: int, threads: int, repeats: int = 5) -> float:
+    """GFLOP/s of OpenVINO's CPU plugin on a float32 `MatMul` with a constant weight (k, n) compiled with
+    bf16 inference precision, as it runs a bf16 graph (the weight converted once, the activations per
+    call), at `threads` inference threads. Only on a CPU with bf16 instructions is this bf16's rate
+    (elsewhere OpenVINO computes in float32, and the runtime refuses bf16 graphs)."""
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((k, n), dtype=np.float32)
+    model = _model(_node("MatMul", ["a", "b"], ["y"]), [_value("a", (m, k))], [_value("y", (m, n))],
+                   [_tensor("b", weight, _FLOAT)], {"": 17})
+    feeds = {"a": rng.standard_normal((m, k), dtype=np.float32)}
+    ov = import_openvino()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "matmul.onnx"
+        path.write_bytes(model)
+        compiled = ov.Core().compile_model(str(path), "CPU", {"INFERENCE_PRECISION_HINT": "bf16",
+                                                              "INFERENCE_NUM_THREADS": threads,
+                                                              "PERFORMANCE_HINT": "LATENCY"})
+    request = compiled.create_infer_request()
+    request.infer(feeds)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        request.infer(feeds)
+        best = min(best, time.perf_counter() - start)
+    return 2 * m * k * n / best / 1e9
 
 
 def _gflops(model: bytes, feeds: dict[str, np.ndarray], m: int, k: int, n: int, threads: int, repeats: int

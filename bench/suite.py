@@ -27,7 +27,14 @@ from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, CUDA, OPTIMIZATION
 from cosyvoice_runtime.runners.ort_settings import CONV_ALGO_SEARCHES
 
 from .backend import Backend, Figures, FirstChunk
-from .bounds import ModelShapes, dit_matmul_shape, llm_weight_count, needs_int8_rate, stage_bounds
+from .bounds import (
+    ModelShapes,
+    dit_matmul_shape,
+    llm_weight_count,
+    needs_bf16_rate,
+    needs_int8_rate,
+    stage_bounds,
+)
 from .cases import Case
 from .gpu import conv_search_levers, describe_gpu, gpu_rates
 from .levers import LEVER_THREADS, attention_mask_cost, export_levers, onnxruntime_levers
@@ -110,7 +117,7 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
         jobs["torch"] = PeakJob("torch", model_dir, s.prompt_wav, s.prompt_text, s.threads, seed=s.seed)
     measure_levers = s.provider == CPU
     measure_conv_search = s.provider == CUDA
-    int8 = needs_int8_rate(shapes)
+    int8, bf16 = needs_int8_rate(shapes), needs_bf16_rate(shapes)
     other_levels = [t for t in thread_levels(s.threads) if t != s.threads] if s.thread_scaling else []
     steps = (1 + len(s.cases) * len(factories) * (3 + s.repeat) + len(factories) + len(s.concurrency)
              + (2 * len(OPTIMIZATION) * len(LEVER_THREADS) if measure_levers else 0) + 2 + len(s.cases)
@@ -153,7 +160,7 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
         for case in s.cases:
             shape = dit_matmul_shape(shapes.dit, frames[case.name])
             rates[case.name] = (gpu_rates(shape, quick=s.quick) if on_gpu else measure_rates(
-                s.threads, shape, int8=int8, quick=s.quick, bandwidth_gbs=bandwidth))
+                s.threads, shape, int8=int8, quick=s.quick, bandwidth_gbs=bandwidth, bf16=bf16))
             bandwidth = rates[case.name].bandwidth_gbs
             step(f"rates {case.name}")
         step("memory bandwidth")
@@ -181,7 +188,7 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
                 figures, at = summary["runtime"][longest], rates[longest]
             else:
                 figures = scaled[t]
-                at = measure_rates(t, rates[longest].matmul_shape, int8=int8, quick=s.quick)
+                at = measure_rates(t, rates[longest].matmul_shape, int8=int8, quick=s.quick, bf16=bf16)
                 step(f"rates at {t} threads")
             scaling.append({"threads": t, **{k: figures[k] for k in SCALING_FIGURES},
                             "bounds": bounds(longest, at, figures, None)})
@@ -398,8 +405,8 @@ def _notes(s: Settings, gpu: GpuSampler | None) -> dict[str, str]:
                   "rows, full attention) over the case's frames at the float32 MatMul rate, an int8 DiT's "
                   "blocks' weight matmuls at the int8 DynamicQuantizeMatMul rate; HiFT: its convolutions "
                   "over the generated frames at the float32 rate (its Snake activations' sines, "
-                  "single-threaded in onnxruntime, come on top); torch's fractions are of the float32 "
-                  "bounds",
+                  "single-threaded in onnxruntime, come on top); a bf16 DiT or HiFT at OpenVINO's bf16 "
+                  "MatMul rate; torch's fractions are of the float32 bounds",
         "cpu_class": "the CPU's vector class (AVX2 / AVX-512, VNNI, BF16, AMX): figures from different "
                      "classes are not comparable as equals",
     }

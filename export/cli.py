@@ -188,8 +188,9 @@ def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:
                    "embedding, output projections, HiFT's source and Snake) and all graph I/O in float32; "
                    "hift_f0 has none. int8: the llm's and the DiT blocks' matmul weights in int8 "
                    "(caches, norms, rotary, softmax, time embedding, AdaLN, output heads and I/O in "
-                   "float32). int4: the llm's matmul weights in 4 bits (the DiT has none). bf16: the DiT run "
-                   "in bfloat16 by OpenVINO (needs AVX512-BF16 or AMX and the openvino extra). Profiles: "
+                   "float32). int4: the llm's matmul weights in 4 bits (the DiT has none). bf16: the DiT and "
+                   "HiFT's decoder run in bfloat16 by OpenVINO (needs AVX512-BF16 or AMX and the openvino "
+                   "extra). Profiles: "
                    + "; ".join(f"{name} = " + ",".join(f"{g}={p}" for g, p in graphs.items())
                                for name, graphs in PROFILES.items())
                    + ". Each graph is validated with its spec's bounds for its precision (and the llm's "

@@ -108,9 +108,9 @@ INT4 = Precision(
     cpu_provider=CPU, openvino_hint=None, providers=(CPU, CUDA, TENSORRT),
     runs_on="onnxruntime (4-bit operators, which TensorRT does not build)", weight_bytes=0.5)
 BF16 = Precision(
-    "bf16", "CPUs with AVX512-BF16 or AMX: the DiT computed in bfloat16, by OpenVINO", rewrite=None,
-    cpu_provider=OPENVINO, openvino_hint="bf16", providers=(CPU, OPENVINO), runs_on="the CPU (OpenVINO)",
-    weight_bytes=2)
+    "bf16", "CPUs with AVX512-BF16 or AMX: the DiT and HiFT's decoder computed in bfloat16, by OpenVINO",
+    rewrite=None, cpu_provider=OPENVINO, openvino_hint="bf16", providers=(CPU, OPENVINO),
+    runs_on="the CPU (OpenVINO)", weight_bytes=2)
 
 TF32 = Precision(
     "tf32", "GPUs: the float32 graphs with TF32 matmuls and convolutions on CUDA's tensor cores",

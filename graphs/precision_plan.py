@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .precision import EXACT_ON_CPU, FP32, INT4, INT8, PRECISIONS, Precision
+from .precision import BF16, EXACT_ON_CPU, FP32, INT4, INT8, PRECISIONS, Precision
 from .recipes import RECIPES
-from .registry import DIT, LLM, LLM_DECODE, LLM_PREFILL, OPTIONAL_SPECS, SPECS
+from .registry import DIT, HIFT_DECODER, LLM, LLM_DECODE, LLM_PREFILL, OPTIONAL_SPECS, SPECS
 from .spec import GraphSpec
 
 GRAPH_ALIASES: dict[str, tuple[str, ...]] = {
@@ -30,9 +30,13 @@ GRAPH_ALIASES: dict[str, tuple[str, ...]] = {
 """Short names of graphs in `graph=precision` (`GraphRecipe.aliases`) -> the graphs each names, in pipeline
 order (an alias may name several graphs: each takes the precision)."""
 
+_CPU_FAST = {LLM: INT4.name, LLM_PREFILL: INT8.name, LLM_DECODE: INT4.name, DIT: INT8.name}
 PROFILES: dict[str, dict[str, str]] = {
     # the fastest gated CPU bodies measured on the full-size random bundle (docs/performance-log.md)
-    "cpu-fast": {LLM: INT4.name, LLM_PREFILL: INT8.name, LLM_DECODE: INT4.name, DIT: INT8.name},
+    "cpu-fast": _CPU_FAST,
+    # and HiFT's decoder in bf16 on OpenVINO, for CPUs with AVX512-BF16 or AMX (the DiT stays int8: its
+    # streaming calls are slower in OpenVINO's bf16 than in onnxruntime's int8, measured on AMX)
+    "cpu-fast-bf16": {**_CPU_FAST, HIFT_DECODER: BF16.name},
 }
 """Named precisions per graph (graphs not named are fp32)."""
 

@@ -428,8 +428,10 @@ def hift_decoder_spec(d: ModelDims) -> GraphSpec:
         tolerances={"waveform": Tolerance("mean_abs", 2e-3)},
         trace=Case({"frames": 24}),
         validate=(Case({"frames": 11}), Case({"frames": 57})),
-        # the mean error relative to the mean amplitude (an L1, like the fp32 metric): -34 dB
-        precision_tolerances={FP16.name: {"waveform": Tolerance("rel_mean_abs", 2e-2)}},
+        # the mean error relative to the mean amplitude (an L1, like the fp32 metric): -34 dB; bf16 measured
+        # 7.0e-3 to 7.8e-3 (OpenVINO on AMX, full-size random, docs/export.md)
+        precision_tolerances={p: {"waveform": Tolerance("rel_mean_abs", 2e-2)}
+                              for p in (FP16.name, BF16.name)},
     )
 
 

@@ -21,15 +21,25 @@ from cosyvoice_bench.bounds import (
     ModelShapes,
     dit_flops_per_step,
     dit_int8_flops_per_step,
+    hift_flops,
     llm_bytes_per_token,
     llm_weight_count,
+    needs_bf16_rate,
     stage_bounds,
 )
 from cosyvoice_bench.cli import main
-from cosyvoice_bench.machine import Rates, cpu_class, int8_matmul_gflops, int8_matmul_model, vector_features
+from cosyvoice_bench.machine import (
+    Rates,
+    bf16_matmul_gflops,
+    cpu_class,
+    int8_matmul_gflops,
+    int8_matmul_model,
+    vector_features,
+)
 from cosyvoice_bench.report import SCALING_FIGURES
-from cosyvoice_graphs.precision import FP32, INT8, PRECISIONS
+from cosyvoice_graphs.precision import BF16, FP32, INT8, PRECISIONS
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.runners.openvino import unsupported_reason
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FIRST_CHUNK_TOKENS = 10
@@ -90,6 +100,31 @@ def test_an_int8_dit_is_bounded_at_the_int8_rate(runtime_bundle: Path) -> None:
         assert b["hift_bound_s"] == fp32["hift_bound_s"]
     with pytest.raises(ValueError, match="int8 matmul rate"):
         stage_bounds(int8, frames, 40, 30, rates(None), figures, None)
+
+
+def test_a_bf16_graph_is_bounded_at_openvinos_bf16_rate(runtime_bundle: Path) -> None:
+    shapes = ModelShapes.of(RuntimeBundle.open(runtime_bundle))
+    assert not needs_bf16_rate(shapes)
+    frames, vocoded, figures = 120, 40, {"flow_per_step_s": 1.0, "hift_s": 1.0}
+    measured = replace(rates(None), precision_gflops={BF16.name: 400.0})
+    for bf16 in (replace(shapes, hift_precision=BF16), replace(shapes, dit_precision=BF16)):
+        assert needs_bf16_rate(bf16)
+        b = stage_bounds(bf16, frames, vocoded, 30, measured, figures, None)
+        dit_rate, hift_rate = (4e11 if p == BF16 else 1e11 for p in (bf16.dit_precision, bf16.hift_precision))
+        assert b["dit_bound_s_per_step"] == pytest.approx(dit_flops_per_step(shapes.dit, frames) / dit_rate)
+        assert b["hift_bound_s"] == pytest.approx(hift_flops(shapes.hift, vocoded) / hift_rate)
+        assert b["precision_gflops"] == {"bf16": 400.0}
+    unmeasured = stage_bounds(replace(shapes, hift_precision=BF16), frames, vocoded, 30, rates(None), figures,
+                              None)
+    assert unmeasured["hift_rate"] == "float32 MatMul (no bf16 rate measured)"
+
+
+NO_BF16 = unsupported_reason(BF16)
+
+
+@pytest.mark.skipif(NO_BF16 is not None, reason=f"OpenVINO's bf16 rate is not measured here: {NO_BF16}")
+def test_the_bf16_rate_is_openvinos_on_a_constant_weight() -> None:
+    assert bf16_matmul_gflops(64, 128, 256, threads=1, repeats=1) > 0
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))

@@ -1,10 +1,9 @@
 """OpenVINO: the `openvino` provider (every graph on OpenVINO's CPU plugin in float32) and bf16 bundles
-(`--precision bf16`: the DiT compiled for bf16 by OpenVINO).
+(`--precision bf16`: the DiT and HiFT's decoder compiled for bf16 by OpenVINO).
 
-No CPU here has bf16 instructions, so the bf16 arithmetic itself is tested only where it runs
-(`test_bf16_bundle_on_a_bf16_cpu`, skipped elsewhere with the reason). Everything around it runs here:
-the refusals, and a bf16 export and synthesis with OpenVINO's bf16 hint pinned to f32, which exercises
-every step but the rounding."""
+The bf16 arithmetic itself is tested only on a CPU with bf16 instructions (`test_bf16_bundle_on_a_bf16_cpu`,
+skipped elsewhere with the reason). Everything around it runs on any CPU: the refusals, and a bf16 export
+and synthesis with OpenVINO's bf16 hint pinned to f32, which exercises every step but the rounding."""
 
 from __future__ import annotations
 
@@ -43,6 +42,9 @@ from cosyvoice_runtime.synthesis import Synthesizer
 
 NO_BF16 = unsupported_reason(PRECISIONS["bf16"])
 DIT = "flow_estimator_cached"
+HIFT_DECODER = "hift_decoder"
+BF16_GRAPHS = (DIT, HIFT_DECODER)
+"""The graphs a bf16 bundle computes in bf16: those whose specs bound bf16."""
 REL_TO_ONNXRUNTIME = 1e-5
 """OpenVINO float32 against onnxruntime on one call, relative to the output's largest value (measured on
 the demo bundle: 3.5e-6 at most, hift_decoder's waveform)."""
@@ -126,6 +128,24 @@ def test_bf16_is_refused_on_a_cpu_without_bf16(demo: RuntimeBundle, tiny_bundle:
     assert not out.exists()
 
 
+def test_a_profile_with_bf16_is_refused_on_a_cpu_without_bf16(tiny_bundle: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cpu-fast-bf16` names bf16 for HiFT's decoder alone: the CPU is still checked before anything is read
+    (whatever this CPU has: its capabilities are OpenVINO's answer, pinned here)."""
+    from cosyvoice_runtime.runners import openvino
+
+    monkeypatch.setattr(openvino, "cpu_capabilities", lambda: ("FP32", "INT8"))
+    out = tmp_path / "fast-bf16"
+    result = CliRunner().invoke(export_main, ["all", "--model-dir", str(tiny_bundle), "--out", str(out),
+                                              "--precision", "cpu-fast-bf16"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "error: --precision bf16: this CPU has no bf16 instructions (OpenVINO reports FP32, INT8); bf16 is "
+        "for CPUs with AVX512-BF16 or AMX: the DiT and HiFT's decoder computed in bfloat16, by OpenVINO; "
+        "use another --precision here"]
+    assert not out.exists()
+
+
 def test_bf16_with_tensorrt_plans_is_refused(tiny_bundle: Path, tmp_path: Path) -> None:
     with pytest.raises(TrtUnavailable, match="--trt with --precision bf16: bf16 graphs run on the CPU"):
         export_all(tiny_bundle, tmp_path / "out", trt=True, precision="bf16", progress=False)
@@ -153,30 +173,35 @@ def pinned_bf16_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFacto
     return report.out
 
 
-def test_a_bf16_bundle_marks_its_dit_and_validates_it_on_openvino(pinned_bf16_bundle: Path,
-                                                                  runtime_bundle: Path) -> None:
+def test_a_bf16_bundle_marks_its_bf16_graphs_and_validates_them_on_openvino(pinned_bf16_bundle: Path,
+                                                                            runtime_bundle: Path) -> None:
     manifest = json.loads((pinned_bf16_bundle / MANIFEST).read_text())
     assert manifest["precision"] == "bf16"
     for name, g in manifest["graphs"].items():
-        assert g["precision"] == ("bf16" if name == DIT else "fp32"), name
+        assert g["precision"] == ("bf16" if name in BF16_GRAPHS else "fp32"), name
         meta = read_onnx_metadata(pinned_bf16_bundle / g["file"])
         assert meta.get("precision", "fp32") == g["precision"]
         assert g["validation"]["passed"]
-    dit = manifest["graphs"][DIT]
-    assert dit["validation"]["provider"] == "OpenVINO CPU bf16"
-    assert dit["validation"]["gates"]["mel_rel_rms"]["bound"] == pytest.approx(10 ** (-45 / 20))
-    meta = read_onnx_metadata(pinned_bf16_bundle / dit["file"])
-    assert meta["bf16_revision"] == str(export_bf16.BF16_REVISION)
-    assert "INFERENCE_PRECISION_HINT=bf16" in meta["bf16_execution"]
-    # the body is the float32 export's: the same graph, other metadata
-    bf16, fp32 = (onnx.load(str(root / dit["file"])) for root in (pinned_bf16_bundle, runtime_bundle))
-    assert bf16.graph == fp32.graph and bf16.metadata_props != fp32.metadata_props
+    graphs = manifest["graphs"]
+    assert graphs[DIT]["validation"]["gates"]["mel_rel_rms"]["bound"] == pytest.approx(10 ** (-45 / 20))
+    waveform = graphs[HIFT_DECODER]["validation"]["outputs"]["waveform"]
+    assert (waveform["metric"], waveform["bound"]) == ("rel_mean_abs", 2e-2)
+    for name in BF16_GRAPHS:
+        assert graphs[name]["validation"]["provider"] == "OpenVINO CPU bf16", name
+        meta = read_onnx_metadata(pinned_bf16_bundle / graphs[name]["file"])
+        assert meta["bf16_revision"] == str(export_bf16.BF16_REVISION)
+        assert "INFERENCE_PRECISION_HINT=bf16" in meta["bf16_execution"]
+        # the body is the float32 export's: the same graph, other metadata
+        bf16, fp32 = (onnx.load(str(root / graphs[name]["file"]))
+                      for root in (pinned_bf16_bundle, runtime_bundle))
+        assert bf16.graph == fp32.graph and bf16.metadata_props != fp32.metadata_props, name
 
 
-def test_a_bf16_bundle_runs_its_dit_on_openvino(pinned_bf16_bundle: Path, pinned: None) -> None:
+def test_a_bf16_bundle_runs_its_bf16_graphs_on_openvino(pinned_bf16_bundle: Path, pinned: None) -> None:
     bundle = RuntimeBundle.open(pinned_bf16_bundle, verify=True)
-    with open_runner(bundle, DIT, "cpu") as runner:
-        assert isinstance(runner, OpenVinoRunner) and runner.precision == "bf16"
+    for name in BF16_GRAPHS:
+        with open_runner(bundle, name, "cpu") as runner:
+            assert isinstance(runner, OpenVinoRunner) and runner.precision == "bf16", name
     with open_runner(bundle, "llm", "cpu") as runner:
         assert not isinstance(runner, OpenVinoRunner)
     with pytest.raises(ProviderError, match=f"{DIT} is a bf16 graph, which runs on the CPU .*not on 'cuda'"):
@@ -203,6 +228,10 @@ def test_bf16_bundle_on_a_bf16_cpu(tiny_bundle: Path, tmp_path: Path) -> None:
                                               "--precision", "bf16"])
     assert result.exit_code == 0, result.output
     assert f"{DIT} [bf16 solve]" in result.output
+    manifest = json.loads((out / MANIFEST).read_text())
+    for name in BF16_GRAPHS:
+        assert manifest["graphs"][name]["precision"] == "bf16", name
+        assert manifest["graphs"][name]["validation"]["provider"] == "OpenVINO CPU bf16", name
     judged = CliRunner().invoke(golden_main, ["check", "--model", str(out), "--precision", "bf16", "--case",
                                               "cross-lingual-en-greedy"])
     assert judged.exit_code == 0, judged.output

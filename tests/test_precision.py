@@ -162,7 +162,7 @@ def test_openvino_refuses_a_hint_the_cpu_lacks(monkeypatch: pytest.MonkeyPatch) 
     assert openvino.unsupported_reason(FP32) is None
     assert openvino.unsupported_reason(BF16) == (
         "this CPU has no bf16 instructions (OpenVINO reports FP32, INT8); bf16 is for CPUs with AVX512-BF16 "
-        "or AMX: the DiT computed in bfloat16, by OpenVINO; use another --precision here")
+        "or AMX: the DiT and HiFT's decoder computed in bfloat16, by OpenVINO; use another --precision here")
     demo = RuntimeBundle.open(DEMO_BUNDLE)
     with pytest.raises(ProviderError, match="a bf16 graph: this CPU has no bf16 instructions"):
         OpenVinoRunner(demo.graph_path(DIT), demo.specs[DIT], "bf16")
