@@ -30,7 +30,9 @@ def test_demo_bundle_equals_a_fresh_export(runtime_bundle: Path) -> None:
     """`cosyvoice-export demo-bundle` output is committed; it must still be what the exporter makes.
 
     Files must be byte-identical, except graphs, which may differ in bytes with other onnx/onnxslim
-    versions and must then give the same outputs on every validation case of their spec.
+    versions, or with the CPU whose torch kernels computed a constant in float32 (the DiT's modulation
+    table: up to 3.7e-6 apart between a Zen 5 and a Xeon with AMX), and must then give the same outputs
+    on every validation case of their spec, to a few float32 roundings.
     """
     demo, fresh = RuntimeBundle.open(DEMO_BUNDLE, verify=True), RuntimeBundle.open(runtime_bundle)
     for key in ("model", "tables", "prompt", "frontend", "tokenizer", "sources"):
@@ -47,7 +49,7 @@ def test_demo_bundle_equals_a_fresh_export(runtime_bundle: Path) -> None:
         for case in s.validate:
             feeds = s.sample_inputs(case)
             for a, b in zip(ours.run(None, feeds), theirs.run(None, feeds), strict=True):
-                np.testing.assert_allclose(a, b, atol=1e-6, err_msg=f"{name} at {case.dims}")
+                np.testing.assert_allclose(a, b, atol=2e-5, err_msg=f"{name} at {case.dims}")
 
 
 @pytest.fixture
