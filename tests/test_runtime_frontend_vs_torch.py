@@ -77,10 +77,11 @@ def test_kaldi_fbank_matches_reference(signal: Callable[..., np.ndarray]) -> Non
 
 def _assert_prompt_mel_close(got: np.ndarray, expected: torch.Tensor) -> None:
     """The reference's float32 STFT rounding grows in bins far below the frame's energy: near the 1e-5
-    clamp (ln = -11.5) the two differ by up to ~2e-3, above ln = -8 by a few 1e-5."""
+    clamp (ln = -11.5) the two differ by up to ~2e-3, above ln = -8 by a few 1e-5 (up to 6.1e-5
+    with the float32 kernels of a Xeon with AMX): the float64 comparison beside it is the exact one."""
     assert _max_abs(got, expected) < 3e-3
     loud = expected.numpy() > -8.0
-    assert _max_abs(got[loud], expected.numpy()[loud]) < 5e-5
+    assert _max_abs(got[loud], expected.numpy()[loud]) < 1e-4
 
 
 def _torch64_prompt_mel(x: np.ndarray) -> np.ndarray:
