@@ -89,7 +89,8 @@ def attention_mask_cost(bundle: RuntimeBundle, *, frames: int, threads: int) -> 
     with nothing cached, full attention), from an onnxruntime profile of a call after a warm-up: the
     nodes that read or write a (..., T, T) tensor, other than the attention's matmuls and softmax
     (building the mask, turning it into an additive bias and adding that to the scores). With full
-    attention none of it changes the result."""
+    attention none of it changes the result. `unmasked_attention`: whether the call's attention ran
+    without the mask (an int8 DiT's flash branch, export/onnx/flash_attention.py)."""
     _, feeds = _offline_dit_call(bundle.specs[DIT], frames)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
@@ -106,8 +107,10 @@ def attention_mask_cost(bundle: RuntimeBundle, *, frames: int, threads: int) -> 
     nodes = [e for e in events if e.get("cat") == "Node" and e["ts"] >= last["ts"]]
     mask_us = sum(e["dur"] for e in nodes if e["args"].get("op_name") not in MASK_FREE_OPS
                   and any(_is_square(shape, frames) for shape in _shapes(e["args"])))
+    unmasked = any(e["args"].get("op_name") == "MultiHeadAttention"
+                   and not any(_is_square(shape, frames) for shape in _shapes(e["args"])) for e in nodes)
     return {"frames": frames, "threads": threads, "call_s": last["dur"] / 1e6, "mask_s": mask_us / 1e6,
-            "share": mask_us / last["dur"]}
+            "share": mask_us / last["dur"], "unmasked_attention": unmasked}
 
 
 def _shapes(args: Mapping[str, Any]) -> list[list[int]]:
@@ -132,6 +135,23 @@ def _kv_buffers_lever(bundle: RuntimeBundle) -> dict[str, Any]:
                       "int8) writes it in place on the CPU"}
 
 
+def _mask_lever(mask_cost: Mapping[str, Any] | None, measured: str) -> dict[str, Any]:
+    guard = ("the NaN guard that a boolean mask brings after every block's softmax (IsNaN + Where over "
+             "(2, H, T, T), 17% of a 650-frame call) is gone: the DiT turns its mask into an additive bias "
+             "once, and no row is all-masked. The mask itself stays, built in the graph from `offset` and "
+             "`block_frames`, because it carries the block-causal streaming pattern")
+    if mask_cost is not None and mask_cost["unmasked_attention"]:
+        return {"lever": "remove the all-ones attention mask (DiT)", "status": "done in the export",
+                "measured": mask_cost,
+                "detail": f"{guard}; a call with nothing cached whose mask hides no key (the offline flow, a "
+                          "stream's final re-run) runs each block's attention without it, in onnxruntime's "
+                          f"flash kernel (an If per block, in an int8 DiT); {measured}"}
+    return {"lever": "remove the all-ones attention mask (DiT)", "status": "partly done in the export",
+            "measured": mask_cost,
+            "detail": f"{guard}, and is added to every block's scores, so offline calls pay for it too; "
+                      f"{measured}"}
+
+
 def export_levers(bundle: RuntimeBundle, mask_cost: Mapping[str, Any] | None) -> list[dict[str, Any]]:
     """The export-side levers, as our graphs stand (read from their specs and exporters, not re-done);
     `mask_cost` is `attention_mask_cost`'s measurement, None where it was not taken."""
@@ -144,13 +164,7 @@ def export_levers(bundle: RuntimeBundle, mask_cost: Mapping[str, Any] | None) ->
          "detail": f"the llm graph's only logits are `logp` {tuple(logp_shape)}: llm_decoder over the "
                    f"{bundle.dims.speech_vocab} speech ids at the last position; Qwen's embedding and "
                    "lm_head are not in the graph (embeddings are the runtime's tables)"},
-        {"lever": "remove the all-ones attention mask (DiT)", "status": "partly done in the export",
-         "measured": mask_cost,
-         "detail": "the NaN guard that a boolean mask brings after every block's softmax (IsNaN + Where "
-                   "over (2, H, T, T), 17% of a 650-frame call) is gone: the DiT turns its mask into an "
-                   "additive bias once, and no row is all-masked. The mask itself stays, built in the "
-                   "graph from `offset` and `block_frames` and added to every block's scores, because it "
-                   f"carries the block-causal streaming pattern, so offline calls pay for it too; {mask}"},
+        _mask_lever(mask_cost, mask),
         {"lever": "IOBinding for the KV cache", "status": "done in the runtime",
          "detail": "SpeechTokenLM.step binds present_* as OrtValues left where the session computed them "
                    "and feeds them back as past_* (OrtRunner.infer_kept): no host copy of the cache"},

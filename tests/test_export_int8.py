@@ -22,6 +22,7 @@ import soundfile as sf
 from click.testing import CliRunner
 from onnx import TensorProto
 
+from cosyvoice_bench.levers import attention_mask_cost, export_levers
 from cosyvoice_export.bundle.model_dir import ModelBundle
 from cosyvoice_export.bundle.tiny import config_for_size
 from cosyvoice_export.cli import main
@@ -130,15 +131,33 @@ def test_only_the_dit_blocks_linears_take_int8_weights(int8_bundle: Path) -> Non
 
 def test_the_int8_dit_is_written_for_onnxruntime(int8_bundle: Path) -> None:
     """Only onnxruntime runs an int8 graph, so each DiT block's RoPE and attention are its `RotaryEmbedding`
-    and `MultiHeadAttention` and Mish has no Softplus; the fp32 DiT, which OpenVINO and TensorRT run too,
+    and `MultiHeadAttention` (in an `If` whose other branch is the flash kernel's form:
+    test_flash_attention) and Mish has no Softplus; the fp32 DiT, which OpenVINO and TensorRT run too,
     keeps standard operators in their standard forms."""
-    ops = [n.op_type for n in _int8_body(int8_bundle, "flow_estimator_cached").graph.node]
+    nodes = _int8_body(int8_bundle, "flow_estimator_cached").graph.node
+    ops = [n.op_type for n in nodes]
     depth = tiny_dims().dit_depth
-    assert ops.count("MultiHeadAttention") == depth and ops.count("RotaryEmbedding") == 2 * depth
-    assert "Softmax" not in ops and "Softplus" not in ops
+    branches = [{a.name: [b.op_type for b in a.g.node] for a in n.attribute}
+                for n in nodes if n.op_type == "If"]
+    assert len(branches) == depth and ops.count("RotaryEmbedding") == 2 * depth
+    assert all(b["else_branch"] == ["MultiHeadAttention"] and "MultiHeadAttention" in b["then_branch"]
+               for b in branches)
+    assert "MultiHeadAttention" not in ops and "Softmax" not in ops and "Softplus" not in ops
     fp32 = onnx.load(str(DEMO_BUNDLE / "graphs" / "flow_estimator_cached.onnx"), load_external_data=False)
     assert not [n for n in fp32.graph.node if n.domain == "com.microsoft"]
     assert [n.op_type for n in fp32.graph.node].count("Softplus") == 2
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp32"])
+def test_the_bench_sees_whether_offline_attention_runs_without_the_mask(int8_bundle: Path, precision: str
+                                                                       ) -> None:
+    """An int8 DiT's offline call runs its attention in the flash branch (no mask), the fp32 DiT's with the
+    mask; the benchmark's mask lever says which, from its profile of the call."""
+    bundle = RuntimeBundle.open(int8_bundle if precision == "int8" else DEMO_BUNDLE)
+    cost = attention_mask_cost(bundle, frames=37, threads=1)
+    assert cost["unmasked_attention"] is (precision == "int8")
+    (lever,) = [e for e in export_levers(bundle, cost) if e["lever"].startswith("remove the all-ones")]
+    assert lever["status"] == ("done in the export" if precision == "int8" else "partly done in the export")
 
 
 @pytest.mark.parametrize("stream", [False, True])

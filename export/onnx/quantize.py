@@ -39,9 +39,10 @@ import onnx
 from cosyvoice_graphs import GraphSpec
 from cosyvoice_graphs.recipes import ACCURACY_LEVEL, DYNAMIC, NBITS, RECIPES, QuantScheme
 
+from .flash_attention import flash_when_unmasked
 from .trace import PARTIAL, ExportError, replace_graph
 
-REVISIONS = {"int8": 1, "int4": 1}
+REVISIONS = {"int8": 2, "int4": 1}
 """Precision -> its quantization's revision: bump one when its quantization changes (it forces its graphs to
 be exported again)."""
 
@@ -148,9 +149,12 @@ def _link(src: Path, dst: Path) -> None:
 
 
 def write_quantized(path: Path, s: GraphSpec, precision: str) -> Path:
-    """Replace the fp32 graph at `path` (and its external data) by its quantization in `precision`, checked
-    and with the I/O `s` says, atomically; returns `path`."""
+    """Replace the fp32 graph at `path` (and its external data) by its quantization in `precision`, its
+    float32 attention given onnxruntime's flash kernel where a call allows it (`flash_when_unmasked`: a
+    quantized graph runs on onnxruntime's CPU provider alone), checked and with the I/O `s` says,
+    atomically; returns `path`."""
     model = quantize(path, s.name, precision)
+    flash_when_unmasked(model)
     return replace_graph(path, model, s, {"precision": precision,
                                           f"{precision}_revision": str(REVISIONS[precision]),
                                           f"{precision}_scheme": scheme_of(s.name, precision).describe()})
