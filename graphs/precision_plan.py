@@ -56,6 +56,9 @@ class PrecisionPlan:
     """The precision named for the whole bundle; None for a profile or a list."""
     graphs: Mapping[str, str] = field(default_factory=dict)
     """Graph -> its precision, for the graphs a profile or a list names."""
+    aliased: Mapping[str, str] = field(default_factory=dict, compare=False)
+    """Graph -> the alias (`GRAPH_ALIASES`) that named it in a list, for the graphs named so (how the plan was
+    spelt, not what it is: not compared)."""
 
     @classmethod
     def parse(cls, text: str) -> PrecisionPlan:
@@ -71,6 +74,7 @@ class PrecisionPlan:
                 f"--precision: unknown precision or profile {text!r}; known: {', '.join(PRECISIONS)}, "
                 f"{', '.join(PROFILES)}, or graph=precision,... (graphs: {', '.join(_graph_keys())})")
         graphs: dict[str, str] = {}
+        aliased: dict[str, str] = {}
         for item in text.split(","):
             key, sep, precision = (part.strip() for part in item.partition("="))
             if not sep or not key or not precision:
@@ -85,9 +89,11 @@ class PrecisionPlan:
                 if graph in graphs:
                     raise PrecisionPlanError(f"--precision: {graph} is given a precision twice")
                 graphs[graph] = precision
+                if key in GRAPH_ALIASES:
+                    aliased[graph] = key
         order = (*SPECS, *OPTIONAL_SPECS)
         name = ",".join(f"{g}={graphs[g]}" for g in order if g in graphs)
-        return cls(name, None, {g: graphs[g] for g in order if g in graphs})
+        return cls(name, None, {g: graphs[g] for g in order if g in graphs}, aliased)
 
     @property
     def named(self) -> tuple[Precision, ...]:
@@ -111,13 +117,35 @@ class PrecisionPlan:
         """Refuse (one line) a graph given a precision its spec does not bound (an optional graph has a
         float32 body only where its recipe says so: `GraphRecipe.float32_optional`)."""
         for graph, precision in self.graphs.items():
-            optional = graph in OPTIONAL_SPECS
-            floats = ((FP32.name,) if RECIPES[graph].float32_optional else ()) if optional else EXACT_ON_CPU
-            bounded = (*floats, *specs[graph].precision_tolerances)
+            bounded = _bounded(graph, specs)
             if precision not in bounded:
-                note = " (an optional graph)" if optional else ""
+                note = " (an optional graph)" if graph in OPTIONAL_SPECS else ""
                 raise PrecisionPlanError(f"--precision {self.name}: {graph} has no {precision} body; its "
-                                         f"spec bounds {', '.join(bounded)}{note}")
+                                         f"spec bounds {', '.join(bounded)}{note}"
+                                         f"{self._alias_hint(graph, specs)}")
+
+    def _alias_hint(self, graph: str, specs: Mapping[str, GraphSpec]) -> str:
+        """For a graph an alias of several named: which of the alias's graphs have a body in its
+        precision, to name alone."""
+        alias, precision = self.aliased.get(graph), self.graphs[graph]
+        if alias is None or len(GRAPH_ALIASES[alias]) < 2:
+            return ""
+        members = GRAPH_ALIASES[alias]
+        having = [g for g in members if g in specs and precision in _bounded(g, specs)]
+        names = " and ".join(members)
+        if not having:
+            return f" ({alias} names {names}; none has one)"
+        return f" ({alias} names {names}: give {','.join(f'{g}={precision}' for g in having)} alone)"
+
+
+def _bounded(graph: str, specs: Mapping[str, GraphSpec]) -> tuple[str, ...]:
+    """The precisions `graph` can be given: its spec's, and the float32 ones (an optional graph only where
+    its recipe has a float32 body: `GraphRecipe.float32_optional`)."""
+    if graph in OPTIONAL_SPECS:
+        floats: tuple[str, ...] = (FP32.name,) if RECIPES[graph].float32_optional else ()
+    else:
+        floats = EXACT_ON_CPU
+    return (*floats, *specs[graph].precision_tolerances)
 
 
 def _graph_keys() -> tuple[str, ...]:

@@ -108,7 +108,9 @@ def test_unknown_names_are_refused_in_one_line(text: str, message: str) -> None:
     ("dit=int4", f"--precision {DIT}=int4: {DIT} has no int4 body; its spec bounds fp32, tf32, fp16, int8, "
                  "bf16"),
     ("hift=fp16", "--precision hift_f0=fp16,hift_decoder=fp16: hift_f0 has no fp16 body; its spec bounds "
-                  "fp32, tf32"),
+                  "fp32, tf32 (hift names hift_f0 and hift_decoder: give hift_decoder=fp16 alone)"),
+    ("hift=int8", "--precision hift_f0=int8,hift_decoder=int8: hift_f0 has no int8 body; its spec bounds "
+                  "fp32, tf32 (hift names hift_f0 and hift_decoder; none has one)"),
     ("llm=bf16", "--precision llm=bf16: llm has no bf16 body; its spec bounds fp32, tf32, fp16, int8, int4"),
     ("prefill=int4", "--precision llm_prefill=int4: llm_prefill has no int4 body; its spec bounds int8 (an "
                      "optional graph)"),
