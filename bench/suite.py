@@ -422,7 +422,9 @@ def _notes(s: Settings, gpu: GpuSampler | None) -> dict[str, str]:
             "otherwise its own pipeline, warmed up, the same rounds' median); the bounds use the rates "
             "measured at that thread count")
     if s.concurrency:
-        notes["concurrency"] = ("runtime only: sessions start from tokenised text and a cached prompt; "
+        notes["concurrency"] = ("runtime only: sessions start from tokenised text and a cached prompt; each "
+                                "level above 1 is measured after an unmeasured round of it (warm_up: the "
+                                "first time a process runs that many sessions it pays for their memory); "
                                 "outputs match = every session's audio equals a single stream's")
     if s.model_dir is not None:
         notes["torch"] = ("eager float32 on the CPU, torch.set_num_threads = --threads; no streaming path, "

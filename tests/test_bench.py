@@ -129,6 +129,10 @@ def check_common(result: dict[str, Any], lengths: list[str], levels: list[int], 
         assert row["first_chunk_mean_s"] <= row["first_chunk_p95_s"] <= row["first_chunk_max_s"]
         assert row["llm_tokens_per_s"] > 0
         assert row["batched"] is None  # the bundle has no llm_decode: no decode batch
+        if row["level"] == 1:
+            assert row["warm_up"] is None
+        else:  # an unmeasured round at that level first, its own figures kept
+            assert row["warm_up"]["wall_s"] > 0 and row["warm_up"]["outputs_match"] is True
     levers = result["levers"]["onnxruntime"]
     assert len(levers) == 2 * 4 * 2 and all(r["seconds_per_call"] > 0 for r in levers)
     assert sorted(r["graph"] for r in levers if r["runtime_default"]) == ["flow_estimator_cached", "llm"]
