@@ -56,7 +56,8 @@ def _user_errors() -> Iterator[None]:
 @click.option("--lengths", default=",".join(LENGTHS), show_default=True,
               help="Text lengths to run, comma-separated.")
 @click.option("--concurrency", default="1,2,4", show_default=True,
-              help="Parallel streamed sessions through the runtime, comma-separated levels.")
+              help="Parallel streamed sessions through the runtime, comma-separated levels (each above 1 "
+                   "measured after an unmeasured round of it).")
 @click.option("--tokens", type=int, default=None,
               help="LLM steps pinned for the long case (shorter cases take a share)  "
                    "[default: 10 s of audio, 250; 50 with --quick]")
