@@ -183,9 +183,9 @@ class RuntimeBackend:
 
         Above one session, an unmeasured round of them comes first (its figures kept as `warm_up`): the
         first time a process runs that many sessions their memory is new to it, and a first touch can be
-        dear (on a 2-core VM, 34.5 s of system time in a 117 s round, none in the next: 15 % more audio per
-        second), which a running server has paid long before; without it the phase measured first would
-        pay it alone.
+        dear (on a 2-core VM, 34.5 s of system time in a 117 s round, 0.3 s in the next, which gave 15 %
+        more audio per second), which a running server has paid long before; without it the phase measured
+        first would pay it alone.
 
         `outputs_match` compares every session's audio with `reference_sha256` (a single stream of the
         same case and seed): sessions that share the `CosyVoice3`, or its batch, must not disturb each other.
