@@ -28,7 +28,7 @@ from cosyvoice_export.onnx import bf16 as export_bf16
 from cosyvoice_export.onnx.bundle_assembly import export_all
 from cosyvoice_export.onnx.trt import TrtUnavailable
 from cosyvoice_golden.cli import main as golden_main
-from cosyvoice_graphs import PRECISIONS, SPECS
+from cosyvoice_graphs import DIT, HIFT_DECODER, PRECISIONS, SPECS
 from cosyvoice_graphs.bundle_layout import MANIFEST
 from cosyvoice_runtime.bundle import RuntimeBundle, read_onnx_metadata
 from cosyvoice_runtime.cli import main as run_main
@@ -41,8 +41,6 @@ from cosyvoice_runtime.sampling import GreedySampler
 from cosyvoice_runtime.synthesis import Synthesizer
 
 NO_BF16 = unsupported_reason(PRECISIONS["bf16"])
-DIT = "flow_estimator_cached"
-HIFT_DECODER = "hift_decoder"
 BF16_GRAPHS = (DIT, HIFT_DECODER)
 """The graphs a bf16 bundle computes in bf16: those whose specs bound bf16."""
 REL_TO_ONNXRUNTIME = 1e-5
