@@ -87,6 +87,10 @@ def test_cuda_sessions_compute_float32_unless_the_graph_is_tf32() -> None:
     with pytest.raises(ValueError, match="unknown cuDNN algorithm search 'FAST'; known: EXHAUSTIVE, "
                                          "HEURISTIC, DEFAULT"):
         cuda_options(0, tf32=False, conv_algo_search="FAST")
+    assert provider_chain(CUDA, cuda_graph=True)[0][1]["enable_cuda_graph"] == "1"
+    assert "enable_cuda_graph" not in strict[0][1]
+    with pytest.raises(ValueError, match="CUDA graphs are an option of the cuda provider, not 'tensorrt'"):
+        provider_chain(TENSORRT, cuda_graph=True)
 
 
 def test_open_runner_asks_for_tf32_exactly_for_tf32_graphs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -46,11 +46,14 @@ def preload_cuda_libraries() -> None:
 
 
 def provider_chain(provider: str, device_id: int = 0, *, tf32: bool = False,
-                   conv_algo_search: str = CONV_ALGO_SEARCH) -> list[Any]:
+                   conv_algo_search: str = CONV_ALGO_SEARCH, cuda_graph: bool = False) -> list[Any]:
     """onnxruntime's `providers` argument for `provider`, options included (`cuda_options`): nodes a GPU
     provider cannot take go to the CPU provider (placement, not fallback; `OrtRunner` refuses a session
     whose first provider is not the one asked for)."""
-    cuda = (ORT_PROVIDERS[CUDA], cuda_options(device_id, tf32=tf32, conv_algo_search=conv_algo_search))
+    if cuda_graph and provider != CUDA:
+        raise ValueError(f"CUDA graphs are an option of the cuda provider, not {provider!r}")
+    cuda = (ORT_PROVIDERS[CUDA], cuda_options(device_id, tf32=tf32, conv_algo_search=conv_algo_search,
+                                              cuda_graph=cuda_graph))
     chains: dict[str, list[Any]] = {
         CPU: [ORT_PROVIDERS[CPU]],
         CUDA: [cuda, ORT_PROVIDERS[CPU]],
@@ -66,12 +69,13 @@ class OrtRunner(RunnerBase):
 
     def __init__(self, path: Path | str, spec: GraphSpec, provider: str = CPU, *, threads: int | None = None,
                  optimization: str | None = None, device_id: int = 0, tf32: bool = False,
-                 conv_algo_search: str = CONV_ALGO_SEARCH) -> None:
+                 conv_algo_search: str = CONV_ALGO_SEARCH, cuda_graph: bool = False) -> None:
         """`threads`: intra-op threads; `optimization`: a key of `OPTIMIZATION`; either, when None, is
         the graph's setting (CPU only) in its bundle's tuning file, else its default, else `FALLBACK`
         (`ort_settings.settings_for`). `device_id`: the CUDA device for "cuda" and "tensorrt"; `tf32`: the
         CUDA provider computes float32 matmuls and convolutions in TF32; `conv_algo_search`: how it picks
-        cuDNN's convolution algorithms (`ort_settings.cuda_options`)."""
+        cuDNN's convolution algorithms; `cuda_graph`: whether the session replays its calls from a CUDA
+        graph (both `ort_settings.cuda_options`)."""
         super().__init__(spec)
         if optimization is None or threads is None:
             # the defaults and the tuning file are CPU measurements; GPU sessions keep onnxruntime's defaults
@@ -96,7 +100,8 @@ class OrtRunner(RunnerBase):
             options.intra_op_num_threads = threads
         if not keeps_spinning(spec.name):
             options.add_session_config_entry(FORCE_SPINNING_STOP, "1")
-        providers = provider_chain(provider, device_id, tf32=tf32, conv_algo_search=conv_algo_search)
+        providers = provider_chain(provider, device_id, tf32=tf32, conv_algo_search=conv_algo_search,
+                                   cuda_graph=cuda_graph)
         self.session = ort.InferenceSession(str(path), options, providers=providers)
         used = self.session.get_providers()
         if not used or used[0] != wanted:

@@ -73,15 +73,20 @@ def keeps_spinning(graph: str) -> bool:
     return recipe is not None and recipe.ort_keep_spinning
 
 
-def cuda_options(device_id: int, *, tf32: bool, conv_algo_search: str = CONV_ALGO_SEARCH) -> dict[str, str]:
+def cuda_options(device_id: int, *, tf32: bool, conv_algo_search: str = CONV_ALGO_SEARCH,
+                 cuda_graph: bool = False) -> dict[str, str]:
     """onnxruntime's CUDA provider options for a graph on CUDA device `device_id`. `tf32`: float32 matmuls
     and convolutions in TF32 (a tf32 graph's precision asks for it); otherwise they are float32, which the
-    provider's default (TF32 on) is not."""
+    provider's default (TF32 on) is not. `cuda_graph`: the session captures its kernels into a CUDA graph
+    and replays it, which needs every input and output bound at the same device address at every call."""
     if conv_algo_search not in CONV_ALGO_SEARCHES:
         raise ValueError(f"unknown cuDNN algorithm search {conv_algo_search!r}; known: "
                          f"{', '.join(CONV_ALGO_SEARCHES)}")
-    return {"device_id": str(device_id), "use_tf32": "1" if tf32 else "0",
-            "cudnn_conv_algo_search": conv_algo_search}
+    options = {"device_id": str(device_id), "use_tf32": "1" if tf32 else "0",
+               "cudnn_conv_algo_search": conv_algo_search}
+    if cuda_graph:
+        options["enable_cuda_graph"] = "1"
+    return options
 
 
 def machine() -> dict[str, Any]:
