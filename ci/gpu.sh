@@ -16,6 +16,8 @@
 #                llm_decode, its caches in buffers on the GPU, the rest fp32; fp32; fp16)
 #   profile-P    its hot graph calls under onnxruntime's profiler: time per provider, host/device copies
 #   rowsN-P      with an llm_decode: its decode step for N (4, 16) decodings at once, profiled
+#   variants-P   with an llm_decode: its step for 1, 4 and 16 decodings as the runtime makes it, bound once,
+#                replayed from a CUDA graph, with XQA on and off: times, and log-probs against the runtime's
 #   bench-P      cosyvoice-bench on it: first chunk p50/p95, stages against the GPU's bounds, concurrency
 #                1 and 4 (beside the batched decode, with an llm_decode)
 #   streamsN-P   with an llm_decode: STREAMS (16) concurrent streams of 125 tokens, unbatched and batched
@@ -72,7 +74,7 @@ for p in $GATES; do
 done
 step tests 300 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_bench_gpu.py tests/test_precision.py \
     tests/test_runtime_core.py tests/test_llm_decode.py::test_the_fp16_body_decodes_in_place_close_to_llm \
-    tests/test_decode_batch.py::test_batched_rows_follow_their_runs_alone
+    tests/test_decode_batch.py::test_batched_rows_follow_their_runs_alone tests/test_decode_variants.py
 [ -f "$WORK/$SIZE/llm.pt" ] || step model 240 "$PY" -m cosyvoice_export tiny-bundle "$WORK/$SIZE" --size "$SIZE"
 for p in $PRECISIONS; do
     tag=${p//[=,]/-}
@@ -87,6 +89,8 @@ for p in $PRECISIONS; do
             step "rows$rows-$tag" 120 "$PY" -m cosyvoice_bench.graph_profile --model "$bundle" \
                 --provider "$PROVIDER" --decode-rows $rows --json "$OUT/rows$rows-$tag.json"
         done
+        step "variants-$tag" 240 "$PY" -m cosyvoice_bench.decode_variants --model "$bundle" \
+            --provider "$PROVIDER" --rows 1,4,16 --json "$OUT/variants-$tag.json"
     fi
     step "bench-$tag" 300 "$PY" -m cosyvoice_bench --model "$bundle" --provider "$PROVIDER" --lengths long \
         --concurrency 1,4 --quick --repeat 3 --tokens 250 --first-chunk-tokens 10 --no-progress \
