@@ -100,8 +100,8 @@ def test_the_command_writes_its_json_and_refuses_what_it_cannot_measure(fp16_dec
 @pytest.mark.skipif(not HAS_CUDA, reason="needs onnxruntime's CUDA provider (onnxruntime-gpu and a GPU)")
 def test_on_cuda_every_variant_is_measured_or_says_why_it_failed(fp16_decode_bundle: Path) -> None:
     result = measure(RuntimeBundle.open(fp16_decode_bundle), "cuda", 2, past=20, steps=6)
-    bound = result["variants"][BOUND_ONCE]
-    assert bound["max_abs_diff"] == 0 and bound["steps_with_another_best_id"] == 0
+    bound = result["variants"][BOUND_ONCE]  # another session: cuBLAS may pick other kernels
+    assert bound["max_abs_diff"] < 1e-2 and bound["steps_with_another_best_id"] == 0
     for variant in (CUDA_GRAPH, XQA_ON, XQA_OFF):
         r = result["variants"][variant]
         assert "failed" in r or np.isfinite(r["max_abs_diff"]), (variant, r)
