@@ -26,7 +26,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,9 +163,9 @@ def run_variant(bundle: RuntimeBundle, provider: str, variant: str, steps: Steps
         runner.close()
 
 
-def measure(bundle: RuntimeBundle, provider: str, rows: int, *, past: int = DECODE_PAST, steps: int = 32,
-            variants: Sequence[str] = VARIANTS) -> dict[str, Any]:
-    """`variants` of `steps` decode steps of `rows` decodings (see the module's docstring), one variant
+def measure(bundle: RuntimeBundle, provider: str, rows: int, *, past: int = DECODE_PAST, steps: int = 32
+            ) -> dict[str, Any]:
+    """Every variant of `steps` decode steps of `rows` decodings (see the module's docstring), one variant
     after another (sessions that keep their CPU workers spinning would slow each other if interleaved): per
     variant its step time and its log-probs against `runtime`'s, or why it did not run. A CUDA-only variant
     that onnxruntime fails is reported as failed (onnxruntime's errors are bare `Exception`s); any other
@@ -179,7 +179,7 @@ def measure(bundle: RuntimeBundle, provider: str, rows: int, *, past: int = DECO
     inputs = make_steps(bundle.specs[LLM_DECODE], rows, past, steps)
     reference: list[np.ndarray] = []
     results: dict[str, Any] = {}
-    for variant in (RUNTIME, *(v for v in variants if v != RUNTIME)):
+    for variant in VARIANTS:  # `runtime` first: the others are compared with it
         if provider != CUDA and variant in CUDA_ONLY:
             results[variant] = {"skipped": f"needs the cuda provider: {CUDA_ONLY[variant]}"}
             continue
@@ -188,7 +188,7 @@ def measure(bundle: RuntimeBundle, provider: str, rows: int, *, past: int = DECO
         except Exception as e:
             if variant not in CUDA_ONLY:
                 raise
-            results[variant] = {"failed": str(e).strip().splitlines()[0]}
+            results[variant] = {"failed": (str(e).strip().splitlines() or [type(e).__name__])[0]}
             continue
         reference = reference or logps
         pairs = list(zip(logps, reference, strict=True))

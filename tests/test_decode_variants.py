@@ -97,6 +97,29 @@ def test_the_command_writes_its_json_and_refuses_what_it_cannot_measure(fp16_dec
     assert short.exit_code == 2 and "--steps" in short.output
 
 
+def test_a_cuda_variant_that_fails_is_reported_and_any_other_failure_ends_it(
+        fp16_decode_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """onnxruntime refusing or failing a CUDA graph or XQA session is a finding: its first line is kept and
+    the other variants are measured; the runtime's or the bound step's failing is an error."""
+    real = decode_variants.run_variant
+    failing = {CUDA_GRAPH}
+
+    def run_variant(bundle: RuntimeBundle, provider: str, variant: str, steps: decode_variants.Steps
+                    ) -> tuple[list[np.ndarray], list[float]]:
+        if variant in failing:
+            raise RuntimeError("CUDA graph is not supported: nodes placed on the CPU\nthe rest of the log")
+        return real(bundle, "cpu", variant, steps)  # the CUDA session's work, done on the CPU here
+
+    monkeypatch.setattr(decode_variants, "run_variant", run_variant)
+    bundle = RuntimeBundle.open(fp16_decode_bundle)
+    result = measure(bundle, "cuda", 2, past=10, steps=4)["variants"]
+    assert result[CUDA_GRAPH] == {"failed": "CUDA graph is not supported: nodes placed on the CPU"}
+    assert result[XQA_ON]["max_abs_diff"] == 0 and result[XQA_OFF]["steps_with_another_best_id"] == 0
+    failing = {BOUND_ONCE}
+    with pytest.raises(RuntimeError, match="CUDA graph is not supported"):
+        measure(bundle, "cuda", 2, past=10, steps=4)
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs onnxruntime's CUDA provider (onnxruntime-gpu and a GPU)")
 def test_on_cuda_every_variant_is_measured_or_says_why_it_failed(fp16_decode_bundle: Path) -> None:
     result = measure(RuntimeBundle.open(fp16_decode_bundle), "cuda", 2, past=20, steps=6)
