@@ -234,7 +234,7 @@ def _row_counts(text: str) -> list[int]:
 @click.option("--rows", "rows_text", default="1", show_default=True,
               help="Decodings in a step, comma-separated (e.g. 1,4,16): each count is measured.")
 @click.option("--past", type=click.IntRange(min=0), default=DECODE_PAST, show_default=True,
-              help="Cached positions of the first row at the first step (row r has 7·r more).")
+              help=f"Cached positions of the first row at the first step (row r has {ROW_STAGGER}·r more).")
 @click.option("--steps", type=click.IntRange(min=TIMED_AFTER + 1), default=32, show_default=True,
               help=f"Steps per variant; the first {TIMED_AFTER} are not timed.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),

@@ -182,10 +182,10 @@ class RuntimeBackend:
         batch (`Synthesizer.set_max_batch`), where this bundle batches on this provider.
 
         Above one session, an unmeasured round of them comes first (its figures kept as `warm_up`): the
-        first time a process runs that many sessions their memory is new to it, and a first touch can be
-        dear (on a 2-core VM, 34.5 s of system time in a 117 s round, 0.3 s in the next, which gave 15 %
-        more audio per second), which a running server has paid long before; without it the phase measured
-        first would pay it alone.
+        first time a process runs that many sessions their memory is new to it, and a first touch can cost
+        a round tens of seconds of system time on a small VM (docs/performance-log.md, the AMX Xeon's flash
+        attention entry), which a running server has paid long before; without it the phase measured first
+        would pay it alone.
 
         `outputs_match` compares every session's audio with `reference_sha256` (a single stream of the
         same case and seed): sessions that share the `CosyVoice3`, or its batch, must not disturb each other.
