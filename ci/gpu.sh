@@ -1,27 +1,31 @@
 #!/usr/bin/env bash
-# The checks and figures of a session with a lent GPU, in one call (docs/gpu.md). On the GPU machine, after
+# The checks and figures of a session with a lent GPU (docs/gpu.md). On the GPU machine, after
 # ../shared/gpu's install.sh and `. /tmp/gpu-env.sh`:
 #
 #     bash ci/gpu.sh "$OUT"
 #
 # Each step is bounded in time, logs to OUT/<step>.log and adds a line to OUT/summary.txt; a step that
 # would start past DEADLINE seconds is skipped, so a second call (on the same warm machine) goes on where
-# the first stopped: bundles and exports under WORK are reused.
+# the first stopped: bundles and exports under WORK are reused. STEPS (names or globs, default every step)
+# selects what runs: a lent session's 15 minutes hold about one precision's figures, so a later session
+# picks what the earlier ones did not reach. The steps, most wanted first:
 #   gpu          nvidia-smi's view of the card
 #   golden       cosyvoice-golden check on the demo bundle: tokens, mel and audio against torch (fp32)
-#   gates-P      the demo model exported in P (decode=fp16, tf32, fp16) and judged on the GPU by golden's
-#                precision bounds
 #   tests        the tests that use CUDA where it is present
+#   model        the full-size random model the exports read
 #   export-P     the full-size random bundle exported in P (decode=fp16: the decode steps on an fp16
-#                llm_decode, its caches in buffers on the GPU, the rest fp32; fp32; fp16)
-#   profile-P    its hot graph calls under onnxruntime's profiler: time per provider, host/device copies
-#   rowsN-P      with an llm_decode: its decode step for N (4, 16) decodings at once, profiled
-#   variants-P   with an llm_decode: its step for 1, 4 and 16 decodings as the runtime makes it, bound once,
-#                replayed from a CUDA graph, with XQA on and off: times, and log-probs against the runtime's
+#                llm_decode, its caches in buffers on the GPU, the rest fp32; fp16; fp32)
 #   bench-P      cosyvoice-bench on it: first chunk p50/p95, stages against the GPU's bounds, concurrency
 #                1 and 4 (beside the batched decode, with an llm_decode)
 #   streamsN-P   with an llm_decode: STREAMS (16) concurrent streams of 125 tokens, unbatched and batched
 #                (the many-streams target), a bench of their own so that a slow level costs only its figures
+#   profile-P    its hot graph calls under onnxruntime's profiler: time per provider, host/device copies
+#   rowsN-P      with an llm_decode: its decode step for N (4, 16) decodings at once, profiled
+#   variants-P   with an llm_decode: its step for 1, 4 and 16 decodings as the runtime makes it, bound once,
+#                replayed from a CUDA graph, with XQA on and off: times, and log-probs against the runtime's
+#   tiny-model   the tiny model the gates export
+#   gates-P      the demo model exported in P (decode=fp16, tf32, fp16) and judged on the GPU by golden's
+#                precision bounds
 # (P in a step's or a file's name with its = and , as -)
 #
 # PROVIDER=cpu SIZE=tiny runs the same steps on a CPU: that is how the script is tested.
@@ -30,19 +34,33 @@ OUT=${1:?usage: ci/gpu.sh OUT}
 PROVIDER=${PROVIDER:-cuda}
 SIZE=${SIZE:-full}
 GATES=${GATES:-"decode=fp16 tf32 fp16"}
-PRECISIONS=${PRECISIONS:-"decode=fp16 fp32 fp16"}
+PRECISIONS=${PRECISIONS:-"decode=fp16 fp16 fp32"}
 STREAMS=${STREAMS:-16}
 DEADLINE=${DEADLINE:-540}
 WORK=${WORK:-/tmp/gpu-work}
+read -ra SELECTED <<<"${STEPS:-*}"  # read -a: the globs stay patterns, not file names
 PY=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT" "$WORK"
 start=$SECONDS
 
+# selected NAME: whether STEPS names NAME or a glob matching it
+selected() {
+    local pattern
+    for pattern in "${SELECTED[@]}"; do
+        [[ $1 == $pattern ]] && return 0  # unquoted: matched as a glob
+    done
+    return 1
+}
+
 # step NAME LIMIT COMMAND...: run COMMAND with at most LIMIT seconds (less if the deadline is nearer)
 step() {
     local name=$1 limit=$2 left rc began
     shift 2
+    if ! selected "$name"; then
+        echo "$name: not selected (STEPS)" >>"$OUT/summary.txt"
+        return 0
+    fi
     left=$((DEADLINE - (SECONDS - start)))
     if ((left < 30)); then
         echo "$name: skipped, ${DEADLINE} s deadline reached" | tee -a "$OUT/summary.txt"
@@ -66,12 +84,6 @@ export_bundle() {
 
 step gpu 30 bash -c 'nvidia-smi || echo "no nvidia-smi"'
 step golden 120 "$PY" -m cosyvoice_golden check --provider "$PROVIDER"
-[ -f "$WORK/tiny/llm.pt" ] || step tiny-model 120 "$PY" -m cosyvoice_export tiny-bundle "$WORK/tiny"
-for p in $GATES; do
-    tag=${p//[=,]/-}
-    step "gates-$tag" 240 bash -c "$(declare -f export_bundle); PY=$PY; export_bundle $p $WORK/tiny \
-        $WORK/tiny-$tag && $PY -m cosyvoice_golden check --model $WORK/tiny-$tag --precision $p --provider $PROVIDER"
-done
 step tests 300 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_bench_gpu.py tests/test_precision.py \
     tests/test_runtime_core.py tests/test_llm_decode.py::test_the_fp16_body_decodes_in_place_close_to_llm \
     tests/test_decode_batch.py::test_batched_rows_follow_their_runs_alone tests/test_decode_variants.py
@@ -81,9 +93,15 @@ for p in $PRECISIONS; do
     bundle=$WORK/$SIZE-$tag
     step "export-$tag" 300 bash -c "$(declare -f export_bundle); PY=$PY; export_bundle $p $WORK/$SIZE $bundle"
     [ -f "$bundle/manifest.json" ] || continue
+    batches=$(grep -c '"llm_decode"' "$bundle/manifest.json")
+    step "bench-$tag" 300 "$PY" -m cosyvoice_bench --model "$bundle" --provider "$PROVIDER" --lengths long \
+        --concurrency 1,4 --quick --repeat 3 --tokens 250 --first-chunk-tokens 10 --no-progress \
+        --json "$OUT/bench-$tag.json"
+    ((batches)) && step "streams$STREAMS-$tag" 360 "$PY" -m cosyvoice_bench --model "$bundle" \
+        --provider "$PROVIDER" --lengths long --concurrency "$STREAMS" --quick --tokens 125 --no-progress \
+        --json "$OUT/streams$STREAMS-$tag.json"
     step "profile-$tag" 120 "$PY" -m cosyvoice_bench.graph_profile --model "$bundle" --provider "$PROVIDER" \
         --json "$OUT/profile-$tag.json"
-    batches=$(grep -c '"llm_decode"' "$bundle/manifest.json")
     if ((batches)); then
         for rows in 4 16; do
             step "rows$rows-$tag" 120 "$PY" -m cosyvoice_bench.graph_profile --model "$bundle" \
@@ -92,11 +110,11 @@ for p in $PRECISIONS; do
         step "variants-$tag" 240 "$PY" -m cosyvoice_bench.decode_variants --model "$bundle" \
             --provider "$PROVIDER" --rows 1,4,16 --json "$OUT/variants-$tag.json"
     fi
-    step "bench-$tag" 300 "$PY" -m cosyvoice_bench --model "$bundle" --provider "$PROVIDER" --lengths long \
-        --concurrency 1,4 --quick --repeat 3 --tokens 250 --first-chunk-tokens 10 --no-progress \
-        --json "$OUT/bench-$tag.json"
-    ((batches)) && step "streams$STREAMS-$tag" 360 "$PY" -m cosyvoice_bench --model "$bundle" \
-        --provider "$PROVIDER" --lengths long --concurrency "$STREAMS" --quick --tokens 125 --no-progress \
-        --json "$OUT/streams$STREAMS-$tag.json"
+done
+[ -f "$WORK/tiny/llm.pt" ] || step tiny-model 120 "$PY" -m cosyvoice_export tiny-bundle "$WORK/tiny"
+for p in $GATES; do
+    tag=${p//[=,]/-}
+    step "gates-$tag" 240 bash -c "$(declare -f export_bundle); PY=$PY; export_bundle $p $WORK/tiny \
+        $WORK/tiny-$tag && $PY -m cosyvoice_golden check --model $WORK/tiny-$tag --precision $p --provider $PROVIDER"
 done
 echo "done in $((SECONDS - start)) s; the logs are in $OUT" | tee -a "$OUT/summary.txt"

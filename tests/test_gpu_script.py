@@ -1,6 +1,6 @@
 """ci/gpu.sh, the script a session with a lent GPU runs in one call, run here on the CPU provider at the tiny
 size (what its PROVIDER and SIZE are for): every step passes, the deadline skips what would start too late,
-and a second call reuses what the first exported."""
+a second call reuses what the first exported, and STEPS selects the steps that run."""
 
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
     work = tmp_path / "work"
     lines = _run(tmp_path / "out", work)
     steps = [line.split(":")[0] for line in lines[:-1]]
-    assert steps == ["gpu", "golden", "tiny-model", "gates-tf32", "gates-decode-fp16", "tests", "export-fp32",
-                     "profile-fp32", "bench-fp32", "export-decode-fp16", "profile-decode-fp16",
-                     "rows4-decode-fp16", "rows16-decode-fp16", "variants-decode-fp16", "bench-decode-fp16",
-                     "streams3-decode-fp16"]
+    assert steps == ["gpu", "golden", "tests", "model", "export-fp32", "bench-fp32", "profile-fp32",
+                     "export-decode-fp16", "bench-decode-fp16", "streams3-decode-fp16", "profile-decode-fp16",
+                     "rows4-decode-fp16", "rows16-decode-fp16", "variants-decode-fp16", "gates-tf32",
+                     "gates-decode-fp16"]
     assert all(": exit 0 after " in line for line in lines[:-1]), lines
     rows = json.loads((tmp_path / "out" / "rows4-decode-fp16.json").read_text())["profiles"][0]
     assert rows["graph"] == "llm_decode" and rows["precision"] == "fp16" and rows["shape"]["batch"] == 4
@@ -52,4 +52,10 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
     again = _run(tmp_path / "again", work, DEADLINE="0")
     assert again[0] == "gpu: skipped, 0 s deadline reached"
     assert all("skipped" in line for line in again[:-1])
-    assert "tiny-model" not in "\n".join(again)
+    assert "model" not in "\n".join(again)
+    # a later session picks the steps the earlier ones did not reach
+    picked = _run(tmp_path / "picked", work, STEPS="gpu profile-*")
+    ran = [line for line in picked[:-1] if "not selected" not in line]
+    assert [line.split(":")[0] for line in ran] == ["gpu", "profile-fp32", "profile-decode-fp16"]
+    assert all(": exit 0 after " in line for line in ran), ran
+    assert "bench-fp32: not selected (STEPS)" in picked
