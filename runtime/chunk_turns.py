@@ -4,9 +4,9 @@ Concurrent streams each run their chunks' flow and vocoder calls on threads of t
 calls share the cores, so four streams' first chunks all finish late together. `ChunkTurns` lets at most
 `slots` chunks run at once and, among the waiting, gives the next turn to a first chunk (a listener
 waiting for any audio) before a later one, otherwise in the order they asked. It orders work, never
-changes it: every chunk's samples are what they would be without it. While a first chunk holds or waits for
-a turn (`first_due`) the decode batch decodes only the ids of first chunks too (`DecodeBatcher`), and
-`on_first_done` tells it when one ends.
+changes it: every chunk's samples are what they would be without it. While a chunk holds or waits for a turn
+(`due`; `first_due` for a first chunk) the decode batch decodes only the ids of first chunks
+(`DecodeBatcher`), and `on_done` tells it when a turn ends.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ class ChunkTurns:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.slots = slots
-        self.on_first_done: Callable[[], None] = lambda: None
-        """Called after a first chunk's turn ends (the decode batch's `wake`)."""
+        self.on_done: Callable[[], None] = lambda: None
+        """Called after each turn ends (the decode batch's `wake`)."""
         self._cond = threading.Condition()
         self._waiting: list[tuple[int, int]] = []
         """(0 for a first chunk else 1, arrival number) of each chunk waiting, a heap."""
@@ -39,6 +39,11 @@ class ChunkTurns:
     def first_due(self) -> bool:
         """Whether a stream's first chunk holds a turn or waits for one."""
         return self._firsts > 0
+
+    @property
+    def due(self) -> bool:
+        """Whether any chunk holds a turn or waits for one."""
+        return self._running > 0 or bool(self._waiting)
 
     @contextmanager
     def turn(self, first: bool) -> Iterator[None]:
@@ -58,5 +63,4 @@ class ChunkTurns:
                 self._running -= 1
                 self._firsts -= first
                 self._cond.notify_all()
-            if first:
-                self.on_first_done()
+            self.on_done()

@@ -9,10 +9,10 @@ sampler and seed, its masks and limiter). A row leaves at its stop id, at `max_l
 closes it (a client that went away); on the CPU the last row moves into its place, so the rows stay
 packed, and on a GPU the row stays free for the next decoding (`SlotBuffers`). Rows wait for a place
 (`max_batch`) in the order they joined, and every joined row advances at every step, but the batch waits
-while every row holds `AHEAD_IDS` ids its consumer has not taken, and while a stream's first audio is being
-made or waits to be (`first_audio_due`) unless a consumer that has sent no audio yet waits for an id: then the
-streams' flow and vocoder calls, which need the cores for the audio due first, are not slowed by ids due
-later.
+while every row holds `AHEAD_IDS` ids its consumer has not taken, and while the streams' flow and vocoder
+work it yields to is running or waiting (`chunks_due`) unless a consumer that has sent no audio yet waits for
+an id: then those calls, which need the cores, are not slowed by ids due later, and a first chunk's ids are
+not kept waiting.
 
 On onnxruntime's CPU in float32 a row's log-probs are those of the same decoding run alone, to the bit
 (tests/test_decode_batch.py, both ways of keeping the rows): the batched call computes each row's matmul
@@ -204,8 +204,8 @@ class BatchedDecoding(Iterator[int]):
         self.waiting = False
         """Whether its consumer waits for an id (`next` found none)."""
         self.sent_audio = False
-        """Set by its consumer once it has sent its first audio: while another stream's first audio is due,
-        the batch then does not step for this one's ids."""
+        """Set by its consumer once it has sent its first audio: while chunks are due (`chunks_due`), the
+        batch then does not step for this one's ids."""
         self.queued_at = 0.0
         """When it was queued for a row (after its prefill where it prefills on its own)."""
         self._started = False
@@ -262,7 +262,7 @@ class DecodeBatcher:
     run the GPU's way too."""
 
     def __init__(self, lm: SpeechTokenLM, max_batch: int, observer: BatchObserver | None = None, *,
-                 in_slots: bool | None = None, first_audio_due: Callable[[], bool] = lambda: False) -> None:
+                 in_slots: bool | None = None, chunks_due: Callable[[], bool] = lambda: False) -> None:
         if lm.in_place is None:
             raise ValueError(f"batched decoding runs on llm_decode, not {lm.spec.name}")
         if not 1 <= max_batch <= MAX_BATCH:
@@ -270,9 +270,10 @@ class DecodeBatcher:
         self.lm = lm
         self.max_batch = max_batch
         self.observer: BatchObserver = observer or _Quiet()
-        self.first_audio_due = first_audio_due
-        """Whether a stream's first audio is being made or waits to be (`ChunkTurns.first_due`): the batch
-        then steps only for a consumer that has sent no audio and waits for an id."""
+        self.chunks_due = chunks_due
+        """Whether streams' flow and vocoder work that the batch yields to is running or waiting (the
+        pipeline's `ChunkTurns.due` or `first_due`): the batch then steps only for a consumer that has sent no
+        audio and waits for an id."""
         device, device_id = lm.in_place.device_type, lm.in_place.device_id
         self.prefills = device != CPU if in_slots is None else in_slots
         """Whether the batcher runs each decoding's prefill, into its row (`SlotBuffers`)."""
@@ -349,13 +350,13 @@ class DecodeBatcher:
         return [item for item in self._rows if item is not None]
 
     def _idle(self) -> bool:
-        """Nothing to do now: no decoding waits for a row, every joined one (if any) is going on, and either a
-        stream's first audio is due and no consumer that has sent none waits for an id, or every joined one
-        has `AHEAD_IDS` ids its consumer has not taken."""
+        """Nothing to do now: no decoding waits for a row, every joined one (if any) is going on, and either
+        chunks are due and no consumer that has sent no audio waits for an id, or every joined one has
+        `AHEAD_IDS` ids its consumer has not taken."""
         rows = self._joined()
         if self._waiting or any(item.closed or item.decoding.finished for item in rows):
             return False
-        if self.first_audio_due():
+        if self.chunks_due():
             return not any(item.waiting and not item.sent_audio for item in rows)
         return all(item.ids.qsize() >= AHEAD_IDS for item in rows)
 

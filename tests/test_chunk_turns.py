@@ -61,13 +61,14 @@ def test_slots_run_at_once_and_a_failure_frees_its_turn() -> None:
         ChunkTurns(slots=0)
 
 
-def test_first_chunks_due_are_known_and_each_end_is_told() -> None:
-    """`first_due` while a first chunk holds a turn or waits for one (the decode batch then pauses for ids
-    due later), and `on_first_done` after each first chunk's turn, not a later chunk's."""
+def test_chunks_due_are_known_and_each_end_is_told() -> None:
+    """`due` while any chunk holds a turn or waits for one, `first_due` while a first chunk does (the decode
+    batch pauses for ids due later while one of them holds, on a CPU and on a GPU), and `on_done` after every
+    turn."""
     turns = ChunkTurns(slots=1)
-    done: list[bool] = []
-    turns.on_first_done = lambda: done.append(turns.first_due)
-    assert not turns.first_due
+    done: list[tuple[bool, bool]] = []
+    turns.on_done = lambda: done.append((turns.due, turns.first_due))
+    assert not turns.due and not turns.first_due
     holding, release = threading.Event(), threading.Event()
 
     def later() -> None:
@@ -77,7 +78,7 @@ def test_first_chunks_due_are_known_and_each_end_is_told() -> None:
 
     holder = threading.Thread(target=later)
     holder.start()
-    assert holding.wait(10) and not turns.first_due  # a later chunk alone
+    assert holding.wait(10) and turns.due and not turns.first_due  # a later chunk alone
     first = threading.Thread(target=lambda: _hold_first(turns))
     first.start()
     deadline = time.monotonic() + 10
@@ -87,7 +88,8 @@ def test_first_chunks_due_are_known_and_each_end_is_told() -> None:
     release.set()
     for thread in (holder, first):
         thread.join(10)
-    assert done == [False] and not turns.first_due
+    assert done == [(True, True), (False, False)]  # the later chunk's end (the first waits), then the first's
+    assert not turns.due and not turns.first_due
 
 
 def _hold_first(turns: ChunkTurns) -> None:

@@ -205,16 +205,16 @@ def test_a_closed_decoding_leaves_the_batch(exact_bundle: Path, in_slots: bool) 
     assert max(observed.sizes) == 2
 
 
-def test_while_first_audio_is_due_the_batch_steps_only_for_streams_without_audio(exact_bundle: Path) -> None:
-    """While a stream's first audio is being made or waits to be (`first_audio_due`), the batch steps for a
-    consumer that has sent no audio and waits for ids, and not for one that has sent audio: its ids wait
-    until the first audio is out, then come as before."""
+def test_while_chunks_are_due_the_batch_steps_only_for_streams_without_audio(exact_bundle: Path) -> None:
+    """While chunks it yields to run or wait (`chunks_due`), the batch steps for a consumer that has sent no
+    audio and waits for ids, and not for one that has sent audio: its ids wait until the chunks are done,
+    then come as before."""
     bundle = RuntimeBundle.open(exact_bundle)
     early, late = _requests(bundle, 2)
     due = threading.Event()
     due.set()
     with Synthesizer(bundle, threads=1) as synth:
-        batcher = DecodeBatcher(synth.lm, 2, observed := Recorder(), first_audio_due=due.is_set)
+        batcher = DecodeBatcher(synth.lm, 2, observed := Recorder(), chunks_due=due.is_set)
         try:
             sent = batcher.submit(synth.lm.decode(early, make_sampler("ras", seed=0), max_tokens=300,
                                                   ignore_stop=True))
@@ -244,14 +244,17 @@ def test_while_first_audio_is_due_the_batch_steps_only_for_streams_without_audio
 
 def test_a_batched_stream_tells_the_batch_once_its_first_audio_is_out(exact_bundle: Path, prompt_wav: Path,
                                                                        prompt_text: str) -> None:
-    """The pipeline's batch pauses for its chunk turns' first chunks (`ChunkTurns.first_due`, woken as each
-    ends), and a stream's decoding is marked as having sent audio once its first chunk is made."""
+    """On the CPU the pipeline's batch pauses for every chunk its turns hold or queue (`ChunkTurns.due`,
+    woken as each turn ends), and a stream's decoding is marked as having sent audio once its first chunk is
+    made."""
     with CosyVoice3(exact_bundle, threads=1, max_batch=2) as voice:
         synth = voice.synth
         assert synth.turns is not None and synth.batcher is not None
-        assert synth.turns.on_first_done == synth.batcher.wake and not synth.batcher.first_audio_due()
-        with synth.turns.turn(first=True):
-            assert synth.batcher.first_audio_due()
+        assert synth.turns.on_done == synth.batcher.wake and not synth.batcher.chunks_due()
+        for first in (True, False):
+            with synth.turns.turn(first=first):
+                assert synth.batcher.chunks_due()
+        assert not synth.batcher.chunks_due()
         prompt = voice.prompt_features(prompt_wav)
         piece = voice.segments(Mode.ZERO_SHOT, "A sentence long enough for two chunks of speech, at least.",
                                prompt_text=prompt_text)[0]
