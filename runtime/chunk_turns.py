@@ -5,8 +5,8 @@ calls share the cores, so four streams' first chunks all finish late together. `
 `slots` chunks run at once and, among the waiting, gives the next turn to a first chunk (a listener
 waiting for any audio) before a later one, otherwise in the order they asked. It orders work, never
 changes it: every chunk's samples are what they would be without it. While a chunk holds or waits for a turn
-(`due`; `first_due` for a first chunk) the decode batch decodes only the ids of first chunks
-(`DecodeBatcher`), and `on_done` tells it when a turn ends.
+(`due`; on a GPU a first chunk, `first_due`) the decode batch decodes only the ids of first chunks
+(`synthesis.batch_yields_to`), and `on_done` tells it when a turn ends.
 """
 
 from __future__ import annotations

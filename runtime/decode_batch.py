@@ -272,7 +272,7 @@ class DecodeBatcher:
         self.observer: BatchObserver = observer or _Quiet()
         self.chunks_due = chunks_due
         """Whether streams' flow and vocoder work that the batch yields to is running or waiting (the
-        pipeline's `ChunkTurns.due` or `first_due`): the batch then steps only for a consumer that has sent no
+        pipeline's: `synthesis.batch_yields_to`): the batch then steps only for a consumer that has sent no
         audio and waits for an id."""
         device, device_id = lm.in_place.device_type, lm.in_place.device_id
         self.prefills = device != CPU if in_slots is None else in_slots

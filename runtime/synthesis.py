@@ -192,11 +192,8 @@ class Synthesizer:
             self.batcher.close()
         if max_batch > 1:
             turns = ChunkTurns()
-            # On the CPU the batch and the chunks' graph calls share the cores, and the two at once do a
-            # quarter less work than each alone (performance-log.md, "the batch yields to every chunk"): the
-            # batch waits for every chunk. On a GPU it waits for first chunks only: both at once not measured.
-            due = (lambda: turns.due) if self.provider == CPU else (lambda: turns.first_due)
-            batcher = DecodeBatcher(self.lm, max_batch, observer, chunks_due=due)
+            batcher = DecodeBatcher(self.lm, max_batch, observer,
+                                    chunks_due=batch_yields_to(turns, self.provider))
             turns.on_done = batcher.wake
             self.batcher, self.turns = batcher, turns
         else:
@@ -310,6 +307,14 @@ class Synthesizer:
         policy = self.chunk_policy if policy is None else check_policy(policy, self.bundle)
         log.info("streaming with %s", policy)
         return _Stream(self, prompt, policy).run(iter(tokens))
+
+
+def batch_yields_to(turns: ChunkTurns, provider: str) -> Callable[[], bool]:
+    """When a decode batch on `provider` waits for the chunks of `turns` (`DecodeBatcher.chunks_due`): on the
+    CPU while any chunk holds or waits for its turn, since the batch and the chunks' graph calls share the
+    cores and the two at once do a quarter less work than each alone (performance-log.md, "the batch yields to
+    every chunk"); on a GPU while a first chunk does (what the two cost each other there is not measured)."""
+    return (lambda: turns.due) if provider == CPU else (lambda: turns.first_due)
 
 
 def batches(bundle: RuntimeBundle, provider: str) -> bool:

@@ -8,6 +8,8 @@ import time
 import pytest
 
 from cosyvoice_runtime.chunk_turns import ChunkTurns
+from cosyvoice_runtime.runners import CPU, CUDA
+from cosyvoice_runtime.synthesis import batch_yields_to
 
 
 def test_a_first_chunk_goes_before_later_ones_that_asked_earlier() -> None:
@@ -62,9 +64,8 @@ def test_slots_run_at_once_and_a_failure_frees_its_turn() -> None:
 
 
 def test_chunks_due_are_known_and_each_end_is_told() -> None:
-    """`due` while any chunk holds a turn or waits for one, `first_due` while a first chunk does (the decode
-    batch pauses for ids due later while one of them holds, on a CPU and on a GPU), and `on_done` after every
-    turn."""
+    """`due` while any chunk holds a turn or waits for one, `first_due` while a first chunk does, and
+    `on_done` after every turn."""
     turns = ChunkTurns(slots=1)
     done: list[tuple[bool, bool]] = []
     turns.on_done = lambda: done.append((turns.due, turns.first_due))
@@ -90,6 +91,19 @@ def test_chunks_due_are_known_and_each_end_is_told() -> None:
         thread.join(10)
     assert done == [(True, True), (False, False)]  # the later chunk's end (the first waits), then the first's
     assert not turns.due and not turns.first_due
+
+
+def test_the_batch_yields_to_every_chunk_on_the_cpu_and_to_first_chunks_on_a_gpu() -> None:
+    """On the CPU the decode batch waits while any chunk holds a turn (they share the cores); on a GPU while a
+    first chunk does."""
+    turns = ChunkTurns(slots=1)
+    on_cpu, on_gpu = batch_yields_to(turns, CPU), batch_yields_to(turns, CUDA)
+    assert not on_cpu() and not on_gpu()
+    with turns.turn(first=False):
+        assert on_cpu() and not on_gpu()
+    with turns.turn(first=True):
+        assert on_cpu() and on_gpu()
+    assert not on_cpu() and not on_gpu()
 
 
 def _hold_first(turns: ChunkTurns) -> None:
