@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from cosyvoice_export.bundle.errors import BundleError
+from cosyvoice_graphs import MAX_BATCH
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import choose_prompt
@@ -71,6 +72,10 @@ def _user_errors() -> Iterator[None]:
               help="Also run the runtime at 1 and 2 threads (longest case): first chunk, per-stage times and "
                    "bounds at each (CPU providers)  [default: on with --threads >= 2, off with --quick and "
                    "on a GPU]")
+@click.option("--chunk-slots", type=click.IntRange(1, MAX_BATCH), default=None,
+              help="In the batched concurrency runs, the sessions' chunks that run their flow and vocoder at "
+                   "once  [default: the runtime's: on a CPU as many as the cores hold at --threads each, on "
+                   "a GPU every session's]")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the results as JSON (atomically).")
 @click.option("--plots", is_flag=True,
@@ -80,7 +85,8 @@ def _user_errors() -> Iterator[None]:
 def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch: bool,
          model_dir: Path | None, threads: int | None, provider: str, lengths: str, concurrency: str,
          tokens: int | None, repeat: int | None, seed: int, quick: bool, chunk_policy: ChunkPolicy | None,
-         thread_scaling: bool | None, json_out: Path | None, plots: bool, progress: bool) -> None:
+         thread_scaling: bool | None, chunk_slots: int | None, json_out: Path | None, plots: bool,
+         progress: bool) -> None:
     """Benchmark a CosyVoice3 runtime bundle: first-chunk latency, RTF, per-stage times, LLM tokens/s,
     memory, concurrency, hardware bounds and onnxruntime levers, optionally beside the torch reference."""
     with _user_errors():
@@ -118,7 +124,7 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
             model=model, prompt_wav=prompt_wav, prompt_text=prompt_text, cases=make_cases(names, long_tokens),
             concurrency=levels, threads=threads, provider=provider,
             repeat=repeat or (1 if quick else 3), quick=quick, seed=seed, model_dir=model_dir,
-            latency_policy=chunk_policy,
+            latency_policy=chunk_policy, chunk_slots=chunk_slots,
             thread_scaling=thread_scaling if thread_scaling is not None else threads >= 2 and not quick)
         result = run(settings, progress=progress)
         written = write_plots(result, json_out) if plots and json_out is not None else []

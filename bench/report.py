@@ -134,13 +134,14 @@ def _num(value: Any, scale: float = 1.0) -> str:
 
 def _concurrency(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The concurrency table: each level unbatched, then batched (`decode_batch`, where the bundle batches on
-    this provider) and the batched/unbatched ratio of audio per second; LLM tok/s is decodings alone."""
+    this provider) and the batched/unbatched ratio of audio per second, with the chunks that ran at once
+    (chunk slots); LLM tok/s is decodings alone."""
     batched = any(r.get("batched") for r in rows)
     header = ["sessions", "length", "shared", "wall s", "audio s/s", "session RTF", "first chunk mean s",
               "p95 s", "LLM tok/s", "outputs match"]
     if batched:
-        header += ["batched audio s/s", "ratio", "session RTF", "first chunk p95 s", "LLM tok/s",
-                   "outputs match"]
+        header += ["batched audio s/s", "ratio", "chunk slots", "session RTF", "first chunk p95 s",
+                   "LLM tok/s", "outputs match"]
     table = []
     for r in rows:
         row = [str(r["level"]), r["length"], _num(r["shared_synthesizer"]), _num(r["wall_s"]),
@@ -149,7 +150,8 @@ def _concurrency(rows: Sequence[dict[str, Any]]) -> list[str]:
         if batched:
             b = r.get("batched") or {}
             ratio = b["audio_s_per_s"] / r["audio_s_per_s"] if b else None
-            row += [_num(b.get("audio_s_per_s")), _num(ratio), _num(b.get("session_rtf_mean")),
+            row += [_num(b.get("audio_s_per_s")), _num(ratio), _num(b.get("chunk_slots")),
+                    _num(b.get("session_rtf_mean")),
                     _num(b.get("first_chunk_p95_s")), _num(b.get("llm_tokens_per_s")),
                     _num(b.get("outputs_match"))]
         table.append(row)

@@ -31,7 +31,7 @@ from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.process_memory import release_free_heap
 from cosyvoice_runtime.runners import TRT
 from cosyvoice_runtime.segments import Segment
-from cosyvoice_runtime.synthesis import AudioChunk, Mode, batches, llm_request
+from cosyvoice_runtime.synthesis import AudioChunk, Mode, batches, check_chunk_slots, llm_request
 
 from .backend import FirstChunk, OfflineRun, StreamRun
 from .cases import Case
@@ -56,15 +56,18 @@ class RuntimeBackend:
     name = "runtime"
 
     def __init__(self, bundle: RuntimeBundle, *, provider: str, threads: int, prompt_text: str, seed: int,
-                 latency_policy: ChunkPolicy | None = None) -> None:
+                 latency_policy: ChunkPolicy | None = None, chunk_slots: int | None = None) -> None:
         """Open every graph on `provider` with `threads` intra-op threads; `prompt_text` is the prompt
         recording's transcript (zero-shot), `seed` the RAS sampler's; `latency_policy`: the chunk policy
         `policy_first_chunk` measures beside upstream's, checked against these graphs first (a `UserError`
-        before anything opens)."""
+        before anything opens); `chunk_slots`: the batched sessions' chunks at once (None: the runtime's
+        default)."""
         start = time.perf_counter()
         self.bundle, self.provider, self.threads = bundle, provider, threads
         self.prompt_text = prompt_text
         self.latency_policy = check_policy(latency_policy, bundle) if latency_policy is not None else None
+        check_chunk_slots(chunk_slots)
+        self.chunk_slots = chunk_slots
         self.voice = CosyVoice3(bundle, provider=provider, threads=threads, seed=seed)
         self._log = CallLog()
         self.load_s = time.perf_counter() - start
@@ -209,11 +212,13 @@ class RuntimeBackend:
         synth = self.voice.synth
         if level > 1 and batches(self.bundle, self.provider):
             release_free_heap()  # the sessions' threads' heaps, before as many sessions again
-            synth.set_max_batch(level)
+            synth.set_max_batch(level, chunk_slots=self.chunk_slots)
             try:
                 voices = [self.voice] * level
+                assert synth.turns is not None
                 row["batched"] = {**self._sessions(voices, piece, prompt, case.tokens, reference_sha256),
-                                  "llm_tokens_per_s": self._decodings(voices, piece, prompt, case.tokens)}
+                                  "llm_tokens_per_s": self._decodings(voices, piece, prompt, case.tokens),
+                                  "chunk_slots": synth.turns.slots}
             finally:
                 synth.set_max_batch(1)
         release_free_heap()

@@ -70,6 +70,9 @@ class Settings:
     upstream's schedule's; None: upstream's schedule alone."""
     thread_scaling: bool = False
     """Also run the runtime at each of `thread_levels` (longest case) and measure the rates there."""
+    chunk_slots: int | None = None
+    """The batched sessions' chunks that run their flow and vocoder at once (`Synthesizer.set_max_batch`);
+    None: the runtime's default for the provider and threads."""
 
 
 def thread_levels(threads: int) -> list[int]:
@@ -99,7 +102,7 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
     on_gpu = s.provider not in CPU_PROVIDERS
     def runtime_at(threads: int) -> Callable[[], Backend]:
         return lambda: RuntimeBackend(bundle, provider=s.provider, threads=threads, prompt_text=s.prompt_text,
-                                      seed=s.seed, latency_policy=s.latency_policy)
+                                      seed=s.seed, latency_policy=s.latency_policy, chunk_slots=s.chunk_slots)
 
     factories = {"runtime": runtime_at(s.threads)}
     jobs = {"runtime": PeakJob("runtime", s.model, s.prompt_wav, s.prompt_text, s.threads, s.provider,
@@ -202,7 +205,7 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
             "lengths": [c.name for c in s.cases], "concurrency": s.concurrency, "repeat": s.repeat,
             "quick": s.quick,
             "first_chunk_tokens": s.latency_policy.first_chunk_tokens if s.latency_policy else None,
-            "thread_scaling": s.thread_scaling,
+            "thread_scaling": s.thread_scaling, "chunk_slots": s.chunk_slots,
         },
         "machine": machine,
         "cpu_class": machine["cpu_class"],

@@ -23,6 +23,8 @@
 #   rowsN-P      with an llm_decode: its decode step for N (4, 16) decodings at once, profiled
 #   variants-P   with an llm_decode: its step for 1, 4 and 16 decodings as the runtime makes it, bound once,
 #                replayed from a CUDA graph, with XQA on and off: times, and log-probs against the runtime's
+#   slots1-streamsN-P  streamsN-P again with one chunk at a time (--chunk-slots 1, the CPU's way) against
+#                the GPU's default, every stream's chunks at once
 #   tiny-model   the tiny model the gates export
 #   gates-P      the demo model exported in P (decode=fp16, tf32, fp16) and judged on the GPU by golden's
 #                precision bounds
@@ -109,6 +111,9 @@ for p in $PRECISIONS; do
         done
         step "variants-$tag" 240 "$PY" -m cosyvoice_bench.decode_variants --model "$bundle" \
             --provider "$PROVIDER" --rows 1,4,16 --json "$OUT/variants-$tag.json"
+        step "slots1-streams$STREAMS-$tag" 360 "$PY" -m cosyvoice_bench --model "$bundle" \
+            --provider "$PROVIDER" --lengths long --concurrency "$STREAMS" --quick --tokens 125 --chunk-slots 1 \
+            --no-progress --json "$OUT/slots1-streams$STREAMS-$tag.json"
     fi
 done
 [ -f "$WORK/tiny/llm.pt" ] || step tiny-model 120 "$PY" -m cosyvoice_export tiny-bundle "$WORK/tiny"

@@ -4,9 +4,9 @@ Concurrent streams each run their chunks' flow and vocoder calls on threads of t
 calls share the cores, so four streams' first chunks all finish late together. `ChunkTurns` lets at most
 `slots` chunks run at once and, among the waiting, gives the next turn to a first chunk (a listener
 waiting for any audio) before a later one, otherwise in the order they asked. It orders work, never
-changes it: every chunk's samples are what they would be without it. While a chunk holds or waits for a turn
-(`due`; on a GPU a first chunk, `first_due`) the decode batch decodes only the ids of first chunks
-(`synthesis.batch_yields_to`), and `on_done` tells it when a turn ends.
+changes it: every chunk's samples are what they would be without it. While the slots are taken (`full`; on a
+GPU while a first chunk holds or waits for a turn, `first_due`) the decode batch decodes only the ids of
+first chunks (`synthesis.batch_yields_to`), and `on_done` tells it when a turn ends.
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ class ChunkTurns:
         return self._firsts > 0
 
     @property
-    def due(self) -> bool:
-        """Whether any chunk holds a turn or waits for one."""
-        return self._running > 0 or bool(self._waiting)
+    def full(self) -> bool:
+        """Whether every slot holds a chunk or a chunk waits for one: the share of the machine the chunks
+        were given is in use."""
+        return self._running >= self.slots or bool(self._waiting)
 
     @contextmanager
     def turn(self, first: bool) -> Iterator[None]:

@@ -68,6 +68,7 @@ from .synthesis import (
     AudioChunk,
     Mode,
     Synthesizer,
+    check_chunk_slots,
     check_max_batch,
     closing_after,
     llm_request,
@@ -120,7 +121,7 @@ class CosyVoice3:
                  threads: int | None = None, sampling: str = "ras", seed: int = 0, verify: bool = True,
                  speakers_dir: Path | None = None, flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
                  max_batch: int = 1, batch_observer: BatchObserver | None = None,
-                 chunk_policy: ChunkPolicy | None = None) -> None:
+                 chunk_policy: ChunkPolicy | None = None, chunk_slots: int | None = None) -> None:
         """Open `model_dir`: a runtime bundle, a model bundle exported on first use as `cosyvoice-run
         --model` does, or a bundle opened already. `provider` and `threads` place the graphs
         (`cosyvoice_runtime.runners.PROVIDERS`); `sampling` is upstream's repetition-aware sampling
@@ -131,8 +132,10 @@ class CosyVoice3:
         (`Flow.prefixes`); `max_batch` > 1 decodes the speech ids of concurrent calls (threads, the server's
         sessions, `synthesize_many`) together, up to that many per `llm_decode` call (`decode_batch`,
         reporting to `batch_observer`; the bundle needs `llm_decode`: `--precision cpu-fast` or
-        `decode=fp32`); `chunk_policy` is when every stream emits its chunks (None: upstream's schedule;
-        `ChunkPolicy.first_chunk_tokens` a deviation from it for latency), checked against the graphs here.
+        `decode=fp32`), and `chunk_slots` of those calls' chunks run their flow and vocoder at once (None:
+        one on a CPU whose cores a session's graphs take, `synthesis.default_chunk_slots`); `chunk_policy` is
+        when every stream emits its chunks (None: upstream's schedule; `ChunkPolicy.first_chunk_tokens` a
+        deviation from it for latency), checked against the graphs here.
 
         Upstream's own keywords are taken for what they mean here: `load_trt` runs the graphs on
         onnxruntime's TensorRT provider (upstream's DiT runs as a TensorRT plan it builds on first use);
@@ -152,6 +155,7 @@ class CosyVoice3:
                             "model directory (exported in fp16 on first use) or an export with "
                             "cosyvoice-export all --precision fp16")
         check_max_batch(max_batch, bundle, provider)
+        check_chunk_slots(chunk_slots)
         check_policy(chunk_policy, bundle)
         if verify and bundle is not model_dir:  # hashed once it is known to be the bundle asked for
             bundle = RuntimeBundle.open(bundle.root, verify=True)
@@ -163,7 +167,7 @@ class CosyVoice3:
         """CAM++ and the speech tokenizer once a prompt needed them (`_prompt_models`)."""
         self.synth = Synthesizer(self.bundle, provider, threads=threads, flow_prefix_bytes=flow_prefix_bytes,
                                  max_batch=max_batch, batch_observer=batch_observer,
-                                 chunk_policy=chunk_policy)
+                                 chunk_policy=chunk_policy, chunk_slots=chunk_slots)
         self.prefix_jobs = PrefixJobs(self.synth.flow, self.synth.live)
         """Speakers' flow prefixes computed in the background (a thread started by the first job)."""
         self._speakers_dir = speakers_dir

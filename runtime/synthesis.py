@@ -40,7 +40,8 @@ from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from .frontend import PromptFeatures
 from .llm import Decoding, LlmRequest, SpeechTokenLM
 from .prefix_jobs import LiveWork
-from .runners import CPU, Runner, decode_body, graphs_run, open_runner, prefill_body
+from .runners import CPU, CPU_PROVIDERS, Runner, decode_body, graphs_run, open_runner, prefill_body
+from .runners.ort_settings import usable_cpus
 from .sampling import Sampler
 from .token2wav import Flow, FlowStream, Vocoder, VocoderStream, change_speed
 
@@ -143,18 +144,20 @@ class Synthesizer:
 
     def __init__(self, bundle: RuntimeBundle, provider: str = CPU, *, threads: int | None = None,
                  flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, max_batch: int = 1,
-                 batch_observer: BatchObserver | None = None, chunk_policy: ChunkPolicy | None = None
-                 ) -> None:
+                 batch_observer: BatchObserver | None = None, chunk_policy: ChunkPolicy | None = None,
+                 chunk_slots: int | None = None) -> None:
         """Open every graph of `bundle` on `provider` (see `cosyvoice_runtime.runners.PROVIDERS`);
         `flow_prefix_bytes` bounds the streaming flow's per-prompt cache (`Flow.prefixes`). `max_batch` > 1
         decodes concurrent requests' speech ids together (`decode_batch`, reporting to `batch_observer`),
         which needs the bundle's `llm_decode` on the decode steps (`batches`); 1 decodes each on its own.
-        `chunk_policy` is the streams' schedule (None: upstream's); it and `max_batch` are checked before any
-        graph opens (a `UserError`)."""
+        `chunk_slots` is how many of the batch's streams run their chunks' flow and vocoder calls at once
+        (`set_max_batch`). `chunk_policy` is the streams' schedule (None: upstream's); it, `max_batch` and
+        `chunk_slots` are checked before any graph opens (a `UserError`)."""
         check_max_batch(max_batch, bundle, provider)
+        check_chunk_slots(chunk_slots)
         self.chunk_policy = check_policy(chunk_policy, bundle)
         """The streams' chunk schedule unless a call gives its own."""
-        self.bundle, self.provider = bundle, provider
+        self.bundle, self.provider, self.threads = bundle, provider, threads
         self.dims = bundle.dims
         self._runners: dict[str, Runner] = {}
         try:
@@ -181,17 +184,23 @@ class Synthesizer:
         """Where decodings run when `max_batch` > 1."""
         self.turns: ChunkTurns | None = None
         """The order of the batch's sessions' flow and vocoder work (`chunk_turn`)."""
-        self.set_max_batch(max_batch, batch_observer)
+        self.set_max_batch(max_batch, batch_observer, chunk_slots=chunk_slots)
 
-    def set_max_batch(self, max_batch: int, observer: BatchObserver | None = None) -> None:
+    def set_max_batch(self, max_batch: int, observer: BatchObserver | None = None, *,
+                      chunk_slots: int | None = None) -> None:
         """Decode the requests started from now on in a batch of up to `max_batch` (`decode_batch`, reporting
-        to `observer`), or each on its own (1); the batch before is closed, so call it between requests. A
-        `UserError` (one line) where these graphs cannot batch (`check_max_batch`)."""
+        to `observer`), or each on its own (1); the batch before is closed, so call it between requests.
+        With a batch, `chunk_slots` of its streams' chunks run their flow and vocoder calls at once, first
+        chunks first (`ChunkTurns`; None: `default_chunk_slots`). A `UserError` (one line) where these
+        graphs cannot batch (`check_max_batch`) or `chunk_slots` is out of range."""
         check_max_batch(max_batch, self.bundle, self.provider)
+        check_chunk_slots(chunk_slots)
         if self.batcher is not None:
             self.batcher.close()
         if max_batch > 1:
-            turns = ChunkTurns()
+            slots = default_chunk_slots(self.provider, max_batch, self.threads) if chunk_slots is None \
+                else chunk_slots
+            turns = ChunkTurns(slots)
             batcher = DecodeBatcher(self.lm, max_batch, observer,
                                     chunks_due=batch_yields_to(turns, self.provider))
             turns.on_done = batcher.wake
@@ -201,7 +210,7 @@ class Synthesizer:
 
     def chunk_turn(self, *, first: bool) -> AbstractContextManager[None]:
         """The turn a chunk's flow and vocoder work waits for: with a decode batch, whose sessions share the
-        CPU, one chunk at a time, first chunks first (`ChunkTurns`); else none."""
+        machine, one of its `ChunkTurns` slots, first chunks first; else none."""
         return self.turns.turn(first) if self.turns is not None else nullcontext()
 
     @property
@@ -311,10 +320,29 @@ class Synthesizer:
 
 def batch_yields_to(turns: ChunkTurns, provider: str) -> Callable[[], bool]:
     """When a decode batch on `provider` waits for the chunks of `turns` (`DecodeBatcher.chunks_due`): on the
-    CPU while any chunk holds or waits for its turn, since the batch and the chunks' graph calls share the
-    cores and the two at once do a quarter less work than each alone (performance-log.md, "the batch yields to
-    every chunk"); on a GPU while a first chunk does (what the two cost each other there is not measured)."""
-    return (lambda: turns.due) if provider == CPU else (lambda: turns.first_due)
+    CPU while the chunks' slots are all taken or a chunk waits for one (`ChunkTurns.full`: with one slot,
+    while any chunk holds or waits for its turn), since the batch and the chunks' graph calls then share the
+    cores, and the two at once do a quarter less work than each alone (performance-log.md, "the batch yields
+    to every chunk"); on a GPU while a first chunk holds or waits for a turn (what the two cost each other
+    there is not measured)."""
+    return (lambda: turns.full) if provider in CPU_PROVIDERS else (lambda: turns.first_due)
+
+
+def default_chunk_slots(provider: str, max_batch: int, threads: int | None) -> int:
+    """Chunks of a batch's streams that run their flow and vocoder calls at once, unless the caller says:
+    on the CPU as many as the usable cores hold at `threads` each (one where a session's graphs take every
+    core: `threads` None), since the chunks' calls share the cores; on a GPU, where a call's time is mostly
+    its kernels' launches on the host, every stream's (`max_batch`), as without a batch. Measured on a CPU of
+    2 cores only (performance-log.md, "the chunks' slots follow the cores")."""
+    if provider not in CPU_PROVIDERS:
+        return max_batch
+    return max(1, min(max_batch, usable_cpus() // threads)) if threads else 1
+
+
+def check_chunk_slots(chunk_slots: int | None) -> None:
+    """A `UserError` (one line) unless `chunk_slots` is None (the default) or 1 to `MAX_BATCH`."""
+    if chunk_slots is not None and not 1 <= chunk_slots <= MAX_BATCH:
+        raise UserError(f"chunk_slots is {chunk_slots}; expected 1 to {MAX_BATCH}")
 
 
 def batches(bundle: RuntimeBundle, provider: str) -> bool:

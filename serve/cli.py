@@ -79,6 +79,10 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
                    "many run at once, --max-conc or more). Needs a bundle with llm_decode: on the cpu "
                    "provider (export --precision cpu-fast, or decode=fp32 for float32), or on cuda in fp16 "
                    "(decode=fp16); 1: no batching.")
+@click.option("--chunk-slots", type=click.IntRange(1, MAX_BATCH), default=None,
+              help="With --max-batch, the sessions' chunks that run their flow and vocoder at once, first "
+                   "chunks first [default: on a CPU as many as the cores hold at --threads each (one when "
+                   "--threads is not given), on a GPU every session's].")
 @click.option("--queue", "queue_depth", type=click.IntRange(min=0), default=DEFAULTS.queue_depth,
               help="Sessions waiting for a slot; beyond them the server answers 503 (gRPC: "
                    "RESOURCE_EXHAUSTED) at once.")
@@ -126,8 +130,8 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
                     "(lower latency; a deviation from upstream's schedule) [default: upstream's].")
 @ray_options
 def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model: Path | None, provider: str,
-          threads: int | None, max_conc: int, max_batch: int, queue_depth: int, stream_idle: float,
-          timeout: float,
+          threads: int | None, max_conc: int, max_batch: int, chunk_slots: int | None, queue_depth: int,
+          stream_idle: float, timeout: float,
           speakers_dir: Path | None, sampling: str, seed: int | None,
           flow_prefix_mib: int, max_text: int, api_key: str | None, max_body_mib: int,
           cors_origins: tuple[str, ...], docs: bool, prompt_dir: Path | None, warm_up: bool,
@@ -150,7 +154,8 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
     from .engine import Engine
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
-    settings = ServerSettings(max_concurrency=max_conc, max_batch=max_batch, queue_depth=queue_depth,
+    settings = ServerSettings(max_concurrency=max_conc, max_batch=max_batch, chunk_slots=chunk_slots,
+                              queue_depth=queue_depth,
                               stream_idle_timeout=stream_idle, timeout=timeout, max_text_chars=max_text,
                               sampling=sampling, seed=seed,
                               speakers_dir=speakers_dir or DEFAULTS.speakers_dir, api_key=api_key,
@@ -169,7 +174,8 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
         return
     try:
         engine = Engine.open(model, provider=provider, flow_prefix_bytes=flow_prefix_mib << 20,
-                             threads=threads, max_batch=max_batch, chunk_policy=chunk_policy)
+                             threads=threads, max_batch=max_batch, chunk_slots=chunk_slots,
+                             chunk_policy=chunk_policy)
     except USER_ERRORS as e:
         _refuse(str(e))
     try:

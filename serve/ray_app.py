@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
-from cosyvoice_runtime.runners import CPU
+from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS
 from cosyvoice_runtime.speakers import SpeakerError
 
 from .app import create_app
@@ -102,6 +102,7 @@ class CosyVoiceReplica:
             self.engine = Engine.open(config.model, provider=config.provider,
                                       flow_prefix_bytes=config.flow_prefix_bytes, threads=threads,
                                       max_batch=config.settings.max_batch,
+                                      chunk_slots=replica_chunk_slots(config, threads),
                                       chunk_policy=config.settings.chunk_policy)
         except USER_ERRORS as e:
             raise self._start_error(e) from None
@@ -122,6 +123,15 @@ class CosyVoiceReplica:
 
     def _start_error(self, error: Exception) -> ReplicaStartError:
         return ReplicaStartError(f"replica {self.name} on {ray.util.get_node_ip_address()}: {error}")
+
+
+def replica_chunk_slots(config: ReplicaConfig, threads: int | None) -> int | None:
+    """A replica's `chunk_slots`: the settings' own, else one on a CPU where the replica reserved CPUs for its
+    `threads` (they, not the machine's cores that `default_chunk_slots` counts, are what its chunks share),
+    else the runtime's default."""
+    if config.settings.chunk_slots is None and threads and config.provider in CPU_PROVIDERS:
+        return 1
+    return config.settings.chunk_slots
 
 
 REPLICAS: Deployment = serve.deployment(name=DEPLOYMENT_NAME)(serve.ingress()(CosyVoiceReplica))

@@ -44,6 +44,9 @@ class ServerSettings:
     max_batch: int = 1
     """Sessions whose speech ids one LLM call decodes together (continuous batching, `decode_batch`; the
     bundle needs `llm_decode`); 1: each session decodes on its own."""
+    chunk_slots: int | None = None
+    """With a batch, its sessions' chunks that run their flow and vocoder calls at once, first chunks first
+    (`ChunkTurns`); None: `synthesis.default_chunk_slots` (one where a session's graphs take every core)."""
     queue_depth: int = 8
     """Sessions admitted to wait for a slot; one more is refused with 503 at once."""
     stream_idle_timeout: float = 30.0
@@ -89,6 +92,8 @@ class ServerSettings:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if not 1 <= self.max_batch <= MAX_BATCH:
             raise ValueError(f"max_batch must be from 1 to {MAX_BATCH}, got {self.max_batch}")
+        if self.chunk_slots is not None and not 1 <= self.chunk_slots <= MAX_BATCH:
+            raise ValueError(f"chunk_slots must be from 1 to {MAX_BATCH}, got {self.chunk_slots}")
         if self.queue_depth < 0:
             raise ValueError(f"queue_depth must be >= 0, got {self.queue_depth}")
         if self.stream_idle_timeout <= 0:

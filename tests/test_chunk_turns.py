@@ -64,12 +64,12 @@ def test_slots_run_at_once_and_a_failure_frees_its_turn() -> None:
 
 
 def test_chunks_due_are_known_and_each_end_is_told() -> None:
-    """`due` while any chunk holds a turn or waits for one, `first_due` while a first chunk does, and
-    `on_done` after every turn."""
+    """With one slot, `full` while any chunk holds a turn or waits for one, `first_due` while a first chunk
+    does, and `on_done` after every turn."""
     turns = ChunkTurns(slots=1)
     done: list[tuple[bool, bool]] = []
-    turns.on_done = lambda: done.append((turns.due, turns.first_due))
-    assert not turns.due and not turns.first_due
+    turns.on_done = lambda: done.append((turns.full, turns.first_due))
+    assert not turns.full and not turns.first_due
     holding, release = threading.Event(), threading.Event()
 
     def later() -> None:
@@ -79,7 +79,7 @@ def test_chunks_due_are_known_and_each_end_is_told() -> None:
 
     holder = threading.Thread(target=later)
     holder.start()
-    assert holding.wait(10) and turns.due and not turns.first_due  # a later chunk alone
+    assert holding.wait(10) and turns.full and not turns.first_due  # a later chunk alone
     first = threading.Thread(target=lambda: _hold_first(turns))
     first.start()
     deadline = time.monotonic() + 10
@@ -90,12 +90,29 @@ def test_chunks_due_are_known_and_each_end_is_told() -> None:
     for thread in (holder, first):
         thread.join(10)
     assert done == [(True, True), (False, False)]  # the later chunk's end (the first waits), then the first's
-    assert not turns.due and not turns.first_due
+    assert not turns.full and not turns.first_due
+
+
+def test_the_slots_are_full_when_each_holds_a_chunk_or_a_chunk_waits() -> None:
+    turns = ChunkTurns(slots=2)
+    with turns.turn(first=False):
+        assert not turns.full  # a slot is free
+        with turns.turn(first=False):
+            assert turns.full
+            waiter = threading.Thread(target=lambda: _hold_first(turns))
+            waiter.start()
+            deadline = time.monotonic() + 10
+            while not turns.first_due:  # waits for a slot
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+            assert turns.full
+        waiter.join(10)
+        assert not turns.full
 
 
 def test_the_batch_yields_to_every_chunk_on_the_cpu_and_to_first_chunks_on_a_gpu() -> None:
-    """On the CPU the decode batch waits while any chunk holds a turn (they share the cores); on a GPU while a
-    first chunk does."""
+    """On the CPU the decode batch waits while the chunks' slots are taken (they share the cores); on a GPU
+    while a first chunk holds a turn or waits for one."""
     turns = ChunkTurns(slots=1)
     on_cpu, on_gpu = batch_yields_to(turns, CPU), batch_yields_to(turns, CUDA)
     assert not on_cpu() and not on_gpu()

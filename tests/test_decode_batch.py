@@ -25,14 +25,14 @@ from click.testing import CliRunner
 
 from cosyvoice_export.cli import main
 from cosyvoice_graphs import spec
-from cosyvoice_runtime import CosyVoice3
+from cosyvoice_runtime import CosyVoice3, synthesis
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.decode_batch import BatchedDecoding, DecodeBatcher
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.llm import LlmRequest
-from cosyvoice_runtime.runners import CPU, CUDA
+from cosyvoice_runtime.runners import CPU, CUDA, OPENVINO
 from cosyvoice_runtime.sampling import make_sampler
-from cosyvoice_runtime.synthesis import Mode, Synthesizer, llm_request
+from cosyvoice_runtime.synthesis import Mode, Synthesizer, default_chunk_slots, llm_request
 
 T = TypeVar("T")
 
@@ -244,12 +244,12 @@ def test_while_chunks_are_due_the_batch_steps_only_for_streams_without_audio(exa
 
 def test_a_batched_stream_tells_the_batch_once_its_first_audio_is_out(exact_bundle: Path, prompt_wav: Path,
                                                                        prompt_text: str) -> None:
-    """On the CPU the pipeline's batch pauses for every chunk its turns hold or queue (`ChunkTurns.due`,
-    woken as each turn ends), and a stream's decoding is marked as having sent audio once its first chunk is
-    made."""
-    with CosyVoice3(exact_bundle, threads=1, max_batch=2) as voice:
+    """On the CPU the pipeline's batch with one chunk slot pauses for every chunk its turns hold or queue
+    (`ChunkTurns.full`, woken as each turn ends), and a stream's decoding is marked as having sent audio once
+    its first chunk is made."""
+    with CosyVoice3(exact_bundle, threads=1, max_batch=2, chunk_slots=1) as voice:
         synth = voice.synth
-        assert synth.turns is not None and synth.batcher is not None
+        assert synth.turns is not None and synth.batcher is not None and synth.turns.slots == 1
         assert synth.turns.on_done == synth.batcher.wake and not synth.batcher.chunks_due()
         for first in (True, False):
             with synth.turns.turn(first=first):
@@ -305,6 +305,29 @@ def test_batching_needs_llm_decode(runtime_bundle: Path) -> None:
         CosyVoice3(runtime_bundle, threads=1, max_batch=2)
     with pytest.raises(UserError, match="max_batch is 17; expected 1 to 16"):
         CosyVoice3(runtime_bundle, threads=1, max_batch=17)
+    with pytest.raises(UserError, match="chunk_slots is 0; expected 1 to 16"):
+        CosyVoice3(runtime_bundle, threads=1, chunk_slots=0)
+
+
+def test_the_chunks_slots_follow_the_cores_on_a_cpu_and_the_batch_on_a_gpu(
+        exact_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default a batch's chunks run as many at once as the usable cores hold at the graphs' threads (one
+    where the threads are onnxruntime's default, every core), and every stream's on a GPU; a caller's count
+    is kept, and a bad one refused before the batch changes."""
+    monkeypatch.setattr(synthesis, "usable_cpus", lambda: 16)
+    assert [default_chunk_slots(CPU, 8, threads) for threads in (None, 1, 2, 3, 16, 32)] == [1, 8, 8, 5, 1, 1]
+    assert default_chunk_slots(OPENVINO, 4, 2) == 4 and default_chunk_slots(CUDA, 4, None) == 4
+    with CosyVoice3(exact_bundle, threads=4, max_batch=3) as voice:
+        synth = voice.synth
+        assert synth.turns is not None and synth.turns.slots == 3  # 16 cores hold 4 chunks; the batch has 3
+        synth.set_max_batch(3, chunk_slots=2)
+        assert synth.turns is not None and synth.turns.slots == 2
+        batcher = synth.batcher
+        with pytest.raises(UserError, match="chunk_slots is 17; expected 1 to 16"):
+            synth.set_max_batch(3, chunk_slots=17)
+        assert synth.batcher is batcher and synth.turns.slots == 2
+        synth.set_max_batch(1)
+        assert synth.turns is None
 
 
 def test_the_server_batches_its_sessions_and_reports_the_batch(exact_bundle: Path, prompt_wav: Path,
@@ -358,12 +381,15 @@ def test_the_benchmark_has_a_batched_column(exact_bundle: Path, tmp_path: Path) 
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(bench, ["--model", str(exact_bundle), "--quick", "--threads", "1", "--json",
                                         str(out), "--no-progress", "--lengths", "short",
-                                        "--concurrency", "1,3"])
+                                        "--concurrency", "1,3", "--chunk-slots", "2"])
     assert result.exit_code == 0, result.output
-    assert "batched audio s/s" in result.output and "ratio" in result.output
-    one, three = json.loads(out.read_text())["concurrency"]
+    assert all(column in result.output for column in ("batched audio s/s", "ratio", "chunk slots"))
+    document = json.loads(out.read_text())
+    assert document["settings"]["chunk_slots"] == 2
+    one, three = document["concurrency"]
     assert (one["level"], three["level"]) == (1, 3) and one["batched"] is None  # a batch of one is no batch
     batched = three["batched"]
+    assert batched["chunk_slots"] == 2  # two of the three sessions' chunks at once
     assert three["outputs_match"] is True and batched["outputs_match"] is True
     assert batched["audio_s_per_s"] > 0 and batched["llm_tokens_per_s"] > 0
     assert batched["first_chunk_mean_s"] <= batched["first_chunk_p95_s"] <= batched["first_chunk_max_s"]

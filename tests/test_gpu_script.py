@@ -34,8 +34,8 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
     steps = [line.split(":")[0] for line in lines[:-1]]
     assert steps == ["gpu", "golden", "tests", "model", "export-fp32", "bench-fp32", "profile-fp32",
                      "export-decode-fp16", "bench-decode-fp16", "streams3-decode-fp16", "profile-decode-fp16",
-                     "rows4-decode-fp16", "rows16-decode-fp16", "variants-decode-fp16", "gates-tf32",
-                     "gates-decode-fp16"]
+                     "rows4-decode-fp16", "rows16-decode-fp16", "variants-decode-fp16",
+                     "slots1-streams3-decode-fp16", "gates-tf32", "gates-decode-fp16"]
     assert all(": exit 0 after " in line for line in lines[:-1]), lines
     rows = json.loads((tmp_path / "out" / "rows4-decode-fp16.json").read_text())["profiles"][0]
     assert rows["graph"] == "llm_decode" and rows["precision"] == "fp16" and rows["shape"]["batch"] == 4
@@ -44,6 +44,9 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
     assert variants["runs"][2]["variants"]["bound once"]["max_abs_diff"] == 0
     (streams,) = json.loads((tmp_path / "out" / "streams3-decode-fp16.json").read_text())["concurrency"]
     assert streams["level"] == 3 and streams["batched"]["llm_tokens_per_s"] > 0
+    one_slot_run = json.loads((tmp_path / "out" / "slots1-streams3-decode-fp16.json").read_text())
+    (one_slot,) = one_slot_run["concurrency"]
+    assert one_slot["batched"]["chunk_slots"] == 1 and one_slot["batched"]["outputs_match"] is True
     result = json.loads((tmp_path / "out" / "bench-fp32.json").read_text())
     assert result["settings"]["provider"] == "cpu" and result["bundle"]["precision"] == "fp32"
     case = result["cases"][0]["runtime"]

@@ -437,16 +437,21 @@ def test_the_options_reach_the_settings(engine: Engine, tmp_path: Path, monkeypa
     monkeypatch.setattr(uvicorn, "run", lambda app, **_: served.append(app))
     args = ["--speakers", str(tmp_path / "speakers"), "--max-body-mib", "3", "--cors-origin", ORIGIN,
             "--cors-origin", "http://localhost:8080", "--docs", "--prompt-dir", str(tmp_path),
-            "--threads", "3"]
+            "--threads", "3", "--chunk-slots", "2"]
     result = CliRunner().invoke(serve_cli.serve, args)
     assert result.exit_code == 0, result.output
-    assert opened[0]["threads"] == 3
+    assert opened[0]["threads"] == 3 and opened[0]["chunk_slots"] == 2
     settings = served[0].state.server.settings
+    assert settings.chunk_slots == 2
     assert settings.max_body_bytes == 3 << 20 and settings.docs and settings.prompt_dir == tmp_path
     assert settings.cors_origins == (ORIGIN, "http://localhost:8080")
     default = CliRunner().invoke(serve_cli.serve, ["--speakers", str(tmp_path / "speakers")])
     assert default.exit_code == 0 and served[1].state.server.settings == ServerSettings(
         speakers_dir=tmp_path / "speakers")
+    refused = CliRunner().invoke(serve_cli.serve, ["--chunk-slots", "17"])
+    assert refused.exit_code == 2 and "--chunk-slots" in refused.output and not opened[2:]
+    with pytest.raises(ValueError, match="chunk_slots must be from 1 to 16, got 0"):
+        ServerSettings(chunk_slots=0)
     help_text = " ".join(CliRunner().invoke(serve_cli.serve, ["--help"]).output.split())
     assert "upstream's server allows every origin" in help_text and "from a CDN" in help_text
 

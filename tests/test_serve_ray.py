@@ -39,6 +39,7 @@ from cosyvoice_serve.ray_app import (
     SERVED_BY,
     ReplicaConfig,
     deployment,
+    replica_chunk_slots,
     replica_config,
 )
 from cosyvoice_serve.ray_options import ScaleOptions
@@ -137,6 +138,16 @@ def test_a_config_files_args_are_the_servers_settings_by_name(monkeypatch: pytes
         replica_config({"speaker_store": "disk"})
     with pytest.raises(ValueError, match="sampling must be one of"):
         replica_config({"sampling": "beam"})
+
+
+def test_a_cpu_replica_runs_one_chunk_at_a_time_unless_told() -> None:
+    """A replica that reserved CPUs shares them, not the machine's cores, among its chunks: one slot by
+    default on a CPU; a config's `chunk_slots` is kept; on a GPU, or with no CPUs reserved (the graphs take
+    every core), the runtime's default."""
+    cpu = replica_config({})
+    assert replica_chunk_slots(cpu, 2) == 1 and replica_chunk_slots(cpu, None) is None
+    assert replica_chunk_slots(replica_config({"chunk_slots": "3"}), 2) == 3
+    assert replica_chunk_slots(replica_config({"provider": "cuda"}), 2) is None
 
 
 @pytest.mark.parametrize("name", ["serve-config.yaml", "rayservice.yaml"])
