@@ -74,8 +74,8 @@ def _user_errors() -> Iterator[None]:
                    "on a GPU]")
 @click.option("--chunk-slots", type=click.IntRange(1, MAX_BATCH), default=None,
               help="In the batched concurrency runs, the sessions' chunks that run their flow and vocoder at "
-                   "once  [default: the runtime's: on a CPU as many as the cores hold at --threads each, on "
-                   "a GPU every session's]")
+                   "once  [default: the runtime's: on a CPU as many as the usable CPUs hold at --threads "
+                   "each, on a GPU every session's]")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the results as JSON (atomically).")
 @click.option("--plots", is_flag=True,

@@ -330,10 +330,10 @@ def batch_yields_to(turns: ChunkTurns, provider: str) -> Callable[[], bool]:
 
 def default_chunk_slots(provider: str, max_batch: int, threads: int | None) -> int:
     """Chunks of a batch's streams that run their flow and vocoder calls at once, unless the caller says:
-    on the CPU as many as the usable cores hold at `threads` each (one where a session's graphs take every
-    core: `threads` None), since the chunks' calls share the cores; on a GPU, where a call's time is mostly
-    its kernels' launches on the host, every stream's (`max_batch`), as without a batch. Measured on a CPU of
-    2 cores only (performance-log.md, "the chunks' slots follow the cores")."""
+    on the CPU as many as the usable CPUs (the affinity mask's) hold at `threads` each (one where a session's
+    graphs take every core: `threads` None), since the chunks' calls share the cores; on a GPU, where a call's
+    time is mostly its kernels' launches on the host, every stream's (`max_batch`), as without a batch.
+    Measured on a CPU of 2 cores only (performance-log.md, "the chunks' slots follow the cores")."""
     if provider not in CPU_PROVIDERS:
         return max_batch
     return max(1, min(max_batch, usable_cpus() // threads)) if threads else 1

@@ -81,8 +81,8 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
                    "(decode=fp16); 1: no batching.")
 @click.option("--chunk-slots", type=click.IntRange(1, MAX_BATCH), default=None,
               help="With --max-batch, the sessions' chunks that run their flow and vocoder at once, first "
-                   "chunks first [default: on a CPU as many as the cores hold at --threads each (one when "
-                   "--threads is not given), on a GPU every session's].")
+                   "chunks first [default: on a CPU as many as the usable CPUs hold at --threads each (one "
+                   "when --threads is not given), on a GPU every session's].")
 @click.option("--queue", "queue_depth", type=click.IntRange(min=0), default=DEFAULTS.queue_depth,
               help="Sessions waiting for a slot; beyond them the server answers 503 (gRPC: "
                    "RESOURCE_EXHAUSTED) at once.")

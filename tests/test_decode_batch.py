@@ -311,7 +311,7 @@ def test_batching_needs_llm_decode(runtime_bundle: Path) -> None:
 
 def test_the_chunks_slots_follow_the_cores_on_a_cpu_and_the_batch_on_a_gpu(
         exact_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """By default a batch's chunks run as many at once as the usable cores hold at the graphs' threads (one
+    """By default a batch's chunks run as many at once as the usable CPUs hold at the graphs' threads (one
     where the threads are onnxruntime's default, every core), and every stream's on a GPU; a caller's count
     is kept, and a bad one refused before the batch changes."""
     monkeypatch.setattr(synthesis, "usable_cpus", lambda: 16)
