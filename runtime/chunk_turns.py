@@ -3,8 +3,11 @@
 Concurrent streams each run their chunks' flow and vocoder calls on threads of their own; on a CPU those
 calls share the cores, so four streams' first chunks all finish late together. `ChunkTurns` lets at most
 `slots` chunks run at once and, among the waiting, gives the next turn to a first chunk (a listener
-waiting for any audio) before a later one, otherwise in the order they asked. It orders work, never
-changes it: every chunk's samples are what they would be without it. While the slots are taken (`full`; on a
+waiting for any audio) before a later one, otherwise in the order they asked. A later chunk also hands its
+slot to a waiting first chunk between its graph calls (the pause its turn gives) and takes it back before the
+later chunks that asked after it: a stream's final chunk, whose full re-run of the flow takes seconds on a
+CPU, no longer holds a new stream's first audio back that long. It orders work, never changes it: every
+chunk's samples are what they would be without it. While the slots are taken (`full`; on a
 GPU while a first chunk holds or waits for a turn, `first_due`) the decode batch decodes only the ids of
 first chunks (`synthesis.batch_yields_to`), and `on_done` tells it when a turn ends.
 """
@@ -47,21 +50,41 @@ class ChunkTurns:
         return self._running >= self.slots or bool(self._waiting)
 
     @contextmanager
-    def turn(self, first: bool) -> Iterator[None]:
-        """Wait for this chunk's turn (`first`: the stream's first chunk), hold it while the block runs."""
+    def turn(self, first: bool) -> Iterator[Callable[[], None]]:
+        """Wait for this chunk's turn (`first`: the stream's first chunk), hold it while the block runs. The
+        block calls the pause it is given between its graph calls: a later chunk waits there while waiting
+        first chunks run; a first chunk's returns at once."""
         ticket = (0 if first else 1, next(self._arrivals))
         with self._cond:
             self._firsts += first
-            heapq.heappush(self._waiting, ticket)
-            while self._running >= self.slots or self._waiting[0] != ticket:
-                self._cond.wait()
-            heapq.heappop(self._waiting)
-            self._running += 1
+            self._take_slot(ticket)
         try:
-            yield
+            yield no_pause if first else lambda: self._let_firsts_pass(ticket)
         finally:
             with self._cond:
                 self._running -= 1
                 self._firsts -= first
                 self._cond.notify_all()
             self.on_done()
+
+    def _take_slot(self, ticket: tuple[int, int]) -> None:
+        """Queue `ticket` and wait until it is the first in line and a slot is free; holds `_cond`."""
+        heapq.heappush(self._waiting, ticket)
+        while self._running >= self.slots or self._waiting[0] != ticket:
+            self._cond.wait()
+        heapq.heappop(self._waiting)
+        self._running += 1
+
+    def _let_firsts_pass(self, ticket: tuple[int, int]) -> None:
+        """A later chunk's pause: while a first chunk waits for a slot, give this one up and queue again under
+        the chunk's own ticket (after every first chunk, before the later chunks that asked after it)."""
+        with self._cond:
+            if not self._waiting or self._waiting[0][0] != 0 or self._running < self.slots:
+                return  # no first chunk waits, or one is about to take a free slot
+            self._running -= 1
+            self._cond.notify_all()
+            self._take_slot(ticket)
+
+
+def no_pause() -> None:
+    """The pause of a chunk that lets nothing pass (a first chunk's, or one without turns)."""

@@ -33,7 +33,7 @@ from cosyvoice_graphs.bundle_layout import FLOW_NOISE, SINE_NOISE, SPEECH_EMBEDD
 
 from .bundle import RuntimeBundle
 from .chunk_policy import ChunkPolicy, check_policy
-from .chunk_turns import ChunkTurns
+from .chunk_turns import ChunkTurns, no_pause
 from .decode_batch import BatchedDecoding, BatchObserver, DecodeBatcher
 from .errors import SynthesisError, UserError
 from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
@@ -208,10 +208,11 @@ class Synthesizer:
         else:
             self.batcher, self.turns = None, None
 
-    def chunk_turn(self, *, first: bool) -> AbstractContextManager[None]:
+    def chunk_turn(self, *, first: bool) -> AbstractContextManager[Callable[[], None]]:
         """The turn a chunk's flow and vocoder work waits for: with a decode batch, whose sessions share the
-        machine, one of its `ChunkTurns` slots, first chunks first; else none."""
-        return self.turns.turn(first) if self.turns is not None else nullcontext()
+        machine, one of its `ChunkTurns` slots, first chunks first; else none. It gives the pause the chunk
+        calls between its graph calls (`ChunkTurns.turn`)."""
+        return self.turns.turn(first) if self.turns is not None else nullcontext(no_pause)
 
     @property
     def runners(self) -> Mapping[str, Runner]:
@@ -425,15 +426,16 @@ class _Stream:
         return frames % self.synth.dims.dit_block_frames != 0
 
     def _chunk(self, tokens: list[int], hop: int, llm_s: float, *, final: bool) -> AudioChunk:
-        with self.synth.chunk_turn(first=self.index == 0):
-            return self._run_chunk(tokens, hop, llm_s, final=final)
+        with self.synth.chunk_turn(first=self.index == 0) as pause:
+            return self._run_chunk(tokens, hop, llm_s, final=final, pause=pause)
 
-    def _run_chunk(self, tokens: list[int], hop: int, llm_s: float, *, final: bool) -> AudioChunk:
+    def _run_chunk(self, tokens: list[int], hop: int, llm_s: float, *, final: bool,
+                   pause: Callable[[], None]) -> AudioChunk:
         synth = self.synth
         start = time.perf_counter()
         if self.flow_stream is None:
             mel = synth.flow(np.asarray(tokens, dtype=np.int64), self.prompt, finalize=final,
-                             streaming=not final)  # (1, 80, ratio * (offset + hop)): all of it, re-run
+                             streaming=not final, pause=pause)  # (1, 80, ratio * (offset + hop)): all, re-run
             added = mel[:, :, self.ratio * self.offset:]
         else:
             # after a first chunk cut inside a block (peeked, not kept), the stream runs that block again
@@ -441,8 +443,10 @@ class _Stream:
             sent = self.ratio * (self.offset - self.flow_stream.tokens)
             stream = self.flow_stream
             mid_block = not final and self._mid_block(self.offset + hop)
-            mel = stream.peek(tokens) if mid_block else stream.push(tokens, finalize=final)
+            mel = stream.peek(tokens, pause=pause) if mid_block else stream.push(tokens, finalize=final,
+                                                                                 pause=pause)
             added = mel[:, :, sent:]  # (1, 80, ratio * hop)
+        pause()
         mid = time.perf_counter()
         if self.vocoder_stream is None:
             self.mel = np.concatenate([self.mel, added], axis=2)

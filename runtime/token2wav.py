@@ -38,6 +38,7 @@ import numpy as np
 from cosyvoice_graphs import ModelDims, cache_pairs, empty_caches, euler_steps
 from cosyvoice_graphs.hift_layout import HiftLayout
 
+from .chunk_turns import no_pause
 from .errors import SynthesisError
 from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES, FlowPrefix, FlowPrefixCache
 from .frontend import PromptFeatures
@@ -142,12 +143,13 @@ class Flow:
         self.steps = euler_steps()
         self.prefixes = FlowPrefixCache(prefix_cache_bytes)
 
-    def __call__(self, tokens: np.ndarray, prompt: PromptFeatures, *, finalize: bool, streaming: bool
-                 ) -> np.ndarray:
+    def __call__(self, tokens: np.ndarray, prompt: PromptFeatures, *, finalize: bool, streaming: bool,
+                 pause: Callable[[], None] = no_pause) -> np.ndarray:
         """Mel (1, 80, frames) for `tokens` (N,) after the prompt's frames.
 
         `finalize=False` uses the last `pre_lookahead_len` tokens as look-ahead only, giving
-        2(N - 3) frames instead of 2N; `streaming` selects the 50-frame block-causal DiT mask.
+        2(N - 3) frames instead of 2N; `streaming` selects the 50-frame block-causal DiT mask. `pause` is
+        called before every DiT call (a chunk's `ChunkTurns` pause).
         """
         all_tokens = self.tokens_with_prompt(tokens, prompt, finalize=finalize)
         mu, spks = self.encode(all_tokens, 0, prompt, finalize=finalize)  # (1, 80, T), (1, 80)
@@ -156,9 +158,13 @@ class Flow:
         feeds = {"offset": np.zeros(1, dtype=np.int64), "block_frames": np.array([block], dtype=np.int64),
                  **_cfg_rows(mu, spks, self.cond(prompt, 0, frames)), **empty_caches(self.estimator.spec)}
         # the velocity only: nothing reads this call's present_* caches, so they are not copied out
-        mel = self.solve(self.initial_x(0, frames), lambda step, x: self.estimator.infer_outputs(
-            {"x": x, "ode_step": _ode_step(step), **feeds}, ["velocity"])["velocity"])
-        return mel[:, :, prompt.mel.shape[1]:]
+
+        def velocity(step: int, x: np.ndarray) -> np.ndarray:
+            pause()
+            return self.estimator.infer_outputs({"x": x, "ode_step": _ode_step(step), **feeds},
+                                                ["velocity"])["velocity"]
+
+        return self.solve(self.initial_x(0, frames), velocity)[:, :, prompt.mel.shape[1]:]
 
     def stream(self, prompt: PromptFeatures, *, window: int | None = None) -> FlowStream:
         """A new utterance's `FlowStream`: exact caches (`window=None`), or attention bounded to the
@@ -191,15 +197,13 @@ class Flow:
         """The caches after `prompt`'s `prefix_frames`, from `prefixes` or computed (and kept there)."""
         return self.prefixes.get(prompt, lambda: self.compute_prefix(prompt))
 
-    def compute_prefix(self, prompt: PromptFeatures, *, pause: Callable[[], None] | None = None
-                       ) -> FlowPrefix:
+    def compute_prefix(self, prompt: PromptFeatures, *, pause: Callable[[], None] = no_pause) -> FlowPrefix:
         """The caches after `prompt`'s `prefix_frames`, computed (not looked up nor kept). `pause` is
         called before every graph call: a background job waits there, or raises to stop."""
         stream = self.stream(prompt)
         frames = self.prefix_frames(prompt.speech_tokens.shape[1])
         if frames:
-            if pause is not None:
-                pause()
+            pause()
             mu, spks = self.encode(prompt.speech_tokens[0], 0, prompt, finalize=False)  # (1, 80, >= frames)
             stream.advance(mu[:, :, :frames], spks, block_frames=self.dims.dit_block_frames, pause=pause)
         return FlowPrefix(frames, tuple(stream.caches))
@@ -316,10 +320,12 @@ class FlowStream:
         """Memory held by the caches (every ODE step, both CFG rows)."""
         return sum(feed_nbytes(a) for step in self.caches for a in step.values())
 
-    def push(self, tokens: Sequence[int], *, finalize: bool) -> np.ndarray:
+    def push(self, tokens: Sequence[int], *, finalize: bool, pause: Callable[[], None] = no_pause
+             ) -> np.ndarray:
         """Every generated token so far (N,) -> the mel (1, 80, n) of those after the first `self.tokens`:
         up to N - 3 (the rest are look-ahead) or, when finalizing, N. Exact mode: the frames that
-        `Flow` over all tokens gives there (to the graphs' float rounding on other shapes, ~1e-6)."""
+        `Flow` over all tokens gives there (to the graphs' float rounding on other shapes, ~1e-6). `pause`
+        is called before every DiT call."""
         if self.finished:
             raise ValueError("this flow stream is finalized already")
         flow, d = self.flow, self.flow.dims
@@ -329,7 +335,8 @@ class FlowStream:
             raise ValueError(f"no new tokens: {self.tokens} have their frames already, {len(tokens)} given")
         if finalize and self.window is None:
             self.caches = []  # released before the re-run allocates its own activations: a lower peak
-            mel = flow(np.asarray(tokens, dtype=np.int64), self.prompt, finalize=True, streaming=False)
+            mel = flow(np.asarray(tokens, dtype=np.int64), self.prompt, finalize=True, streaming=False,
+                       pause=pause)
             emitted, self.tokens, self.finished = ratio * self.tokens, covered, True
             return mel[:, :, emitted:]
         all_tokens = flow.tokens_with_prompt(tokens, self.prompt, finalize=finalize)
@@ -340,17 +347,18 @@ class FlowStream:
         if not finalize and end % block:
             raise ValueError(f"a non-final chunk ends at frame {end}, not on a {block}-frame block boundary: "
                              "its frames would see later ones, so caching them would change the result")
-        x = self.advance(mu, spks, block_frames=end if finalize else block)  # (1, 80, end - first)
+        x = self.advance(mu, spks, block_frames=end if finalize else block, pause=pause)  # (1, 80, n)
         emitted = self.prompt.mel.shape[1] + ratio * self.tokens  # the first frame not returned yet
         self.tokens, self.finished = covered, finalize
         return x[:, :, emitted - first:]
 
-    def peek(self, tokens: Sequence[int]) -> np.ndarray:
+    def peek(self, tokens: Sequence[int], *, pause: Callable[[], None] = no_pause) -> np.ndarray:
         """The mel (1, 80, n) of a non-final chunk that ends inside a DiT block (a first chunk of
         `ChunkPolicy.first_chunk_tokens`): the frames after the first `self.tokens` tokens, up to N - 3,
         solved against the caches (the prompt's prefix on) and not kept, since the cut block's frames
         change once the block is whole. The stream stays where it was: its next `push` runs that block
-        again. The frames equal the block-causal re-run over every frame (the same argument as `push`)."""
+        again. The frames equal the block-causal re-run over every frame (the same argument as `push`).
+        `pause` is called before every DiT call."""
         if self.finished:
             raise ValueError("this flow stream is finalized already")
         flow, ratio = self.flow, self.flow.dims.token_mel_ratio
@@ -358,7 +366,7 @@ class FlowStream:
         kept, first = list(self.caches), self.frames
         mu, spks = flow.encode(flow.tokens_with_prompt(tokens, self.prompt, finalize=False), first // ratio,
                                self.prompt, finalize=False)
-        x = self.advance(mu, spks, block_frames=flow.dims.dit_block_frames)
+        x = self.advance(mu, spks, block_frames=flow.dims.dit_block_frames, pause=pause)
         self.caches, self.frames = kept, first
         return x[:, :, self.prompt.mel.shape[1] + ratio * self.tokens - first:]
 
@@ -369,7 +377,7 @@ class FlowStream:
             self.frames, self.caches = prefix.frames, [dict(step) for step in prefix.caches]
 
     def advance(self, mu: np.ndarray, spks: np.ndarray, *, block_frames: int,
-                pause: Callable[[], None] | None = None) -> np.ndarray:
+                pause: Callable[[], None] = no_pause) -> np.ndarray:
         """Solve the ODE over the next frames (their `mu` (1, 80, n), `spks` (1, 80)) against the caches,
         which then cover them too: x (1, 80, n). `block_frames` is the mask's block (counted from frame 0);
         `pause` is called before every graph call (`Flow.compute_prefix`)."""
@@ -382,8 +390,7 @@ class FlowStream:
         on_device = flow.keep_on_device and self.window is None
 
         def velocity(step: int, x: np.ndarray) -> np.ndarray:
-            if pause is not None:
-                pause()
+            pause()
             inputs = {"x": x, "ode_step": _ode_step(step), **feeds, **self.caches[step]}
             if on_device:
                 out, kept = flow.estimator.infer_kept(inputs, keep=[present for _, present in pairs])

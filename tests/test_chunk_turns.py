@@ -42,6 +42,44 @@ def test_a_first_chunk_goes_before_later_ones_that_asked_earlier() -> None:
     assert order == ["first-1", "first-2", "later-1", "later-2"]
 
 
+def test_a_later_chunk_lets_waiting_first_chunks_pass_between_its_calls() -> None:
+    """A later chunk's pause hands its slot to the first chunks that wait and takes it back before the later
+    chunks that asked after it; with no first chunk waiting, and in a first chunk, the pause returns at
+    once."""
+    turns = ChunkTurns(slots=1)
+    order: list[str] = []
+    holding, paused = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with turns.turn(first=False) as pause:
+            pause()  # nothing waits
+            holding.set()
+            paused.wait(10)
+            order.append("later-1 before its pause")
+            pause()
+            order.append("later-1 after its pause")
+
+    def chunk(name: str, first: bool) -> None:
+        with turns.turn(first=first) as pause:
+            pause()
+            order.append(name)
+
+    threads = [threading.Thread(target=holder)]
+    threads[0].start()
+    assert holding.wait(10)
+    for name, first in (("later-2", False), ("first-1", True), ("first-2", True)):
+        thread = threading.Thread(target=chunk, args=(name, first))
+        thread.start()
+        threads.append(thread)
+        time.sleep(0.05)  # each asks after the one before
+    assert order == [] and turns.full and turns.first_due
+    paused.set()
+    for thread in threads:
+        thread.join(10)
+    assert order == ["later-1 before its pause", "first-1", "first-2", "later-1 after its pause", "later-2"]
+    assert not turns.full and not turns.first_due
+
+
 def test_slots_run_at_once_and_a_failure_frees_its_turn() -> None:
     turns = ChunkTurns(slots=2)
     inside = threading.Barrier(2, timeout=10)

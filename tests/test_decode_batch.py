@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -274,6 +274,48 @@ def _until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < end, "timed out"
         time.sleep(0.001)
+
+
+def test_a_final_chunk_lets_a_new_streams_first_chunk_pass(exact_bundle: Path, prompt_wav: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one chunk slot, a stream's final chunk (the flow's full re-run, one DiT call per ODE step) hands
+    the slot to a stream's first chunk that waits for it, between two of its DiT calls: the new stream's
+    first audio comes out before the final chunk's, and each stream's audio is its audio alone."""
+    with CosyVoice3(exact_bundle, threads=1, max_batch=2, chunk_slots=1) as voice:
+        synth = voice.synth
+        assert synth.turns is not None
+        prompt = voice.prompt_features(prompt_wav)
+        rng = np.random.default_rng(3)
+        old, new = (rng.integers(0, synth.dims.speech_token_size, n).tolist() for n in (70, 60))
+        alone = {name: [c.samples for c in synth.stream_tokens(tokens, prompt)]
+                 for name, tokens in (("old", old), ("new", new))}
+        assert len(alone["old"]) > 1
+        events: list[str] = []
+        got: dict[str, list[np.ndarray]] = {"old": [], "new": []}
+
+        def consume(name: str, tokens: list[int]) -> None:
+            for chunk in synth.stream_tokens(tokens, prompt):
+                got[name].append(chunk.samples)
+                events.append(f"{name} {'final' if chunk.is_final else chunk.index}")
+
+        newcomer = threading.Thread(target=consume, args=("new", new))
+        infer_outputs = synth.flow.estimator.infer_outputs
+
+        def rerun_step(feeds: Any, names: Any) -> dict[str, np.ndarray]:
+            # only a final chunk's full re-run fetches the velocity alone: at its first call a stream starts
+            if list(names) == ["velocity"] and not newcomer.is_alive() and not got["new"]:
+                events.append("old final starts")
+                newcomer.start()
+                _until(lambda: synth.turns is not None and synth.turns.first_due)
+            return infer_outputs(feeds, names)
+
+        monkeypatch.setattr(synth.flow.estimator, "infer_outputs", rerun_step)
+        consume("old", old)
+        newcomer.join(60)
+    assert events.index("old final starts") < events.index("new 0") < events.index("old final")
+    for name, chunks in got.items():
+        assert len(chunks) == len(alone[name])
+        assert all(np.array_equal(a, b) for a, b in zip(chunks, alone[name], strict=True))
 
 
 def test_many_texts_in_a_batch_are_each_text_alone(exact_bundle: Path, prompt_wav: Path, prompt_text: str

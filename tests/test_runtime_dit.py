@@ -87,3 +87,31 @@ def test_every_flow_call_runs_on_the_dit_graph(synth: Synthesizer, monkeypatch: 
     assert fetched.count(1) == ODE_STEPS and len(fetched) == ODE_STEPS * len(chunks)
     with pytest.raises(ValueError, match="unknown output 'present'"):
         infer_outputs({}, ["present"])
+
+
+def test_the_flow_pauses_before_every_dit_call(synth: Synthesizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk's pause (its `ChunkTurns` turn's) comes before each of its DiT calls: offline, in a cached
+    push, in a peek and in the final re-run."""
+    calls: list[str] = []
+    infer_outputs = synth.flow.estimator.infer_outputs
+    monkeypatch.setattr(synth.flow.estimator, "infer_outputs",
+                        lambda feeds, names: calls.append("dit") or infer_outputs(feeds, names))
+
+    def pause() -> None:
+        calls.append("pause")
+
+    prompt, tokens = _prompt(synth, 20), _tokens(synth)
+    synth.flow(np.asarray(tokens), prompt, finalize=True, streaming=False, pause=pause)
+    assert calls == ["pause", "dit"] * ODE_STEPS
+    d = synth.dims
+    per_block = d.dit_block_frames // d.token_mel_ratio
+    # non-final pushes end on block boundaries: prompt + pushed tokens - look-ahead a whole number of blocks
+    ends = [n for n in range(len(tokens)) if (20 + n - d.pre_lookahead_len) % per_block == 0
+            and n > d.pre_lookahead_len]
+    stream = synth.flow.stream(prompt)
+    stream.push(tokens[:ends[0]], finalize=False)  # the prompt's prefix, then the first chunk: no pause given
+    calls.clear()
+    stream.peek(tokens[:ends[0] + 1], pause=pause)
+    stream.push(tokens[:ends[1]], finalize=False, pause=pause)
+    stream.push(tokens, finalize=True, pause=pause)
+    assert calls == ["pause", "dit"] * (3 * ODE_STEPS)
