@@ -4,7 +4,7 @@ Concurrent streams each run their chunks' flow and vocoder calls on threads of t
 calls share the cores, so four streams' first chunks all finish late together. `ChunkTurns` lets at most
 `slots` chunks run at once and, among the waiting, gives the next turn to a first chunk (a listener
 waiting for any audio) before a later one, otherwise in the order they asked. A later chunk also hands its
-slot to a waiting first chunk between its graph calls (the pause its turn gives) and takes it back before the
+slot to a waiting first chunk between its DiT calls (the pause its turn gives) and takes it back before the
 later chunks that asked after it: a stream's final chunk, whose full re-run of the flow takes seconds on a
 CPU, no longer holds a new stream's first audio back that long. It orders work, never changes it: every
 chunk's samples are what they would be without it. While the slots are taken (`full`; on a
@@ -52,8 +52,8 @@ class ChunkTurns:
     @contextmanager
     def turn(self, first: bool) -> Iterator[Callable[[], None]]:
         """Wait for this chunk's turn (`first`: the stream's first chunk), hold it while the block runs. The
-        block calls the pause it is given between its graph calls: a later chunk waits there while waiting
-        first chunks run; a first chunk's returns at once."""
+        block calls the pause it is given before each of its DiT calls and before its vocoder: a later chunk
+        waits there while waiting first chunks run; a first chunk's returns at once."""
         ticket = (0 if first else 1, next(self._arrivals))
         with self._cond:
             self._firsts += first

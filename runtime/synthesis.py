@@ -211,7 +211,7 @@ class Synthesizer:
     def chunk_turn(self, *, first: bool) -> AbstractContextManager[Callable[[], None]]:
         """The turn a chunk's flow and vocoder work waits for: with a decode batch, whose sessions share the
         machine, one of its `ChunkTurns` slots, first chunks first; else none. It gives the pause the chunk
-        calls between its graph calls (`ChunkTurns.turn`)."""
+        calls before each of its DiT calls and before its vocoder (`ChunkTurns.turn`)."""
         return self.turns.turn(first) if self.turns is not None else nullcontext(no_pause)
 
     @property
