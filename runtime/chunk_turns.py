@@ -6,7 +6,9 @@ calls share the cores, so four streams' first chunks all finish late together. `
 waiting for any audio) before a later one, otherwise in the order they asked. A later chunk also hands its
 slot to a waiting first chunk between its DiT calls (the pause its turn gives) and takes it back before the
 later chunks that asked after it: a stream's final chunk, whose full re-run of the flow takes seconds on a
-CPU, no longer holds a new stream's first audio back that long. It orders work, never changes it: every
+CPU, no longer holds a new stream's first audio back that long. It also waits there while `hold_later`
+says so (on the CPU while the decode batch computes a stream's first ids, which then have the cores to
+themselves). It orders work, never changes it: every
 chunk's samples are what they would be without it. While the slots are taken (`full`; on a
 GPU while a first chunk holds or waits for a turn, `first_due`) the decode batch decodes only the ids of
 first chunks (`synthesis.batch_yields_to`), and `on_done` tells it when a turn ends.
@@ -20,6 +22,9 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+HOLD_POLL_S = 0.01
+"""How often a later chunk held at its pause (`ChunkTurns.hold_later`) looks again."""
+
 
 class ChunkTurns:
     """At most `slots` chunks at once; first chunks before later ones, each kind in arrival order."""
@@ -30,6 +35,9 @@ class ChunkTurns:
         self.slots = slots
         self.on_done: Callable[[], None] = lambda: None
         """Called after each turn ends (the decode batch's `wake`)."""
+        self.hold_later: Callable[[], bool] = lambda: False
+        """Whether later chunks wait at their pauses besides while first chunks wait for a slot (on the CPU
+        while the decode batch works for a stream's first audio: `synthesis.chunks_yield_to`)."""
         self._cond = threading.Condition()
         self._waiting: list[tuple[int, int]] = []
         """(0 for a first chunk else 1, arrival number) of each chunk waiting, a heap."""
@@ -59,7 +67,7 @@ class ChunkTurns:
             self._firsts += first
             self._take_slot(ticket)
         try:
-            yield no_pause if first else lambda: self._let_firsts_pass(ticket)
+            yield no_pause if first else lambda: self._pause_later(ticket)
         finally:
             with self._cond:
                 self._running -= 1
@@ -75,15 +83,26 @@ class ChunkTurns:
         heapq.heappop(self._waiting)
         self._running += 1
 
-    def _let_firsts_pass(self, ticket: tuple[int, int]) -> None:
-        """A later chunk's pause: while a first chunk waits for a slot, give this one up and queue again under
-        the chunk's own ticket (after every first chunk, before the later chunks that asked after it)."""
+    def _pause_later(self, ticket: tuple[int, int]) -> None:
+        """A later chunk's pause: while a first chunk waits for a slot (none free), give this one up and queue
+        again under the chunk's own ticket (after every first chunk, before the later chunks that asked after
+        it); while `hold_later`, wait, and look once more after it stops (a stream's consumer stops waiting
+        for ids for a moment between two of them)."""
         with self._cond:
-            if not self._waiting or self._waiting[0][0] != 0 or self._running < self.slots:
-                return  # no first chunk waits, or one is about to take a free slot
-            self._running -= 1
-            self._cond.notify_all()
-            self._take_slot(ticket)
+            held = confirming = False
+            while True:
+                if self._waiting and self._waiting[0][0] == 0 and self._running >= self.slots:
+                    self._running -= 1
+                    self._cond.notify_all()
+                    self._take_slot(ticket)
+                elif self.hold_later():
+                    held, confirming = True, False
+                    self._cond.wait(HOLD_POLL_S)
+                elif held and not confirming:
+                    confirming = True
+                    self._cond.wait(HOLD_POLL_S)
+                else:
+                    return
 
 
 def no_pause() -> None:

@@ -12,7 +12,9 @@ packed, and on a GPU the row stays free for the next decoding (`SlotBuffers`). R
 while every row holds `AHEAD_IDS` ids its consumer has not taken, and while the streams' flow and vocoder
 work it yields to is running or waiting (`chunks_due`) unless a consumer that has sent no audio yet waits for
 an id: then those calls, which need the cores, are not slowed by ids due later, and a first chunk's ids are
-not kept waiting.
+not kept waiting. The other way round, `first_audio_due` tells the streams' later chunks when the batch
+works for a stream's first audio, so that on the CPU they wait between their DiT calls meanwhile
+(`synthesis.chunks_yield_to`).
 
 On onnxruntime's CPU in float32 a row's log-probs are those of the same decoding run alone, to the bit
 (tests/test_decode_batch.py, both ways of keeping the rows): the batched call computes each row's matmul
@@ -206,6 +208,10 @@ class BatchedDecoding(Iterator[int]):
         self.sent_audio = False
         """Set by its consumer once it has sent its first audio: while chunks are due (`chunks_due`), the
         batch then does not step for this one's ids."""
+        self.prefilling = False
+        """Whether its prefill runs on its consumer's thread now."""
+        self.in_row = False
+        """Whether it holds a row of the batch (the batcher's thread sets and clears it)."""
         self.queued_at = 0.0
         """When it was queued for a row (after its prefill where it prefills on its own)."""
         self._started = False
@@ -221,7 +227,11 @@ class BatchedDecoding(Iterator[int]):
             raise StopIteration
         if not self._started:
             self._started = True
-            first = None if self.batcher.prefills else self.decoding.advance()  # the prefill, alone
+            self.prefilling = not self.batcher.prefills
+            try:
+                first = None if self.batcher.prefills else self.decoding.advance()  # the prefill, alone
+            finally:
+                self.prefilling = False
             if self.decoding.wants_step():
                 self.queued_at = time.perf_counter()
                 self.batcher.join(self)
@@ -238,6 +248,7 @@ class BatchedDecoding(Iterator[int]):
             self.batcher.wake()
         if item is None or isinstance(item, BaseException):
             self._ended = True
+            self.batcher.untrack(self)
             if item is None:
                 raise StopIteration
             raise item
@@ -248,7 +259,14 @@ class BatchedDecoding(Iterator[int]):
         must call this)."""
         self.closed = self._ended = True
         self.decoding.close()
+        self.batcher.untrack(self)
         self.batcher.wake()
+
+    def mark_streamed(self) -> None:
+        """Say that a stream makes audio chunks of these ids as they come, before it asks for the first:
+        until it has sent audio, the batch's work for it is that stream's first audio
+        (`DecodeBatcher.first_audio_due`)."""
+        self.batcher.track(self)
 
 
 class DecodeBatcher:
@@ -285,6 +303,8 @@ class DecodeBatcher:
         self._idle_embeds = np.zeros((1, 1, lm.speech_embedding.shape[1]), dtype=np.float32)
         """What a free row among the used ones is fed (`SlotBuffers`)."""
         self._waiting: deque[BatchedDecoding] = deque()
+        self._streams: set[BatchedDecoding] = set()
+        """The decodings that streams make chunks of (`BatchedDecoding.mark_streamed`), until they end."""
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -306,6 +326,25 @@ class DecodeBatcher:
                 self._thread = threading.Thread(target=self._run, name="decode-batch", daemon=True)
                 self._thread.start()
             self._cond.notify()
+
+    def track(self, item: BatchedDecoding) -> None:
+        """Count `item` among the decodings that streams make chunks of (`first_audio_due`)."""
+        with self._cond:
+            self._streams.add(item)
+
+    def untrack(self, item: BatchedDecoding) -> None:
+        """Stop counting `item` (ended or closed) among them."""
+        with self._cond:
+            self._streams.discard(item)
+
+    def first_audio_due(self) -> bool:
+        """Whether the batch works for a stream's first audio now: a decoding that a stream makes chunks of
+        and that has sent no audio prefills on its consumer's thread, or holds a row while its consumer waits
+        for an id. Not one that waits for a row (the rows' streams would stall until one leaves), nor an
+        offline request's (its whole decoding comes before its audio)."""
+        with self._cond:
+            return any(not item.sent_audio and (item.prefilling or (item.in_row and item.waiting))
+                       for item in self._streams)
 
     def wake(self) -> None:
         """Make the thread look at its rows (one was closed)."""
@@ -362,6 +401,7 @@ class DecodeBatcher:
 
     def _fail(self, error: Exception) -> None:
         for item in self._joined():
+            item.in_row = False
             item.ids.put(error)
         self._rows = []
         self.buffers.clear()
@@ -387,6 +427,7 @@ class DecodeBatcher:
         else:
             item.decoding.cache = None  # its cache lives in the batch now
             self._rows.append(item)
+            item.in_row = True
 
     def _prefill(self, item: BatchedDecoding, buffers: SlotBuffers) -> None:
         """`item`'s prefill, alone, into the first free row (which has room for it); its first id
@@ -395,6 +436,7 @@ class DecodeBatcher:
         slot = buffers.take()
         self._rows += [None] * (len(buffers.lengths) - len(self._rows))
         self._rows[slot] = item
+        item.in_row = True
         logp = self.lm.extend_rows(embeds, np.zeros(1, dtype=np.int64), buffers.views(slot, 1))
         buffers.lengths[slot] = embeds.shape[1]
         token = item.decoding.take(logp[0])
@@ -415,6 +457,7 @@ class DecodeBatcher:
                                             f"at {buffers.max_rows}"))
             else:
                 continue
+            item.in_row = False
             if isinstance(buffers, SlotBuffers):
                 buffers.release(row)
                 self._rows[row] = None

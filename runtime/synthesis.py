@@ -204,6 +204,7 @@ class Synthesizer:
             batcher = DecodeBatcher(self.lm, max_batch, observer,
                                     chunks_due=batch_yields_to(turns, self.provider))
             turns.on_done = batcher.wake
+            turns.hold_later = chunks_yield_to(batcher, self.provider)
             self.batcher, self.turns = batcher, turns
         else:
             self.batcher, self.turns = None, None
@@ -329,6 +330,14 @@ def batch_yields_to(turns: ChunkTurns, provider: str) -> Callable[[], bool]:
     return (lambda: turns.full) if provider in CPU_PROVIDERS else (lambda: turns.first_due)
 
 
+def chunks_yield_to(batcher: DecodeBatcher, provider: str) -> Callable[[], bool]:
+    """When the later chunks of a decode batch's streams on `provider` wait at their pauses
+    (`ChunkTurns.hold_later`): on the CPU while the batch works for a stream's first audio
+    (`DecodeBatcher.first_audio_due`), whose ids then take the cores alone rather than beside a DiT call
+    (performance-log.md, "a later chunk lets first chunks pass"); on a GPU never (not measured there)."""
+    return batcher.first_audio_due if provider in CPU_PROVIDERS else (lambda: False)
+
+
 def default_chunk_slots(provider: str, max_batch: int, threads: int | None) -> int:
     """Chunks of a batch's streams that run their flow and vocoder calls at once, unless the caller says:
     on the CPU as many as the usable CPUs (the affinity mask's) hold at `threads` each (one where a session's
@@ -398,6 +407,8 @@ class _Stream:
 
     def run(self, source: Iterator[int]) -> Iterator[AudioChunk]:
         with self.synth.live.held():  # from the first step to the end, however the stream ends
+            if isinstance(source, BatchedDecoding):
+                source.mark_streamed()
             hops = self.policy.hops(self.prompt.speech_tokens.shape[1])
             hop = next(hops)
             llm_s = 0.0

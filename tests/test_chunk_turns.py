@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
-from cosyvoice_runtime.chunk_turns import ChunkTurns
+from cosyvoice_runtime.chunk_turns import HOLD_POLL_S, ChunkTurns
 from cosyvoice_runtime.runners import CPU, CUDA
-from cosyvoice_runtime.synthesis import batch_yields_to
+from cosyvoice_runtime.synthesis import batch_yields_to, chunks_yield_to
 
 
 def test_a_first_chunk_goes_before_later_ones_that_asked_earlier() -> None:
@@ -78,6 +79,52 @@ def test_a_later_chunk_lets_waiting_first_chunks_pass_between_its_calls() -> Non
         thread.join(10)
     assert order == ["later-1 before its pause", "first-1", "first-2", "later-1 after its pause", "later-2"]
     assert not turns.full and not turns.first_due
+
+
+def test_a_later_chunk_waits_at_its_pause_while_later_chunks_are_held() -> None:
+    """While `hold_later` says so a later chunk's pause waits (a first chunk's does not), looks once more
+    after it stops, and still lets a first chunk that waits for its slot pass; with nothing held it returns
+    without waiting."""
+    turns = ChunkTurns(slots=1)
+    held = threading.Event()
+    turns.hold_later = held.is_set
+    with turns.turn(first=False) as pause:
+        start = time.perf_counter()
+        pause()
+        assert time.perf_counter() - start < HOLD_POLL_S  # nothing held: no wait
+    held.set()
+    with turns.turn(first=True) as pause:
+        pause()  # a first chunk is not held
+    order: list[str] = []
+
+    def later() -> None:
+        with turns.turn(first=False) as pause:
+            order.append("later asks to go on")
+            pause()
+            order.append("later goes on")
+
+    def first() -> None:
+        with turns.turn(first=True):
+            order.append("first")
+
+    thread = threading.Thread(target=later)
+    thread.start()
+    _until(lambda: order == ["later asks to go on"])
+    newcomer = threading.Thread(target=first)
+    newcomer.start()
+    newcomer.join(10)  # it took the held chunk's slot
+    time.sleep(5 * HOLD_POLL_S)
+    assert order == ["later asks to go on", "first"]  # still held
+    held.clear()
+    thread.join(10)
+    assert order == ["later asks to go on", "first", "later goes on"]
+
+
+def _until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
 
 
 def test_slots_run_at_once_and_a_failure_frees_its_turn() -> None:
@@ -164,3 +211,15 @@ def test_the_batch_yields_to_every_chunk_on_the_cpu_and_to_first_chunks_on_a_gpu
 def _hold_first(turns: ChunkTurns) -> None:
     with turns.turn(first=True):
         assert turns.first_due
+
+
+def test_later_chunks_wait_for_a_streams_first_ids_on_the_cpu_only() -> None:
+    """On the CPU a batch's later chunks are held while it works for a stream's first audio (the two share
+    the cores); on a GPU never."""
+
+    class Batch:
+        def first_audio_due(self) -> bool:
+            return True
+
+    assert chunks_yield_to(Batch(), CPU)()  # type: ignore[arg-type]
+    assert not chunks_yield_to(Batch(), CUDA)()  # type: ignore[arg-type]

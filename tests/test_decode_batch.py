@@ -9,7 +9,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,7 +24,7 @@ import onnxruntime as ort
 from click.testing import CliRunner
 
 from cosyvoice_export.cli import main
-from cosyvoice_graphs import spec
+from cosyvoice_graphs import ODE_STEPS, spec
 from cosyvoice_runtime import CosyVoice3, synthesis
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.decode_batch import BatchedDecoding, DecodeBatcher
@@ -32,7 +32,7 @@ from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.llm import LlmRequest
 from cosyvoice_runtime.runners import CPU, CUDA, OPENVINO
 from cosyvoice_runtime.sampling import make_sampler
-from cosyvoice_runtime.synthesis import Mode, Synthesizer, default_chunk_slots, llm_request
+from cosyvoice_runtime.synthesis import AudioChunk, Mode, Synthesizer, default_chunk_slots, llm_request
 
 T = TypeVar("T")
 
@@ -276,46 +276,97 @@ def _until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
         time.sleep(0.001)
 
 
-def test_a_final_chunk_lets_a_new_streams_first_chunk_pass(exact_bundle: Path, prompt_wav: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """With one chunk slot, a stream's final chunk (the flow's full re-run, one DiT call per ODE step) hands
-    the slot to a stream's first chunk that waits for it, between two of its DiT calls: the new stream's
-    first audio comes out before the final chunk's, and each stream's audio is its audio alone."""
+def test_a_final_chunk_holds_back_for_a_new_streams_first_audio(exact_bundle: Path, prompt_wav: Path,
+                                                                 prompt_text: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one chunk slot on the CPU, a stream's final chunk (the flow's full re-run, one DiT call per ODE
+    step) makes no DiT call while a stream that started meanwhile computes its first ids (the batch works for
+    its first audio) and hands the slot to its first chunk: the new stream's first audio comes out before the
+    final chunk's, and each stream's audio is its audio alone."""
     with CosyVoice3(exact_bundle, threads=1, max_batch=2, chunk_slots=1) as voice:
         synth = voice.synth
-        assert synth.turns is not None
+        assert synth.turns is not None and synth.batcher is not None
+        batcher = synth.batcher
         prompt = voice.prompt_features(prompt_wav)
-        rng = np.random.default_rng(3)
-        old, new = (rng.integers(0, synth.dims.speech_token_size, n).tolist() for n in (70, 60))
-        alone = {name: [c.samples for c in synth.stream_tokens(tokens, prompt)]
-                 for name, tokens in (("old", old), ("new", new))}
-        assert len(alone["old"]) > 1
+        piece = voice.segments(Mode.ZERO_SHOT, "A sentence long enough for two chunks of speech, at least.",
+                               prompt_text=prompt_text)[0]
+        old = np.random.default_rng(3).integers(0, synth.dims.speech_token_size, 70).tolist()
+
+        def new_stream() -> Iterator[AudioChunk]:
+            return synth.stream(piece.text_ids, prompt, sampler=make_sampler("ras", seed=5),
+                                prompt_text_ids=piece.prompt_text_ids, max_tokens=60, ignore_stop=True)
+
+        alone = {"old": [c.samples for c in synth.stream_tokens(old, prompt)],
+                 "new": [c.samples for c in new_stream()]}
+        assert len(alone["old"]) > 1 and len(alone["new"]) > 1
         events: list[str] = []
         got: dict[str, list[np.ndarray]] = {"old": [], "new": []}
 
-        def consume(name: str, tokens: list[int]) -> None:
-            for chunk in synth.stream_tokens(tokens, prompt):
+        def consume(name: str, chunks: Iterator[AudioChunk]) -> None:
+            for chunk in chunks:
                 got[name].append(chunk.samples)
                 events.append(f"{name} {'final' if chunk.is_final else chunk.index}")
 
-        newcomer = threading.Thread(target=consume, args=("new", new))
+        newcomer = threading.Thread(target=lambda: consume("new", new_stream()))
         infer_outputs = synth.flow.estimator.infer_outputs
 
-        def rerun_step(feeds: Any, names: Any) -> dict[str, np.ndarray]:
-            # only a final chunk's full re-run fetches the velocity alone: at its first call a stream starts
-            if list(names) == ["velocity"] and not newcomer.is_alive() and not got["new"]:
-                events.append("old final starts")
-                newcomer.start()
-                _until(lambda: synth.turns is not None and synth.turns.first_due)
+        def dit_call(feeds: Any, names: Any) -> dict[str, np.ndarray]:
+            if threading.current_thread() is newcomer:
+                events.append("new DiT call")
+            elif list(names) == ["velocity"]:  # only a final chunk's re-run fetches the velocity alone
+                events.append("old DiT call")
+                if not newcomer.is_alive() and not got["new"]:  # the re-run's first call: a stream starts
+                    events.append("new starts")
+                    newcomer.start()
+                    _until(batcher.first_audio_due)
             return infer_outputs(feeds, names)
 
-        monkeypatch.setattr(synth.flow.estimator, "infer_outputs", rerun_step)
-        consume("old", old)
+        monkeypatch.setattr(synth.flow.estimator, "infer_outputs", dit_call)
+        consume("old", synth.stream_tokens(old, prompt))
         newcomer.join(60)
-    assert events.index("old final starts") < events.index("new 0") < events.index("old final")
+    # after the new stream starts, the old one's next DiT call waits for its ids and then its first chunk
+    after = events[events.index("new starts") + 1:]
+    assert after[:ODE_STEPS] == ["new DiT call"] * ODE_STEPS
+    assert events.index("new 0") < events.index("old final")
     for name, chunks in got.items():
         assert len(chunks) == len(alone[name])
         assert all(np.array_equal(a, b) for a, b in zip(chunks, alone[name], strict=True))
+
+
+def test_the_batch_says_when_it_works_for_a_streams_first_audio(exact_bundle: Path) -> None:
+    """`first_audio_due`: while a decoding that a stream makes chunks of and that has sent no audio waits for
+    its ids in a row; not for a decoding no stream marked (an offline request's), nor once the stream has
+    sent audio, nor after it ends."""
+    bundle = RuntimeBundle.open(exact_bundle)
+    offline_request, streamed_request = _requests(bundle, 2)
+    with Synthesizer(bundle, threads=1) as synth:
+        batcher = DecodeBatcher(synth.lm, 2)
+        try:
+            def seen_while(decoding: BatchedDecoding, ids: int) -> set[bool]:
+                """`first_audio_due` sampled while a thread takes `ids` ids of `decoding`."""
+                thread = threading.Thread(target=lambda: [next(decoding) for _ in range(ids)])
+                seen: set[bool] = set()
+                thread.start()
+                while thread.is_alive():
+                    seen.add(batcher.first_audio_due())
+                thread.join()
+                return seen
+
+            offline = batcher.submit(synth.lm.decode(offline_request, make_sampler("ras", seed=0),
+                                                     max_tokens=300, ignore_stop=True))
+            assert seen_while(offline, 150) == {False}
+            streamed = batcher.submit(synth.lm.decode(streamed_request, make_sampler("ras", seed=1),
+                                                      max_tokens=300, ignore_stop=True))
+            streamed.mark_streamed()
+            assert True in seen_while(streamed, 150)
+            streamed.sent_audio = True
+            assert seen_while(streamed, 100) == {False}
+            streamed.sent_audio = False
+            assert list(streamed)[-1] is not None  # to its end: no longer counted
+            assert not batcher.first_audio_due()
+            offline.close()
+        finally:
+            batcher.close()
 
 
 def test_many_texts_in_a_batch_are_each_text_alone(exact_bundle: Path, prompt_wav: Path, prompt_text: str
