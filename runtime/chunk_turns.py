@@ -8,10 +8,10 @@ slot to a waiting first chunk between its DiT calls (the pause its turn gives) a
 later chunks that asked after it: a stream's final chunk, whose full re-run of the flow takes seconds on a
 CPU, no longer holds a new stream's first audio back that long. It also waits there while `hold_later`
 says so (on the CPU while the decode batch computes a stream's first ids, which then have the cores to
-themselves). It orders work, never changes it: every
-chunk's samples are what they would be without it. While the slots are taken (`full`; on a
-GPU while a first chunk holds or waits for a turn, `first_due`) the decode batch decodes only the ids of
-first chunks (`synthesis.batch_yields_to`), and `on_done` tells it when a turn ends.
+themselves). It orders work, never changes it: every chunk's samples are what they would be without it.
+While the slots are taken (`full`; on a GPU while a first chunk holds or waits for a turn, `first_due`) the
+decode batch decodes only the ids of first chunks (`synthesis.batch_yields_to`), and `on_done` tells it
+when a turn ends.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ class ChunkTurns:
     def turn(self, first: bool) -> Iterator[Callable[[], None]]:
         """Wait for this chunk's turn (`first`: the stream's first chunk), hold it while the block runs. The
         block calls the pause it is given before each of its DiT calls and before its vocoder: a later chunk
-        waits there while waiting first chunks run; a first chunk's returns at once."""
+        waits there while waiting first chunks run and while `hold_later` says so; a first chunk's returns
+        at once."""
         ticket = (0 if first else 1, next(self._arrivals))
         with self._cond:
             self._firsts += first
