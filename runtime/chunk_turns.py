@@ -6,7 +6,7 @@ calls share the cores, so four streams' first chunks all finish late together. `
 waiting for any audio) before a later one, otherwise in the order they asked. A later chunk also hands its
 slot to a waiting first chunk between its DiT calls (the pause its turn gives) and takes it back before the
 later chunks that asked after it: a stream's final chunk, whose full re-run of the flow takes seconds on a
-CPU, no longer holds a new stream's first audio back that long. It also waits there while `hold_later`
+CPU, does not hold a new stream's first audio back for all of it. It also waits there while `hold_later`
 says so (on the CPU while the decode batch computes a stream's first ids, which then have the cores to
 themselves). It orders work, never changes it: every chunk's samples are what they would be without it.
 While the slots are taken (`full`; on a GPU while a first chunk holds or waits for a turn, `first_due`) the
