@@ -216,13 +216,14 @@ def render(provider: str, runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _row_counts(text: str) -> list[int]:
+def batch_counts(text: str, what: str) -> list[int]:
+    """'1,4,16' -> [1, 4, 16]: counts of `what` (rows, streams) in one call, each from 1 to MAX_BATCH."""
     try:
         counts = [int(part) for part in text.split(",")]
     except ValueError:
         counts = []
     if not counts or any(not 1 <= c <= MAX_BATCH for c in counts):
-        raise click.BadParameter(f"{text!r}: comma-separated row counts from 1 to {MAX_BATCH}")
+        raise click.BadParameter(f"{text!r}: comma-separated {what} counts from 1 to {MAX_BATCH}")
     return counts
 
 
@@ -243,7 +244,7 @@ def main(model: Path, provider: str, rows_text: str, past: int, steps: int, json
     """Time llm_decode's step as the runtime makes it, bound once, replayed from a CUDA graph, and with
     onnxruntime's XQA kernel on and off, the same steps each; compare each variant's log-probs with the
     runtime's."""
-    rows = _row_counts(rows_text)
+    rows = batch_counts(rows_text, "row")
     try:
         if json_out is not None:
             check_writable(json_out, "--json")

@@ -37,6 +37,7 @@ from cosyvoice_graphs import (
     GraphSpec,
     cache_pairs,
     decode_step_case,
+    dit_call_case,
 )
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
@@ -66,8 +67,7 @@ def hot_calls(bundle: RuntimeBundle, provider: str, *, decode_rows: int = 1, dec
                          f"bundle's decode steps on {provider} do not (export it with --precision cpu-fast "
                          "or decode=int4/int8/fp32 for the cpu provider, decode=fp16 for cuda)")
     llm = decode_step_case(bundle.specs[decode], decode_past, batch=decode_rows, room=1)
-    dit = Case({"new_frames": DIT_NEW, "past_frames": DIT_PAST},
-               {"offset": (DIT_PAST,), "block_frames": (bundle.dims.dit_block_frames,)})
+    dit = dit_call_case(DIT_NEW, DIT_PAST, DIT_PAST, bundle.dims.dit_block_frames)
     return {decode: llm, DIT: dit, HIFT_DECODER: Case({"frames": VOCODER_FRAMES})}
 
 

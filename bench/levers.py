@@ -15,7 +15,16 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from cosyvoice_graphs import DIT, LLM, LLM_DECODE, Case, GraphSpec, decode_step_case, empty_caches
+from cosyvoice_graphs import (
+    DIT,
+    LLM,
+    LLM_DECODE,
+    Case,
+    GraphSpec,
+    decode_step_case,
+    dit_call_case,
+    empty_caches,
+)
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.runners import CPU, OPTIMIZATION, OrtRunner, decode_body, on_openvino
 
@@ -64,7 +73,7 @@ def runtime_optimization(bundle: RuntimeBundle, graph: str, threads: int) -> str
 def _offline_dit_call(spec: GraphSpec, frames: int) -> tuple[Case, dict[str, np.ndarray]]:
     """The point and feeds of the DiT's offline call over `frames` frames, as the runtime makes it:
     nothing cached (zero past frames, offset 0, zero conv context), full attention."""
-    case = Case({"new_frames": frames, "past_frames": 0}, {"offset": (0,), "block_frames": (frames,)})
+    case = dit_call_case(frames, 0, 0, frames)
     return case, spec.sample_inputs(case) | empty_caches(spec)
 
 

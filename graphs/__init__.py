@@ -4,6 +4,7 @@ from .precision import PRECISION_NAMES, PRECISIONS, REDUCED_PRECISIONS, Precisio
 from .registry import (
     CACHE_LEN,
     DIT,
+    DIT_ROWS,
     FLOW_ENCODER,
     HIFT_DECODER,
     HIFT_F0,
@@ -17,6 +18,7 @@ from .registry import (
     SPECS,
     ModelDims,
     decode_step_case,
+    dit_call_case,
     euler_steps,
     metadata,
     ode_time_grid,
@@ -36,9 +38,9 @@ from .spec import (
     empty_caches,
 )
 
-__all__ = ["BATCH", "CACHE_LEN", "DIT", "FLOW_ENCODER", "HIFT_DECODER", "HIFT_F0", "LLM", "LLM_DECODE",
-           "LLM_PREFILL", "MAX_BATCH", "ODE_STEPS", "OPTIONAL_SPECS", "PAST_LEN", "PRECISIONS",
+__all__ = ["BATCH", "CACHE_LEN", "DIT", "DIT_ROWS", "FLOW_ENCODER", "HIFT_DECODER", "HIFT_F0", "LLM",
+           "LLM_DECODE", "LLM_PREFILL", "MAX_BATCH", "ODE_STEPS", "OPTIONAL_SPECS", "PAST_LEN", "PRECISIONS",
            "PRECISION_NAMES", "REDUCED_PRECISIONS", "SPECS", "Case", "DecodeGates", "DerivedDim", "DimRange",
            "GraphSpec", "ModelDims", "Precision", "SolveGates", "TensorSpec", "Tolerance", "cache_pairs",
-           "decode_step_case", "empty_caches", "euler_steps", "metadata", "ode_time_grid", "precisions_on",
-           "spec"]
+           "decode_step_case", "dit_call_case", "empty_caches", "euler_steps", "metadata", "ode_time_grid",
+           "precisions_on", "spec"]

@@ -350,10 +350,10 @@ def cache_pairs(spec: GraphSpec) -> list[tuple[str, str]]:
 
 
 def empty_caches(spec: GraphSpec) -> dict[str, np.ndarray]:
-    """The `past_*` inputs of one row before its first call: zero-length along their symbolic lengths
-    (nothing cached yet), one along `BATCH`, zeros where the cache has a fixed size (a causal conv's left
-    padding)."""
+    """The `past_*` inputs of one row (one of `BATCH`, and what dims derive from it) before its first call:
+    zero-length along their symbolic lengths (nothing cached yet), zeros where the cache has a fixed size
+    (a causal conv's left padding)."""
     shapes = {t.name: t for t in spec.inputs}
-    return {past: np.zeros(tuple(1 if d == BATCH else 0 if isinstance(d, str) else d
-                                 for d in shapes[past].shape), dtype=shapes[past].np_dtype)
+    sizes = spec.sizes({name: 1 if name == BATCH else 0 for name in spec.dims})
+    return {past: np.zeros(spec.shape_of(shapes[past], sizes), dtype=shapes[past].np_dtype)
             for past, _ in cache_pairs(spec)}

@@ -304,11 +304,11 @@ class FlowStream:
 
     @property
     def growing(self) -> list[str]:
-        """The caches that grow with the frames (keys and values, frames on axis 2): those with a
-        symbolic dim in the spec; the conv caches have a fixed size."""
+        """The caches that grow with the frames (keys and values, frames on axis 2): those whose axis 2
+        is symbolic in the spec; the conv caches have a fixed size there."""
         spec = self.flow.estimator.spec
         pasts = {past for past, _ in cache_pairs(spec)}
-        return [t.name for t in spec.inputs if t.name in pasts and t.symbols()]
+        return [t.name for t in spec.inputs if t.name in pasts and isinstance(t.shape[2], str)]
 
     @property
     def cached_frames(self) -> int:

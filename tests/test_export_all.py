@@ -49,6 +49,7 @@ from cosyvoice_export.onnx.validate import (
     validate_graph,
 )
 from cosyvoice_graphs import (
+    MAX_BATCH,
     OPTIONAL_SPECS,
     SPECS,
     Case,
@@ -523,9 +524,13 @@ def test_input_profiles_cover_exactly_the_symbolic_inputs() -> None:
     assert set(profiles) == {t.name for t in s.inputs if t.symbols()}
     assert profiles["sine_noise"] == ((1, 4 * 4, 2), (1, 500 * 4, 2), (1, 3000 * 4, 2))  # derived samples
     estimator = spec("flow_estimator_cached", TOY_DIMS)
-    fixed = {"ode_step", "spks", "offset", "block_frames", "past_pos_conv1", "past_pos_conv2"}
-    assert fixed.isdisjoint(trt.input_profiles(estimator))
-    assert trt.input_profiles(estimator)["past_key_0"] == ((2, 2, 0, 4), (2, 2, 0, 4), (2, 2, 3000, 4))
+    dit_profiles = trt.input_profiles(estimator)
+    assert {"ode_step", "offset", "block_frames"}.isdisjoint(dit_profiles)
+    # rows: one stream's CFG pair at opt, up to MAX_BATCH streams' at max
+    assert dit_profiles["past_key_0"] == ((2, 2, 0, 4), (2, 2, 0, 4), (2 * MAX_BATCH, 2, 3000, 4))
+    assert dit_profiles["spks"] == ((2, 4), (2, 4), (2 * MAX_BATCH, 4))
+    conv = dit_profiles["past_pos_conv1"]
+    assert conv[0] == conv[1] and conv[2] == (2 * MAX_BATCH, *conv[0][1:])
     for lo, opt, hi in profiles.values():
         assert all(a <= b <= c for a, b, c in zip(lo, opt, hi, strict=True))
 
