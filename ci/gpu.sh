@@ -8,26 +8,30 @@
 # would start past DEADLINE seconds is skipped, so a second call (on the same warm machine) goes on where
 # the first stopped: bundles and exports under WORK are reused. STEPS (names or globs, default every step)
 # selects what runs: a lent session's 15 minutes hold about one precision's figures, so a later session
-# picks what the earlier ones did not reach. The steps, most wanted first:
+# picks what the earlier ones did not reach. The model and every precision's export run in the background
+# (CPU work) while the GPU's checks run (golden to gates); then the measurements, each kind for every
+# precision before the next kind. The steps, most wanted first:
 #   gpu          nvidia-smi's view of the card
-#   golden       cosyvoice-golden check on the demo bundle: tokens, mel and audio against torch (fp32)
-#   tests        the tests that use CUDA where it is present
 #   model        the full-size random model the exports read
 #   export-P     the full-size random bundle exported in P (decode=fp16: the decode steps on an fp16
-#                llm_decode, its caches in buffers on the GPU, the rest fp32; fp16; fp32)
+#                llm_decode, its caches in buffers on the GPU, the rest fp32; gpu-fp16: every graph in fp16,
+#                the decode steps on llm_decode; fp32)
+#   golden       cosyvoice-golden check on the demo bundle: tokens, mel and audio against torch (fp32)
+#   tests        the tests that use CUDA where it is present
+#   tiny-model   the tiny model the gates export
+#   gates-P      the demo model exported in P (decode=fp16, tf32, gpu-fp16) and judged on the GPU by golden's
+#                precision bounds
 #   bench-P      cosyvoice-bench on it: first chunk p50/p95, stages against the GPU's bounds, concurrency
 #                1 and 4 (beside the batched decode, with an llm_decode)
+#   stacking-P   the DiT's calls of 1, 4 and 16 streams one after another against one stacked call
 #   streamsN-P   with an llm_decode: STREAMS (16) concurrent streams of 125 tokens, unbatched and batched
 #                (the many-streams target), a bench of their own so that a slow level costs only its figures
 #   profile-P    its hot graph calls under onnxruntime's profiler: time per provider, host/device copies
-#   rowsN-P      with an llm_decode: its decode step for N (4, 16) decodings at once, profiled
 #   variants-P   with an llm_decode: its step for 1, 4 and 16 decodings as the runtime makes it, bound once,
 #                replayed from a CUDA graph, with XQA on and off: times, and log-probs against the runtime's
+#   rowsN-P      with an llm_decode: its decode step for N (4, 16) decodings at once, profiled
 #   slots1-streamsN-P  streamsN-P again with one chunk at a time (--chunk-slots 1, the CPU's way) against
 #                the GPU's default, every stream's chunks at once
-#   tiny-model   the tiny model the gates export
-#   gates-P      the demo model exported in P (decode=fp16, tf32, fp16) and judged on the GPU by golden's
-#                precision bounds
 # (P in a step's or a file's name with its = and , as -)
 #
 # PROVIDER=cpu SIZE=tiny runs the same steps on a CPU: that is how the script is tested.
@@ -35,8 +39,8 @@ set -uo pipefail
 OUT=${1:?usage: ci/gpu.sh OUT}
 PROVIDER=${PROVIDER:-cuda}
 SIZE=${SIZE:-full}
-GATES=${GATES:-"decode=fp16 tf32 fp16"}
-PRECISIONS=${PRECISIONS:-"decode=fp16 fp16 fp32"}
+GATES=${GATES:-"decode=fp16 tf32 gpu-fp16"}
+PRECISIONS=${PRECISIONS:-"decode=fp16 gpu-fp16 fp32"}
 STREAMS=${STREAMS:-16}
 DEADLINE=${DEADLINE:-540}
 WORK=${WORK:-/tmp/gpu-work}
@@ -85,41 +89,64 @@ export_bundle() {
 }
 
 step gpu 30 bash -c 'nvidia-smi || echo "no nvidia-smi"'
+(
+    [ -f "$WORK/$SIZE/llm.pt" ] || step model 240 "$PY" -m cosyvoice_export tiny-bundle "$WORK/$SIZE" --size "$SIZE"
+    for p in $PRECISIONS; do  # one at a time: each takes every core (two at once ran past 300 s, one 83 s)
+        tag=${p//[=,]/-}
+        step "export-$tag" 300 bash -c "$(declare -f export_bundle); PY=$PY; export_bundle $p $WORK/$SIZE \
+            $WORK/$SIZE-$tag"
+    done
+) &
+exports=$!
 step golden 120 "$PY" -m cosyvoice_golden check --provider "$PROVIDER"
 step tests 300 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_bench_gpu.py tests/test_precision.py \
     tests/test_runtime_core.py tests/test_llm_decode.py::test_the_fp16_body_decodes_in_place_close_to_llm \
-    tests/test_decode_batch.py::test_batched_rows_follow_their_runs_alone tests/test_decode_variants.py
-[ -f "$WORK/$SIZE/llm.pt" ] || step model 240 "$PY" -m cosyvoice_export tiny-bundle "$WORK/$SIZE" --size "$SIZE"
-for p in $PRECISIONS; do
+    tests/test_decode_batch.py::test_batched_rows_follow_their_runs_alone tests/test_decode_variants.py \
+    tests/test_dit_stacking.py
+[ -f "$WORK/gates/llm.pt" ] || step tiny-model 120 "$PY" -m cosyvoice_export tiny-bundle "$WORK/gates"
+for p in $GATES; do
+    tag=${p//[=,]/-}
+    step "gates-$tag" 240 bash -c "$(declare -f export_bundle); PY=$PY; export_bundle $p $WORK/gates \
+        $WORK/gates-$tag && $PY -m cosyvoice_golden check --model $WORK/gates-$tag --precision $p --provider $PROVIDER"
+done
+wait $exports
+
+# measure KIND PRECISION: one kind of measurement on the precision's bundle, where it was exported
+measure() {
+    local kind=$1 p=$2 tag bundle batches rows
     tag=${p//[=,]/-}
     bundle=$WORK/$SIZE-$tag
-    step "export-$tag" 300 bash -c "$(declare -f export_bundle); PY=$PY; export_bundle $p $WORK/$SIZE $bundle"
-    [ -f "$bundle/manifest.json" ] || continue
+    [ -f "$bundle/manifest.json" ] || return 0
     batches=$(grep -c '"llm_decode"' "$bundle/manifest.json")
-    step "bench-$tag" 300 "$PY" -m cosyvoice_bench --model "$bundle" --provider "$PROVIDER" --lengths long \
-        --concurrency 1,4 --quick --repeat 3 --tokens 250 --first-chunk-tokens 10 --no-progress \
-        --json "$OUT/bench-$tag.json"
-    ((batches)) && step "streams$STREAMS-$tag" 360 "$PY" -m cosyvoice_bench --model "$bundle" \
+    case $kind in
+    bench) step "bench-$tag" 300 "$PY" -m cosyvoice_bench --model "$bundle" --provider "$PROVIDER" \
+        --lengths long --concurrency 1,4 --quick --repeat 3 --tokens 250 --first-chunk-tokens 10 --no-progress \
+        --json "$OUT/bench-$tag.json" ;;
+    stacking) step "stacking-$tag" 120 "$PY" -m cosyvoice_bench.dit_stacking --model "$bundle" \
+        --provider "$PROVIDER" --streams 1,4,16 --json "$OUT/stacking-$tag.json" ;;
+    streams) ((batches)) && step "streams$STREAMS-$tag" 360 "$PY" -m cosyvoice_bench --model "$bundle" \
         --provider "$PROVIDER" --lengths long --concurrency "$STREAMS" --quick --tokens 125 --no-progress \
-        --json "$OUT/streams$STREAMS-$tag.json"
-    step "profile-$tag" 120 "$PY" -m cosyvoice_bench.graph_profile --model "$bundle" --provider "$PROVIDER" \
-        --json "$OUT/profile-$tag.json"
-    if ((batches)); then
+        --json "$OUT/streams$STREAMS-$tag.json" ;;
+    profile) step "profile-$tag" 120 "$PY" -m cosyvoice_bench.graph_profile --model "$bundle" \
+        --provider "$PROVIDER" --json "$OUT/profile-$tag.json" ;;
+    variants) ((batches)) && step "variants-$tag" 240 "$PY" -m cosyvoice_bench.decode_variants \
+        --model "$bundle" --provider "$PROVIDER" --rows 1,4,16 --json "$OUT/variants-$tag.json" ;;
+    rows) if ((batches)); then
         for rows in 4 16; do
             step "rows$rows-$tag" 120 "$PY" -m cosyvoice_bench.graph_profile --model "$bundle" \
                 --provider "$PROVIDER" --decode-rows $rows --json "$OUT/rows$rows-$tag.json"
         done
-        step "variants-$tag" 240 "$PY" -m cosyvoice_bench.decode_variants --model "$bundle" \
-            --provider "$PROVIDER" --rows 1,4,16 --json "$OUT/variants-$tag.json"
-        step "slots1-streams$STREAMS-$tag" 360 "$PY" -m cosyvoice_bench --model "$bundle" \
-            --provider "$PROVIDER" --lengths long --concurrency "$STREAMS" --quick --tokens 125 --chunk-slots 1 \
-            --no-progress --json "$OUT/slots1-streams$STREAMS-$tag.json"
-    fi
-done
-[ -f "$WORK/tiny/llm.pt" ] || step tiny-model 120 "$PY" -m cosyvoice_export tiny-bundle "$WORK/tiny"
-for p in $GATES; do
-    tag=${p//[=,]/-}
-    step "gates-$tag" 240 bash -c "$(declare -f export_bundle); PY=$PY; export_bundle $p $WORK/tiny \
-        $WORK/tiny-$tag && $PY -m cosyvoice_golden check --model $WORK/tiny-$tag --precision $p --provider $PROVIDER"
+    fi ;;
+    slots1) ((batches)) && step "slots1-streams$STREAMS-$tag" 360 "$PY" -m cosyvoice_bench --model "$bundle" \
+        --provider "$PROVIDER" --lengths long --concurrency "$STREAMS" --quick --tokens 125 --chunk-slots 1 \
+        --no-progress --json "$OUT/slots1-streams$STREAMS-$tag.json" ;;
+    esac
+    return 0
+}
+
+for kind in bench stacking streams profile variants rows slots1; do
+    for p in $PRECISIONS; do
+        measure "$kind" "$p"
+    done
 done
 echo "done in $((SECONDS - start)) s; the logs are in $OUT" | tee -a "$OUT/summary.txt"

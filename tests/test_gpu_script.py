@@ -1,6 +1,7 @@
 """ci/gpu.sh, the script a session with a lent GPU runs in one call, run here on the CPU provider at the tiny
-size (what its PROVIDER and SIZE are for): every step passes, the deadline skips what would start too late,
-a second call reuses what the first exported, and STEPS selects the steps that run."""
+size (what its PROVIDER and SIZE are for): every step passes, the exports beside the checks, the deadline
+skips what would start too late, a second call reuses what the first exported, and STEPS selects the steps
+that run."""
 
 from __future__ import annotations
 
@@ -32,10 +33,16 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
     work = tmp_path / "work"
     lines = _run(tmp_path / "out", work)
     steps = [line.split(":")[0] for line in lines[:-1]]
-    assert steps == ["gpu", "golden", "tests", "model", "export-fp32", "bench-fp32", "profile-fp32",
-                     "export-decode-fp16", "bench-decode-fp16", "streams3-decode-fp16", "profile-decode-fp16",
-                     "rows4-decode-fp16", "rows16-decode-fp16", "variants-decode-fp16",
-                     "slots1-streams3-decode-fp16", "gates-tf32", "gates-decode-fp16"]
+    # the model and the exports run in the background beside the checks: their lines interleave
+    assert steps[0] == "gpu"
+    assert sorted(steps[1:9]) == ["export-decode-fp16", "export-fp32", "gates-decode-fp16", "gates-tf32",
+                                  "golden", "model", "tests", "tiny-model"]
+    assert steps.index("model") < min(steps.index("export-fp32"), steps.index("export-decode-fp16"))
+    assert steps.index("tiny-model") < steps.index("gates-tf32") < steps.index("gates-decode-fp16")
+    assert steps[9:] == ["bench-fp32", "bench-decode-fp16", "stacking-fp32", "stacking-decode-fp16",
+                         "streams3-decode-fp16", "profile-fp32", "profile-decode-fp16",
+                         "variants-decode-fp16", "rows4-decode-fp16", "rows16-decode-fp16",
+                         "slots1-streams3-decode-fp16"]
     assert all(": exit 0 after " in line for line in lines[:-1]), lines
     rows = json.loads((tmp_path / "out" / "rows4-decode-fp16.json").read_text())["profiles"][0]
     assert rows["graph"] == "llm_decode" and rows["precision"] == "fp16" and rows["shape"]["batch"] == 4
@@ -47,6 +54,9 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
     one_slot_run = json.loads((tmp_path / "out" / "slots1-streams3-decode-fp16.json").read_text())
     (one_slot,) = one_slot_run["concurrency"]
     assert one_slot["batched"]["chunk_slots"] == 1 and one_slot["batched"]["outputs_match"] is True
+    stacking = json.loads((tmp_path / "out" / "stacking-fp32.json").read_text())
+    assert [run["streams"] for run in stacking["runs"][:3]] == [1, 4, 16]
+    assert all(run["max_abs_diff"] < 1e-5 for run in stacking["runs"])  # exact at 2 threads
     result = json.loads((tmp_path / "out" / "bench-fp32.json").read_text())
     assert result["settings"]["provider"] == "cpu" and result["bundle"]["precision"] == "fp32"
     case = result["cases"][0]["runtime"]
