@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .precision import BF16, EXACT_ON_CPU, FP32, INT4, INT8, PRECISIONS, Precision
+from .precision import BF16, EXACT_ON_CPU, FP16, FP32, INT4, INT8, PRECISIONS, Precision
 from .recipes import RECIPES
-from .registry import DIT, HIFT_DECODER, LLM, LLM_DECODE, LLM_PREFILL, OPTIONAL_SPECS, SPECS
+from .registry import DIT, FLOW_ENCODER, HIFT_DECODER, LLM, LLM_DECODE, LLM_PREFILL, OPTIONAL_SPECS, SPECS
 from .spec import GraphSpec
 
 GRAPH_ALIASES: dict[str, tuple[str, ...]] = {
@@ -37,6 +37,10 @@ PROFILES: dict[str, dict[str, str]] = {
     # and HiFT's decoder in bf16 on OpenVINO, for CPUs with AVX512-BF16 or AMX (the DiT stays int8: its
     # streaming calls are slower in OpenVINO's bf16 than in onnxruntime's int8, measured on AMX)
     "cpu-fast-bf16": {**_CPU_FAST, HIFT_DECODER: BF16.name},
+    # every graph with an fp16 body in fp16, and the decode steps on an fp16 llm_decode: the CUDA provider
+    # decodes there (an fp16 llm's growing caches fail in onnxruntime's CUDA GroupQueryAttention)
+    "gpu-fp16": {LLM: FP16.name, LLM_DECODE: FP16.name, FLOW_ENCODER: FP16.name, DIT: FP16.name,
+                 HIFT_DECODER: FP16.name},
 }
 """Named precisions per graph (graphs not named are fp32)."""
 

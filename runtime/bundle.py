@@ -185,6 +185,11 @@ class RuntimeBundle:
                                      "(export with `cosyvoice-export all --trt` on the GPU that will run it)")
         return TrtPlan(self.root / entry.file, entry.tensorrt, entry.gpu)
 
+    def has_trt_plan(self, name: str) -> bool:
+        """Whether graph `name` was exported with `--trt` (its plan built; an fp16 body then keeps the
+        standard operators TensorRT parses, not onnxruntime's own)."""
+        return self._graph_entry(name).trt is not None
+
     # --- provenance --------------------------------------------------------------------------------
 
     def graph_precision(self, name: str) -> Precision:

@@ -104,12 +104,14 @@ def test_the_report_names_the_gpu_and_the_search_lever(tmp_path: Path, runtime_b
     assert "its 95th percentile over the rounds" in done.output
     result["machine"]["gpu"] = {"name": "NVIDIA H200", "memory_mib": 143771.0, "driver": "580.95.05",
                                 "compute_capability": "9.0"}
-    result["levers"]["cudnn_search"] = [{"graph": "hift_decoder", "conv_algo_search": "HEURISTIC",
-                                         "frames": 57, "first_call_ms": 812.0, "warm_call_ms": 9.1}]
+    result["levers"]["cudnn_search"] = [{"graph": "hift_decoder", "conv_algo_search": search, "frames": 57,
+                                         "first_call_ms": 812.0, "warm_call_ms": 9.1}
+                                        for search in ("EXHAUSTIVE", "HEURISTIC")]
     text = render(result)
     assert "GPU NVIDIA H200 (140 GiB, driver 580.95.05, compute capability 9.0); its memory bandwidth" in text
     assert "cuDNN convolution algorithm search" in text
-    assert re.search(r"hift_decoder +HEURISTIC +57 +812 +9\.10\n", text), text
+    assert re.search(r"hift_decoder +EXHAUSTIVE +57 +812 +9\.10\n", text), text
+    assert re.search(r"hift_decoder +HEURISTIC \* +57 +812 +9\.10\n", text), text  # * the runtime's
 
 
 def test_thread_scaling_is_refused_on_a_gpu_before_any_work(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ and run by the runtime on the CPU in place of `llm`: the same log-probs and ids,
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from cosyvoice_export.onnx.dims import model_dims
 from cosyvoice_export.onnx.trace import EXPORTER_VERSION, check_contract, export_graph
 from cosyvoice_export.onnx.validate import validate_graph
 from cosyvoice_export.onnx.wrappers.llm import LLMDecodeGraph
+from cosyvoice_golden.cli import main as golden_main
 from cosyvoice_golden.stats import GraphRecorder
 from cosyvoice_graphs import CACHE_LEN, cache_pairs, decode_step_case, empty_caches, metadata, spec
 from cosyvoice_graphs.bundle_layout import MANIFEST
@@ -242,6 +244,16 @@ def test_positions_past_the_rope_table_are_refused(fast_bundle: Path) -> None:
     assert buffers.rows == 12  # doubling stops at the table's end
     with pytest.raises(ValueError, match=r"^llm_decode: 13 positions, but its RoPE table ends at 12$"):
         buffers.reserve(13)
+
+
+def test_golden_checks_the_graphs_the_pipeline_runs(fp16_decode_bundle: Path) -> None:
+    """Where `llm_decode` and the prefill body take every `llm` call, golden does not judge `llm`'s graph
+    (on CUDA an fp16 `llm` would not even run) and says so."""
+    done = CliRunner().invoke(golden_main, ["check", "--model", str(fp16_decode_bundle), "--graph", "llm",
+                                            "--graph", "hift_f0"])
+    assert done.exit_code == 0, done.output
+    assert re.search(r"^- graph llm +not checked: the pipeline does not run it on cpu$", done.output, re.M)
+    assert "✓ graph hift_f0" in done.output and "1 of 1 passed" in done.output
 
 
 def test_golden_statistics_see_the_steps_in_place(fast_bundle: Path) -> None:

@@ -9,14 +9,24 @@ from pathlib import Path
 
 import pytest
 
-from cosyvoice_graphs import PRECISION_NAMES, PRECISIONS, REDUCED_PRECISIONS, Precision, precisions_on
+from cosyvoice_graphs import (
+    HIFT_DECODER,
+    LLM,
+    PRECISION_NAMES,
+    PRECISIONS,
+    REDUCED_PRECISIONS,
+    Precision,
+    Tolerance,
+    precisions_on,
+)
 from cosyvoice_graphs.bundle_layout import MANIFEST
 from cosyvoice_graphs.precision import BF16, FP16, FP32, TF32
 from cosyvoice_graphs.providers import CPU, CUDA, OPENVINO, PROVIDERS, TENSORRT, TRT
+from cosyvoice_graphs.spec import TF32_REL_MAX
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import ProviderError, RuntimeBundleError
-from cosyvoice_runtime.runners import ORT_PROVIDERS, open_runner, provider_chain
+from cosyvoice_runtime.runners import ORT_PROVIDERS, decode_body, open_runner, provider_chain
 from cosyvoice_runtime.runners.ort_settings import cuda_options
 
 DIT = "flow_estimator_cached"
@@ -76,10 +86,10 @@ def test_cuda_sessions_compute_float32_unless_the_graph_is_tf32() -> None:
     cuda = ORT_PROVIDERS[CUDA]
     assert provider_chain(CPU) == ["CPUExecutionProvider"]
     strict = provider_chain(CUDA, 1)
-    assert strict == [(cuda, {"device_id": "1", "use_tf32": "0", "cudnn_conv_algo_search": "EXHAUSTIVE"}),
+    assert strict == [(cuda, {"device_id": "1", "use_tf32": "0", "cudnn_conv_algo_search": "HEURISTIC"}),
                       "CPUExecutionProvider"]
     assert provider_chain(CUDA, tf32=True)[0] == (cuda, {"device_id": "0", "use_tf32": "1",
-                                                         "cudnn_conv_algo_search": "EXHAUSTIVE"})
+                                                         "cudnn_conv_algo_search": "HEURISTIC"})
     trt = provider_chain(TENSORRT)
     assert [p if isinstance(p, str) else p[0] for p in trt] == [ORT_PROVIDERS[TENSORRT], cuda,
                                                                  "CPUExecutionProvider"]
@@ -172,3 +182,35 @@ def test_openvino_refuses_a_hint_the_cpu_lacks(monkeypatch: pytest.MonkeyPatch) 
         OpenVinoRunner(demo.graph_path(DIT), demo.specs[DIT], "bf16")
     with pytest.raises(ProviderError, match="a int8 graph does not run on OpenVINO \\(it runs fp32, bf16 "):
         OpenVinoRunner(demo.graph_path(DIT), demo.specs[DIT], "int8")
+
+
+def test_tf32_graphs_on_cuda_are_judged_relative_to_their_scale() -> None:
+    """A tf32 graph is the float32 export: on the CPU its spec's float32 bounds hold; where the CUDA provider
+    computes it in TF32, a largest-error bound becomes relative to the output's scale, a mean bound stays."""
+    specs = RuntimeBundle.open(DEMO_BUNDLE).specs
+    llm, hift = specs[LLM], specs[HIFT_DECODER]
+    assert llm.tolerances_on(TF32.name, CPU) == llm.tolerances == llm.tolerances_on(FP32.name, CUDA)
+    assert set(llm.tolerances_on(TF32.name, CUDA).values()) == {TF32_REL_MAX}
+    assert llm.tolerances_on(TF32.name, TENSORRT) == llm.tolerances_on(TF32.name, CUDA)
+    assert hift.tolerances_on(TF32.name, CUDA) == hift.tolerances == {"waveform": Tolerance("mean_abs", 2e-3)}
+    assert llm.tolerances_on(FP16.name, CUDA) == llm.tolerances_for(FP16.name)
+
+
+def test_an_fp16_llm_written_for_onnxruntime_is_refused_on_cuda(tmp_path: Path) -> None:
+    """onnxruntime's CUDA GroupQueryAttention fails on an fp16 `llm`'s growing caches: a bundle that would
+    decode there is refused before any session opens, naming the profile that decodes on an fp16
+    `llm_decode`."""
+    for path in DEMO_BUNDLE.rglob("*"):
+        if path.is_file() and path.name != MANIFEST:
+            (tmp_path / path.relative_to(DEMO_BUNDLE)).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / path.relative_to(DEMO_BUNDLE)).symlink_to(path)
+    manifest = json.loads((DEMO_BUNDLE / MANIFEST).read_text())
+    manifest["graphs"]["llm"]["precision"] = FP16.name
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    bundle = RuntimeBundle.open(tmp_path)
+    for provider in (CUDA, TENSORRT):
+        with pytest.raises(ProviderError, match=r"its fp16 llm attends with onnxruntime's "
+                           r"GroupQueryAttention .* \(--precision gpu-fp16, or decode=fp16 beside a list\)"):
+            decode_body(bundle, provider)
+    assert decode_body(bundle, CPU) == LLM
+    assert decode_body(RuntimeBundle.open(DEMO_BUNDLE), CUDA) == LLM  # fp32: CUDA decodes on llm

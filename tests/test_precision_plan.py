@@ -72,6 +72,9 @@ def test_profiles_name_bounded_precisions(dims: ModelDims) -> None:
     bf16 = PrecisionPlan.parse("cpu-fast-bf16")
     assert _of(bf16, dims) == {**_of(fast, dims), "hift_decoder": "bf16"}
     assert [p.name for p in bf16.named] == ["int4", "int8", "bf16"]  # what the CPU is checked against
+    gpu = PrecisionPlan.parse("gpu-fp16")  # fp16 as the CUDA provider runs it: its decode steps on llm_decode
+    assert _of(gpu, dims) == {**_of(PrecisionPlan.parse("fp16"), dims), "llm_decode": "fp16"}
+    assert gpu.graph_names == (*SPECS, "llm_decode")
     for name in PROFILES:
         _of(PrecisionPlan.parse(name), dims)
 
@@ -89,7 +92,7 @@ def test_an_optional_graph_is_in_a_bundle_only_where_the_plan_names_it(dims: Mod
 
 @pytest.mark.parametrize(("text", "message"), [
     ("int3", "--precision: unknown precision or profile 'int3'; known: fp32, fp16, int8, int4, bf16, tf32, "
-             f"cpu-fast, cpu-fast-bf16, or graph=precision,... (graphs: {KNOWN_GRAPHS})"),
+             f"cpu-fast, cpu-fast-bf16, gpu-fp16, or graph=precision,... (graphs: {KNOWN_GRAPHS})"),
     ("vocoder=fp16", f"--precision: unknown graph 'vocoder'; known: {KNOWN_GRAPHS}"),
     ("llm=int3", "--precision: llm=int3: unknown precision 'int3'; known: fp32, fp16, int8, int4, bf16, "
                  "tf32"),

@@ -35,12 +35,20 @@ def on_openvino(bundle: RuntimeBundle, graph: str, provider: str) -> bool:
 def decode_body(bundle: RuntimeBundle, provider: str) -> str:
     """The graph the LLM's decode steps run on with `provider`: `llm_decode` where the bundle has it and
     `provider` runs it (it needs onnxruntime's own operators: on its CPU provider, and on CUDA in fp16, the
-    only float type, with bfloat16, of the CUDA kernel of its `GroupQueryAttention`), else `llm`."""
+    only float type, with bfloat16, of the CUDA kernel of its `GroupQueryAttention`), else `llm`. An fp16
+    `llm` written for onnxruntime cannot take them on CUDA: a `ProviderError` before anything opens."""
     if LLM_DECODE in bundle.specs:
         if provider == CPU and not on_openvino(bundle, LLM_DECODE, provider):
             return LLM_DECODE
         if provider == CUDA and bundle.graph_precision(LLM_DECODE) == FP16:
             return LLM_DECODE
+    if provider in (CUDA, TENSORRT) and bundle.graph_precision(LLM) == FP16 and not bundle.has_trt_plan(LLM):
+        # onnxruntime 1.31's CUDA GroupQueryAttention may write its present cache over its past one, which
+        # fails when the cache grows ("Shape mismatch attempting to re-use buffer", on an H200)
+        raise ProviderError(f"{bundle.root}: its fp16 llm attends with onnxruntime's GroupQueryAttention "
+                            "over growing caches, which onnxruntime's CUDA kernel fails; on "
+                            f"{provider!r} export the decode steps on an fp16 llm_decode (--precision "
+                            "gpu-fp16, or decode=fp16 beside a list)")
     return LLM
 
 
