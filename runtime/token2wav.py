@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cosyvoice_graphs import ModelDims, cache_pairs, empty_caches, euler_steps
+from cosyvoice_graphs import BATCH, ModelDims, cache_pairs, empty_caches, euler_steps
 from cosyvoice_graphs.hift_layout import HiftLayout
 
 from .chunk_turns import no_pause
@@ -186,11 +186,13 @@ class Flow:
 
     def prefix_nbytes(self, prompt_tokens: int) -> int:
         """Memory the `prefix` of a prompt of `prompt_tokens` tokens holds (`FlowPrefix.nbytes`), known
-        before computing it: every cache input's shape with `prefix_frames` on its symbolic dim."""
+        before computing it: every cache input's shape for one stream with `prefix_frames` cached."""
+        spec = self.estimator.spec
         frames = self.prefix_frames(prompt_tokens)
-        shapes = {t.name: t for t in self.estimator.spec.inputs}
-        step = sum(math.prod(frames if isinstance(d, str) else d for d in shapes[past].shape)
-                   * np.dtype(shapes[past].np_dtype).itemsize for past, _ in cache_pairs(self.estimator.spec))
+        sizes = spec.sizes({name: 1 if name == BATCH else frames for name in spec.dims})
+        shapes = {t.name: t for t in spec.inputs}
+        step = sum(math.prod(spec.shape_of(shapes[past], sizes)) * np.dtype(shapes[past].np_dtype).itemsize
+                   for past, _ in cache_pairs(spec))
         return step * len(self.steps)
 
     def prefix(self, prompt: PromptFeatures) -> FlowPrefix:
