@@ -78,7 +78,7 @@ def measure(runner: Runner, block: int, streams: int, new: int, past: int, *, ro
     alone = [_placed(f, runner, caches) for f in stream_feeds(spec, new, past, block, streams)]
     together = _placed(stacked(spec, [{k: _host(v) for k, v in f.items()} for f in alone]), runner, caches)
 
-    def call(feeds: dict[str, Feed]) -> dict[str, np.ndarray]:
+    def call(feeds: dict[str, Feed]) -> dict[str, Feed]:
         out, kept = runner.infer_kept(feeds, keep=presents)
         return out | kept
 
