@@ -3,12 +3,13 @@ cosyvoice_bench.decode_variants --model BUNDLE --provider cuda --rows 1,4,16 --j
 
 - `runtime`: as the runtime makes it (`OrtRunner.infer_in_place`): a binding and a feed check per call, the
   new position's embeddings and the cache lengths from the host, the log-probs back to it;
-- `bound once`: every input and output bound once to memory on the session's device, each step writing
-  only the embeddings and the cache lengths there;
+- `bound once`: every input and output bound once, to memory on the session's device (the cache lengths,
+  which the graph reads on the host, to host memory), each step writing only the embeddings and the
+  lengths;
 - `cuda graph` (CUDA): that binding on a session with onnxruntime's CUDA graphs on, whose first calls capture
   the step's kernels and later ones replay them. `GroupQueryAttention` reads its total sequence length on
-  the host, fixed here (the buffers' length), and each row's length on the device, which grows: whether a
-  replay follows the growing lengths is what its log-probs show;
+  the host, which the graph computes from the rows' lengths in nodes on the CPU: onnxruntime refuses to
+  capture such a graph (seen on an H200), which this variant reports;
 - `xqa on` / `xqa off` (CUDA): as `runtime`, on sessions made with ORT_ENABLE_XQA=1 / 0, which turns
   onnxruntime's XQA kernel for a float16 `GroupQueryAttention` decode step on or off (read when a session
   is made).
@@ -121,10 +122,12 @@ def runtime_step(runner: OrtRunner, steps: Steps) -> Callable[[int], np.ndarray]
 
 def bound_step(runner: OrtRunner, steps: Steps) -> Callable[[int], np.ndarray]:
     """Step i through one binding made here, on caches of its own: every input and output at a fixed place
-    on the session's device, only the embeddings and the lengths written there per step; returns the
-    log-probs."""
+    on the session's device, the lengths in host memory, only the embeddings and the lengths written per
+    step; returns the log-probs."""
     device, session = runner.device_type, runner.session
-    embeds, lengths = _placed(steps.embeds[0], device), _placed(steps.lengths[0], device)
+    # the graph reads the lengths on the host (GroupQueryAttention's total length is a host input): bound on
+    # the GPU, IOBinding would copy them there once, at binding, and later steps would read the first's
+    embeds, lengths = _placed(steps.embeds[0], device), _placed(steps.lengths[0], CPU)
     vocab = next(t for t in runner.spec.outputs if t.name == "logp").shape[-1]
     assert isinstance(vocab, int)
     logp = ort.OrtValue.ortvalue_from_shape_and_type([len(steps.lengths[0]), vocab], np.float32, device, 0)

@@ -121,8 +121,6 @@ def test_a_cuda_variant_that_fails_is_reported_and_any_other_failure_ends_it(
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs onnxruntime's CUDA provider (onnxruntime-gpu and a GPU)")
-@pytest.mark.xfail(strict=True, reason="on an H200 (onnxruntime-gpu 1.31.1) the step bound once gave "
-                   "log-probs 8.0 from the runtime's step: not yet understood (docs/gpu.md)")
 def test_on_cuda_every_variant_is_measured_or_says_why_it_failed(fp16_decode_bundle: Path) -> None:
     result = measure(RuntimeBundle.open(fp16_decode_bundle), "cuda", 2, past=20, steps=6)
     bound = result["variants"][BOUND_ONCE]  # another session: cuBLAS may pick other kernels
