@@ -33,8 +33,6 @@ from .decode_variants import batch_counts
 from .errors import BenchError
 from .graph_profile import DIT_NEW, DIT_PAST
 
-SHARED = ("ode_step", "offset", "block_frames")
-"""The inputs a call's streams share."""
 DEFAULT_SHAPES = f"{DIT_NEW}:{DIT_PAST},50:400"
 """A first chunk after a prompt's prefix (graph_profile's call) and a later chunk further on."""
 
@@ -42,15 +40,21 @@ DEFAULT_SHAPES = f"{DIT_NEW}:{DIT_PAST},50:400"
 def stream_feeds(spec: GraphSpec, new: int, past: int, block: int, streams: int
                  ) -> list[dict[str, np.ndarray]]:
     """Each stream's feeds of a call over `new` frames after `past` cached ones (the spec's sample draws, a
-    seed per stream), the inputs of `SHARED` stream 0's."""
+    seed per stream), the inputs without rows (which a call's streams share) stream 0's."""
     case = dit_call_case(new, past, past, block)
     feeds = [spec.sample_inputs(case, seed=s) for s in range(streams)]
-    return [{**f, **{name: feeds[0][name] for name in SHARED}} for f in feeds]
+    rows = _with_rows(spec)
+    return [{**f, **{name: feeds[0][name] for name in f if name not in rows}} for f in feeds]
+
+
+def _with_rows(spec: GraphSpec) -> set[str]:
+    """The inputs with a row per stream's CFG row; the others a call's streams share."""
+    return {t.name for t in spec.inputs if t.shape[0] == DIT_ROWS}
 
 
 def stacked(spec: GraphSpec, feeds: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """The streams' feeds as one call's: the inputs with rows concatenated along them, the others shared."""
-    rows = {t.name for t in spec.inputs if t.shape[0] == DIT_ROWS}
+    rows = _with_rows(spec)
     return {name: np.concatenate([f[name] for f in feeds]) if name in rows else value
             for name, value in feeds[0].items()}
 
