@@ -447,6 +447,8 @@ class DecodeBatcher:
         """Drop the rows that are done: ended, closed, or out of positions."""
         buffers = self.buffers
         for row in reversed(range(len(self._rows))):
+            if row >= len(self._rows):  # a free row, dropped behind a last row that left
+                continue
             item = self._rows[row]
             if item is None:
                 continue

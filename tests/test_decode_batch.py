@@ -167,6 +167,31 @@ def test_batched_rows_follow_their_runs_alone(body: str, provider: str, request:
             assert np.argmax(a) == np.argmax(b)
 
 
+def test_a_last_row_leaving_takes_the_free_rows_before_it(exact_bundle: Path) -> None:
+    """In slots: the middle row ends first and stays free, then the last one ends, which frees both (the
+    calls stop at the first row); the first row runs on to its end, its ids its run's alone."""
+    bundle = RuntimeBundle.open(exact_bundle)
+    requests = _requests(bundle, 3)
+    steps = (40, 5, 12)  # the middle one ends first, the last one next
+    with Synthesizer(bundle, threads=1) as alone:
+        want = [list(alone.decode(r, make_sampler("greedy"), max_tokens=n, ignore_stop=True))
+                for r, n in zip(requests, steps, strict=True)]
+    with Synthesizer(bundle, threads=1) as synth:
+        batcher = DecodeBatcher(synth.lm, 3, observed := Recorder(lambda: batcher), in_slots=True)
+        try:
+            decodings = [batcher.submit(synth.lm.decode(r, make_sampler("greedy"), max_tokens=n,
+                                                        ignore_stop=True))
+                         for r, n in zip(requests, steps, strict=True)]
+            firsts = [next(d) for d in decodings]  # one after another: rows 0, 1 and 2
+            got = _concurrently([lambda d=d, f=f: [f, *d] for d, f in zip(decodings, firsts, strict=True)])
+        finally:
+            batcher.close()
+    assert got == want
+    assert (3, 3) in zip(observed.sizes, observed.call_rows, strict=False)
+    assert (2, 3) in zip(observed.sizes, observed.call_rows, strict=False)  # the middle row free, idle
+    assert observed.call_rows[-1] == 1  # then the calls over the first row alone
+
+
 @pytest.mark.parametrize("in_slots", [False, True])
 def test_a_closed_decoding_leaves_the_batch(exact_bundle: Path, in_slots: bool) -> None:
     """A consumer that stops (a client gone) frees its row at the next step; the others run on unchanged,
