@@ -3,13 +3,12 @@ cosyvoice_bench.decode_variants --model BUNDLE --provider cuda --rows 1,4,16 --j
 
 - `runtime`: as the runtime makes it (`OrtRunner.infer_in_place`): a binding and a feed check per call, the
   new position's embeddings and the cache lengths from the host, the log-probs back to it;
-- `bound once`: every input and output bound once, to memory on the session's device (the cache lengths,
-  which the graph reads on the host, to host memory), each step writing only the embeddings and the
-  lengths;
+- `bound once`: every input and output bound once, to memory on the session's device (the total sequence
+  length, which the graph reads on the host, to host memory, at the buffers' length), each step writing only
+  the embeddings and `seqlens_k`;
 - `cuda graph` (CUDA): that binding on a session with onnxruntime's CUDA graphs on, whose first calls capture
-  the step's kernels and later ones replay them. `GroupQueryAttention` reads its total sequence length on
-  the host, which the graph computes from the rows' lengths in nodes on the CPU: onnxruntime refuses to
-  capture such a graph (seen on an H200), which this variant reports;
+  the step's kernels and later ones replay them (onnxruntime refuses a graph with a node that copies between
+  host and device, which it then reports);
 - `xqa on` / `xqa off` (CUDA): as `runtime`, on sessions made with ORT_ENABLE_XQA=1 / 0, which turns
   onnxruntime's XQA kernel for a float16 `GroupQueryAttention` decode step on or off (read when a session
   is made).
@@ -37,7 +36,16 @@ import click
 import numpy as np
 import onnxruntime as ort
 
-from cosyvoice_graphs import CACHE_LEN, LLM_DECODE, MAX_BATCH, GraphSpec, cache_pairs, decode_step_case
+from cosyvoice_graphs import (
+    LLM_DECODE,
+    MAX_BATCH,
+    SEQLENS_K,
+    TOTAL_SEQUENCE_LENGTH,
+    GraphSpec,
+    cache_pairs,
+    decode_lengths,
+    decode_step_case,
+)
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.errors import USER_ERRORS
@@ -116,24 +124,26 @@ def runtime_step(runner: OrtRunner, steps: Steps) -> Callable[[int], np.ndarray]
     caches = {name: _placed(array, runner.device_type) for name, array in steps.caches.items()}
     written_into = {present: past for past, present in cache_pairs(runner.spec)}
     return lambda i: runner.infer_in_place(
-        {"inputs_embeds": steps.embeds[i], CACHE_LEN: steps.lengths[i], **caches}, written_into,
+        {"inputs_embeds": steps.embeds[i], **decode_lengths(steps.lengths[i], 1), **caches}, written_into,
         ["logp"])["logp"]
 
 
 def bound_step(runner: OrtRunner, steps: Steps) -> Callable[[int], np.ndarray]:
     """Step i through one binding made here, on caches of its own: every input and output at a fixed place
-    on the session's device, the lengths in host memory, only the embeddings and the lengths written per
-    step; returns the log-probs."""
+    on the session's device, the total sequence length in host memory at the buffers' length, only the
+    embeddings and `seqlens_k` written per step; returns the log-probs."""
     device, session = runner.device_type, runner.session
-    # the graph reads the lengths on the host (GroupQueryAttention's total length is a host input): bound on
-    # the GPU, IOBinding would copy them there once, at binding, and later steps would read the first's
-    embeds, lengths = _placed(steps.embeds[0], device), _placed(steps.lengths[0], CPU)
+    rows = next(iter(steps.caches.values())).shape[2]
+    lengths = decode_lengths(steps.lengths[0], 1, total=rows)
+    # the graph reads the total on the host: bound on the GPU, IOBinding would copy it there once, at binding
+    embeds, seqlens_k = _placed(steps.embeds[0], device), _placed(lengths[SEQLENS_K], device)
     vocab = next(t for t in runner.spec.outputs if t.name == "logp").shape[-1]
     assert isinstance(vocab, int)
     logp = ort.OrtValue.ortvalue_from_shape_and_type([len(steps.lengths[0]), vocab], np.float32, device, 0)
     binding = session.io_binding()
     binding.bind_ortvalue_input("inputs_embeds", embeds)
-    binding.bind_ortvalue_input(CACHE_LEN, lengths)
+    binding.bind_ortvalue_input(SEQLENS_K, seqlens_k)
+    binding.bind_ortvalue_input(TOTAL_SEQUENCE_LENGTH, _placed(lengths[TOTAL_SEQUENCE_LENGTH], CPU))
     binding.bind_ortvalue_output("logp", logp)
     for past, present in cache_pairs(runner.spec):
         cache = _placed(steps.caches[past], device)
@@ -142,7 +152,7 @@ def bound_step(runner: OrtRunner, steps: Steps) -> Callable[[int], np.ndarray]:
 
     def step(i: int) -> np.ndarray:
         embeds.update_inplace(steps.embeds[i])
-        lengths.update_inplace(steps.lengths[i])
+        seqlens_k.update_inplace(decode_lengths(steps.lengths[i], 1)[SEQLENS_K])
         session.run_with_iobinding(binding)
         return np.array(logp.numpy())  # on the CPU `numpy()` is a view of the buffer the next step writes
 

@@ -28,11 +28,11 @@ import numpy as np
 import onnxruntime as ort
 
 from cosyvoice_graphs import (
-    CACHE_LEN,
     DIT,
     HIFT_DECODER,
     LLM_DECODE,
     MAX_BATCH,
+    SEQLENS_K,
     Case,
     GraphSpec,
     cache_pairs,
@@ -88,7 +88,7 @@ def profile_graph(bundle: RuntimeBundle, graph: str, case: Case, provider: str, 
         options.profile_file_prefix = str(Path(tmp) / graph)
         session = device_session(str(bundle.graph_path(graph)), provider, tf32=precision.cuda_tf32,
                                  options=options)
-        call = in_place_call(session, spec, feeds, provider) if CACHE_LEN in spec.input_names else (
+        call = in_place_call(session, spec, feeds, provider) if SEQLENS_K in spec.input_names else (
             lambda: session.run(None, feeds))
         call()
         walls = []

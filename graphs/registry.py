@@ -7,7 +7,7 @@ validator checks, the TensorRT builder profiles and the runtime binds.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -214,9 +214,12 @@ def llm_prefill_spec(d: ModelDims) -> GraphSpec:
     )
 
 
-CACHE_LEN = "cache_len"
-"""`llm_decode`'s input: per row, the rows of its cache buffers that hold the cache (its cases: all
-`PAST_LEN` of them)."""
+SEQLENS_K = "seqlens_k"
+"""`llm_decode`'s input: per row, its cache's positions plus its new ones, minus one (`GroupQueryAttention`'s
+input of that name, which it reads on the session's device)."""
+TOTAL_SEQUENCE_LENGTH = "total_sequence_length"
+"""`llm_decode`'s input: the rows' longest total (cache and new positions), or more up to the buffers' length
+(`GroupQueryAttention`'s input of that name, which it reads on the host)."""
 MAX_BATCH = 16
 """The largest batch `llm_decode`'s profile names (the server's `--max-batch` is at most this)."""
 
@@ -224,14 +227,21 @@ MAX_BATCH = 16
 def llm_decode_spec(d: ModelDims) -> GraphSpec:
     """`llm` for onnxruntime (its CPU provider, and CUDA in fp16), with its caches in buffers written in
     place, and a batch of decodings per call. Row b of each `past_*` is a buffer whose first
-    `cache_len[b]` rows hold that decoding's cache; the graph writes its new positions' keys and values at
-    rows `cache_len[b]`.. and returns the buffers as `present_*`, `max(past_len, max(cache_len) +
-    new_len)` rows long (a row's rows after its own total are unspecified). Bound to the memory of
-    `past_*` (onnxruntime's IOBinding), `present_*` are written in place: a decode step neither grows nor
-    copies the cache. Every row takes `new_len` new positions (the runtime batches decode steps, one
-    position each, and prefills alone). Rows are independent: a row's log-probs and cache do not depend on
-    the others (on the CPU in float32, to the bit: tests/test_decode_batch.py). Fed one row and buffers of
-    exactly `cache_len` rows, as its batch-1 cases are, it is `llm`: `present_*` have `total_len` rows.
+    `seqlens_k[b] + 1 - new_len` rows hold that decoding's cache (its cache length); the graph writes its
+    new positions' keys and values after them and returns the buffers as `present_*`,
+    `max(past_len, total_sequence_length)` rows long (a row's rows after its own total are unspecified).
+    Bound to the memory of `past_*` (onnxruntime's IOBinding), `present_*` are written in place: a decode
+    step neither grows nor copies the cache. Every row takes `new_len` new positions (the runtime batches
+    decode steps, one position each, and prefills alone). Rows are independent: a row's log-probs and cache
+    do not depend on the others (on the CPU in float32, to the bit: tests/test_decode_batch.py). Fed one row
+    and buffers of exactly its cache length, as its batch-1 cases are, it is `llm`: `present_*` have
+    `total_len` rows.
+
+    The lengths are inputs, `decode_lengths` computes them, and the graph has no arithmetic on them or on
+    shapes: `GroupQueryAttention` reads `total_sequence_length` on the host and `seqlens_k` on the session's
+    device, and onnxruntime captures a CUDA graph of a call only where no node copies between the two. Any
+    `total_sequence_length` from the longest row's total up to the buffers' length computes the same rows
+    (on the CPU to the bit: tests/test_llm_decode.py); a CUDA graph's replays keep the buffers' length.
 
     Attention is onnxruntime's `GroupQueryAttention` (com.microsoft), which applies RoPE from a table of
     the model's `max_position_embeddings` rows (the graph's metadata `max_positions`) at each row's own
@@ -245,15 +255,17 @@ def llm_decode_spec(d: ModelDims) -> GraphSpec:
     def batched(t: TensorSpec) -> TensorSpec:
         return replace(t, shape=(BATCH, *t.shape[1:]))
 
-    cache_len = TensorSpec(CACHE_LEN, "int64", (BATCH,), "Per row, the rows of its past buffers that hold "
-                           "its cache; its new positions start there.", 0, 1)
-    inputs = (batched(llm.inputs[0]), cache_len, *(batched(t) for t in llm.inputs[1:]))
+    lengths = (TensorSpec(SEQLENS_K, "int32", (BATCH,), "Per row, its cache length plus new_len, minus one.",
+                          0, 1),
+               TensorSpec(TOTAL_SEQUENCE_LENGTH, "int32", (), "The longest row's cache length plus new_len, "
+                          "or more, up to past_len.", 1, 2))
+    inputs = (batched(llm.inputs[0]), *lengths, *(batched(t) for t in llm.inputs[1:]))
 
     def case(new: int, past: int, batch: int = 1) -> Case:
-        return Case({BATCH: batch, "new_len": new, PAST_LEN: past}, {CACHE_LEN: (past,) * batch})
+        return Case({BATCH: batch, "new_len": new, PAST_LEN: past}, _length_values((past,) * batch, new))
 
     return replace(
-        llm, name=LLM_DECODE, version=2, doc=llm_decode_spec.__doc__ or "", inputs=inputs,
+        llm, name=LLM_DECODE, version=3, doc=llm_decode_spec.__doc__ or "", inputs=inputs,
         outputs=tuple(batched(t) for t in llm.outputs),
         dims={BATCH: DimRange(1, 1, MAX_BATCH), **llm.dims},
         trace=case(5, 3, batch=2), validate=(case(7, 0), case(1, 9), case(4, 13), case(1, 11, batch=3)),
@@ -263,13 +275,32 @@ def llm_decode_spec(d: ModelDims) -> GraphSpec:
     )
 
 
+def decode_lengths(cache_len: Sequence[int] | np.ndarray, new_len: int, total: int | None = None
+                   ) -> dict[str, np.ndarray]:
+    """`llm_decode`'s length inputs for rows whose caches hold `cache_len[b]` positions, each taking
+    `new_len` new ones: `seqlens_k` and `total_sequence_length`, the longest total or `total` (the
+    buffers' length, which a CUDA graph's replays keep; not less than the longest)."""
+    totals = np.asarray(cache_len, dtype=np.int64) + new_len
+    longest = int(totals.max())
+    if total is not None and total < longest:
+        raise ValueError(f"{TOTAL_SEQUENCE_LENGTH} {total} is below the longest row's {longest} positions")
+    return {SEQLENS_K: (totals - 1).astype(np.int32),
+            TOTAL_SEQUENCE_LENGTH: np.array(longest if total is None else total, dtype=np.int32)}
+
+
+def _length_values(cache_len: Sequence[int], new_len: int) -> dict[str, tuple[float, ...]]:
+    """`decode_lengths` as a `Case`'s pinned values."""
+    return {name: tuple(value.ravel().tolist()) for name, value in decode_lengths(cache_len, new_len).items()}
+
+
 def decode_step_case(s: GraphSpec, past_len: int, *, batch: int = 1, room: int = 0) -> Case:
     """A decode step of `llm` or `llm_decode` after `past_len` cached positions: one new position (per row
     of `llm_decode`'s `batch`, each buffer holding its cache and `room` positions more: 1 or more, and its
     `present_*` can be written in place, as the runtime's are)."""
-    if CACHE_LEN not in s.input_names:
+    if SEQLENS_K not in s.input_names:
         return Case({"new_len": 1, PAST_LEN: past_len})
-    return Case({BATCH: batch, "new_len": 1, PAST_LEN: past_len + room}, {CACHE_LEN: (past_len,) * batch})
+    return Case({BATCH: batch, "new_len": 1, PAST_LEN: past_len + room},
+                _length_values((past_len,) * batch, 1))
 
 
 def flow_encoder_spec(d: ModelDims) -> GraphSpec:

@@ -22,7 +22,7 @@ from typing import TypeAlias
 import numpy as np
 import onnxruntime as ort
 
-from cosyvoice_graphs import CACHE_LEN, GraphSpec, cache_pairs, empty_caches
+from cosyvoice_graphs import SEQLENS_K, GraphSpec, cache_pairs, decode_lengths, empty_caches
 
 from .runners import CPU, BufferView, Feed, OrtRunner, Runner
 from .sampling import Sampler, SilentTokenLimiter
@@ -150,7 +150,7 @@ class SpeechTokenLM:
         """`runner` when it writes the caches in place (`llm_decode`)."""
         self.max_positions = 0
         """`llm_decode`'s RoPE table rows (its metadata `max_positions`), where it is the runner."""
-        if CACHE_LEN in self.spec.input_names:
+        if SEQLENS_K in self.spec.input_names:
             if not isinstance(runner, OrtRunner):
                 raise TypeError(f"{self.spec.name} runs on onnxruntime, not on {type(runner).__name__}")
             if runner.device_type != CPU and prefill is not None:
@@ -223,7 +223,7 @@ class SpeechTokenLM:
         runner's device), which must have room for T more; writes the new positions there and returns
         logp (B, V)."""
         assert self.in_place is not None
-        feeds = {"inputs_embeds": embeds, CACHE_LEN: lengths, **buffers}
+        feeds = {"inputs_embeds": embeds, **decode_lengths(lengths, embeds.shape[1]), **buffers}
         return self.in_place.infer_in_place(feeds, self._written_into, ["logp"])["logp"]
 
     def decode(self, request: LlmRequest, sampler: Sampler, *, max_tokens: int | None = None,

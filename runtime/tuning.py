@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from cosyvoice_graphs import BATCH, CACHE_LEN, PAST_LEN, Case, GraphSpec
+from cosyvoice_graphs import BATCH, PAST_LEN, SEQLENS_K, Case, GraphSpec, decode_step_case
 
 from .atomic_files import write_json_atomic
 from .bundle import RuntimeBundle
@@ -46,9 +46,12 @@ def thread_counts(cpus: int) -> tuple[int, ...]:
 
 def opt_case(spec: GraphSpec) -> Case:
     """The spec's optimisation point (its `opt` sizes): the call shape a graph spends most time at, which
-    the TensorRT profiles tune for too; `llm_decode`'s buffers there hold nothing but the cache."""
+    the TensorRT profiles tune for too; `llm_decode`'s there is a decode step whose buffers hold nothing but
+    the cache."""
     dims = {name: r.opt for name, r in spec.dims.items()}
-    return Case(dims, {CACHE_LEN: (dims[PAST_LEN],) * dims[BATCH]} if CACHE_LEN in spec.input_names else {})
+    if SEQLENS_K in spec.input_names:
+        return decode_step_case(spec, dims[PAST_LEN], batch=dims[BATCH])
+    return Case(dims)
 
 
 def tune(bundle: RuntimeBundle, *, repeats: int = 5, threads: Sequence[int] | None = None,

@@ -29,7 +29,16 @@ from cosyvoice_export.onnx.validate import validate_graph
 from cosyvoice_export.onnx.wrappers.llm import LLMDecodeGraph
 from cosyvoice_golden.cli import main as golden_main
 from cosyvoice_golden.stats import GraphRecorder
-from cosyvoice_graphs import CACHE_LEN, cache_pairs, decode_step_case, empty_caches, metadata, spec
+from cosyvoice_graphs import (
+    SEQLENS_K,
+    TOTAL_SEQUENCE_LENGTH,
+    cache_pairs,
+    decode_lengths,
+    decode_step_case,
+    empty_caches,
+    metadata,
+    spec,
+)
 from cosyvoice_graphs.bundle_layout import MANIFEST
 from cosyvoice_graphs.precision_plan import PROFILES
 from cosyvoice_runtime.bundle import RuntimeBundle, read_onnx_metadata
@@ -201,11 +210,11 @@ def test_in_place_equals_the_graph_grown_on_its_own_cases(fast_bundle: Path) -> 
         embeds = rng.uniform(-1, 1, (1, new_len, feeds["inputs_embeds"].shape[2])).astype(np.float32)
         caches = {p: rng.uniform(-1, 1, (*v.shape[:2], past_len, v.shape[3])).astype(np.float32)
                   for p, v in empty_caches(s).items()}
-        grown = runner.infer({"inputs_embeds": embeds, CACHE_LEN: np.array([past_len]), **caches})
+        at = {"inputs_embeds": embeds, **decode_lengths([past_len], new_len)}
+        grown = runner.infer({**at, **caches})
         buffers = KVBuffers(s, rows, rows)
         buffers.fill(caches)
         assert buffers.length == past_len
-        at = {"inputs_embeds": embeds, CACHE_LEN: np.array([past_len])}
         in_place = {present: past for past, present in cache_pairs(s)}
         out = runner.infer_in_place({**at, **buffers.values}, in_place, ["logp"])
         np.testing.assert_array_equal(out["logp"], grown["logp"])
@@ -231,10 +240,60 @@ def test_in_place_equals_the_graph_grown_on_its_own_cases(fast_bundle: Path) -> 
             BufferView(values["past_key_0"], 2, 2)
 
 
+@pytest.mark.parametrize(("cache_len", "new_len"), [([9, 17, 4], 1), ([9], 5), ([0], 6)])
+def test_any_total_up_to_the_buffers_length_gives_the_same_rows(fast_bundle: Path, cache_len: list[int],
+                                                                new_len: int) -> None:
+    """`total_sequence_length` at the longest row's total, or at the buffers' length (what a CUDA graph's
+    replays keep): the same log-probs and the same cache rows, bit for bit, for decode steps of a batch and
+    for a prefill (one row, as onnxruntime's CPU attention takes many new positions); below the longest,
+    refused."""
+    bundle = RuntimeBundle.open(fast_bundle)
+    with open_runner(bundle, "llm_decode", threads=1) as runner:
+        s = runner.spec
+        rng = np.random.default_rng(1)
+        rows = 40
+        base = {p: rng.uniform(-1, 1, (len(cache_len), v.shape[1], rows, v.shape[3])).astype(np.float32)
+                for p, v in empty_caches(s).items()}
+        embeds = rng.uniform(-1, 1, (len(cache_len), new_len, s.inputs[0].shape[2])).astype(np.float32)
+        in_place = {present: past for past, present in cache_pairs(s)}
+        results = []
+        for total in (None, rows):
+            buffers = {p: a.copy() for p, a in base.items()}
+            feeds = {"inputs_embeds": embeds, **decode_lengths(cache_len, new_len, total),
+                     **{p: ort.OrtValue.ortvalue_from_numpy(a) for p, a in buffers.items()}}
+            results.append((runner.infer_in_place(feeds, in_place, ["logp"])["logp"], buffers))
+        (logp, written), (logp_rows, written_rows) = results
+        np.testing.assert_array_equal(logp_rows, logp)
+        for past, array in written.items():
+            for row, length in enumerate(cache_len):
+                np.testing.assert_array_equal(written_rows[past][row, :, :length + new_len],
+                                              array[row, :, :length + new_len])
+                assert not np.array_equal(array[row, :, length:length + new_len],
+                                          base[past][row, :, length:length + new_len])  # written
+    with pytest.raises(ValueError, match=r"^total_sequence_length 17 is below the longest row's 18 "
+                                         r"positions$"):
+        decode_lengths([9, 17, 4], 1, 17)
+
+
+def test_the_lengths_reach_the_attention_as_they_are(fast_bundle: Path) -> None:
+    """No node computes on the lengths or on shapes: onnxruntime's CUDA provider would run such nodes on the
+    host and copy between host and device, and refuse to capture the step in a CUDA graph."""
+    model = onnx.load(str(fast_bundle / "graphs" / "llm_decode.onnx"), load_external_data=False)
+    names = (SEQLENS_K, TOTAL_SEQUENCE_LENGTH)
+    readers = {n.op_type for n in model.graph.node for i in n.input if i in names}
+    assert readers == {"GroupQueryAttention"}
+    assert not {"Shape", "Size", "ReduceMax", "Cast"} & {n.op_type for n in model.graph.node}
+    lengths = decode_lengths(np.array([3, 0, 7]), 2)
+    assert lengths[SEQLENS_K].dtype == np.int32 and lengths[SEQLENS_K].tolist() == [4, 1, 8]
+    assert lengths[TOTAL_SEQUENCE_LENGTH].shape == () and int(lengths[TOTAL_SEQUENCE_LENGTH]) == 9
+
+
 def test_tuning_times_the_decode_body_at_a_full_cache(fast_bundle: Path) -> None:
     s = RuntimeBundle.open(fast_bundle).specs["llm_decode"]
     case = opt_case(s)
-    assert case.values == {CACHE_LEN: (s.dims["past_len"].opt,)}
+    full = s.dims["past_len"].opt
+    assert case.dims == {"batch": 1, "new_len": 1, "past_len": full}
+    assert case.values == {SEQLENS_K: (full,), TOTAL_SEQUENCE_LENGTH: (full + 1,)}
 
 
 def test_positions_past_the_rope_table_are_refused(fast_bundle: Path) -> None:
@@ -331,7 +390,7 @@ def test_cuda_decodes_on_the_fp16_body_in_buffers_of_its_own(fp16_decode_bundle:
     assert set(graphs_run(bundle, CUDA)) == everything - {"llm", "llm_prefill"}
     assert (decode_body(bundle, CPU), prefill_body(bundle, CPU)) == ("llm_decode", "llm_prefill")
     assert set(graphs_run(bundle, CPU)) == everything - {"llm"}
-    assert bundle.specs["llm_decode"].inputs[2].dtype == "float16"  # the bundle's spec is its body's
+    assert bundle.specs["llm_decode"].inputs[3].dtype == "float16"  # the bundle's spec is its body's
     fast = RuntimeBundle.open(fast_bundle)  # int4: not on CUDA, whose kernel has no int4 attention
     assert (decode_body(fast, CUDA), prefill_body(fast, CUDA)) == ("llm", "llm_prefill")
     with pytest.raises(UserError, match=r"max_batch 2: batched decoding runs on llm_decode, on the cpu "

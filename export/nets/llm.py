@@ -255,24 +255,27 @@ class Qwen2Model(nn.Module):
         self.norm = Qwen2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, inputs_embeds: Tensor, past_keys: list[Tensor], past_values: list[Tensor],
-                cache_len: Tensor | None = None, *, onnxruntime_only: bool = False
+                lengths: tuple[Tensor, Tensor] | None = None, *, onnxruntime_only: bool = False
                 ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
         """Embeddings (B, T, C) + pasts (B, KV, P, D) -> final-norm hidden (B, T, C), presents.
 
-        Without `cache_len`, presents are (B, KV, P+T, D) per layer; positions continue from the past
-        length, and the new block is causal and sees the whole past. With it, the caches are in buffers:
-        the first `cache_len[b]` rows of row b of each past hold its cache, and presents are the buffers
-        with each row's new positions written after its cache (`GroupQueryAttention`).
-        `onnxruntime_only` (without `cache_len`): an ONNX export for a graph only onnxruntime runs writes
+        Without `lengths`, presents are (B, KV, P+T, D) per layer; positions continue from the past
+        length, and the new block is causal and sees the whole past. With them, the caches are in buffers:
+        `lengths` are `GroupQueryAttention`'s seqlens_k (B,) and total_sequence_length () int32, row b's
+        cache the first `seqlens_k[b] + 1 - T` rows of row b of each past, and presents are the buffers
+        with each row's new positions written after its cache.
+        `onnxruntime_only` (without `lengths`): an ONNX export for a graph only onnxruntime runs writes
         each layer's RoPE and attention as `GroupQueryAttention` too, the pasts taken as buffers their caches
         fill (presents (B, KV, P+T, D) as well), where the standard export writes about forty operators a
         layer (RoPE's halves, the caches' growth, the scores, the causal mask, the softmax).
         """
-        if cache_len is None and onnxruntime_only and torch.onnx.is_in_onnx_export():
-            # every row's cache fills its past: P rows
-            cache_len = torch.zeros(inputs_embeds.shape[0], dtype=torch.int64) + past_keys[0].shape[2]
-        positions = (self._causal(inputs_embeds, past_keys[0]) if cache_len is None
-                     else self._buffered(inputs_embeds, cache_len))
+        if lengths is None and onnxruntime_only and torch.onnx.is_in_onnx_export():
+            # every row's cache fills its past: P rows, then the T new ones
+            total = (torch.zeros(inputs_embeds.shape[0], dtype=torch.int64) + past_keys[0].shape[2]
+                     + inputs_embeds.shape[1]).to(torch.int32)
+            lengths = (total - 1, total.max().reshape(()))
+        positions = (self._causal(inputs_embeds, past_keys[0]) if lengths is None
+                     else self._buffered(inputs_embeds, lengths))
         x = inputs_embeds
         present_keys: list[Tensor] = []
         present_values: list[Tensor] = []
@@ -292,9 +295,7 @@ class Qwen2Model(nn.Module):
         cos, sin = _rope_cos_sin(q_pos, self.cfg.head_dim, self.cfg.rope_theta, inputs_embeds.dtype)
         return CausalPositions(cos, sin, allowed)
 
-    def _buffered(self, inputs_embeds: Tensor, cache_len: Tensor) -> BufferedPositions:
-        total = (cache_len + inputs_embeds.shape[1]).to(torch.int32)  # (B,)
-        lengths = (total - 1, total.max().reshape(()))  # GroupQueryAttention's seqlens_k, total_sequence_len
+    def _buffered(self, inputs_embeds: Tensor, lengths: tuple[Tensor, Tensor]) -> BufferedPositions:
         positions = torch.arange(self.cfg.max_position_embeddings, device=inputs_embeds.device)
         cos, sin = _rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, inputs_embeds.dtype)
         half = self.cfg.head_dim // 2  # the tables hold each frequency once
@@ -374,12 +375,13 @@ class CosyVoice3LM(nn.Module):
         return self._logp(hidden), present_keys, present_values
 
     def forward_step_buffered(
-        self, inputs_embeds: Tensor, cache_len: Tensor, past_keys: list[Tensor], past_values: list[Tensor]
+        self, inputs_embeds: Tensor, seqlens_k: Tensor, total_sequence_length: Tensor,
+        past_keys: list[Tensor], past_values: list[Tensor]
     ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-        """`forward_step` with the caches in buffers whose first `cache_len` rows hold them
+        """`forward_step` with the caches in buffers, their lengths given as `GroupQueryAttention` takes them
         (`Qwen2Model.forward`)."""
         hidden, present_keys, present_values = self.backbone(inputs_embeds, past_keys, past_values,
-                                                             cache_len=cache_len)
+                                                             (seqlens_k, total_sequence_length))
         return self._logp(hidden), present_keys, present_values
 
     def _logp(self, hidden: Tensor) -> Tensor:

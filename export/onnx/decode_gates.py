@@ -18,7 +18,14 @@ from pathlib import Path
 import numpy as np
 from torch import nn
 
-from cosyvoice_graphs import CACHE_LEN, GraphSpec, cache_pairs, empty_caches
+from cosyvoice_graphs import (
+    SEQLENS_K,
+    TOTAL_SEQUENCE_LENGTH,
+    GraphSpec,
+    cache_pairs,
+    decode_lengths,
+    empty_caches,
+)
 
 from .graphs import DecodeSequence
 from .trace import ExportError
@@ -39,7 +46,7 @@ class DecodeReference:
 
 def _fed_input(spec: GraphSpec) -> str:
     pairs = dict(cache_pairs(spec))
-    fed = [n for n in spec.input_names if n not in pairs and n != CACHE_LEN]
+    fed = [n for n in spec.input_names if n not in pairs and n not in (SEQLENS_K, TOTAL_SEQUENCE_LENGTH)]
     if len(fed) != 1:
         raise ExportError(f"{spec.name}: decode gates need one input besides the caches, found {fed}")
     return fed[0]
@@ -47,11 +54,11 @@ def _fed_input(spec: GraphSpec) -> str:
 
 def _feeds(spec: GraphSpec, fed: str, step: np.ndarray, caches: dict[str, np.ndarray]
            ) -> dict[str, np.ndarray]:
-    """One call's inputs: `step`, the caches, and where the graph takes it (`llm_decode`), how many rows of
-    them hold the cache: all of them, as the caches grow here."""
+    """One call's inputs: `step`, the caches, and where the graph takes them (`llm_decode`), its lengths:
+    every row of the caches holds the cache, as they grow here."""
     feeds = {fed: step, **caches}
-    if CACHE_LEN in spec.input_names:
-        feeds[CACHE_LEN] = np.array([next(iter(caches.values())).shape[2]], dtype=np.int64)  # one row
+    if SEQLENS_K in spec.input_names:  # one row
+        feeds.update(decode_lengths([next(iter(caches.values())).shape[2]], step.shape[1]))
     return feeds
 
 

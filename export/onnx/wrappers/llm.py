@@ -34,9 +34,9 @@ class LLMGraph(nn.Module):
 
 
 class LLMDecodeGraph(nn.Module):
-    """`CosyVoice3LM.forward_step_buffered` in `llm_decode`'s I/O order: `inputs_embeds`, `cache_len`, then
-    the per-layer buffers as `LLMGraph` takes its caches; outputs as `LLMGraph`'s. Its graph's metadata
-    names the positions its RoPE table holds (`metadata`)."""
+    """`CosyVoice3LM.forward_step_buffered` in `llm_decode`'s I/O order: `inputs_embeds`, `seqlens_k`,
+    `total_sequence_length`, then the per-layer buffers as `LLMGraph` takes its caches; outputs as
+    `LLMGraph`'s. Its graph's metadata names the positions its RoPE table holds (`metadata`)."""
 
     def __init__(self, lm: CosyVoice3LM) -> None:
         super().__init__()
@@ -47,11 +47,13 @@ class LLMDecodeGraph(nn.Module):
         """`max_positions`: the rows of the RoPE table in the graph; positions must stay below it."""
         return {"max_positions": str(self.lm.cfg.qwen.max_position_embeddings)}
 
-    def forward(self, inputs_embeds: Tensor, cache_len: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
-        """inputs_embeds, cache_len, past_key_0, past_value_0, ... -> logp, present_key_0, ..."""
+    def forward(self, inputs_embeds: Tensor, seqlens_k: Tensor, total_sequence_length: Tensor, *past: Tensor
+                ) -> tuple[Tensor, ...]:
+        """inputs_embeds, seqlens_k, total_sequence_length, past_key_0, past_value_0, ... -> logp,
+        present_key_0, ..."""
         if len(past) != 2 * self.num_layers:
             raise ValueError(f"expected {2 * self.num_layers} past tensors, got {len(past)}")
-        logp, keys, values = self.lm.forward_step_buffered(inputs_embeds, cache_len, list(past[0::2]),
-                                                           list(past[1::2]))
+        logp, keys, values = self.lm.forward_step_buffered(inputs_embeds, seqlens_k, total_sequence_length,
+                                                           list(past[0::2]), list(past[1::2]))
         presents = [t for kv in zip(keys, values, strict=True) for t in kv]
         return (logp, *presents)
