@@ -56,19 +56,23 @@ class RuntimeBackend:
     name = "runtime"
 
     def __init__(self, bundle: RuntimeBundle, *, provider: str, threads: int, prompt_text: str, seed: int,
-                 latency_policy: ChunkPolicy | None = None, chunk_slots: int | None = None) -> None:
+                 latency_policy: ChunkPolicy | None = None, chunk_slots: int | None = None,
+                 cuda_graphs: bool = False) -> None:
         """Open every graph on `provider` with `threads` intra-op threads; `prompt_text` is the prompt
         recording's transcript (zero-shot), `seed` the RAS sampler's; `latency_policy`: the chunk policy
         `policy_first_chunk` measures beside upstream's, checked against these graphs first (a `UserError`
         before anything opens); `chunk_slots`: the batched sessions' chunks at once (None: the runtime's
-        default)."""
+        default); `cuda_graphs`: the decode steps replay from CUDA graphs, in a batch even of one
+        (`Synthesizer`), so that the runs without a batch decode one stream at a time."""
         start = time.perf_counter()
         self.bundle, self.provider, self.threads = bundle, provider, threads
         self.prompt_text = prompt_text
         self.latency_policy = check_policy(latency_policy, bundle) if latency_policy is not None else None
         check_chunk_slots(chunk_slots)
         self.chunk_slots = chunk_slots
-        self.voice = CosyVoice3(bundle, provider=provider, threads=threads, seed=seed)
+        self.cuda_graphs = cuda_graphs
+        self.voice = CosyVoice3(bundle, provider=provider, threads=threads, seed=seed,
+                                cuda_graphs=cuda_graphs)
         self._log = CallLog()
         self.load_s = time.perf_counter() - start
 
@@ -197,7 +201,8 @@ class RuntimeBackend:
         shared = self.provider != TRT
         voices = ([self.voice] * level if shared else
                   [CosyVoice3(self.bundle, provider=self.provider, threads=self.threads,
-                              seed=self.voice.sampling.seed) for _ in range(level)])
+                              seed=self.voice.sampling.seed, cuda_graphs=self.cuda_graphs)
+                   for _ in range(level)])
         try:
             warm_up = (self._sessions(voices, piece, prompt, case.tokens, reference_sha256) if level > 1
                        else None)

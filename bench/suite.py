@@ -73,6 +73,8 @@ class Settings:
     chunk_slots: int | None = None
     """The batched sessions' chunks that run their flow and vocoder at once (`Synthesizer.set_max_batch`);
     None: the runtime's default for the provider and threads."""
+    cuda_graphs: bool = False
+    """The runtime's decode steps replay from CUDA graphs (`--cuda-graphs`)."""
 
 
 def thread_levels(threads: int) -> list[int]:
@@ -102,7 +104,8 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
     on_gpu = s.provider not in CPU_PROVIDERS
     def runtime_at(threads: int) -> Callable[[], Backend]:
         return lambda: RuntimeBackend(bundle, provider=s.provider, threads=threads, prompt_text=s.prompt_text,
-                                      seed=s.seed, latency_policy=s.latency_policy, chunk_slots=s.chunk_slots)
+                                      seed=s.seed, latency_policy=s.latency_policy, chunk_slots=s.chunk_slots,
+                                      cuda_graphs=s.cuda_graphs)
 
     factories = {"runtime": runtime_at(s.threads)}
     jobs = {"runtime": PeakJob("runtime", s.model, s.prompt_wav, s.prompt_text, s.threads, s.provider,
@@ -205,7 +208,7 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
             "lengths": [c.name for c in s.cases], "concurrency": s.concurrency, "repeat": s.repeat,
             "quick": s.quick,
             "first_chunk_tokens": s.latency_policy.first_chunk_tokens if s.latency_policy else None,
-            "thread_scaling": s.thread_scaling, "chunk_slots": s.chunk_slots,
+            "thread_scaling": s.thread_scaling, "chunk_slots": s.chunk_slots, "cuda_graphs": s.cuda_graphs,
         },
         "machine": machine,
         "cpu_class": machine["cpu_class"],

@@ -23,6 +23,8 @@
 #                precision bounds
 #   bench-P      cosyvoice-bench on it: first chunk p50/p95, stages against the GPU's bounds, concurrency
 #                1 and 4 (beside the batched decode, with an llm_decode)
+#   graphs-P     with an llm_decode, on cuda: bench-P again with the decode steps replayed from CUDA graphs
+#                (--cuda-graphs)
 #   stacking-P   the DiT's calls of 1, 4 and 16 streams one after another against one stacked call
 #   streamsN-P   with an llm_decode: STREAMS (16) concurrent streams of 125 tokens, unbatched and batched
 #                (the many-streams target), a bench of their own so that a slow level costs only its figures
@@ -102,7 +104,7 @@ step golden 120 "$PY" -m cosyvoice_golden check --provider "$PROVIDER"
 step tests 300 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_bench_gpu.py tests/test_precision.py \
     tests/test_runtime_core.py tests/test_llm_decode.py::test_the_fp16_body_decodes_in_place_close_to_llm \
     tests/test_decode_batch.py::test_batched_rows_follow_their_runs_alone tests/test_decode_variants.py \
-    tests/test_dit_stacking.py
+    tests/test_dit_stacking.py tests/test_decode_graphs.py
 [ -f "$WORK/gates/llm.pt" ] || step tiny-model 120 "$PY" -m cosyvoice_export tiny-bundle "$WORK/gates"
 for p in $GATES; do
     tag=${p//[=,]/-}
@@ -122,6 +124,14 @@ measure() {
     bench) step "bench-$tag" 300 "$PY" -m cosyvoice_bench --model "$bundle" --provider "$PROVIDER" \
         --lengths long --concurrency 1,4 --quick --repeat 3 --tokens 250 --first-chunk-tokens 10 --no-progress \
         --json "$OUT/bench-$tag.json" ;;
+    graphs) ((batches)) || return 0
+        if [ "$PROVIDER" = cuda ]; then
+            step "graphs-$tag" 300 "$PY" -m cosyvoice_bench --model "$bundle" --provider "$PROVIDER" \
+                --lengths long --concurrency 1,4 --quick --repeat 3 --tokens 250 --first-chunk-tokens 10 \
+                --cuda-graphs --no-progress --json "$OUT/graphs-$tag.json"
+        elif selected "graphs-$tag"; then
+            echo "graphs-$tag: skipped, CUDA graphs are the cuda provider's" >>"$OUT/summary.txt"
+        fi ;;
     stacking) step "stacking-$tag" 120 "$PY" -m cosyvoice_bench.dit_stacking --model "$bundle" \
         --provider "$PROVIDER" --streams 1,4,16 --json "$OUT/stacking-$tag.json" ;;
     streams) ((batches)) && step "streams$STREAMS-$tag" 360 "$PY" -m cosyvoice_bench --model "$bundle" \
@@ -144,7 +154,7 @@ measure() {
     return 0
 }
 
-for kind in bench stacking streams profile variants rows slots1; do
+for kind in bench graphs stacking streams profile variants rows slots1; do
     for p in $PRECISIONS; do
         measure "$kind" "$p"
     done

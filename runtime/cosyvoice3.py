@@ -69,6 +69,7 @@ from .synthesis import (
     Mode,
     Synthesizer,
     check_chunk_slots,
+    check_cuda_graphs,
     check_max_batch,
     closing_after,
     llm_request,
@@ -121,7 +122,8 @@ class CosyVoice3:
                  threads: int | None = None, sampling: str = "ras", seed: int = 0, verify: bool = True,
                  speakers_dir: Path | None = None, flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
                  max_batch: int = 1, batch_observer: BatchObserver | None = None,
-                 chunk_policy: ChunkPolicy | None = None, chunk_slots: int | None = None) -> None:
+                 chunk_policy: ChunkPolicy | None = None, chunk_slots: int | None = None,
+                 cuda_graphs: bool = False) -> None:
         """Open `model_dir`: a runtime bundle, a model bundle exported on first use as `cosyvoice-run
         --model` does, or a bundle opened already. `provider` and `threads` place the graphs
         (`cosyvoice_runtime.runners.PROVIDERS`); `sampling` is upstream's repetition-aware sampling
@@ -135,7 +137,8 @@ class CosyVoice3:
         `decode=fp32`), and `chunk_slots` of those calls' chunks run their flow and vocoder at once (None:
         one on a CPU whose cores a session's graphs take, `synthesis.default_chunk_slots`); `chunk_policy` is
         when every stream emits its chunks (None: upstream's schedule; `ChunkPolicy.first_chunk_tokens` a
-        deviation from it for latency), checked against the graphs here.
+        deviation from it for latency), checked against the graphs here; `cuda_graphs` replays the decode
+        steps from CUDA graphs (on cuda, with `llm_decode`: `decode_graphs`).
 
         Upstream's own keywords are taken for what they mean here: `load_trt` runs the graphs on
         onnxruntime's TensorRT provider (upstream's DiT runs as a TensorRT plan it builds on first use);
@@ -157,6 +160,8 @@ class CosyVoice3:
         check_max_batch(max_batch, bundle, provider)
         check_chunk_slots(chunk_slots)
         check_policy(chunk_policy, bundle)
+        if cuda_graphs:
+            check_cuda_graphs(bundle, provider)
         if verify and bundle is not model_dir:  # hashed once it is known to be the bundle asked for
             bundle = RuntimeBundle.open(bundle.root, verify=True)
         self.bundle = bundle
@@ -167,7 +172,7 @@ class CosyVoice3:
         """CAM++ and the speech tokenizer once a prompt needed them (`_prompt_models`)."""
         self.synth = Synthesizer(self.bundle, provider, threads=threads, flow_prefix_bytes=flow_prefix_bytes,
                                  max_batch=max_batch, batch_observer=batch_observer,
-                                 chunk_policy=chunk_policy, chunk_slots=chunk_slots)
+                                 chunk_policy=chunk_policy, chunk_slots=chunk_slots, cuda_graphs=cuda_graphs)
         self.prefix_jobs = PrefixJobs(self.synth.flow, self.synth.live)
         """Speakers' flow prefixes computed in the background (a thread started by the first job)."""
         self._speakers_dir = speakers_dir

@@ -36,6 +36,7 @@ import onnxruntime as ort
 
 from cosyvoice_graphs import MAX_BATCH, GraphSpec
 
+from .decode_graphs import GraphedSteps
 from .errors import SynthesisError
 from .llm import FIRST_BUFFER_STEPS, Decoding, KVBuffers, SpeechTokenLM, placed, zeroed_caches
 from .runners import CPU, BufferView
@@ -277,10 +278,12 @@ class DecodeBatcher:
     thread (its own buffers, on the prefill body where the bundle has one) beside the batch; on a GPU
     they are `SlotBuffers` and the batcher prefills each decoding into its row (a device copy of a row is
     what onnxruntime's Python API lacks). `in_slots` chooses (None: by the device), so that the CPU's tests
-    run the GPU's way too."""
+    run the GPU's way too. With `graphs` (in slots only: rows that never move) the batch steps replay from
+    CUDA graphs, one per number of rows and buffer length (`decode_graphs`)."""
 
     def __init__(self, lm: SpeechTokenLM, max_batch: int, observer: BatchObserver | None = None, *,
-                 in_slots: bool | None = None, chunks_due: Callable[[], bool] = lambda: False) -> None:
+                 in_slots: bool | None = None, chunks_due: Callable[[], bool] = lambda: False,
+                 graphs: GraphedSteps | None = None) -> None:
         if lm.in_place is None:
             raise ValueError(f"batched decoding runs on llm_decode, not {lm.spec.name}")
         if not 1 <= max_batch <= MAX_BATCH:
@@ -295,6 +298,9 @@ class DecodeBatcher:
         device, device_id = lm.in_place.device_type, lm.in_place.device_id
         self.prefills = device != CPU if in_slots is None else in_slots
         """Whether the batcher runs each decoding's prefill, into its row (`SlotBuffers`)."""
+        if graphs is not None and not self.prefills:
+            raise ValueError("steps replayed from CUDA graphs need the batch's rows in slots")
+        self.graphs = graphs
         kind = SlotBuffers if self.prefills else PackedBuffers
         self.buffers = kind(lm.spec, max_batch, FIRST_BUFFER_STEPS, lm.max_positions, device, device_id)
         self._rows: list[BatchedDecoding | None] = []
@@ -474,9 +480,10 @@ class DecodeBatcher:
         buffers.fit(max(buffers.lengths) + 1)
         embeds = np.concatenate([self._idle_embeds if item is None else item.decoding.next_embeds
                                  for item in rows])
+        lengths, views = np.array(buffers.lengths, dtype=np.int64), buffers.views(0, len(rows))
         start = time.perf_counter()
-        logp = self.lm.extend_rows(embeds, np.array(buffers.lengths, dtype=np.int64),
-                                   buffers.views(0, len(rows)))
+        logp = (self.lm.extend_rows(embeds, lengths, views) if self.graphs is None
+                else self.graphs.step(embeds, lengths, views))
         self.observer.step(self.size, time.perf_counter() - start)
         for row, item in enumerate(rows):
             if item is not None:

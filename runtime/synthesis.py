@@ -35,12 +35,13 @@ from .bundle import RuntimeBundle
 from .chunk_policy import ChunkPolicy, check_policy
 from .chunk_turns import ChunkTurns, no_pause
 from .decode_batch import BatchedDecoding, BatchObserver, DecodeBatcher
+from .decode_graphs import GraphedSteps
 from .errors import SynthesisError, UserError
 from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from .frontend import PromptFeatures
 from .llm import Decoding, LlmRequest, SpeechTokenLM
 from .prefix_jobs import LiveWork
-from .runners import CPU, CPU_PROVIDERS, Runner, decode_body, graphs_run, open_runner, prefill_body
+from .runners import CPU, CPU_PROVIDERS, CUDA, Runner, decode_body, graphs_run, open_runner, prefill_body
 from .runners.ort_settings import usable_cpus
 from .sampling import Sampler
 from .token2wav import Flow, FlowStream, Vocoder, VocoderStream, change_speed
@@ -145,16 +146,20 @@ class Synthesizer:
     def __init__(self, bundle: RuntimeBundle, provider: str = CPU, *, threads: int | None = None,
                  flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, max_batch: int = 1,
                  batch_observer: BatchObserver | None = None, chunk_policy: ChunkPolicy | None = None,
-                 chunk_slots: int | None = None) -> None:
+                 chunk_slots: int | None = None, cuda_graphs: bool = False) -> None:
         """Open every graph of `bundle` on `provider` (see `cosyvoice_runtime.runners.PROVIDERS`);
         `flow_prefix_bytes` bounds the streaming flow's per-prompt cache (`Flow.prefixes`). `max_batch` > 1
         decodes concurrent requests' speech ids together (`decode_batch`, reporting to `batch_observer`),
         which needs the bundle's `llm_decode` on the decode steps (`batches`); 1 decodes each on its own.
         `chunk_slots` is how many of the batch's streams run their chunks' flow and vocoder calls at once
-        (`set_max_batch`). `chunk_policy` is the streams' schedule (None: upstream's); it, `max_batch` and
-        `chunk_slots` are checked before any graph opens (a `UserError`)."""
+        (`set_max_batch`). `cuda_graphs`: the decode steps replay from CUDA graphs (`decode_graphs`; on
+        cuda, where `llm_decode` takes them), in a batch even of one. `chunk_policy` is the streams' schedule
+        (None: upstream's); it, `max_batch`, `chunk_slots` and `cuda_graphs` are checked before any graph
+        opens (a `UserError`)."""
         check_max_batch(max_batch, bundle, provider)
         check_chunk_slots(chunk_slots)
+        if cuda_graphs:
+            check_cuda_graphs(bundle, provider)
         self.chunk_policy = check_policy(chunk_policy, bundle)
         """The streams' chunk schedule unless a call gives its own."""
         self.bundle, self.provider, self.threads = bundle, provider, threads
@@ -162,7 +167,8 @@ class Synthesizer:
         self._runners: dict[str, Runner] = {}
         try:
             for name in graphs_run(bundle, provider):
-                self._runners[name] = open_runner(bundle, name, provider, threads=threads)
+                self._runners[name] = open_runner(bundle, name, provider, threads=threads,
+                                                  cuda_graph=cuda_graphs and name == LLM_DECODE)
         except BaseException:
             self.close()
             raise
@@ -180,8 +186,13 @@ class Synthesizer:
         self.live = LiveWork()
         """Streams and offline syntheses in flight, held from their first step to their end: background work
         (`PrefixJobs`) waits while there are any."""
+        self.graphs: GraphedSteps | None = None
+        """Where the batch's decode steps replay from CUDA graphs (`cuda_graphs`)."""
+        if cuda_graphs:
+            assert self.lm.in_place is not None  # llm_decode: check_cuda_graphs
+            self.graphs = GraphedSteps(self.lm.in_place)
         self.batcher: DecodeBatcher | None = None
-        """Where decodings run when `max_batch` > 1."""
+        """Where decodings run when `max_batch` > 1 or with `cuda_graphs`."""
         self.turns: ChunkTurns | None = None
         """The order of the batch's sessions' flow and vocoder work (`chunk_turn`)."""
         self.set_max_batch(max_batch, batch_observer, chunk_slots=chunk_slots)
@@ -189,7 +200,8 @@ class Synthesizer:
     def set_max_batch(self, max_batch: int, observer: BatchObserver | None = None, *,
                       chunk_slots: int | None = None) -> None:
         """Decode the requests started from now on in a batch of up to `max_batch` (`decode_batch`, reporting
-        to `observer`), or each on its own (1); the batch before is closed, so call it between requests.
+        to `observer`), or each on its own (1, unless the steps replay from CUDA graphs: a batch of one then);
+        the batch before is closed, so call it between requests.
         With a batch, `chunk_slots` of its streams' chunks run their flow and vocoder calls at once, first
         chunks first (`ChunkTurns`; None: `default_chunk_slots`). A `UserError` (one line) where these
         graphs cannot batch (`check_max_batch`) or `chunk_slots` is out of range."""
@@ -197,11 +209,11 @@ class Synthesizer:
         check_chunk_slots(chunk_slots)
         if self.batcher is not None:
             self.batcher.close()
-        if max_batch > 1:
+        if max_batch > 1 or self.graphs is not None:
             slots = default_chunk_slots(self.provider, max_batch, self.threads) if chunk_slots is None \
                 else chunk_slots
             turns = ChunkTurns(slots)
-            batcher = DecodeBatcher(self.lm, max_batch, observer,
+            batcher = DecodeBatcher(self.lm, max_batch, observer, graphs=self.graphs,
                                     chunks_due=batch_yields_to(turns, self.provider))
             turns.on_done = batcher.wake
             turns.hold_later = chunks_yield_to(batcher, self.provider)
@@ -372,6 +384,18 @@ def check_max_batch(max_batch: int, bundle: RuntimeBundle, provider: str) -> Non
                         f"in fp16 on cuda; {bundle.root} ({bundle.manifest.precision}) on {provider!r} "
                         f"decodes on {body} (export --precision cpu-fast, or decode=fp32 for float32, for "
                         "the cpu; decode=fp16 for cuda)")
+
+
+def check_cuda_graphs(bundle: RuntimeBundle, provider: str) -> None:
+    """A `UserError` (one line) unless `bundle`'s decode steps can replay from CUDA graphs on `provider`:
+    on cuda, where they run on `llm_decode`."""
+    if provider != CUDA:
+        raise UserError(f"cuda graphs are the cuda provider's, not {provider!r}'s")
+    body = decode_body(bundle, provider)
+    if body != LLM_DECODE:
+        raise UserError(f"cuda graphs: the decode steps replay from CUDA graphs on llm_decode; {bundle.root} "
+                        f"({bundle.manifest.precision}) decodes on {body} on cuda (export --precision "
+                        "decode=fp16 or gpu-fp16)")
 
 
 def closing_after(chunks: Iterator[AudioChunk], close: Callable[[], None]

@@ -83,6 +83,10 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
               help="With --max-batch, the sessions' chunks that run their flow and vocoder at once, first "
                    "chunks first [default: on a CPU as many as the usable CPUs hold at --threads each (one "
                    "when --threads is not given), on a GPU every session's].")
+@click.option("--cuda-graphs", is_flag=True,
+              help="Replay the decode steps from CUDA graphs (--provider cuda, a bundle with llm_decode: "
+                   "--precision decode=fp16 or gpu-fp16). The sessions decode in the batch, one at a time "
+                   "without --max-batch.")
 @click.option("--queue", "queue_depth", type=click.IntRange(min=0), default=DEFAULTS.queue_depth,
               help="Sessions waiting for a slot; beyond them the server answers 503 (gRPC: "
                    "RESOURCE_EXHAUSTED) at once.")
@@ -130,7 +134,8 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
                     "(lower latency; a deviation from upstream's schedule) [default: upstream's].")
 @ray_options
 def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model: Path | None, provider: str,
-          threads: int | None, max_conc: int, max_batch: int, chunk_slots: int | None, queue_depth: int,
+          threads: int | None, max_conc: int, max_batch: int, chunk_slots: int | None, cuda_graphs: bool,
+          queue_depth: int,
           stream_idle: float, timeout: float,
           speakers_dir: Path | None, sampling: str, seed: int | None,
           flow_prefix_mib: int, max_text: int, api_key: str | None, max_body_mib: int,
@@ -155,7 +160,7 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
     settings = ServerSettings(max_concurrency=max_conc, max_batch=max_batch, chunk_slots=chunk_slots,
-                              queue_depth=queue_depth,
+                              cuda_graphs=cuda_graphs, queue_depth=queue_depth,
                               stream_idle_timeout=stream_idle, timeout=timeout, max_text_chars=max_text,
                               sampling=sampling, seed=seed,
                               speakers_dir=speakers_dir or DEFAULTS.speakers_dir, api_key=api_key,
@@ -175,7 +180,7 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
     try:
         engine = Engine.open(model, provider=provider, flow_prefix_bytes=flow_prefix_mib << 20,
                              threads=threads, max_batch=max_batch, chunk_slots=chunk_slots,
-                             chunk_policy=chunk_policy)
+                             chunk_policy=chunk_policy, cuda_graphs=cuda_graphs)
     except USER_ERRORS as e:
         _refuse(str(e))
     try:

@@ -103,7 +103,8 @@ class CosyVoiceReplica:
                                       flow_prefix_bytes=config.flow_prefix_bytes, threads=threads,
                                       max_batch=config.settings.max_batch,
                                       chunk_slots=replica_chunk_slots(config, threads),
-                                      chunk_policy=config.settings.chunk_policy)
+                                      chunk_policy=config.settings.chunk_policy,
+                                      cuda_graphs=config.settings.cuda_graphs)
         except USER_ERRORS as e:
             raise self._start_error(e) from None
         if config.settings.warm_up:

@@ -47,6 +47,9 @@ class ServerSettings:
     chunk_slots: int | None = None
     """With a batch, its sessions' chunks that run their flow and vocoder calls at once, first chunks first
     (`ChunkTurns`); None: `synthesis.default_chunk_slots` (one where a session's graphs take every core)."""
+    cuda_graphs: bool = False
+    """The decode steps replay from CUDA graphs (on cuda, with `llm_decode`: `decode_graphs`), in the batch,
+    of one session where `max_batch` is 1."""
     queue_depth: int = 8
     """Sessions admitted to wait for a slot; one more is refused with 503 at once."""
     stream_idle_timeout: float = 30.0

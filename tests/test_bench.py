@@ -181,6 +181,9 @@ def test_quick_run_of_the_runtime_without_torch(runtime_bundle: Path, tmp_path: 
     (["--lengths", "short,huge"], "--lengths: unknown length 'huge'; known: short, medium, long"),
     (["--concurrency", "1,0"], "--concurrency: '0' is not a positive integer"),
     (["--vs-torch"], "--vs-torch and --model-dir go together"),
+    (["--cuda-graphs"], "cuda graphs are the cuda provider's, not 'cpu''s"),
+    (["--cuda-graphs", "--provider", "cuda"], "cuda graphs: the decode steps replay from CUDA graphs on "
+                                              "llm_decode; "),
 ])
 def test_bad_input_is_one_line(runtime_bundle: Path, tmp_path: Path, extra: list[str], message: str) -> None:
     done = CliRunner().invoke(main, [*bench_args(runtime_bundle, tmp_path / "x.json"), *extra])

@@ -28,6 +28,7 @@ from cosyvoice_graphs import ODE_STEPS, spec
 from cosyvoice_runtime import CosyVoice3, synthesis
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.decode_batch import BatchedDecoding, DecodeBatcher
+from cosyvoice_runtime.decode_graphs import GraphedSteps
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.llm import LlmRequest
 from cosyvoice_runtime.runners import CPU, CUDA, OPENVINO
@@ -84,14 +85,17 @@ def _concurrently(calls: list[Callable[[], T]]) -> list[T]:
 
 
 @pytest.mark.parametrize("sampling", ["ras", "greedy"])
-@pytest.mark.parametrize(("body", "in_slots"), [("exact_bundle", False), ("exact_bundle", True),
-                                                ("fp16_decode_bundle", False)])
-def test_batched_rows_are_the_decodings_alone(body: str, in_slots: bool, sampling: str,
+@pytest.mark.parametrize(("body", "in_slots", "graphs"), [("exact_bundle", False, False),
+                                                          ("exact_bundle", True, False),
+                                                          ("exact_bundle", True, True),
+                                                          ("fp16_decode_bundle", False, False)])
+def test_batched_rows_are_the_decodings_alone(body: str, in_slots: bool, graphs: bool, sampling: str,
                                               request: pytest.FixtureRequest) -> None:
     """Five decodings, at most three in the batch: two wait for a row and join mid-batch as others leave at
     their own max_len; every one's ids equal its run alone. Rows packed (the CPU's way), and in slots (a
     GPU's: the batcher prefills each decoding into a free row on `llm_decode`, as a GPU's run alone does;
-    here in the CPU's memory)."""
+    here in the CPU's memory), there also through the bindings that CUDA graphs replay (`GraphedSteps`;
+    on the CPU, ordinary calls)."""
     bundle = RuntimeBundle.open(request.getfixturevalue(body))
     requests = _requests(bundle, 5)
     with Synthesizer(bundle, threads=1) as alone:
@@ -102,7 +106,9 @@ def test_batched_rows_are_the_decodings_alone(body: str, in_slots: bool, samplin
     assert len(set(steps)) == 5  # each leaves at its own step
     with Synthesizer(bundle, threads=1) as synth:
         observed = Recorder()
-        batcher = DecodeBatcher(synth.lm, 3, observed, in_slots=in_slots)
+        assert synth.lm.in_place is not None
+        graphed = GraphedSteps(synth.lm.in_place) if graphs else None
+        batcher = DecodeBatcher(synth.lm, 3, observed, in_slots=in_slots, graphs=graphed)
         try:
             got = _concurrently([lambda r=r, i=i: list(batcher.submit(synth.lm.decode(
                 r, make_sampler(sampling, seed=i)))) for i, r in enumerate(requests)])
@@ -110,6 +116,7 @@ def test_batched_rows_are_the_decodings_alone(body: str, in_slots: bool, samplin
         finally:
             batcher.close()
     assert got == want
+    assert graphed is None or graphed.graphs > 0
     assert len(observed.waits) == 5  # every decoding joined
     assert max(observed.sizes) == 3 and min(observed.sizes) < 3  # full, and smaller as rows left
     assert sum(observed.sizes) == sum(steps) - 5  # every step after each prefill, batched
@@ -131,14 +138,16 @@ class Replay:
         return token
 
 
-@pytest.mark.parametrize(("body", "provider"), [("exact_bundle", CPU), ("fp16_decode_bundle", CUDA)])
-def test_batched_rows_follow_their_runs_alone(body: str, provider: str, request: pytest.FixtureRequest
-                                             ) -> None:
+@pytest.mark.parametrize(("body", "provider", "graphs"), [("exact_bundle", CPU, False),
+                                                          ("fp16_decode_bundle", CUDA, False),
+                                                          ("fp16_decode_bundle", CUDA, True)])
+def test_batched_rows_follow_their_runs_alone(body: str, provider: str, graphs: bool,
+                                              request: pytest.FixtureRequest) -> None:
     """On a GPU a row's arithmetic may differ from its run alone in the last bits (the kernels follow the
     batch's shape). Five decodings, greedy alone, then in a batch of three (on a GPU in slots, prefilled by
-    the batcher) fed the ids they took alone: the log-probs within the fp16 bound of theirs alone, and the
-    same greedy id wherever alone the best two differ by more than twice the worst difference; on the CPU
-    in float32, equal to the bit."""
+    the batcher; and the steps replayed from CUDA graphs) fed the ids they took alone: the log-probs within
+    the fp16 bound of theirs alone, and the same greedy id wherever alone the best two differ by more than
+    twice the worst difference; on the CPU in float32, equal to the bit."""
     if provider == CUDA and "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip("needs onnxruntime's CUDA provider (onnxruntime-gpu and a GPU)")
     bundle = RuntimeBundle.open(request.getfixturevalue(body))
@@ -149,8 +158,9 @@ def test_batched_rows_follow_their_runs_alone(body: str, provider: str, request:
         for r, sampler in zip(requests, alone, strict=True):
             synth.decode(r, sampler, max_tokens=60, ignore_stop=True).run()
     batched = [Replay(sampler.ids) for sampler in alone]
-    with Synthesizer(bundle, provider, threads=1, max_batch=3) as synth:
+    with Synthesizer(bundle, provider, threads=1, max_batch=3, cuda_graphs=graphs) as synth:
         assert synth.batcher is not None and synth.batcher.prefills == (provider != CPU)
+        assert (synth.batcher.graphs is not None) == graphs
         _concurrently([lambda r=r, s=s: list(synth.decode(r, s, max_tokens=60, ignore_stop=True))
                        for r, s in zip(requests, batched, strict=True)])
     pairs = [(a[:speech], b[:speech]) for x, y in zip(alone, batched, strict=True)

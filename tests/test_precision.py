@@ -112,8 +112,8 @@ def test_open_runner_asks_for_tf32_exactly_for_tf32_graphs(monkeypatch: pytest.M
     seen: dict[str, bool] = {}
 
     class Recorder:
-        def __init__(self, path: Path, spec: object, provider: str, *, threads: int | None, tf32: bool
-                     ) -> None:
+        def __init__(self, path: Path, spec: object, provider: str, *, threads: int | None, tf32: bool,
+                     cuda_graph: bool) -> None:
             seen[Path(path).stem] = tf32
             raise _Stop
 

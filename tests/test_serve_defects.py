@@ -424,6 +424,13 @@ def test_prompt_paths_are_read_inside_prompt_dir_only(engine: Engine, prompt: tu
 # --- the options --------------------------------------------------------------------------------------------
 
 
+def test_cuda_graphs_on_the_cpu_are_one_line_before_the_graphs_open(tmp_path: Path) -> None:
+    result = CliRunner().invoke(serve_cli.serve, ["--speakers", str(tmp_path / "speakers"), "--model",
+                                                  str(DEMO_BUNDLE), "--cuda-graphs"])
+    assert result.exit_code == 2
+    assert result.stderr == "error: cuda graphs are the cuda provider's, not 'cpu''s\n"
+
+
 def test_the_options_reach_the_settings(engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                         ) -> None:
     served: list[FastAPI] = []
@@ -437,12 +444,12 @@ def test_the_options_reach_the_settings(engine: Engine, tmp_path: Path, monkeypa
     monkeypatch.setattr(uvicorn, "run", lambda app, **_: served.append(app))
     args = ["--speakers", str(tmp_path / "speakers"), "--max-body-mib", "3", "--cors-origin", ORIGIN,
             "--cors-origin", "http://localhost:8080", "--docs", "--prompt-dir", str(tmp_path),
-            "--threads", "3", "--chunk-slots", "2"]
+            "--threads", "3", "--chunk-slots", "2", "--cuda-graphs"]
     result = CliRunner().invoke(serve_cli.serve, args)
     assert result.exit_code == 0, result.output
-    assert opened[0]["threads"] == 3 and opened[0]["chunk_slots"] == 2
+    assert opened[0]["threads"] == 3 and opened[0]["chunk_slots"] == 2 and opened[0]["cuda_graphs"]
     settings = served[0].state.server.settings
-    assert settings.chunk_slots == 2
+    assert settings.chunk_slots == 2 and settings.cuda_graphs
     assert settings.max_body_bytes == 3 << 20 and settings.docs and settings.prompt_dir == tmp_path
     assert settings.cors_origins == (ORIGIN, "http://localhost:8080")
     default = CliRunner().invoke(serve_cli.serve, ["--speakers", str(tmp_path / "speakers")])

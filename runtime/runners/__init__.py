@@ -70,10 +70,11 @@ def graphs_run(bundle: RuntimeBundle, provider: str) -> list[str]:
     return [name for name in bundle.specs if name not in skipped]
 
 
-def open_runner(bundle: RuntimeBundle, graph: str, provider: str = CPU, *, threads: int | None = None
-                ) -> Runner:
+def open_runner(bundle: RuntimeBundle, graph: str, provider: str = CPU, *, threads: int | None = None,
+                cuda_graph: bool = False) -> Runner:
     """A runner for `graph` of `bundle` on `provider` (one of `PROVIDERS`), its metadata checked
-    against the manifest. `threads` sets onnxruntime's intra-op threads (OpenVINO's inference threads).
+    against the manifest. `threads` sets onnxruntime's intra-op threads (OpenVINO's inference threads);
+    `cuda_graph` (cuda only) lets the session replay calls from CUDA graphs (`OrtRunner`).
     A graph runs only on its precision's providers (a bf16 graph: on OpenVINO, under `cpu` and
     `openvino`)."""
     if graph not in bundle.specs:
@@ -91,7 +92,8 @@ def open_runner(bundle: RuntimeBundle, graph: str, provider: str = CPU, *, threa
     if provider == TRT:
         bundle.graph_metadata(graph)  # the plan was built from this graph: its provenance is the plan's
         return TrtRunner(bundle.trt_plan(graph), spec)
-    runner = OrtRunner(bundle.graph_path(graph), spec, provider, threads=threads, tf32=precision.cuda_tf32)
+    runner = OrtRunner(bundle.graph_path(graph), spec, provider, threads=threads, tf32=precision.cuda_tf32,
+                       cuda_graph=cuda_graph)
     try:
         bundle.check_metadata(graph, runner.metadata)
     except RuntimeBundleError:

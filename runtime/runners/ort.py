@@ -29,6 +29,10 @@ from .ort_settings import (
     settings_for,
 )
 
+GPU_GRAPH_ID = "gpu_graph_id"
+"""onnxruntime's run option naming the CUDA graph a call captures or replays (a session with CUDA graphs)."""
+SKIP_GRAPH = "-1"
+"""`GPU_GRAPH_ID` for a call that runs outside every CUDA graph."""
 ORT_PROVIDERS = {CPU: "CPUExecutionProvider", CUDA: "CUDAExecutionProvider",
                  TENSORRT: "TensorrtExecutionProvider"}
 """The providers onnxruntime runs -> its execution provider."""
@@ -74,8 +78,8 @@ class OrtRunner(RunnerBase):
         the graph's setting (CPU only) in its bundle's tuning file, else its default, else `FALLBACK`
         (`ort_settings.settings_for`). `device_id`: the CUDA device for "cuda" and "tensorrt"; `tf32`: the
         CUDA provider computes float32 matmuls and convolutions in TF32; `conv_algo_search`: how it picks
-        cuDNN's convolution algorithms; `cuda_graph`: whether the session replays its calls from a CUDA
-        graph (both `ort_settings.cuda_options`)."""
+        cuDNN's convolution algorithms; `cuda_graph`: whether the session can replay calls from CUDA graphs
+        (both `ort_settings.cuda_options`), the runner's own calls running outside them (`run_options`)."""
         super().__init__(spec)
         if optimization is None or threads is None:
             # the defaults and the tuning file are CPU measurements; GPU sessions keep onnxruntime's defaults
@@ -110,6 +114,12 @@ class OrtRunner(RunnerBase):
             raise ProviderError(f"{path}: asked onnxruntime for {wanted}, the session fell back to "
                                 f"{', '.join(used) or 'nothing'}{why}")
         self.provider = provider
+        self.run_options: ort.RunOptions | None = None
+        """What the runner's own calls run with: with CUDA graphs, outside them (graphs are captured and
+        replayed through bindings of their own, `decode_graphs.GraphedSteps`)."""
+        if cuda_graph:
+            self.run_options = ort.RunOptions()
+            self.run_options.add_run_config_entry(GPU_GRAPH_ID, SKIP_GRAPH)
         self.device_type = CPU if provider == CPU else CUDA
         self.device_id = device_id
         names = ([i.name for i in self.session.get_inputs()], [o.name for o in self.session.get_outputs()])
@@ -126,7 +136,7 @@ class OrtRunner(RunnerBase):
         return dict(self.session.get_modelmeta().custom_metadata_map)
 
     def _run(self, feeds: Mapping[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
-        return dict(zip(names, self.session.run(names, dict(feeds)), strict=True))
+        return dict(zip(names, self.session.run(names, dict(feeds), self.run_options), strict=True))
 
     def infer_kept(self, feeds: Mapping[str, Feed], keep: Collection[str]
                    ) -> tuple[dict[str, np.ndarray], dict[str, Feed]]:
@@ -139,7 +149,7 @@ class OrtRunner(RunnerBase):
         outputs, kept = self.spec.output_names, set(keep)
         for name in outputs:
             binding.bind_output(name, self.device_type if name in kept else CPU, self.device_id)
-        self.session.run_with_iobinding(binding)
+        self.session.run_with_iobinding(binding, self.run_options)
         values = dict(zip(outputs, binding.get_outputs(), strict=True))
         host = {name: v.numpy() for name, v in values.items() if name not in kept}
         return host, {name: values[name] for name in keep}
@@ -172,7 +182,7 @@ class OrtRunner(RunnerBase):
                                     value.address)
             else:
                 binding.bind_ortvalue_output(output, value)
-        self.session.run_with_iobinding(binding)
+        self.session.run_with_iobinding(binding, self.run_options)
         return {name: v.numpy() for name, v in zip(names, binding.get_outputs(), strict=False)}
 
     def _bound_inputs(self, feeds: Mapping[str, Feed]) -> ort.IOBinding:
