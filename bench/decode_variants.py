@@ -3,9 +3,10 @@ cosyvoice_bench.decode_variants --model BUNDLE --provider cuda --rows 1,4,16 --j
 
 - `runtime`: as the runtime makes it (`OrtRunner.infer_in_place`): a binding and a feed check per call, the
   new position's embeddings and the cache lengths from the host, the log-probs back to it;
-- `bound once`: every input and output bound once, to memory on the session's device (the total sequence
-  length, which the graph reads on the host, to host memory, at the buffers' length), each step writing only
-  the embeddings and `seqlens_k`;
+- `bound once`: the runtime's batch step for CUDA graphs (`decode_graphs.GraphedSteps`) on a session without
+  them: every input and output bound once, to memory on the session's device (the total sequence length,
+  which the graph reads on the host, to host memory, at the buffers' length), each step writing only the
+  embeddings and `seqlens_k`;
 - `cuda graph` (CUDA): that binding on a session with onnxruntime's CUDA graphs on, whose first calls capture
   the step's kernels and later ones replay them (onnxruntime refuses a graph with a node that copies between
   host and device, which it then reports);
@@ -39,8 +40,6 @@ import onnxruntime as ort
 from cosyvoice_graphs import (
     LLM_DECODE,
     MAX_BATCH,
-    SEQLENS_K,
-    TOTAL_SEQUENCE_LENGTH,
     GraphSpec,
     cache_pairs,
     decode_lengths,
@@ -48,6 +47,7 @@ from cosyvoice_graphs import (
 )
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.decode_graphs import GraphedSteps
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.runners import CPU, CUDA, OrtRunner, decode_body
 
@@ -129,34 +129,12 @@ def runtime_step(runner: OrtRunner, steps: Steps) -> Callable[[int], np.ndarray]
 
 
 def bound_step(runner: OrtRunner, steps: Steps) -> Callable[[int], np.ndarray]:
-    """Step i through one binding made here, on caches of its own: every input and output at a fixed place
-    on the session's device, the total sequence length in host memory at the buffers' length, only the
-    embeddings and `seqlens_k` written per step; returns the log-probs."""
-    device, session = runner.device_type, runner.session
-    rows = next(iter(steps.caches.values())).shape[2]
-    lengths = decode_lengths(steps.lengths[0], 1, total=rows)
-    # the graph reads the total on the host: bound on the GPU, IOBinding would copy it there once, at binding
-    embeds, seqlens_k = _placed(steps.embeds[0], device), _placed(lengths[SEQLENS_K], device)
-    vocab = next(t for t in runner.spec.outputs if t.name == "logp").shape[-1]
-    assert isinstance(vocab, int)
-    logp = ort.OrtValue.ortvalue_from_shape_and_type([len(steps.lengths[0]), vocab], np.float32, device, 0)
-    binding = session.io_binding()
-    binding.bind_ortvalue_input("inputs_embeds", embeds)
-    binding.bind_ortvalue_input(SEQLENS_K, seqlens_k)
-    binding.bind_ortvalue_input(TOTAL_SEQUENCE_LENGTH, _placed(lengths[TOTAL_SEQUENCE_LENGTH], CPU))
-    binding.bind_ortvalue_output("logp", logp)
-    for past, present in cache_pairs(runner.spec):
-        cache = _placed(steps.caches[past], device)
-        binding.bind_ortvalue_input(past, cache)
-        binding.bind_ortvalue_output(present, cache)
-
-    def step(i: int) -> np.ndarray:
-        embeds.update_inplace(steps.embeds[i])
-        seqlens_k.update_inplace(decode_lengths(steps.lengths[i], 1)[SEQLENS_K])
-        session.run_with_iobinding(binding)
-        return np.array(logp.numpy())  # on the CPU `numpy()` is a view of the buffer the next step writes
-
-    return step
+    """Step i as the runtime's batch makes it with CUDA graphs (`GraphedSteps`: every input and output bound
+    once, the total sequence length in host memory at the buffers' length, only the embeddings and
+    `seqlens_k` written per step), on caches of its own; returns the log-probs."""
+    caches = {name: _placed(array, runner.device_type) for name, array in steps.caches.items()}
+    graphed = GraphedSteps(runner)
+    return lambda i: graphed.step(steps.embeds[i], steps.lengths[i], caches)
 
 
 def run_variant(bundle: RuntimeBundle, provider: str, variant: str, steps: Steps

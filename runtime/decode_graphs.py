@@ -55,6 +55,9 @@ class GraphedSteps:
         """Rows -> the binding of a step of that many, over the buffers at `_buffers`."""
         self._buffers: tuple[int, ...] = ()
         """Where the bound buffers are: their length in positions, then their addresses."""
+        self._given: Mapping[str, ort.OrtValue | BufferView] | None = None
+        self._views: dict[str, BufferView] = {}
+        """The last step's `buffers`, as views: a mapping given again is taken for the same buffers."""
         self._next_id = 1  # onnxruntime keeps 0, its default, to itself (and -1 runs outside the graphs)
         self._pairs = cache_pairs(runner.spec)
         self._embeds = next(t for t in runner.spec.inputs if t.name == "inputs_embeds")
@@ -68,18 +71,21 @@ class GraphedSteps:
     def step(self, embeds: np.ndarray, lengths: np.ndarray,
              buffers: Mapping[str, ort.OrtValue | BufferView]) -> np.ndarray:
         """One decode step of B = len(lengths) rows: embeds (B, 1, C), row b's cache the first `lengths[b]`
-        positions of row b of `buffers` (`past_*` -> the first B rows of a buffer on the runner's device,
-        with room for one more position); returns logp (B, V)."""
-        views = {past: v if isinstance(v, BufferView) else BufferView(v, 0, len(lengths))
-                 for past, v in buffers.items()}
-        at = (next(iter(views.values())).shape[2], *(v.address for v in views.values()))
-        if at != self._buffers:  # other buffers: the graphs of the ones before are of no more use
-            self.release()
-            self._buffers = at
-        capacity, rows = at[0], len(lengths)
+        positions of row b of `buffers` (`past_*` -> B rows of a buffer on the runner's device, or its first B
+        rows, with room for one more position); returns logp (B, V)."""
+        rows = len(lengths)
+        if buffers is not self._given:
+            self._given = buffers
+            self._views = {past: v if isinstance(v, BufferView) else BufferView(v, 0, rows)
+                           for past, v in buffers.items()}
+            at = (next(iter(self._views.values())).shape[2], *(v.address for v in self._views.values()))
+            if at != self._buffers:  # other buffers: the graphs of the ones before are of no more use
+                self.release()
+                self._buffers = at
+        capacity = self._buffers[0]
         graph = self._graphs.get(rows)
         if graph is None:
-            graph = self._graphs[rows] = self._bind(rows, capacity, views)
+            graph = self._graphs[rows] = self._bind(rows, capacity, self._views)
         graph.embeds.update_inplace(np.ascontiguousarray(embeds, dtype=self._embeds.np_dtype))
         graph.seqlens_k.update_inplace(decode_lengths(lengths, 1, capacity)[SEQLENS_K])
         self.runner.session.run_with_iobinding(graph.binding, graph.run_options)

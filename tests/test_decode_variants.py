@@ -122,9 +122,13 @@ def test_a_cuda_variant_that_fails_is_reported_and_any_other_failure_ends_it(
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs onnxruntime's CUDA provider (onnxruntime-gpu and a GPU)")
 def test_on_cuda_every_variant_is_measured_or_says_why_it_failed(fp16_decode_bundle: Path) -> None:
+    """The bound step and its CUDA graph (which `llm_decode` version 3 allows: its lengths are inputs) agree
+    with the runtime's step; XQA's sessions are measured or say why they failed."""
     result = measure(RuntimeBundle.open(fp16_decode_bundle), "cuda", 2, past=20, steps=6)
-    bound = result["variants"][BOUND_ONCE]  # another session: cuBLAS may pick other kernels
-    assert bound["max_abs_diff"] < 1e-2 and bound["steps_with_another_best_id"] == 0
-    for variant in (CUDA_GRAPH, XQA_ON, XQA_OFF):
+    for variant in (BOUND_ONCE, CUDA_GRAPH):  # other sessions: cuBLAS may pick other kernels
+        r = result["variants"][variant]
+        assert "failed" not in r, r
+        assert r["max_abs_diff"] < 1e-2 and r["steps_with_another_best_id"] == 0, (variant, r)
+    for variant in (XQA_ON, XQA_OFF):
         r = result["variants"][variant]
         assert "failed" in r or np.isfinite(r["max_abs_diff"]), (variant, r)
