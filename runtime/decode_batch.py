@@ -363,12 +363,15 @@ class DecodeBatcher:
         return sum(item is not None for item in self._rows)
 
     def close(self) -> None:
-        """Stop the thread; every decoding in it or waiting ends with a `SynthesisError`."""
+        """Stop the thread; every decoding in it or waiting ends with a `SynthesisError`. The CUDA graphs of
+        its steps are released with it."""
         with self._cond:
             self._closed = True
             self._cond.notify()
         if self._thread is not None:
             self._thread.join()
+        if self.graphs is not None:
+            self.graphs.release()
 
     def _run(self) -> None:
         while True:

@@ -75,13 +75,12 @@ class GraphedSteps:
         rows, with room for one more position); returns logp (B, V)."""
         rows = len(lengths)
         if buffers is not self._given:
-            self._given = buffers
-            self._views = {past: v if isinstance(v, BufferView) else BufferView(v, 0, rows)
-                           for past, v in buffers.items()}
-            at = (next(iter(self._views.values())).shape[2], *(v.address for v in self._views.values()))
+            views = {past: v if isinstance(v, BufferView) else BufferView(v, 0, rows)
+                     for past, v in buffers.items()}
+            at = (next(iter(views.values())).shape[2], *(v.address for v in views.values()))
             if at != self._buffers:  # other buffers: the graphs of the ones before are of no more use
                 self.release()
-                self._buffers = at
+            self._given, self._views, self._buffers = buffers, views, at
         capacity = self._buffers[0]
         graph = self._graphs.get(rows)
         if graph is None:
@@ -92,10 +91,12 @@ class GraphedSteps:
         return np.array(graph.logp.numpy())  # a copy: on the CPU `numpy()` is the memory the next step writes
 
     def release(self) -> None:
-        """Forget every shape's binding and graph: later steps bind and capture anew, under new graph ids."""
+        """Forget every shape's binding and graph, and the buffers: later steps bind and capture anew, under
+        new graph ids."""
         for graph in self._graphs.values():
             self.runner.session.release_captured_graph(graph.id)
         self._graphs.clear()
+        self._given, self._views, self._buffers = None, {}, ()
 
     def _bind(self, rows: int, capacity: int, buffers: Mapping[str, BufferView]) -> _Graph:
         runner = self.runner
