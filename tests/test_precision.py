@@ -4,10 +4,13 @@ exporter and the runtime take from them."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
+from test_runtime_core import clone
 
 from cosyvoice_graphs import (
     HIFT_DECODER,
@@ -132,23 +135,18 @@ def test_open_runner_asks_for_tf32_exactly_for_tf32_graphs(monkeypatch: pytest.M
 
 
 def test_a_manifest_with_an_unknown_precision_is_one_line(tmp_path: Path) -> None:
-    root = tmp_path / "bundle"
-    root.mkdir()
-    for path in DEMO_BUNDLE.rglob("*"):
-        if path.is_file() and path.name != MANIFEST:
-            (root / path.relative_to(DEMO_BUNDLE)).parent.mkdir(parents=True, exist_ok=True)
-            (root / path.relative_to(DEMO_BUNDLE)).symlink_to(path)
-    manifest = json.loads((DEMO_BUNDLE / MANIFEST).read_text())
-    manifest["graphs"]["llm"]["precision"] = "fp8"
-    manifest["graphs"][DIT]["precision"] = "bf16"
-    (root / MANIFEST).write_text(json.dumps(manifest))
+    def precisions(llm: str) -> Callable[[dict[str, Any]], None]:
+        def edit(manifest: dict[str, Any]) -> None:
+            manifest["graphs"]["llm"]["precision"] = llm
+            manifest["graphs"][DIT]["precision"] = "bf16"
+        return edit
+
+    root = clone(DEMO_BUNDLE, tmp_path / "bundle", precisions("fp8"))
     with pytest.raises(RuntimeBundleError) as info:
         RuntimeBundle.open(root)  # each graph's I/O follows its precision (`GraphSpec.io_at`)
     assert str(info.value) == (f"{root / MANIFEST}: graphs.llm.precision: unknown precision 'fp8'; known: "
                                "fp32, fp16, int8, int4, bf16, tf32")
-    manifest["graphs"]["llm"]["precision"] = "fp32"
-    (root / MANIFEST).write_text(json.dumps(manifest))
-    bundle = RuntimeBundle.open(root)
+    bundle = RuntimeBundle.open(clone(DEMO_BUNDLE, tmp_path / "fixed", precisions("fp32")))
     # the runner refuses a provider the graph's precision does not run on before it reads the graph
     with pytest.raises(ProviderError) as refused:
         open_runner(bundle, DIT, CUDA)
@@ -200,14 +198,10 @@ def test_an_fp16_llm_written_for_onnxruntime_is_refused_on_cuda(tmp_path: Path) 
     """onnxruntime's CUDA GroupQueryAttention fails on an fp16 `llm`'s growing caches: a bundle that would
     decode there is refused before any session opens, naming the profile that decodes on an fp16
     `llm_decode`."""
-    for path in DEMO_BUNDLE.rglob("*"):
-        if path.is_file() and path.name != MANIFEST:
-            (tmp_path / path.relative_to(DEMO_BUNDLE)).parent.mkdir(parents=True, exist_ok=True)
-            (tmp_path / path.relative_to(DEMO_BUNDLE)).symlink_to(path)
-    manifest = json.loads((DEMO_BUNDLE / MANIFEST).read_text())
-    manifest["graphs"]["llm"]["precision"] = FP16.name
-    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
-    bundle = RuntimeBundle.open(tmp_path)
+    def fp16_llm(manifest: dict[str, Any]) -> None:
+        manifest["graphs"]["llm"]["precision"] = FP16.name
+
+    bundle = RuntimeBundle.open(clone(DEMO_BUNDLE, tmp_path, fp16_llm))
     for provider in (CUDA, TENSORRT):
         with pytest.raises(ProviderError, match=r"its fp16 llm attends with onnxruntime's "
                            r"GroupQueryAttention .* \(--precision gpu-fp16, or decode=fp16 beside a list\)"):
