@@ -38,7 +38,7 @@ def _fill(buffers: SlotBuffers, lengths: list[int], seed: int) -> None:
 
 
 def test_bound_steps_are_the_runtimes_calls(fp16_decode_bundle: Path) -> None:
-    """Steps of 3, then 2, then 3 rows again through `GraphedSteps` against the same steps as the runtime
+    """Steps of 3, 3, 2, 3 and 2 rows through `GraphedSteps` against the same steps as the runtime
     makes them (`extend_rows`) on a twin of the buffers: the same log-probs and caches, bit for bit. A
     binding is made once per number of rows and kept; buffers replaced by longer ones release them all."""
     bundle = RuntimeBundle.open(fp16_decode_bundle)
