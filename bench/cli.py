@@ -18,7 +18,7 @@ from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cli_options import first_chunk_option
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, PROVIDERS
-from cosyvoice_runtime.synthesis import check_cuda_graphs
+from cosyvoice_runtime.synthesis import check_cuda_graphs, check_stack_dit
 
 from .cases import LENGTHS, default_long_tokens, make_cases, parse_lengths, parse_levels
 from .errors import BenchError
@@ -81,6 +81,10 @@ def _user_errors() -> Iterator[None]:
               help="Replay the runtime's decode steps from CUDA graphs (cuda, a bundle with llm_decode: "
                    "--precision decode=fp16 or gpu-fp16); the decodings then run in a batch, of one where "
                    "the runs have no batch, one stream's at a time.")
+@click.option("--stack-dit", is_flag=True,
+              help="Run concurrent sessions' cached DiT calls at the same ODE step and frames as one call "
+                   "(the runtime's DitStack); the concurrency table then says how many streams a call "
+                   "served.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the results as JSON (atomically).")
 @click.option("--plots", is_flag=True,
@@ -90,8 +94,8 @@ def _user_errors() -> Iterator[None]:
 def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch: bool,
          model_dir: Path | None, threads: int | None, provider: str, lengths: str, concurrency: str,
          tokens: int | None, repeat: int | None, seed: int, quick: bool, chunk_policy: ChunkPolicy | None,
-         thread_scaling: bool | None, chunk_slots: int | None, cuda_graphs: bool, json_out: Path | None,
-         plots: bool, progress: bool) -> None:
+         thread_scaling: bool | None, chunk_slots: int | None, cuda_graphs: bool, stack_dit: bool,
+         json_out: Path | None, plots: bool, progress: bool) -> None:
     """Benchmark a CosyVoice3 runtime bundle: first-chunk latency, RTF, per-stage times, LLM tokens/s,
     memory, concurrency, hardware bounds and onnxruntime levers, optionally beside the torch reference."""
     with _user_errors():
@@ -117,6 +121,8 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
         bundle = RuntimeBundle.open(model, verify=True)
         if cuda_graphs:
             check_cuda_graphs(bundle, provider)
+        if stack_dit:
+            check_stack_dit(bundle)
         if model_dir is not None:  # fail before the run starts, not when the torch side first loads
             from cosyvoice_export.bundle.model_dir import ModelBundle
 
@@ -132,6 +138,7 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
             concurrency=levels, threads=threads, provider=provider,
             repeat=repeat or (1 if quick else 3), quick=quick, seed=seed, model_dir=model_dir,
             latency_policy=chunk_policy, chunk_slots=chunk_slots, cuda_graphs=cuda_graphs,
+            stack_dit=stack_dit,
             thread_scaling=thread_scaling if thread_scaling is not None else threads >= 2 and not quick)
         result = run(settings, progress=progress)
         written = write_plots(result, json_out) if plots and json_out is not None else []

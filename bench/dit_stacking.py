@@ -23,9 +23,10 @@ import click
 import numpy as np
 import onnxruntime as ort
 
-from cosyvoice_graphs import DIT, DIT_ROWS, GraphSpec, cache_pairs, dit_call_case
+from cosyvoice_graphs import DIT, GraphSpec, cache_pairs, dit_call_case
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.dit_stack import row_inputs, stacked_feeds
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.runners import CPU, CUDA, Feed, OrtRunner, Runner, open_runner
 
@@ -43,20 +44,8 @@ def stream_feeds(spec: GraphSpec, new: int, past: int, block: int, streams: int
     seed per stream), the inputs without rows (which a call's streams share) stream 0's."""
     case = dit_call_case(new, past, past, block)
     feeds = [spec.sample_inputs(case, seed=s) for s in range(streams)]
-    rows = _with_rows(spec)
+    rows = row_inputs(spec)
     return [{**f, **{name: feeds[0][name] for name in f if name not in rows}} for f in feeds]
-
-
-def _with_rows(spec: GraphSpec) -> set[str]:
-    """The inputs with a row per stream's CFG row; the others a call's streams share."""
-    return {t.name for t in spec.inputs if t.shape[0] == DIT_ROWS}
-
-
-def stacked(spec: GraphSpec, feeds: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """The streams' feeds as one call's: the inputs with rows concatenated along them, the others shared."""
-    rows = _with_rows(spec)
-    return {name: np.concatenate([f[name] for f in feeds]) if name in rows else value
-            for name, value in feeds[0].items()}
 
 
 def _placed(feeds: dict[str, np.ndarray], runner: Runner, caches: set[str]) -> dict[str, Feed]:
@@ -80,7 +69,8 @@ def measure(runner: Runner, block: int, streams: int, new: int, past: int, *, ro
     presents = [present for _, present in pairs]
     caches = {past_name for past_name, _ in pairs}
     alone = [_placed(f, runner, caches) for f in stream_feeds(spec, new, past, block, streams)]
-    together = _placed(stacked(spec, [{k: _host(v) for k, v in f.items()} for f in alone]), runner, caches)
+    on_host = [{k: _host(v) for k, v in f.items()} for f in alone]
+    together = _placed(stacked_feeds(spec, on_host), runner, caches)
 
     def call(feeds: dict[str, Feed]) -> dict[str, Feed]:
         out, kept = runner.infer_kept(feeds, keep=presents)

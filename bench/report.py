@@ -135,25 +135,27 @@ def _num(value: Any, scale: float = 1.0) -> str:
 def _concurrency(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The concurrency table: each level unbatched, then batched (`decode_batch`, where the bundle batches on
     this provider) and the batched/unbatched ratio of audio per second, with the chunks that ran at once
-    (chunk slots); LLM tok/s is decodings alone."""
+    (chunk slots); LLM tok/s is decodings alone; with `--stack-dit`, the streams a DiT call served."""
     batched = any(r.get("batched") for r in rows)
+    stacked = any("dit_streams_per_call" in r for r in rows)
     header = ["sessions", "length", "shared", "wall s", "audio s/s", "session RTF", "first chunk mean s",
-              "p95 s", "LLM tok/s", "outputs match"]
+              "p95 s", "LLM tok/s", "outputs match", *(["DiT streams/call"] if stacked else [])]
     if batched:
         header += ["batched audio s/s", "ratio", "chunk slots", "session RTF", "first chunk p95 s",
-                   "LLM tok/s", "outputs match"]
+                   "LLM tok/s", "outputs match", *(["DiT streams/call"] if stacked else [])]
     table = []
     for r in rows:
         row = [str(r["level"]), r["length"], _num(r["shared_synthesizer"]), _num(r["wall_s"]),
                _num(r["audio_s_per_s"]), _num(r["session_rtf_mean"]), _num(r["first_chunk_mean_s"]),
-               _num(r.get("first_chunk_p95_s")), _num(r.get("llm_tokens_per_s")), _num(r["outputs_match"])]
+               _num(r.get("first_chunk_p95_s")), _num(r.get("llm_tokens_per_s")), _num(r["outputs_match"]),
+               *([_num(r.get("dit_streams_per_call"))] if stacked else [])]
         if batched:
             b = r.get("batched") or {}
             ratio = b["audio_s_per_s"] / r["audio_s_per_s"] if b else None
             row += [_num(b.get("audio_s_per_s")), _num(ratio), _num(b.get("chunk_slots")),
                     _num(b.get("session_rtf_mean")),
                     _num(b.get("first_chunk_p95_s")), _num(b.get("llm_tokens_per_s")),
-                    _num(b.get("outputs_match"))]
+                    _num(b.get("outputs_match")), *([_num(b.get("dit_streams_per_call"))] if stacked else [])]
         table.append(row)
     title = "concurrency (runtime, streamed sessions in threads, cached prompt" + (
         "; batched: their decodings in one batch)" if batched else ")")

@@ -57,22 +57,23 @@ class RuntimeBackend:
 
     def __init__(self, bundle: RuntimeBundle, *, provider: str, threads: int, prompt_text: str, seed: int,
                  latency_policy: ChunkPolicy | None = None, chunk_slots: int | None = None,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, stack_dit: bool = False) -> None:
         """Open every graph on `provider` with `threads` intra-op threads; `prompt_text` is the prompt
         recording's transcript (zero-shot), `seed` the RAS sampler's; `latency_policy`: the chunk policy
         `policy_first_chunk` measures beside upstream's, checked against these graphs first (a `UserError`
         before anything opens); `chunk_slots`: the batched sessions' chunks at once (None: the runtime's
         default); `cuda_graphs`: the decode steps replay from CUDA graphs, in a batch even of one
-        (`Synthesizer`), so that the runs without a batch decode one stream at a time."""
+        (`Synthesizer`), so that the runs without a batch decode one stream at a time; `stack_dit`: concurrent
+        streams' cached DiT calls run stacked (`dit_stack`)."""
         start = time.perf_counter()
         self.bundle, self.provider, self.threads = bundle, provider, threads
         self.prompt_text = prompt_text
         self.latency_policy = check_policy(latency_policy, bundle) if latency_policy is not None else None
         check_chunk_slots(chunk_slots)
         self.chunk_slots = chunk_slots
-        self.cuda_graphs = cuda_graphs
+        self.cuda_graphs, self.stack_dit = cuda_graphs, stack_dit
         self.voice = CosyVoice3(bundle, provider=provider, threads=threads, seed=seed,
-                                cuda_graphs=cuda_graphs)
+                                cuda_graphs=cuda_graphs, stack_dit=stack_dit)
         self._log = CallLog()
         self.load_s = time.perf_counter() - start
 
@@ -201,7 +202,8 @@ class RuntimeBackend:
         shared = self.provider != TRT
         voices = ([self.voice] * level if shared else
                   [CosyVoice3(self.bundle, provider=self.provider, threads=self.threads,
-                              seed=self.voice.sampling.seed, cuda_graphs=self.cuda_graphs)
+                              seed=self.voice.sampling.seed, cuda_graphs=self.cuda_graphs,
+                              stack_dit=self.stack_dit)
                    for _ in range(level)])
         try:
             warm_up = (self._sessions(voices, piece, prompt, case.tokens, reference_sha256) if level > 1
@@ -233,6 +235,8 @@ class RuntimeBackend:
                   reference_sha256: str) -> dict[str, Any]:
         """One streamed session per voice, all started together: throughput, session RTF, first chunks."""
         barrier = threading.Barrier(len(voices))
+        stacks = list({id(s): s for v in voices if (s := v.synth.flow.stack) is not None}.values())
+        before = [(s.calls, s.streams) for s in stacks]
 
         def session(voice: CosyVoice3) -> tuple[float, float, float, float, str]:
             barrier.wait()
@@ -250,7 +254,12 @@ class RuntimeBackend:
 
         with ThreadPoolExecutor(len(voices)) as pool:
             runs = list(pool.map(session, voices))
-        return _sessions_figures(runs, reference_sha256)
+        figures = _sessions_figures(runs, reference_sha256)
+        if stacks:
+            calls = sum(s.calls - b[0] for s, b in zip(stacks, before, strict=True))
+            streams = sum(s.streams - b[1] for s, b in zip(stacks, before, strict=True))
+            figures |= {"dit_calls": calls, "dit_streams_per_call": streams / calls if calls else None}
+        return figures
 
     @staticmethod
     def _decodings(voices: list[CosyVoice3], piece: Segment, prompt: PromptFeatures, tokens: int) -> float:

@@ -75,6 +75,8 @@ class Settings:
     None: the runtime's default for the provider and threads."""
     cuda_graphs: bool = False
     """The runtime's decode steps replay from CUDA graphs (`--cuda-graphs`)."""
+    stack_dit: bool = False
+    """The runtime runs concurrent streams' cached DiT calls stacked (`--stack-dit`)."""
 
 
 def thread_levels(threads: int) -> list[int]:
@@ -105,7 +107,7 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
     def runtime_at(threads: int) -> Callable[[], Backend]:
         return lambda: RuntimeBackend(bundle, provider=s.provider, threads=threads, prompt_text=s.prompt_text,
                                       seed=s.seed, latency_policy=s.latency_policy, chunk_slots=s.chunk_slots,
-                                      cuda_graphs=s.cuda_graphs)
+                                      cuda_graphs=s.cuda_graphs, stack_dit=s.stack_dit)
 
     factories = {"runtime": runtime_at(s.threads)}
     jobs = {"runtime": PeakJob("runtime", s.model, s.prompt_wav, s.prompt_text, s.threads, s.provider,
@@ -209,6 +211,7 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
             "quick": s.quick,
             "first_chunk_tokens": s.latency_policy.first_chunk_tokens if s.latency_policy else None,
             "thread_scaling": s.thread_scaling, "chunk_slots": s.chunk_slots, "cuda_graphs": s.cuda_graphs,
+            "stack_dit": s.stack_dit,
         },
         "machine": machine,
         "cpu_class": machine["cpu_class"],

@@ -28,6 +28,7 @@
 #   stacking-P   the DiT's calls of 1, 4 and 16 streams one after another against one stacked call
 #   streamsN-P   with an llm_decode: STREAMS (16) concurrent streams of 125 tokens, unbatched and batched
 #                (the many-streams target), a bench of their own so that a slow level costs only its figures
+#   stackdit-streamsN-P  streamsN-P again with the streams' DiT calls stacked (--stack-dit)
 #   profile-P    its hot graph calls under onnxruntime's profiler: time per provider, host/device copies
 #   variants-P   with an llm_decode: its step for 1, 4 and 16 decodings as the runtime makes it, bound once,
 #                replayed from a CUDA graph, with XQA on and off: times, and log-probs against the runtime's
@@ -137,6 +138,9 @@ measure() {
     streams) ((batches)) && step "streams$STREAMS-$tag" 360 "$PY" -m cosyvoice_bench --model "$bundle" \
         --provider "$PROVIDER" --lengths long --concurrency "$STREAMS" --quick --tokens 125 --no-progress \
         --json "$OUT/streams$STREAMS-$tag.json" ;;
+    stackdit) ((batches)) && step "stackdit-streams$STREAMS-$tag" 360 "$PY" -m cosyvoice_bench --model "$bundle" \
+        --provider "$PROVIDER" --lengths long --concurrency "$STREAMS" --quick --tokens 125 --stack-dit \
+        --no-progress --json "$OUT/stackdit-streams$STREAMS-$tag.json" ;;
     profile) step "profile-$tag" 120 "$PY" -m cosyvoice_bench.graph_profile --model "$bundle" \
         --provider "$PROVIDER" --json "$OUT/profile-$tag.json" ;;
     variants) ((batches)) && step "variants-$tag" 240 "$PY" -m cosyvoice_bench.decode_variants \
@@ -154,7 +158,7 @@ measure() {
     return 0
 }
 
-for kind in bench graphs stacking streams profile variants rows slots1; do
+for kind in bench graphs stacking streams stackdit profile variants rows slots1; do
     for p in $PRECISIONS; do
         measure "$kind" "$p"
     done

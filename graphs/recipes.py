@@ -41,6 +41,12 @@ class QuantScheme:
     symmetric: bool = True
     """`NBITS`: scales only (True), or scales and zero points."""
 
+    @property
+    def rows_share_scales(self) -> bool:
+        """Whether a row's results depend on the other rows of its call: `DYNAMIC` quantizes the activations
+        per tensor, one scale over every row; `NBITS` per block of each row."""
+        return self.operator == DYNAMIC
+
     def describe(self) -> str:
         """The scheme as recorded in the graph's metadata."""
         if self.operator == NBITS:

@@ -71,6 +71,7 @@ from .synthesis import (
     check_chunk_slots,
     check_cuda_graphs,
     check_max_batch,
+    check_stack_dit,
     closing_after,
     llm_request,
 )
@@ -123,7 +124,7 @@ class CosyVoice3:
                  speakers_dir: Path | None = None, flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
                  max_batch: int = 1, batch_observer: BatchObserver | None = None,
                  chunk_policy: ChunkPolicy | None = None, chunk_slots: int | None = None,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, stack_dit: bool = False) -> None:
         """Open `model_dir`: a runtime bundle, a model bundle exported on first use as `cosyvoice-run
         --model` does, or a bundle opened already. `provider` and `threads` place the graphs
         (`cosyvoice_runtime.runners.PROVIDERS`); `sampling` is upstream's repetition-aware sampling
@@ -138,7 +139,8 @@ class CosyVoice3:
         one on a CPU whose cores a session's graphs take, `synthesis.default_chunk_slots`); `chunk_policy` is
         when every stream emits its chunks (None: upstream's schedule; `ChunkPolicy.first_chunk_tokens` a
         deviation from it for latency), checked against the graphs here; `cuda_graphs` replays the decode
-        steps from CUDA graphs (on cuda, with `llm_decode`: `decode_graphs`).
+        steps from CUDA graphs (on cuda, with `llm_decode`: `decode_graphs`); `stack_dit` runs concurrent
+        streams' cached DiT calls at the same ODE step and frames as one call (`dit_stack`).
 
         Upstream's own keywords are taken for what they mean here: `load_trt` runs the graphs on
         onnxruntime's TensorRT provider (upstream's DiT runs as a TensorRT plan it builds on first use);
@@ -162,6 +164,8 @@ class CosyVoice3:
         check_policy(chunk_policy, bundle)
         if cuda_graphs:
             check_cuda_graphs(bundle, provider)
+        if stack_dit:
+            check_stack_dit(bundle)
         if verify and bundle is not model_dir:  # hashed once it is known to be the bundle asked for
             bundle = RuntimeBundle.open(bundle.root, verify=True)
         self.bundle = bundle
@@ -172,7 +176,8 @@ class CosyVoice3:
         """CAM++ and the speech tokenizer once a prompt needed them (`_prompt_models`)."""
         self.synth = Synthesizer(self.bundle, provider, threads=threads, flow_prefix_bytes=flow_prefix_bytes,
                                  max_batch=max_batch, batch_observer=batch_observer,
-                                 chunk_policy=chunk_policy, chunk_slots=chunk_slots, cuda_graphs=cuda_graphs)
+                                 chunk_policy=chunk_policy, chunk_slots=chunk_slots, cuda_graphs=cuda_graphs,
+                                 stack_dit=stack_dit)
         self.prefix_jobs = PrefixJobs(self.synth.flow, self.synth.live)
         """Speakers' flow prefixes computed in the background (a thread started by the first job)."""
         self._speakers_dir = speakers_dir

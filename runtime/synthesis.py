@@ -30,12 +30,14 @@ import numpy as np
 
 from cosyvoice_graphs import DIT, FLOW_ENCODER, HIFT_DECODER, HIFT_F0, LLM_DECODE, MAX_BATCH
 from cosyvoice_graphs.bundle_layout import FLOW_NOISE, SINE_NOISE, SPEECH_EMBEDDING, TEXT_EMBEDDING
+from cosyvoice_graphs.recipes import RECIPES
 
 from .bundle import RuntimeBundle
 from .chunk_policy import ChunkPolicy, check_policy
 from .chunk_turns import ChunkTurns, no_pause
 from .decode_batch import BatchedDecoding, BatchObserver, DecodeBatcher
 from .decode_graphs import GraphedSteps
+from .dit_stack import DitStack
 from .errors import SynthesisError, UserError
 from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from .frontend import PromptFeatures
@@ -146,20 +148,24 @@ class Synthesizer:
     def __init__(self, bundle: RuntimeBundle, provider: str = CPU, *, threads: int | None = None,
                  flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, max_batch: int = 1,
                  batch_observer: BatchObserver | None = None, chunk_policy: ChunkPolicy | None = None,
-                 chunk_slots: int | None = None, cuda_graphs: bool = False) -> None:
+                 chunk_slots: int | None = None, cuda_graphs: bool = False, stack_dit: bool = False) -> None:
         """Open every graph of `bundle` on `provider` (see `cosyvoice_runtime.runners.PROVIDERS`);
         `flow_prefix_bytes` bounds the streaming flow's per-prompt cache (`Flow.prefixes`). `max_batch` > 1
         decodes concurrent requests' speech ids together (`decode_batch`, reporting to `batch_observer`),
         which needs the bundle's `llm_decode` on the decode steps (`batches`); 1 decodes each on its own.
         `chunk_slots` is how many of the batch's streams run their chunks' flow and vocoder calls at once
         (`set_max_batch`). `cuda_graphs`: the decode steps replay from CUDA graphs (`decode_graphs`; on
-        cuda, where `llm_decode` takes them), in a batch even of one. `chunk_policy` is the streams' schedule
+        cuda, where `llm_decode` takes them), in a batch even of one. `stack_dit`: concurrent streams' cached
+        DiT calls at the same ODE step and frames run as one call (`dit_stack`; streams whose chunks run at
+        once: a batch's `chunk_slots`). `chunk_policy` is the streams' schedule
         (None: upstream's); it, `max_batch`, `chunk_slots` and `cuda_graphs` are checked before any graph
         opens (a `UserError`)."""
         check_max_batch(max_batch, bundle, provider)
         check_chunk_slots(chunk_slots)
         if cuda_graphs:
             check_cuda_graphs(bundle, provider)
+        if stack_dit:
+            check_stack_dit(bundle)
         self.chunk_policy = check_policy(chunk_policy, bundle)
         """The streams' chunk schedule unless a call gives its own."""
         self.bundle, self.provider, self.threads = bundle, provider, threads
@@ -181,6 +187,8 @@ class Synthesizer:
                                 prefill=None if prefill is None else r[prefill])
         self.flow = Flow(r[FLOW_ENCODER], r[DIT], bundle.table(FLOW_NOISE), self.dims,
                          prefix_cache_bytes=flow_prefix_bytes)
+        if stack_dit:
+            self.flow.stack = DitStack(r[DIT])
         self.vocoder = Vocoder(r[HIFT_F0], r[HIFT_DECODER], bundle.uniform_noise(SINE_NOISE), self.dims,
                                bundle.manifest.model.hift)
         self.live = LiveWork()
@@ -396,6 +404,20 @@ def check_cuda_graphs(bundle: RuntimeBundle, provider: str) -> None:
         raise UserError(f"cuda graphs: the decode steps replay from CUDA graphs on llm_decode; {bundle.root} "
                         f"({bundle.manifest.precision}) decodes on {body} on cuda (export --precision "
                         "decode=fp16 or gpu-fp16)")
+
+
+def check_stack_dit(bundle: RuntimeBundle) -> None:
+    """A `UserError` (one line) unless `bundle`'s DiT gives each stream of a stacked call what its call alone
+    gives: not where its activations are quantized per tensor, one scale over every stream's rows (the int8
+    DiT's: a stream's velocity 9e-2 from its call alone at full size, performance-log.md, "streams' DiT
+    calls stacked in the runtime")."""
+    precision = bundle.graph_precision(DIT)
+    scheme = RECIPES[DIT].quantization.get(precision.name)
+    if scheme is not None and scheme.rows_share_scales:
+        raise UserError(f"stack_dit: {bundle.root}'s {DIT} is {precision.name}, its activations quantized "
+                        "with one scale over every row of a call, so a stream's frames would depend on the "
+                        "streams stacked with it; stacking takes a float DiT (export --precision fp32, fp16, "
+                        "bf16 or gpu-fp16)")
 
 
 def closing_after(chunks: Iterator[AudioChunk], close: Callable[[], None]

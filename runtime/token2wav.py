@@ -30,7 +30,8 @@ and onnxruntime's f0 rounding can depend on the input's length).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,6 +40,7 @@ from cosyvoice_graphs import BATCH, ModelDims, cache_pairs, empty_caches, euler_
 from cosyvoice_graphs.hift_layout import HiftLayout
 
 from .chunk_turns import no_pause
+from .dit_stack import AloneCalls, DitCalls, DitStack
 from .errors import SynthesisError
 from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES, FlowPrefix, FlowPrefixCache
 from .frontend import PromptFeatures
@@ -142,6 +144,8 @@ class Flow:
         self.dims = dims
         self.steps = euler_steps()
         self.prefixes = FlowPrefixCache(prefix_cache_bytes)
+        self.stack: DitStack | None = None
+        """Where streams' cached DiT calls gather into stacked calls (`dit_stack`); None: each its own."""
 
     def __call__(self, tokens: np.ndarray, prompt: PromptFeatures, *, finalize: bool, streaming: bool,
                  pause: Callable[[], None] = no_pause) -> np.ndarray:
@@ -344,12 +348,14 @@ class FlowStream:
         all_tokens = flow.tokens_with_prompt(tokens, self.prompt, finalize=finalize)
         if not finalize:
             self._start()
-        mu, spks = flow.encode(all_tokens, self.frames // ratio, self.prompt, finalize=finalize)  # (1, 80, n)
-        first, end = self.frames, self.frames + mu.shape[2]
-        if not finalize and end % block:
-            raise ValueError(f"a non-final chunk ends at frame {end}, not on a {block}-frame block boundary: "
-                             "its frames would see later ones, so caching them would change the result")
-        x = self.advance(mu, spks, block_frames=end if finalize else block, pause=pause)  # (1, 80, n)
+        with self.dit_calls() as calls:
+            mu, spks = flow.encode(all_tokens, self.frames // ratio, self.prompt, finalize=finalize)
+            first, end = self.frames, self.frames + mu.shape[2]  # mu: (1, 80, n)
+            if not finalize and end % block:
+                raise ValueError(f"a non-final chunk ends at frame {end}, not on a {block}-frame block "
+                                 "boundary: its frames would see later ones, so caching them would change "
+                                 "the result")
+            x = self.advance(mu, spks, block_frames=end if finalize else block, pause=pause, calls=calls)
         emitted = self.prompt.mel.shape[1] + ratio * self.tokens  # the first frame not returned yet
         self.tokens, self.finished = covered, finalize
         return x[:, :, emitted - first:]
@@ -366,9 +372,10 @@ class FlowStream:
         flow, ratio = self.flow, self.flow.dims.token_mel_ratio
         self._start()
         kept, first = list(self.caches), self.frames
-        mu, spks = flow.encode(flow.tokens_with_prompt(tokens, self.prompt, finalize=False), first // ratio,
-                               self.prompt, finalize=False)
-        x = self.advance(mu, spks, block_frames=flow.dims.dit_block_frames, pause=pause)
+        with self.dit_calls() as calls:
+            all_tokens = flow.tokens_with_prompt(tokens, self.prompt, finalize=False)
+            mu, spks = flow.encode(all_tokens, first // ratio, self.prompt, finalize=False)
+            x = self.advance(mu, spks, block_frames=flow.dims.dit_block_frames, pause=pause, calls=calls)
         self.caches, self.frames = kept, first
         return x[:, :, self.prompt.mel.shape[1] + ratio * self.tokens - first:]
 
@@ -378,35 +385,39 @@ class FlowStream:
             prefix = self.flow.prefix(self.prompt)
             self.frames, self.caches = prefix.frames, [dict(step) for step in prefix.caches]
 
+    def dit_calls(self) -> AbstractContextManager[DitCalls]:
+        """How a chunk's DiT calls run: through the flow's `stack` as a member for the chunk's work (joined
+        before its encoder call, so that streams whose chunks start together go through the ODE together),
+        or alone."""
+        stack = self.flow.stack
+        return nullcontext(AloneCalls(self.flow.estimator)) if stack is None else stack.member()
+
     def advance(self, mu: np.ndarray, spks: np.ndarray, *, block_frames: int,
-                pause: Callable[[], None] = no_pause) -> np.ndarray:
+                pause: Callable[[], None] = no_pause, calls: DitCalls | None = None) -> np.ndarray:
         """Solve the ODE over the next frames (their `mu` (1, 80, n), `spks` (1, 80)) against the caches,
         which then cover them too: x (1, 80, n). `block_frames` is the mask's block (counted from frame 0);
-        `pause` is called before every graph call (`Flow.compute_prefix`)."""
+        `pause` is called before every graph call (`Flow.compute_prefix`); the DiT calls go through `calls`
+        (None: alone, as a prompt's prefix computes, whose caches a `FlowPrefixCache` keeps: rows of a stacked
+        call's outputs would hold the whole call's memory there)."""
         flow, first = self.flow, self.frames
+        dit = calls if calls is not None else AloneCalls(flow.estimator)
         end = first + mu.shape[2]
         feeds = {"offset": np.array([first], dtype=np.int64),
                  "block_frames": np.array([block_frames], dtype=np.int64),
                  **_cfg_rows(mu, spks, flow.cond(self.prompt, first, end))}
-        pairs = cache_pairs(flow.estimator.spec)
         on_device = flow.keep_on_device and self.window is None
 
         def velocity(step: int, x: np.ndarray) -> np.ndarray:
-            pause()
             inputs = {"x": x, "ode_step": _ode_step(step), **feeds, **self.caches[step]}
-            if on_device:
-                out, kept = flow.estimator.infer_kept(inputs, keep=[present for _, present in pairs])
-                self.caches[step] = {past: kept[present] for past, present in pairs}
-            else:
-                out = flow.estimator.infer(inputs)
-                self.caches[step] = self._windowed({past: out[present] for past, present in pairs})
-            return out["velocity"]
+            v, caches = dit.velocity(inputs, kept=on_device, pause=pause)
+            self.caches[step] = caches if on_device else self._windowed(caches)
+            return v
 
         x = flow.solve(flow.initial_x(first, end), velocity)
         self.frames = end
         return x
 
-    def _windowed(self, caches: dict[str, np.ndarray]) -> dict[str, Feed]:
+    def _windowed(self, caches: Mapping[str, Feed]) -> dict[str, Feed]:
         """`caches` with the keys/values of frames outside the window dropped (all kept without one)."""
         out: dict[str, Feed] = dict(caches)
         if self.window is None:
@@ -415,7 +426,8 @@ class FlowStream:
         head = -(-self.prompt.mel.shape[1] // block) * block  # the prompt's blocks
         tail = self.window * block
         for name in self.growing:
-            a = caches[name]  # (2, H, frames, Dh)
+            a = caches[name]  # (2, H, frames, Dh), on the host
+            assert isinstance(a, np.ndarray)
             if a.shape[2] > head + tail:
                 out[name] = np.concatenate([a[:, :, :head], a[:, :, a.shape[2] - tail:]], axis=2)
         return out

@@ -87,6 +87,10 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
               help="Replay the decode steps from CUDA graphs (--provider cuda, a bundle with llm_decode: "
                    "--precision decode=fp16 or gpu-fp16). The sessions decode in the batch, one at a time "
                    "without --max-batch.")
+@click.option("--stack-dit", is_flag=True,
+              help="Run concurrent sessions' cached DiT calls at the same ODE step and frames as one call "
+                   "(a float DiT: fp32, fp16, bf16; on a GPU each call's time is mostly its launches). "
+                   "Sessions whose chunks run at once stack: --max-conc, or --chunk-slots with a batch.")
 @click.option("--queue", "queue_depth", type=click.IntRange(min=0), default=DEFAULTS.queue_depth,
               help="Sessions waiting for a slot; beyond them the server answers 503 (gRPC: "
                    "RESOURCE_EXHAUSTED) at once.")
@@ -135,7 +139,7 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
 @ray_options
 def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model: Path | None, provider: str,
           threads: int | None, max_conc: int, max_batch: int, chunk_slots: int | None, cuda_graphs: bool,
-          queue_depth: int,
+          stack_dit: bool, queue_depth: int,
           stream_idle: float, timeout: float,
           speakers_dir: Path | None, sampling: str, seed: int | None,
           flow_prefix_mib: int, max_text: int, api_key: str | None, max_body_mib: int,
@@ -160,7 +164,7 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
     settings = ServerSettings(max_concurrency=max_conc, max_batch=max_batch, chunk_slots=chunk_slots,
-                              cuda_graphs=cuda_graphs, queue_depth=queue_depth,
+                              cuda_graphs=cuda_graphs, stack_dit=stack_dit, queue_depth=queue_depth,
                               stream_idle_timeout=stream_idle, timeout=timeout, max_text_chars=max_text,
                               sampling=sampling, seed=seed,
                               speakers_dir=speakers_dir or DEFAULTS.speakers_dir, api_key=api_key,
@@ -180,7 +184,7 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
     try:
         engine = Engine.open(model, provider=provider, flow_prefix_bytes=flow_prefix_mib << 20,
                              threads=threads, max_batch=max_batch, chunk_slots=chunk_slots,
-                             chunk_policy=chunk_policy, cuda_graphs=cuda_graphs)
+                             chunk_policy=chunk_policy, cuda_graphs=cuda_graphs, stack_dit=stack_dit)
     except USER_ERRORS as e:
         _refuse(str(e))
     try:

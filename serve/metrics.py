@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from cosyvoice_runtime.dit_stack import DitStack
 from cosyvoice_runtime.flow_prefix import FlowPrefixCache
 from cosyvoice_runtime.prefix_jobs import JobState, PrefixJobs
 
@@ -136,10 +137,12 @@ class ServerMetrics:
     flow prefixes and the decode batch."""
 
     def __init__(self, running: Callable[[], float], waiting: Callable[[], float], prefixes: FlowPrefixCache,
-                 prefix_jobs: PrefixJobs, batch: BatchMetrics | None = None) -> None:
+                 prefix_jobs: PrefixJobs, batch: BatchMetrics | None = None, stack: DitStack | None = None
+                 ) -> None:
         """`running` and `waiting` read the session queue's current counts; `prefixes` is the engine's
         per-prompt flow cache and `prefix_jobs` the background jobs that fill it for speakers; `batch` what
-        its decode batch reports (none: it has no batch)."""
+        its decode batch reports (none: it has no batch); `stack` where its DiT calls stack (none: they do
+        not)."""
         self.requests_total = Counter("tts_requests_total", "Synthesis requests received.")
         self.requests_success = Counter("tts_requests_success", "Synthesis requests answered with audio.")
         self.requests_error = Counter("tts_requests_error", "Synthesis requests answered with an error "
@@ -173,10 +176,18 @@ class ServerMetrics:
                 (JobState.CACHED, "Background flow prefixes that a stream computed first."),
                 (JobState.CANCELLED, "Background flow prefixes cancelled (speaker deleted or replaced)."),
                 (JobState.FAILED, "Background flow prefixes that failed or did not fit the cache.")))]
+        self.dit_stack = [] if stack is None else [
+            CountReading("tts_dit_calls", "DiT calls made for streams' cached chunks (stacked or alone).",
+                         lambda: stack.calls),
+            CountReading("tts_dit_stream_calls", "Streams' DiT calls those calls served.",
+                         lambda: stack.streams),
+            CountReading("tts_dit_device_concats", "Stacked DiT calls whose caches were concatenated on the "
+                         "device.", lambda: stack.concats)]
         self._all: list[Counter | Gauge | Histogram] = [
             self.requests_total, self.requests_success, self.requests_error, self.requests_rejected,
             self.sessions_cancelled, self.synthesis_seconds, self.rtf, self.first_chunk_seconds,
-            self.queue_depth, self.active_sessions, *self.prefix_cache, *(batch.histograms if batch else ())]
+            self.queue_depth, self.active_sessions, *self.prefix_cache, *(batch.histograms if batch else ()),
+            *self.dit_stack]
 
     def render(self) -> str:
         """Every metric in the text exposition format."""

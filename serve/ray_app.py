@@ -104,7 +104,8 @@ class CosyVoiceReplica:
                                       max_batch=config.settings.max_batch,
                                       chunk_slots=replica_chunk_slots(config, threads),
                                       chunk_policy=config.settings.chunk_policy,
-                                      cuda_graphs=config.settings.cuda_graphs)
+                                      cuda_graphs=config.settings.cuda_graphs,
+                                      stack_dit=config.settings.stack_dit)
         except USER_ERRORS as e:
             raise self._start_error(e) from None
         if config.settings.warm_up:

@@ -155,8 +155,10 @@ sys.meta_path.insert(0, _Block())
 
 
 def test_quick_run_of_the_runtime_without_torch(runtime_bundle: Path, tmp_path: Path) -> None:
+    """With the DiT's calls stacked: the sessions' audio still matches a single stream's, and the concurrency
+    table says how many streams a DiT call served."""
     out = tmp_path / "bench.json"  # the prompt: the bundle's own
-    args = [*bench_args(runtime_bundle, out), "--lengths", "medium", "--concurrency", "1,2"]
+    args = [*bench_args(runtime_bundle, out), "--lengths", "long", "--concurrency", "1,2", "--stack-dit"]
     script = _BLOCK_TORCH + textwrap.dedent(f"""
         from cosyvoice_bench.cli import main
         try:
@@ -169,12 +171,16 @@ def test_quick_run_of_the_runtime_without_torch(runtime_bundle: Path, tmp_path: 
     assert done.returncode == 0, done.stderr[-3000:]
     assert "RTF offline" in done.stdout and "first chunk, cold, cached prompt" in done.stdout
     result = json.loads(out.read_text())
-    check_common(result, ["medium"], [1, 2])
+    check_common(result, ["long"], [1, 2])
     assert Path(result["settings"]["prompt_wav"]) == runtime_bundle / PROMPT_WAV
     case = result["cases"][0]
     assert case["torch"] is None and case["speedup"] is None and case["same_speech_tokens"] is None
-    assert case["pinned_tokens"] == 25  # half of --quick's 50
+    assert case["pinned_tokens"] == 50  # --quick's: a chunk and the final one
     assert result["thread_scaling"] is None and result["plots"] == []  # off with --quick, and not asked
+    assert result["settings"]["stack_dit"] is True and "DiT streams/call" in done.stdout
+    one, two = result["concurrency"]
+    assert one["dit_streams_per_call"] == 1 and one["dit_calls"] > 0
+    assert 1 <= two["dit_streams_per_call"] <= 2 and two["dit_calls"] > 0
 
 
 @pytest.mark.parametrize(("extra", "message"), [

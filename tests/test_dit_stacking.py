@@ -13,10 +13,11 @@ import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
 
-from cosyvoice_bench.dit_stacking import main, measure, stacked, stream_feeds
+from cosyvoice_bench.dit_stacking import main, measure, stream_feeds
 from cosyvoice_graphs import DIT, cache_pairs
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.dit_stack import stacked_feeds
 from cosyvoice_runtime.runners import open_runner
 
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
@@ -26,7 +27,7 @@ def test_stacked_feeds_put_each_streams_pair_in_its_two_rows() -> None:
     bundle = RuntimeBundle.open(DEMO_BUNDLE)
     spec = bundle.specs[DIT]
     feeds = stream_feeds(spec, 9, 14, bundle.dims.dit_block_frames, 3)
-    together = stacked(spec, feeds)
+    together = stacked_feeds(spec, feeds)
     assert together["x"].shape == (6, bundle.dims.mel_bins, 9)
     past_key = cache_pairs(spec)[-1][0]
     assert together[past_key].shape[0] == 6 and together[past_key].shape[2] == 14

@@ -41,7 +41,8 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
     assert steps.index("tiny-model") < steps.index("gates-tf32") < steps.index("gates-decode-fp16")
     assert steps[9:] == ["bench-fp32", "bench-decode-fp16", "graphs-decode-fp16", "stacking-fp32",
                          "stacking-decode-fp16",
-                         "streams3-decode-fp16", "profile-fp32", "profile-decode-fp16",
+                         "streams3-decode-fp16", "stackdit-streams3-decode-fp16", "profile-fp32",
+                         "profile-decode-fp16",
                          "variants-decode-fp16", "rows4-decode-fp16", "rows16-decode-fp16",
                          "slots1-streams3-decode-fp16"]
     assert "graphs-decode-fp16: skipped, CUDA graphs are the cuda provider's" in lines
@@ -56,6 +57,10 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
     one_slot_run = json.loads((tmp_path / "out" / "slots1-streams3-decode-fp16.json").read_text())
     (one_slot,) = one_slot_run["concurrency"]
     assert one_slot["batched"]["chunk_slots"] == 1 and one_slot["batched"]["outputs_match"] is True
+    stacked_run = json.loads((tmp_path / "out" / "stackdit-streams3-decode-fp16.json").read_text())
+    (stacked,) = stacked_run["concurrency"]
+    assert stacked["outputs_match"] is True and stacked["batched"]["outputs_match"] is True
+    assert stacked["dit_calls"] > 0 and stacked["batched"]["dit_calls"] > 0
     stacking = json.loads((tmp_path / "out" / "stacking-fp32.json").read_text())
     assert [run["streams"] for run in stacking["runs"][:3]] == [1, 4, 16]
     assert all(run["max_abs_diff"] < 1e-5 for run in stacking["runs"])  # exact at 2 threads

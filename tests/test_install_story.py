@@ -157,11 +157,12 @@ def test_the_hints_never_add_a_second_onnxruntime(monkeypatch: pytest.MonkeyPatc
 
 def test_the_gpu_extras_bring_cudas_libraries_and_the_tensorrt_onnxruntime_links() -> None:
     """`gpu` installs onnxruntime-gpu with NVIDIA's CUDA and cuDNN pip packages (without them its CUDA
-    provider does not load); TensorRT is an extra of its own, on top of `gpu`, held to the major release
-    onnxruntime-gpu 1.31's TensorRT provider links (libnvinfer.so.10), for CUDA 13 as that build is."""
-    (gpu,) = (Requirement(r) for r in OPTIONAL["gpu"])
+    provider does not load), and onnx, which builds the graph stacking streams' DiT caches there; TensorRT is
+    an extra of its own, on top of `gpu`, held to the major release onnxruntime-gpu 1.31's TensorRT provider
+    links (libnvinfer.so.10), for CUDA 13 as that build is."""
+    gpu, onnx = (Requirement(r) for r in OPTIONAL["gpu"])
     assert canonicalize_name(gpu.name) == canonicalize_name(extras.GPU_ONNXRUNTIME)
-    assert gpu.extras == {"cuda", "cudnn"}
+    assert gpu.extras == {"cuda", "cudnn"} and onnx.name == "onnx"
     trt = {canonicalize_name(r.name): r for r in map(Requirement, OPTIONAL["trt"])}
     assert trt[PACKAGE].extras == {"gpu"}
     assert set(trt) == {PACKAGE, "tensorrt-cu13", "polygraphy"}

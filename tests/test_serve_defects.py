@@ -30,6 +30,7 @@ import uvicorn
 from click.testing import CliRunner
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from test_runtime_core import clone
 from test_serve import (
     API_KEY,
     FAIL,
@@ -50,6 +51,7 @@ from test_serve import (
     wait_until,
 )
 
+from cosyvoice_graphs import DIT
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import SpeakerError
@@ -431,6 +433,14 @@ def test_cuda_graphs_on_the_cpu_are_one_line_before_the_graphs_open(tmp_path: Pa
     assert result.stderr == "error: cuda graphs are the cuda provider's, not 'cpu''s\n"
 
 
+def test_stack_dit_on_an_int8_dit_is_one_line_before_the_graphs_open(tmp_path: Path) -> None:
+    root = clone(DEMO_BUNDLE, tmp_path / "int8", lambda m: m["graphs"][DIT].__setitem__("precision", "int8"))
+    result = CliRunner().invoke(serve_cli.serve, ["--speakers", str(tmp_path / "speakers"), "--model",
+                                                  str(root), "--stack-dit"])
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"error: stack_dit: {root}'s {DIT} is int8, its activations quantized ")
+
+
 def test_the_options_reach_the_settings(engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                         ) -> None:
     served: list[FastAPI] = []
@@ -444,12 +454,13 @@ def test_the_options_reach_the_settings(engine: Engine, tmp_path: Path, monkeypa
     monkeypatch.setattr(uvicorn, "run", lambda app, **_: served.append(app))
     args = ["--speakers", str(tmp_path / "speakers"), "--max-body-mib", "3", "--cors-origin", ORIGIN,
             "--cors-origin", "http://localhost:8080", "--docs", "--prompt-dir", str(tmp_path),
-            "--threads", "3", "--chunk-slots", "2", "--cuda-graphs"]
+            "--threads", "3", "--chunk-slots", "2", "--cuda-graphs", "--stack-dit"]
     result = CliRunner().invoke(serve_cli.serve, args)
     assert result.exit_code == 0, result.output
     assert opened[0]["threads"] == 3 and opened[0]["chunk_slots"] == 2 and opened[0]["cuda_graphs"]
+    assert opened[0]["stack_dit"]
     settings = served[0].state.server.settings
-    assert settings.chunk_slots == 2 and settings.cuda_graphs
+    assert settings.chunk_slots == 2 and settings.cuda_graphs and settings.stack_dit
     assert settings.max_body_bytes == 3 << 20 and settings.docs and settings.prompt_dir == tmp_path
     assert settings.cors_origins == (ORIGIN, "http://localhost:8080")
     default = CliRunner().invoke(serve_cli.serve, ["--speakers", str(tmp_path / "speakers")])

@@ -66,6 +66,22 @@ def provider_chain(provider: str, device_id: int = 0, *, tf32: bool = False,
     return chains[provider]
 
 
+def bound_inputs(session: ort.InferenceSession, feeds: Mapping[str, Feed], device_id: int = 0
+                 ) -> ort.IOBinding:
+    """A new IOBinding of `session` with `feeds` bound: `OrtValue`s and `BufferView`s where they are (a GPU's
+    on `device_id`), arrays from the host."""
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        if isinstance(value, ort.OrtValue):
+            binding.bind_ortvalue_input(name, value)
+        elif isinstance(value, BufferView):
+            binding.bind_input(name, value.device, device_id if value.device != CPU else 0,
+                               value.dtype, list(value.shape), value.address)
+        else:
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+    return binding
+
+
 class OrtRunner(RunnerBase):
     """A graph on onnxruntime with exactly the requested execution provider.
 
@@ -145,7 +161,7 @@ class OrtRunner(RunnerBase):
         copy; the other outputs come back as numpy arrays. For the LLM's KV cache, which would otherwise
         cross to the host and back at every token."""
         self._check_call(feeds, keep)
-        binding = self._bound_inputs(feeds)
+        binding = bound_inputs(self.session, feeds, self.device_id)
         outputs, kept = self.spec.output_names, set(keep)
         for name in outputs:
             binding.bind_output(name, self.device_type if name in kept else CPU, self.device_id)
@@ -172,7 +188,7 @@ class OrtRunner(RunnerBase):
             if device != self.device_type:
                 raise ValueError(f"{self.spec.name}.{source}: an output written in place needs its input as "
                                  f"an OrtValue or a BufferView on {self.device_type}")
-        binding = self._bound_inputs(feeds)
+        binding = bound_inputs(self.session, feeds, self.device_id)
         for name in names:
             binding.bind_output(name, CPU)
         for output, source in in_place.items():
@@ -184,20 +200,6 @@ class OrtRunner(RunnerBase):
                 binding.bind_ortvalue_output(output, value)
         self.session.run_with_iobinding(binding, self.run_options)
         return {name: v.numpy() for name, v in zip(names, binding.get_outputs(), strict=False)}
-
-    def _bound_inputs(self, feeds: Mapping[str, Feed]) -> ort.IOBinding:
-        """A new IOBinding of the session with `feeds` bound: `OrtValue`s and `BufferView`s where they are,
-        arrays from the host."""
-        binding = self.session.io_binding()
-        for name, value in feeds.items():
-            if isinstance(value, ort.OrtValue):
-                binding.bind_ortvalue_input(name, value)
-            elif isinstance(value, BufferView):
-                binding.bind_input(name, value.device, self.device_id if value.device != CPU else 0,
-                                   value.dtype, list(value.shape), value.address)
-            else:
-                binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        return binding
 
     def _release(self) -> None:
         del self.session

@@ -1,0 +1,258 @@
+"""Concurrent streams' DiT calls gathered into one call (`DitStack`): each stream gets what its calls alone
+give, to the bit on the CPU in float32, on the host and with the caches kept as device values (CPU
+`OrtValue`s here, as on a GPU); calls of different keys and chunks held at their pause are not waited for; an
+error reaches every stream of the call."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from test_runtime_core import clone
+
+from cosyvoice_graphs import DIT, cache_pairs, dit_call_case
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.chunk_policy import ChunkPolicy
+from cosyvoice_runtime.cosyvoice3 import CosyVoice3
+from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.dit_stack import DitStack, call_alone
+from cosyvoice_runtime.errors import UserError
+from cosyvoice_runtime.frontend import PromptFeatures
+from cosyvoice_runtime.runners import BufferView, Feed, open_runner
+from cosyvoice_runtime.runners.row_concat import RowConcat
+from cosyvoice_runtime.synthesis import Synthesizer
+
+LONG_WAIT_S = 60.0
+"""A linger no test should reach: a call that waited for it would show in the test's time."""
+
+
+def _threads(work: Sequence[Callable[[], Any]]) -> list[Any]:
+    """Run each of `work` on a thread of its own, started together; their results, or the first error."""
+    results: list[Any] = [None] * len(work)
+    errors: list[BaseException] = []
+    together = threading.Barrier(len(work))
+
+    def run(i: int) -> None:
+        try:
+            together.wait()
+            results[i] = work[i]()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(work))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.fixture(scope="module")
+def estimator(runtime_bundle: Path) -> Iterator[Any]:
+    bundle = RuntimeBundle.open(runtime_bundle)
+    with open_runner(bundle, DIT, threads=1) as runner:
+        yield runner
+
+
+def _feeds(estimator: Any, new: int, past: int, seed: int) -> dict[str, np.ndarray]:
+    return estimator.spec.sample_inputs(dit_call_case(new, past, past, 50), seed=seed)
+
+
+def _same(a: tuple[np.ndarray, dict[str, Feed]], b: tuple[np.ndarray, dict[str, Feed]]) -> bool:
+    host = {k: v if isinstance(v, np.ndarray) else v.numpy() for k, v in a[1].items()}
+    return np.array_equal(a[0], b[0]) and all(np.array_equal(host[k], b[1][k]) for k in b[1])
+
+
+def test_calls_of_one_key_run_as_one_call_and_give_each_stream_its_rows(estimator: Any) -> None:
+    stack = DitStack(estimator, linger_s=LONG_WAIT_S)
+    feeds = [_feeds(estimator, 12, 30, seed) for seed in range(3)]
+    for f in feeds[1:]:  # what a call's streams share
+        for name in ("ode_step", "offset", "block_frames"):
+            f[name] = feeds[0][name]
+    alone = [call_alone(estimator, f, kept=False) for f in feeds]
+    with stack.member() as a, stack.member() as b, stack.member() as c:
+        start = time.perf_counter()
+        got = _threads([lambda m=m, f=f: m.velocity(f, kept=False, pause=lambda: None)
+                        for m, f in zip((a, b, c), feeds, strict=True)])
+    assert time.perf_counter() - start < LONG_WAIT_S / 2
+    assert (stack.calls, stack.streams) == (1, 3)
+    for g, want in zip(got, alone, strict=True):
+        assert g[0].shape[::2] == (2, 12)
+        assert _same(g, want)
+
+
+def test_calls_of_other_keys_and_held_chunks_are_not_waited_for(estimator: Any) -> None:
+    """A chunk whose call has another key, or that is held at its pause, lets the waiting call go at once
+    (the linger is a minute: waiting for it would fail the test's time)."""
+    stack = DitStack(estimator, linger_s=LONG_WAIT_S)
+    short, long_ = _feeds(estimator, 8, 20, 0), _feeds(estimator, 8, 40, 1)
+    released = threading.Event()
+    with stack.member() as a, stack.member() as b, stack.member() as held:
+        start = time.perf_counter()
+
+        def held_call() -> tuple[np.ndarray, dict[str, Feed]]:
+            return held.velocity(short, kept=False, pause=released.wait)
+
+        def first() -> tuple[np.ndarray, dict[str, Feed]]:
+            try:
+                return a.velocity(short, kept=False, pause=lambda: None)
+            finally:
+                released.set()
+
+        got = _threads([first, lambda: b.velocity(long_, kept=False, pause=lambda: None), held_call])
+    assert time.perf_counter() - start < LONG_WAIT_S / 2
+    assert stack.streams == 3 and stack.calls in (2, 3)
+    assert _same(got[0], call_alone(estimator, short, kept=False))
+    assert _same(got[1], call_alone(estimator, long_, kept=False))
+    assert _same(got[2], got[0])
+
+
+def test_an_error_in_a_stacked_call_reaches_every_stream(runtime_bundle: Path) -> None:
+    runner = open_runner(RuntimeBundle.open(runtime_bundle), DIT, threads=1)
+    stack = DitStack(runner, linger_s=LONG_WAIT_S)
+    runner.close()
+    errors: list[BaseException] = []
+
+    def call(m: Any) -> None:
+        try:
+            m.velocity(_feeds(runner, 6, 10, 0), kept=False, pause=lambda: None)
+        except RuntimeError as e:
+            errors.append(e)
+
+    with stack.member() as a, stack.member() as b:
+        _threads([lambda: call(a), lambda: call(b)])
+    assert len(errors) == 2 and all("runner is closed" in str(e) for e in errors)
+
+
+def test_row_concat_stacks_device_values_and_their_rows(estimator: Any) -> None:
+    """On the CPU provider `RowConcat` takes `OrtValue`s and `BufferView`s as a GPU's caches are kept."""
+    pasts = [past for past, _ in cache_pairs(estimator.spec)][:3]
+    specs = {t.name: t for t in estimator.spec.inputs}
+    concat = RowConcat({name: (specs[name].np_dtype, len(specs[name].shape)) for name in pasts})
+    rng = np.random.default_rng(0)
+    arrays = [{name: rng.standard_normal((4 if i == 1 else 2, *(5,) * (len(specs[name].shape) - 1)))
+               .astype(np.float32) for name in pasts} for i in range(3)]
+    parts: list[dict[str, Feed]] = [{k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in a.items()}
+                                    for a in arrays]
+    parts[1] = {k: BufferView(v, 1, 2) for k, v in parts[1].items()}  # rows 1-2 of a 4-row buffer
+    got = concat(parts)
+    for name in pasts:
+        want = np.concatenate([arrays[0][name], arrays[1][name][1:3], arrays[2][name]])
+        assert np.array_equal(got[name].numpy(), want)
+    assert np.array_equal(concat(parts[:1])[pasts[0]].numpy(), arrays[0][pasts[0]])
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 6561, n)]
+
+
+def _chunks(prompt: PromptFeatures, n: int, seed: int) -> list[tuple[list[int], bool]]:
+    """(tokens so far, final) per chunk of upstream's schedule."""
+    policy, tokens = ChunkPolicy(), _tokens(n, seed)
+    hops, offset, out = policy.hops(prompt.speech_tokens.shape[1]), 0, []
+    hop = next(hops)
+    while n - offset >= hop + policy.lookahead:
+        out.append((tokens[: offset + hop + policy.lookahead], False))
+        offset, hop = offset + hop, next(hops)
+    return [*out, (tokens, True)]
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["host", "device"])
+def test_streams_stacked_chunk_by_chunk_give_their_mel_alone(runtime_bundle: Path, prompt: PromptFeatures,
+                                                            kept: bool) -> None:
+    """Three streams' chunks pushed together through the stack against each stream alone: the same mel to
+    the bit. With the caches kept as device values (forced on the CPU provider) the first chunks stack the
+    prompt's prefix by Concat, the next ones the stacked call's rows as they are, and streams 0 and 2
+    without 1 by Concat of rows again."""
+    seeds = (3, 4, 5)
+    bundle = RuntimeBundle.open(runtime_bundle)
+    with Synthesizer(bundle, threads=1) as alone, Synthesizer(bundle, threads=1, stack_dit=True) as stacked:
+        alone.flow.keep_on_device = stacked.flow.keep_on_device = kept
+        stack = stacked.flow.stack
+        assert stack is not None and stack.linger_s < 1
+        stacked.flow.stack = stack = DitStack(stacked.flow.estimator, linger_s=LONG_WAIT_S)
+        chunks = [_chunks(prompt, 250, seed) for seed in seeds]
+        assert len({len(c) for c in chunks}) == 1 and len(chunks[0]) >= 4
+        want = [[alone.flow.stream(prompt)] for _ in seeds]
+        want_mels = [[want[i][0].push(t, finalize=f) for t, f in chunks[i]] for i in range(3)]
+        streams = [stacked.flow.stream(prompt) for _ in seeds]
+        stacked.flow.prefix(prompt)
+        got: list[list[np.ndarray]] = [[], [], []]
+
+        def push(i: int, c: int) -> Callable[[], None]:
+            return lambda: got[i].append(streams[i].push(chunks[i][c][0], finalize=chunks[i][c][1]))
+
+        _threads([push(i, 0) for i in range(3)])
+        _threads([push(0, 1), push(2, 1)])
+        push(1, 1)()
+        for c in range(2, len(chunks[0])):
+            _threads([push(i, c) for i in range(3)])
+    assert 0 < stack.stacked < stack.calls
+    if kept:  # the prefix and streams 0 and 2 concatenated; the other stacked calls' caches were one run
+        assert 2 <= stack.concats < stack.stacked
+    else:
+        assert stack.concats == 0
+    for i in range(3):
+        assert len(got[i]) == len(want_mels[i])
+        for a, b in zip(got[i], want_mels[i], strict=True):
+            assert np.array_equal(a, b)
+
+
+def test_a_dit_quantized_per_tensor_is_refused_before_anything_opens(runtime_bundle: Path, tmp_path: Path
+                                                                      ) -> None:
+    """The int8 DiT's activations share one scale over a call's rows: stacked, a stream's frames would depend
+    on the others'. Refused in one line by the `Synthesizer` and `CosyVoice3` alike."""
+    root = clone(runtime_bundle, tmp_path / "int8",
+                 lambda m: m["graphs"][DIT].__setitem__("precision", "int8"))
+    message = (rf"^stack_dit: {tmp_path / 'int8'}'s {DIT} is int8, its activations quantized with one scale "
+               r"over every row of a call, .* \(export --precision fp32, fp16, bf16 or gpu-fp16\)$")
+    with pytest.raises(UserError, match=message):
+        Synthesizer(RuntimeBundle.open(root), stack_dit=True)
+    with pytest.raises(UserError, match=message):
+        CosyVoice3(root, verify=False, stack_dit=True)
+
+
+def test_the_server_stacks_its_sessions_dit_calls_and_reports_them(prompt_wav: Path, prompt_text: str,
+                                                                    tmp_path: Path) -> None:
+    """`cosyvoice-serve --stack-dit --max-conc 3`: three concurrent upstream requests, each answered with the
+    audio it gets without stacking; /metrics counts the DiT calls and the streams' calls they served."""
+    pytest.importorskip("fastapi", reason="needs the serve extra")
+    from fastapi.testclient import TestClient
+
+    from cosyvoice_serve.app import create_app
+    from cosyvoice_serve.engine import Engine
+    from cosyvoice_serve.settings import ServerSettings
+
+    text = "A sentence long enough that its stream sends a chunk before its final one, and then some more."
+    upload = {"prompt_wav": ("prompt.wav", prompt_wav.read_bytes(), "audio/wav")}
+
+    def answers(stack_dit: bool) -> tuple[list[bytes], str]:
+        engine = Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle", threads=1, stack_dit=stack_dit)
+        settings = ServerSettings(speakers_dir=tmp_path / "speakers", sampling="greedy", max_concurrency=3,
+                                  stack_dit=stack_dit)
+        try:
+            with TestClient(create_app(engine, settings)) as client:
+                responses = _threads([lambda: client.post("/inference_zero_shot", files=upload,
+                                                          data={"tts_text": text, "prompt_text": prompt_text})
+                                      for _ in range(3)])
+                assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+                return [r.content for r in responses], client.get("/metrics").text
+        finally:
+            engine.close()
+
+    alone, plain_metrics = answers(False)
+    stacked, metrics = answers(True)
+    assert stacked == alone and len(set(alone)) == 1
+    assert "tts_dit_calls" not in plain_metrics
+    calls, streams = (float(re.search(rf"^{name} (\S+)$", metrics, re.MULTILINE)[1])  # type: ignore[index]
+                      for name in ("tts_dit_calls", "tts_dit_stream_calls"))
+    assert 0 < calls <= streams
