@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -40,16 +41,27 @@ ROWS_PER_STREAM = 2
 """A stream's rows in a call: its CFG pair."""
 
 
+class Presents(StrEnum):
+    """What a call gives back of its `present_*` caches."""
+
+    HOST = "host"
+    """Numpy arrays."""
+    DEVICE = "device"
+    """Left where the runner computed them (`Runner.infer_kept`: on a GPU, there)."""
+    NONE = "none"
+    """Nothing: a call whose caches no later call reads (the flow over every frame) copies none out."""
+
+
 class CallKey(NamedTuple):
     """What a call's streams share: the ODE step, the new frames' position, count and attention block, the
-    cached frames, and whether the caches stay on the device."""
+    cached frames, and what it gives back of its caches."""
 
     step: int
     offset: int
     block_frames: int
     new_frames: int
     past_frames: int
-    kept: bool
+    presents: Presents
 
     def next(self) -> CallKey | None:
         """The key of the chunk's next call (None after its last ODE step)."""
@@ -59,20 +71,22 @@ class CallKey(NamedTuple):
 class DitCalls(Protocol):
     """How a chunk makes its DiT calls: alone (`AloneCalls`) or through a `DitStack` (`StackMember`)."""
 
-    def velocity(self, feeds: Mapping[str, Feed], *, kept: bool, pause: Callable[[], None]
+    def velocity(self, feeds: Mapping[str, Feed], *, presents: Presents, pause: Callable[[], None]
                  ) -> tuple[np.ndarray, dict[str, Feed]]:
         """After `pause`, one ODE step's call on `feeds` (every input of the graph): the velocity (2, 80, n)
-        and the caches for the next call, by input name; left on the device with `kept`."""
+        and, as `presents` says, the caches for the next call, by input name."""
         ...
 
 
-def call_alone(estimator: Runner, feeds: Mapping[str, Feed], *, kept: bool
+def call_alone(estimator: Runner, feeds: Mapping[str, Feed], *, presents: Presents
                ) -> tuple[np.ndarray, dict[str, Feed]]:
     """`DitCalls.velocity` of one call, without the pause."""
     pairs = cache_pairs(estimator.spec)
-    if kept:
+    if presents == Presents.DEVICE:
         out, values = estimator.infer_kept(feeds, keep=[present for _, present in pairs])
         return out["velocity"], {past: values[present] for past, present in pairs}
+    if presents == Presents.NONE:
+        return estimator.infer_outputs(feeds, ["velocity"])["velocity"], {}
     out = estimator.infer(feeds)
     return out["velocity"], {past: out[present] for past, present in pairs}
 
@@ -83,10 +97,10 @@ class AloneCalls:
 
     estimator: Runner
 
-    def velocity(self, feeds: Mapping[str, Feed], *, kept: bool, pause: Callable[[], None]
+    def velocity(self, feeds: Mapping[str, Feed], *, presents: Presents, pause: Callable[[], None]
                  ) -> tuple[np.ndarray, dict[str, Feed]]:
         pause()
-        return call_alone(self.estimator, feeds, kept=kept)
+        return call_alone(self.estimator, feeds, presents=presents)
 
 
 def row_inputs(spec: GraphSpec) -> set[str]:
@@ -120,9 +134,9 @@ class StackMember:
     pending: bool = False
     """Its call waits to be gathered."""
 
-    def velocity(self, feeds: Mapping[str, Feed], *, kept: bool, pause: Callable[[], None]
+    def velocity(self, feeds: Mapping[str, Feed], *, presents: Presents, pause: Callable[[], None]
                  ) -> tuple[np.ndarray, dict[str, Feed]]:
-        return self.stack.call(self, feeds, kept=kept, pause=pause)
+        return self.stack.call(self, feeds, presents=presents, pause=pause)
 
 
 @dataclass(eq=False)
@@ -182,8 +196,8 @@ class DitStack:
                 self._members.discard(member)
                 self._cond.notify_all()
 
-    def call(self, member: StackMember, feeds: Mapping[str, Feed], *, kept: bool, pause: Callable[[], None]
-             ) -> tuple[np.ndarray, dict[str, Feed]]:
+    def call(self, member: StackMember, feeds: Mapping[str, Feed], *, presents: Presents,
+             pause: Callable[[], None]) -> tuple[np.ndarray, dict[str, Feed]]:
         """`DitCalls.velocity` of `member`'s chunk: the call runs alone or stacked with others of its key."""
         with self._cond:
             member.pausing = True
@@ -193,7 +207,7 @@ class DitStack:
         finally:
             with self._cond:
                 member.pausing = False
-        call = _Call(member, self.key(feeds, kept=kept), feeds, time.perf_counter())
+        call = _Call(member, self.key(feeds, presents=presents), feeds, time.perf_counter())
         with self._cond:
             member.next_key, member.started, member.pending = call.key, True, True
             self._pending.append(call)
@@ -215,12 +229,12 @@ class DitStack:
         assert call.velocity is not None and call.caches is not None
         return call.velocity, call.caches
 
-    def key(self, feeds: Mapping[str, Feed], *, kept: bool) -> CallKey:
+    def key(self, feeds: Mapping[str, Feed], *, presents: Presents) -> CallKey:
         """The key of a call on `feeds`."""
         return CallKey(step=int(_host(feeds["ode_step"])[0]), offset=int(_host(feeds["offset"])[0]),
                        block_frames=int(_host(feeds["block_frames"])[0]),
                        new_frames=feed_shape(feeds["x"])[2],
-                       past_frames=feed_shape(feeds[self.keys_input])[2], kept=kept)
+                       past_frames=feed_shape(feeds[self.keys_input])[2], presents=presents)
 
     def _gather(self) -> list[_Call]:
         """The next group: the oldest pending call and those of its key, after waiting up to `linger_s` from
@@ -249,8 +263,9 @@ class DitStack:
         """Run `group` as one call and give each its rows (or the call's error)."""
         try:
             if len(group) == 1:
-                call = group[0]
-                call.velocity, call.caches = call_alone(self.estimator, call.feeds, kept=call.key.kept)
+                (call,) = group
+                presents = call.key.presents
+                call.velocity, call.caches = call_alone(self.estimator, call.feeds, presents=presents)
             else:
                 self._run_stacked(group)
             self.calls += 1
@@ -264,14 +279,14 @@ class DitStack:
                 c.done = True
 
     def _run_stacked(self, group: list[_Call]) -> None:
-        kept = group[0].key.kept
-        if kept:  # rows of one buffer, in order, stack again without a copy
+        presents = group[0].key.presents
+        if presents == Presents.DEVICE:  # rows of one buffer, in order, stack again without a copy
             group.sort(key=lambda c: _place(c.feeds[self.pairs[0][0]]))
         pasts = [past for past, _ in self.pairs]
         feeds: dict[str, Feed] = dict(stacked_feeds(self.estimator.spec, [
             {name: _host(v) for name, v in c.feeds.items() if name not in pasts} for c in group]))
         feeds.update(self._stacked_caches([c.feeds for c in group], pasts))
-        velocity, caches = call_alone(self.estimator, feeds, kept=kept)
+        velocity, caches = call_alone(self.estimator, feeds, presents=presents)
         for i, c in enumerate(group):
             rows = slice(ROWS_PER_STREAM * i, ROWS_PER_STREAM * (i + 1))
             c.velocity = velocity[rows]

@@ -40,7 +40,7 @@ from cosyvoice_graphs import BATCH, ModelDims, cache_pairs, empty_caches, euler_
 from cosyvoice_graphs.hift_layout import HiftLayout
 
 from .chunk_turns import no_pause
-from .dit_stack import AloneCalls, DitCalls, DitStack
+from .dit_stack import AloneCalls, DitCalls, DitStack, Presents
 from .errors import SynthesisError
 from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES, FlowPrefix, FlowPrefixCache
 from .frontend import PromptFeatures
@@ -156,19 +156,25 @@ class Flow:
         called before every DiT call (a chunk's `ChunkTurns` pause).
         """
         all_tokens = self.tokens_with_prompt(tokens, prompt, finalize=finalize)
-        mu, spks = self.encode(all_tokens, 0, prompt, finalize=finalize)  # (1, 80, T), (1, 80)
-        frames = mu.shape[2]
-        block = self.dims.dit_block_frames if streaming else frames
-        feeds = {"offset": np.zeros(1, dtype=np.int64), "block_frames": np.array([block], dtype=np.int64),
-                 **_cfg_rows(mu, spks, self.cond(prompt, 0, frames)), **empty_caches(self.estimator.spec)}
-        # the velocity only: nothing reads this call's present_* caches, so they are not copied out
+        with self.dit_calls() as calls:
+            mu, spks = self.encode(all_tokens, 0, prompt, finalize=finalize)  # (1, 80, T), (1, 80)
+            frames = mu.shape[2]
+            block = self.dims.dit_block_frames if streaming else frames
+            feeds = {"offset": np.zeros(1, dtype=np.int64), "block_frames": np.array([block], dtype=np.int64),
+                     **_cfg_rows(mu, spks, self.cond(prompt, 0, frames)), **empty_caches(self.estimator.spec)}
 
-        def velocity(step: int, x: np.ndarray) -> np.ndarray:
-            pause()
-            return self.estimator.infer_outputs({"x": x, "ode_step": _ode_step(step), **feeds},
-                                                ["velocity"])["velocity"]
+            def velocity(step: int, x: np.ndarray) -> np.ndarray:
+                # the velocity only: nothing reads this call's present_* caches, so they are not copied out
+                inputs = {"x": x, "ode_step": _ode_step(step), **feeds}
+                return calls.velocity(inputs, presents=Presents.NONE, pause=pause)[0]
 
-        return self.solve(self.initial_x(0, frames), velocity)[:, :, prompt.mel.shape[1]:]
+            return self.solve(self.initial_x(0, frames), velocity)[:, :, prompt.mel.shape[1]:]
+
+    def dit_calls(self) -> AbstractContextManager[DitCalls]:
+        """How a call's or a chunk's DiT calls run: through `stack` as a member for its flow work (joined
+        before its encoder call, so that streams whose chunks start together go through the ODE together),
+        or alone."""
+        return nullcontext(AloneCalls(self.estimator)) if self.stack is None else self.stack.member()
 
     def stream(self, prompt: PromptFeatures, *, window: int | None = None) -> FlowStream:
         """A new utterance's `FlowStream`: exact caches (`window=None`), or attention bounded to the
@@ -348,7 +354,7 @@ class FlowStream:
         all_tokens = flow.tokens_with_prompt(tokens, self.prompt, finalize=finalize)
         if not finalize:
             self._start()
-        with self.dit_calls() as calls:
+        with flow.dit_calls() as calls:
             mu, spks = flow.encode(all_tokens, self.frames // ratio, self.prompt, finalize=finalize)
             first, end = self.frames, self.frames + mu.shape[2]  # mu: (1, 80, n)
             if not finalize and end % block:
@@ -372,7 +378,7 @@ class FlowStream:
         flow, ratio = self.flow, self.flow.dims.token_mel_ratio
         self._start()
         kept, first = list(self.caches), self.frames
-        with self.dit_calls() as calls:
+        with flow.dit_calls() as calls:
             all_tokens = flow.tokens_with_prompt(tokens, self.prompt, finalize=False)
             mu, spks = flow.encode(all_tokens, first // ratio, self.prompt, finalize=False)
             x = self.advance(mu, spks, block_frames=flow.dims.dit_block_frames, pause=pause, calls=calls)
@@ -384,13 +390,6 @@ class FlowStream:
         if not self.frames:
             prefix = self.flow.prefix(self.prompt)
             self.frames, self.caches = prefix.frames, [dict(step) for step in prefix.caches]
-
-    def dit_calls(self) -> AbstractContextManager[DitCalls]:
-        """How a chunk's DiT calls run: through the flow's `stack` as a member for the chunk's work (joined
-        before its encoder call, so that streams whose chunks start together go through the ODE together),
-        or alone."""
-        stack = self.flow.stack
-        return nullcontext(AloneCalls(self.flow.estimator)) if stack is None else stack.member()
 
     def advance(self, mu: np.ndarray, spks: np.ndarray, *, block_frames: int,
                 pause: Callable[[], None] = no_pause, calls: DitCalls | None = None) -> np.ndarray:
@@ -409,7 +408,8 @@ class FlowStream:
 
         def velocity(step: int, x: np.ndarray) -> np.ndarray:
             inputs = {"x": x, "ode_step": _ode_step(step), **feeds, **self.caches[step]}
-            v, caches = dit.velocity(inputs, kept=on_device, pause=pause)
+            v, caches = dit.velocity(inputs, presents=Presents.DEVICE if on_device else Presents.HOST,
+                                     pause=pause)
             self.caches[step] = caches if on_device else self._windowed(caches)
             return v
 

@@ -22,7 +22,7 @@ from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cosyvoice3 import CosyVoice3
 from cosyvoice_runtime.demo import DEMO_BUNDLE
-from cosyvoice_runtime.dit_stack import DitStack, call_alone
+from cosyvoice_runtime.dit_stack import DitStack, Presents, call_alone
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.runners import BufferView, Feed, open_runner
@@ -78,10 +78,10 @@ def test_calls_of_one_key_run_as_one_call_and_give_each_stream_its_rows(estimato
     for f in feeds[1:]:  # what a call's streams share
         for name in ("ode_step", "offset", "block_frames"):
             f[name] = feeds[0][name]
-    alone = [call_alone(estimator, f, kept=False) for f in feeds]
+    alone = [call_alone(estimator, f, presents=Presents.HOST) for f in feeds]
     with stack.member() as a, stack.member() as b, stack.member() as c:
         start = time.perf_counter()
-        got = _threads([lambda m=m, f=f: m.velocity(f, kept=False, pause=lambda: None)
+        got = _threads([lambda m=m, f=f: m.velocity(f, presents=Presents.HOST, pause=lambda: None)
                         for m, f in zip((a, b, c), feeds, strict=True)])
     assert time.perf_counter() - start < LONG_WAIT_S / 2
     assert (stack.calls, stack.streams) == (1, 3)
@@ -100,19 +100,20 @@ def test_calls_of_other_keys_and_held_chunks_are_not_waited_for(estimator: Any) 
         start = time.perf_counter()
 
         def held_call() -> tuple[np.ndarray, dict[str, Feed]]:
-            return held.velocity(short, kept=False, pause=released.wait)
+            return held.velocity(short, presents=Presents.HOST, pause=released.wait)
 
         def first() -> tuple[np.ndarray, dict[str, Feed]]:
             try:
-                return a.velocity(short, kept=False, pause=lambda: None)
+                return a.velocity(short, presents=Presents.HOST, pause=lambda: None)
             finally:
                 released.set()
 
-        got = _threads([first, lambda: b.velocity(long_, kept=False, pause=lambda: None), held_call])
+        got = _threads([first, lambda: b.velocity(long_, presents=Presents.HOST, pause=lambda: None),
+                        held_call])
     assert time.perf_counter() - start < LONG_WAIT_S / 2
     assert stack.streams == 3 and stack.calls in (2, 3)
-    assert _same(got[0], call_alone(estimator, short, kept=False))
-    assert _same(got[1], call_alone(estimator, long_, kept=False))
+    assert _same(got[0], call_alone(estimator, short, presents=Presents.HOST))
+    assert _same(got[1], call_alone(estimator, long_, presents=Presents.HOST))
     assert _same(got[2], got[0])
 
 
@@ -124,7 +125,7 @@ def test_an_error_in_a_stacked_call_reaches_every_stream(runtime_bundle: Path) -
 
     def call(m: Any) -> None:
         try:
-            m.velocity(_feeds(runner, 6, 10, 0), kept=False, pause=lambda: None)
+            m.velocity(_feeds(runner, 6, 10, 0), presents=Presents.HOST, pause=lambda: None)
         except RuntimeError as e:
             errors.append(e)
 
@@ -205,6 +206,22 @@ def test_streams_stacked_chunk_by_chunk_give_their_mel_alone(runtime_bundle: Pat
         assert len(got[i]) == len(want_mels[i])
         for a, b in zip(got[i], want_mels[i], strict=True):
             assert np.array_equal(a, b)
+
+
+def test_offline_flows_of_equal_length_stack_and_give_their_mel_alone(runtime_bundle: Path,
+                                                                       prompt: PromptFeatures) -> None:
+    """The flow over every frame (offline, and an exact stream's final re-run) copies no caches out: three
+    of equal length at once stack, each giving its mel alone to the bit; one of another length runs apart."""
+    bundle = RuntimeBundle.open(runtime_bundle)
+    lengths = (40, 40, 40, 31)
+    tokens = [np.array(_tokens(n, seed), dtype=np.int64) for seed, n in enumerate(lengths)]
+    with Synthesizer(bundle, threads=1) as alone, Synthesizer(bundle, threads=1, stack_dit=True) as stacked:
+        stacked.flow.stack = stack = DitStack(stacked.flow.estimator, linger_s=LONG_WAIT_S)
+        want = [alone.flow(t, prompt, finalize=True, streaming=False) for t in tokens]
+        got = _threads([lambda t=t: stacked.flow(t, prompt, finalize=True, streaming=False) for t in tokens])
+    assert stack.streams == 4 * 10 and stack.stacked > 0 and stack.concats == 0
+    for a, b in zip(got, want, strict=True):
+        assert np.array_equal(a, b)
 
 
 def test_a_dit_quantized_per_tensor_is_refused_before_anything_opens(runtime_bundle: Path, tmp_path: Path
