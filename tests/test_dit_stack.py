@@ -29,6 +29,7 @@ from cosyvoice_runtime.runners import BufferView, Feed, open_runner
 from cosyvoice_runtime.runners.row_concat import RowConcat
 from cosyvoice_runtime.synthesis import Synthesizer
 
+NEEDS_ONNX = "needs the onnx package (in the gpu and export extras), which builds RowConcat's graph"
 LONG_WAIT_S = 60.0
 """A linger no test should reach: a call that waited for it would show in the test's time."""
 
@@ -136,6 +137,7 @@ def test_an_error_in_a_stacked_call_reaches_every_stream(runtime_bundle: Path) -
 
 def test_row_concat_stacks_device_values_and_their_rows(estimator: Any) -> None:
     """On the CPU provider `RowConcat` takes `OrtValue`s and `BufferView`s as a GPU's caches are kept."""
+    pytest.importorskip("onnx", reason=NEEDS_ONNX)
     pasts = [past for past, _ in cache_pairs(estimator.spec)][:3]
     specs = {t.name: t for t in estimator.spec.inputs}
     concat = RowConcat({name: (specs[name].np_dtype, len(specs[name].shape)) for name in pasts})
@@ -174,6 +176,8 @@ def test_streams_stacked_chunk_by_chunk_give_their_mel_alone(runtime_bundle: Pat
     the bit. With the caches kept as device values (forced on the CPU provider) the first chunks stack the
     prompt's prefix by Concat, the next ones the stacked call's rows as they are, and streams 0 and 2
     without 1 by Concat of rows again."""
+    if kept:
+        pytest.importorskip("onnx", reason=NEEDS_ONNX)
     seeds = (3, 4, 5)
     bundle = RuntimeBundle.open(runtime_bundle)
     with Synthesizer(bundle, threads=1) as alone, Synthesizer(bundle, threads=1, stack_dit=True) as stacked:
