@@ -82,7 +82,7 @@ def _user_errors() -> Iterator[None]:
                    "--precision decode=fp16 or gpu-fp16); the decodings then run in a batch, of one where "
                    "the runs have no batch, one stream's at a time.")
 @click.option("--stack-dit", is_flag=True,
-              help="Run concurrent sessions' cached DiT calls at the same ODE step and frames as one call "
+              help="Run concurrent sessions' DiT calls at the same ODE step and frames as one call "
                    "(the runtime's DitStack); the concurrency table then says how many streams a call "
                    "served.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),

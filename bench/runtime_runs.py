@@ -64,7 +64,7 @@ class RuntimeBackend:
         before anything opens); `chunk_slots`: the batched sessions' chunks at once (None: the runtime's
         default); `cuda_graphs`: the decode steps replay from CUDA graphs, in a batch even of one
         (`Synthesizer`), so that the runs without a batch decode one stream at a time; `stack_dit`: concurrent
-        streams' cached DiT calls run stacked (`dit_stack`)."""
+        streams' DiT calls run stacked (`dit_stack`)."""
         start = time.perf_counter()
         self.bundle, self.provider, self.threads = bundle, provider, threads
         self.prompt_text = prompt_text

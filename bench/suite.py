@@ -76,7 +76,7 @@ class Settings:
     cuda_graphs: bool = False
     """The runtime's decode steps replay from CUDA graphs (`--cuda-graphs`)."""
     stack_dit: bool = False
-    """The runtime runs concurrent streams' cached DiT calls stacked (`--stack-dit`)."""
+    """The runtime runs concurrent streams' DiT calls stacked (`--stack-dit`)."""
 
 
 def thread_levels(threads: int) -> list[int]:

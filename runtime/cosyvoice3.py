@@ -140,7 +140,7 @@ class CosyVoice3:
         when every stream emits its chunks (None: upstream's schedule; `ChunkPolicy.first_chunk_tokens` a
         deviation from it for latency), checked against the graphs here; `cuda_graphs` replays the decode
         steps from CUDA graphs (on cuda, with `llm_decode`: `decode_graphs`); `stack_dit` runs concurrent
-        streams' cached DiT calls at the same ODE step and frames as one call (`dit_stack`).
+        streams' DiT calls at the same ODE step and frames as one call (`dit_stack`).
 
         Upstream's own keywords are taken for what they mean here: `load_trt` runs the graphs on
         onnxruntime's TensorRT provider (upstream's DiT runs as a TensorRT plan it builds on first use);

@@ -155,11 +155,11 @@ class Synthesizer:
         which needs the bundle's `llm_decode` on the decode steps (`batches`); 1 decodes each on its own.
         `chunk_slots` is how many of the batch's streams run their chunks' flow and vocoder calls at once
         (`set_max_batch`). `cuda_graphs`: the decode steps replay from CUDA graphs (`decode_graphs`; on
-        cuda, where `llm_decode` takes them), in a batch even of one. `stack_dit`: concurrent streams' cached
-        DiT calls at the same ODE step and frames run as one call (`dit_stack`; streams whose chunks run at
-        once: a batch's `chunk_slots`). `chunk_policy` is the streams' schedule
-        (None: upstream's); it, `max_batch`, `chunk_slots` and `cuda_graphs` are checked before any graph
-        opens (a `UserError`)."""
+        cuda, where `llm_decode` takes them), in a batch even of one. `stack_dit`: concurrent DiT calls at the
+        same ODE step over the same frames run as one call (`dit_stack`; the calls of chunks that run at once:
+        every stream's without a batch, a batch's `chunk_slots`). `chunk_policy` is the streams' schedule
+        (None: upstream's); it, `max_batch`, `chunk_slots`, `cuda_graphs` and `stack_dit` are checked before
+        any graph opens (a `UserError`)."""
         check_max_batch(max_batch, bundle, provider)
         check_chunk_slots(chunk_slots)
         if cuda_graphs:

@@ -145,7 +145,7 @@ class Flow:
         self.steps = euler_steps()
         self.prefixes = FlowPrefixCache(prefix_cache_bytes)
         self.stack: DitStack | None = None
-        """Where streams' cached DiT calls gather into stacked calls (`dit_stack`); None: each its own."""
+        """Where concurrent DiT calls gather into stacked calls (`dit_stack`); None: each runs alone."""
 
     def __call__(self, tokens: np.ndarray, prompt: PromptFeatures, *, finalize: bool, streaming: bool,
                  pause: Callable[[], None] = no_pause) -> np.ndarray:
@@ -305,9 +305,9 @@ class FlowStream:
     """Blocks of generated frames whose keys/values attention keeps besides the prompt's blocks;
     None keeps every frame (exact)."""
     caches: list[dict[str, Feed]] = field(repr=False)
-    """Per ODE step, the `past_*` inputs of `flow_estimator_cached` for the next push (numpy arrays, or
-    `OrtValue`s on the GPU with `Flow.keep_on_device`); empty once an exact stream's final push has begun
-    (its full re-run reads none of them)."""
+    """Per ODE step, the `past_*` inputs of `flow_estimator_cached` for the next push (numpy arrays, or values
+    on the GPU with `Flow.keep_on_device`: `OrtValue`s, or `BufferView`s of a stacked call's); empty once an
+    exact stream's final push has begun (its full re-run reads none of them)."""
     frames: int = 0
     """Frames (prompt included) run so far: the position of the next new frame."""
     tokens: int = 0

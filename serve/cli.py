@@ -88,7 +88,7 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
                    "--precision decode=fp16 or gpu-fp16). The sessions decode in the batch, one at a time "
                    "without --max-batch.")
 @click.option("--stack-dit", is_flag=True,
-              help="Run concurrent sessions' cached DiT calls at the same ODE step and frames as one call "
+              help="Run concurrent sessions' DiT calls at the same ODE step and frames as one call "
                    "(a float DiT: fp32, fp16, bf16; on a GPU each call's time is mostly its launches). "
                    "Sessions whose chunks run at once stack: --max-conc, or --chunk-slots with a batch.")
 @click.option("--queue", "queue_depth", type=click.IntRange(min=0), default=DEFAULTS.queue_depth,

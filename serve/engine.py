@@ -136,7 +136,7 @@ class Engine:
         `llm_decode` on `provider`), `chunk_slots` of their chunks at once (`Synthesizer.set_max_batch`);
         `chunk_policy` is every stream's schedule (None: upstream's; a `UserError` where these graphs cannot
         stream on it); `cuda_graphs` replays the decode steps from CUDA graphs and `stack_dit` stacks
-        concurrent sessions' cached DiT calls (both `CosyVoice3`)."""
+        concurrent sessions' DiT calls (both `CosyVoice3`)."""
         if provider not in SERVER_PROVIDERS:
             raise ValueError(f"the server runs on providers whose runners sessions can share "
                              f"({', '.join(SERVER_PROVIDERS)}); got {provider!r}")

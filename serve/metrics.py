@@ -177,7 +177,7 @@ class ServerMetrics:
                 (JobState.CANCELLED, "Background flow prefixes cancelled (speaker deleted or replaced)."),
                 (JobState.FAILED, "Background flow prefixes that failed or did not fit the cache.")))]
         self.dit_stack = [] if stack is None else [
-            CountReading("tts_dit_calls", "DiT calls made for streams' cached chunks (stacked or alone).",
+            CountReading("tts_dit_calls", "DiT calls made through the stack (stacked or alone).",
                          lambda: stack.calls),
             CountReading("tts_dit_stream_calls", "Streams' DiT calls those calls served.",
                          lambda: stack.streams),

@@ -51,7 +51,7 @@ class ServerSettings:
     """The decode steps replay from CUDA graphs (on cuda, with `llm_decode`: `decode_graphs`), in the batch,
     of one session where `max_batch` is 1."""
     stack_dit: bool = False
-    """Concurrent sessions' cached DiT calls at the same ODE step and frames run as one call (`dit_stack`)."""
+    """Concurrent sessions' DiT calls at the same ODE step and frames run as one call (`dit_stack`)."""
     queue_depth: int = 8
     """Sessions admitted to wait for a slot; one more is refused with 503 at once."""
     stream_idle_timeout: float = 30.0

@@ -57,7 +57,7 @@ class RowConcat:
         try:
             from onnx import helper
         except ImportError as e:
-            raise UserError("stacking streams' cached DiT calls on a GPU builds a Concat graph with the onnx "
+            raise UserError("stacking streams' DiT caches on a GPU builds a Concat graph with the onnx "
                             "package, which is not installed (pip install onnx; the gpu extra has it)") from e
         inputs, outputs, nodes = [], [], []
         for name, (dtype, rank) in self.tensors.items():
