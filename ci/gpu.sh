@@ -105,7 +105,8 @@ step golden 120 "$PY" -m cosyvoice_golden check --provider "$PROVIDER"
 step tests 300 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_bench_gpu.py tests/test_precision.py \
     tests/test_runtime_core.py tests/test_llm_decode.py::test_the_fp16_body_decodes_in_place_close_to_llm \
     tests/test_decode_batch.py::test_batched_rows_follow_their_runs_alone tests/test_decode_variants.py \
-    tests/test_dit_stacking.py tests/test_decode_graphs.py
+    tests/test_dit_stacking.py tests/test_decode_graphs.py \
+    tests/test_dit_stack.py::test_on_cuda_stacked_streams_keep_their_caches_there
 [ -f "$WORK/gates/llm.pt" ] || step tiny-model 120 "$PY" -m cosyvoice_export tiny-bundle "$WORK/gates"
 for p in $GATES; do
     tag=${p//[=,]/-}

@@ -25,10 +25,15 @@ from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.dit_stack import DitStack, Presents, call_alone
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.frontend import PromptFeatures
-from cosyvoice_runtime.runners import BufferView, Feed, open_runner
+from cosyvoice_runtime.runners import CUDA, BufferView, Feed, open_runner
 from cosyvoice_runtime.runners.row_concat import RowConcat
 from cosyvoice_runtime.synthesis import Synthesizer
 
+HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
+NEEDS_CUDA = "needs onnxruntime's CUDA provider (onnxruntime-gpu and an NVIDIA GPU)"
+CUDA_MEL_MAX = 1e-3
+"""A stream's mel stacked against alone on CUDA: rows of a call differ by float32 rounding there (5.5e-6
+measured on an H200 per call); a row given another stream's frames would be off by ~1."""
 NEEDS_ONNX = "needs the onnx package (in the gpu and export extras), which builds RowConcat's graph"
 LONG_WAIT_S = 60.0
 """A linger no test should reach: a call that waited for it would show in the test's time."""
@@ -169,6 +174,35 @@ def _chunks(prompt: PromptFeatures, n: int, seed: int) -> list[tuple[list[int], 
     return [*out, (tokens, True)]
 
 
+def _chunk_by_chunk(alone: Synthesizer, stacked: Synthesizer, prompt: PromptFeatures
+                    ) -> tuple[list[list[np.ndarray]], list[list[np.ndarray]], DitStack]:
+    """Three streams' chunks pushed together through `stacked`'s stack (its linger a minute: every chunk
+    expected joins), streams 0 and 2 without 1 for the second chunk, and each stream alone on `alone`:
+    (the stacked streams' mels, the lone ones', the stack)."""
+    seeds = (3, 4, 5)
+    stack = stacked.flow.stack
+    assert stack is not None and stack.linger_s < 1
+    stacked.flow.stack = stack = DitStack(stacked.flow.estimator, linger_s=LONG_WAIT_S)
+    chunks = [_chunks(prompt, 250, seed) for seed in seeds]
+    assert len({len(c) for c in chunks}) == 1 and len(chunks[0]) >= 4
+    lone = [alone.flow.stream(prompt) for _ in seeds]
+    want = [[lone[i].push(t, finalize=f) for t, f in chunks[i]] for i in range(3)]
+    streams = [stacked.flow.stream(prompt) for _ in seeds]
+    stacked.flow.prefix(prompt)
+    got: list[list[np.ndarray]] = [[], [], []]
+
+    def push(i: int, c: int) -> Callable[[], None]:
+        return lambda: got[i].append(streams[i].push(chunks[i][c][0], finalize=chunks[i][c][1]))
+
+    _threads([push(i, 0) for i in range(3)])
+    _threads([push(0, 1), push(2, 1)])
+    push(1, 1)()
+    for c in range(2, len(chunks[0])):
+        _threads([push(i, c) for i in range(3)])
+    assert [len(g) for g in got] == [len(w) for w in want]
+    return got, want, stack
+
+
 @pytest.mark.parametrize("kept", [False, True], ids=["host", "device"])
 def test_streams_stacked_chunk_by_chunk_give_their_mel_alone(runtime_bundle: Path, prompt: PromptFeatures,
                                                             kept: bool) -> None:
@@ -178,38 +212,35 @@ def test_streams_stacked_chunk_by_chunk_give_their_mel_alone(runtime_bundle: Pat
     without 1 by Concat of rows again."""
     if kept:
         pytest.importorskip("onnx", reason=NEEDS_ONNX)
-    seeds = (3, 4, 5)
     bundle = RuntimeBundle.open(runtime_bundle)
     with Synthesizer(bundle, threads=1) as alone, Synthesizer(bundle, threads=1, stack_dit=True) as stacked:
         alone.flow.keep_on_device = stacked.flow.keep_on_device = kept
-        stack = stacked.flow.stack
-        assert stack is not None and stack.linger_s < 1
-        stacked.flow.stack = stack = DitStack(stacked.flow.estimator, linger_s=LONG_WAIT_S)
-        chunks = [_chunks(prompt, 250, seed) for seed in seeds]
-        assert len({len(c) for c in chunks}) == 1 and len(chunks[0]) >= 4
-        want = [[alone.flow.stream(prompt)] for _ in seeds]
-        want_mels = [[want[i][0].push(t, finalize=f) for t, f in chunks[i]] for i in range(3)]
-        streams = [stacked.flow.stream(prompt) for _ in seeds]
-        stacked.flow.prefix(prompt)
-        got: list[list[np.ndarray]] = [[], [], []]
-
-        def push(i: int, c: int) -> Callable[[], None]:
-            return lambda: got[i].append(streams[i].push(chunks[i][c][0], finalize=chunks[i][c][1]))
-
-        _threads([push(i, 0) for i in range(3)])
-        _threads([push(0, 1), push(2, 1)])
-        push(1, 1)()
-        for c in range(2, len(chunks[0])):
-            _threads([push(i, c) for i in range(3)])
+        got, want, stack = _chunk_by_chunk(alone, stacked, prompt)
     assert 0 < stack.stacked < stack.calls
     if kept:  # the prefix and streams 0 and 2 concatenated; the other stacked calls' caches were one run
         assert 2 <= stack.concats < stack.stacked
     else:
         assert stack.concats == 0
-    for i in range(3):
-        assert len(got[i]) == len(want_mels[i])
-        for a, b in zip(got[i], want_mels[i], strict=True):
+    for g, w in zip(got, want, strict=True):
+        for a, b in zip(g, w, strict=True):
             assert np.array_equal(a, b)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason=NEEDS_CUDA)
+def test_on_cuda_stacked_streams_keep_their_caches_there(runtime_bundle: Path, prompt: PromptFeatures
+                                                         ) -> None:
+    """The same on CUDA, where the caches stay on the GPU by default: the stacked call's rows as views of its
+    outputs there, the prompt's prefix and regrouped streams concatenated by `RowConcat` on the device; each
+    stream's mel within float32's rounding of its stream alone (another batch, other kernels)."""
+    pytest.importorskip("onnx", reason=NEEDS_ONNX)
+    bundle = RuntimeBundle.open(runtime_bundle)
+    with Synthesizer(bundle, CUDA) as alone, Synthesizer(bundle, CUDA, stack_dit=True) as stacked:
+        assert stacked.flow.keep_on_device
+        got, want, stack = _chunk_by_chunk(alone, stacked, prompt)
+    assert 0 < stack.stacked < stack.calls and 2 <= stack.concats < stack.stacked
+    for g, w in zip(got, want, strict=True):
+        for a, b in zip(g, w, strict=True):
+            assert a.shape == b.shape and float(np.abs(a - b).max()) < CUDA_MEL_MAX
 
 
 def test_offline_flows_of_equal_length_stack_and_give_their_mel_alone(runtime_bundle: Path,
