@@ -29,16 +29,14 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import onnxruntime as ort
 
-from cosyvoice_graphs import DIT_ROWS, MAX_BATCH, ODE_STEPS, GraphSpec, cache_pairs
+from cosyvoice_graphs import BATCH, DIT_ROWS, MAX_BATCH, ODE_STEPS, GraphSpec, cache_pairs
 
 from .runners import BufferView, Feed, OrtRunner, Runner, feed_shape
 from .runners.row_concat import RowConcat
 
 LINGER_S = 0.005
-"""How long a gathered call waits at most for the chunks expected to join it: a few launches' worth on a GPU,
-where a stream's DiT call takes ~19 ms."""
-ROWS_PER_STREAM = 2
-"""A stream's rows in a call: its CFG pair."""
+"""How long a gathered call waits at most for the chunks expected to join it: a few launches' worth on a GPU
+(a stream's DiT call took ~19 ms on an H200)."""
 
 
 class Presents(StrEnum):
@@ -163,6 +161,8 @@ class DitStack:
         self.max_streams, self.linger_s = max_streams, linger_s
         spec = estimator.spec
         self.pairs = cache_pairs(spec)
+        self.rows_per_stream = spec.derived[DIT_ROWS].terms[BATCH]
+        """A stream's rows in a call (its CFG pair)."""
         self.keys_input = next(t.name for t in spec.inputs if t.shape[2:3] == ("past_frames",))
         """A cache whose frames are the cached frames (a key cache)."""
         pasts = {past for past, _ in self.pairs}
@@ -288,7 +288,7 @@ class DitStack:
         feeds.update(self._stacked_caches([c.feeds for c in group], pasts))
         velocity, caches = call_alone(self.estimator, feeds, presents=presents)
         for i, c in enumerate(group):
-            rows = slice(ROWS_PER_STREAM * i, ROWS_PER_STREAM * (i + 1))
+            rows = slice(self.rows_per_stream * i, self.rows_per_stream * (i + 1))
             c.velocity = velocity[rows]
             c.caches = {name: _rows(value, rows) for name, value in caches.items()}
 

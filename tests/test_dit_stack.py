@@ -69,8 +69,14 @@ def estimator(runtime_bundle: Path) -> Iterator[Any]:
         yield runner
 
 
-def _feeds(estimator: Any, new: int, past: int, seed: int) -> dict[str, np.ndarray]:
-    return estimator.spec.sample_inputs(dit_call_case(new, past, past, 50), seed=seed)
+@pytest.fixture(scope="module")
+def block(runtime_bundle: Path) -> int:
+    """The DiT's attention block."""
+    return RuntimeBundle.open(runtime_bundle).dims.dit_block_frames
+
+
+def _feeds(estimator: Any, new: int, past: int, seed: int, block: int) -> dict[str, np.ndarray]:
+    return estimator.spec.sample_inputs(dit_call_case(new, past, past, block), seed=seed)
 
 
 def _same(a: tuple[np.ndarray, dict[str, Feed]], b: tuple[np.ndarray, dict[str, Feed]]) -> bool:
@@ -78,9 +84,9 @@ def _same(a: tuple[np.ndarray, dict[str, Feed]], b: tuple[np.ndarray, dict[str, 
     return np.array_equal(a[0], b[0]) and all(np.array_equal(host[k], b[1][k]) for k in b[1])
 
 
-def test_calls_of_one_key_run_as_one_call_and_give_each_stream_its_rows(estimator: Any) -> None:
+def test_calls_of_one_key_run_as_one_call_and_give_each_stream_its_rows(estimator: Any, block: int) -> None:
     stack = DitStack(estimator, linger_s=LONG_WAIT_S)
-    feeds = [_feeds(estimator, 12, 30, seed) for seed in range(3)]
+    feeds = [_feeds(estimator, 12, 30, seed, block) for seed in range(3)]
     for f in feeds[1:]:  # what a call's streams share
         for name in ("ode_step", "offset", "block_frames"):
             f[name] = feeds[0][name]
@@ -96,11 +102,11 @@ def test_calls_of_one_key_run_as_one_call_and_give_each_stream_its_rows(estimato
         assert _same(g, want)
 
 
-def test_calls_of_other_keys_and_held_chunks_are_not_waited_for(estimator: Any) -> None:
+def test_calls_of_other_keys_and_held_chunks_are_not_waited_for(estimator: Any, block: int) -> None:
     """A chunk whose call has another key, or that is held at its pause, lets the waiting call go at once
     (the linger is a minute: waiting for it would fail the test's time)."""
     stack = DitStack(estimator, linger_s=LONG_WAIT_S)
-    short, long_ = _feeds(estimator, 8, 20, 0), _feeds(estimator, 8, 40, 1)
+    short, long_ = _feeds(estimator, 8, 20, 0, block), _feeds(estimator, 8, 40, 1, block)
     released = threading.Event()
     with stack.member() as a, stack.member() as b, stack.member() as held:
         start = time.perf_counter()
@@ -123,7 +129,7 @@ def test_calls_of_other_keys_and_held_chunks_are_not_waited_for(estimator: Any) 
     assert _same(got[2], got[0])
 
 
-def test_an_error_in_a_stacked_call_reaches_every_stream(runtime_bundle: Path) -> None:
+def test_an_error_in_a_stacked_call_reaches_every_stream(runtime_bundle: Path, block: int) -> None:
     runner = open_runner(RuntimeBundle.open(runtime_bundle), DIT, threads=1)
     stack = DitStack(runner, linger_s=LONG_WAIT_S)
     runner.close()
@@ -131,7 +137,7 @@ def test_an_error_in_a_stacked_call_reaches_every_stream(runtime_bundle: Path) -
 
     def call(m: Any) -> None:
         try:
-            m.velocity(_feeds(runner, 6, 10, 0), presents=Presents.HOST, pause=lambda: None)
+            m.velocity(_feeds(runner, 6, 10, 0, block), presents=Presents.HOST, pause=lambda: None)
         except RuntimeError as e:
             errors.append(e)
 
