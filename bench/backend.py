@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from .cases import Case
 
 Figures = dict[str, float | int | None]
@@ -40,8 +42,8 @@ class StreamRun:
     seconds: float
     """From the request to the final chunk."""
     audio_s: float
-    sha256: str
-    """Of the concatenated float32 samples: equal runs give equal audio."""
+    samples: np.ndarray
+    """The concatenated float32 samples."""
 
 
 @dataclass(frozen=True)

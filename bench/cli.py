@@ -85,6 +85,9 @@ def _user_errors() -> Iterator[None]:
               help="Run concurrent sessions' DiT calls at the same ODE step and frames as one call "
                    "(the runtime's DitStack); the concurrency table then says how many streams a call "
                    "served.")
+@click.option("--stack-vocoder", is_flag=True,
+              help="Run concurrent sessions' vocoder windows over the same frames as one hift_decoder "
+                   "call; the concurrency table then says how many streams a call served.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the results as JSON (atomically).")
 @click.option("--plots", is_flag=True,
@@ -95,7 +98,7 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
          model_dir: Path | None, threads: int | None, provider: str, lengths: str, concurrency: str,
          tokens: int | None, repeat: int | None, seed: int, quick: bool, chunk_policy: ChunkPolicy | None,
          thread_scaling: bool | None, chunk_slots: int | None, cuda_graphs: bool, stack_dit: bool,
-         json_out: Path | None, plots: bool, progress: bool) -> None:
+         stack_vocoder: bool, json_out: Path | None, plots: bool, progress: bool) -> None:
     """Benchmark a CosyVoice3 runtime bundle: first-chunk latency, RTF, per-stage times, LLM tokens/s,
     memory, concurrency, hardware bounds and onnxruntime levers, optionally beside the torch reference."""
     with _user_errors():
@@ -138,7 +141,7 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
             concurrency=levels, threads=threads, provider=provider,
             repeat=repeat or (1 if quick else 3), quick=quick, seed=seed, model_dir=model_dir,
             latency_policy=chunk_policy, chunk_slots=chunk_slots, cuda_graphs=cuda_graphs,
-            stack_dit=stack_dit,
+            stack_dit=stack_dit, stack_vocoder=stack_vocoder,
             thread_scaling=thread_scaling if thread_scaling is not None else threads >= 2 and not quick)
         result = run(settings, progress=progress)
         written = write_plots(result, json_out) if plots and json_out is not None else []

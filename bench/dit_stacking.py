@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 import numpy as np
@@ -33,6 +33,8 @@ from cosyvoice_runtime.runners import CPU, CUDA, Feed, OrtRunner, Runner, open_r
 from .decode_variants import batch_counts
 from .errors import BenchError
 from .graph_profile import DIT_NEW, DIT_PAST
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 DEFAULT_SHAPES = f"{DIT_NEW}:{DIT_PAST},50:400"
 """A first chunk after a prompt's prefix (graph_profile's call) and a later chunk further on."""
@@ -56,6 +58,13 @@ def _placed(feeds: dict[str, np.ndarray], runner: Runner, caches: set[str]) -> d
             if name in caches else value for name, value in feeds.items()}
 
 
+def timed(work: Callable[[], object]) -> float:
+    """Seconds `work` took."""
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
 def _host(value: Feed) -> np.ndarray:
     return value.numpy() if isinstance(value, ort.OrtValue) else np.asarray(value)
 
@@ -75,11 +84,6 @@ def measure(runner: Runner, block: int, streams: int, new: int, past: int, *, ro
     def call(feeds: dict[str, Feed]) -> dict[str, Feed]:
         out, kept = runner.infer_kept(feeds, keep=presents)
         return out | kept
-
-    def timed(work: Callable[[], object]) -> float:
-        start = time.perf_counter()
-        work()
-        return time.perf_counter() - start
 
     separate_outs = [call(f) for f in alone]  # the warm-up; compared below
     stacked_out = call(together)
@@ -110,37 +114,53 @@ def render(provider: str, precision: str, runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _shapes(text: str) -> list[tuple[int, int]]:
-    shapes = []
+def frame_pairs(text: str, meaning: str, example: str) -> list[tuple[int, int]]:
+    """'50:200,44:400' -> [(50, 200), (44, 400)]: new frames (at least 1) and frames before them, each pair
+    as `meaning` says (a `click.BadParameter` naming it and `example` otherwise)."""
+    pairs = []
     for part in text.split(","):
-        new, _, past = part.partition(":")
-        if not (new.isdigit() and past.isdigit() and int(new) >= 1):
-            raise click.BadParameter(f"{part!r}: NEW:PAST, new frames (at least 1) after cached ones, e.g. "
-                                     f"{DEFAULT_SHAPES}")
-        shapes.append((int(new), int(past)))
-    return shapes
+        new, _, before = part.partition(":")
+        if not (new.isdigit() and before.isdigit() and int(new) >= 1):
+            raise click.BadParameter(f"{part!r}: {meaning}, e.g. {example}")
+        pairs.append((int(new), int(before)))
+    return pairs
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--model", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Runtime bundle (cosyvoice-export all).")
-@click.option("--provider", type=click.Choice([CPU, CUDA]), default=CPU, show_default=True,
-              help="onnxruntime's provider.")
-@click.option("--streams", "streams_text", default="1,4,16", show_default=True,
-              help="Streams in a call, comma-separated: each count is measured.")
-@click.option("--shapes", "shapes_text", default=DEFAULT_SHAPES, show_default=True,
-              help="Call shapes NEW:PAST (new frames after cached ones), comma-separated.")
-@click.option("--rounds", type=click.IntRange(min=1), default=10, show_default=True,
-              help="Timed rounds per count and shape, after a warm-up.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="onnxruntime's intra-op threads (default: the runtime's).")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
-              help="Also write the measurements as JSON (atomically).")
+def stacking_command(shapes: Callable[[F], F]) -> Callable[[Callable[..., Any]], click.Command]:
+    """A stacking benchmark's command: its options, `shapes` (the calls' shapes) among them."""
+    options: list[Callable[[Any], Any]] = [
+        click.command(context_settings={"help_option_names": ["-h", "--help"]}),
+        click.option("--model", required=True, type=click.Path(file_okay=False, path_type=Path),
+                     help="Runtime bundle (cosyvoice-export all)."),
+        click.option("--provider", type=click.Choice([CPU, CUDA]), default=CPU, show_default=True,
+                     help="onnxruntime's provider."),
+        click.option("--streams", "streams_text", default="1,4,16", show_default=True,
+                     help="Streams in a call, comma-separated: each count is measured."),
+        shapes,
+        click.option("--rounds", type=click.IntRange(min=1), default=10, show_default=True,
+                     help="Timed rounds per count and shape, after a warm-up."),
+        click.option("--threads", type=click.IntRange(min=1), default=None,
+                     help="onnxruntime's intra-op threads (default: the runtime's)."),
+        click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
+                     help="Also write the measurements as JSON (atomically).")]
+
+    def decorate(function: Callable[..., Any]) -> click.Command:
+        command: Any = function
+        for option in reversed(options):
+            command = option(command)
+        assert isinstance(command, click.Command)
+        return command
+    return decorate
+
+
+@stacking_command(click.option("--shapes", "shapes_text", default=DEFAULT_SHAPES, show_default=True,
+                               help="Call shapes NEW:PAST (new frames after cached ones), comma-separated."))
 def main(model: Path, provider: str, streams_text: str, shapes_text: str, rounds: int, threads: int | None,
          json_out: Path | None) -> None:
     """Time several streams' DiT calls made one after another against one call of their CFG pairs stacked,
     and compare each stream's rows of the stacked call with its call alone."""
-    counts, shapes = batch_counts(streams_text, "stream"), _shapes(shapes_text)
+    counts = batch_counts(streams_text, "stream")
+    shapes = frame_pairs(shapes_text, "NEW:PAST, new frames (at least 1) after cached ones", DEFAULT_SHAPES)
     try:
         if json_out is not None:
             check_writable(json_out, "--json")

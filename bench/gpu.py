@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from cosyvoice_graphs import HIFT_DECODER, Case
+from cosyvoice_graphs import HIFT_DECODER, vocoder_case
 from cosyvoice_graphs.precision import FP16, TF32
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.runners import CPU, CUDA, ORT_PROVIDERS, OrtRunner, provider_chain
@@ -122,7 +122,7 @@ def conv_search_levers(bundle: RuntimeBundle, provider: str = CUDA, *, frames: t
     for search in CONV_ALGO_SEARCHES:
         with OrtRunner(bundle.graph_path(HIFT_DECODER), spec, provider, conv_algo_search=search) as runner:
             for n in frames:
-                feeds = spec.sample_inputs(Case({"frames": n}))
+                feeds = spec.sample_inputs(vocoder_case(n))
                 start = time.perf_counter()
                 runner.infer(feeds)
                 first = time.perf_counter() - start

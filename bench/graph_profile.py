@@ -38,6 +38,7 @@ from cosyvoice_graphs import (
     cache_pairs,
     decode_step_case,
     dit_call_case,
+    vocoder_case,
 )
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
@@ -68,7 +69,7 @@ def hot_calls(bundle: RuntimeBundle, provider: str, *, decode_rows: int = 1, dec
                          "or decode=int4/int8/fp32 for the cpu provider, decode=fp16 for cuda)")
     llm = decode_step_case(bundle.specs[decode], decode_past, batch=decode_rows, room=1)
     dit = dit_call_case(DIT_NEW, DIT_PAST, DIT_PAST, bundle.dims.dit_block_frames)
-    return {decode: llm, DIT: dit, HIFT_DECODER: Case({"frames": VOCODER_FRAMES})}
+    return {decode: llm, DIT: dit, HIFT_DECODER: vocoder_case(VOCODER_FRAMES)}
 
 
 def profile_graph(bundle: RuntimeBundle, graph: str, case: Case, provider: str, *, calls: int,

@@ -132,34 +132,48 @@ def _num(value: Any, scale: float = 1.0) -> str:
     return f"{v:.{min(digits, 6)}f}"
 
 
+STACKED_COLUMNS = {"dit_streams_per_call": "DiT streams/call",
+                   "vocoder_streams_per_call": "vocoder streams/call"}
+"""The streams a stacked call served, by figure (`--stack-dit`, `--stack-vocoder`)."""
+
+
 def _concurrency(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The concurrency table: each level unbatched, then batched (`decode_batch`, where the bundle batches on
     this provider) and the batched/unbatched ratio of audio per second, with the chunks that ran at once
-    (chunk slots); LLM tok/s is decodings alone; with `--stack-dit`, the streams a DiT call served."""
+    (chunk slots); LLM tok/s is decodings alone; with `--stack-dit` or `--stack-vocoder`, the streams a DiT
+    or vocoder call served."""
     batched = any(r.get("batched") for r in rows)
-    stacked = any("dit_streams_per_call" in r for r in rows)
+    stacked = [key for key in STACKED_COLUMNS if any(key in r for r in rows)]
     header = ["sessions", "length", "shared", "wall s", "audio s/s", "session RTF", "first chunk mean s",
-              "p95 s", "LLM tok/s", "outputs match", *(["DiT streams/call"] if stacked else [])]
+              "p95 s", "LLM tok/s", "outputs match", *(STACKED_COLUMNS[key] for key in stacked)]
     if batched:
         header += ["batched audio s/s", "ratio", "chunk slots", "session RTF", "first chunk p95 s",
-                   "LLM tok/s", "outputs match", *(["DiT streams/call"] if stacked else [])]
+                   "LLM tok/s", "outputs match", *(STACKED_COLUMNS[key] for key in stacked)]
     table = []
     for r in rows:
         row = [str(r["level"]), r["length"], _num(r["shared_synthesizer"]), _num(r["wall_s"]),
                _num(r["audio_s_per_s"]), _num(r["session_rtf_mean"]), _num(r["first_chunk_mean_s"]),
-               _num(r.get("first_chunk_p95_s")), _num(r.get("llm_tokens_per_s")), _num(r["outputs_match"]),
-               *([_num(r.get("dit_streams_per_call"))] if stacked else [])]
+               _num(r.get("first_chunk_p95_s")), _num(r.get("llm_tokens_per_s")), _outputs(r),
+               *(_num(r.get(key)) for key in stacked)]
         if batched:
             b = r.get("batched") or {}
             ratio = b["audio_s_per_s"] / r["audio_s_per_s"] if b else None
             row += [_num(b.get("audio_s_per_s")), _num(ratio), _num(b.get("chunk_slots")),
                     _num(b.get("session_rtf_mean")),
                     _num(b.get("first_chunk_p95_s")), _num(b.get("llm_tokens_per_s")),
-                    _num(b.get("outputs_match")), *([_num(b.get("dit_streams_per_call"))] if stacked else [])]
+                    _outputs(b) if b else "-", *(_num(b.get(key)) for key in stacked)]
         table.append(row)
     title = "concurrency (runtime, streamed sessions in threads, cached prompt" + (
         "; batched: their decodings in one batch)" if batched else ")")
     return [title] + ["  " + line for line in _table(header, table)]
+
+
+def _outputs(row: dict[str, Any]) -> str:
+    """Whether every session's audio equals a single stream's, and by how much it differs where not."""
+    if row["outputs_match"]:
+        return "yes"
+    diff = row.get("outputs_max_diff")
+    return f"NO (max {_num(diff)})" if diff is not None else "NO (lengths)"
 
 
 def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:

@@ -10,12 +10,11 @@ while running. A `TrtRunner` keeps device buffers and an execution context per r
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 import threading
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,17 +24,23 @@ import numpy as np
 
 from cosyvoice_runtime import CosyVoice3
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.call_stack import CallStack
 from cosyvoice_runtime.chunk_policy import ChunkPolicy, check_policy
 from cosyvoice_runtime.cosyvoice3 import SegmentSpeech
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.process_memory import release_free_heap
 from cosyvoice_runtime.runners import TRT
 from cosyvoice_runtime.segments import Segment
-from cosyvoice_runtime.synthesis import AudioChunk, Mode, batches, check_chunk_slots, llm_request
+from cosyvoice_runtime.synthesis import AudioChunk, Mode, Synthesizer, batches, check_chunk_slots, llm_request
 
 from .backend import FirstChunk, OfflineRun, StreamRun
 from .cases import Case
 from .measure import CallLog, llm_figures, mean, prefill_length
+
+STACKS: dict[str, Callable[[Synthesizer], CallStack[Any, Any, Any] | None]] = {
+    "dit": lambda synth: synth.flow.stack, "vocoder": lambda synth: synth.vocoder.stack}
+"""The stacks whose calls a concurrency row counts (`<name>_calls`, `<name>_streams_per_call`), where the
+synthesizer has them."""
 
 WORD_INTERVAL_S = 0.075
 """How often a word comes when the benchmark streams a text in: an LLM writing its answer (50-100 ms)."""
@@ -57,23 +62,23 @@ class RuntimeBackend:
 
     def __init__(self, bundle: RuntimeBundle, *, provider: str, threads: int, prompt_text: str, seed: int,
                  latency_policy: ChunkPolicy | None = None, chunk_slots: int | None = None,
-                 cuda_graphs: bool = False, stack_dit: bool = False) -> None:
+                 cuda_graphs: bool = False, stack_dit: bool = False, stack_vocoder: bool = False) -> None:
         """Open every graph on `provider` with `threads` intra-op threads; `prompt_text` is the prompt
         recording's transcript (zero-shot), `seed` the RAS sampler's; `latency_policy`: the chunk policy
         `policy_first_chunk` measures beside upstream's, checked against these graphs first (a `UserError`
         before anything opens); `chunk_slots`: the batched sessions' chunks at once (None: the runtime's
         default); `cuda_graphs`: the decode steps replay from CUDA graphs, in a batch even of one
-        (`Synthesizer`), so that the runs without a batch decode one stream at a time; `stack_dit`: concurrent
-        streams' DiT calls run stacked (`dit_stack`)."""
+        (`Synthesizer`), so that the runs without a batch decode one stream at a time; `stack_dit`,
+        `stack_vocoder`: concurrent streams' DiT and vocoder calls run stacked (`call_stack`)."""
         start = time.perf_counter()
         self.bundle, self.provider, self.threads = bundle, provider, threads
         self.prompt_text = prompt_text
         self.latency_policy = check_policy(latency_policy, bundle) if latency_policy is not None else None
         check_chunk_slots(chunk_slots)
         self.chunk_slots = chunk_slots
-        self.cuda_graphs, self.stack_dit = cuda_graphs, stack_dit
+        self.cuda_graphs, self.stack_dit, self.stack_vocoder = cuda_graphs, stack_dit, stack_vocoder
         self.voice = CosyVoice3(bundle, provider=provider, threads=threads, seed=seed,
-                                cuda_graphs=cuda_graphs, stack_dit=stack_dit)
+                                cuda_graphs=cuda_graphs, stack_dit=stack_dit, stack_vocoder=stack_vocoder)
         self._log = CallLog()
         self.load_s = time.perf_counter() - start
 
@@ -152,8 +157,7 @@ class RuntimeBackend:
         seconds = time.perf_counter() - start
         assert first is not None  # a stream always ends with a final chunk
         audio = np.concatenate(parts)
-        return StreamRun(first, seconds, len(audio) / self.voice.sample_rate,
-                         hashlib.sha256(audio.tobytes()).hexdigest())
+        return StreamRun(first, seconds, len(audio) / self.voice.sample_rate, audio)
 
     def offline(self, case: Case, prompt: PromptFeatures) -> OfflineRun:
         start = time.perf_counter()
@@ -182,7 +186,7 @@ class RuntimeBackend:
         }
         return OfflineRun(figures, list(speech.speech_tokens))
 
-    def concurrent(self, case: Case, prompt: PromptFeatures, level: int, reference_sha256: str
+    def concurrent(self, case: Case, prompt: PromptFeatures, level: int, reference: np.ndarray
                    ) -> dict[str, Any]:
         """`level` streamed sessions of `case` started together on `level` threads, from tokenised text
         and a cached prompt (the front end stays outside: wetext's thread safety is not ours to claim), and
@@ -195,22 +199,23 @@ class RuntimeBackend:
         attention entry), which a running server has paid long before; without it the phase measured first
         would pay it alone.
 
-        `outputs_match` compares every session's audio with `reference_sha256` (a single stream of the
-        same case and seed): sessions that share the `CosyVoice3`, or its batch, must not disturb each other.
+        `outputs_match` compares every session's audio with `reference` (a single stream of the same case
+        and seed): sessions that share the `CosyVoice3`, or its batch, must not disturb each other.
+        `outputs_max_diff` is by how much they differ where they do (another batch's float rounding).
         """
         piece = self._segment(case)
         shared = self.provider != TRT
         voices = ([self.voice] * level if shared else
                   [CosyVoice3(self.bundle, provider=self.provider, threads=self.threads,
                               seed=self.voice.sampling.seed, cuda_graphs=self.cuda_graphs,
-                              stack_dit=self.stack_dit)
+                              stack_dit=self.stack_dit, stack_vocoder=self.stack_vocoder)
                    for _ in range(level)])
         try:
-            warm_up = (self._sessions(voices, piece, prompt, case.tokens, reference_sha256) if level > 1
+            warm_up = (self._sessions(voices, piece, prompt, case.tokens, reference) if level > 1
                        else None)
             release_free_heap()
             row = {"level": level, "length": case.name, "shared_synthesizer": shared, "warm_up": warm_up,
-                   **self._sessions(voices, piece, prompt, case.tokens, reference_sha256),
+                   **self._sessions(voices, piece, prompt, case.tokens, reference),
                    "llm_tokens_per_s": self._decodings(voices, piece, prompt, case.tokens), "batched": None}
         finally:
             for voice in voices:
@@ -223,7 +228,7 @@ class RuntimeBackend:
             try:
                 voices = [self.voice] * level
                 assert synth.turns is not None
-                row["batched"] = {**self._sessions(voices, piece, prompt, case.tokens, reference_sha256),
+                row["batched"] = {**self._sessions(voices, piece, prompt, case.tokens, reference),
                                   "llm_tokens_per_s": self._decodings(voices, piece, prompt, case.tokens),
                                   "chunk_slots": synth.turns.slots}
             finally:
@@ -232,13 +237,14 @@ class RuntimeBackend:
         return row
 
     def _sessions(self, voices: list[CosyVoice3], piece: Segment, prompt: PromptFeatures, tokens: int,
-                  reference_sha256: str) -> dict[str, Any]:
+                  reference: np.ndarray) -> dict[str, Any]:
         """One streamed session per voice, all started together: throughput, session RTF, first chunks."""
         barrier = threading.Barrier(len(voices))
-        stacks = list({id(s): s for v in voices if (s := v.synth.flow.stack) is not None}.values())
-        before = [(s.calls, s.streams) for s in stacks]
+        stacks = {name: list({id(s): s for v in voices if (s := stack_of(v.synth)) is not None}.values())
+                  for name, stack_of in STACKS.items()}
+        before = {name: [(s.calls, s.streams) for s in found] for name, found in stacks.items()}
 
-        def session(voice: CosyVoice3) -> tuple[float, float, float, float, str]:
+        def session(voice: CosyVoice3) -> tuple[float, float, float, float, np.ndarray]:
             barrier.wait()
             start = time.perf_counter()
             first = None
@@ -249,16 +255,17 @@ class RuntimeBackend:
             end = time.perf_counter()
             audio = np.concatenate(parts)
             assert first is not None
-            return (start, end, first, len(audio) / voice.sample_rate,
-                    hashlib.sha256(audio.tobytes()).hexdigest())
+            return start, end, first, len(audio) / voice.sample_rate, audio
 
         with ThreadPoolExecutor(len(voices)) as pool:
             runs = list(pool.map(session, voices))
-        figures = _sessions_figures(runs, reference_sha256)
-        if stacks:
-            calls = sum(s.calls - b[0] for s, b in zip(stacks, before, strict=True))
-            streams = sum(s.streams - b[1] for s, b in zip(stacks, before, strict=True))
-            figures |= {"dit_calls": calls, "dit_streams_per_call": streams / calls if calls else None}
+        figures = _sessions_figures(runs, reference)
+        for name, found in stacks.items():
+            if found:
+                calls = sum(s.calls - b[0] for s, b in zip(found, before[name], strict=True))
+                streams = sum(s.streams - b[1] for s, b in zip(found, before[name], strict=True))
+                figures |= {f"{name}_calls": calls,
+                            f"{name}_streams_per_call": streams / calls if calls else None}
         return figures
 
     @staticmethod
@@ -284,9 +291,9 @@ class RuntimeBackend:
         self.voice.close()
 
 
-def _sessions_figures(runs: Sequence[tuple[float, float, float, float, str]], reference_sha256: str
+def _sessions_figures(runs: Sequence[tuple[float, float, float, float, np.ndarray]], reference: np.ndarray
                       ) -> dict[str, Any]:
-    """Concurrent sessions' figures from each one's (start, end, first chunk s, audio s, audio sha256)."""
+    """Concurrent sessions' figures from each one's (start, end, first chunk s, audio s, samples)."""
     wall = max(r[1] for r in runs) - min(r[0] for r in runs)
     audio = sum(r[3] for r in runs)
     firsts = sorted(r[2] for r in runs)
@@ -298,5 +305,13 @@ def _sessions_figures(runs: Sequence[tuple[float, float, float, float, str]], re
         "first_chunk_mean_s": mean(firsts),
         "first_chunk_p95_s": firsts[math.ceil(0.95 * len(firsts)) - 1],
         "first_chunk_max_s": firsts[-1],
-        "outputs_match": all(r[4] == reference_sha256 for r in runs),
+        "outputs_match": all(np.array_equal(r[4], reference) for r in runs),
+        "outputs_max_diff": _max_diff([r[4] for r in runs], reference),
     }
+
+
+def _max_diff(outputs: Sequence[np.ndarray], reference: np.ndarray) -> float | None:
+    """The largest |sample - reference's| over `outputs`; None where one's length differs."""
+    if any(o.shape != reference.shape for o in outputs):
+        return None
+    return max((float(np.abs(o - reference).max(initial=0.0)) for o in outputs), default=0.0)

@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 from cosyvoice_graphs.bundle_layout import FORMAT_VERSION
@@ -77,6 +78,8 @@ class Settings:
     """The runtime's decode steps replay from CUDA graphs (`--cuda-graphs`)."""
     stack_dit: bool = False
     """The runtime runs concurrent streams' DiT calls stacked (`--stack-dit`)."""
+    stack_vocoder: bool = False
+    """The runtime runs concurrent streams' vocoder calls stacked (`--stack-vocoder`)."""
 
 
 def thread_levels(threads: int) -> list[int]:
@@ -92,8 +95,8 @@ class _Warm:
     """backend -> case -> one figures dict per repeat."""
     tokens: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     """backend -> case -> the offline speech tokens of the first repeat."""
-    stream_sha256: dict[str, str] = field(default_factory=dict)
-    """case -> the runtime's streamed audio hash (first repeat)."""
+    stream_audio: dict[str, np.ndarray] = field(default_factory=dict)
+    """case -> the runtime's streamed samples (first repeat)."""
     prompt_frames: int = 0
     prompt_tokens: int = 0
     concurrency: list[dict[str, Any]] = field(default_factory=list)
@@ -107,7 +110,8 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
     def runtime_at(threads: int) -> Callable[[], Backend]:
         return lambda: RuntimeBackend(bundle, provider=s.provider, threads=threads, prompt_text=s.prompt_text,
                                       seed=s.seed, latency_policy=s.latency_policy, chunk_slots=s.chunk_slots,
-                                      cuda_graphs=s.cuda_graphs, stack_dit=s.stack_dit)
+                                      cuda_graphs=s.cuda_graphs, stack_dit=s.stack_dit,
+                                      stack_vocoder=s.stack_vocoder)
 
     factories = {"runtime": runtime_at(s.threads)}
     jobs = {"runtime": PeakJob("runtime", s.model, s.prompt_wav, s.prompt_text, s.threads, s.provider,
@@ -211,7 +215,7 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
             "quick": s.quick,
             "first_chunk_tokens": s.latency_policy.first_chunk_tokens if s.latency_policy else None,
             "thread_scaling": s.thread_scaling, "chunk_slots": s.chunk_slots, "cuda_graphs": s.cuda_graphs,
-            "stack_dit": s.stack_dit,
+            "stack_dit": s.stack_dit, "stack_vocoder": s.stack_vocoder,
         },
         "machine": machine,
         "cpu_class": machine["cpu_class"],
@@ -294,12 +298,12 @@ def _warm_phase(s: Settings, factories: dict[str, Callable[[], Backend]], gpu: G
         for case in s.cases:
             for r in range(s.repeat):
                 for name, b in backends.items():
-                    figures, sha, tokens = _warm(b, case, s.prompt_wav, prompts[name],
-                                                 gpu if name == "runtime" else None)
+                    figures, samples, tokens = _warm(b, case, s.prompt_wav, prompts[name],
+                                                     gpu if name == "runtime" else None)
                     warm.figures[name][case.name].append(figures)
                     warm.tokens[name].setdefault(case.name, tokens)
-                    if sha is not None:
-                        warm.stream_sha256.setdefault(case.name, sha)
+                    if samples is not None and name == "runtime":
+                        warm.stream_audio.setdefault(case.name, samples)
                     step(f"{name} {case.name} {r + 1}/{s.repeat}")
         runtime = backends["runtime"]
         assert isinstance(runtime, RuntimeBackend)
@@ -308,7 +312,7 @@ def _warm_phase(s: Settings, factories: dict[str, Callable[[], Backend]], gpu: G
         longest = max(s.cases, key=lambda c: c.tokens)
         for level in s.concurrency:
             warm.concurrency.append(runtime.concurrent(longest, prompt, level,
-                                                       warm.stream_sha256[longest.name]))
+                                                       warm.stream_audio[longest.name]))
             step(f"concurrency {level}")
         return warm
     finally:
@@ -317,10 +321,10 @@ def _warm_phase(s: Settings, factories: dict[str, Callable[[], Backend]], gpu: G
 
 
 def _warm(b: Backend, case: Case, wav: Path, prompt: Any, gpu: GpuSampler | None
-          ) -> tuple[Figures, str | None, list[int]]:
+          ) -> tuple[Figures, np.ndarray | None, list[int]]:
     """One warm round of `case`: the first chunk with the prompt extracted in the timed region; streamed
     with the cached prompt (just the first chunk where the backend cannot stream); offline with stage
-    timings. Returns the figures, the streamed audio's sha256 and the offline speech tokens."""
+    timings. Returns the figures, the streamed samples and the offline speech tokens."""
     none: Callable[[], GpuUsage | None] = lambda: None  # noqa: E731
     with gpu.sample() if gpu is not None else nullcontext(none) as usage:
         start = time.perf_counter()
@@ -350,7 +354,7 @@ def _warm(b: Backend, case: Case, wav: Path, prompt: Any, gpu: GpuSampler | None
         "gpu_memory_peak_mib": gpu_usage.memory_peak_mib if gpu_usage else None,
         "gpu_utilization_mean_pct": gpu_usage.utilization_mean_pct if gpu_usage else None,
     }
-    return figures, streamed.sha256 if streamed is not None else None, offline.speech_tokens
+    return figures, streamed.samples if streamed is not None else None, offline.speech_tokens
 
 
 def _policy_figures(policy: FirstChunk | None) -> Figures:
@@ -434,7 +438,8 @@ def _notes(s: Settings, gpu: GpuSampler | None) -> dict[str, str]:
         notes["concurrency"] = ("runtime only: sessions start from tokenised text and a cached prompt; each "
                                 "level above 1 is measured after an unmeasured round of it (warm_up: the "
                                 "first time a process runs that many sessions it pays for their memory); "
-                                "outputs match = every session's audio equals a single stream's")
+                                "outputs match = every session's audio equals a single stream's (where "
+                                "not, max: the largest sample difference)")
     if s.model_dir is not None:
         notes["torch"] = ("eager float32 on the CPU, torch.set_num_threads = --threads; no streaming path, "
                           "so its first chunk is the first hop + look-ahead decoded, the block-causal "

@@ -26,9 +26,11 @@
 #   graphs-P     with an llm_decode, on cuda: bench-P again with the decode steps replayed from CUDA graphs
 #                (--cuda-graphs)
 #   stacking-P   the DiT's calls of 1, 4 and 16 streams one after another against one stacked call
+#   vocstacking-P  the same for the vocoder's windows (one hift_decoder call)
 #   streamsN-P   with an llm_decode: STREAMS (16) concurrent streams of 125 tokens, unbatched and batched
 #                (the many-streams target), a bench of their own so that a slow level costs only its figures
-#   stackdit-streamsN-P  streamsN-P again with the streams' DiT calls stacked (--stack-dit)
+#   stacked-streamsN-P  streamsN-P again with the streams' DiT and vocoder calls stacked (--stack-dit
+#                --stack-vocoder)
 #   profile-P    its hot graph calls under onnxruntime's profiler: time per provider, host/device copies
 #   variants-P   with an llm_decode: its step for 1, 4 and 16 decodings as the runtime makes it, bound once,
 #                replayed from a CUDA graph, with XQA on and off: times, and log-probs against the runtime's
@@ -106,7 +108,8 @@ step tests 300 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_bench_gpu.p
     tests/test_runtime_core.py tests/test_llm_decode.py::test_the_fp16_body_decodes_in_place_close_to_llm \
     tests/test_decode_batch.py::test_batched_rows_follow_their_runs_alone tests/test_decode_variants.py \
     tests/test_dit_stacking.py tests/test_decode_graphs.py \
-    tests/test_dit_stack.py::test_on_cuda_stacked_streams_keep_their_caches_there
+    tests/test_dit_stack.py::test_on_cuda_stacked_streams_keep_their_caches_there \
+    tests/test_vocoder_stack.py::test_on_cuda_stacked_windows_follow_their_calls_alone
 [ -f "$WORK/gates/llm.pt" ] || step tiny-model 120 "$PY" -m cosyvoice_export tiny-bundle "$WORK/gates"
 for p in $GATES; do
     tag=${p//[=,]/-}
@@ -136,12 +139,14 @@ measure() {
         fi ;;
     stacking) step "stacking-$tag" 120 "$PY" -m cosyvoice_bench.dit_stacking --model "$bundle" \
         --provider "$PROVIDER" --streams 1,4,16 --json "$OUT/stacking-$tag.json" ;;
+    vocstacking) step "vocstacking-$tag" 120 "$PY" -m cosyvoice_bench.vocoder_stacking --model "$bundle" \
+        --provider "$PROVIDER" --streams 1,4,16 --json "$OUT/vocstacking-$tag.json" ;;
     streams) ((batches)) && step "streams$STREAMS-$tag" 360 "$PY" -m cosyvoice_bench --model "$bundle" \
         --provider "$PROVIDER" --lengths long --concurrency "$STREAMS" --quick --tokens 125 --no-progress \
         --json "$OUT/streams$STREAMS-$tag.json" ;;
-    stackdit) ((batches)) && step "stackdit-streams$STREAMS-$tag" 360 "$PY" -m cosyvoice_bench --model "$bundle" \
+    stacked) ((batches)) && step "stacked-streams$STREAMS-$tag" 360 "$PY" -m cosyvoice_bench --model "$bundle" \
         --provider "$PROVIDER" --lengths long --concurrency "$STREAMS" --quick --tokens 125 --stack-dit \
-        --no-progress --json "$OUT/stackdit-streams$STREAMS-$tag.json" ;;
+        --stack-vocoder --no-progress --json "$OUT/stacked-streams$STREAMS-$tag.json" ;;
     profile) step "profile-$tag" 120 "$PY" -m cosyvoice_bench.graph_profile --model "$bundle" \
         --provider "$PROVIDER" --json "$OUT/profile-$tag.json" ;;
     variants) ((batches)) && step "variants-$tag" 240 "$PY" -m cosyvoice_bench.decode_variants \
@@ -159,7 +164,7 @@ measure() {
     return 0
 }
 
-for kind in bench graphs stacking streams stackdit profile variants rows slots1; do
+for kind in bench graphs stacking vocstacking streams stacked profile variants rows slots1; do
     for p in $PRECISIONS; do
         measure "$kind" "$p"
     done

@@ -25,6 +25,7 @@ from .registry import (
     metadata,
     ode_time_grid,
     spec,
+    vocoder_case,
 )
 from .spec import (
     BATCH,
@@ -45,4 +46,5 @@ __all__ = ["BATCH", "DIT", "DIT_ROWS", "FLOW_ENCODER", "HIFT_DECODER", "HIFT_F0"
            "PRECISION_NAMES", "REDUCED_PRECISIONS", "SEQLENS_K", "SPECS", "TOTAL_SEQUENCE_LENGTH", "Case",
            "DecodeGates", "DerivedDim", "DimRange", "GraphSpec", "ModelDims", "Precision", "SolveGates",
            "TensorSpec", "Tolerance", "cache_pairs", "decode_lengths", "decode_step_case", "dit_call_case",
-           "empty_caches", "euler_steps", "metadata", "ode_time_grid", "precisions_on", "spec"]
+           "empty_caches", "euler_steps", "metadata", "ode_time_grid", "precisions_on", "spec",
+           "vocoder_case"]

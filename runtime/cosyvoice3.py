@@ -124,7 +124,7 @@ class CosyVoice3:
                  speakers_dir: Path | None = None, flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
                  max_batch: int = 1, batch_observer: BatchObserver | None = None,
                  chunk_policy: ChunkPolicy | None = None, chunk_slots: int | None = None,
-                 cuda_graphs: bool = False, stack_dit: bool = False) -> None:
+                 cuda_graphs: bool = False, stack_dit: bool = False, stack_vocoder: bool = False) -> None:
         """Open `model_dir`: a runtime bundle, a model bundle exported on first use as `cosyvoice-run
         --model` does, or a bundle opened already. `provider` and `threads` place the graphs
         (`cosyvoice_runtime.runners.PROVIDERS`); `sampling` is upstream's repetition-aware sampling
@@ -140,7 +140,8 @@ class CosyVoice3:
         when every stream emits its chunks (None: upstream's schedule; `ChunkPolicy.first_chunk_tokens` a
         deviation from it for latency), checked against the graphs here; `cuda_graphs` replays the decode
         steps from CUDA graphs (on cuda, with `llm_decode`: `decode_graphs`); `stack_dit` runs concurrent
-        streams' DiT calls at the same ODE step and frames as one call (`dit_stack`).
+        streams' DiT calls at the same ODE step and frames as one call (`dit_stack`), `stack_vocoder` their
+        vocoder calls over the same frames (`Vocoder.stack_calls`).
 
         Upstream's own keywords are taken for what they mean here: `load_trt` runs the graphs on
         onnxruntime's TensorRT provider (upstream's DiT runs as a TensorRT plan it builds on first use);
@@ -177,7 +178,7 @@ class CosyVoice3:
         self.synth = Synthesizer(self.bundle, provider, threads=threads, flow_prefix_bytes=flow_prefix_bytes,
                                  max_batch=max_batch, batch_observer=batch_observer,
                                  chunk_policy=chunk_policy, chunk_slots=chunk_slots, cuda_graphs=cuda_graphs,
-                                 stack_dit=stack_dit)
+                                 stack_dit=stack_dit, stack_vocoder=stack_vocoder)
         self.prefix_jobs = PrefixJobs(self.synth.flow, self.synth.live)
         """Speakers' flow prefixes computed in the background (a thread started by the first job)."""
         self._speakers_dir = speakers_dir

@@ -7,22 +7,18 @@ On a GPU a DiT call's time is mostly its kernels' launches on the host: 16 strea
 independent, so stacking changes no stream's frames: on the CPU in float32 a stream's rows of a stacked call
 are its call alone to the bit, on a GPU within float32's rounding (the graph's spec).
 
-A stream's chunk joins the stack for its flow work (`DitStack.member`). A call waits while another stacked
-call runs (one at a time), and when its turn comes, up to `linger_s` more for the chunk members that may
-still make a call of its key (those whose next call is unknown yet or the same, and that are not held at
-their chunk's pause): streams whose chunks started together then go through their ODE steps together. A
-stream's caches stay where the runtime keeps them: on the host as numpy rows, on a GPU as views of the
+A stream's chunk joins the stack for its flow work (`DitStack.chunk_calls`), and its calls gather as
+`call_stack` says: streams whose chunks started together go through their ODE steps together. A stream's
+caches stay where the runtime keeps them: on the host as numpy rows, on a GPU as views of the
 stacked call's outputs (`BufferView`), stacked again without a copy while the same streams go on together
 and by onnxruntime's Concat on the device (`RowConcat`) when they do not.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple, Protocol
 
@@ -31,12 +27,9 @@ import onnxruntime as ort
 
 from cosyvoice_graphs import BATCH, DIT_ROWS, MAX_BATCH, ODE_STEPS, GraphSpec, cache_pairs
 
+from .call_stack import LINGER_S, CallStack, StackMember
 from .runners import BufferView, Feed, OrtRunner, Runner, feed_shape
 from .runners.row_concat import RowConcat
-
-LINGER_S = 0.005
-"""How long a gathered call waits at most for the chunks expected to join it: a few launches' worth on a GPU
-(a stream's DiT call took ~19 ms on an H200)."""
 
 
 class Presents(StrEnum):
@@ -66,18 +59,22 @@ class CallKey(NamedTuple):
         return self._replace(step=self.step + 1) if self.step + 1 < ODE_STEPS else None
 
 
+DitResult = tuple[np.ndarray, dict[str, Feed]]
+"""A stream's part of a call: its velocity and, as the call's `Presents` says, its caches."""
+
+
 class DitCalls(Protocol):
-    """How a chunk makes its DiT calls: alone (`AloneCalls`) or through a `DitStack` (`StackMember`)."""
+    """How a chunk makes its DiT calls: alone (`AloneCalls`) or through a `DitStack` (`StackedCalls`)."""
 
     def velocity(self, feeds: Mapping[str, Feed], *, presents: Presents, pause: Callable[[], None]
-                 ) -> tuple[np.ndarray, dict[str, Feed]]:
+                 ) -> DitResult:
         """After `pause`, one ODE step's call on `feeds` (every input of the graph): the velocity (2, 80, n)
         and, as `presents` says, the caches for the next call, by input name."""
         ...
 
 
 def call_alone(estimator: Runner, feeds: Mapping[str, Feed], *, presents: Presents
-               ) -> tuple[np.ndarray, dict[str, Feed]]:
+               ) -> DitResult:
     """`DitCalls.velocity` of one call, without the pause."""
     pairs = cache_pairs(estimator.spec)
     if presents == Presents.DEVICE:
@@ -96,7 +93,7 @@ class AloneCalls:
     estimator: Runner
 
     def velocity(self, feeds: Mapping[str, Feed], *, presents: Presents, pause: Callable[[], None]
-                 ) -> tuple[np.ndarray, dict[str, Feed]]:
+                 ) -> DitResult:
         pause()
         return call_alone(self.estimator, feeds, presents=presents)
 
@@ -118,47 +115,26 @@ def _host(value: Feed) -> np.ndarray:
     return value if isinstance(value, np.ndarray) else value.numpy()
 
 
-@dataclass(eq=False)
-class StackMember:
-    """One chunk's part in a `DitStack` (`DitStack.member`): its calls go through the stack."""
+@dataclass(frozen=True)
+class StackedCalls:
+    """A chunk's DiT calls through a `DitStack`, as its `member` (`DitStack.chunk_calls`)."""
 
-    stack: DitStack = field(repr=False)
-    next_key: CallKey | None = None
-    """The key of the chunk's next call, known once it has made one (None before and after its calls)."""
-    started: bool = False
-    """Whether it has made a call: before its first, its next call's key is unknown."""
-    pausing: bool = False
-    """Held at the chunk's pause (its turn's): not expected to join a call until it returns."""
-    pending: bool = False
-    """Its call waits to be gathered."""
+    stack: DitStack
+    member: StackMember[CallKey]
 
     def velocity(self, feeds: Mapping[str, Feed], *, presents: Presents, pause: Callable[[], None]
-                 ) -> tuple[np.ndarray, dict[str, Feed]]:
-        return self.stack.call(self, feeds, presents=presents, pause=pause)
+                 ) -> DitResult:
+        return self.stack.call(self.member, self.stack.key(feeds, presents=presents), feeds, pause=pause)
 
 
-@dataclass(eq=False)
-class _Call:
-    member: StackMember
-    key: CallKey
-    feeds: Mapping[str, Feed]
-    arrived: float
-    done: bool = False
-    velocity: np.ndarray | None = None
-    caches: dict[str, Feed] | None = None
-    error: BaseException | None = None
-
-
-class DitStack:
+class DitStack(CallStack[CallKey, Mapping[str, Feed], DitResult]):
     """Gathers concurrent chunks' calls of one `flow_estimator_cached` runner by `CallKey` and runs each group
     as one call of up to `max_streams` CFG pairs (see the module)."""
 
     def __init__(self, estimator: Runner, *, max_streams: int = MAX_BATCH, linger_s: float = LINGER_S
                  ) -> None:
-        if not 1 <= max_streams <= MAX_BATCH:
-            raise ValueError(f"max_streams must be 1 to {MAX_BATCH}, got {max_streams}")
+        super().__init__(self._run_group, after=CallKey.next, max_streams=max_streams, linger_s=linger_s)
         self.estimator = estimator
-        self.max_streams, self.linger_s = max_streams, linger_s
         spec = estimator.spec
         self.pairs = cache_pairs(spec)
         self.rows_per_stream = spec.derived[DIT_ROWS].terms[BATCH]
@@ -170,64 +146,15 @@ class DitStack:
                                 estimator.provider, estimator.device_id) \
             if isinstance(estimator, OrtRunner) else None
         """Stacks device caches that are not one buffer's rows in order (an `OrtRunner`'s, on a GPU)."""
-        self.calls = 0
-        """Calls made."""
-        self.streams = 0
-        """Stream calls they served: `streams / calls` streams a call."""
-        self.stacked = 0
-        """Calls of more than one stream."""
         self.concats = 0
         """Stacked calls whose device caches were concatenated (`RowConcat`) rather than viewed as one."""
-        self._cond = threading.Condition()
-        self._members: set[StackMember] = set()
-        self._pending: list[_Call] = []
-        self._running = False
 
     @contextmanager
-    def member(self) -> Iterator[StackMember]:
-        """A chunk's place in the stack while its flow work runs: calls of its key wait for it."""
-        member = StackMember(self)
-        with self._cond:
-            self._members.add(member)
-        try:
-            yield member
-        finally:
-            with self._cond:
-                self._members.discard(member)
-                self._cond.notify_all()
-
-    def call(self, member: StackMember, feeds: Mapping[str, Feed], *, presents: Presents,
-             pause: Callable[[], None]) -> tuple[np.ndarray, dict[str, Feed]]:
-        """`DitCalls.velocity` of `member`'s chunk: the call runs alone or stacked with others of its key."""
-        with self._cond:
-            member.pausing = True
-            self._cond.notify_all()  # a gathered call waiting for this chunk goes on without it
-        try:
-            pause()
-        finally:
-            with self._cond:
-                member.pausing = False
-        call = _Call(member, self.key(feeds, presents=presents), feeds, time.perf_counter())
-        with self._cond:
-            member.next_key, member.started, member.pending = call.key, True, True
-            self._pending.append(call)
-            self._cond.notify_all()
-            while not call.done:
-                if self._running or not self._pending:
-                    self._cond.wait()
-                    continue
-                group = self._gather()
-                self._cond.release()
-                try:
-                    self._run(group)
-                finally:
-                    self._cond.acquire()
-                    self._running = False
-                    self._cond.notify_all()
-        if call.error is not None:
-            raise call.error
-        assert call.velocity is not None and call.caches is not None
-        return call.velocity, call.caches
+    def chunk_calls(self) -> Iterator[StackedCalls]:
+        """A chunk's DiT calls while its flow work runs, as a member of the stack: calls of its key wait for
+        it."""
+        with self.member() as member:
+            yield StackedCalls(self, member)
 
     def key(self, feeds: Mapping[str, Feed], *, presents: Presents) -> CallKey:
         """The key of a call on `feeds`."""
@@ -236,61 +163,24 @@ class DitStack:
                        new_frames=feed_shape(feeds["x"])[2],
                        past_frames=feed_shape(feeds[self.keys_input])[2], presents=presents)
 
-    def _gather(self) -> list[_Call]:
-        """The next group: the oldest pending call and those of its key, after waiting up to `linger_s` from
-        its arrival while a chunk may still join. Holds `_cond`; marks the stack running."""
-        self._running = True
-        key = self._pending[0].key
-        deadline = self._pending[0].arrived + self.linger_s
-        while True:
-            group = [c for c in self._pending if c.key == key][:self.max_streams]
-            left = deadline - time.perf_counter()
-            if len(group) == self.max_streams or left <= 0 or not self._expecting(key):
-                break
-            self._cond.wait(left)
-        for c in group:
-            self._pending.remove(c)
-            c.member.pending, c.member.next_key = False, key.next()
-        return group
-
-    def _expecting(self, key: CallKey) -> bool:
-        """Whether a chunk not waiting yet may make a call of `key`: one whose next call is `key` or, before
-        its first, unknown, and that is not held at its pause."""
-        return any(not m.pending and not m.pausing and (m.next_key == key or not m.started)
-                   for m in self._members)
-
-    def _run(self, group: list[_Call]) -> None:
-        """Run `group` as one call and give each its rows (or the call's error)."""
-        try:
-            if len(group) == 1:
-                (call,) = group
-                presents = call.key.presents
-                call.velocity, call.caches = call_alone(self.estimator, call.feeds, presents=presents)
-            else:
-                self._run_stacked(group)
-            self.calls += 1
-            self.streams += len(group)
-            self.stacked += len(group) > 1
-        except BaseException as e:  # every caller of the group raises it
-            for c in group:
-                c.error = e
-        finally:
-            for c in group:
-                c.done = True
-
-    def _run_stacked(self, group: list[_Call]) -> None:
-        presents = group[0].key.presents
-        if presents == Presents.DEVICE:  # rows of one buffer, in order, stack again without a copy
-            group.sort(key=lambda c: _place(c.feeds[self.pairs[0][0]]))
+    def _run_group(self, key: CallKey, group: list[Mapping[str, Feed]]) -> list[DitResult]:
+        """One call of `group`'s CFG pairs; each stream's rows of its outputs."""
+        if len(group) == 1:
+            return [call_alone(self.estimator, group[0], presents=key.presents)]
+        order = list(range(len(group)))
+        if key.presents == Presents.DEVICE:  # rows of one buffer, in order, stack again without a copy
+            order.sort(key=lambda i: _place(group[i][self.pairs[0][0]]))
+        parts = [group[i] for i in order]
         pasts = [past for past, _ in self.pairs]
         feeds: dict[str, Feed] = dict(stacked_feeds(self.estimator.spec, [
-            {name: _host(v) for name, v in c.feeds.items() if name not in pasts} for c in group]))
-        feeds.update(self._stacked_caches([c.feeds for c in group], pasts))
-        velocity, caches = call_alone(self.estimator, feeds, presents=presents)
-        for i, c in enumerate(group):
-            rows = slice(self.rows_per_stream * i, self.rows_per_stream * (i + 1))
-            c.velocity = velocity[rows]
-            c.caches = {name: _rows(value, rows) for name, value in caches.items()}
+            {name: _host(v) for name, v in p.items() if name not in pasts} for p in parts]))
+        feeds.update(self._stacked_caches(parts, pasts))
+        velocity, caches = call_alone(self.estimator, feeds, presents=key.presents)
+        results: dict[int, DitResult] = {}
+        for place, i in enumerate(order):
+            rows = slice(self.rows_per_stream * place, self.rows_per_stream * (place + 1))
+            results[i] = (velocity[rows], {name: _rows(value, rows) for name, value in caches.items()})
+        return [results[i] for i in range(len(group))]
 
     def _stacked_caches(self, parts: Sequence[Mapping[str, Feed]], names: list[str]) -> dict[str, Feed]:
         """The caches `names` of `parts` stacked: host arrays concatenated, device rows of one buffer in order

@@ -46,7 +46,7 @@ from .prefix_jobs import LiveWork
 from .runners import CPU, CPU_PROVIDERS, CUDA, Runner, decode_body, graphs_run, open_runner, prefill_body
 from .runners.ort_settings import usable_cpus
 from .sampling import Sampler
-from .token2wav import Flow, FlowStream, Vocoder, VocoderStream, change_speed
+from .token2wav import Flow, FlowStream, Vocoder, VocoderCalls, VocoderStream, change_speed
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,8 @@ class Synthesizer:
     def __init__(self, bundle: RuntimeBundle, provider: str = CPU, *, threads: int | None = None,
                  flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, max_batch: int = 1,
                  batch_observer: BatchObserver | None = None, chunk_policy: ChunkPolicy | None = None,
-                 chunk_slots: int | None = None, cuda_graphs: bool = False, stack_dit: bool = False) -> None:
+                 chunk_slots: int | None = None, cuda_graphs: bool = False, stack_dit: bool = False,
+                 stack_vocoder: bool = False) -> None:
         """Open every graph of `bundle` on `provider` (see `cosyvoice_runtime.runners.PROVIDERS`);
         `flow_prefix_bytes` bounds the streaming flow's per-prompt cache (`Flow.prefixes`). `max_batch` > 1
         decodes concurrent requests' speech ids together (`decode_batch`, reporting to `batch_observer`),
@@ -157,9 +158,10 @@ class Synthesizer:
         (`set_max_batch`). `cuda_graphs`: the decode steps replay from CUDA graphs (`decode_graphs`; on
         cuda, where `llm_decode` takes them), in a batch even of one. `stack_dit`: concurrent DiT calls at the
         same ODE step over the same frames run as one call (`dit_stack`; the calls of chunks that run at once:
-        every stream's without a batch, a batch's `chunk_slots`). `chunk_policy` is the streams' schedule
-        (None: upstream's); it, `max_batch`, `chunk_slots`, `cuda_graphs` and `stack_dit` are checked before
-        any graph opens (a `UserError`)."""
+        every stream's without a batch, a batch's `chunk_slots`). `stack_vocoder`: concurrent vocoder calls
+        over the same frames run as one `hift_decoder` call (`Vocoder.stack_calls`). `chunk_policy` is the
+        streams' schedule (None: upstream's); it, `max_batch`, `chunk_slots`, `cuda_graphs` and `stack_dit`
+        are checked before any graph opens (a `UserError`)."""
         check_max_batch(max_batch, bundle, provider)
         check_chunk_slots(chunk_slots)
         if cuda_graphs:
@@ -191,6 +193,8 @@ class Synthesizer:
             self.flow.stack = DitStack(r[DIT])
         self.vocoder = Vocoder(r[HIFT_F0], r[HIFT_DECODER], bundle.uniform_noise(SINE_NOISE), self.dims,
                                bundle.manifest.model.hift)
+        if stack_vocoder:
+            self.vocoder.stack_calls()
         self.live = LiveWork()
         """Streams and offline syntheses in flight, held from their first step to their end: background work
         (`PrefixJobs`) waits while there are any."""
@@ -483,11 +487,15 @@ class _Stream:
         return frames % self.synth.dims.dit_block_frames != 0
 
     def _chunk(self, tokens: list[int], hop: int, llm_s: float, *, final: bool) -> AudioChunk:
-        with self.synth.chunk_turn(first=self.index == 0) as pause:
-            return self._run_chunk(tokens, hop, llm_s, final=final, pause=pause)
+        # the chunk adds ratio * hop mel frames (its look-ahead tokens' frames come with the next one)
+        frames = self.ratio * hop
+        key = (Vocoder.key(self.mel.shape[2] + frames) if self.vocoder_stream is None
+               else self.vocoder_stream.key(frames))
+        with self.synth.chunk_turn(first=self.index == 0) as pause, self.synth.vocoder.calls(key) as calls:
+            return self._run_chunk(tokens, hop, llm_s, final=final, pause=calls.pausing(pause), calls=calls)
 
     def _run_chunk(self, tokens: list[int], hop: int, llm_s: float, *, final: bool,
-                   pause: Callable[[], None]) -> AudioChunk:
+                   pause: Callable[[], None], calls: VocoderCalls) -> AudioChunk:
         synth = self.synth
         start = time.perf_counter()
         if self.flow_stream is None:
@@ -507,9 +515,10 @@ class _Stream:
         mid = time.perf_counter()
         if self.vocoder_stream is None:
             self.mel = np.concatenate([self.mel, added], axis=2)
-            audio = synth.vocoder(self.mel, finalize=final)[self.samples_out:]  # all of it, re-run
+            # all of it, re-run
+            audio = synth.vocoder(self.mel, finalize=final, calls=calls)[self.samples_out:]
         else:
-            audio = self.vocoder_stream.push(added, finalize=final)
+            audio = self.vocoder_stream.push(added, finalize=final, calls=calls)
         new = np.ascontiguousarray(audio)
         done = time.perf_counter()
         chunk = AudioChunk(

@@ -10,8 +10,9 @@ Upstream's `CosyVoice3Model.token2wav` with `CausalMaskedDiffWithDiT.inference`,
   the position-locked noise table `flow_noise[:, :, :T]`; each step is one `flow_estimator_cached`
   call over all T frames with nothing cached, `block_frames` 50 the streaming block-causal mask, T full
   attention, `ode_step` the step (the graph holds each step's time modulation);
-- `hift_f0` -> the harmonic phase (`sine_phase`, numpy) -> `hift_decoder` with the `sine_noise`
-  table; a non-final call keeps the samples that no longer depend on future frames.
+- `hift_f0` -> the harmonic phase (`phase_steps`, `accumulate_phase`, `wrap_phase`: numpy, the spec's
+  formula bit for bit) -> `hift_decoder` with the `sine_noise` table; a non-final call keeps the samples
+  that no longer depend on future frames.
 
 `FlowStream` streams the flow: a non-final chunk runs the same graph over its new frames only, fed per
 ODE step with the keys/values and conv context of the earlier frames, and gives the frames of
@@ -30,15 +31,17 @@ and onnxruntime's f0 rounding can depend on the input's length).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
-from cosyvoice_graphs import BATCH, ModelDims, cache_pairs, empty_caches, euler_steps
+from cosyvoice_graphs import BATCH, MAX_BATCH, ModelDims, cache_pairs, empty_caches, euler_steps
 from cosyvoice_graphs.hift_layout import HiftLayout
 
+from .call_stack import CallStack, StackMember
 from .chunk_turns import no_pause
 from .dit_stack import AloneCalls, DitCalls, DitStack, Presents
 from .errors import SynthesisError
@@ -49,17 +52,6 @@ from .runners import CPU, Feed, OrtRunner, Runner, feed_nbytes, feed_shape
 
 CFG_RATE = 0.7
 """`inference_cfg_rate`: v = (1 + rate) v_cond - rate v_uncond."""
-
-
-def sine_phase(f0: np.ndarray, harmonics: int, sample_rate: int, samples_per_frame: int) -> np.ndarray:
-    """f0 (1, T) in Hz -> `hift_decoder`'s `phase` (1, T, harmonics) in [0, 2π), float32.
-
-    Upstream's staircase phase bit for bit (the spec's formula): per-frame steps in float32, their
-    running sum in float64 rounded per frame, upstream's float32 products in its order, then the
-    reduction mod 2π in float64.
-    """
-    acc = accumulate_phase(np.zeros(harmonics), phase_steps(f0, harmonics, sample_rate))
-    return wrap_phase(acc, samples_per_frame)
 
 
 def phase_steps(f0: np.ndarray, harmonics: int, sample_rate: int) -> np.ndarray:
@@ -174,7 +166,7 @@ class Flow:
         """How a call's or a chunk's DiT calls run: through `stack` as a member for its flow work (joined
         before its encoder call, so that streams whose chunks start together go through the ODE together),
         or alone."""
-        return nullcontext(AloneCalls(self.estimator)) if self.stack is None else self.stack.member()
+        return nullcontext(AloneCalls(self.estimator)) if self.stack is None else self.stack.chunk_calls()
 
     def stream(self, prompt: PromptFeatures, *, window: int | None = None) -> FlowStream:
         """A new utterance's `FlowStream`: exact caches (`window=None`), or attention bounded to the
@@ -433,8 +425,37 @@ class FlowStream:
         return out
 
 
+class VocoderKey(NamedTuple):
+    """What a vocoder call's streams share: `hift_f0`'s frames, the first of them that only it reads, and the
+    utterance frame that `hift_decoder`'s first frame is (where the noise table is read from)."""
+
+    frames: int
+    skip: int
+    first_frame: int
+
+
+@dataclass(frozen=True)
+class VocoderJob:
+    """A stream's part of a vocoder call."""
+
+    mel: np.ndarray
+    """(1, 80, frames) float32: the frames `hift_f0` reads; `hift_decoder` reads those after the key's
+    `skip`."""
+    acc: np.ndarray
+    """float64 (H,): the running sum of the phase steps of every frame before the key's `first_frame`."""
+
+
+class VocoderOut(NamedTuple):
+    """What a stream gets back of a vocoder call."""
+
+    waveform: np.ndarray
+    """float32 (U n,): the samples of the `n` frames `hift_decoder` ran over."""
+    acc: np.ndarray
+    """float64 (1, n, H): the phase steps' running sums through each of those frames."""
+
+
 class Vocoder:
-    """`hift_f0` -> `sine_phase` -> `hift_decoder`: mel -> 24 kHz waveform."""
+    """`hift_f0` -> the harmonic phase -> `hift_decoder`: mel -> 24 kHz waveform."""
 
     def __init__(self, f0: Runner, decoder: Runner, sine_noise: UniformNoise, dims: ModelDims,
                  layout: HiftLayout) -> None:
@@ -447,18 +468,45 @@ class Vocoder:
         self.sine_noise = sine_noise
         self.dims = dims
         self.layout = layout
+        self.stack: CallStack[VocoderKey, VocoderJob, VocoderOut] | None = None
+        """Where concurrent vocoder calls gather into stacked calls (`stack_calls`); None: each runs alone."""
 
-    def __call__(self, mel: np.ndarray, *, finalize: bool) -> np.ndarray:
+    def stack_calls(self, *, max_streams: int = MAX_BATCH) -> None:
+        """Run concurrent streams' windows of one `VocoderKey` as one `hift_decoder` call (`call_stack`; f0
+        stays a call per stream: `run`). Rows are independent, so each stream gets its window alone: its f0
+        and phase to the bit, its samples to the decoder's rounding in another batch (on the CPU: its
+        convolutions split among threads otherwise, and onnxruntime's `Sin`, which computes the elements past
+        a tensor's last vector packet in scalar code; up to 3e-6 measured, performance-log.md, "the streams'
+        vocoder calls stacked")."""
+        self.stack = CallStack(self.run, max_streams=max_streams)
+
+    def calls(self, key: VocoderKey | None = None) -> AbstractContextManager[VocoderCalls]:
+        """How a chunk's vocoder call runs: alone, or through `stack` as a member from now until its call,
+        expected by calls of `key` (where known)."""
+        if self.stack is None:
+            return nullcontext(VocoderCalls(self))
+        return _stack_member(self, self.stack, key)
+
+    def __call__(self, mel: np.ndarray, *, finalize: bool, calls: VocoderCalls | None = None,
+                 pause: Callable[[], None] = no_pause) -> np.ndarray:
         """mel (1, 80, T) -> float32 samples: U·T when final, else the U·(T - 8) that are final already
         (`HiftLayout.final_lookahead`; upstream's `finalize=False`, whose output is that prefix of the final
-        one)."""
+        one). The call runs through `calls` (None: its own `calls()`) after `pause`."""
         frames, spf = mel.shape[2], self.dims.samples_per_frame
         self.check_frames(frames, finalize=finalize)
-        mel = np.ascontiguousarray(mel, dtype=np.float32)
-        f0 = self.f0.infer({"mel": mel})["f0"]  # (1, T)
-        phase = sine_phase(f0, self.dims.harmonics, self.dims.sample_rate, spf)  # (1, T, H)
-        wav = self.decode(mel, f0, phase)
+        key = self.key(frames)
+        job = VocoderJob(mel, np.zeros(self.dims.harmonics))
+        if calls is None:
+            with self.calls(key) as own:
+                wav = own.run(key, job, pause=pause).waveform
+        else:
+            wav = calls.run(key, job, pause=pause).waveform
         return wav if finalize else wav[: spf * (frames - self.layout.final_lookahead)]
+
+    @staticmethod
+    def key(frames: int) -> VocoderKey:
+        """The key of a call over an utterance's first `frames` frames."""
+        return VocoderKey(frames, 0, 0)
 
     def check_frames(self, frames: int, *, finalize: bool) -> None:
         """Raise unless `frames` mel frames of an utterance can be vocoded (`SynthesisError`: too long)."""
@@ -470,14 +518,26 @@ class Vocoder:
             raise SynthesisError(f"{samples} samples exceed the sine noise table's "
                                  f"{self.sine_noise.shape[1]}; use a shorter text")
 
-    def decode(self, mel: np.ndarray, f0: np.ndarray, phase: np.ndarray, first_frame: int = 0) -> np.ndarray:
-        """`hift_decoder` over mel (1, 80, n) that starts at the utterance's frame `first_frame`, with its
-        f0 (1, n) and phase (1, n, H): U·n samples, the noise table read from that frame's first sample."""
-        spf = self.dims.samples_per_frame
-        noise = self.sine_noise.window(first_frame * spf, (first_frame + mel.shape[2]) * spf)  # (1, U n, H)
-        feeds = {"mel": np.ascontiguousarray(mel, dtype=np.float32), "f0": f0, "phase": phase,
-                 "sine_noise": noise}
-        return self.decoder.infer(feeds)["waveform"][0]
+    def run(self, key: VocoderKey, jobs: list[VocoderJob]) -> list[VocoderOut]:
+        """The jobs' windows: `hift_f0` over each job's mel, the phase continued from its `acc` (upstream's
+        staircase phase bit for bit, the spec's formula), then one `hift_decoder` call over every job's
+        frames after `key.skip`, the noise table read from `key.first_frame`'s first sample.
+
+        f0 runs a call per stream: the phase integrates it, so the last bit of f0 that another batch or
+        another split of a row's convolutions among threads moves becomes ~1e-3 of waveform (up to 2e-2
+        measured, stacked at 2 threads); the decoder's rows move by its own rounding only (3e-6)."""
+        d, spf = self.dims, self.dims.samples_per_frame
+        f0 = np.concatenate([self.f0.infer({"mel": np.ascontiguousarray(job.mel, dtype=np.float32)})["f0"]
+                             for job in jobs])[:, key.skip:]  # (S, n)
+        accs = [accumulate_phase(job.acc, phase_steps(f0[i:i + 1], d.harmonics, d.sample_rate))
+                for i, job in enumerate(jobs)]
+        n = f0.shape[1]
+        noise = self.sine_noise.window(key.first_frame * spf, (key.first_frame + n) * spf)  # (1, U n, H)
+        mel = np.concatenate([job.mel[:, :, key.skip:] for job in jobs])  # (S, 80, n)
+        feeds = {"mel": np.ascontiguousarray(mel, dtype=np.float32), "f0": f0,
+                 "phase": np.concatenate([wrap_phase(acc, spf) for acc in accs]), "sine_noise": noise}
+        wav = self.decoder.infer(feeds)["waveform"]  # (S, U n)
+        return [VocoderOut(wav[i], acc) for i, acc in enumerate(accs)]
 
     def stream(self, margin: int | None = None) -> VocoderStream:
         """A new utterance's `VocoderStream`; `margin` (mel frames) defaults to the layout's
@@ -487,6 +547,34 @@ class Vocoder:
             raise ValueError(f"margin must be >= 0, got {margin}")
         return VocoderStream(self, margin, self.layout.f0_left_context(), acc=np.zeros(self.dims.harmonics),
                              mel=np.zeros((1, self.dims.mel_bins, 0), dtype=np.float32))
+
+
+@dataclass(frozen=True)
+class VocoderCalls:
+    """How a chunk makes its vocoder call: alone, or through the vocoder's stack as `member`."""
+
+    vocoder: Vocoder
+    member: StackMember[VocoderKey] | None = None
+
+    def pausing(self, pause: Callable[[], None]) -> Callable[[], None]:
+        """`pause`, during which a stacked call does not wait for this chunk."""
+        stack = self.vocoder.stack
+        return pause if self.member is None or stack is None else stack.pausing(self.member, pause)
+
+    def run(self, key: VocoderKey, job: VocoderJob, *, pause: Callable[[], None]) -> VocoderOut:
+        """After `pause`, the call of `key` on `job` (`Vocoder.run`), alone or stacked."""
+        stack = self.vocoder.stack
+        if self.member is None or stack is None:
+            pause()
+            return self.vocoder.run(key, [job])[0]
+        return stack.call(self.member, key, job, pause=pause)
+
+
+@contextmanager
+def _stack_member(vocoder: Vocoder, stack: CallStack[VocoderKey, VocoderJob, VocoderOut],
+                  key: VocoderKey | None) -> Iterator[VocoderCalls]:
+    with stack.member(key) as member:
+        yield VocoderCalls(vocoder, member)
 
 
 @dataclass
@@ -522,20 +610,23 @@ class VocoderStream:
         """The utterance frame that `mel` starts at."""
         return self.frames - self.mel.shape[2]
 
-    def push(self, mel: np.ndarray, *, finalize: bool) -> np.ndarray:
+    def key(self, new_frames: int) -> VocoderKey:
+        """The key of the call that a push of `new_frames` frames makes."""
+        return VocoderKey(self.frames + new_frames - self.mel_start, self.start - self.mel_start, self.start)
+
+    def push(self, mel: np.ndarray, *, finalize: bool, calls: VocoderCalls | None = None,
+             pause: Callable[[], None] = no_pause) -> np.ndarray:
         """Append mel frames (1, 80, n); returns the float32 samples that became final: what `Vocoder`
         over every frame pushed so far gives after its first `samples` (up to the graphs' rounding on
-        other lengths, ~1e-6)."""
+        other lengths, ~1e-6). The call runs through `calls` (None: alone) after `pause`."""
         if self.finished:
             raise ValueError("this vocoder stream is finalized already")
         voc, spf = self.vocoder, self.vocoder.dims.samples_per_frame
         frames = self.frames + mel.shape[2]
         voc.check_frames(frames, finalize=finalize)
+        key = self.key(mel.shape[2])
         tail = np.concatenate([self.mel, mel.astype(np.float32)], axis=2)  # frames [mel_start, frames)
-        skip = self.start - self.mel_start  # f0 context: read by hift_f0 only
-        f0 = voc.f0.infer({"mel": tail})["f0"][:, skip:]  # (1, frames - start)
-        acc = accumulate_phase(self.acc, phase_steps(f0, voc.dims.harmonics, voc.dims.sample_rate))
-        wav = voc.decode(tail[:, :, skip:], f0, wrap_phase(acc, spf), self.start)
+        wav, acc = (calls or VocoderCalls(voc)).run(key, VocoderJob(tail, self.acc), pause=pause)
         end = frames if finalize else frames - voc.layout.final_lookahead
         new = wav[self.samples - self.start * spf:(end - self.start) * spf]
 

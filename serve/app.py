@@ -47,7 +47,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, speakers:
     sessions = SessionQueue(settings.sessions_at_once, settings.queue_depth, settings.timeout)
     metrics = ServerMetrics(running=lambda: sessions.running, waiting=lambda: sessions.waiting,
                             prefixes=engine.synth.flow.prefixes, prefix_jobs=engine.voice.prefix_jobs,
-                            batch=engine.batch_metrics, stack=engine.synth.flow.stack)
+                            batch=engine.batch_metrics, dit_stack=engine.synth.flow.stack,
+                            vocoder_stack=engine.synth.vocoder.stack)
     if speakers is None:
         registry = SpeakerRegistry(settings.speakers_dir, engine.frontend_fingerprint)
         registry.tidy()  # the server writes the folder

@@ -91,6 +91,9 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
               help="Run concurrent sessions' DiT calls at the same ODE step and frames as one call "
                    "(a float DiT: fp32, fp16, bf16; on a GPU each call's time is mostly its launches). "
                    "Sessions whose chunks run at once stack: --max-conc, or --chunk-slots with a batch.")
+@click.option("--stack-vocoder", is_flag=True,
+              help="Run concurrent sessions' vocoder windows over the same frames as one hift_decoder "
+                   "call (as --stack-dit does the DiT's).")
 @click.option("--queue", "queue_depth", type=click.IntRange(min=0), default=DEFAULTS.queue_depth,
               help="Sessions waiting for a slot; beyond them the server answers 503 (gRPC: "
                    "RESOURCE_EXHAUSTED) at once.")
@@ -139,7 +142,7 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
 @ray_options
 def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model: Path | None, provider: str,
           threads: int | None, max_conc: int, max_batch: int, chunk_slots: int | None, cuda_graphs: bool,
-          stack_dit: bool, queue_depth: int,
+          stack_dit: bool, stack_vocoder: bool, queue_depth: int,
           stream_idle: float, timeout: float,
           speakers_dir: Path | None, sampling: str, seed: int | None,
           flow_prefix_mib: int, max_text: int, api_key: str | None, max_body_mib: int,
@@ -164,7 +167,8 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
     settings = ServerSettings(max_concurrency=max_conc, max_batch=max_batch, chunk_slots=chunk_slots,
-                              cuda_graphs=cuda_graphs, stack_dit=stack_dit, queue_depth=queue_depth,
+                              cuda_graphs=cuda_graphs, stack_dit=stack_dit, stack_vocoder=stack_vocoder,
+                              queue_depth=queue_depth,
                               stream_idle_timeout=stream_idle, timeout=timeout, max_text_chars=max_text,
                               sampling=sampling, seed=seed,
                               speakers_dir=speakers_dir or DEFAULTS.speakers_dir, api_key=api_key,
@@ -184,7 +188,8 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
     try:
         engine = Engine.open(model, provider=provider, flow_prefix_bytes=flow_prefix_mib << 20,
                              threads=threads, max_batch=max_batch, chunk_slots=chunk_slots,
-                             chunk_policy=chunk_policy, cuda_graphs=cuda_graphs, stack_dit=stack_dit)
+                             chunk_policy=chunk_policy, cuda_graphs=cuda_graphs, stack_dit=stack_dit,
+                             stack_vocoder=stack_vocoder)
     except USER_ERRORS as e:
         _refuse(str(e))
     try:

@@ -128,15 +128,15 @@ class Engine:
     def __init__(self, bundle: RuntimeBundle, origin: str, *, provider: str = CPU,
                  flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, threads: int | None = None,
                  max_batch: int = 1, chunk_slots: int | None = None, chunk_policy: ChunkPolicy | None = None,
-                 cuda_graphs: bool = False, stack_dit: bool = False) -> None:
+                 cuda_graphs: bool = False, stack_dit: bool = False, stack_vocoder: bool = False) -> None:
         """Open every graph of `bundle` on `provider` (one of `SERVER_PROVIDERS`) with `threads` intra-op
         threads (None: the provider's default, every core); `flow_prefix_bytes` bounds the per-prompt flow
         prefixes that streams from one speaker share (`Flow.prefixes`); `max_batch` > 1 decodes the speech
         ids of that many sessions in one LLM call (`decode_batch`: a `UserError` where the bundle has no
         `llm_decode` on `provider`), `chunk_slots` of their chunks at once (`Synthesizer.set_max_batch`);
         `chunk_policy` is every stream's schedule (None: upstream's; a `UserError` where these graphs cannot
-        stream on it); `cuda_graphs` replays the decode steps from CUDA graphs and `stack_dit` stacks
-        concurrent sessions' DiT calls (both `CosyVoice3`)."""
+        stream on it); `cuda_graphs` replays the decode steps from CUDA graphs, `stack_dit` and
+        `stack_vocoder` stack concurrent sessions' DiT and vocoder calls (all `CosyVoice3`)."""
         if provider not in SERVER_PROVIDERS:
             raise ValueError(f"the server runs on providers whose runners sessions can share "
                              f"({', '.join(SERVER_PROVIDERS)}); got {provider!r}")
@@ -146,7 +146,8 @@ class Engine:
         self.voice = CosyVoice3(bundle, provider=provider, threads=threads,
                                 flow_prefix_bytes=flow_prefix_bytes, max_batch=max_batch,
                                 batch_observer=self.batch_metrics, chunk_policy=chunk_policy,
-                                chunk_slots=chunk_slots, cuda_graphs=cuda_graphs, stack_dit=stack_dit)
+                                chunk_slots=chunk_slots, cuda_graphs=cuda_graphs, stack_dit=stack_dit,
+                                stack_vocoder=stack_vocoder)
         self.default_prompt = bundle.default_prompt()
         """The bundle's own prompt recording and its transcript, or None (exports of upstream's)."""
         self._text_lock = threading.Lock()
@@ -157,13 +158,13 @@ class Engine:
     def open(cls, model: Path | None, *, provider: str = CPU,
              flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, threads: int | None = None,
              max_batch: int = 1, chunk_slots: int | None = None, chunk_policy: ChunkPolicy | None = None,
-             cuda_graphs: bool = False, stack_dit: bool = False) -> Engine:
+             cuda_graphs: bool = False, stack_dit: bool = False, stack_vocoder: bool = False) -> Engine:
         """The bundle `cosyvoice-run` would use for `--model model` (verified), opened for serving."""
         choice = choose_bundle(model)
         return cls(RuntimeBundle.open(choice.path, verify=True), choice.origin, provider=provider,
                    flow_prefix_bytes=flow_prefix_bytes, threads=threads, max_batch=max_batch,
                    chunk_slots=chunk_slots, chunk_policy=chunk_policy, cuda_graphs=cuda_graphs,
-                   stack_dit=stack_dit)
+                   stack_dit=stack_dit, stack_vocoder=stack_vocoder)
 
     @property
     def synth(self) -> Synthesizer:

@@ -13,8 +13,9 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
+from cosyvoice_runtime.call_stack import CallStack
 from cosyvoice_runtime.dit_stack import DitStack
 from cosyvoice_runtime.flow_prefix import FlowPrefixCache
 from cosyvoice_runtime.prefix_jobs import JobState, PrefixJobs
@@ -137,12 +138,13 @@ class ServerMetrics:
     flow prefixes and the decode batch."""
 
     def __init__(self, running: Callable[[], float], waiting: Callable[[], float], prefixes: FlowPrefixCache,
-                 prefix_jobs: PrefixJobs, batch: BatchMetrics | None = None, stack: DitStack | None = None
+                 prefix_jobs: PrefixJobs, batch: BatchMetrics | None = None,
+                 dit_stack: DitStack | None = None, vocoder_stack: CallStack[Any, Any, Any] | None = None
                  ) -> None:
         """`running` and `waiting` read the session queue's current counts; `prefixes` is the engine's
         per-prompt flow cache and `prefix_jobs` the background jobs that fill it for speakers; `batch` what
-        its decode batch reports (none: it has no batch); `stack` where its DiT calls stack (none: they do
-        not)."""
+        its decode batch reports (none: it has no batch); `dit_stack` and `vocoder_stack` where its DiT and
+        vocoder calls stack (none: they do not)."""
         self.requests_total = Counter("tts_requests_total", "Synthesis requests received.")
         self.requests_success = Counter("tts_requests_success", "Synthesis requests answered with audio.")
         self.requests_error = Counter("tts_requests_error", "Synthesis requests answered with an error "
@@ -176,22 +178,29 @@ class ServerMetrics:
                 (JobState.CACHED, "Background flow prefixes that a stream computed first."),
                 (JobState.CANCELLED, "Background flow prefixes cancelled (speaker deleted or replaced)."),
                 (JobState.FAILED, "Background flow prefixes that failed or did not fit the cache.")))]
-        self.dit_stack = [] if stack is None else [
-            CountReading("tts_dit_calls", "DiT calls made through the stack (stacked or alone).",
-                         lambda: stack.calls),
-            CountReading("tts_dit_stream_calls", "Streams' DiT calls those calls served.",
-                         lambda: stack.streams),
+        self.stacks = [] if dit_stack is None else [
+            *_stack_counts(dit_stack, "dit", "DiT"),
             CountReading("tts_dit_device_concats", "Stacked DiT calls whose caches were concatenated on the "
-                         "device.", lambda: stack.concats)]
+                         "device.", lambda: dit_stack.concats)]
+        if vocoder_stack is not None:
+            self.stacks += _stack_counts(vocoder_stack, "vocoder", "vocoder")
         self._all: list[Counter | Gauge | Histogram] = [
             self.requests_total, self.requests_success, self.requests_error, self.requests_rejected,
             self.sessions_cancelled, self.synthesis_seconds, self.rtf, self.first_chunk_seconds,
             self.queue_depth, self.active_sessions, *self.prefix_cache, *(batch.histograms if batch else ()),
-            *self.dit_stack]
+            *self.stacks]
 
     def render(self) -> str:
         """Every metric in the text exposition format."""
         return "\n".join(line for metric in self._all for line in metric.render()) + "\n"
+
+
+def _stack_counts(stack: CallStack[Any, Any, Any], name: str, what: str) -> list[CountReading]:
+    """The calls made through `stack` and the streams' calls they served."""
+    return [CountReading(f"tts_{name}_calls", f"{what[0].upper()}{what[1:]} calls made through the stack "
+                         "(stacked or alone).", lambda: stack.calls),
+            CountReading(f"tts_{name}_stream_calls", f"Streams' {what} calls those calls served.",
+                         lambda: stack.streams)]
 
 
 def _job_count(jobs: PrefixJobs, state: JobState, help: str) -> CountReading:

@@ -105,7 +105,8 @@ class CosyVoiceReplica:
                                       chunk_slots=replica_chunk_slots(config, threads),
                                       chunk_policy=config.settings.chunk_policy,
                                       cuda_graphs=config.settings.cuda_graphs,
-                                      stack_dit=config.settings.stack_dit)
+                                      stack_dit=config.settings.stack_dit,
+                                      stack_vocoder=config.settings.stack_vocoder)
         except USER_ERRORS as e:
             raise self._start_error(e) from None
         if config.settings.warm_up:

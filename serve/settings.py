@@ -52,6 +52,8 @@ class ServerSettings:
     of one session where `max_batch` is 1."""
     stack_dit: bool = False
     """Concurrent sessions' DiT calls at the same ODE step and frames run as one call (`dit_stack`)."""
+    stack_vocoder: bool = False
+    """Concurrent sessions' vocoder calls over the same frames run as one call (`Vocoder.stack_calls`)."""
     queue_depth: int = 8
     """Sessions admitted to wait for a slot; one more is refused with 503 at once."""
     stream_idle_timeout: float = 30.0

@@ -125,6 +125,7 @@ def check_common(result: dict[str, Any], lengths: list[str], levels: list[int], 
     assert [r["level"] for r in result["concurrency"]] == levels
     for row in result["concurrency"]:
         assert row["shared_synthesizer"] is True and row["outputs_match"] is True
+        assert row["outputs_max_diff"] == 0
         assert row["wall_s"] > 0 and row["audio_s"] > 0 and row["first_chunk_max_s"] > 0
         assert row["first_chunk_mean_s"] <= row["first_chunk_p95_s"] <= row["first_chunk_max_s"]
         assert row["llm_tokens_per_s"] > 0

@@ -91,7 +91,7 @@ def test_calls_of_one_key_run_as_one_call_and_give_each_stream_its_rows(estimato
         for name in ("ode_step", "offset", "block_frames"):
             f[name] = feeds[0][name]
     alone = [call_alone(estimator, f, presents=Presents.HOST) for f in feeds]
-    with stack.member() as a, stack.member() as b, stack.member() as c:
+    with stack.chunk_calls() as a, stack.chunk_calls() as b, stack.chunk_calls() as c:
         start = time.perf_counter()
         got = _threads([lambda m=m, f=f: m.velocity(f, presents=Presents.HOST, pause=lambda: None)
                         for m, f in zip((a, b, c), feeds, strict=True)])
@@ -108,7 +108,7 @@ def test_calls_of_other_keys_and_held_chunks_are_not_waited_for(estimator: Any, 
     stack = DitStack(estimator, linger_s=LONG_WAIT_S)
     short, long_ = _feeds(estimator, 8, 20, 0, block), _feeds(estimator, 8, 40, 1, block)
     released = threading.Event()
-    with stack.member() as a, stack.member() as b, stack.member() as held:
+    with stack.chunk_calls() as a, stack.chunk_calls() as b, stack.chunk_calls() as held:
         start = time.perf_counter()
 
         def held_call() -> tuple[np.ndarray, dict[str, Feed]]:
@@ -141,7 +141,7 @@ def test_an_error_in_a_stacked_call_reaches_every_stream(runtime_bundle: Path, b
         except RuntimeError as e:
             errors.append(e)
 
-    with stack.member() as a, stack.member() as b:
+    with stack.chunk_calls() as a, stack.chunk_calls() as b:
         _threads([lambda: call(a), lambda: call(b)])
     assert len(errors) == 2 and all("runner is closed" in str(e) for e in errors)
 
@@ -279,10 +279,12 @@ def test_a_dit_quantized_per_tensor_is_refused_before_anything_opens(runtime_bun
         CosyVoice3(root, verify=False, stack_dit=True)
 
 
-def test_the_server_stacks_its_sessions_dit_calls_and_reports_them(prompt_wav: Path, prompt_text: str,
-                                                                    tmp_path: Path) -> None:
-    """`cosyvoice-serve --stack-dit --max-conc 3`: three concurrent upstream requests, each answered with the
-    audio it gets without stacking; /metrics counts the DiT calls and the streams' calls they served."""
+@pytest.mark.parametrize("graphs", ["dit", "vocoder"])
+def test_the_server_stacks_its_sessions_calls_and_reports_them(prompt_wav: Path, prompt_text: str,
+                                                               tmp_path: Path, graphs: str) -> None:
+    """`cosyvoice-serve --stack-dit` (or `--stack-vocoder`) `--max-conc 3`: three concurrent upstream
+    requests, each answered with the audio it gets without stacking (the vocoder's: to its samples' last
+    bits, PCM16 within one step); /metrics counts the stack's calls and the streams' calls they served."""
     pytest.importorskip("fastapi", reason="needs the serve extra")
     from fastapi.testclient import TestClient
 
@@ -293,10 +295,11 @@ def test_the_server_stacks_its_sessions_dit_calls_and_reports_them(prompt_wav: P
     text = "A sentence long enough that its stream sends a chunk before its final one, and then some more."
     upload = {"prompt_wav": ("prompt.wav", prompt_wav.read_bytes(), "audio/wav")}
 
-    def answers(stack_dit: bool) -> tuple[list[bytes], str]:
-        engine = Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle", threads=1, stack_dit=stack_dit)
+    def answers(stack: bool) -> tuple[list[bytes], str]:
+        flags = {f"stack_{graphs}": stack}
+        engine = Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle", threads=1, **flags)
         settings = ServerSettings(speakers_dir=tmp_path / "speakers", sampling="greedy", max_concurrency=3,
-                                  stack_dit=stack_dit)
+                                  **flags)
         try:
             with TestClient(create_app(engine, settings)) as client:
                 responses = _threads([lambda: client.post("/inference_zero_shot", files=upload,
@@ -309,8 +312,13 @@ def test_the_server_stacks_its_sessions_dit_calls_and_reports_them(prompt_wav: P
 
     alone, plain_metrics = answers(False)
     stacked, metrics = answers(True)
-    assert stacked == alone and len(set(alone)) == 1
-    assert "tts_dit_calls" not in plain_metrics
+    assert len(set(alone)) == 1
+    if graphs == "dit":
+        assert stacked == alone
+    for got in stacked:  # upstream's interface streams raw PCM16
+        pcm, want = np.frombuffer(got, np.int16), np.frombuffer(alone[0], np.int16)
+        assert pcm.shape == want.shape and int(np.abs(pcm.astype(np.int32) - want).max()) <= 1
+    assert f"tts_{graphs}_calls" not in plain_metrics
     calls, streams = (float(re.search(rf"^{name} (\S+)$", metrics, re.MULTILINE)[1])  # type: ignore[index]
-                      for name in ("tts_dit_calls", "tts_dit_stream_calls"))
+                      for name in (f"tts_{graphs}_calls", f"tts_{graphs}_stream_calls"))
     assert 0 < calls <= streams

@@ -857,10 +857,10 @@ def test_port_model_and_api_key_from_flags_then_environment_then_dotenv(
 
     def open_engine(model: Path | None, provider: str, flow_prefix_bytes: int, threads: int | None,
                     max_batch: int, chunk_slots: int | None, chunk_policy: ChunkPolicy | None,
-                    cuda_graphs: bool, stack_dit: bool) -> _Unclosable:
+                    cuda_graphs: bool, stack_dit: bool, stack_vocoder: bool) -> _Unclosable:
         # --flow-prefix-cache's default, 2048 MiB; no batching by default; upstream's chunk schedule
         assert flow_prefix_bytes == 2 << 30 and threads is None and max_batch == 1 and chunk_policy is None
-        assert not cuda_graphs and not stack_dit
+        assert not cuda_graphs and not stack_dit and not stack_vocoder
         assert chunk_slots is None  # the runtime's default
         opened.append((model, os.environ.get(MODEL_DIR_ENV)))
         return _Unclosable(engine)

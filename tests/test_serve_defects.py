@@ -454,13 +454,14 @@ def test_the_options_reach_the_settings(engine: Engine, tmp_path: Path, monkeypa
     monkeypatch.setattr(uvicorn, "run", lambda app, **_: served.append(app))
     args = ["--speakers", str(tmp_path / "speakers"), "--max-body-mib", "3", "--cors-origin", ORIGIN,
             "--cors-origin", "http://localhost:8080", "--docs", "--prompt-dir", str(tmp_path),
-            "--threads", "3", "--chunk-slots", "2", "--cuda-graphs", "--stack-dit"]
+            "--threads", "3", "--chunk-slots", "2", "--cuda-graphs", "--stack-dit", "--stack-vocoder"]
     result = CliRunner().invoke(serve_cli.serve, args)
     assert result.exit_code == 0, result.output
     assert opened[0]["threads"] == 3 and opened[0]["chunk_slots"] == 2 and opened[0]["cuda_graphs"]
-    assert opened[0]["stack_dit"]
+    assert opened[0]["stack_dit"] and opened[0]["stack_vocoder"]
     settings = served[0].state.server.settings
-    assert settings.chunk_slots == 2 and settings.cuda_graphs and settings.stack_dit
+    assert settings.chunk_slots == 2 and settings.cuda_graphs
+    assert settings.stack_dit and settings.stack_vocoder
     assert settings.max_body_bytes == 3 << 20 and settings.docs and settings.prompt_dir == tmp_path
     assert settings.cors_origins == (ORIGIN, "http://localhost:8080")
     default = CliRunner().invoke(serve_cli.serve, ["--speakers", str(tmp_path / "speakers")])
