@@ -474,7 +474,7 @@ def hift_decoder_spec(d: ModelDims) -> GraphSpec:
     A call's `batch` rows are streams over the same frames of their utterances (the same first frame and
     frame count), so they share `sine_noise`; rows are independent, each stream's row its call alone to the
     rounding of the kernels (another batch, or threads splitting the rows otherwise: up to 3e-6 measured on
-    the CPU)."""
+    a Zen 4 with AVX-512)."""
     h, spf = d.harmonics, d.samples_per_frame
     return GraphSpec(
         name=HIFT_DECODER, version=2, opset=OPSET, doc=hift_decoder_spec.__doc__ or "",

@@ -476,8 +476,8 @@ class Vocoder:
         stays a call per stream: `run`). Rows are independent, so each stream gets its window alone: its f0
         and phase to the bit, its samples to the decoder's rounding in another batch (on the CPU: its
         convolutions split among threads otherwise, and onnxruntime's `Sin`, which computes the elements past
-        a tensor's last vector packet in scalar code; up to 3e-6 measured, performance-log.md, "the streams'
-        vocoder calls stacked")."""
+        a tensor's last vector packet in scalar code; up to 3e-6 measured on a Zen 4 with AVX-512,
+        performance-log.md, "the streams' vocoder calls stacked")."""
         self.stack = CallStack(self.run, max_streams=max_streams)
 
     def calls(self, key: VocoderKey | None = None) -> AbstractContextManager[VocoderCalls]:
@@ -525,7 +525,8 @@ class Vocoder:
 
         f0 runs a call per stream: the phase integrates it, so the last bit of f0 that another batch or
         another split of a row's convolutions among threads moves becomes ~1e-3 of waveform (up to 2e-2
-        measured, stacked at 2 threads); the decoder's rows move by its own rounding only (3e-6)."""
+        measured, stacked at 2 threads on a Zen 4 with AVX-512); the decoder's rows move by its own rounding
+        only (3e-6 there)."""
         d, spf = self.dims, self.dims.samples_per_frame
         f0 = np.concatenate([self.f0.infer({"mel": np.ascontiguousarray(job.mel, dtype=np.float32)})["f0"]
                              for job in jobs])[:, key.skip:]  # (S, n)

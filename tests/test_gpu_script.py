@@ -61,8 +61,8 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
     (stacked,) = stacked_run["concurrency"]
     assert stacked["dit_calls"] > 0 and stacked["batched"]["dit_calls"] > 0
     assert stacked["vocoder_calls"] > 0 and stacked["batched"]["vocoder_calls"] > 0
-    # the vocoder's stacked rows: the decoder's rounding in another batch (3e-6 measured at 2 threads); a
-    # stream given another's frames would be off by ~1e-1
+    # the vocoder's stacked rows: the decoder's rounding in another batch (3e-6 measured at 2 threads on a
+    # Zen 4 with AVX-512); a stream given another's frames would be off by ~1e-1
     assert stacked["outputs_max_diff"] < 1e-4 and stacked["batched"]["outputs_max_diff"] < 1e-4
     stacking = json.loads((tmp_path / "out" / "stacking-fp32.json").read_text())
     assert [run["streams"] for run in stacking["runs"][:3]] == [1, 4, 16]

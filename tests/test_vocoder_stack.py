@@ -29,8 +29,9 @@ from cosyvoice_runtime.token2wav import VocoderJob, VocoderKey
 STACKED_WAVEFORM_MAX = 1e-6
 """A stream's samples stacked against alone: onnxruntime's CPU `Sin` computes a tensor's elements in vector
 packets and the last ones (past the last whole packet) in scalar code, which round the last bit apart; a row's
-elements fall elsewhere among the packets in a stacked call (measured up to 4.0e-7 on the demo bundle's
-waveform, frame counts 20 to 398); a row given another stream's frames would be off by ~1e-1."""
+elements fall elsewhere among the packets in a stacked call (measured up to 4.0e-7 on a Zen 4 with AVX-512,
+the demo bundle's waveform, frame counts 20 to 398); a row given another stream's frames would be off by
+~1e-1."""
 
 
 def _echo(key: str, jobs: list[int]) -> list[tuple[str, int, int]]:
