@@ -13,15 +13,17 @@ from cosyvoice_graphs.precision import FP16
 from cosyvoice_graphs.providers import CPU, CPU_PROVIDERS, CUDA, OPENVINO, PROVIDERS, TENSORRT, TRT
 
 from ..bundle import RuntimeBundle
-from ..errors import ProviderError, RuntimeBundleError
+from ..errors import ProviderError
 from .base import BufferView, Feed, Runner, RunnerBase, check_feeds, feed_nbytes, feed_shape
 from .openvino import OpenVinoRunner
 from .ort import OPTIMIZATION, ORT_PROVIDERS, OrtRunner, provider_chain
+from .ort_settings import shape_sessions
+from .shape_pool import ShapePool
 from .trt import TrtRunner
 
 __all__ = ["CPU", "CPU_PROVIDERS", "CUDA", "OPENVINO", "OPTIMIZATION", "ORT_PROVIDERS", "PROVIDERS",
            "TENSORRT", "TRT", "BufferView", "Feed", "OpenVinoRunner", "OrtRunner", "Runner", "RunnerBase",
-           "TrtRunner", "check_feeds", "decode_body", "feed_nbytes", "feed_shape", "graphs_run",
+           "ShapePool", "TrtRunner", "check_feeds", "decode_body", "feed_nbytes", "feed_shape", "graphs_run",
            "on_openvino", "open_runner", "prefill_body", "provider_chain"]
 
 
@@ -74,7 +76,8 @@ def open_runner(bundle: RuntimeBundle, graph: str, provider: str = CPU, *, threa
                 cuda_graph: bool = False) -> Runner:
     """A runner for `graph` of `bundle` on `provider` (one of `PROVIDERS`), its metadata checked
     against the manifest. `threads` sets onnxruntime's intra-op threads (OpenVINO's inference threads);
-    `cuda_graph` (cuda only) lets the session replay calls from CUDA graphs (`OrtRunner`).
+    `cuda_graph` (cuda only) lets the session replay calls from CUDA graphs (`OrtRunner`). On cuda the
+    vocoder's graphs get a session per input shape they meet (`shape_sessions`, a `ShapePool`).
     A graph runs only on its precision's providers (a bf16 graph: on OpenVINO, under `cpu` and
     `openvino`)."""
     if graph not in bundle.specs:
@@ -92,11 +95,15 @@ def open_runner(bundle: RuntimeBundle, graph: str, provider: str = CPU, *, threa
     if provider == TRT:
         bundle.graph_metadata(graph)  # the plan was built from this graph: its provenance is the plan's
         return TrtRunner(bundle.trt_plan(graph), spec)
-    runner = OrtRunner(bundle.graph_path(graph), spec, provider, threads=threads, tf32=precision.cuda_tf32,
-                       cuda_graph=cuda_graph)
+    runners: list[Runner] = []
     try:
-        bundle.check_metadata(graph, runner.metadata)
-    except RuntimeBundleError:
-        runner.close()
+        for _ in range(shape_sessions(graph, provider)):
+            runner = OrtRunner(bundle.graph_path(graph), spec, provider, threads=threads,
+                               tf32=precision.cuda_tf32, cuda_graph=cuda_graph)
+            runners.append(runner)
+            bundle.check_metadata(graph, runner.metadata)
+    except BaseException:
+        for opened in runners:
+            opened.close()
         raise
-    return runner
+    return runners[0] if len(runners) == 1 else ShapePool(runners)

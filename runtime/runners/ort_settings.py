@@ -18,8 +18,10 @@ from typing import Any
 
 import onnxruntime as ort
 
+from cosyvoice_graphs import HIFT_DECODER, HIFT_F0
 from cosyvoice_graphs.bundle_layout import GRAPHS_DIR, MANIFEST
 from cosyvoice_graphs.manifest import Manifest, ManifestError
+from cosyvoice_graphs.providers import CUDA
 from cosyvoice_graphs.recipes import RECIPES
 
 from ..errors import RuntimeBundleError
@@ -57,6 +59,16 @@ CONV_ALGO_SEARCH = "HEURISTIC"
 """The CUDA sessions' choice among `CONV_ALGO_SEARCHES`, by measurement (the float32 vocoder on an H200, docs/
 performance.md): a new shape's first call 0.15-0.18 s against 1.2-1.3 s searching exhaustively, and warm calls
 faster too (18.7 against 31.5 ms over 500 frames)."""
+
+SHAPE_SESSIONS = {HIFT_F0: 3, HIFT_DECODER: 3}
+"""Sessions per graph on CUDA, each call on the one whose last call had its input shapes (`ShapePool`): the
+vocoder's graphs, whose calls come in a few lengths (a stream's first-chunk, later-chunk and last windows)
+and whose `Conv` nodes onnxruntime's CUDA provider builds cuDNN plans for again at every change of shape."""
+
+
+def shape_sessions(graph: str, provider: str) -> int:
+    """How many sessions `open_runner` opens for `graph` on `provider` (`SHAPE_SESSIONS` on CUDA, else 1)."""
+    return SHAPE_SESSIONS.get(graph, 1) if provider == CUDA else 1
 
 
 def default_settings(graph: str) -> OrtSettings:
