@@ -18,7 +18,7 @@ from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cli_options import first_chunk_option
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, PROVIDERS
-from cosyvoice_runtime.synthesis import check_cuda_graphs, check_stack_dit
+from cosyvoice_runtime.synthesis import check_stack_dit, uses_cuda_graphs
 
 from .cases import LENGTHS, default_long_tokens, make_cases, parse_lengths, parse_levels
 from .errors import BenchError
@@ -77,10 +77,11 @@ def _user_errors() -> Iterator[None]:
               help="In the batched concurrency runs, the sessions' chunks that run their flow and vocoder at "
                    "once  [default: the runtime's: on a CPU as many as the usable CPUs hold at --threads "
                    "each, on a GPU every session's]")
-@click.option("--cuda-graphs", is_flag=True,
+@click.option("--cuda-graphs/--no-cuda-graphs", default=None,
               help="Replay the runtime's decode steps from CUDA graphs (cuda, a bundle with llm_decode: "
                    "--precision decode=fp16 or gpu-fp16); the decodings then run in a batch, of one where "
-                   "the runs have no batch, one stream's at a time.")
+                   "the runs have no batch, one stream's at a time  [default: as the runtime, wherever "
+                   "they can]")
 @click.option("--stack-dit", is_flag=True,
               help="Run concurrent sessions' DiT calls at the same ODE step and frames as one call "
                    "(the runtime's DitStack); the concurrency table then says how many streams a call "
@@ -97,7 +98,7 @@ def _user_errors() -> Iterator[None]:
 def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch: bool,
          model_dir: Path | None, threads: int | None, provider: str, lengths: str, concurrency: str,
          tokens: int | None, repeat: int | None, seed: int, quick: bool, chunk_policy: ChunkPolicy | None,
-         thread_scaling: bool | None, chunk_slots: int | None, cuda_graphs: bool, stack_dit: bool,
+         thread_scaling: bool | None, chunk_slots: int | None, cuda_graphs: bool | None, stack_dit: bool,
          stack_vocoder: bool, json_out: Path | None, plots: bool, progress: bool) -> None:
     """Benchmark a CosyVoice3 runtime bundle: first-chunk latency, RTF, per-stage times, LLM tokens/s,
     memory, concurrency, hardware bounds and onnxruntime levers, optionally beside the torch reference."""
@@ -122,8 +123,7 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
                 check_writable(path, "--plots")
         # a damaged graph is one line here, not figures from a broken model
         bundle = RuntimeBundle.open(model, verify=True)
-        if cuda_graphs:
-            check_cuda_graphs(bundle, provider)
+        uses_graphs = uses_cuda_graphs(cuda_graphs, bundle, provider)
         if stack_dit:
             check_stack_dit(bundle)
         if model_dir is not None:  # fail before the run starts, not when the torch side first loads
@@ -140,7 +140,7 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
             model=model, prompt_wav=prompt_wav, prompt_text=prompt_text, cases=make_cases(names, long_tokens),
             concurrency=levels, threads=threads, provider=provider,
             repeat=repeat or (1 if quick else 3), quick=quick, seed=seed, model_dir=model_dir,
-            latency_policy=chunk_policy, chunk_slots=chunk_slots, cuda_graphs=cuda_graphs,
+            latency_policy=chunk_policy, chunk_slots=chunk_slots, cuda_graphs=uses_graphs,
             stack_dit=stack_dit, stack_vocoder=stack_vocoder,
             thread_scaling=thread_scaling if thread_scaling is not None else threads >= 2 and not quick)
         result = run(settings, progress=progress)

@@ -22,9 +22,10 @@
 #   gates-P      the demo model exported in P (decode=fp16, tf32, gpu-fp16) and judged on the GPU by golden's
 #                precision bounds
 #   bench-P      cosyvoice-bench on it: first chunk p50/p95, stages against the GPU's bounds, concurrency
-#                1 and 4 (beside the batched decode, with an llm_decode)
-#   graphs-P     with an llm_decode, on cuda: bench-P again with the decode steps replayed from CUDA graphs
-#                (--cuda-graphs)
+#                1 and 4 (beside the batched decode, with an llm_decode; its decode steps replayed from CUDA
+#                graphs where they can be, as the runtime's are by default)
+#   nographs-P   with an llm_decode, on cuda: bench-P again with the decode steps launched node by node
+#                (--no-cuda-graphs), where bench-P replays them from CUDA graphs (the runtime's default)
 #   stacking-P   the DiT's calls of 1, 4 and 16 streams one after another against one stacked call
 #   vocstacking-P  the same for the vocoder's windows (one hift_decoder call)
 #   streamsN-P   with an llm_decode: STREAMS (16) concurrent streams of 125 tokens, unbatched and batched
@@ -109,7 +110,8 @@ step tests 300 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_bench_gpu.p
     tests/test_decode_batch.py::test_batched_rows_follow_their_runs_alone tests/test_decode_variants.py \
     tests/test_dit_stacking.py tests/test_decode_graphs.py \
     tests/test_dit_stack.py::test_on_cuda_stacked_streams_keep_their_caches_there \
-    tests/test_vocoder_stack.py::test_on_cuda_stacked_windows_follow_their_calls_alone
+    tests/test_vocoder_stack.py::test_on_cuda_stacked_windows_follow_their_calls_alone \
+    tests/test_shape_pool.py
 [ -f "$WORK/gates/llm.pt" ] || step tiny-model 120 "$PY" -m cosyvoice_export tiny-bundle "$WORK/gates"
 for p in $GATES; do
     tag=${p//[=,]/-}
@@ -129,13 +131,13 @@ measure() {
     bench) step "bench-$tag" 300 "$PY" -m cosyvoice_bench --model "$bundle" --provider "$PROVIDER" \
         --lengths long --concurrency 1,4 --quick --repeat 3 --tokens 250 --first-chunk-tokens 10 --no-progress \
         --json "$OUT/bench-$tag.json" ;;
-    graphs) ((batches)) || return 0
+    nographs) ((batches)) || return 0
         if [ "$PROVIDER" = cuda ]; then
-            step "graphs-$tag" 300 "$PY" -m cosyvoice_bench --model "$bundle" --provider "$PROVIDER" \
+            step "nographs-$tag" 300 "$PY" -m cosyvoice_bench --model "$bundle" --provider "$PROVIDER" \
                 --lengths long --concurrency 1,4 --quick --repeat 3 --tokens 250 --first-chunk-tokens 10 \
-                --cuda-graphs --no-progress --json "$OUT/graphs-$tag.json"
-        elif selected "graphs-$tag"; then
-            echo "graphs-$tag: skipped, CUDA graphs are the cuda provider's" >>"$OUT/summary.txt"
+                --no-cuda-graphs --no-progress --json "$OUT/nographs-$tag.json"
+        elif selected "nographs-$tag"; then
+            echo "nographs-$tag: skipped, CUDA graphs are the cuda provider's" >>"$OUT/summary.txt"
         fi ;;
     stacking) step "stacking-$tag" 120 "$PY" -m cosyvoice_bench.dit_stacking --model "$bundle" \
         --provider "$PROVIDER" --streams 1,4,16 --json "$OUT/stacking-$tag.json" ;;
@@ -164,7 +166,7 @@ measure() {
     return 0
 }
 
-for kind in bench graphs stacking vocstacking streams stacked profile variants rows slots1; do
+for kind in bench nographs stacking vocstacking streams stacked profile variants rows slots1; do
     for p in $PRECISIONS; do
         measure "$kind" "$p"
     done

@@ -84,6 +84,10 @@ def _read_text(text: str, stdin: IO[str]) -> str:
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="onnxruntime's intra-op threads per graph  [default: the bundle's tuning file, else the "
                    "measured setting, else one per core]")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=None,
+              help="Replay the LLM's decode steps from CUDA graphs: --provider cuda with a bundle whose "
+                   "decode steps run on llm_decode (--precision decode=fp16 or gpu-fp16)  [default: wherever "
+                   "they can]")
 @click.option("--tokens-out", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the speech tokens of every segment as JSON.")
 @click.option("--chunks-out", type=click.Path(dir_okay=False, path_type=Path),
@@ -104,7 +108,8 @@ def _read_text(text: str, stdin: IO[str]) -> str:
                    f"{TUNING_FILE}, which later runs use, and exit; needs no --text or --out.")
 def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_text: str | None, mode: str,
          instruct: str, sampling: str, seed: int, speed: float, stream: bool,
-         chunk_policy: ChunkPolicy | None, provider: str, threads: int | None, tokens_out: Path | None,
+         chunk_policy: ChunkPolicy | None, provider: str, threads: int | None, cuda_graphs: bool | None,
+         tokens_out: Path | None,
          chunks_out: Path | None, verify: bool, out: Path | None, info: bool, tune: bool) -> None:
     """Synthesise TEXT in the voice of --prompt-wav with a CosyVoice3 runtime bundle (no torch).
 
@@ -137,7 +142,7 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
         if choice.default:
             click.echo(f"model: {choice.origin}", err=True)
         with CosyVoice3(choice.path, provider=provider, threads=threads, sampling=sampling, seed=seed,
-                        verify=verify, chunk_policy=chunk_policy) as voice:
+                        verify=verify, chunk_policy=chunk_policy, cuda_graphs=cuda_graphs) as voice:
             chosen = choose_prompt(voice.bundle, prompt_wav, prompt_text)
             if chosen.default:
                 click.echo(f"prompt: the bundle's {chosen.wav.name} ({chosen.text!r})", err=True)

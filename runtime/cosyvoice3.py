@@ -69,11 +69,11 @@ from .synthesis import (
     Mode,
     Synthesizer,
     check_chunk_slots,
-    check_cuda_graphs,
     check_max_batch,
     check_stack_dit,
     closing_after,
     llm_request,
+    uses_cuda_graphs,
 )
 from .text_stream import TextStreamDecoding
 
@@ -124,7 +124,8 @@ class CosyVoice3:
                  speakers_dir: Path | None = None, flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
                  max_batch: int = 1, batch_observer: BatchObserver | None = None,
                  chunk_policy: ChunkPolicy | None = None, chunk_slots: int | None = None,
-                 cuda_graphs: bool = False, stack_dit: bool = False, stack_vocoder: bool = False) -> None:
+                 cuda_graphs: bool | None = None, stack_dit: bool = False, stack_vocoder: bool = False
+                 ) -> None:
         """Open `model_dir`: a runtime bundle, a model bundle exported on first use as `cosyvoice-run
         --model` does, or a bundle opened already. `provider` and `threads` place the graphs
         (`cosyvoice_runtime.runners.PROVIDERS`); `sampling` is upstream's repetition-aware sampling
@@ -139,9 +140,10 @@ class CosyVoice3:
         one on a CPU whose cores a session's graphs take, `synthesis.default_chunk_slots`); `chunk_policy` is
         when every stream emits its chunks (None: upstream's schedule; `ChunkPolicy.first_chunk_tokens` a
         deviation from it for latency), checked against the graphs here; `cuda_graphs` replays the decode
-        steps from CUDA graphs (on cuda, with `llm_decode`: `decode_graphs`); `stack_dit` runs concurrent
-        streams' DiT calls at the same ODE step and frames as one call (`dit_stack`), `stack_vocoder` their
-        vocoder calls over the same frames (`Vocoder.stack_calls`).
+        steps from CUDA graphs (on cuda, with `llm_decode`: `decode_graphs`; None: wherever they can, so
+        that threads calling at once decode one after another unless `max_batch` batches them);
+        `stack_dit` runs concurrent streams' DiT calls at the same ODE step and frames as one call
+        (`dit_stack`), `stack_vocoder` their vocoder calls over the same frames (`Vocoder.stack_calls`).
 
         Upstream's own keywords are taken for what they mean here: `load_trt` runs the graphs on
         onnxruntime's TensorRT provider (upstream's DiT runs as a TensorRT plan it builds on first use);
@@ -163,8 +165,7 @@ class CosyVoice3:
         check_max_batch(max_batch, bundle, provider)
         check_chunk_slots(chunk_slots)
         check_policy(chunk_policy, bundle)
-        if cuda_graphs:
-            check_cuda_graphs(bundle, provider)
+        cuda_graphs = uses_cuda_graphs(cuda_graphs, bundle, provider)
         if stack_dit:
             check_stack_dit(bundle)
         if verify and bundle is not model_dir:  # hashed once it is known to be the bundle asked for

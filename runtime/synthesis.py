@@ -148,7 +148,7 @@ class Synthesizer:
     def __init__(self, bundle: RuntimeBundle, provider: str = CPU, *, threads: int | None = None,
                  flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, max_batch: int = 1,
                  batch_observer: BatchObserver | None = None, chunk_policy: ChunkPolicy | None = None,
-                 chunk_slots: int | None = None, cuda_graphs: bool = False, stack_dit: bool = False,
+                 chunk_slots: int | None = None, cuda_graphs: bool | None = None, stack_dit: bool = False,
                  stack_vocoder: bool = False) -> None:
         """Open every graph of `bundle` on `provider` (see `cosyvoice_runtime.runners.PROVIDERS`);
         `flow_prefix_bytes` bounds the streaming flow's per-prompt cache (`Flow.prefixes`). `max_batch` > 1
@@ -156,7 +156,8 @@ class Synthesizer:
         which needs the bundle's `llm_decode` on the decode steps (`batches`); 1 decodes each on its own.
         `chunk_slots` is how many of the batch's streams run their chunks' flow and vocoder calls at once
         (`set_max_batch`). `cuda_graphs`: the decode steps replay from CUDA graphs (`decode_graphs`; on
-        cuda, where `llm_decode` takes them), in a batch even of one. `stack_dit`: concurrent DiT calls at the
+        cuda, where `llm_decode` takes them), in a batch even of one (None: wherever they can,
+        `uses_cuda_graphs`). `stack_dit`: concurrent DiT calls at the
         same ODE step over the same frames run as one call (`dit_stack`; the calls of chunks that run at once:
         every stream's without a batch, a batch's `chunk_slots`). `stack_vocoder`: concurrent vocoder calls
         over the same frames run as one `hift_decoder` call (`Vocoder.stack_calls`). `chunk_policy` is the
@@ -164,8 +165,7 @@ class Synthesizer:
         are checked before any graph opens (a `UserError`)."""
         check_max_batch(max_batch, bundle, provider)
         check_chunk_slots(chunk_slots)
-        if cuda_graphs:
-            check_cuda_graphs(bundle, provider)
+        cuda_graphs = uses_cuda_graphs(cuda_graphs, bundle, provider)
         if stack_dit:
             check_stack_dit(bundle)
         self.chunk_policy = check_policy(chunk_policy, bundle)
@@ -396,6 +396,18 @@ def check_max_batch(max_batch: int, bundle: RuntimeBundle, provider: str) -> Non
                         f"in fp16 on cuda; {bundle.root} ({bundle.manifest.precision}) on {provider!r} "
                         f"decodes on {body} (export --precision cpu-fast, or decode=fp32 for float32, for "
                         "the cpu; decode=fp16 for cuda)")
+
+
+def uses_cuda_graphs(asked: bool | None, bundle: RuntimeBundle, provider: str) -> bool:
+    """Whether `bundle`'s decode steps replay from CUDA graphs on `provider`: as `asked` (True checked by
+    `check_cuda_graphs`), or where None wherever they can, on cuda with the decode steps on `llm_decode`: a
+    step took 1.50 ms replayed against 5.09 ms launched node by node on an H200 (docs/gpu.md). Without a
+    batch of more than one they decode concurrent requests one after another."""
+    if asked is None:
+        return provider == CUDA and decode_body(bundle, provider) == LLM_DECODE
+    if asked:
+        check_cuda_graphs(bundle, provider)
+    return asked
 
 
 def check_cuda_graphs(bundle: RuntimeBundle, provider: str) -> None:

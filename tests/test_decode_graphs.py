@@ -23,7 +23,7 @@ from cosyvoice_runtime.llm import LlmRequest
 from cosyvoice_runtime.runners import CPU, CUDA, OrtRunner
 from cosyvoice_runtime.runners.ort import GPU_GRAPH_ID, SKIP_GRAPH
 from cosyvoice_runtime.sampling import GreedySampler
-from cosyvoice_runtime.synthesis import Synthesizer
+from cosyvoice_runtime.synthesis import Synthesizer, uses_cuda_graphs
 
 needs_cuda = pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
                                 reason="needs onnxruntime's CUDA provider (onnxruntime-gpu and a GPU)")
@@ -88,6 +88,18 @@ def test_cuda_graphs_are_refused_where_they_cannot_run(fp16_decode_bundle: Path,
                                               r"llm$"):
         GraphedSteps(llm)
     assert llm.run_options is None  # no CUDA graphs: the runner's calls as they are
+
+
+def test_unasked_cuda_graphs_are_used_wherever_they_can_run(fp16_decode_bundle: Path, runtime_bundle: Path
+                                                            ) -> None:
+    """Not asked either way, the decode steps replay from CUDA graphs on cuda where they run on `llm_decode`,
+    and nowhere else; asked not to, nowhere."""
+    fp16, plain = RuntimeBundle.open(fp16_decode_bundle), RuntimeBundle.open(runtime_bundle)
+    assert uses_cuda_graphs(None, fp16, CUDA) is True
+    assert uses_cuda_graphs(None, fp16, CPU) is False and uses_cuda_graphs(None, plain, CUDA) is False
+    assert uses_cuda_graphs(False, fp16, CUDA) is False and uses_cuda_graphs(True, fp16, CUDA) is True
+    with Synthesizer(fp16) as synth:  # the CPU: the steps as they are, no batch
+        assert synth.graphs is None and synth.batcher is None
 
 
 @needs_cuda

@@ -152,6 +152,16 @@ def test_run_refuses_text_over_the_limit_the_server_shares(tmp_path: Path) -> No
         assert ServerSettings().max_text_chars == MAX_TEXT_CHARS == 2000
 
 
+def test_run_refuses_cuda_graphs_off_cuda_before_any_graph_opens(tmp_path: Path) -> None:
+    out = tmp_path / "out.wav"
+    assert refused(run("--text", "Hello.", "--out", str(out), "--cuda-graphs")) == (
+        "error: cuda graphs are the cuda provider's, not 'cpu''s")
+    assert not out.exists()
+    # not asked, they are used wherever they can be: on the CPU nowhere, and the run goes on
+    with CosyVoice3(DEMO_BUNDLE, verify=False) as voice:
+        assert voice.synth.graphs is None and voice.synth.batcher is None
+
+
 def test_the_library_takes_any_length_as_upstreams_does() -> None:
     with CosyVoice3(DEMO_BUNDLE, verify=False) as voice:
         pieces = voice.segments(Mode.ZERO_SHOT, "Hello there. " * 200, prompt_text="A transcript.")

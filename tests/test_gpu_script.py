@@ -39,14 +39,14 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
                                   "golden", "model", "tests", "tiny-model"]
     assert steps.index("model") < min(steps.index("export-fp32"), steps.index("export-decode-fp16"))
     assert steps.index("tiny-model") < steps.index("gates-tf32") < steps.index("gates-decode-fp16")
-    assert steps[9:] == ["bench-fp32", "bench-decode-fp16", "graphs-decode-fp16", "stacking-fp32",
+    assert steps[9:] == ["bench-fp32", "bench-decode-fp16", "nographs-decode-fp16", "stacking-fp32",
                          "stacking-decode-fp16", "vocstacking-fp32", "vocstacking-decode-fp16",
                          "streams3-decode-fp16", "stacked-streams3-decode-fp16", "profile-fp32",
                          "profile-decode-fp16",
                          "variants-decode-fp16", "rows4-decode-fp16", "rows16-decode-fp16",
                          "slots1-streams3-decode-fp16"]
-    assert "graphs-decode-fp16: skipped, CUDA graphs are the cuda provider's" in lines
-    assert all(": exit 0 after " in line for line in lines[:-1] if not line.startswith("graphs-")), lines
+    assert "nographs-decode-fp16: skipped, CUDA graphs are the cuda provider's" in lines
+    assert all(": exit 0 after " in line for line in lines[:-1] if not line.startswith("nographs-")), lines
     rows = json.loads((tmp_path / "out" / "rows4-decode-fp16.json").read_text())["profiles"][0]
     assert rows["graph"] == "llm_decode" and rows["precision"] == "fp16" and rows["shape"]["batch"] == 4
     variants = json.loads((tmp_path / "out" / "variants-decode-fp16.json").read_text())
