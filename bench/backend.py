@@ -44,6 +44,8 @@ class StreamRun:
     audio_s: float
     samples: np.ndarray
     """The concatenated float32 samples."""
+    speech_tokens: list[int]
+    """The speech ids the LLM kept."""
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,11 @@ from typing import Any
 
 
 class CallLog:
-    """The wall time of every call to the wrapped methods, by label, in call order (thread-safe)."""
+    """When every call to the wrapped methods began and how long it took, by label, in call order
+    (thread-safe)."""
 
     def __init__(self) -> None:
-        self._calls: dict[str, list[float]] = {}
+        self._calls: dict[str, list[tuple[float, float]]] = {}
         self._lock = threading.Lock()
 
     @contextmanager
@@ -53,13 +54,18 @@ class CallLog:
             finally:
                 seconds = time.perf_counter() - start
                 with self._lock:
-                    self._calls[label].append(seconds)
+                    self._calls[label].append((start, seconds))
         return timed
 
     def seconds(self, label: str) -> list[float]:
         """Seconds of each recorded call under `label`, in call order."""
         with self._lock:
-            return list(self._calls.get(label, []))
+            return [seconds for _, seconds in self._calls.get(label, [])]
+
+    def starts(self, label: str) -> list[float]:
+        """When each recorded call under `label` began (`time.perf_counter`), in call order."""
+        with self._lock:
+            return [start for start, _ in self._calls.get(label, [])]
 
 
 def llm_figures(llm_s: float, calls: Sequence[float]) -> dict[str, float | int | None]:
@@ -76,6 +82,17 @@ def llm_figures(llm_s: float, calls: Sequence[float]) -> dict[str, float | int |
         "llm_per_token_s": (llm_s - calls[0]) / (steps - 1) if steps > 1 else None,
         "llm_tokens_per_s": steps / llm_s if steps and llm_s > 0 else None,
     }
+
+
+def batch_llm_calls(llm_s: float, takes: Sequence[float]) -> list[float]:
+    """A batched decoding's calls as `llm_figures` reads them (prefill first), from when each call's
+    log-probs reached the decoding (`takes`: the starts of its `Decoding.take`, one per call). A decode
+    batch makes the calls on its own thread, in steps it may replay from CUDA graphs, so they are timed by
+    their period: a step is the mean interval between takes, the prefill what came before the first."""
+    if len(takes) < 2:
+        return [llm_s] * len(takes)
+    span = takes[-1] - takes[0]
+    return [llm_s - span] + [span / (len(takes) - 1)] * (len(takes) - 1)
 
 
 def prefill_length(text_ids: Sequence[int], prompt_text_ids: Sequence[int], prompt_speech_tokens: int) -> int:

@@ -132,36 +132,38 @@ def _num(value: Any, scale: float = 1.0) -> str:
     return f"{v:.{min(digits, 6)}f}"
 
 
-STACKED_COLUMNS = {"dit_streams_per_call": "DiT streams/call",
-                   "vocoder_streams_per_call": "vocoder streams/call"}
-"""The streams a stacked call served, by figure (`--stack-dit`, `--stack-vocoder`)."""
+OPTIONAL_COLUMNS = {"dit_streams_per_call": "DiT streams/call",
+                   "vocoder_streams_per_call": "vocoder streams/call",
+                   "gpu_utilization_mean_pct": "GPU busy %"}
+"""The streams a stacked call served, by figure (`--stack-dit`, `--stack-vocoder`), and on a GPU its mean
+utilisation: columns of the runs that have them."""
 
 
 def _concurrency(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The concurrency table: each level unbatched, then batched (`decode_batch`, where the bundle batches on
     this provider) and the batched/unbatched ratio of audio per second, with the chunks that ran at once
     (chunk slots); LLM tok/s is decodings alone; with `--stack-dit` or `--stack-vocoder`, the streams a DiT
-    or vocoder call served."""
+    or vocoder call served; on a GPU, its mean utilisation during the sessions."""
     batched = any(r.get("batched") for r in rows)
-    stacked = [key for key in STACKED_COLUMNS if any(key in r for r in rows)]
+    extra = [key for key in OPTIONAL_COLUMNS if any(key in r for r in rows)]
     header = ["sessions", "length", "shared", "wall s", "audio s/s", "session RTF", "first chunk mean s",
-              "p95 s", "LLM tok/s", "outputs match", *(STACKED_COLUMNS[key] for key in stacked)]
+              "p95 s", "LLM tok/s", "outputs match", *(OPTIONAL_COLUMNS[key] for key in extra)]
     if batched:
         header += ["batched audio s/s", "ratio", "chunk slots", "session RTF", "first chunk p95 s",
-                   "LLM tok/s", "outputs match", *(STACKED_COLUMNS[key] for key in stacked)]
+                   "LLM tok/s", "outputs match", *(OPTIONAL_COLUMNS[key] for key in extra)]
     table = []
     for r in rows:
         row = [str(r["level"]), r["length"], _num(r["shared_synthesizer"]), _num(r["wall_s"]),
                _num(r["audio_s_per_s"]), _num(r["session_rtf_mean"]), _num(r["first_chunk_mean_s"]),
                _num(r.get("first_chunk_p95_s")), _num(r.get("llm_tokens_per_s")), _outputs(r),
-               *(_num(r.get(key)) for key in stacked)]
+               *(_num(r.get(key)) for key in extra)]
         if batched:
             b = r.get("batched") or {}
             ratio = b["audio_s_per_s"] / r["audio_s_per_s"] if b else None
             row += [_num(b.get("audio_s_per_s")), _num(ratio), _num(b.get("chunk_slots")),
                     _num(b.get("session_rtf_mean")),
                     _num(b.get("first_chunk_p95_s")), _num(b.get("llm_tokens_per_s")),
-                    _outputs(b) if b else "-", *(_num(b.get(key)) for key in stacked)]
+                    _outputs(b) if b else "-", *(_num(b.get(key)) for key in extra)]
         table.append(row)
     title = "concurrency (runtime, streamed sessions in threads, cached prompt" + (
         "; batched: their decodings in one batch)" if batched else ")")
@@ -173,7 +175,8 @@ def _outputs(row: dict[str, Any]) -> str:
     if row["outputs_match"]:
         return "yes"
     diff = row.get("outputs_max_diff")
-    return f"NO (max {_num(diff)})" if diff is not None else "NO (lengths)"
+    tokens = "" if row.get("tokens_match", True) else "; tokens differ"
+    return f"NO (max {_num(diff)}{tokens})" if diff is not None else f"NO (lengths{tokens})"
 
 
 def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
@@ -245,9 +248,10 @@ def render(result: dict[str, Any]) -> str:
     if levers.get("cudnn_search"):
         lines.append("cuDNN convolution algorithm search (ms per call; * = what the runtime uses)")
         lines += ["  " + line for line in _table(
-            ["graph", "search", "frames", "first call ms", "warm call ms"],
+            ["graph", "search", "frames", "first call ms", "warm call ms", "after another shape ms"],
             ([r["graph"], r["conv_algo_search"] + (" *" if r["conv_algo_search"] == CONV_ALGO_SEARCH else ""),
-              str(r["frames"]), _num(r["first_call_ms"]), _num(r["warm_call_ms"])]
+              str(r["frames"]), _num(r["first_call_ms"]), _num(r["warm_call_ms"]),
+              _num(r.get("back_call_ms"))]
              for r in levers["cudnn_search"]))]
         lines.append("")
     lines.append("export levers")

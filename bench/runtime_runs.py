@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from cosyvoice_runtime.call_stack import CallStack
 from cosyvoice_runtime.chunk_policy import ChunkPolicy, check_policy
 from cosyvoice_runtime.cosyvoice3 import SegmentSpeech
 from cosyvoice_runtime.frontend import PromptFeatures
+from cosyvoice_runtime.llm import Decoding
 from cosyvoice_runtime.process_memory import release_free_heap
 from cosyvoice_runtime.runners import TRT
 from cosyvoice_runtime.segments import Segment
@@ -35,7 +37,7 @@ from cosyvoice_runtime.synthesis import AudioChunk, Mode, Synthesizer, batches, 
 
 from .backend import FirstChunk, OfflineRun, StreamRun
 from .cases import Case
-from .measure import CallLog, llm_figures, mean, prefill_length
+from .measure import CallLog, GpuSampler, batch_llm_calls, llm_figures, mean, prefill_length
 
 STACKS: dict[str, Callable[[Synthesizer], CallStack[Any, Any, Any] | None]] = {
     "dit": lambda synth: synth.flow.stack, "vocoder": lambda synth: synth.vocoder.stack}
@@ -150,33 +152,40 @@ class RuntimeBackend:
         start = time.perf_counter()
         first: FirstChunk | None = None
         parts = []
-        for chunk in self._speak(self.voice, self._segment(case), prompt, case.tokens, stream=True):
+        speech = self._speak(self.voice, self._segment(case), prompt, case.tokens, stream=True)
+        for chunk in speech:
             if first is None:
                 first = self._first(chunk, time.perf_counter() - start)
             parts.append(chunk.samples)
         seconds = time.perf_counter() - start
         assert first is not None  # a stream always ends with a final chunk
         audio = np.concatenate(parts)
-        return StreamRun(first, seconds, len(audio) / self.voice.sample_rate, audio)
+        return StreamRun(first, seconds, len(audio) / self.voice.sample_rate, audio,
+                         list(speech.speech_tokens))
 
     def offline(self, case: Case, prompt: PromptFeatures) -> OfflineRun:
         start = time.perf_counter()
         piece = self._segment(case)
         front_end_s = time.perf_counter() - start
         synth = self.voice.synth
-        # `lm.step` is one llm graph call whichever runner method it uses (IOBinding on onnxruntime); the
+        # `lm.step` is one llm graph call whichever runner method it uses (IOBinding on onnxruntime); a
+        # decode batch's calls (`--cuda-graphs`) are timed by when their log-probs reach the decoding; the
         # offline flow fetches the DiT's velocity only, through `infer_outputs`
-        calls = {"llm": (synth.lm, "step"), "estimator": (synth.flow.estimator, "infer_outputs")}
+        llm = (synth.lm, "step") if synth.batcher is None else (Decoding, "take")
+        calls = {"llm": llm, "estimator": (synth.flow.estimator, "infer_outputs")}
         with self._log.wrap(calls):
             speech = self._speak(self.voice, piece, prompt, case.tokens, stream=False)
             (chunk,) = list(speech)
         seconds = time.perf_counter() - start
         audio_s = len(chunk.samples) / self.voice.sample_rate
+        llm_s = chunk.timings.llm
+        llm_calls = (self._log.seconds("llm") if synth.batcher is None
+                     else batch_llm_calls(llm_s, self._log.starts("llm")))
         figures = {
             "front_end_s": front_end_s,
             "llm_prefill_len": prefill_length(piece.text_ids, piece.prompt_text_ids,
                                               prompt.speech_tokens.shape[1]),
-            **llm_figures(chunk.timings.llm, self._log.seconds("llm")),
+            **llm_figures(llm_s, llm_calls),
             "speech_tokens": len(speech.speech_tokens),
             "flow_s": chunk.timings.flow,
             "flow_per_step_s": mean(self._log.seconds("estimator")),
@@ -186,8 +195,8 @@ class RuntimeBackend:
         }
         return OfflineRun(figures, list(speech.speech_tokens))
 
-    def concurrent(self, case: Case, prompt: PromptFeatures, level: int, reference: np.ndarray
-                   ) -> dict[str, Any]:
+    def concurrent(self, case: Case, prompt: PromptFeatures, level: int, reference: StreamRun,
+                   gpu: GpuSampler | None = None) -> dict[str, Any]:
         """`level` streamed sessions of `case` started together on `level` threads, from tokenised text
         and a cached prompt (the front end stays outside: wetext's thread safety is not ours to claim), and
         `level` decodings alone (the LLM's tokens per second); then the same with their decodings in one
@@ -201,8 +210,10 @@ class RuntimeBackend:
 
         `outputs_match` compares every session's audio with `reference` (a single stream of the same case
         and seed): sessions that share the `CosyVoice3`, or its batch, must not disturb each other.
-        `outputs_max_diff` is by how much they differ where they do (another batch's float rounding).
-        """
+        `outputs_max_diff` is by how much they differ where they do (another batch's float rounding), and
+        `tokens_match` whether their speech ids are the reference's all the same (a sampled draw that
+        rounding moved changes the rest of the audio). With `gpu`, each run's mean GPU utilisation
+        (`gpu_utilization_mean_pct`): how much of the wall the device computed."""
         piece = self._segment(case)
         shared = self.provider != TRT
         voices = ([self.voice] * level if shared else
@@ -211,11 +222,11 @@ class RuntimeBackend:
                               stack_dit=self.stack_dit, stack_vocoder=self.stack_vocoder)
                    for _ in range(level)])
         try:
-            warm_up = (self._sessions(voices, piece, prompt, case.tokens, reference) if level > 1
+            warm_up = (self._sessions(voices, piece, prompt, case.tokens, reference, gpu) if level > 1
                        else None)
             release_free_heap()
             row = {"level": level, "length": case.name, "shared_synthesizer": shared, "warm_up": warm_up,
-                   **self._sessions(voices, piece, prompt, case.tokens, reference),
+                   **self._sessions(voices, piece, prompt, case.tokens, reference, gpu),
                    "llm_tokens_per_s": self._decodings(voices, piece, prompt, case.tokens), "batched": None}
         finally:
             for voice in voices:
@@ -228,7 +239,7 @@ class RuntimeBackend:
             try:
                 voices = [self.voice] * level
                 assert synth.turns is not None
-                row["batched"] = {**self._sessions(voices, piece, prompt, case.tokens, reference),
+                row["batched"] = {**self._sessions(voices, piece, prompt, case.tokens, reference, gpu),
                                   "llm_tokens_per_s": self._decodings(voices, piece, prompt, case.tokens),
                                   "chunk_slots": synth.turns.slots}
             finally:
@@ -237,29 +248,36 @@ class RuntimeBackend:
         return row
 
     def _sessions(self, voices: list[CosyVoice3], piece: Segment, prompt: PromptFeatures, tokens: int,
-                  reference: np.ndarray) -> dict[str, Any]:
-        """One streamed session per voice, all started together: throughput, session RTF, first chunks."""
+                  reference: StreamRun, gpu: GpuSampler | None) -> dict[str, Any]:
+        """One streamed session per voice, all started together: throughput, session RTF, first chunks, and
+        with `gpu` the GPU's mean utilisation meanwhile."""
         barrier = threading.Barrier(len(voices))
         stacks = {name: list({id(s): s for v in voices if (s := stack_of(v.synth)) is not None}.values())
                   for name, stack_of in STACKS.items()}
         before = {name: [(s.calls, s.streams) for s in found] for name, found in stacks.items()}
 
-        def session(voice: CosyVoice3) -> tuple[float, float, float, float, np.ndarray]:
+        def session(voice: CosyVoice3) -> _Session:
             barrier.wait()
             start = time.perf_counter()
             first = None
             parts = []
-            for chunk in self._speak(voice, piece, prompt, tokens, stream=True):
+            speech = self._speak(voice, piece, prompt, tokens, stream=True)
+            for chunk in speech:
                 first = time.perf_counter() - start if first is None else first
                 parts.append(chunk.samples)
             end = time.perf_counter()
             audio = np.concatenate(parts)
             assert first is not None
-            return start, end, first, len(audio) / voice.sample_rate, audio
+            return _Session(start, end, first, len(audio) / voice.sample_rate, audio,
+                            list(speech.speech_tokens))
 
-        with ThreadPoolExecutor(len(voices)) as pool:
+        with gpu.sample() if gpu is not None else nullcontext(lambda: None) as usage, \
+                ThreadPoolExecutor(len(voices)) as pool:
             runs = list(pool.map(session, voices))
         figures = _sessions_figures(runs, reference)
+        if gpu is not None:
+            used = usage()
+            figures["gpu_utilization_mean_pct"] = used.utilization_mean_pct if used is not None else None
         for name, found in stacks.items():
             if found:
                 calls = sum(s.calls - b[0] for s, b in zip(found, before[name], strict=True))
@@ -291,22 +309,35 @@ class RuntimeBackend:
         self.voice.close()
 
 
-def _sessions_figures(runs: Sequence[tuple[float, float, float, float, np.ndarray]], reference: np.ndarray
-                      ) -> dict[str, Any]:
-    """Concurrent sessions' figures from each one's (start, end, first chunk s, audio s, samples)."""
-    wall = max(r[1] for r in runs) - min(r[0] for r in runs)
-    audio = sum(r[3] for r in runs)
-    firsts = sorted(r[2] for r in runs)
+@dataclass(frozen=True)
+class _Session:
+    """One concurrent session: when it started and ended, its first chunk's and its audio's seconds, its
+    samples and speech ids."""
+
+    start: float
+    end: float
+    first_s: float
+    audio_s: float
+    samples: np.ndarray
+    speech_tokens: list[int]
+
+
+def _sessions_figures(runs: Sequence[_Session], reference: StreamRun) -> dict[str, Any]:
+    """Concurrent sessions' figures, their outputs against `reference`'s."""
+    wall = max(r.end for r in runs) - min(r.start for r in runs)
+    audio = sum(r.audio_s for r in runs)
+    firsts = sorted(r.first_s for r in runs)
     return {
         "wall_s": wall,
         "audio_s": audio,
         "audio_s_per_s": audio / wall,
-        "session_rtf_mean": mean([(r[1] - r[0]) / r[3] for r in runs]),
+        "session_rtf_mean": mean([(r.end - r.start) / r.audio_s for r in runs]),
         "first_chunk_mean_s": mean(firsts),
         "first_chunk_p95_s": firsts[math.ceil(0.95 * len(firsts)) - 1],
         "first_chunk_max_s": firsts[-1],
-        "outputs_match": all(np.array_equal(r[4], reference) for r in runs),
-        "outputs_max_diff": _max_diff([r[4] for r in runs], reference),
+        "outputs_match": all(np.array_equal(r.samples, reference.samples) for r in runs),
+        "outputs_max_diff": _max_diff([r.samples for r in runs], reference.samples),
+        "tokens_match": all(r.speech_tokens == reference.speech_tokens for r in runs),
     }
 
 

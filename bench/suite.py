@@ -18,7 +18,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tqdm import tqdm
 
 from cosyvoice_graphs.bundle_layout import FORMAT_VERSION
@@ -27,7 +26,7 @@ from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, CUDA, OPTIMIZATION
 from cosyvoice_runtime.runners.ort_settings import CONV_ALGO_SEARCHES
 
-from .backend import Backend, Figures, FirstChunk
+from .backend import Backend, Figures, FirstChunk, StreamRun
 from .bounds import (
     ModelShapes,
     dit_matmul_shape,
@@ -95,8 +94,8 @@ class _Warm:
     """backend -> case -> one figures dict per repeat."""
     tokens: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     """backend -> case -> the offline speech tokens of the first repeat."""
-    stream_audio: dict[str, np.ndarray] = field(default_factory=dict)
-    """case -> the runtime's streamed samples (first repeat)."""
+    streams: dict[str, StreamRun] = field(default_factory=dict)
+    """case -> the runtime's streamed run (first repeat)."""
     prompt_frames: int = 0
     prompt_tokens: int = 0
     concurrency: list[dict[str, Any]] = field(default_factory=list)
@@ -298,12 +297,12 @@ def _warm_phase(s: Settings, factories: dict[str, Callable[[], Backend]], gpu: G
         for case in s.cases:
             for r in range(s.repeat):
                 for name, b in backends.items():
-                    figures, samples, tokens = _warm(b, case, s.prompt_wav, prompts[name],
-                                                     gpu if name == "runtime" else None)
+                    figures, streamed, tokens = _warm(b, case, s.prompt_wav, prompts[name],
+                                                      gpu if name == "runtime" else None)
                     warm.figures[name][case.name].append(figures)
                     warm.tokens[name].setdefault(case.name, tokens)
-                    if samples is not None and name == "runtime":
-                        warm.stream_audio.setdefault(case.name, samples)
+                    if streamed is not None and name == "runtime":
+                        warm.streams.setdefault(case.name, streamed)
                     step(f"{name} {case.name} {r + 1}/{s.repeat}")
         runtime = backends["runtime"]
         assert isinstance(runtime, RuntimeBackend)
@@ -311,8 +310,8 @@ def _warm_phase(s: Settings, factories: dict[str, Callable[[], Backend]], gpu: G
         warm.prompt_frames, warm.prompt_tokens = prompt.mel.shape[1], prompt.speech_tokens.shape[1]
         longest = max(s.cases, key=lambda c: c.tokens)
         for level in s.concurrency:
-            warm.concurrency.append(runtime.concurrent(longest, prompt, level,
-                                                       warm.stream_audio[longest.name]))
+            warm.concurrency.append(runtime.concurrent(longest, prompt, level, warm.streams[longest.name],
+                                                       gpu))
             step(f"concurrency {level}")
         return warm
     finally:
@@ -321,10 +320,10 @@ def _warm_phase(s: Settings, factories: dict[str, Callable[[], Backend]], gpu: G
 
 
 def _warm(b: Backend, case: Case, wav: Path, prompt: Any, gpu: GpuSampler | None
-          ) -> tuple[Figures, np.ndarray | None, list[int]]:
+          ) -> tuple[Figures, StreamRun | None, list[int]]:
     """One warm round of `case`: the first chunk with the prompt extracted in the timed region; streamed
     with the cached prompt (just the first chunk where the backend cannot stream); offline with stage
-    timings. Returns the figures, the streamed samples and the offline speech tokens."""
+    timings. Returns the figures, the streamed run and the offline speech tokens."""
     none: Callable[[], GpuUsage | None] = lambda: None  # noqa: E731
     with gpu.sample() if gpu is not None else nullcontext(none) as usage:
         start = time.perf_counter()
@@ -354,7 +353,7 @@ def _warm(b: Backend, case: Case, wav: Path, prompt: Any, gpu: GpuSampler | None
         "gpu_memory_peak_mib": gpu_usage.memory_peak_mib if gpu_usage else None,
         "gpu_utilization_mean_pct": gpu_usage.utilization_mean_pct if gpu_usage else None,
     }
-    return figures, streamed.samples if streamed is not None else None, offline.speech_tokens
+    return figures, streamed, offline.speech_tokens
 
 
 def _policy_figures(policy: FirstChunk | None) -> Figures:
@@ -439,7 +438,8 @@ def _notes(s: Settings, gpu: GpuSampler | None) -> dict[str, str]:
                                 "level above 1 is measured after an unmeasured round of it (warm_up: the "
                                 "first time a process runs that many sessions it pays for their memory); "
                                 "outputs match = every session's audio equals a single stream's (where "
-                                "not, max: the largest sample difference)")
+                                "not, max: the largest sample difference, and whether their speech tokens "
+                                "differ: a sampled draw that another rounding moved)")
     if s.model_dir is not None:
         notes["torch"] = ("eager float32 on the CPU, torch.set_num_threads = --threads; no streaming path, "
                           "so its first chunk is the first hop + look-ahead decoded, the block-causal "
@@ -461,6 +461,8 @@ def _notes(s: Settings, gpu: GpuSampler | None) -> dict[str, str]:
     if s.provider == CUDA:
         notes["cudnn_search"] = (
             "cuDNN's convolution algorithm search, per mode: the vocoder graph opened fresh, its first call "
-            "at each new frame count (which pays the search) and its fastest warm call; the runtime uses "
+            "at each new frame count (which pays the search) and its fastest warm call; then a call at each "
+            "count right after one at another (onnxruntime's CUDA Conv keeps its last shape's plans only: "
+            "the runtime gives the vocoder a session per window length, ShapePool); the runtime uses "
             "cosyvoice_runtime.runners.ort_settings.CONV_ALGO_SEARCH")
     return notes

@@ -73,6 +73,18 @@ def fp16_decode_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.fixture(scope="session")
+def fp32_decode_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny_bundle` exported with a float32 `llm_decode` (the CPU's exact body, which batches decodings)
+    beside the float32 rest; tests must not modify it."""
+    from cosyvoice_export.onnx.bundle_assembly import export_all
+
+    out = tmp_path_factory.mktemp("runtime") / "tiny-decode-fp32"
+    report = export_all(tiny_bundle, out, precision="decode=fp32", progress=False)
+    assert report.manifest is not None, report.table()
+    return report.out
+
+
+@pytest.fixture(scope="session")
 def prompt_wav() -> Path:
     """`tiny_bundle`'s prompt recording as the demo bundle carries it, byte for byte (test_export_all and
     test_demo_bundle check so); tests must not modify it."""

@@ -26,8 +26,11 @@ from click.testing import CliRunner
 from cosyvoice_bench.cases import make_cases
 from cosyvoice_bench.cli import main
 from cosyvoice_bench.errors import BenchError
+from cosyvoice_bench.measure import batch_llm_calls, llm_figures
 from cosyvoice_bench.peak_rss import PeakJob, fresh_peak
 from cosyvoice_bench.report import FIGURE_KEYS
+from cosyvoice_bench.report import _outputs as outputs_cell
+from cosyvoice_bench.runtime_runs import RuntimeBackend
 from cosyvoice_graphs.bundle_layout import PROMPT_TEXT, PROMPT_WAV
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.llm import LlmRequest, SpeechTokenLM
@@ -125,7 +128,7 @@ def check_common(result: dict[str, Any], lengths: list[str], levels: list[int], 
     assert [r["level"] for r in result["concurrency"]] == levels
     for row in result["concurrency"]:
         assert row["shared_synthesizer"] is True and row["outputs_match"] is True
-        assert row["outputs_max_diff"] == 0
+        assert row["outputs_max_diff"] == 0 and row["tokens_match"] is True
         assert row["wall_s"] > 0 and row["audio_s"] > 0 and row["first_chunk_max_s"] > 0
         assert row["first_chunk_mean_s"] <= row["first_chunk_p95_s"] <= row["first_chunk_max_s"]
         assert row["llm_tokens_per_s"] > 0
@@ -182,6 +185,48 @@ def test_quick_run_of_the_runtime_without_torch(runtime_bundle: Path, tmp_path: 
     one, two = result["concurrency"]
     assert one["dit_streams_per_call"] == 1 and one["dit_calls"] > 0
     assert 1 <= two["dit_streams_per_call"] <= 2 and two["dit_calls"] > 0
+
+
+def test_a_batched_decodings_steps_are_timed_by_their_period() -> None:
+    calls = batch_llm_calls(1.0, [0.3, 0.4, 0.5, 0.6])  # the prefill's log-probs at 0.3, then a step each 0.1
+    assert calls == pytest.approx([0.7, 0.1, 0.1, 0.1])
+    figures = llm_figures(1.0, calls)
+    assert figures["llm_steps"] == 4 and figures["llm_prefill_s"] == pytest.approx(0.7)
+    assert figures["llm_per_token_s"] == pytest.approx(0.1)
+    assert batch_llm_calls(0.5, [0.2]) == [0.5] and batch_llm_calls(0.5, []) == []
+
+
+def test_the_concurrency_table_says_how_sessions_differ_from_a_single_stream() -> None:
+    row = {"outputs_match": False, "outputs_max_diff": 3e-6, "tokens_match": True}
+    assert outputs_cell({**row, "outputs_match": True}) == "yes"
+    assert outputs_cell(row) == "NO (max 0.000003)"  # the same ids, another rounding
+    moved = {**row, "tokens_match": False}
+    assert outputs_cell({**moved, "outputs_max_diff": 0.85}) == "NO (max 0.850; tokens differ)"
+    assert outputs_cell({**moved, "outputs_max_diff": None}) == "NO (lengths; tokens differ)"
+
+
+def test_offline_llm_figures_with_the_decodings_in_a_batch(fp32_decode_bundle: Path) -> None:
+    """Where a decode batch makes the LLM's calls (as `--cuda-graphs` does, in a batch of one) the offline
+    run still reports the prefill and the time per step: timed by when each call's log-probs reach the
+    decoding."""
+    bundle = RuntimeBundle.open(fp32_decode_bundle)
+    runtime = RuntimeBackend(bundle, provider="cpu", threads=1,
+                             prompt_text=(bundle.root / PROMPT_TEXT).read_text(encoding="utf-8"), seed=0)
+    try:
+        prompt = runtime.prompt_features(bundle.root / PROMPT_WAV)
+        (case,) = make_cases(["long"], PINNED)
+        alone = runtime.offline(case, prompt)
+        runtime.voice.synth.set_max_batch(2)
+        batched = runtime.offline(case, prompt)
+    finally:
+        runtime.close()
+    assert batched.speech_tokens == alone.speech_tokens
+    for run in (alone, batched):
+        figures = run.figures
+        assert figures["llm_steps"] == PINNED
+        assert 0 < figures["llm_prefill_s"] < figures["llm_s"] and 0 < figures["llm_per_token_s"]
+        assert figures["llm_prefill_s"] + (PINNED - 1) * figures["llm_per_token_s"] == pytest.approx(
+            figures["llm_s"])
 
 
 @pytest.mark.parametrize(("extra", "message"), [

@@ -17,12 +17,16 @@ import pytest
 from click.testing import CliRunner
 
 from cosyvoice_bench.bounds import ModelShapes, dit_bound_s, dit_flops_per_step
+from cosyvoice_bench.cases import make_cases
 from cosyvoice_bench.cli import main
 from cosyvoice_bench.errors import BenchError
 from cosyvoice_bench.gpu import conv_search_levers, describe_gpu, gpu_rates
 from cosyvoice_bench.graph_profile import main as profile_main
 from cosyvoice_bench.machine import Rates
+from cosyvoice_bench.measure import GpuSampler
 from cosyvoice_bench.report import render, summarize
+from cosyvoice_bench.runtime_runs import RuntimeBackend
+from cosyvoice_graphs.bundle_layout import PROMPT_TEXT, PROMPT_WAV
 from cosyvoice_graphs.precision import BF16, FP16, FP32, TF32
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.demo import DEMO_BUNDLE
@@ -91,7 +95,7 @@ def test_the_cudnn_search_lever_times_first_and_warm_calls_per_mode(runtime_bund
     assert [(r["conv_algo_search"], r["frames"]) for r in rows] == [
         (search, n) for search in CONV_ALGO_SEARCHES for n in (11, 23)]
     assert all(r["graph"] == "hift_decoder" and r["first_call_ms"] > 0 and r["warm_call_ms"] > 0
-               for r in rows)
+               and r["back_call_ms"] > 0 for r in rows)
 
 
 def test_the_report_names_the_gpu_and_the_search_lever(tmp_path: Path, runtime_bundle: Path) -> None:
@@ -105,13 +109,35 @@ def test_the_report_names_the_gpu_and_the_search_lever(tmp_path: Path, runtime_b
     result["machine"]["gpu"] = {"name": "NVIDIA H200", "memory_mib": 143771.0, "driver": "580.95.05",
                                 "compute_capability": "9.0"}
     result["levers"]["cudnn_search"] = [{"graph": "hift_decoder", "conv_algo_search": search, "frames": 57,
-                                         "first_call_ms": 812.0, "warm_call_ms": 9.1}
+                                         "first_call_ms": 812.0, "warm_call_ms": 9.1, "back_call_ms": 130.0}
                                         for search in ("EXHAUSTIVE", "HEURISTIC")]
+    result["concurrency"][0]["gpu_utilization_mean_pct"] = 41.5
     text = render(result)
     assert "GPU NVIDIA H200 (140 GiB, driver 580.95.05, compute capability 9.0); its memory bandwidth" in text
+    assert re.search(r"outputs match +GPU busy %\n", text) and re.search(r"yes +41\.5\n", text), text
     assert "cuDNN convolution algorithm search" in text
-    assert re.search(r"hift_decoder +EXHAUSTIVE +57 +812 +9\.10\n", text), text
-    assert re.search(r"hift_decoder +HEURISTIC \* +57 +812 +9\.10\n", text), text  # * the runtime's
+    assert re.search(r"hift_decoder +EXHAUSTIVE +57 +812 +9\.10 +130\n", text), text
+    assert re.search(r"hift_decoder +HEURISTIC \* +57 +812 +9\.10 +130\n", text), text  # * the runtime's
+
+
+def test_concurrent_sessions_say_how_busy_the_gpu_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      runtime_bundle: Path) -> None:
+    """The concurrency runs sample the GPU while their sessions run (a stand-in nvidia-smi here)."""
+    _fake_nvidia_smi(tmp_path, 'echo "2048, 37"')
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    bundle = RuntimeBundle.open(runtime_bundle)
+    runtime = RuntimeBackend(bundle, provider="cpu", threads=1,
+                             prompt_text=(bundle.root / PROMPT_TEXT).read_text(encoding="utf-8"), seed=0)
+    try:
+        prompt = runtime.prompt_features(bundle.root / PROMPT_WAV)
+        (case,) = make_cases(["short"], 12)
+        reference = runtime.stream(case, prompt)
+        row = runtime.concurrent(case, prompt, 1, reference, GpuSampler(interval_s=0.01))
+        unsampled = runtime.concurrent(case, prompt, 1, reference)
+    finally:
+        runtime.close()
+    assert row["gpu_utilization_mean_pct"] == 37 and "gpu_utilization_mean_pct" not in unsampled
+    assert row["outputs_match"] is row["tokens_match"] is True
 
 
 def test_thread_scaling_is_refused_on_a_gpu_before_any_work(tmp_path: Path) -> None:

@@ -23,7 +23,6 @@ import numpy as np
 import onnxruntime as ort
 from click.testing import CliRunner
 
-from cosyvoice_export.cli import main
 from cosyvoice_graphs import ODE_STEPS, spec
 from cosyvoice_runtime import CosyVoice3, synthesis
 from cosyvoice_runtime.bundle import RuntimeBundle
@@ -58,16 +57,6 @@ class Recorder:
         self.waits.append(waited)
 
 
-@pytest.fixture(scope="module")
-def exact_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny bundle with a float32 `llm_decode`."""
-    out = tmp_path_factory.mktemp("runtime") / "tiny-decode-fp32"
-    result = CliRunner().invoke(main, ["all", "--model-dir", str(tiny_bundle), "--out", str(out),
-                                       "--precision", "decode=fp32"])
-    assert result.exit_code == 0, result.output
-    return out
-
-
 def _requests(bundle: RuntimeBundle, n: int) -> list[LlmRequest]:
     """`n` requests of different lengths: prompts of different lengths, and texts whose max_len differ, so
     that the rows leave the batch one after another."""
@@ -85,9 +74,9 @@ def _concurrently(calls: list[Callable[[], T]]) -> list[T]:
 
 
 @pytest.mark.parametrize("sampling", ["ras", "greedy"])
-@pytest.mark.parametrize(("body", "in_slots", "graphs"), [("exact_bundle", False, False),
-                                                          ("exact_bundle", True, False),
-                                                          ("exact_bundle", True, True),
+@pytest.mark.parametrize(("body", "in_slots", "graphs"), [("fp32_decode_bundle", False, False),
+                                                          ("fp32_decode_bundle", True, False),
+                                                          ("fp32_decode_bundle", True, True),
                                                           ("fp16_decode_bundle", False, False)])
 def test_batched_rows_are_the_decodings_alone(body: str, in_slots: bool, graphs: bool, sampling: str,
                                               request: pytest.FixtureRequest) -> None:
@@ -139,7 +128,7 @@ class Replay:
         return token
 
 
-@pytest.mark.parametrize(("body", "provider", "graphs"), [("exact_bundle", CPU, False),
+@pytest.mark.parametrize(("body", "provider", "graphs"), [("fp32_decode_bundle", CPU, False),
                                                           ("fp16_decode_bundle", CUDA, False),
                                                           ("fp16_decode_bundle", CUDA, True)])
 def test_batched_rows_follow_their_runs_alone(body: str, provider: str, graphs: bool,
@@ -178,10 +167,10 @@ def test_batched_rows_follow_their_runs_alone(body: str, provider: str, graphs: 
             assert np.argmax(a) == np.argmax(b)
 
 
-def test_a_last_row_leaving_takes_the_free_rows_before_it(exact_bundle: Path) -> None:
+def test_a_last_row_leaving_takes_the_free_rows_before_it(fp32_decode_bundle: Path) -> None:
     """In slots: the middle row ends first and stays free, then the last one ends, which frees both (the
     calls stop at the first row); the first row runs on to its end, its ids its run's alone."""
-    bundle = RuntimeBundle.open(exact_bundle)
+    bundle = RuntimeBundle.open(fp32_decode_bundle)
     requests = _requests(bundle, 3)
     steps = (40, 5, 12)  # the middle one ends first, the last one next
     with Synthesizer(bundle, threads=1) as alone:
@@ -204,11 +193,11 @@ def test_a_last_row_leaving_takes_the_free_rows_before_it(exact_bundle: Path) ->
 
 
 @pytest.mark.parametrize("in_slots", [False, True])
-def test_a_closed_decoding_leaves_the_batch(exact_bundle: Path, in_slots: bool) -> None:
+def test_a_closed_decoding_leaves_the_batch(fp32_decode_bundle: Path, in_slots: bool) -> None:
     """A consumer that stops (a client gone) frees its row at the next step; the others run on unchanged,
     past the buffers' first size. In slots the first row stays free, an idle row of the calls, until a new
     decoding takes it."""
-    bundle = RuntimeBundle.open(exact_bundle)
+    bundle = RuntimeBundle.open(fp32_decode_bundle)
     first, second, third = _requests(bundle, 3)
     with Synthesizer(bundle, threads=1) as alone:
         want = list(alone.decode(second, make_sampler("ras", seed=1), max_tokens=300, ignore_stop=True))
@@ -241,11 +230,12 @@ def test_a_closed_decoding_leaves_the_batch(exact_bundle: Path, in_slots: bool) 
     assert max(observed.sizes) == 2
 
 
-def test_while_chunks_are_due_the_batch_steps_only_for_streams_without_audio(exact_bundle: Path) -> None:
+def test_while_chunks_are_due_the_batch_steps_only_for_streams_without_audio(fp32_decode_bundle: Path
+                                                                              ) -> None:
     """While chunks it yields to run or wait (`chunks_due`), the batch steps for a consumer that has sent no
     audio and waits for ids, and not for one that has sent audio: its ids wait until the chunks are done,
     then come as before."""
-    bundle = RuntimeBundle.open(exact_bundle)
+    bundle = RuntimeBundle.open(fp32_decode_bundle)
     early, late = _requests(bundle, 2)
     due = threading.Event()
     due.set()
@@ -278,12 +268,13 @@ def test_while_chunks_are_due_the_batch_steps_only_for_streams_without_audio(exa
             batcher.close()
 
 
-def test_a_batched_stream_tells_the_batch_once_its_first_audio_is_out(exact_bundle: Path, prompt_wav: Path,
-                                                                       prompt_text: str) -> None:
+def test_a_batched_stream_tells_the_batch_once_its_first_audio_is_out(fp32_decode_bundle: Path,
+                                                                       prompt_wav: Path, prompt_text: str
+                                                                       ) -> None:
     """On the CPU the pipeline's batch with one chunk slot pauses for every chunk its turns hold or queue
     (`ChunkTurns.full`, woken as each turn ends), and a stream's decoding is marked as having sent audio once
     its first chunk is made."""
-    with CosyVoice3(exact_bundle, threads=1, max_batch=2, chunk_slots=1) as voice:
+    with CosyVoice3(fp32_decode_bundle, threads=1, max_batch=2, chunk_slots=1) as voice:
         synth = voice.synth
         assert synth.turns is not None and synth.batcher is not None and synth.turns.slots == 1
         assert synth.turns.on_done == synth.batcher.wake and not synth.batcher.chunks_due()
@@ -312,14 +303,14 @@ def _until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
         time.sleep(0.001)
 
 
-def test_a_final_chunk_holds_back_for_a_new_streams_first_audio(exact_bundle: Path, prompt_wav: Path,
+def test_a_final_chunk_holds_back_for_a_new_streams_first_audio(fp32_decode_bundle: Path, prompt_wav: Path,
                                                                  prompt_text: str,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """With one chunk slot on the CPU, a stream's final chunk (the flow's full re-run, one DiT call per ODE
     step) makes no DiT call while a stream that started meanwhile computes its first ids (the batch works for
     its first audio) and hands the slot to its first chunk: the new stream's first audio comes out before the
     final chunk's, and each stream's audio is its audio alone."""
-    with CosyVoice3(exact_bundle, threads=1, max_batch=2, chunk_slots=1) as voice:
+    with CosyVoice3(fp32_decode_bundle, threads=1, max_batch=2, chunk_slots=1) as voice:
         synth = voice.synth
         assert synth.turns is not None and synth.batcher is not None
         batcher = synth.batcher
@@ -369,11 +360,11 @@ def test_a_final_chunk_holds_back_for_a_new_streams_first_audio(exact_bundle: Pa
         assert all(np.array_equal(a, b) for a, b in zip(chunks, alone[name], strict=True))
 
 
-def test_the_batch_says_when_it_works_for_a_streams_first_audio(exact_bundle: Path) -> None:
+def test_the_batch_says_when_it_works_for_a_streams_first_audio(fp32_decode_bundle: Path) -> None:
     """`first_audio_due`: while a decoding that a stream makes chunks of and that has sent no audio waits for
     its ids in a row; not for a decoding no stream marked (an offline request's), nor once the stream has
     sent audio, nor after it ends."""
-    bundle = RuntimeBundle.open(exact_bundle)
+    bundle = RuntimeBundle.open(fp32_decode_bundle)
     offline_request, streamed_request = _requests(bundle, 2)
     with Synthesizer(bundle, threads=1) as synth:
         batcher = DecodeBatcher(synth.lm, 2)
@@ -405,19 +396,19 @@ def test_the_batch_says_when_it_works_for_a_streams_first_audio(exact_bundle: Pa
             batcher.close()
 
 
-def test_many_texts_in_a_batch_are_each_text_alone(exact_bundle: Path, prompt_wav: Path, prompt_text: str
-                                                    ) -> None:
+def test_many_texts_in_a_batch_are_each_text_alone(fp32_decode_bundle: Path, prompt_wav: Path,
+                                                    prompt_text: str) -> None:
     """`synthesize_many` (three texts, their decodings batched) and streams on threads of their own: the audio
     of each text is its audio alone, to the bit."""
     texts = ["Hello there, this is one.", "A second sentence, longer than the first one is.", "Third."]
-    with CosyVoice3(exact_bundle, threads=1, seed=7) as voice:
+    with CosyVoice3(fp32_decode_bundle, threads=1, seed=7) as voice:
         want = [np.concatenate([c["tts_speech"][0] for c in voice.inference_zero_shot(t, prompt_text,
                                                                                        prompt_wav)])
                 for t in texts]
         want_streamed = [[c["tts_speech"][0] for c in voice.inference_zero_shot(t, prompt_text, prompt_wav,
                                                                                  stream=True)] for t in texts]
     observed = Recorder()
-    with CosyVoice3(exact_bundle, threads=1, seed=7, max_batch=3, batch_observer=observed) as voice:
+    with CosyVoice3(fp32_decode_bundle, threads=1, seed=7, max_batch=3, batch_observer=observed) as voice:
         got = voice.synthesize_many(texts, prompt_wav, prompt_text=prompt_text)
         assert max(observed.sizes) > 1
         streamed = _concurrently([lambda t=t: [c["tts_speech"][0] for c in voice.inference_zero_shot(
@@ -439,14 +430,14 @@ def test_batching_needs_llm_decode(runtime_bundle: Path) -> None:
 
 
 def test_the_chunks_slots_follow_the_cores_on_a_cpu_and_the_batch_on_a_gpu(
-        exact_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        fp32_decode_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """By default a batch's chunks run as many at once as the usable CPUs hold at the graphs' threads (one
     where the threads are onnxruntime's default, every core), and every stream's on a GPU; a caller's count
     is kept, and a bad one refused before the batch changes."""
     monkeypatch.setattr(synthesis, "usable_cpus", lambda: 16)
     assert [default_chunk_slots(CPU, 8, threads) for threads in (None, 1, 2, 3, 16, 32)] == [1, 8, 8, 5, 1, 1]
     assert default_chunk_slots(OPENVINO, 4, 2) == 4 and default_chunk_slots(CUDA, 4, None) == 4
-    with CosyVoice3(exact_bundle, threads=4, max_batch=3) as voice:
+    with CosyVoice3(fp32_decode_bundle, threads=4, max_batch=3) as voice:
         synth = voice.synth
         assert synth.turns is not None and synth.turns.slots == 3  # 16 cores hold 4 chunks; the batch has 3
         synth.set_max_batch(3, chunk_slots=2)
@@ -459,7 +450,7 @@ def test_the_chunks_slots_follow_the_cores_on_a_cpu_and_the_batch_on_a_gpu(
         assert synth.turns is None
 
 
-def test_the_server_batches_its_sessions_and_reports_the_batch(exact_bundle: Path, prompt_wav: Path,
+def test_the_server_batches_its_sessions_and_reports_the_batch(fp32_decode_bundle: Path, prompt_wav: Path,
                                                                 prompt_text: str, tmp_path: Path) -> None:
     """`--max-batch 3`: three concurrent upstream requests run at once, their decodings in one batch, each
     answered with the audio it gets alone; /metrics shows the batch sizes."""
@@ -474,7 +465,8 @@ def test_the_server_batches_its_sessions_and_reports_the_batch(exact_bundle: Pat
     upload = {"prompt_wav": ("prompt.wav", prompt_wav.read_bytes(), "audio/wav")}
 
     def answers(max_batch: int) -> tuple[list[bytes], str]:
-        engine = Engine(RuntimeBundle.open(exact_bundle), "the tiny bundle", threads=1, max_batch=max_batch)
+        engine = Engine(RuntimeBundle.open(fp32_decode_bundle), "the tiny bundle", threads=1,
+                        max_batch=max_batch)
         settings = ServerSettings(speakers_dir=tmp_path / "speakers", sampling="greedy", max_batch=max_batch)
         try:
             with TestClient(create_app(engine, settings)) as client:
@@ -502,14 +494,14 @@ def _metric(text: str, name: str) -> float:
     return float(match.group(1))
 
 
-def test_the_benchmark_has_a_batched_column(exact_bundle: Path, tmp_path: Path) -> None:
+def test_the_benchmark_has_a_batched_column(fp32_decode_bundle: Path, tmp_path: Path) -> None:
     """`cosyvoice-bench` on a bundle that batches: each concurrency level also runs its sessions with their
     decodings in one batch, whose audio is the single stream's, and the table shows the ratio."""
     from cosyvoice_bench.cli import main as bench
 
     out = tmp_path / "bench.json"
-    result = CliRunner().invoke(bench, ["--model", str(exact_bundle), "--quick", "--threads", "1", "--json",
-                                        str(out), "--no-progress", "--lengths", "short",
+    result = CliRunner().invoke(bench, ["--model", str(fp32_decode_bundle), "--quick", "--threads", "1",
+                                        "--json", str(out), "--no-progress", "--lengths", "short",
                                         "--concurrency", "1,3", "--chunk-slots", "2"])
     assert result.exit_code == 0, result.output
     assert all(column in result.output for column in ("batched audio s/s", "ratio", "chunk slots"))

@@ -13,10 +13,8 @@ pytest.importorskip("torch", reason="needs torch (the export extra)")
 pytestmark = pytest.mark.torch
 
 import numpy as np
-from click.testing import CliRunner
 
 from cosyvoice_export.bundle.model_dir import ModelBundle
-from cosyvoice_export.cli import main
 from cosyvoice_export.nets.llm import CosyVoice3LM
 from cosyvoice_export.reference.llm_decode import (
     TorchGreedySampler,
@@ -41,15 +39,6 @@ def reference_lm(tiny_bundle: Path) -> CosyVoice3LM:
     return lm
 
 
-@pytest.fixture(scope="module")
-def decode_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("runtime") / "tiny-decode-fp32"
-    result = CliRunner().invoke(main, ["all", "--model-dir", str(tiny_bundle), "--out", str(out),
-                                       "--precision", "decode=fp32"])
-    assert result.exit_code == 0, result.output
-    return out
-
-
 def _prompt(bundle: RuntimeBundle, speech: int) -> tuple[list[int], list[int]]:
     """A prompt text with `<|endofprompt|>` and 4 transcript ids after it, and `speech` prompt speech ids."""
     return [7, 8, 9, bundle.endofprompt_id, 11, 12, 13, 14], list(range(20, 20 + speech))
@@ -57,9 +46,9 @@ def _prompt(bundle: RuntimeBundle, speech: int) -> tuple[list[int], list[int]]:
 
 @pytest.mark.parametrize("speech", [40, 0, 30])  # zero-shot (first fill after 5), instruct2 (15), 30 (15)
 @pytest.mark.parametrize("graph", ["llm", "llm_decode"])
-def test_greedy_ids_are_the_references(runtime_bundle: Path, decode_bundle: Path, reference_lm: CosyVoice3LM,
-                                       speech: int, graph: str) -> None:
-    path = runtime_bundle if graph == "llm" else decode_bundle
+def test_greedy_ids_are_the_references(runtime_bundle: Path, fp32_decode_bundle: Path,
+                                       reference_lm: CosyVoice3LM, speech: int, graph: str) -> None:
+    path = runtime_bundle if graph == "llm" else fp32_decode_bundle
     bundle = RuntimeBundle.open(path)
     prompt_text, prompt_speech = _prompt(bundle, speech)
     want = generate_speech_tokens_bistream(reference_lm, TEXT_IDS, prompt_text, prompt_speech,
