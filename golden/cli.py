@@ -137,9 +137,11 @@ def check(cases_file: Path, case_names: tuple[str, ...], graph_names: tuple[str,
                 for golden_graph in graph_goldens:
                     verdicts.append(_check_graph(cases, runtime, golden_graph))
                     _report(bar, verdicts[-1])
-    failed = sum(not v.passed for v in verdicts)
+    judged = [v for v in verdicts if v.judged]
+    failed = sum(not v.passed for v in judged)
     where = f"{provider or 'each case’s provider'}, {threads} thread{'s' * (threads > 1)}"
-    click.echo(f"{len(verdicts) - failed} of {len(verdicts)} passed ({where}) in "
+    unjudged = f", {len(verdicts) - len(judged)} not judged" if len(judged) < len(verdicts) else ""
+    click.echo(f"{len(judged) - failed} of {len(judged)} passed{unjudged} ({where}) in "
                f"{time.perf_counter() - start:.1f} s")
     if failed:
         sys.exit(1)
@@ -204,6 +206,7 @@ def _graph_golden(cases: Cases, runtime: Runtime, graph: str) -> GraphGolden:
 def _check_case(cases: Cases, runtime: Runtime, case: GoldenCase, golden: CaseGolden) -> Verdict:
     provider, bundle = runtime.provider_of(case), runtime.bundle(case)
     precision = fingerprint(bundle)["precision"]
+    moved_draws = None
     if precision != case.precision:
         reduced = sorted({bundle.graph_precision(g).name for g in bundle.specs} - {FP32.name})
         unbounded = [p for p in reduced if p not in cases.precision_tolerance]
@@ -212,13 +215,15 @@ def _check_case(cases: Cases, runtime: Runtime, case: GoldenCase, golden: CaseGo
             return Verdict(case.name, False, f"{missing}: no tolerance", f"{cases.path.name} gives no "
                            f"bounds for {missing} graphs (add [precision_tolerance] {missing})")
         bounds = loosest([cases.precision_tolerance[p] for p in reduced])
+        moved_draws = precision if case.sampling != "greedy" else None
     elif provider in case.tolerance:
         bounds = case.tolerance[provider]
     else:
         return Verdict(case.name, False, f"{provider}: no tolerance", f"{cases.path.name} gives no "
                        f"bounds for {provider} (add [tolerance] {provider} or the case's own)")
     return compare_case(golden, runtime.run(case), provider, bounds,
-                        not_exact(golden, bundle, provider, runtime.threads, cases.reference))
+                        not_exact(golden, bundle, provider, runtime.threads, cases.reference),
+                        moved_draws=moved_draws)
 
 
 def _check_graph(cases: Cases, runtime: Runtime, golden: GraphGolden) -> Verdict:

@@ -22,7 +22,7 @@ from .run import CaseRun, chunk_record, cpu_signature
 from .stats import largest_drift, stats_difference
 from .store import CaseGolden, ChunkGolden, GraphGolden, export_difference
 
-PASS, FAIL = "✓", "✗"
+PASS, FAIL, UNJUDGED = "✓", "✗", "–"
 
 
 @dataclass(frozen=True)
@@ -34,10 +34,14 @@ class Verdict:
     summary: str
     """What was measured, against which bound."""
     problem: str = ""
-    """The first thing that failed, and where."""
+    """The first thing that failed, and where; or why nothing was judged."""
+    judged: bool = True
+    """False where nothing could be compared (neither passed nor failed): a sampled draw another precision's
+    rounding moved."""
 
     def line(self, width: int = 34) -> str:
-        text = f"{PASS if self.passed else FAIL} {self.name:<{width}} {self.summary}"
+        mark = UNJUDGED if not self.judged else PASS if self.passed else FAIL
+        text = f"{mark} {self.name:<{width}} {self.summary}"
         return f"{text} — {self.problem}" if self.problem else text
 
 
@@ -114,6 +118,12 @@ def structure_problem(want: Layout, run: CaseRun) -> str | None:
     return None
 
 
+def tokens_differ(want: Layout, run: CaseRun) -> bool:
+    """Whether `run`'s segments hold other speech tokens than `want`'s (counted alike)."""
+    return len(run.segments) == len(want) and any(
+        tuple(seg.speech_tokens) != tokens for seg, (tokens, _) in zip(run.segments, want, strict=True))
+
+
 def _chunks(golden: CaseGolden) -> list[tuple[int, ChunkGolden, int]]:
     """(segment, chunk, offset of the chunk's first sample in the case's audio) for every chunk."""
     out, offset = [], 0
@@ -166,12 +176,17 @@ def not_exact(golden: CaseGolden, bundle: RuntimeBundle, provider: str, threads:
     return None
 
 
-def compare_case(golden: CaseGolden, run: CaseRun, provider: str, bounds: Bounds, inexact: str | None
-                 ) -> Verdict:
+def compare_case(golden: CaseGolden, run: CaseRun, provider: str, bounds: Bounds, inexact: str | None, *,
+                 moved_draws: str | None = None) -> Verdict:
     """Judge `run` on `provider` against `golden`; `inexact` says why the bit-exact checks do not apply
-    (None: they do; see `not_exact`)."""
+    (None: they do; see `not_exact`). `moved_draws` names the precision whose rounding may move a sampled
+    draw: where the speech tokens then differ, nothing is comparable and the case is not judged (its
+    greedy cases judge that precision's tokens)."""
     timing = f"[{run.seconds:.2f} s]"
     problem = structure_problem(golden.layout(), run)
+    if problem is not None and moved_draws is not None and tokens_differ(golden.layout(), run):
+        return Verdict(golden.name, False, f"{provider}: not judged {timing}",
+                       f"{problem}: a sampled draw that {moved_draws}'s rounding moved", judged=False)
     if problem is not None:
         return Verdict(golden.name, False, f"{provider}: tokens/boundaries {timing}", problem)
     if run.mel.shape != golden.mel.shape:
