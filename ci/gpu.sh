@@ -29,7 +29,9 @@
 #   stacking-P   the DiT's calls of 1, 4 and 16 streams one after another against one stacked call
 #   vocstacking-P  the same for the vocoder's windows (one hift_decoder call)
 #   streamsN-P   with an llm_decode: STREAMS (16) concurrent streams of 125 tokens, unbatched and batched
-#                (the many-streams target), a bench of their own so that a slow level costs only its figures
+#                (the many-streams target), a bench of their own so that a slow level costs only its figures;
+#                on cuda with the decode steps replayed from CUDA graphs, so the unbatched streams decode
+#                one at a time
 #   stacked-streamsN-P  streamsN-P again with the streams' DiT and vocoder calls stacked (--stack-dit
 #                --stack-vocoder)
 #   profile-P    its hot graph calls under onnxruntime's profiler: time per provider, host/device copies
