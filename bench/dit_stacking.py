@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,6 +32,7 @@ from cosyvoice_runtime.runners import CPU, CUDA, Feed, OrtRunner, Runner, open_r
 from .decode_variants import batch_counts
 from .errors import BenchError
 from .graph_profile import DIT_NEW, DIT_PAST
+from .measure import timed
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -56,13 +56,6 @@ def _placed(feeds: dict[str, np.ndarray], runner: Runner, caches: set[str]) -> d
         return dict(feeds)
     return {name: ort.OrtValue.ortvalue_from_numpy(value, runner.device_type, runner.device_id)
             if name in caches else value for name, value in feeds.items()}
-
-
-def timed(work: Callable[[], object]) -> float:
-    """Seconds `work` took."""
-    start = time.perf_counter()
-    work()
-    return time.perf_counter() - start
 
 
 def _host(value: Feed) -> np.ndarray:

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from cosyvoice_runtime.runners.ort_settings import CONV_ALGO_SEARCHES
 
 from .errors import BenchError
 from .machine import Rates, matmul_model, scale_model
+from .measure import timed
 
 GPU_FIELDS = ("name", "memory.total", "driver_version", "compute_cap")
 """What `describe_gpu` asks nvidia-smi for."""
@@ -126,20 +128,14 @@ def conv_search_levers(bundle: RuntimeBundle, provider: str = CUDA, *, frames: t
             feeds = {n: spec.sample_inputs(vocoder_case(n)) for n in frames}
             found = []
             for n in frames:
-                first = _timed_call(runner, feeds[n])
-                warm = min(_timed_call(runner, feeds[n]) for _ in range(3))
+                first = timed(partial(runner.infer, feeds[n]))
+                warm = min(timed(partial(runner.infer, feeds[n])) for _ in range(3))
                 found.append({"graph": HIFT_DECODER, "conv_algo_search": search, "frames": n,
                               "first_call_ms": first * 1e3, "warm_call_ms": warm * 1e3})
             for row, other in zip(found, (*frames[1:], frames[0]), strict=True):
                 runner.infer(feeds[other])
-                row["back_call_ms"] = _timed_call(runner, feeds[row["frames"]]) * 1e3
+                row["back_call_ms"] = timed(partial(runner.infer, feeds[row["frames"]])) * 1e3
             rows += found
         on_row()
     return rows
 
-
-def _timed_call(runner: OrtRunner, feeds: dict[str, np.ndarray]) -> float:
-    """Seconds one call of `runner` on `feeds` took."""
-    start = time.perf_counter()
-    runner.infer(feeds)
-    return time.perf_counter() - start

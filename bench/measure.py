@@ -84,6 +84,13 @@ def llm_figures(llm_s: float, calls: Sequence[float]) -> dict[str, float | int |
     }
 
 
+def timed(work: Callable[[], object]) -> float:
+    """Seconds `work` took."""
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
 def batch_llm_calls(llm_s: float, takes: Sequence[float]) -> list[float]:
     """A batched decoding's calls as `llm_figures` reads them (prefill first), from when each call's
     log-probs reached the decoding (`takes`: the starts of its `Decoding.take`, one per call). A decode

@@ -28,8 +28,9 @@ from cosyvoice_runtime.runners import open_runner
 from cosyvoice_runtime.token2wav import Vocoder, VocoderJob, VocoderKey
 
 from .decode_variants import batch_counts
-from .dit_stacking import frame_pairs, stacking_command, timed
+from .dit_stacking import frame_pairs, stacking_command
 from .errors import BenchError
+from .measure import timed
 
 DEFAULT_WINDOWS = "100:0,50:100"
 """A first chunk's window, and a later chunk's (its new frames after a first chunk's)."""
