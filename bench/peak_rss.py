@@ -76,13 +76,16 @@ class PeakJob:
     provider: str = CPU
     """The runtime's; the torch reference runs on the CPU."""
     seed: int = 0
+    cuda_graphs: bool = False
+    """The runtime's decode steps replay from CUDA graphs, as the benchmark's do (`RuntimeBackend`)."""
 
     def command(self, case: Case) -> list[str]:
         """The child's command line for `case`."""
         return [sys.executable, "-m", MODULE, "--backend", self.backend, "--model", str(self.model),
                 "--prompt-wav", str(self.prompt_wav), "--prompt-text", self.prompt_text,
                 "--length", case.name, "--tokens", str(case.tokens), "--threads", str(self.threads),
-                "--provider", self.provider, "--seed", str(self.seed)]
+                "--provider", self.provider, "--seed", str(self.seed),
+                "--cuda-graphs" if self.cuda_graphs else "--no-cuda-graphs"]
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,7 @@ def _opener(job: PeakJob) -> Callable[[], Backend]:
         return lambda: TorchBackend(job.model, threads=job.threads, prompt_text=job.prompt_text,
                                     seed=job.seed)
     return lambda: RuntimeBackend(RuntimeBundle.open(job.model), provider=job.provider, threads=job.threads,
-                                  prompt_text=job.prompt_text, seed=job.seed)
+                                  prompt_text=job.prompt_text, seed=job.seed, cuda_graphs=job.cuda_graphs)
 
 
 def measure_here(job: PeakJob, case: Case) -> FreshPeak:
@@ -158,10 +161,13 @@ def measure_here(job: PeakJob, case: Case) -> FreshPeak:
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="[default: usable CPUs]")
 @click.option("--provider", type=click.Choice(PROVIDERS), default=CPU, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--cuda-graphs/--no-cuda-graphs", default=False, show_default=True,
+              help="The runtime's decode steps replay from CUDA graphs (cuda, with an llm_decode).")
 def main(backend: BackendName, model: Path, prompt_wav: Path, prompt_text: str, length: str, tokens: int,
-         threads: int | None, provider: str, seed: int) -> None:
+         threads: int | None, provider: str, seed: int, cuda_graphs: bool) -> None:
     """Peak RSS of one cold run in this (fresh) process, printed as one JSON line."""
-    job = PeakJob(backend, model, prompt_wav, prompt_text, threads or usable_cpus(), provider, seed)
+    job = PeakJob(backend, model, prompt_wav, prompt_text, threads or usable_cpus(), provider, seed,
+                  cuda_graphs)
     click.echo(json.dumps(asdict(measure_here(job, Case(LENGTHS[length], tokens)))))
 
 

@@ -114,7 +114,7 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
 
     factories = {"runtime": runtime_at(s.threads)}
     jobs = {"runtime": PeakJob("runtime", s.model, s.prompt_wav, s.prompt_text, s.threads, s.provider,
-                               s.seed)}
+                               s.seed, s.cuda_graphs)}
     torch_version = None
     if s.model_dir is not None:
         import torch

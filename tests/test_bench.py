@@ -269,6 +269,16 @@ def test_peak_rss_is_that_of_a_fresh_process(runtime_bundle: Path) -> None:
     del held
 
 
+def test_the_fresh_process_decodes_as_the_benchmark_does(runtime_bundle: Path) -> None:
+    """The child opens the runtime with the benchmark's CUDA-graph setting: asked for on the CPU, it
+    refuses in the runtime's line."""
+    job = peak_job(runtime_bundle, cuda_graphs=True)
+    assert job.command(make_cases(["short"], 10)[0])[-1] == "--cuda-graphs"
+    with pytest.raises(BenchError, match=r"runtime short: the fresh process measuring peak RSS failed "
+                                         r"\(exit 1\): .*cuda graphs are the cuda provider's"):
+        fresh_peak(job, make_cases(["short"], 10)[0])
+
+
 @pytest.mark.parametrize(("bad", "message"), [
     ("model", "failed (exit 2): Error: Invalid value for '--model': Directory '/nonexistent' does not "
               "exist."),

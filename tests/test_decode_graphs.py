@@ -5,6 +5,7 @@ work."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.decode_batch import SlotBuffers
 from cosyvoice_runtime.decode_graphs import GraphedSteps
 from cosyvoice_runtime.errors import UserError
+from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.llm import LlmRequest
 from cosyvoice_runtime.runners import CPU, CUDA, OrtRunner
 from cosyvoice_runtime.runners.ort import GPU_GRAPH_ID, SKIP_GRAPH
@@ -117,3 +119,49 @@ def test_on_cuda_the_session_takes_cuda_graphs_and_its_own_calls_run_outside_the
         assert runner.run_options.get_run_config_entry(GPU_GRAPH_ID) == SKIP_GRAPH
         decoding = synth.decode(request, GreedySampler(), max_tokens=80, ignore_stop=True)
         assert list(decoding) and synth.graphs is not None and synth.graphs.graphs == 1
+
+
+@needs_cuda
+def test_on_cuda_steps_are_captured_while_other_threads_call_the_gpu(fp16_decode_bundle: Path,
+                                                                     prompt: PromptFeatures) -> None:
+    """onnxruntime captures a CUDA graph in CUDA's global capture mode, where a synchronising call of another
+    thread may fail while the capture runs (its cuda_graph.cc: its graphs work "with a single thread"). The
+    runtime captures a decode step of each new row count, and again after its buffers grow, on the batch's
+    thread while other streams' flow and vocoder run on theirs. Here steps of 1 to 4 rows over two
+    allocations (eight captures) while another thread synthesises tokens over and over: neither fails, and
+    the replayed steps' log-probs stay those of steps launched node by node."""
+    bundle = RuntimeBundle.open(fp16_decode_bundle)
+    with Synthesizer(bundle, CUDA, cuda_graphs=True) as synth:
+        lm = synth.lm
+        assert lm.in_place is not None
+        graphed = GraphedSteps(lm.in_place)
+        done, failures, rounds = threading.Event(), [], [0]
+
+        def speak() -> None:
+            try:
+                while not done.is_set():
+                    synth.token2wav(list(range(60)), prompt)
+                    rounds[0] += 1
+            except Exception as e:  # reported by the main thread
+                failures.append(e)
+
+        speaker = threading.Thread(target=speak)
+        speaker.start()
+        rng = np.random.default_rng(0)
+        width = lm.speech_embedding.shape[1]
+        try:
+            for length in (64, 128):
+                ours, plain = (SlotBuffers(lm.spec, 4, length, lm.max_positions, CUDA) for _ in range(2))
+                for rows in (1, 2, 3, 4):
+                    for step in range(4):  # two calls before onnxruntime captures, the capture, a replay
+                        embeds = rng.uniform(-1, 1, (rows, 1, width)).astype(np.float32)
+                        lengths = np.full(rows, 5 + step, dtype=np.int64)
+                        got = graphed.step(embeds, lengths, ours.views(0, rows))
+                        want = lm.extend_rows(embeds, lengths, plain.views(0, rows))
+                        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+        finally:
+            done.set()
+            speaker.join()
+            graphed.release()
+        assert not failures, failures
+        assert rounds[0] > 0
