@@ -26,8 +26,8 @@ class Precision:
     """What it is for, in one line (read after "is for")."""
     rewrite: str | None
     """How the exporter rewrites the exported float32 graph into it; None when its graph is the float32
-    export itself (fp32; tf32, whose math the CUDA provider changes; bf16, which OpenVINO converts as it
-    compiles the graph)."""
+    export itself (fp32; tf32, whose math the CUDA provider changes, its DiT written for onnxruntime; bf16,
+    which OpenVINO converts as it compiles the graph)."""
     cpu_provider: str
     """What validates its graphs at export and runs them under `cpu`: onnxruntime (`cpu`) or OpenVINO
     (`openvino`)."""
@@ -61,14 +61,18 @@ class Precision:
         fp32 bounds validate them there, and no spec bounds them apart."""
         return self.rewrite is None and self.cpu_provider == CPU
 
-    def onnxruntime_only(self, *, trt_plans: bool) -> bool:
+    def onnxruntime_only(self, *, trt_plans: bool, float32_cuda_form: bool = False) -> bool:
         """Whether its graphs, in an export that builds TensorRT plans of them (`trt_plans`, `--trt`) or not,
         run on onnxruntime alone, so that their export may be written for it: its own operators (its
         `com.microsoft` domain) and the forms its kernels run fastest. Rewritten graphs never run on
         OpenVINO; int8's and int4's never as TensorRT plans, fp16's only from an export that builds them
         (onnxruntime's TensorRT provider would leave onnxruntime's operators to its CUDA provider: not run
-        here). tf32's graphs are the float32 export itself, fp32's graphs to the byte."""
-        return (self.rewrite is not None and self.cpu_provider == CPU and OPENVINO not in self.providers
+        here). Of the float32 exports, fp32's graphs run everywhere and bf16's on OpenVINO; tf32's run on
+        onnxruntime's CPU and CUDA providers alone, so a graph whose form for onnxruntime CUDA computes in
+        float32 (`float32_cuda_form`, `GraphRecipe.float32_cuda_form`) takes it."""
+        if self.rewrite is None:
+            return float32_cuda_form and self.cpu_provider == CPU and set(self.providers) <= {CPU, CUDA}
+        return (self.cpu_provider == CPU and OPENVINO not in self.providers
                 and not (trt_plans and self.trt_plans))
 
     @property
@@ -116,7 +120,9 @@ TF32 = Precision(
     "tf32", "GPUs: the float32 graphs with TF32 matmuls and convolutions on CUDA's tensor cores",
     rewrite=None, cpu_provider=CPU, openvino_hint=None, providers=(CPU, CUDA),
     runs_on="onnxruntime's CPU (as fp32) and CUDA providers", weight_bytes=4, cuda_tf32=True)
-"""Judged on a GPU by golden's tf32 bounds; on the CPU it computes exactly as fp32."""
+"""Judged on a GPU by golden's tf32 bounds. On the CPU it computes as fp32: every graph but the DiT is fp32's
+to the byte, and the DiT, in onnxruntime's attention and rotary operators, within float32's rounding of
+fp32's (`onnxruntime_only`)."""
 
 PRECISIONS: dict[str, Precision] = {p.name: p for p in (FP32, FP16, INT8, INT4, BF16, TF32)}
 """Every precision by name (iterating gives the names, as `--precision` lists them)."""

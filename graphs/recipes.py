@@ -83,6 +83,12 @@ class GraphRecipe:
     workers still spinning after one session's call take them from the next one's. The decode bodies
     (`llm`, `llm_decode`) are the exception: called back to back with a little sampling in between, they
     would pay for waking their workers every step (docs/runtime.md, "Measured defaults")."""
+    float32_cuda_form: bool = False
+    """Whether its export written for onnxruntime alone (`Precision.onnxruntime_only`) uses only operators
+    that onnxruntime's CUDA provider computes in float32: the DiT's `MultiHeadAttention` and `RotaryEmbedding`
+    do, the llm's `GroupQueryAttention` computes float16 and bfloat16 only there. A float32 precision that
+    runs on onnxruntime alone (tf32) takes that form for such a graph: on a GPU at one stream a call's time
+    is its kernels' launches, and the DiT written so has 45 nodes a block against 107."""
     noise_tables: Mapping[str, str] = field(default_factory=dict)
     """Noise table (`bundle_layout`) -> its symbolic dim whose largest profile size is the longest the
     runtime can read of the table."""
@@ -111,7 +117,7 @@ RECIPES: dict[str, GraphRecipe] = {r.name: r for r in (
     # caches' concatenations are data movement
     GraphRecipe(DIT, aliases=("dit",),
                 fp16_fp32_scopes=(ROOT_SCOPE, r"norm", r"/proj_out/", r"/rotary_embed/"),
-                quantization={INT8.name: QuantScheme(DYNAMIC, _DIT_FP32)},
+                quantization={INT8.name: QuantScheme(DYNAMIC, _DIT_FP32)}, float32_cuda_form=True,
                 noise_tables={FLOW_NOISE: "new_frames"}),
     # no fp16 body: upstream runs the F0 predictor in float64, so it stays float32 entirely
     GraphRecipe(HIFT_F0, aliases=("hift",)),

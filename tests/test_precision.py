@@ -13,6 +13,7 @@ import pytest
 from test_runtime_core import clone
 
 from cosyvoice_graphs import (
+    DIT,
     HIFT_DECODER,
     LLM,
     PRECISION_NAMES,
@@ -25,14 +26,13 @@ from cosyvoice_graphs import (
 from cosyvoice_graphs.bundle_layout import MANIFEST
 from cosyvoice_graphs.precision import BF16, FP16, FP32, TF32
 from cosyvoice_graphs.providers import CPU, CUDA, OPENVINO, PROVIDERS, TENSORRT, TRT
+from cosyvoice_graphs.recipes import RECIPES
 from cosyvoice_graphs.spec import TF32_REL_MAX
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import ProviderError, RuntimeBundleError
 from cosyvoice_runtime.runners import ORT_PROVIDERS, decode_body, open_runner, provider_chain
 from cosyvoice_runtime.runners.ort_settings import cuda_options
-
-DIT = "flow_estimator_cached"
 
 
 def test_the_lookup_refuses_an_unknown_name_in_one_line() -> None:
@@ -64,10 +64,14 @@ def test_where_each_precision_runs() -> None:
 
 def test_which_graphs_are_written_for_onnxruntime_alone() -> None:
     """Rewritten graphs that neither OpenVINO nor a TensorRT plan of this export reads: int8 and int4
-    always, fp16 where the export builds no plans; never fp32's, tf32's (fp32's graph) or bf16's."""
-    alone = {plans: [name for name, p in PRECISIONS.items() if p.onnxruntime_only(trt_plans=plans)]
-             for plans in (False, True)}
-    assert alone == {False: ["fp16", "int8", "int4"], True: ["int8", "int4"]}
+    always, fp16 where the export builds no plans; of the float32 exports, tf32's where the graph's form for
+    onnxruntime computes float32 on CUDA (the DiT's); never fp32's or bf16's."""
+    alone = {(plans, cuda): [name for name, p in PRECISIONS.items()
+                             if p.onnxruntime_only(trt_plans=plans, float32_cuda_form=cuda)]
+             for plans in (False, True) for cuda in (False, True)}
+    assert alone == {(False, False): ["fp16", "int8", "int4"], (True, False): ["int8", "int4"],
+                     (False, True): ["fp16", "int8", "int4", "tf32"], (True, True): ["int8", "int4", "tf32"]}
+    assert [r.name for r in RECIPES.values() if r.float32_cuda_form] == [DIT]
 
 
 def test_a_record_must_hold_together() -> None:

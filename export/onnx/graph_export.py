@@ -23,6 +23,7 @@ from cosyvoice_graphs.manifest import (
     TrtPlanEntry,
     Validation,
 )
+from cosyvoice_graphs.recipes import RECIPES
 
 from ..bundle.layout import QWEN_DIR, YAML
 from ..memory import stage
@@ -90,14 +91,21 @@ def _recorded_figures(graph: str, v: Validation) -> GraphValidation:
     return GraphValidation(graph, v.provider, v.against, figures, gates)
 
 
+def for_onnxruntime(graph: str, precision: str, trt: bool) -> bool:
+    """Whether `graph`'s export in `precision` is written for onnxruntime alone (`Precision.onnxruntime_only`,
+    with the graph's `GraphRecipe.float32_cuda_form`); `trt`: the export builds TensorRT plans."""
+    return Precision.named(precision).onnxruntime_only(trt_plans=trt,
+                                                        float32_cuda_form=RECIPES[graph].float32_cuda_form)
+
+
 def graph_inputs(s: GraphSpec, sources: Mapping[str, str], precision: str, trt: bool) -> GraphInputs:
     """What a graph is a function of: when none of it changed, the graph need not be exported again. The
     sources by name, so that a fresh graph's record and manifest entry list them as a reused one's do.
     `trt`: whether the export builds TensorRT plans, on which the graph's form may depend
-    (`Precision.onnxruntime_only`)."""
+    (`for_onnxruntime`)."""
     conversion = CONVERSIONS.get(precision)
     made = precision if conversion is None else f"{precision} rev {conversion.revision}"
-    if Precision.named(precision).onnxruntime_only(trt_plans=trt):
+    if for_onnxruntime(s.name, precision, trt):
         made += ", for onnxruntime"
     return GraphInputs(s.name, s.version, EXPORTER_VERSION, dict(sorted(sources.items())), made)
 
@@ -137,7 +145,7 @@ def export_and_validate(out: Path, s: GraphSpec, dims: ModelDims, nets: LazyNetw
                         ) -> GraphResult:
     """Export and validate one graph (a reduced-precision graph: against its bounds for that precision,
     and its decode or solve gates where the spec has them), then record it for later runs. `trt`: the
-    export builds TensorRT plans, which read standard operators only (`Precision.onnxruntime_only`).
+    export builds TensorRT plans, which read standard operators only (`for_onnxruntime`).
 
     The torch side of the validation runs first and the networks are freed once the graph is traced, so
     that neither the torch networks nor the ONNX graph's copies of their weights (the checker's, onnxslim's,
@@ -146,8 +154,7 @@ def export_and_validate(out: Path, s: GraphSpec, dims: ModelDims, nets: LazyNetw
     (out / graph_record_file(s.name)).unlink(missing_ok=True)  # the record must never outlive its file
     _label(bar, s.name, "load networks")
     recipe = EXPORT_RECIPES[s.name]
-    for_onnxruntime = Precision.named(precision).onnxruntime_only(trt_plans=trt)
-    wrapper = recipe.wrapper(nets, onnxruntime_only=for_onnxruntime)
+    wrapper = recipe.wrapper(nets, onnxruntime_only=for_onnxruntime(s.name, precision, trt))
     checkpoints = checkpoints_of(wrapper, nets)
     sources = {n: source_sha[n].sha256 for n in (*CONFIG_SOURCES, *checkpoints)}
     meta = {"source_checkpoint": ",".join(checkpoints),
