@@ -43,7 +43,17 @@ from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from .frontend import PromptFeatures
 from .llm import Decoding, LlmRequest, SpeechTokenLM
 from .prefix_jobs import LiveWork
-from .runners import CPU, CPU_PROVIDERS, CUDA, Runner, decode_body, graphs_run, open_runner, prefill_body
+from .runners import (
+    CPU,
+    CPU_PROVIDERS,
+    CUDA,
+    Runner,
+    ShapePool,
+    decode_body,
+    graphs_run,
+    open_runner,
+    prefill_body,
+)
 from .runners.ort_settings import usable_cpus
 from .sampling import Sampler
 from .token2wav import Flow, FlowStream, Vocoder, VocoderCalls, VocoderStream, change_speed
@@ -191,8 +201,10 @@ class Synthesizer:
                          prefix_cache_bytes=flow_prefix_bytes)
         if stack_dit:
             self.flow.stack = DitStack(r[DIT])
+        # where a vocoder graph has a session per shape, its calls keep to shapes they have had
+        pooled = isinstance(r[HIFT_DECODER], ShapePool)
         self.vocoder = Vocoder(r[HIFT_F0], r[HIFT_DECODER], bundle.uniform_noise(SINE_NOISE), self.dims,
-                               bundle.manifest.model.hift)
+                               bundle.manifest.model.hift, repeat_shapes=pooled)
         if stack_vocoder:
             self.vocoder.stack_calls()
         self.live = LiveWork()
@@ -502,7 +514,7 @@ class _Stream:
         # the chunk adds ratio * hop mel frames (its look-ahead tokens' frames come with the next one)
         frames = self.ratio * hop
         key = (Vocoder.key(self.mel.shape[2] + frames) if self.vocoder_stream is None
-               else self.vocoder_stream.key(frames))
+               else self.vocoder_stream.key(frames, finalize=final))
         with self.synth.chunk_turn(first=self.index == 0) as pause, self.synth.vocoder.calls(key) as calls:
             return self._run_chunk(tokens, hop, llm_s, final=final, pause=calls.pausing(pause), calls=calls)
 

@@ -25,7 +25,9 @@ finite reach (`HiftLayout`), so it re-runs the two graphs only over the new fram
 margin, and feeds what is absolute in time (the phase, from a running float64 sum, and the noise
 table's slice) explicitly; its samples are those of `Vocoder` over the whole accumulated mel (to
 ~1e-6 when both see the same f0: the float32 phase formula turns an ulp of f0 into ~1e-3 of waveform,
-and onnxruntime's f0 rounding can depend on the input's length).
+and onnxruntime's f0 rounding can depend on the input's length). Where every new input length costs
+(`Vocoder.repeat_shapes`, on CUDA), a stream's final window takes its previous window's length, and a final
+call over many frames runs as such a stream, so that the calls' lengths repeat.
 """
 
 from __future__ import annotations
@@ -454,13 +456,24 @@ class VocoderOut(NamedTuple):
     """float64 (1, n, H): the phase steps' running sums through each of those frames."""
 
 
+OFFLINE_WINDOW_FRAMES = 200
+"""`Vocoder.repeat_shapes`: the `hift_decoder` length of a final call's windows over more frames than this
+(4 s of audio). On the H200 a window call was ~11-14 ms at 86 frames (its launches) and a warm 500-frame call
+19 ms, where a call of a new length took ~120 ms more (performance-log.md, twelfth session): 10 s in three
+windows of this length."""
+
+
 class Vocoder:
     """`hift_f0` -> the harmonic phase -> `hift_decoder`: mel -> 24 kHz waveform."""
 
     def __init__(self, f0: Runner, decoder: Runner, sine_noise: UniformNoise, dims: ModelDims,
-                 layout: HiftLayout) -> None:
+                 layout: HiftLayout, *, repeat_shapes: bool = False) -> None:
         """`sine_noise` is the bundle's table (1, max samples, harmonics), read from sample 0; `layout` is
-        the bundle's (its `model.hift`)."""
+        the bundle's (its `model.hift`). `repeat_shapes`: calls keep to lengths they have had, where a new
+        one costs (onnxruntime's CUDA convolutions build their cuDNN plans again for every new input length,
+        and `runners.ShapePool` keeps a session per length): a stream's final window takes its previous
+        window's length, and a final call over more than `OFFLINE_WINDOW_FRAMES` frames runs as a stream of
+        windows of that length (`VocoderStream`: its samples to ~1e-6)."""
         if layout.samples_per_frame != dims.samples_per_frame:
             raise ValueError(f"the HiFT layout gives {layout.samples_per_frame} samples per frame, "
                              f"the bundle {dims.samples_per_frame}")
@@ -468,6 +481,7 @@ class Vocoder:
         self.sine_noise = sine_noise
         self.dims = dims
         self.layout = layout
+        self.repeat_shapes = repeat_shapes
         self.stack: CallStack[VocoderKey, VocoderJob, VocoderOut] | None = None
         """Where concurrent vocoder calls gather into stacked calls (`stack_calls`); None: each runs alone."""
 
@@ -491,9 +505,12 @@ class Vocoder:
                  pause: Callable[[], None] = no_pause) -> np.ndarray:
         """mel (1, 80, T) -> float32 samples: U·T when final, else the U·(T - 8) that are final already
         (`HiftLayout.final_lookahead`; upstream's `finalize=False`, whose output is that prefix of the final
-        one). The call runs through `calls` (None: its own `calls()`) after `pause`."""
+        one). The call runs through `calls` (None: its own `calls()`) after `pause`; with `repeat_shapes`, a
+        final call of its own over more than `OFFLINE_WINDOW_FRAMES` frames runs in windows (`windowed`)."""
         frames, spf = mel.shape[2], self.dims.samples_per_frame
         self.check_frames(frames, finalize=finalize)
+        if finalize and calls is None and self.repeat_shapes and frames > OFFLINE_WINDOW_FRAMES:
+            return self.windowed(mel, pause=pause)
         key = self.key(frames)
         job = VocoderJob(mel, np.zeros(self.dims.harmonics))
         if calls is None:
@@ -502,6 +519,22 @@ class Vocoder:
         else:
             wav = calls.run(key, job, pause=pause).waveform
         return wav if finalize else wav[: spf * (frames - self.layout.final_lookahead)]
+
+    def windowed(self, mel: np.ndarray, *, pause: Callable[[], None] = no_pause) -> np.ndarray:
+        """The final samples of mel (1, 80, T) through a `VocoderStream` whose every `hift_decoder` call is
+        `OFFLINE_WINDOW_FRAMES` long (T at least that): a first push of that many frames, then pushes that
+        add what a window holds besides its margin and look-ahead, the final one shortened to the others'
+        length. Each call alone, after `pause`."""
+        frames, window = mel.shape[2], OFFLINE_WINDOW_FRAMES
+        if frames < window:
+            raise ValueError(f"windows of {window} frames need at least that many, got {frames}")
+        hop = window - self.layout.window_margin() - self.layout.final_lookahead
+        ends = [*range(window, frames, hop), frames]
+        stream, pieces, start = self.stream(), [], 0
+        for end in ends:
+            pieces.append(stream.push(mel[:, :, start:end], finalize=end == frames, pause=pause))
+            start = end
+        return np.concatenate(pieces)
 
     @staticmethod
     def key(frames: int) -> VocoderKey:
@@ -578,6 +611,19 @@ def _stack_member(vocoder: Vocoder, stack: CallStack[VocoderKey, VocoderJob, Voc
         yield VocoderCalls(vocoder, member)
 
 
+class LastWindow(NamedTuple):
+    """A `VocoderStream`'s previous call, kept where its vocoder repeats shapes: a final window may start
+    anywhere in it."""
+
+    first_frame: int
+    frames: int
+    """`hift_decoder`'s frames in it."""
+    acc_before: np.ndarray
+    """float64 (H,): the phase steps' running sum of the frames before `first_frame`."""
+    acc: np.ndarray
+    """float64 (1, frames, H): the running sums through each of its frames."""
+
+
 @dataclass
 class VocoderStream:
     """One streamed utterance's vocoder state, all of it in these fields (make one with `Vocoder.stream`).
@@ -586,7 +632,9 @@ class VocoderStream:
     (mel frames, absolute), with the phase continued from `acc` and the noise table from frame `start`,
     and keeps the samples from `samples` on: the first `margin` frames' samples only absorb the
     window's left edge. The cost per push is bounded by the new frames plus margin + f0_context + the
-    layout's final look-ahead.
+    layout's final look-ahead. Where the vocoder repeats shapes (`Vocoder.repeat_shapes`), a final push
+    shorter than the previous window starts earlier, inside it (`last`), so that its window has that length:
+    more margin, the same samples.
     """
 
     vocoder: Vocoder = field(repr=False)
@@ -605,15 +653,37 @@ class VocoderStream:
     start: int = 0
     """The next window's first mel frame: max(0, samples / U - margin)."""
     finished: bool = False
+    last: LastWindow | None = field(default=None, repr=False)
+    """The previous call, with `Vocoder.repeat_shapes` (`mel` then starts at its first frame's f0 context)."""
 
     @property
     def mel_start(self) -> int:
         """The utterance frame that `mel` starts at."""
         return self.frames - self.mel.shape[2]
 
-    def key(self, new_frames: int) -> VocoderKey:
+    def key(self, new_frames: int, *, finalize: bool = False) -> VocoderKey:
         """The key of the call that a push of `new_frames` frames makes."""
-        return VocoderKey(self.frames + new_frames - self.mel_start, self.start - self.mel_start, self.start)
+        frames = self.frames + new_frames
+        first = self._first_frame(frames, finalize=finalize)
+        f0_first = max(0, first - self.f0_context)
+        return VocoderKey(frames - f0_first, first - f0_first, first)
+
+    def _first_frame(self, frames: int, *, finalize: bool) -> int:
+        """The first frame of the window of a push up to `frames`: `start`, or for a final push whose window
+        would be shorter than the previous one, the frame that gives it the previous one's length."""
+        last = self.last
+        if not finalize or last is None:
+            return self.start
+        return max(last.first_frame, min(self.start, frames - last.frames))
+
+    def _acc_at(self, frame: int) -> np.ndarray:
+        """The phase steps' running sum of the frames before `frame` (`start`, or one in `last`)."""
+        if frame == self.start:
+            return self.acc
+        assert self.last is not None and frame >= self.last.first_frame
+        if frame == self.last.first_frame:
+            return self.last.acc_before
+        return self.last.acc[0, frame - self.last.first_frame - 1]
 
     def push(self, mel: np.ndarray, *, finalize: bool, calls: VocoderCalls | None = None,
              pause: Callable[[], None] = no_pause) -> np.ndarray:
@@ -625,19 +695,24 @@ class VocoderStream:
         voc, spf = self.vocoder, self.vocoder.dims.samples_per_frame
         frames = self.frames + mel.shape[2]
         voc.check_frames(frames, finalize=finalize)
-        key = self.key(mel.shape[2])
+        key = self.key(mel.shape[2], finalize=finalize)
+        first = key.first_frame
         tail = np.concatenate([self.mel, mel.astype(np.float32)], axis=2)  # frames [mel_start, frames)
-        wav, acc = (calls or VocoderCalls(voc)).run(key, VocoderJob(tail, self.acc), pause=pause)
+        job = VocoderJob(tail[:, :, first - key.skip - self.mel_start:], self._acc_at(first))
+        wav, acc = (calls or VocoderCalls(voc)).run(key, job, pause=pause)
         end = frames if finalize else frames - voc.layout.final_lookahead
-        new = wav[self.samples - self.start * spf:(end - self.start) * spf]
+        new = wav[self.samples - first * spf:(end - first) * spf]
 
         # The next window starts `margin` frames before the next new sample. The frames it skips lie
         # >= margin + final_lookahead frames before `frames`, past f0's look-ahead: their phase steps are
         # final.
         start = max(0, end - self.margin)
-        if start > self.start:
-            self.acc = acc[0, start - self.start - 1]
-        self.mel = tail[:, :, max(0, start - self.f0_context) - self.mel_start:]
+        self.acc = acc[0, start - first - 1] if start > first else job.acc
+        kept_from = start
+        if voc.repeat_shapes:
+            self.last = LastWindow(first, frames - first, job.acc, acc)
+            kept_from = first
+        self.mel = tail[:, :, max(0, kept_from - self.f0_context) - self.mel_start:]
         self.frames, self.samples, self.start, self.finished = frames, end * spf, start, finalize
         return new
 

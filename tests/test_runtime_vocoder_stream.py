@@ -28,7 +28,11 @@ from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.synthesis import Synthesizer
 from cosyvoice_runtime.token2wav import (
+    OFFLINE_WINDOW_FRAMES,
     Vocoder,
+    VocoderJob,
+    VocoderKey,
+    VocoderOut,
     accumulate_phase,
     phase_steps,
     wrap_phase,
@@ -200,6 +204,60 @@ def test_window_stream_equals_the_rerun(vocoder: Vocoder, name: str) -> None:
     assert worst < WINDOW_MAX
 
 
+def _repeating(vocoder: Vocoder) -> tuple[Vocoder, list[VocoderKey]]:
+    """A twin of `vocoder` that keeps to lengths it has had (`repeat_shapes`, a GPU's way), and the keys of
+    its calls."""
+    twin = Vocoder(vocoder.f0, vocoder.decoder, vocoder.sine_noise, vocoder.dims, vocoder.layout,
+                   repeat_shapes=True)
+    keys: list[VocoderKey] = []
+    run = twin.run
+
+    def logged(key: VocoderKey, jobs: list[VocoderJob]) -> list[VocoderOut]:
+        keys.append(key)
+        return run(key, jobs)
+
+    twin.run = logged  # type: ignore[method-assign]
+    return twin, keys
+
+
+@pytest.mark.parametrize("name", ["upstream", "long-20"])
+def test_a_final_window_takes_the_previous_ones_length(vocoder: Vocoder, name: str) -> None:
+    """Where a new length costs, a final push shorter than the previous window starts inside it, at the
+    frame that gives it that length (the phase sums of that window's frames kept): the same samples as the
+    re-run, the decoder's length repeated."""
+    schedule = SCHEDULES[name]
+    mel = _mel(sum(schedule), seed=len(schedule))
+    twin, keys = _repeating(vocoder)
+    stream, frames, worst = twin.stream(), 0, 0.0
+    for i, (want, n) in enumerate(zip(_rerun(vocoder, mel, schedule), schedule, strict=True)):
+        final = i == len(schedule) - 1
+        got = stream.push(mel[:, :, frames:frames + n], finalize=final)
+        frames += n
+        assert len(got) == len(want)
+        worst = max(worst, float(np.abs(got - want).max()))
+    lengths = [key.frames - key.skip for key in keys]
+    assert lengths[-1] == lengths[-2] and keys[-1].first_frame < keys[-2].first_frame + lengths[-2]
+    assert worst < WINDOW_MAX
+
+
+def test_a_long_final_call_runs_in_windows_of_one_length(vocoder: Vocoder) -> None:
+    """Where a new length costs, a final call over 645 frames runs as a stream whose every decoder call is
+    `OFFLINE_WINDOW_FRAMES` long: its samples those of the one call; a call of that many frames or fewer
+    stays one call. A CPU's vocoder makes one call (its lengths cost nothing)."""
+    mel = _mel(645, seed=11)
+    twin, keys = _repeating(vocoder)
+    want = vocoder(mel, finalize=True)
+    got = twin(mel, finalize=True)
+    assert len(got) == len(want) == 645 * U
+    assert float(np.abs(got - want).max()) < WINDOW_MAX
+    assert {key.frames - key.skip for key in keys} == {OFFLINE_WINDOW_FRAMES}
+    assert len({key.frames for key in keys}) == 2  # hift_f0's: the first window's, then with its context
+    keys.clear()
+    short = mel[:, :, :OFFLINE_WINDOW_FRAMES]
+    assert np.array_equal(twin(short, finalize=True), vocoder(short, finalize=True)) and len(keys) == 1
+    assert not vocoder.repeat_shapes
+
+
 def test_a_margin_too_small_breaks_the_equality(vocoder: Vocoder) -> None:
     schedule = SCHEDULES["upstream"]
     mel = _mel(sum(schedule), seed=5)
@@ -225,6 +283,18 @@ def test_push_checks_its_input(vocoder: Vocoder) -> None:
 
 
 # --- through the synthesizer ------------------------------------------------------------------------
+
+
+def test_a_stream_whose_vocoder_repeats_shapes_speaks_as_the_window_stream(
+        synth: Synthesizer, runtime_bundle: Path, prompt: PromptFeatures) -> None:
+    """Through the synthesizer, its vocoder's calls stacked (each chunk announcing its call's key, the final
+    one's shifted window too) and keeping to lengths it has had: the window stream's samples."""
+    tokens = [int(t) for t in np.random.default_rng(2).integers(0, 6561, 240)]
+    want = np.concatenate([c.samples for c in synth.stream_tokens(tokens, prompt)])
+    with Synthesizer(RuntimeBundle.open(runtime_bundle), threads=1, stack_vocoder=True) as repeating:
+        repeating.vocoder.repeat_shapes = True
+        got = np.concatenate([c.samples for c in repeating.stream_tokens(tokens, prompt)])
+    assert len(got) == len(want) and float(np.abs(got - want).max()) < WINDOW_MAX
 
 
 def test_synthesizer_stream_window_equals_rerun(synth: Synthesizer, prompt: PromptFeatures) -> None:

@@ -16,6 +16,7 @@ from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.runners import CPU, CUDA, Feed, OrtRunner, ShapePool, feed_shape, open_runner
 from cosyvoice_runtime.runners.ort_settings import shape_sessions
+from cosyvoice_runtime.synthesis import Synthesizer
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +114,7 @@ def test_on_cuda_the_vocoders_windows_keep_a_session_per_length(bundle: RuntimeB
             got, want = pool.infer(feeds)["waveform"], cpu.infer(feeds)["waveform"]
             assert np.abs(got - want).max() < 1e-4, frames  # float32 on CUDA, TF32 off
         assert pool.reshaped == 0
+    with Synthesizer(bundle, CUDA) as synth:  # whose vocoder then keeps to lengths it has had
+        assert synth.vocoder.repeat_shapes
+    with Synthesizer(bundle, CPU, threads=1) as synth:
+        assert not synth.vocoder.repeat_shapes
