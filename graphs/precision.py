@@ -68,8 +68,8 @@ class Precision:
         OpenVINO; int8's and int4's never as TensorRT plans, fp16's only from an export that builds them
         (onnxruntime's TensorRT provider would leave onnxruntime's operators to its CUDA provider: not run
         here). Of the float32 exports, fp32's graphs run everywhere and bf16's on OpenVINO; tf32's run on
-        onnxruntime's CPU and CUDA providers alone, so a graph whose form for onnxruntime CUDA computes in
-        float32 (`float32_cuda_form`, `GraphRecipe.float32_cuda_form`) takes it."""
+        onnxruntime's CPU and CUDA providers alone, so a graph whose form for onnxruntime the CUDA provider
+        computes in float32 (`float32_cuda_form`: its `GraphRecipe.float32_cuda_form`) takes that form."""
         if self.rewrite is None:
             return float32_cuda_form and self.cpu_provider == CPU and set(self.providers) <= {CPU, CUDA}
         return (self.cpu_provider == CPU and OPENVINO not in self.providers
