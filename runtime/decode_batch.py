@@ -39,7 +39,7 @@ from cosyvoice_graphs import MAX_BATCH, GraphSpec
 from .decode_graphs import GraphedSteps
 from .errors import SynthesisError
 from .llm import FIRST_BUFFER_STEPS, Decoding, KVBuffers, SpeechTokenLM, placed, zeroed_caches
-from .runners import CPU, BufferView
+from .runners import CPU, BufferView, to_host
 
 AHEAD_IDS = 32
 """Ids a row may hold untaken before the batch waits (when every row does): about what a stream's first chunk
@@ -119,7 +119,7 @@ class BatchBuffers:
         arrays = zeroed_caches(self.spec, self.max_batch, rows)  # pages of rows never used stay unmapped
         if self.values and used:
             for past, array in arrays.items():
-                old = self.values[past].numpy()  # the CPU buffer itself, or a GPU buffer's copy
+                old = to_host(self.values[past])  # the CPU buffer itself, or a GPU buffer's copy
                 array[:used, :, :old.shape[2]] = old[:used]
         self.arrays, self.values = placed(arrays, self.device, self.device_id)
         self._views = {}

@@ -9,7 +9,8 @@ shape of a batch step, its rows and its buffers' length (a graph id each): the e
 device memory of their own, written before every step; `total_sequence_length` in host memory at the buffers'
 length, which does not change between the steps of a shape; the log-probs in device memory, copied to the host
 after the step. The runner's other calls (prefills, of any shape) run outside the graphs
-(`OrtRunner.run_options`).
+(`OrtRunner.run_options`). A capture holds the GPU alone (`capture_gate`): onnxruntime captures in CUDA's
+global mode, which another thread's use of the GPU breaks.
 
 On a runner without CUDA graphs (the CPU's, in tests) the same bindings run as ordinary calls: the step is the
 same function of the same inputs.
@@ -26,7 +27,12 @@ import onnxruntime as ort
 from cosyvoice_graphs import SEQLENS_K, TOTAL_SEQUENCE_LENGTH, cache_pairs, decode_lengths
 
 from .runners import CPU, BufferView, OrtRunner
+from .runners.capture_gate import GATE, on_device
 from .runners.ort import GPU_GRAPH_ID
+
+CAPTURE_RUNS = 3
+"""A graph id's calls until onnxruntime has captured its graph: regular runs first (two in onnxruntime 1.31,
+so that the capture allocates nothing), then the capture. They run with the GPU held alone (`GATE`)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,8 @@ class GraphedSteps:
         self._views: dict[str, BufferView] = {}
         """The last step's `buffers`, as views: a mapping given again is taken for the same buffers."""
         self._next_id = 1  # onnxruntime keeps 0, its default, to itself (and -1 runs outside the graphs)
+        self._runs: dict[int, int] = {}
+        """A graph id's steps so far."""
         self._pairs = cache_pairs(runner.spec)
         self._embeds = next(t for t in runner.spec.inputs if t.name == "inputs_embeds")
         self._logp = next(t for t in runner.spec.outputs if t.name == "logp")
@@ -84,18 +92,25 @@ class GraphedSteps:
         capacity = self._buffers[0]
         graph = self._graphs.get(rows)
         if graph is None:
-            graph = self._graphs[rows] = self._bind(rows, capacity, self._views)
-        graph.embeds.update_inplace(np.ascontiguousarray(embeds, dtype=self._embeds.np_dtype))
-        graph.seqlens_k.update_inplace(decode_lengths(lengths, 1, capacity)[SEQLENS_K])
-        self.runner.session.run_with_iobinding(graph.binding, graph.run_options)
-        return np.array(graph.logp.numpy())  # a copy: on the CPU `numpy()` is the memory the next step writes
+            with on_device(self.runner.device_type):  # device memory of its own
+                graph = self._graphs[rows] = self._bind(rows, capacity, self._views)
+        runs = self._runs[graph.id] = self._runs.get(graph.id, 0) + 1
+        held = GATE.capture() if self.runner.cuda_graph and runs <= CAPTURE_RUNS else \
+            on_device(self.runner.device_type)
+        with held:
+            graph.embeds.update_inplace(np.ascontiguousarray(embeds, dtype=self._embeds.np_dtype))
+            graph.seqlens_k.update_inplace(decode_lengths(lengths, 1, capacity)[SEQLENS_K])
+            self.runner.session.run_with_iobinding(graph.binding, graph.run_options)
+            return np.array(graph.logp.numpy())  # a copy: on the CPU `numpy()` is what the next step writes
 
     def release(self) -> None:
         """Forget every shape's binding and graph, and the buffers: later steps bind and capture anew, under
         new graph ids."""
-        for graph in self._graphs.values():
-            self.runner.session.release_captured_graph(graph.id)
+        with on_device(self.runner.device_type):
+            for graph in self._graphs.values():
+                self.runner.session.release_captured_graph(graph.id)
         self._graphs.clear()
+        self._runs.clear()
         self._given, self._views, self._buffers = None, {}, ()
 
     def _bind(self, rows: int, capacity: int, buffers: Mapping[str, BufferView]) -> _Graph:

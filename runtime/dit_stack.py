@@ -28,7 +28,7 @@ import onnxruntime as ort
 from cosyvoice_graphs import BATCH, DIT_ROWS, MAX_BATCH, ODE_STEPS, GraphSpec, cache_pairs
 
 from .call_stack import LINGER_S, CallStack, StackMember
-from .runners import BufferView, Feed, OrtRunner, Runner, feed_shape
+from .runners import BufferView, Feed, OrtRunner, Runner, feed_shape, to_host
 from .runners.row_concat import RowConcat
 
 
@@ -111,10 +111,6 @@ def stacked_feeds(spec: GraphSpec, feeds: Sequence[Mapping[str, np.ndarray]]) ->
             for name, value in feeds[0].items()}
 
 
-def _host(value: Feed) -> np.ndarray:
-    return value if isinstance(value, np.ndarray) else value.numpy()
-
-
 @dataclass(frozen=True)
 class StackedCalls:
     """A chunk's DiT calls through a `DitStack`, as its `member` (`DitStack.chunk_calls`)."""
@@ -158,8 +154,8 @@ class DitStack(CallStack[CallKey, Mapping[str, Feed], DitResult]):
 
     def key(self, feeds: Mapping[str, Feed], *, presents: Presents) -> CallKey:
         """The key of a call on `feeds`."""
-        return CallKey(step=int(_host(feeds["ode_step"])[0]), offset=int(_host(feeds["offset"])[0]),
-                       block_frames=int(_host(feeds["block_frames"])[0]),
+        return CallKey(step=int(to_host(feeds["ode_step"])[0]), offset=int(to_host(feeds["offset"])[0]),
+                       block_frames=int(to_host(feeds["block_frames"])[0]),
                        new_frames=feed_shape(feeds["x"])[2],
                        past_frames=feed_shape(feeds[self.keys_input])[2], presents=presents)
 
@@ -173,7 +169,7 @@ class DitStack(CallStack[CallKey, Mapping[str, Feed], DitResult]):
         parts = [group[i] for i in order]
         pasts = [past for past, _ in self.pairs]
         feeds: dict[str, Feed] = dict(stacked_feeds(self.estimator.spec, [
-            {name: _host(v) for name, v in p.items() if name not in pasts} for p in parts]))
+            {name: to_host(v) for name, v in p.items() if name not in pasts} for p in parts]))
         feeds.update(self._stacked_caches(parts, pasts))
         velocity, caches = call_alone(self.estimator, feeds, presents=key.presents)
         results: dict[int, DitResult] = {}
@@ -187,7 +183,7 @@ class DitStack(CallStack[CallKey, Mapping[str, Feed], DitResult]):
         viewed as one, anything else concatenated on the device."""
         values = {name: [p[name] for p in parts] for name in names}
         if all(isinstance(v, np.ndarray) for vs in values.values() for v in vs):
-            return {name: np.concatenate([_host(v) for v in vs]) for name, vs in values.items()}
+            return {name: np.concatenate([to_host(v) for v in vs]) for name, vs in values.items()}
         runs = {name: _one_run(vs) for name, vs in values.items()}
         if all(run is not None for run in runs.values()):
             return {name: run for name, run in runs.items() if run is not None}

@@ -24,7 +24,8 @@ import onnxruntime as ort
 
 from cosyvoice_graphs import SEQLENS_K, GraphSpec, cache_pairs, decode_lengths, empty_caches
 
-from .runners import CPU, BufferView, Feed, OrtRunner, Runner
+from .runners import CPU, BufferView, Feed, OrtRunner, Runner, to_host
+from .runners.capture_gate import on_device
 from .sampling import Sampler, SilentTokenLimiter
 
 PREFILL_BODY_FROM = 4
@@ -88,7 +89,7 @@ class KVBuffers:
         cache: `length` becomes theirs. CPU buffers only (on a GPU the prefill runs on `llm_decode`)."""
         if self.device != CPU:
             raise ValueError(f"{self.spec.name}: buffers on {self.device} are written by the graph alone")
-        host = {past: v if isinstance(v, np.ndarray) else v.numpy() for past, v in caches.items()}
+        host = {past: to_host(v) for past, v in caches.items()}
         length = next(iter(host.values())).shape[2]
         self.length = 0
         self.reserve(length)
@@ -100,7 +101,7 @@ class KVBuffers:
         arrays = zeroed_caches(self.spec, 1, rows)  # one decoding: one row of the batch
         if self.length:  # the cache so far (`numpy()`: the CPU buffer itself, or a GPU buffer's copy)
             for past, array in arrays.items():
-                array[:, :, :self.length] = self.values[past].numpy()[:, :, :self.length]
+                array[:, :, :self.length] = to_host(self.values[past])[:, :, :self.length]
         self.arrays, self.values = placed(arrays, self.device, self.device_id)
 
 
@@ -117,7 +118,8 @@ def placed(arrays: dict[str, np.ndarray], device: str, device_id: int
            ) -> tuple[dict[str, np.ndarray], dict[str, ort.OrtValue]]:
     """Buffers on `device`: on the CPU the arrays themselves and `OrtValue`s over their memory; on a GPU
     no arrays and `OrtValue`s holding a copy in the device's memory."""
-    values = {past: ort.OrtValue.ortvalue_from_numpy(a, device, device_id) for past, a in arrays.items()}
+    with on_device(device):
+        values = {past: ort.OrtValue.ortvalue_from_numpy(a, device, device_id) for past, a in arrays.items()}
     return (arrays if device == CPU else {}), values
 
 

@@ -1,9 +1,9 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from importlib.util import find_spec
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -34,6 +34,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("torch"):
             item.add_marker(skip)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--failures-at-once", action="store_true",
+                     help="print a failing test's report when it fails, not in the summary: for a process "
+                          "that may not reach the summary (a CUDA error ending it; ci/gpu.sh)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
+    report = (yield).get_result()
+    terminal = item.config.pluginmanager.get_plugin("terminalreporter")
+    if report.failed and terminal is not None and item.config.getoption("failures_at_once"):
+        terminal.write_line(f"\nFAILED {report.nodeid} ({report.when})\n{report.longreprtext}")
 
 
 @pytest.fixture(scope="session")

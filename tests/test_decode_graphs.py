@@ -6,6 +6,7 @@ work."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,11 +19,12 @@ import onnxruntime as ort
 
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.decode_batch import SlotBuffers
-from cosyvoice_runtime.decode_graphs import GraphedSteps
+from cosyvoice_runtime.decode_graphs import CAPTURE_RUNS, GraphedSteps
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.llm import LlmRequest
 from cosyvoice_runtime.runners import CPU, CUDA, OrtRunner
+from cosyvoice_runtime.runners.capture_gate import GATE
 from cosyvoice_runtime.runners.ort import GPU_GRAPH_ID, SKIP_GRAPH
 from cosyvoice_runtime.sampling import GreedySampler
 from cosyvoice_runtime.synthesis import Synthesizer, uses_cuda_graphs
@@ -69,6 +71,49 @@ def test_bound_steps_are_the_runtimes_calls(fp16_decode_bundle: Path) -> None:
         got = graphed.step(embeds, lengths + 1, twins[0].views(0, 2))
         assert graphed.graphs == 1  # the old buffers' bindings released
         np.testing.assert_array_equal(got, lm.extend_rows(embeds, lengths + 1, twins[1].views(0, 2)))
+
+
+def test_the_steps_that_may_capture_hold_the_gpu_alone(fp16_decode_bundle: Path) -> None:
+    """A shape's first `CAPTURE_RUNS` steps, where onnxruntime captures its graph, wait for the GPU's uses
+    in flight (`capture_gate.GATE`); the replays after them do not. On the CPU, the runner taken for one that
+    captures (what the gate sees of it: `cuda_graph`)."""
+    bundle = RuntimeBundle.open(fp16_decode_bundle)
+    with Synthesizer(bundle, threads=1) as synth:
+        lm = synth.lm
+        assert lm.in_place is not None
+        lm.in_place.cuda_graph = True
+        graphed = GraphedSteps(lm.in_place)
+        buffers = SlotBuffers(lm.spec, 2, 64, lm.max_positions)
+        _fill(buffers, [5, 9], seed=0)
+        width = lm.speech_embedding.shape[1]
+
+        def hold(holding: threading.Event, release: threading.Event) -> None:
+            with GATE.use():
+                holding.set()
+                release.wait(5)
+
+        def steps_while_the_gpu_is_used(rows: int, count: int) -> list[bool]:
+            """For each of `count` steps of `rows` rows: whether it waited for another thread's use."""
+            waited = []
+            for _ in range(count):
+                holding, release = threading.Event(), threading.Event()
+                user = threading.Thread(target=hold, args=(holding, release))
+                user.start()
+                assert holding.wait(5)
+                timer = threading.Timer(0.3, release.set)
+                timer.start()
+                started = time.perf_counter()
+                graphed.step(np.ones((rows, 1, width), np.float32), np.array(buffers.lengths[:rows]),
+                             buffers.views(0, rows))
+                waited.append(time.perf_counter() - started >= 0.25)
+                release.set()
+                user.join()
+                timer.join()
+            return waited
+
+        assert steps_while_the_gpu_is_used(2, CAPTURE_RUNS + 2) == [True] * CAPTURE_RUNS + [False] * 2
+        assert steps_while_the_gpu_is_used(1, CAPTURE_RUNS + 1) == [True] * CAPTURE_RUNS + [False]
+        graphed.release()
 
 
 def test_cuda_graphs_are_refused_where_they_cannot_run(fp16_decode_bundle: Path, runtime_bundle: Path
@@ -127,9 +172,10 @@ def test_on_cuda_steps_are_captured_while_other_threads_call_the_gpu(fp16_decode
     """onnxruntime captures a CUDA graph in CUDA's global capture mode, where a synchronising call of another
     thread may fail while the capture runs (its cuda_graph.cc: its graphs work "with a single thread"). The
     runtime captures a decode step of each new row count, and again after its buffers grow, on the batch's
-    thread while other streams' flow and vocoder run on theirs. Here steps of 1 to 4 rows over two
-    allocations (eight captures) while another thread synthesises tokens over and over: neither fails, and
-    the replayed steps' log-probs stay those of steps launched node by node."""
+    thread while other streams' flow and vocoder run on theirs, holding the GPU alone meanwhile
+    (`capture_gate`). Here steps of 1 to 4 rows over two allocations (eight captures) while another thread
+    synthesises tokens over and over: neither fails, and the replayed steps' log-probs stay those of steps
+    launched node by node."""
     bundle = RuntimeBundle.open(fp16_decode_bundle)
     with Synthesizer(bundle, CUDA, cuda_graphs=True) as synth:
         lm = synth.lm

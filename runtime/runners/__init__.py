@@ -14,7 +14,7 @@ from cosyvoice_graphs.providers import CPU, CPU_PROVIDERS, CUDA, OPENVINO, PROVI
 
 from ..bundle import RuntimeBundle
 from ..errors import ProviderError
-from .base import BufferView, Feed, Runner, RunnerBase, check_feeds, feed_nbytes, feed_shape
+from .base import BufferView, Feed, Runner, RunnerBase, check_feeds, feed_nbytes, feed_shape, to_host
 from .openvino import OpenVinoRunner
 from .ort import OPTIMIZATION, ORT_PROVIDERS, OrtRunner, provider_chain
 from .ort_settings import shape_sessions
@@ -24,7 +24,7 @@ from .trt import TrtRunner
 __all__ = ["CPU", "CPU_PROVIDERS", "CUDA", "OPENVINO", "OPTIMIZATION", "ORT_PROVIDERS", "PROVIDERS",
            "TENSORRT", "TRT", "BufferView", "Feed", "OpenVinoRunner", "OrtRunner", "Runner", "RunnerBase",
            "ShapePool", "TrtRunner", "check_feeds", "decode_body", "feed_nbytes", "feed_shape", "graphs_run",
-           "on_openvino", "open_runner", "prefill_body", "provider_chain"]
+           "on_openvino", "open_runner", "prefill_body", "provider_chain", "to_host"]
 
 
 def on_openvino(bundle: RuntimeBundle, graph: str, provider: str) -> bool:

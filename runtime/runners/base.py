@@ -16,6 +16,7 @@ import onnxruntime as ort
 from cosyvoice_graphs import GraphSpec
 
 from ..errors import FeedError
+from .capture_gate import on_device
 
 _ORT_DTYPES: dict[str, np.dtype[Any]] = {
     "tensor(float)": np.dtype(np.float32), "tensor(float16)": np.dtype(np.float16),
@@ -52,12 +53,23 @@ class BufferView:  # a decode step binds ~50: what binding needs is computed onc
 
     def numpy(self) -> np.ndarray:
         """The rows on the host (a copy of the whole tensor where it is on a device)."""
-        return self.value.numpy()[self.first:self.first + self.count]
+        with on_device(self.device):
+            return self.value.numpy()[self.first:self.first + self.count]
 
 
 Feed: TypeAlias = np.ndarray | ort.OrtValue | BufferView
 """A graph input: a numpy array, an onnxruntime value left on its device by `OrtRunner.infer_kept`, or rows
 of one (`BufferView`)."""
+
+
+def to_host(value: Feed) -> np.ndarray:
+    """`value` as a numpy array: itself, or copied from its device (an `OrtValue` on the CPU: its memory)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, BufferView):
+        return value.numpy()
+    with on_device(value.device_name().lower()):
+        return value.numpy()
 
 
 @runtime_checkable
@@ -225,4 +237,4 @@ class RunnerBase(ABC):
 
 def _on_host(feeds: Mapping[str, Feed]) -> dict[str, np.ndarray]:
     """`feeds` as numpy arrays (`OrtValue`s and `BufferView`s copied to the host)."""
-    return {k: v if isinstance(v, np.ndarray) else v.numpy() for k, v in feeds.items()}
+    return {k: to_host(v) for k, v in feeds.items()}

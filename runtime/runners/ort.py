@@ -19,6 +19,7 @@ from ..errors import ProviderError, RuntimeBundleError
 from ..extras import gpu_install_command
 from ..process_memory import release_free_heap
 from .base import BufferView, Feed, RunnerBase
+from .capture_gate import on_device
 from .ort_settings import (
     CONV_ALGO_SEARCH,
     FALLBACK,
@@ -122,7 +123,8 @@ class OrtRunner(RunnerBase):
             options.add_session_config_entry(FORCE_SPINNING_STOP, "1")
         providers = provider_chain(provider, device_id, tf32=tf32, conv_algo_search=conv_algo_search,
                                    cuda_graph=cuda_graph)
-        self.session = ort.InferenceSession(str(path), options, providers=providers)
+        with on_device(CPU if provider == CPU else CUDA):
+            self.session = ort.InferenceSession(str(path), options, providers=providers)
         used = self.session.get_providers()
         if not used or used[0] != wanted:
             why = "" if provider == CPU else (f"; onnxruntime's log above says why (CUDA 13 and cuDNN 9 "
@@ -133,6 +135,8 @@ class OrtRunner(RunnerBase):
         self.run_options: ort.RunOptions | None = None
         """What the runner's own calls run with: with CUDA graphs, outside them (graphs are captured and
         replayed through bindings of their own, `decode_graphs.GraphedSteps`)."""
+        self.cuda_graph = cuda_graph
+        """Whether the session captures calls into CUDA graphs (through bindings of their own)."""
         if cuda_graph:
             self.run_options = ort.RunOptions()
             self.run_options.add_run_config_entry(GPU_GRAPH_ID, SKIP_GRAPH)
@@ -151,6 +155,10 @@ class OrtRunner(RunnerBase):
         """The graph's `metadata_props`, as the session read them."""
         return dict(self.session.get_modelmeta().custom_metadata_map)
 
+    def infer_outputs(self, feeds: Mapping[str, Feed], names: Sequence[str]) -> dict[str, np.ndarray]:
+        with on_device(self.device_type):  # the feeds' copies to the host included
+            return super().infer_outputs(feeds, names)
+
     def _run(self, feeds: Mapping[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
         return dict(zip(names, self.session.run(names, dict(feeds), self.run_options), strict=True))
 
@@ -161,13 +169,14 @@ class OrtRunner(RunnerBase):
         copy; the other outputs come back as numpy arrays. For the LLM's KV cache, which would otherwise
         cross to the host and back at every token."""
         self._check_call(feeds, keep)
-        binding = bound_inputs(self.session, feeds, self.device_id)
         outputs, kept = self.spec.output_names, set(keep)
-        for name in outputs:
-            binding.bind_output(name, self.device_type if name in kept else CPU, self.device_id)
-        self.session.run_with_iobinding(binding, self.run_options)
+        with on_device(self.device_type):  # binding copies host feeds to the device
+            binding = bound_inputs(self.session, feeds, self.device_id)
+            for name in outputs:
+                binding.bind_output(name, self.device_type if name in kept else CPU, self.device_id)
+            self.session.run_with_iobinding(binding, self.run_options)
         values = dict(zip(outputs, binding.get_outputs(), strict=True))
-        host = {name: v.numpy() for name, v in values.items() if name not in kept}
+        host = {name: v.numpy() for name, v in values.items() if name not in kept}  # bound on the host
         return host, {name: values[name] for name in keep}
 
     def infer_in_place(self, feeds: Mapping[str, Feed], in_place: Mapping[str, str], names: Sequence[str]
@@ -188,18 +197,20 @@ class OrtRunner(RunnerBase):
             if device != self.device_type:
                 raise ValueError(f"{self.spec.name}.{source}: an output written in place needs its input as "
                                  f"an OrtValue or a BufferView on {self.device_type}")
-        binding = bound_inputs(self.session, feeds, self.device_id)
-        for name in names:
-            binding.bind_output(name, CPU)
-        for output, source in in_place.items():
-            value = feeds[source]
-            if isinstance(value, BufferView):
-                binding.bind_output(output, self.device_type, self.device_id, value.dtype, list(value.shape),
-                                    value.address)
-            else:
-                binding.bind_ortvalue_output(output, value)
-        self.session.run_with_iobinding(binding, self.run_options)
+        with on_device(self.device_type):  # binding copies host feeds to the device
+            binding = bound_inputs(self.session, feeds, self.device_id)
+            for name in names:
+                binding.bind_output(name, CPU)
+            for output, source in in_place.items():
+                value = feeds[source]
+                if isinstance(value, BufferView):
+                    binding.bind_output(output, self.device_type, self.device_id, value.dtype,
+                                        list(value.shape), value.address)
+                else:
+                    binding.bind_ortvalue_output(output, value)
+            self.session.run_with_iobinding(binding, self.run_options)
         return {name: v.numpy() for name, v in zip(names, binding.get_outputs(), strict=False)}
 
     def _release(self) -> None:
-        del self.session
+        with on_device(self.device_type):  # frees the session's device memory
+            del self.session

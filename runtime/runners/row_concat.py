@@ -14,6 +14,7 @@ from cosyvoice_graphs.providers import CPU, CUDA
 
 from ..errors import UserError
 from .base import Feed
+from .capture_gate import on_device
 from .ort import bound_inputs, provider_chain
 
 CONCAT_OPSET = 17
@@ -36,12 +37,13 @@ class RowConcat:
         """Each name's feeds of `parts`, in order, as one tensor on the provider's device."""
         if not parts:
             raise ValueError("nothing to concatenate")
-        session = self._session(len(parts))
-        binding = bound_inputs(session, {f"{name}.{i}": part[name] for i, part in enumerate(parts)
-                                         for name in self.tensors}, self.device_id)
-        for name in self.tensors:
-            binding.bind_output(name, self.provider, self.device_id)
-        session.run_with_iobinding(binding)
+        with on_device(self.provider):
+            session = self._session(len(parts))
+            binding = bound_inputs(session, {f"{name}.{i}": part[name] for i, part in enumerate(parts)
+                                             for name in self.tensors}, self.device_id)
+            for name in self.tensors:
+                binding.bind_output(name, self.provider, self.device_id)
+            session.run_with_iobinding(binding)
         return dict(zip(self.tensors, binding.get_outputs(), strict=True))
 
     def _session(self, count: int) -> ort.InferenceSession:
