@@ -11,11 +11,14 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+import cosyvoice_runtime.runners as runners
 from cosyvoice_graphs import HIFT_DECODER, HIFT_F0, LLM, GraphSpec, vocoder_case
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.runners import CPU, CUDA, Feed, OrtRunner, ShapePool, feed_shape, open_runner
-from cosyvoice_runtime.runners.ort_settings import shape_sessions
+from cosyvoice_runtime.runners.ort_settings import SHAPE_SESSIONS, shape_sessions
 from cosyvoice_runtime.synthesis import Synthesizer
 
 
@@ -94,12 +97,31 @@ def test_pooled_sessions_give_a_single_sessions_outputs(bundle: RuntimeBundle) -
 
 
 def test_only_the_vocoders_graphs_get_a_pool_and_only_on_cuda(bundle: RuntimeBundle) -> None:
-    assert shape_sessions(HIFT_DECODER, CUDA) == shape_sessions(HIFT_F0, CUDA) == 3
+    assert shape_sessions(HIFT_DECODER, CUDA) == shape_sessions(HIFT_F0, CUDA) == 6
     assert shape_sessions(LLM, CUDA) == 1 and shape_sessions(HIFT_DECODER, CPU) == 1
     with open_runner(bundle, HIFT_DECODER, CPU, threads=1) as runner:
         assert isinstance(runner, OrtRunner)
     with pytest.raises(ValueError, match="^a shape pool runs one graph, not hift_decoder, hift_f0$"):
         ShapePool([Recording(bundle.specs[HIFT_DECODER]), Recording(bundle.specs[HIFT_F0])])
+
+
+def test_the_pools_hold_the_lengths_of_streamed_and_offline_requests(
+        bundle: RuntimeBundle, prompt: PromptFeatures, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream on upstream's schedule, one on the first-chunk policy and an offline request (250 tokens:
+    the later hops' longest windows, the offline vocoder's 200-frame windows), twice: the second time every
+    vocoder call finds a session that ran its length. The pools CUDA gets, opened on the CPU."""
+    monkeypatch.setattr(runners, "shape_sessions", lambda graph, provider: SHAPE_SESSIONS.get(graph, 1))
+    tokens = [(7 * i) % 300 + 1 for i in range(250)]
+    with Synthesizer(bundle, CPU, threads=1) as synth:
+        pools = [synth.vocoder.f0, synth.vocoder.decoder]
+        assert all(isinstance(p, ShapePool) for p in pools) and synth.vocoder.repeat_shapes
+        reshaped = []
+        for _ in range(2):
+            list(synth.stream_tokens(tokens, prompt))
+            list(synth.stream_tokens(tokens, prompt, policy=ChunkPolicy(first_chunk_tokens=10)))
+            synth.token2wav(tokens, prompt)
+            reshaped.append([p.reshaped for p in pools if isinstance(p, ShapePool)])
+    assert reshaped[1] == reshaped[0]
 
 
 @pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
@@ -108,7 +130,7 @@ def test_on_cuda_the_vocoders_windows_keep_a_session_per_length(bundle: RuntimeB
     spec = bundle.specs[HIFT_DECODER]
     with open_runner(bundle, HIFT_DECODER, CUDA) as pool, \
             OrtRunner(bundle.graph_path(HIFT_DECODER), spec, CPU, threads=1) as cpu:
-        assert isinstance(pool, ShapePool) and pool.size == 3
+        assert isinstance(pool, ShapePool) and pool.size == 6
         for frames in (20, 33, 47, 20, 33, 47):
             feeds = feeds_of(spec, frames)
             got, want = pool.infer(feeds)["waveform"], cpu.infer(feeds)["waveform"]

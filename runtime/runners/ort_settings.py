@@ -60,10 +60,14 @@ CONV_ALGO_SEARCH = "HEURISTIC"
 performance.md): a new shape's first call 0.15-0.18 s against 1.2-1.3 s searching exhaustively, and warm calls
 faster too (18.7 against 31.5 ms over 500 frames)."""
 
-SHAPE_SESSIONS = {HIFT_F0: 3, HIFT_DECODER: 3}
+SHAPE_SESSIONS = {HIFT_F0: 6, HIFT_DECODER: 6}
 """Sessions per graph on CUDA, each call on the one whose last call had its input shapes (`ShapePool`): the
-vocoder's graphs, whose calls come in a few lengths (a stream's first-chunk, later-chunk and last windows)
-and whose `Conv` nodes onnxruntime's CUDA provider builds cuDNN plans for again at every change of shape."""
+vocoder's graphs, whose `Conv` nodes onnxruntime's CUDA provider builds cuDNN plans for again at every
+change of shape. Six hold the lengths that streams and offline requests of one prompt come in (its first
+window on upstream's schedule or on the first-chunk policy, the later hops' windows of 50 and 100 tokens,
+each stream's last repeating one of them, the offline windows of 200 frames; the f0 graph's calls reach a
+few frames further: six lengths, the decoder's five); with three, every round of the bench's streamed and
+offline cases changed shapes 8-9 times a graph (tests/test_shape_pool.py)."""
 
 
 def shape_sessions(graph: str, provider: str) -> int:
