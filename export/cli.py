@@ -175,6 +175,12 @@ def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:
                    "release's reinforcement-learned LLM (same keys). The manifest records which, with its "
                    "sha256 (cosyvoice-run --info prints it).")
 @click.option("--force", is_flag=True, help="Export every graph again, even unchanged ones.")
+@click.option("--reuse-from", "reuse_from", multiple=True,
+              type=click.Path(exists=True, file_okay=False, path_type=Path), metavar="DIR",
+              help="Another runtime bundle this command exported from the same model (another "
+                   "precision's): a graph it holds that this export would make alike (the same sources, spec "
+                   "version, exporter and precision; validated there, its files intact) is hard-linked from "
+                   "it (copied where the file system cannot link) instead of exported again. Repeatable.")
 @click.option("--wait", is_flag=True,
               help="If another export into OUT is running, wait for it to finish, then reuse what it "
                    "exported (without --wait: stop at once, exit 2).")
@@ -200,8 +206,8 @@ def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:
               help="After the summary, print each stage's time, peak RSS and the RSS it left (loading the "
                    "networks, tracing, onnxslim, saving, precision conversion, validation, per graph), then "
                    "the export's peak RSS.")
-def all_cmd(model_dir: Path, out: Path, trt: bool, llm: str, force: bool, wait: bool, precision: str,
-            report_memory: bool) -> None:
+def all_cmd(model_dir: Path, out: Path, trt: bool, llm: str, force: bool, reuse_from: tuple[Path, ...],
+            wait: bool, precision: str, report_memory: bool) -> None:
     """Export every graph to ONNX and assemble a torch-free runtime bundle in OUT.
 
     Each graph is traced from its spec, checked (onnx.checker, then its I/O against the spec),
@@ -211,10 +217,11 @@ def all_cmd(model_dir: Path, out: Path, trt: bool, llm: str, force: bool, wait: 
     sha256, the graphs' spec versions and validation figures).
 
     A second run into the same OUT skips graphs whose spec version, source checkpoints and exporter
-    are unchanged (unless --force), and deletes graphs an earlier exporter made that this one no
-    longer does. One export runs into an OUT at a time (it holds the lock file OUT.lock beside OUT,
-    which stays); a second one stops with one line, or waits with --wait. Prints a summary table; exits 1
-    if a graph fails validation (no manifest is written then), 2 on a bad bundle or unusable OUT.
+    are unchanged (unless --force), takes such graphs from the bundles named by --reuse-from, and
+    deletes graphs an earlier exporter made that this one no longer does. One export runs into an OUT
+    at a time (it holds the lock file OUT.lock beside OUT, which stays); a second one stops with one
+    line, or waits with --wait. Prints a summary table; exits 1 if a graph fails validation (no manifest
+    is written then), 2 on a bad bundle or unusable OUT.
     """
     from .memory import monitor_memory
     from .onnx.bf16 import Bf16Unavailable
@@ -226,7 +233,7 @@ def all_cmd(model_dir: Path, out: Path, trt: bool, llm: str, force: bool, wait: 
         # the monitor restarts the kernel's peak-RSS mark at every stage: only when asked to
         with monitor_memory() if report_memory else nullcontext() as memory:
             report = export_all(model_dir, out, llm=llm, force=force, trt=trt, precision=precision, wait=wait,
-                                progress=True)
+                                progress=True, reuse_from=reuse_from)
     except (TrtUnavailable, Bf16Unavailable, PrecisionPlanError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -7,6 +7,7 @@ bound."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,28 @@ def test_tf32_has_no_tensorrt_plans(tiny_bundle: Path, tmp_path: Path) -> None:
                                              r"CPU \(as fp32\) and CUDA providers, not as TensorRT plans"):
         export_all(tiny_bundle, tmp_path / "out", trt=True, precision="tf32", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_an_export_links_the_graphs_another_precisions_bundle_made_alike(
+        tiny_bundle: Path, fp16_decode_bundle: Path, tmp_path: Path) -> None:
+    """`--reuse-from`: `decode=fp16,prefill=int8` with the DiT in tf32 takes every other graph from that
+    plan's bundle, the same files (hard links), and exports the DiT; the bundle opens and its manifest
+    lists what the other's does for them. A folder that is not there is refused before anything runs."""
+    out = tmp_path / "dit-tf32"
+    result = CliRunner().invoke(main, ["all", "--model-dir", str(tiny_bundle), "--out", str(out),
+                                       "--precision", "decode=fp16,prefill=int8,dit=tf32",
+                                       "--reuse-from", str(fp16_decode_bundle)])
+    assert result.exit_code == 0, result.output
+    ours, theirs = RuntimeBundle.open(out), RuntimeBundle.open(fp16_decode_bundle)
+    for name in ours.specs:
+        linked = ours.graph_path(name).samefile(theirs.graph_path(name))
+        assert linked == (name != DIT), name
+        assert ours.manifest.graphs[name].reused == linked
+        if linked:
+            assert ours.manifest.graphs[name] == replace(theirs.manifest.graphs[name], reused=True)
+    assert ours.graph_precision(DIT).cuda_tf32 and not theirs.graph_precision(DIT).cuda_tf32
+    missing = tmp_path / "not-there"
+    refused = CliRunner().invoke(main, ["all", "--model-dir", str(tiny_bundle), "--out", str(tmp_path / "x"),
+                                        "--reuse-from", str(missing)])
+    assert refused.exit_code == 2 and "does not exist" in refused.output
+    assert not (tmp_path / "x").exists()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from functools import partial
@@ -59,6 +59,7 @@ from .graph_export import (
     CONFIG_SOURCES,
     QWEN_CONFIG,
     GraphResult,
+    adopt_graph,
     export_and_validate,
     reuse_graph,
     validation_record,
@@ -75,8 +76,8 @@ TOKENIZER_COPY = (*TOKENIZER_FILES, QWEN_CONFIG)
 
 
 def export_all(model_dir: Path | str, out: Path | str, *, llm: str = "base", force: bool = False,
-               trt: bool = False, precision: str = FP32.name, wait: bool = False, progress: bool = True
-               ) -> Report:
+               trt: bool = False, precision: str = FP32.name, wait: bool = False, progress: bool = True,
+               reuse_from: Sequence[Path | str] = ()) -> Report:
     """Export, check and validate every graph of the model bundle at `model_dir` and assemble the
     runtime bundle in `out`.
 
@@ -84,8 +85,10 @@ def export_all(model_dir: Path | str, out: Path | str, *, llm: str = "base", for
     which the manifest records; a missing one is a `BundleError` before anything else is read.
 
     A graph whose inputs (spec version, source hashes, exporter version) are unchanged since an
-    earlier run into `out`, that passed then and whose files are intact, is reused unless `force`; the
-    files of graphs an earlier exporter made that this one no longer does (`RETIRED_GRAPHS`) are deleted.
+    earlier run into `out`, that passed then and whose files are intact, is reused unless `force`, and so
+    is one that another export of the model made alike into a folder of `reuse_from` (another precision's
+    bundle), its files linked into `out`; the files of graphs an earlier exporter made that this one no
+    longer does (`RETIRED_GRAPHS`) are deleted.
     Bad bundles raise `BundleError` (the one-line errors of `check-bundle`); a foreign or unwritable
     `out` raises `OutputDirError`; with `trt` and no CUDA device or TensorRT, or a precision without
     TensorRT plans (`Precision.trt_plans`: int8, int4, bf16), `TrtUnavailable` is raised before anything is
@@ -129,11 +132,11 @@ def export_all(model_dir: Path | str, out: Path | str, *, llm: str = "base", for
                           f"(`cosyvoice-export download --llm {llm}` fetches it)")
     out = Path(out)
     with locked(out, wait):
-        return _assemble(bundle, out, force, plan, trt_env, progress, start)
+        return _assemble(bundle, out, force, plan, trt_env, progress, start, [Path(d) for d in reuse_from])
 
 
 def _assemble(bundle: ModelBundle, out: Path, force: bool, plan: PrecisionPlan, trt_env: TrtEnv | None,
-              progress: bool, start: float) -> Report:
+              progress: bool, start: float, reuse_from: list[Path]) -> Report:
     """The work of `export_all`, under `out`'s lock."""
     stage("check bundle")
     check_bundle(bundle.root, report=lambda line: None, llm_checkpoints=(bundle.llm_checkpoint,))
@@ -154,7 +157,8 @@ def _assemble(bundle: ModelBundle, out: Path, force: bool, plan: PrecisionPlan, 
             with _step(bar, f"{s.name}: reuse check"):
                 nets.next_task()
                 p = plan.precision_of(s)
-                reused = None if force else reuse_graph(out, s, source_sha, p, trt)
+                reused = None if force else reuse_graph(out, s, source_sha, p, trt) or next(
+                    (g for d in reuse_from if (g := adopt_graph(d, out, s, source_sha, p, trt))), None)
                 results.append(reused or export_and_validate(out, s, dims, nets, source_sha, bar, p, trt))
         with _step(bar, "frontend, tokenizer"):
             copied = _copy_files(out, bundle, source_sha)

@@ -31,7 +31,7 @@ from .conversions import CONVERSIONS
 from .decode_gates import decode_figures, decode_reference
 from .graphs import EXPORT_RECIPES
 from .lazy_networks import LazyNetworks, checkpoints_of
-from .output_dir import file_entry, graph_record_file, write_json
+from .output_dir import file_entry, graph_record_file, link_into, write_json
 from .solve_gates import validate_solve
 from .trace import EXPORTER_VERSION, ExportError, file_sha256, traced
 from .validate import Figure, GraphValidation, torch_reference, validate_against
@@ -123,6 +123,32 @@ def _read_record(out: Path, graph: str) -> GraphRecord | None:
 def reuse_graph(out: Path, s: GraphSpec, source_sha: Mapping[str, FileEntry], precision: str, trt: bool
                 ) -> GraphResult | None:
     """The graph from an earlier run, if its inputs are unchanged, it passed, and its files are intact."""
+    record = _reusable_record(out, s, source_sha, precision, trt)
+    if record is None:
+        return None
+    return GraphResult(s, record, _recorded_figures(s.name, record.validation), reused=True,
+                       precision=precision)
+
+
+def adopt_graph(source: Path, out: Path, s: GraphSpec, source_sha: Mapping[str, FileEntry], precision: str,
+                trt: bool) -> GraphResult | None:
+    """The graph another export made in `source` (another runtime bundle of the model), where this export
+    would make it the same (`reuse_graph`'s conditions there): its files linked into `out` (copied where
+    they cannot be), then its record, as a reused graph of `out`."""
+    record = _reusable_record(source, s, source_sha, precision, trt)
+    if record is None:
+        return None
+    (out / graph_record_file(s.name)).unlink(missing_ok=True)  # the record must never outlive its file
+    for rel in reversed(record.files):  # the graph last: it names its data file
+        link_into(out, rel, source / rel)
+    write_json(out, graph_record_file(s.name), record.to_json())
+    return GraphResult(s, record, _recorded_figures(s.name, record.validation), reused=True,
+                       precision=precision)
+
+
+def _reusable_record(out: Path, s: GraphSpec, source_sha: Mapping[str, FileEntry], precision: str, trt: bool
+                     ) -> GraphRecord | None:
+    """`s`'s record in `out` if its inputs are this export's, it passed, and its files are intact."""
     record = _read_record(out, s.name)
     if record is None or not record.validation.passed:
         return None
@@ -136,8 +162,7 @@ def reuse_graph(out: Path, s: GraphSpec, source_sha: Mapping[str, FileEntry], pr
         path = out / rel
         if not path.is_file() or path.stat().st_size != entry.size or file_sha256(path) != entry.sha256:
             return None
-    return GraphResult(s, record, _recorded_figures(s.name, record.validation), reused=True,
-                       precision=precision)
+    return record
 
 
 def export_and_validate(out: Path, s: GraphSpec, dims: ModelDims, nets: LazyNetworks,

@@ -135,6 +135,28 @@ def install(out: Path, rel: str, write: Callable[[IO[bytes]], object]) -> FileEn
     return entry
 
 
+def link_or_copy(src: Path, dst: Path) -> None:
+    """A hard link, or a copy where the file system has none."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def link_into(out: Path, rel: str, source: Path) -> None:
+    """`out/rel` as `source`'s file (a hard link, else a copy), through a temporary name: every write into
+    OUT replaces a file, so a linked file is never changed in place, here or where it came from."""
+    path = out / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}{PARTIAL}")
+    tmp.unlink(missing_ok=True)
+    try:
+        link_or_copy(source, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_json(out: Path, rel: str, data: Mapping[str, Any]) -> FileEntry:
     """Write `data` to `out/rel` as indented UTF-8 JSON, through `install`."""
     text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"

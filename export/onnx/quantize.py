@@ -25,9 +25,7 @@ torch fp32 wrapper with their spec's bounds and gates for their precision.
 from __future__ import annotations
 
 import logging
-import os
 import re
-import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,6 +38,7 @@ from cosyvoice_graphs import GraphSpec
 from cosyvoice_graphs.recipes import ACCURACY_LEVEL, DYNAMIC, NBITS, RECIPES, QuantScheme
 
 from .flash_attention import flash_when_unmasked
+from .output_dir import link_or_copy
 from .trace import PARTIAL, ExportError, replace_graph
 
 REVISIONS = {"int8": 2, "int4": 1}
@@ -132,20 +131,12 @@ def _dynamic(path: Path, chosen: list[str]) -> onnx.ModelProto:
                                      dir=path.parent) as tmp, _quiet_root_logger():
         for file in (path, path.with_name(path.name + ".data")):
             if file.exists():
-                _link(file, Path(tmp) / file.name)
+                link_or_copy(file, Path(tmp) / file.name)
         out = Path(tmp) / "int8.onnx"
         quantize_dynamic(Path(tmp) / path.name, out, op_types_to_quantize=["MatMul"], per_channel=True,
                          reduce_range=True, weight_type=QuantType.QInt8, nodes_to_quantize=chosen,
                          use_external_data_format=True)
         return onnx.load(str(out))
-
-
-def _link(src: Path, dst: Path) -> None:
-    """A hard link, or a copy where the file system has none."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
 
 
 def write_quantized(path: Path, s: GraphSpec, precision: str) -> Path:
