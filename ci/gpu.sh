@@ -67,7 +67,8 @@ selected() {
     return 1
 }
 
-# step NAME LIMIT COMMAND...: run COMMAND with at most LIMIT seconds (less if the deadline is nearer)
+# step NAME LIMIT COMMAND...: run COMMAND with at most LIMIT seconds (less if the deadline is nearer; not
+# at all with under a quarter of LIMIT left, where a step cut short would bring back nothing)
 step() {
     local name=$1 limit=$2 left rc began
     shift 2
@@ -80,6 +81,11 @@ step() {
         echo "$name: skipped, ${DEADLINE} s deadline reached" | tee -a "$OUT/summary.txt"
         return 0
     fi
+    if ((4 * left < limit)); then
+        echo "$name: skipped, ${left} s left before the deadline, under a quarter of its ${limit} s" \
+            | tee -a "$OUT/summary.txt"
+        return 0
+    fi
     ((limit > left)) && limit=$left
     began=$SECONDS
     timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
@@ -89,11 +95,15 @@ step() {
     return 0
 }
 
-# export PRECISION MODEL OUT: a runtime bundle, reused where an earlier call finished it
+# export PRECISION MODEL OUT: a runtime bundle, reused where an earlier call finished it, its graphs that
+# another precision's bundle of MODEL holds alike linked from there (--reuse-from)
 export_bundle() {
-    local precision=$1 model=$2 out=$3
+    local precision=$1 model=$2 out=$3 other reuse=()
     [ -f "$out/manifest.json" ] && { echo "reused $out"; return 0; }
-    "$PY" -m cosyvoice_export all --model-dir "$model" --out "$out" --precision "$precision"
+    for other in "$model"-*/; do
+        [ -f "$other/manifest.json" ] && reuse+=(--reuse-from "$other")
+    done
+    "$PY" -m cosyvoice_export all --model-dir "$model" --out "$out" --precision "$precision" "${reuse[@]}"
 }
 
 step gpu 30 bash -c 'nvidia-smi || echo "no nvidia-smi"'
@@ -107,7 +117,9 @@ step gpu 30 bash -c 'nvidia-smi || echo "no nvidia-smi"'
 ) &
 exports=$!
 step golden 120 "$PY" -m cosyvoice_golden check --provider "$PROVIDER"
-step tests 300 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_bench_gpu.py tests/test_precision.py \
+# --failures-at-once: a CUDA error can end the process before pytest's summary
+step tests 300 "$PY" -m pytest -q -p no:cacheprovider -rs --failures-at-once tests/test_bench_gpu.py \
+    tests/test_precision.py tests/test_capture_gate.py \
     tests/test_runtime_core.py tests/test_llm_decode.py::test_the_fp16_body_decodes_in_place_close_to_llm \
     tests/test_decode_batch.py::test_batched_rows_follow_their_runs_alone tests/test_decode_variants.py \
     tests/test_dit_stacking.py tests/test_decode_graphs.py \

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,11 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
     assert again[0] == "gpu: skipped, 0 s deadline reached"
     assert all("skipped" in line for line in again[:-1])
     assert "model" not in "\n".join(again)
+    # a step that could not run a quarter of its limit before the deadline does not start
+    short = _run(tmp_path / "short", work, DEADLINE="60", STEPS="gpu tests")
+    assert short[0].startswith("gpu: exit 0 after ")
+    assert re.fullmatch(r"tests: skipped, \d+ s left before the deadline, under a quarter of its 300 s",
+                        next(line for line in short if line.startswith("tests:")))
     # a later session picks the steps the earlier ones did not reach
     picked = _run(tmp_path / "picked", work, STEPS="gpu profile-*")
     ran = [line for line in picked[:-1] if "not selected" not in line]
