@@ -68,6 +68,21 @@ def test_the_tf32_dit_is_written_for_onnxruntime(tf32_bundle: Path, runtime_bund
     assert blocks == ops[runtime_bundle].count("Softmax") > 0
     assert ops[tf32_bundle].count("RotaryEmbedding") == 2 * blocks and "Softmax" not in ops[tf32_bundle]
     assert len(ops[tf32_bundle]) < len(ops[runtime_bundle]) * 0.7
+    for graph in graphs.values():  # both forms: the step's modulation row, one Split into its pieces
+        readers = _readers(graph, "modulations")
+        assert [n.op_type for n in readers] == ["Gather", "Gather", "Split"]
+        assert len(readers[-1].output) == 6 * blocks + 2
+
+
+def _readers(graph: onnx.GraphProto, name: str) -> list[onnx.NodeProto]:
+    """The nodes that read `name` and, while they are one Gather after another, what reads theirs."""
+    found, tensor = [], name
+    while True:
+        nodes = [n for n in graph.node if tensor in n.input]
+        found += nodes
+        if len(nodes) != 1 or nodes[0].op_type != "Gather":
+            return found
+        tensor = nodes[0].output[0]
 
 
 def test_on_the_cpu_a_tf32_bundle_speaks_as_fp32(tf32_bundle: Path, runtime_bundle: Path,

@@ -180,13 +180,14 @@ class _InputEmbedding(nn.Module):
 
 
 def _modulated_norm(x: Tensor, dim: int, scale: Tensor, shift: Tensor, onnxruntime_only: bool) -> Tensor:
-    """layer_norm(x) (1 + scale) + shift over x (B, T, dim), scale and shift (B or 1, dim); `dim` a Python
-    int (the ONNX tracer turns `x.shape[-1:]` into a non-constant shape). For onnxruntime alone, an ONNX
-    export of one modulation row (the CFG rows share their time) passes them as LayerNormalization's own
-    scale and bias: that kernel's products and sums, one pass over x where there were three."""
-    if onnxruntime_only and torch.onnx.is_in_onnx_export() and scale.shape[0] == 1:
-        return F.layer_norm(x, (dim,), 1 + scale[0], shift[0], eps=LN_EPS)
-    return F.layer_norm(x, (dim,), eps=LN_EPS) * (1 + scale[:, None]) + shift[:, None]
+    """layer_norm(x) (1 + scale) + shift over x (B, T, dim), scale and shift pieces of `DiT.modulation_pieces`
+    ((dim,) for one row, else (B, 1, dim)); `dim` a Python int (the ONNX tracer turns `x.shape[-1:]` into a
+    non-constant shape). For onnxruntime alone, an ONNX export of one modulation row (the CFG rows share
+    their time) passes them as LayerNormalization's own scale and bias: that kernel's products and sums, one
+    pass over x where there were three."""
+    if onnxruntime_only and torch.onnx.is_in_onnx_export() and scale.dim() == 1:
+        return F.layer_norm(x, (dim,), 1 + scale, shift, eps=LN_EPS)
+    return F.layer_norm(x, (dim,), eps=LN_EPS) * (1 + scale) + shift
 
 
 class _AdaLayerNormZero(nn.Module):
@@ -198,9 +199,10 @@ class _AdaLayerNormZero(nn.Module):
     def modulation(self, c: Tensor) -> Tensor:
         return self.linear(F.silu(c))  # (B, 6 * dim)
 
-    def forward(self, x: Tensor, emb: Tensor, onnxruntime_only: bool = False) -> tuple[Tensor, ...]:
-        """x (B, T, dim), emb (B or 1, 6 dim) from `modulation`; `onnxruntime_only`: see `_modulated_norm`."""
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
+    def forward(self, x: Tensor, emb: Sequence[Tensor], onnxruntime_only: bool = False) -> tuple[Tensor, ...]:
+        """x (B, T, dim), emb this norm's six pieces of `DiT.modulation_pieces`; `onnxruntime_only`: see
+        `_modulated_norm`."""
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb
         norm = _modulated_norm(x, self.dim, scale_msa, shift_msa, onnxruntime_only)
         return norm, gate_msa, shift_mlp, scale_mlp, gate_mlp
 
@@ -214,9 +216,10 @@ class _AdaLayerNormZeroFinal(nn.Module):
     def modulation(self, c: Tensor) -> Tensor:
         return self.linear(F.silu(c))  # (B, 2 * dim)
 
-    def forward(self, x: Tensor, emb: Tensor, onnxruntime_only: bool = False) -> Tensor:
-        """x (B, T, dim), emb (B or 1, 2 dim) from `modulation`; `onnxruntime_only`: see `_modulated_norm`."""
-        scale, shift = emb.chunk(2, dim=1)  # scale first here, unlike the blocks
+    def forward(self, x: Tensor, emb: Sequence[Tensor], onnxruntime_only: bool = False) -> Tensor:
+        """x (B, T, dim), emb this norm's two pieces of `DiT.modulation_pieces`; `onnxruntime_only`: see
+        `_modulated_norm`."""
+        scale, shift = emb  # scale first here, unlike the blocks
         return _modulated_norm(x, self.dim, scale, shift, onnxruntime_only)
 
 
@@ -338,16 +341,16 @@ class _DiTBlock(nn.Module):
         self.attn = _Attention(dim, heads, dim_head)
         self.ff = _FeedForward(dim, ff_mult)
 
-    def forward(self, x: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, attn_bias: Tensor,
+    def forward(self, x: Tensor, emb: Sequence[Tensor], cos: Tensor, sin: Tensor, attn_bias: Tensor,
                 keep: Tensor | None, past: tuple[Tensor, Tensor] | None = None, onnxruntime_only: bool = False
                 ) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, dim) -> (B, T, dim), and the attention's keys and values (see `_Attention`, and
-        `_modulated_norm` for `onnxruntime_only`); `emb` is `attn_norm`'s modulation."""
+        `_modulated_norm` for `onnxruntime_only`); `emb` is `attn_norm`'s six modulation pieces."""
         norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(x, emb, onnxruntime_only)
         attn, k, v = self.attn(norm, cos, sin, attn_bias, keep, past, onnxruntime_only)
-        x = x + gate_msa[:, None] * attn
+        x = x + gate_msa * attn
         norm = _modulated_norm(x, self.dim, scale_mlp, shift_mlp, onnxruntime_only)
-        return x + gate_mlp[:, None] * self.ff(norm), k, v
+        return x + gate_mlp * self.ff(norm), k, v
 
 
 class DiT(nn.Module):
@@ -385,6 +388,14 @@ class DiT(nn.Module):
         parts = [cast(_DiTBlock, block).attn_norm.modulation(c) for block in self.transformer_blocks]
         return torch.cat([*parts, self.norm_out.modulation(c)], dim=1)
 
+    def modulation_pieces(self, modulation: Tensor) -> tuple[Tensor, ...]:
+        """`modulation` (B or 1, (6 depth + 2) dim) as its 6 depth + 2 shifts, scales and gates, each
+        broadcasting over (B, T, dim): (dim,) for one row, else (B, 1, dim). One Split node in an ONNX
+        export, where slicing each norm's row would take a Slice, an Unsqueeze and their index arithmetic per
+        piece: a kernel launch each per call on a GPU."""
+        rows = modulation[0] if modulation.shape[0] == 1 else modulation[:, None, :]
+        return rows.split(self.cfg.dim, dim=-1)
+
     def forward_cached(self, x: Tensor, mu: Tensor, modulation: Tensor, spks: Tensor, cond: Tensor,
                        positions: Tensor, attn_mask: Tensor, keep: Tensor | None,
                        past_conv: tuple[Tensor, Tensor] | None,
@@ -408,8 +419,7 @@ class DiT(nn.Module):
         (`_conv_mish`); eager torch computes the same either way.
         """
         x, mu, cond = x.transpose(1, 2), mu.transpose(1, 2), cond.transpose(1, 2)  # (B, T, 80)
-        dim = self.cfg.dim
-        mods = modulation.split([6 * dim] * self.cfg.depth + [2 * dim], dim=1)
+        mods = self.modulation_pieces(modulation)
         h, conv = self.input_embed(x, cond, mu, spks, past_conv, onnxruntime_only)  # (B, T, dim)
         freqs = self.rotary_embed(positions)  # (T, dim_head)
         cos, sin = freqs.cos(), freqs.sin()
@@ -420,8 +430,8 @@ class DiT(nn.Module):
         bias = torch.zeros_like(attn_mask, dtype=h.dtype).masked_fill(~attn_mask, float("-inf"))
         kv = []
         for i, block in enumerate(self.transformer_blocks):
-            h, k, v = block(h, mods[i], cos, sin, bias, keep, None if past_kv is None else past_kv[i],
-                            onnxruntime_only)
+            h, k, v = block(h, mods[6 * i:6 * i + 6], cos, sin, bias, keep,
+                            None if past_kv is None else past_kv[i], onnxruntime_only)
             kv.append((k, v))
-        h = self.norm_out(h, mods[-1], onnxruntime_only)
+        h = self.norm_out(h, mods[-2:], onnxruntime_only)
         return self.proj_out(h).transpose(1, 2), conv, kv  # (B, 80, T)

@@ -29,14 +29,15 @@ from cosyvoice_graphs import GraphSpec, ModelDims, TensorSpec, metadata
 
 from ..memory import free_memory, stage
 
-EXPORT_REVISION = 11
+EXPORT_REVISION = 12
 """Bump when what is written for an unchanged spec changes (this module, a wrapper or a network's traced
 graph; 3: the DiT's additive attention mask; 4: HiFT's polyphase upsampling; 5: the LLM's q/k/v and
 gate/up projections as one matmul each; 6: the DiT's attention scaling its queries only; 7: the DiT's GELU
 as onnxruntime fuses it, no query rows masked; 8: the DiT's RoPE and attention as onnxruntime's operators
 in its int8 graph; 9: that graph's RoPE over the whole q/k, norms with the modulation as their scale and
 bias, Mish without Softplus; 10: the int8/int4 llm and llm_prefill's attention as GroupQueryAttention; 11:
-that Mish finite in float16, for the fp16 graphs written for onnxruntime): it forces a re-export."""
+that Mish finite in float16, for the fp16 graphs written for onnxruntime; 12: the DiT's modulation split in
+one node): it forces a re-export."""
 EXPORTER_VERSION = (
     f"cosyvoice-onnx {version('cosyvoice-onnx')} rev {EXPORT_REVISION}; torch {torch.__version__}; "
     f"onnx {onnx.__version__}; onnxslim {onnxslim.__version__}"
