@@ -170,7 +170,7 @@ def test_on_cuda_the_session_takes_cuda_graphs_and_its_own_calls_run_outside_the
 def test_on_cuda_steps_are_captured_while_other_threads_call_the_gpu(fp16_decode_bundle: Path,
                                                                      prompt: PromptFeatures) -> None:
     """onnxruntime captures a CUDA graph in CUDA's global capture mode, where a synchronising call of another
-    thread may fail while the capture runs (its cuda_graph.cc: its graphs work "with a single thread"). The
+    thread may fail while the capture runs (onnxruntime 1.31 supports its graphs on a single thread). The
     runtime captures a decode step of each new row count, and again after its buffers grow, on the batch's
     thread while other streams' flow and vocoder run on theirs, holding the GPU alone meanwhile
     (`capture_gate`). Here steps of 1 to 4 rows over two allocations (eight captures) while another thread

@@ -1,9 +1,9 @@
 """A CUDA graph's capture kept apart from every other use of the GPU in the process.
 
-onnxruntime captures a CUDA graph in CUDA's global capture mode (`cudaStreamCaptureModeGlobal`, its
-cuda_graph.cc): while one thread captures, a call of any other thread that may synchronise with the device
-(an allocation, a copy between host and device, a session's run) is refused by CUDA and invalidates the
-capture; on an H200 a session's run on another thread crashed the process (docs/gpu.md). So the runtime's
+onnxruntime (1.31) captures a CUDA graph in CUDA's global capture mode (`cudaStreamCaptureModeGlobal`):
+while one thread captures, a call of any other thread that may synchronise with the device (an allocation, a
+copy between host and device, a session's run) is refused by CUDA and invalidates the capture; on an H200 a
+session's run on another thread crashed the process (docs/gpu.md). So the runtime's
 uses of a GPU (its sessions' calls, copies and buffers) go through `GATE.use()`, which any number of threads
 hold at once, and a call that may capture through `GATE.capture()`, which waits for the uses in flight,
 holds new ones off until it ends, and lets its own thread use the GPU meanwhile. Captures are rare (a batch
