@@ -20,6 +20,7 @@ from .registry import (
     ModelDims,
     decode_lengths,
     decode_step_case,
+    dit_attention,
     dit_call_case,
     euler_steps,
     metadata,
@@ -45,6 +46,6 @@ __all__ = ["BATCH", "DIT", "DIT_ROWS", "FLOW_ENCODER", "HIFT_DECODER", "HIFT_F0"
            "LLM_PREFILL", "MAX_BATCH", "ODE_STEPS", "OPTIONAL_SPECS", "PAST_LEN", "PRECISIONS",
            "PRECISION_NAMES", "REDUCED_PRECISIONS", "SEQLENS_K", "SPECS", "TOTAL_SEQUENCE_LENGTH", "Case",
            "DecodeGates", "DerivedDim", "DimRange", "GraphSpec", "ModelDims", "Precision", "SolveGates",
-           "TensorSpec", "Tolerance", "cache_pairs", "decode_lengths", "decode_step_case", "dit_call_case",
-           "empty_caches", "euler_steps", "metadata", "ode_time_grid", "precisions_on", "spec",
-           "vocoder_case"]
+           "TensorSpec", "Tolerance", "cache_pairs", "decode_lengths", "decode_step_case", "dit_attention",
+           "dit_call_case", "empty_caches", "euler_steps", "metadata", "ode_time_grid", "precisions_on",
+           "spec", "vocoder_case"]

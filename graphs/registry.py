@@ -341,16 +341,19 @@ def flow_estimator_cached_spec(d: ModelDims) -> GraphSpec:
     """The DiT velocity field for CFG pairs (row 2s conditional, row 2s + 1 with mu/spks/cond zeroed)
     over a call's new frames, the earlier frames given as caches.
 
-    A call's `batch` pairs are streams at the same ODE step with the same frames: one `ode_step`, `offset`,
-    `block_frames`, new and cached frame counts. Rows are independent: a stream's rows stacked with
-    others' give its velocity and caches alone (on the CPU in float32 at 2 threads to the bit, within 5.5e-6
-    on an H200: tests/test_dit_stacking.py).
+    A call's `batch` pairs are streams at the same ODE step with the same frames: one `ode_step`,
+    `positions`, `attention_mask`, new and cached frame counts. Rows are independent: a stream's rows
+    stacked with others' give its velocity and caches alone (on the CPU in float32 at 2 threads to the bit,
+    within 5.5e-6 on an H200: tests/test_dit_stacking.py).
 
     Per DiT block i, `past_key_i`/`past_value_i` hold the keys (after RoPE) and values of the cached
-    frames and `present_*` those followed by the new frames'. The new frames have positions offset ..
-    offset + new_frames - 1 (RoPE); they see every cached key, and among themselves query p sees key q
-    iff q < (p // b + 1) * b (b = block_frames: 50 is upstream's block-causal streaming mask, and
-    b >= offset + new_frames is full attention).
+    frames and `present_*` those followed by the new frames'. `positions` are the new frames' places in the
+    sequence (RoPE) and `attention_mask` which keys each new frame sees; `dit_attention` gives both for
+    frames at offset .. offset + new_frames - 1 that see every cached key and, among themselves, query p
+    key q iff q < (p // b + 1) * b (b = block_frames: 50 is upstream's block-causal streaming mask, and
+    b >= offset + new_frames is full attention). They are inputs, not computed in the graph from an offset
+    and the inputs' shapes, so that no node computes on integers or shapes: onnxruntime's CUDA provider
+    would place such nodes on the CPU, and a graph with nodes there cannot be replayed from a CUDA graph.
     `past_pos_conv1/2` are the last kernel - 1 input frames of the causal conv position embedding's
     first and second conv (zeros before the first frame: upstream's left padding); `present_*` the
     same after the new frames. One set of caches per ODE step: the inputs differ between steps.
@@ -358,7 +361,7 @@ def flow_estimator_cached_spec(d: ModelDims) -> GraphSpec:
     they are precomputed at the `ODE_STEPS` times of `euler_steps` (in float32 torch, as upstream
     computes them per call) and held in the graph, whose `ode_step` picks a row; their linears, 43% of
     the DiT's weights, are not in the graph.
-    With nothing cached (`empty_caches`, offset 0) a call is one DiT evaluation over all its frames:
+    With nothing cached (`empty_caches`, positions from 0) a call is one DiT evaluation over all its frames:
     the offline flow, a stream's first chunk and its final re-run. Fed back chunk after chunk on
     boundaries of the block-causal mask (where no earlier frame sees a later one), the velocities equal
     one block-causal call over all frames."""
@@ -377,10 +380,10 @@ def flow_estimator_cached_spec(d: ModelDims) -> GraphSpec:
                    "AdaLN modulation of each step's time, computed at export.", 0, ODE_STEPS),
         _f32("spks", (DIT_ROWS, mel), "Speaker projection (odd rows zeros)."),
         _f32("cond", (DIT_ROWS, mel, "new_frames"), "Prompt mel then zeros (odd rows zeros).", -8.0, 2.0),
-        TensorSpec("offset", "int64", (1,), "Position of the first new frame (prompt frames included).",
-                   0, 1000),
-        TensorSpec("block_frames", "int64", (1,), "Attention block size among the new frames.",
-                   d.dit_block_frames, d.dit_block_frames + 1),
+        TensorSpec("positions", "int64", ("new_frames",), "Each new frame's place in the sequence (prompt "
+                   "frames included): `dit_attention`.", 0, 1000),
+        TensorSpec("attention_mask", "bool", ("new_frames", "total_frames"), "Whether new frame i sees key j "
+                   "of [cached | new] (`dit_attention`); no row all False."),
     ]
     outputs = [_f32("velocity", (DIT_ROWS, mel, "new_frames"), "Estimated velocity of the new frames per "
                     "row.")]
@@ -397,7 +400,7 @@ def flow_estimator_cached_spec(d: ModelDims) -> GraphSpec:
         return dit_call_case(new, past, offset, block, streams=batch)
 
     return GraphSpec(
-        name=DIT, version=4, opset=OPSET, doc=flow_estimator_cached_spec.__doc__ or "",
+        name=DIT, version=5, opset=OPSET, doc=flow_estimator_cached_spec.__doc__ or "",
         inputs=tuple(inputs), outputs=tuple(outputs),
         # TensorRT tunes its kernels for opt: nothing cached and ~10 s of frames (prompt included), the
         # shape of the offline flow, a stream's first chunk and its final re-run, which run most of the
@@ -427,12 +430,29 @@ def flow_estimator_cached_spec(d: ModelDims) -> GraphSpec:
     )
 
 
+def dit_attention(offset: int, new_frames: int, past_frames: int, block_frames: int) -> dict[str, np.ndarray]:
+    """`flow_estimator_cached`'s `positions` (new_frames,) int64 and `attention_mask` (new_frames,
+    past_frames + new_frames) bool for new frames at positions offset .. offset + new_frames - 1 after
+    `past_frames` cached ones: every cached key visible (the runtime caches only frames that the block-causal
+    mask shows to every later frame), and among the new frames position p sees position q iff
+    q < (p // b + 1) * b, b = `block_frames` (b past the last position: full attention)."""
+    if min(new_frames, block_frames) < 1 or min(offset, past_frames) < 0:
+        raise ValueError(f"no DiT call of {new_frames} new frames at {offset} after {past_frames} cached, "
+                         f"blocks of {block_frames}")
+    positions = offset + np.arange(new_frames, dtype=np.int64)
+    block_end = (positions // block_frames + 1) * block_frames
+    new = positions[None, :] < block_end[:, None]  # (T, T)
+    cached = np.ones((new_frames, past_frames), dtype=bool)
+    return {"positions": positions, "attention_mask": np.concatenate([cached, new], axis=1)}
+
+
 def dit_call_case(new_frames: int, past_frames: int, offset: int, block_frames: int, *, streams: int = 1
                   ) -> Case:
     """A `flow_estimator_cached` call of `streams` CFG pairs over `new_frames` frames at positions `offset`..
     after `past_frames` cached ones, attention blocks of `block_frames` among the new frames."""
+    attention = dit_attention(offset, new_frames, past_frames, block_frames)
     return Case({BATCH: streams, "new_frames": new_frames, "past_frames": past_frames},
-                {"offset": (offset,), "block_frames": (block_frames,)})
+                {name: tuple(value.ravel().tolist()) for name, value in attention.items()})
 
 
 def vocoder_case(frames: int, *, streams: int = 1) -> Case:

@@ -16,6 +16,7 @@ and by onnxruntime's Concat on the device (`RowConcat`) when they do not.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,12 +45,12 @@ class Presents(StrEnum):
 
 
 class CallKey(NamedTuple):
-    """What a call's streams share: the ODE step, the new frames' position, count and attention block, the
-    cached frames, and what it gives back of its caches."""
+    """What a call's streams share: the ODE step, the new frames' positions and attention mask, their count,
+    the cached frames, and what it gives back of its caches."""
 
     step: int
-    offset: int
-    block_frames: int
+    attention: bytes
+    """A digest of the call's `positions` and `attention_mask`."""
     new_frames: int
     past_frames: int
     presents: Presents
@@ -154,8 +155,10 @@ class DitStack(CallStack[CallKey, Mapping[str, Feed], DitResult]):
 
     def key(self, feeds: Mapping[str, Feed], *, presents: Presents) -> CallKey:
         """The key of a call on `feeds`."""
-        return CallKey(step=int(to_host(feeds["ode_step"])[0]), offset=int(to_host(feeds["offset"])[0]),
-                       block_frames=int(to_host(feeds["block_frames"])[0]),
+        attention = hashlib.blake2b(digest_size=16)
+        for name in ("positions", "attention_mask"):
+            attention.update(to_host(feeds[name]).tobytes())
+        return CallKey(step=int(to_host(feeds["ode_step"])[0]), attention=attention.digest(),
                        new_frames=feed_shape(feeds["x"])[2],
                        past_frames=feed_shape(feeds[self.keys_input])[2], presents=presents)
 

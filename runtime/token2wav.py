@@ -40,7 +40,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cosyvoice_graphs import BATCH, MAX_BATCH, ModelDims, cache_pairs, empty_caches, euler_steps
+from cosyvoice_graphs import (
+    BATCH,
+    MAX_BATCH,
+    ModelDims,
+    cache_pairs,
+    dit_attention,
+    empty_caches,
+    euler_steps,
+)
 from cosyvoice_graphs.hift_layout import HiftLayout
 
 from .call_stack import CallStack, StackMember
@@ -154,8 +162,8 @@ class Flow:
             mu, spks = self.encode(all_tokens, 0, prompt, finalize=finalize)  # (1, 80, T), (1, 80)
             frames = mu.shape[2]
             block = self.dims.dit_block_frames if streaming else frames
-            feeds = {"offset": np.zeros(1, dtype=np.int64), "block_frames": np.array([block], dtype=np.int64),
-                     **_cfg_rows(mu, spks, self.cond(prompt, 0, frames)), **empty_caches(self.estimator.spec)}
+            feeds = {**dit_attention(0, frames, 0, block), **empty_caches(self.estimator.spec),
+                     **_cfg_rows(mu, spks, self.cond(prompt, 0, frames))}
 
             def velocity(step: int, x: np.ndarray) -> np.ndarray:
                 # the velocity only: nothing reads this call's present_* caches, so they are not copied out
@@ -395,8 +403,7 @@ class FlowStream:
         flow, first = self.flow, self.frames
         dit = calls if calls is not None else AloneCalls(flow.estimator)
         end = first + mu.shape[2]
-        feeds = {"offset": np.array([first], dtype=np.int64),
-                 "block_frames": np.array([block_frames], dtype=np.int64),
+        feeds = {**dit_attention(first, mu.shape[2], self.cached_frames, block_frames),
                  **_cfg_rows(mu, spks, flow.cond(self.prompt, first, end))}
         on_device = flow.keep_on_device and self.window is None
 

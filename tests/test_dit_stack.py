@@ -88,7 +88,7 @@ def test_calls_of_one_key_run_as_one_call_and_give_each_stream_its_rows(estimato
     stack = DitStack(estimator, linger_s=LONG_WAIT_S)
     feeds = [_feeds(estimator, 12, 30, seed, block) for seed in range(3)]
     for f in feeds[1:]:  # what a call's streams share
-        for name in ("ode_step", "offset", "block_frames"):
+        for name in ("ode_step", "positions", "attention_mask"):
             f[name] = feeds[0][name]
     alone = [call_alone(estimator, f, presents=Presents.HOST) for f in feeds]
     with stack.chunk_calls() as a, stack.chunk_calls() as b, stack.chunk_calls() as c:

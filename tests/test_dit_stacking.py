@@ -35,7 +35,7 @@ def test_stacked_feeds_put_each_streams_pair_in_its_two_rows() -> None:
         np.testing.assert_array_equal(together["cond"][2 * s:2 * s + 2], feeds[s]["cond"])
         np.testing.assert_array_equal(together[past_key][2 * s:2 * s + 2], feeds[s][past_key])
     assert not np.array_equal(feeds[0]["x"], feeds[1]["x"])  # a draw per stream
-    for name in ("ode_step", "offset", "block_frames"):
+    for name in ("ode_step", "positions", "attention_mask"):
         assert all(np.array_equal(f[name], feeds[0][name]) for f in feeds)
         np.testing.assert_array_equal(together[name], feeds[0][name])
 

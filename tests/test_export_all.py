@@ -525,7 +525,9 @@ def test_input_profiles_cover_exactly_the_symbolic_inputs() -> None:
     assert profiles["sine_noise"] == ((1, 4 * 4, 2), (1, 500 * 4, 2), (1, 3000 * 4, 2))  # derived samples
     estimator = spec("flow_estimator_cached", TOY_DIMS)
     dit_profiles = trt.input_profiles(estimator)
-    assert {"ode_step", "offset", "block_frames"}.isdisjoint(dit_profiles)
+    assert "ode_step" not in dit_profiles
+    assert dit_profiles["positions"] == ((1,), (500,), (3000,))
+    assert dit_profiles["attention_mask"] == ((1, 1), (500, 500), (3000, 6000))  # new x (cached + new)
     # rows: one stream's CFG pair at opt, up to MAX_BATCH streams' at max
     assert dit_profiles["past_key_0"] == ((2, 2, 0, 4), (2, 2, 0, 4), (2 * MAX_BATCH, 2, 3000, 4))
     assert dit_profiles["spks"] == ((2, 4), (2, 4), (2 * MAX_BATCH, 4))

@@ -74,6 +74,17 @@ def test_the_tf32_dit_is_written_for_onnxruntime(tf32_bundle: Path, runtime_bund
         assert len(readers[-1].output) == 6 * blocks + 2
 
 
+def test_the_tf32_dit_computes_nothing_from_shapes_or_positions(tf32_bundle: Path) -> None:
+    """onnxruntime's CUDA provider places nodes that compute on shapes or small integer tensors on the CPU,
+    and a graph with nodes there cannot be replayed from a CUDA graph: the DiT takes its positions and mask
+    as inputs, reads the positions only to turn them into RoPE's angles and the mask only as the attention's
+    bias, and reads no shape."""
+    graph = onnx.load(str(RuntimeBundle.open(tf32_bundle).graph_path(DIT)), load_external_data=False).graph
+    assert not {"Shape", "Size", "Range", "ConstantOfShape", "Expand"} & {n.op_type for n in graph.node}
+    assert [n.op_type for n in _readers(graph, "positions")] == ["Cast"]
+    assert [n.op_type for n in _readers(graph, "attention_mask")] == ["Unsqueeze"]
+
+
 def _readers(graph: onnx.GraphProto, name: str) -> list[onnx.NodeProto]:
     """The nodes that read `name` and, while they are one Gather after another, what reads theirs."""
     found, tensor = [], name

@@ -24,18 +24,15 @@ from cosyvoice_export.nets import flow as flow_net
 from cosyvoice_export.nets import llm as llm_net
 from cosyvoice_export.nets.dit import dit_attention_mask
 from cosyvoice_export.onnx.dims import model_dims
+from cosyvoice_export.onnx.trace import ONNX_DTYPES
 from cosyvoice_export.onnx.wrappers.flow import (
     FlowEncoderGraph,
     FlowEstimatorCachedGraph,
-    cached_attention_mask,
 )
 from cosyvoice_export.onnx.wrappers.llm import LLMGraph
-from cosyvoice_graphs import ODE_STEPS, GraphSpec, empty_caches, euler_steps
+from cosyvoice_graphs import ODE_STEPS, GraphSpec, dit_attention, empty_caches, euler_steps
 
 GRAPHS = ("llm", "flow_encoder", "flow_estimator_cached")
-ONNX_DTYPES = {"float32": onnx.TensorProto.FLOAT, "int64": onnx.TensorProto.INT64}
-
-
 @pytest.fixture(scope="module")
 def cfg() -> ModelConfig:
     return tiny(832)
@@ -149,12 +146,26 @@ def test_flow_encoder_equals_inference_decoder_inputs(finalize: bool, flow: flow
 
 @pytest.mark.parametrize("T", [23, 64, 137])
 @pytest.mark.parametrize("streaming", [True, False])
-def test_cached_attention_mask_with_nothing_cached_is_dit_attention_mask(T: int, streaming: bool) -> None:
-    """With no cached frames and positions from 0, the block mask is the DiT's (no padding: the runtime
+def test_dit_attention_with_nothing_cached_is_dit_attention_mask(T: int, streaming: bool) -> None:
+    """With no cached frames and positions from 0, the graph's mask is the DiT's (no padding: the runtime
     never pads), block-causal for b = 50 and full attention for b = T, the runtime's offline call."""
-    b = torch.tensor([50 if streaming else T])
     want = dit_attention_mask(torch.ones(1, 1, T), streaming, 50)  # (1, 1, T, T)
-    assert torch.equal(cached_attention_mask(0, torch.arange(T), b), want)
+    got = dit_attention(0, T, 0, 50 if streaming else T)
+    np.testing.assert_array_equal(got["positions"], np.arange(T))
+    assert torch.equal(torch.from_numpy(got["attention_mask"])[None, None], want)
+
+
+@pytest.mark.parametrize(("offset", "new", "past"), [(100, 37, 100), (600, 20, 100), (50, 45, 50)])
+def test_dit_attention_after_a_cache_sees_every_cached_frame_and_the_blocks_so_far(offset: int, new: int,
+                                                                                     past: int) -> None:
+    """After `past` cached frames, every new frame sees all of them and, among the new ones, every frame up
+    to the end of its own 50-frame block, the blocks counted from the sequence's first frame."""
+    got = dit_attention(offset, new, past, 50)
+    mask = got["attention_mask"]
+    assert mask.shape == (new, past + new) and mask[:, :past].all()
+    for i, p in enumerate(got["positions"]):
+        visible = np.flatnonzero(mask[i, past:])
+        assert visible[0] == 0 and offset + visible[-1] == min((p // 50 + 1) * 50, offset + new) - 1
 
 
 @pytest.mark.parametrize("T", [7, 123, 451])
@@ -170,10 +181,10 @@ def test_cached_graph_with_nothing_cached_equals_dit(T: int, streaming: bool, cf
     spks = rng.standard_normal((2, 80), dtype=np.float32)
     step = T % ODE_STEPS
     t = np.full(2, euler_steps()[step][0])  # the step's time, which the graph's modulation row is of
-    block = np.array([50 if streaming else T])
+    block = 50 if streaming else T
     dit = flow.decoder.estimator
     feeds = {"x": x, "mu": mu, "ode_step": np.array([step]), "spks": spks, "cond": cond,
-             "offset": np.zeros(1, dtype=np.int64), "block_frames": block, **empty_caches(s)}
+             **dit_attention(0, T, 0, block), **empty_caches(s)}
     velocity = _run(wrappers["flow_estimator_cached"], s, feeds)[0]
     mask = torch.ones(2, 1, T)
     with torch.no_grad():

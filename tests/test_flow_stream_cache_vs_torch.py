@@ -21,9 +21,8 @@ from cosyvoice_export.bundle.model_dir import ModelBundle
 from cosyvoice_export.config import full_size, tiny
 from cosyvoice_export.nets import flow as flow_net
 from cosyvoice_export.nets.dit import DiT, dit_attention_mask
-from cosyvoice_export.onnx.wrappers.flow import cached_attention_mask
 from cosyvoice_export.reference.pipeline import ReferencePipeline
-from cosyvoice_graphs import empty_caches, euler_steps
+from cosyvoice_graphs import dit_attention, empty_caches, euler_steps
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.synthesis import Synthesizer
@@ -81,7 +80,7 @@ def _chained(dit: DiT, inputs: tuple[torch.Tensor, ...], schedule: list[int]) ->
         part = slice(start, start + n)
         positions = torch.arange(start, start + n)
         past = 0 if kv is None else kv[0][0].shape[2]
-        mask = cached_attention_mask(past, positions, torch.tensor([BLOCK]))
+        mask = torch.from_numpy(dit_attention(start, n, past, BLOCK)["attention_mask"])[None, None]
         keep = torch.ones(2, n, 1, dtype=torch.bool)
         v, conv, kv = dit.forward_cached(x[:, :, part], mu[:, :, part], modulation, spks, cond[:, :, part],
                                          positions, mask, keep, conv, kv)
@@ -144,8 +143,7 @@ def test_the_graph_with_nothing_cached_is_one_dit_forward(synth: Synthesizer, pi
     x, mu, t, spks, cond = (a.numpy() for a in inputs)
     estimator = synth.flow.estimator
     got = estimator.infer_outputs({"x": x, "mu": mu, "ode_step": np.array([STEP]), "spks": spks, "cond": cond,
-                                   "offset": np.zeros(1, dtype=np.int64),
-                                   "block_frames": np.array([BLOCK if streaming else frames]),
+                                   **dit_attention(0, frames, 0, BLOCK if streaming else frames),
                                    **empty_caches(estimator.spec)}, ["velocity"])
     assert list(got) == ["velocity"]
     err = float(np.abs(got["velocity"] - _one_forward(pipe, inputs, streaming)).max())
@@ -163,8 +161,8 @@ def test_cached_graph_chain_equals_one_dit_forward(synth: Synthesizer, pipe: Ref
     for n in [250, 50, 100]:
         part = slice(start, start + n)
         out = estimator.infer({"x": x[:, :, part], "mu": mu[:, :, part], "ode_step": np.array([STEP]),
-                               "spks": spks, "cond": cond[:, :, part], "offset": np.array([start]),
-                               "block_frames": np.array([BLOCK]), **caches})
+                               "spks": spks, "cond": cond[:, :, part],
+                               **dit_attention(start, n, start, BLOCK), **caches})
         caches = {name: out["present_" + name.removeprefix("past_")] for name in caches}
         got.append(out["velocity"])
         start += n

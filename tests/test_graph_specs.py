@@ -91,7 +91,10 @@ def test_derived_and_pinned_values() -> None:
     final = enc.validate[1]
     assert (enc.sample_inputs(final)["lookahead_tokens"] == -1).all()
     est = spec("flow_estimator_cached", FULL)
-    assert int(est.sample_inputs(est.trace)["block_frames"][0]) == 50
+    traced = est.sample_inputs(est.trace)
+    assert traced["attention_mask"].shape == (64, 164) and traced["attention_mask"][:, :100].all()
+    np.testing.assert_array_equal(traced["positions"], np.arange(100, 164))
+    assert traced["attention_mask"][0, 100:].sum() == 50  # frame 100 sees its block of 50 (100..149)
     dec = spec("hift_decoder", FULL)
     noise = next(t for t in dec.inputs if t.name == "sine_noise")
     assert dec.profile(noise) == ((1, 1920, 9), (1, 240000, 9), (1, 1440000, 9))
@@ -104,14 +107,16 @@ def test_the_dit_graph_covers_offline_and_streaming_calls() -> None:
     with nothing cached over 10 s."""
     s = spec("flow_estimator_cached", FULL)
 
-    def point(case: Case) -> tuple[int, int, int, int]:
-        return (case.dims["new_frames"], case.dims["past_frames"], int(case.values["offset"][0]),
-                int(case.values["block_frames"][0]))
+    def point(case: Case) -> tuple[int, int, int, bool]:
+        """new frames, cached frames, the first new frame's position, and whether they see each other all."""
+        inputs = s.sample_inputs(case)
+        new, past = case.dims["new_frames"], case.dims["past_frames"]
+        return new, past, int(inputs["positions"][0]), bool(inputs["attention_mask"][:, past:].all())
 
     points = [point(c) for c in s.validate]
-    assert any(past == offset == 0 and block == 50 < new for new, past, offset, block in points)
-    assert any(past == offset == 0 and block >= new for new, past, offset, block in points)
-    assert any(past > 0 and block >= offset + new for new, past, offset, block in points)
+    assert any(past == offset == 0 and not full and new > 50 for new, past, offset, full in points)
+    assert any(past == offset == 0 and full for new, past, offset, full in points)
+    assert any(past > 0 and full for new, past, offset, full in points)
     assert (s.dims["new_frames"].opt, s.dims["past_frames"].opt) == (500, 0)
     graph, dim = NOISE_TABLES[FLOW_NOISE]
     assert (graph, s.dims[dim].max) == ("flow_estimator_cached", 3000)

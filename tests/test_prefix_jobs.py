@@ -49,7 +49,7 @@ def _record(runner: Runner, name: str, events: list[tuple[str, str, int]], monke
     run = runner.infer_outputs
 
     def infer_outputs(feeds: Mapping[str, Any], names: Sequence[str]) -> dict[str, np.ndarray]:
-        offset = int(np.asarray(feeds["offset"])[0]) if "offset" in feeds else 0
+        offset = int(np.asarray(feeds["positions"])[0]) if "positions" in feeds else 0
         events.append((threading.current_thread().name, name, offset))
         return run(feeds, names)
 

@@ -98,7 +98,7 @@ def test_spec_version_mismatch(runtime_bundle: Path, tmp_path: Path) -> None:
     root = clone(runtime_bundle, tmp_path,
                  lambda m: m["graphs"]["flow_estimator_cached"].update(spec_version=99))
     one_line_error(root, r"graphs.flow_estimator_cached is spec 'flow_estimator_cached' version 99, this "
-                         r"runtime needs 'flow_estimator_cached' version 4")
+                         r"runtime needs 'flow_estimator_cached' version 5")
 
 
 def test_missing_graph_entry(runtime_bundle: Path, tmp_path: Path) -> None:

@@ -69,8 +69,8 @@ def test_every_flow_call_runs_on_the_dit_graph(synth: Synthesizer, monkeypatch: 
 
     def counting(feeds: Any, names: Any) -> dict[str, np.ndarray]:
         fetched.append(len(names))
-        if len(names) == 1:  # nothing cached: zero past frames, offset 0, zero conv context
-            assert int(feeds["offset"][0]) == 0
+        if len(names) == 1:  # nothing cached: zero past frames, positions from 0, zero conv context
+            assert int(feeds["positions"][0]) == 0
             assert all(np.array_equal(feeds[k], v) for k, v in empty_caches(estimator.spec).items())
         return infer_outputs(feeds, names)
 

@@ -173,7 +173,12 @@ class _InputEmbedding(nn.Module):
                 past_conv: tuple[Tensor, Tensor] | None = None, onnxruntime_only: bool = False
                 ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """(B, T, dim), and the conv position embedding's caches (see `_CausalConvPositionEmbedding`)."""
-        spks = spks[:, None, :].expand(-1, x.shape[1], -1)  # (B, T, spk_dim)
+        if torch.onnx.is_in_onnx_export():
+            # the same frames without reading x's shape: an expand to T traces as index arithmetic on it,
+            # which onnxruntime's CUDA provider runs on the CPU, and then no CUDA graph can replay the DiT
+            spks = spks[:, None, :] + 0 * x[:, :, :1]  # (B, T, spk_dim); x is finite
+        else:
+            spks = spks[:, None, :].expand(-1, x.shape[1], -1)  # (B, T, spk_dim)
         x = self.proj(torch.cat((x, cond, mu, spks), dim=-1))  # (B, T, dim); upstream's column order
         pos, conv = self.conv_pos_embed(x, past_conv, onnxruntime_only)
         return pos + x, conv
@@ -426,8 +431,8 @@ class DiT(nn.Module):
         # The additive form of the mask, built once for every block (scaled_dot_product_attention turns a
         # boolean one into it per block, and its export then guards every block's softmax against
         # all-masked rows: IsNaN + Where over (B, H, T, S), docs/performance-log.md); no row is all-masked
-        # here (the masks open any row that would be).
-        bias = torch.zeros_like(attn_mask, dtype=h.dtype).masked_fill(~attn_mask, float("-inf"))
+        # here (the masks open any row that would be). A Where of two scalars: no node reads the mask's shape.
+        bias = torch.where(attn_mask, 0.0, float("-inf")).to(h.dtype)
         kv = []
         for i, block in enumerate(self.transformer_blocks):
             h, k, v = block(h, mods[6 * i:6 * i + 6], cos, sin, bias, keep,

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from cosyvoice_graphs import GraphSpec, empty_caches, euler_steps
+from cosyvoice_graphs import GraphSpec, dit_attention, empty_caches, euler_steps
 
 from ..nets.flow import CausalMaskedDiffWithDiT
 from .graphs import NetworkSource
@@ -86,8 +86,7 @@ class OnnxEstimator(nn.Module):
             raise ExportError(f"{self.spec.name}: the graph holds the time modulation of its Euler steps' "
                               f"times only, not of t = {t.tolist()}")
         feeds["ode_step"] = np.array([step], dtype=np.int64)
-        feeds |= {"offset": np.zeros(1, dtype=np.int64),
-                  "block_frames": np.array([x.shape[2]], dtype=np.int64)}  # full attention
+        feeds |= dit_attention(0, x.shape[2], 0, x.shape[2])  # full attention
         unknown = set(self.spec.input_names) - set(feeds)
         if unknown:
             raise ExportError(f"{self.spec.name}: solve gates cannot feed inputs {sorted(unknown)}")

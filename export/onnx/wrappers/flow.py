@@ -7,8 +7,6 @@ frames, given the caches of the earlier ones (none for a call over every frame).
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -46,31 +44,16 @@ class FlowEncoderGraph(nn.Module):
         return h.transpose(1, 2), spks
 
 
-def cached_attention_mask(past_frames: int | Tensor, positions: Tensor, block_frames: Tensor) -> Tensor:
-    """The new frames' mask over [cached | new] keys: (1, 1, T, P + T) for `positions` (T,) of the new frames.
-
-    Every cached key is visible (the caller caches only frames that the block-causal mask shows to every
-    later frame); among the new frames, position p sees position q iff ``q < (p // b + 1) * b``
-    (b = `block_frames`), so b >= the last position + 1 is full attention.
-    """
-    # traced, `past_frames` is a 0-d tensor (a dynamic size), which torch.ones takes though its stubs say int
-    past = cast(int, past_frames)
-    cached = torch.ones(positions.shape[0], past, dtype=torch.bool, device=positions.device)  # (T, P)
-    block_end = (torch.div(positions, block_frames, rounding_mode="floor") + 1) * block_frames  # (T,)
-    new = positions[None, :] < block_end[:, None]  # (T, T)
-    return torch.cat((cached, new), dim=1)[None, None]
-
-
 class FlowEstimatorCachedGraph(nn.Module):
     """`DiT.forward_cached` for the CFG batch, its caches flattened into the spec's I/O order, the time
     modulation of every Euler step (`euler_steps`) precomputed in `modulations`.
 
-    Inputs: x, mu (2, 80, T), ode_step (1,), spks (2, 80), cond (2, 80, T), offset (1,) (the position of
-    the first new frame), block_frames (1,), past_pos_conv1/2 (2, dim, kernel - 1), then past_key_i,
-    past_value_i (2, H, P, Dh) per block i. Outputs: velocity (2, 80, T), present_pos_conv1/2, then
-    present_key_i, present_value_i (2, H, P + T, Dh). Every frame is a real one (the runtime never pads), so
-    no query row is masked. `onnxruntime_only`: its export is written for a graph that only onnxruntime runs
-    (`DiT.forward_cached`).
+    Inputs: x, mu (2, 80, T), ode_step (1,), spks (2, 80), cond (2, 80, T), positions (T,) (the new frames'
+    places in the sequence), attention_mask (T, P + T) (`cosyvoice_graphs.dit_attention`), past_pos_conv1/2
+    (2, dim, kernel - 1), then past_key_i, past_value_i (2, H, P, Dh) per block i. Outputs: velocity
+    (2, 80, T), present_pos_conv1/2, then present_key_i, present_value_i (2, H, P + T, Dh). Every frame is a
+    real one (the runtime never pads), so no query row is masked. `onnxruntime_only`: its export is written
+    for a graph that only onnxruntime runs (`DiT.forward_cached`).
     """
 
     modulations: Tensor
@@ -87,14 +70,13 @@ class FlowEstimatorCachedGraph(nn.Module):
         self.register_buffer("modulations", torch.cat(rows))  # (steps, (6 depth + 2) dim)
 
     def forward(self, x: Tensor, mu: Tensor, ode_step: Tensor, spks: Tensor, cond: Tensor,
-                offset: Tensor, block_frames: Tensor, past_pos_conv1: Tensor, past_pos_conv2: Tensor,
+                positions: Tensor, attention_mask: Tensor, past_pos_conv1: Tensor, past_pos_conv2: Tensor,
                 *past_kv: Tensor) -> tuple[Tensor, ...]:
-        """x, mu, ode_step, spks, cond, offset, block_frames, past_pos_conv1, past_pos_conv2, past_key_0,
+        """x, mu, ode_step, spks, cond, positions, attention_mask, past_pos_conv1, past_pos_conv2, past_key_0,
         past_value_0, past_key_1, ... -> velocity, present_pos_conv1, present_pos_conv2, present_key_0, ..."""
         if len(past_kv) != 2 * self.depth:
             raise ValueError(f"expected {2 * self.depth} past key/value tensors, got {len(past_kv)}")
-        positions = offset + torch.arange(x.shape[2], device=x.device)  # (T,)
-        attn_mask = cached_attention_mask(past_kv[0].shape[2], positions, block_frames)  # (1, 1, T, P + T)
+        attn_mask = attention_mask[None, None]  # (1, 1, T, P + T)
         pairs = list(zip(past_kv[0::2], past_kv[1::2], strict=True))
         modulation = self.modulations.index_select(0, ode_step)  # (1, M): both CFG rows share t
         velocity, conv, kv = self.dit.forward_cached(x, mu, modulation, spks, cond, positions, attn_mask,
