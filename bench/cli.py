@@ -79,9 +79,9 @@ def _user_errors() -> Iterator[None]:
                    "each, on a GPU every session's]")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None,
               help="Replay the runtime's decode steps from CUDA graphs (cuda, a bundle with llm_decode: "
-                   "--precision decode=fp16 or gpu-fp16); the decodings then run in a batch, of one where "
-                   "the runs have no batch, one stream's at a time  [default: as the runtime, wherever "
-                   "they can]")
+                   "--precision decode=fp16 or gpu-fp16), and its DiT's calls where it is tf32's or "
+                   "gpu-fp16's; the decodings then run in a batch, of one where the runs have no batch, one "
+                   "stream's at a time  [default: as the runtime, wherever they can]")
 @click.option("--stack-dit", is_flag=True,
               help="Run concurrent sessions' DiT calls at the same ODE step and frames as one call "
                    "(the runtime's DitStack); the concurrency table then says how many streams a call "

@@ -25,6 +25,7 @@ from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, CUDA, OPTIMIZATION
 from cosyvoice_runtime.runners.ort_settings import CONV_ALGO_SEARCHES
+from cosyvoice_runtime.synthesis import dit_replays
 
 from .backend import Backend, Figures, FirstChunk, StreamRun
 from .bounds import (
@@ -214,7 +215,8 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
             "quick": s.quick,
             "first_chunk_tokens": s.latency_policy.first_chunk_tokens if s.latency_policy else None,
             "thread_scaling": s.thread_scaling, "chunk_slots": s.chunk_slots, "cuda_graphs": s.cuda_graphs,
-            "stack_dit": s.stack_dit, "stack_vocoder": s.stack_vocoder,
+            "dit_graphs": s.cuda_graphs and dit_replays(bundle), "stack_dit": s.stack_dit,
+            "stack_vocoder": s.stack_vocoder,
         },
         "machine": machine,
         "cpu_class": machine["cpu_class"],

@@ -125,7 +125,7 @@ step tests 300 "$PY" -m pytest -q -p no:cacheprovider -rs --failures-at-once tes
     tests/test_dit_stacking.py tests/test_decode_graphs.py \
     tests/test_dit_stack.py::test_on_cuda_stacked_streams_keep_their_caches_there \
     tests/test_vocoder_stack.py::test_on_cuda_stacked_windows_follow_their_calls_alone \
-    tests/test_shape_pool.py
+    tests/test_shape_pool.py tests/test_dit_graphs.py::test_on_cuda_replayed_calls_equal_launched_ones
 [ -f "$WORK/gates/llm.pt" ] || step tiny-model 120 "$PY" -m cosyvoice_export tiny-bundle "$WORK/gates"
 for p in $GATES; do
     tag=${p//[=,]/-}

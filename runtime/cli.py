@@ -86,8 +86,8 @@ def _read_text(text: str, stdin: IO[str]) -> str:
                    "measured setting, else one per core]")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None,
               help="Replay the LLM's decode steps from CUDA graphs: --provider cuda with a bundle whose "
-                   "decode steps run on llm_decode (--precision decode=fp16 or gpu-fp16)  [default: wherever "
-                   "they can]")
+                   "decode steps run on llm_decode (--precision decode=fp16 or gpu-fp16); the DiT's calls "
+                   "too where it is tf32's or gpu-fp16's  [default: wherever they can]")
 @click.option("--tokens-out", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the speech tokens of every segment as JSON.")
 @click.option("--chunks-out", type=click.Path(dir_okay=False, path_type=Path),

@@ -141,7 +141,8 @@ class CosyVoice3:
         when every stream emits its chunks (None: upstream's schedule; `ChunkPolicy.first_chunk_tokens` a
         deviation from it for latency), checked against the graphs here; `cuda_graphs` replays the decode
         steps from CUDA graphs (on cuda, with `llm_decode`: `decode_graphs`; None: wherever they can, so
-        that threads calling at once decode one after another unless `max_batch` batches them);
+        that threads calling at once decode one after another unless `max_batch` batches them), and the DiT's
+        calls where its graph allows (`synthesis.dit_replays`, `dit_graphs`);
         `stack_dit` runs concurrent streams' DiT calls at the same ODE step and frames as one call
         (`dit_stack`), `stack_vocoder` their vocoder calls over the same frames (`Vocoder.stack_calls`).
 

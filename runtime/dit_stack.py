@@ -16,6 +16,7 @@ and by onnxruntime's Concat on the device (`RowConcat`) when they do not.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -64,6 +65,15 @@ DitResult = tuple[np.ndarray, dict[str, Feed]]
 """A stream's part of a call: its velocity and, as the call's `Presents` says, its caches."""
 
 
+class DitCall(Protocol):
+    """How one call runs (`call_alone` on a runner, or `dit_graphs.GraphedDit`)."""
+
+    def __call__(self, feeds: Mapping[str, Feed], *, presents: Presents) -> DitResult:
+        """The velocity (2 per stream, 80, n) of a call on `feeds` (every input of the graph) and, as
+        `presents` says, the caches for the next call, by input name."""
+        ...
+
+
 class DitCalls(Protocol):
     """How a chunk makes its DiT calls: alone (`AloneCalls`) or through a `DitStack` (`StackedCalls`)."""
 
@@ -89,14 +99,14 @@ def call_alone(estimator: Runner, feeds: Mapping[str, Feed], *, presents: Presen
 
 @dataclass(frozen=True)
 class AloneCalls:
-    """A chunk's DiT calls made one by one on its own thread."""
+    """A chunk's DiT calls made one by one on its own thread, each through `call`."""
 
-    estimator: Runner
+    call: DitCall
 
     def velocity(self, feeds: Mapping[str, Feed], *, presents: Presents, pause: Callable[[], None]
                  ) -> DitResult:
         pause()
-        return call_alone(self.estimator, feeds, presents=presents)
+        return self.call(feeds, presents=presents)
 
 
 def row_inputs(spec: GraphSpec) -> set[str]:
@@ -128,10 +138,12 @@ class DitStack(CallStack[CallKey, Mapping[str, Feed], DitResult]):
     """Gathers concurrent chunks' calls of one `flow_estimator_cached` runner by `CallKey` and runs each group
     as one call of up to `max_streams` CFG pairs (see the module)."""
 
-    def __init__(self, estimator: Runner, *, max_streams: int = MAX_BATCH, linger_s: float = LINGER_S
-                 ) -> None:
+    def __init__(self, estimator: Runner, *, call: DitCall | None = None, max_streams: int = MAX_BATCH,
+                 linger_s: float = LINGER_S) -> None:
+        """`call` runs each stacked call (None: `call_alone` on `estimator`)."""
         super().__init__(self._run_group, after=CallKey.next, max_streams=max_streams, linger_s=linger_s)
         self.estimator = estimator
+        self.dit_call: DitCall = functools.partial(call_alone, estimator) if call is None else call
         spec = estimator.spec
         self.pairs = cache_pairs(spec)
         self.rows_per_stream = spec.derived[DIT_ROWS].terms[BATCH]
@@ -165,7 +177,7 @@ class DitStack(CallStack[CallKey, Mapping[str, Feed], DitResult]):
     def _run_group(self, key: CallKey, group: list[Mapping[str, Feed]]) -> list[DitResult]:
         """One call of `group`'s CFG pairs; each stream's rows of its outputs."""
         if len(group) == 1:
-            return [call_alone(self.estimator, group[0], presents=key.presents)]
+            return [self.dit_call(group[0], presents=key.presents)]
         order = list(range(len(group)))
         if key.presents == Presents.DEVICE:  # rows of one buffer, in order, stack again without a copy
             order.sort(key=lambda i: _place(group[i][self.pairs[0][0]]))
@@ -174,7 +186,7 @@ class DitStack(CallStack[CallKey, Mapping[str, Feed], DitResult]):
         feeds: dict[str, Feed] = dict(stacked_feeds(self.estimator.spec, [
             {name: to_host(v) for name, v in p.items() if name not in pasts} for p in parts]))
         feeds.update(self._stacked_caches(parts, pasts))
-        velocity, caches = call_alone(self.estimator, feeds, presents=key.presents)
+        velocity, caches = self.dit_call(feeds, presents=key.presents)
         results: dict[int, DitResult] = {}
         for place, i in enumerate(order):
             rows = slice(self.rows_per_stream * place, self.rows_per_stream * (place + 1))

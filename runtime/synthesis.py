@@ -30,6 +30,7 @@ import numpy as np
 
 from cosyvoice_graphs import DIT, FLOW_ENCODER, HIFT_DECODER, HIFT_F0, LLM_DECODE, MAX_BATCH
 from cosyvoice_graphs.bundle_layout import FLOW_NOISE, SINE_NOISE, SPEECH_EMBEDDING, TEXT_EMBEDDING
+from cosyvoice_graphs.precision import FP16, TF32
 from cosyvoice_graphs.recipes import RECIPES
 
 from .bundle import RuntimeBundle
@@ -37,6 +38,7 @@ from .chunk_policy import ChunkPolicy, check_policy
 from .chunk_turns import ChunkTurns, no_pause
 from .decode_batch import BatchedDecoding, BatchObserver, DecodeBatcher
 from .decode_graphs import GraphedSteps
+from .dit_graphs import GraphedDit
 from .dit_stack import DitStack
 from .errors import SynthesisError, UserError
 from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
@@ -47,6 +49,7 @@ from .runners import (
     CPU,
     CPU_PROVIDERS,
     CUDA,
+    OrtRunner,
     Runner,
     ShapePool,
     decode_body,
@@ -59,6 +62,8 @@ from .sampling import Sampler
 from .token2wav import Flow, FlowStream, Vocoder, VocoderCalls, VocoderStream, change_speed
 
 log = logging.getLogger(__name__)
+GRAPH_CAPTURE_REFUSED = "cannot use the graph capture feature"
+"""What onnxruntime says where it refuses a session CUDA graphs (a node placed off the GPU)."""
 
 __all__ = ["AudioChunk", "ChunkTimings", "Mode", "Synthesis", "SynthesisError", "Synthesizer",
            "llm_request"]
@@ -167,7 +172,8 @@ class Synthesizer:
         `chunk_slots` is how many of the batch's streams run their chunks' flow and vocoder calls at once
         (`set_max_batch`). `cuda_graphs`: the decode steps replay from CUDA graphs (`decode_graphs`; on
         cuda, where `llm_decode` takes them), in a batch even of one (None: wherever they can,
-        `uses_cuda_graphs`). `stack_dit`: concurrent DiT calls at the
+        `uses_cuda_graphs`), and so do the DiT's calls where its graph allows (`dit_replays`,
+        `dit_graphs`). `stack_dit`: concurrent DiT calls at the
         same ODE step over the same frames run as one call (`dit_stack`; the calls of chunks that run at once:
         every stream's without a batch, a batch's `chunk_slots`). `stack_vocoder`: concurrent vocoder calls
         over the same frames run as one `hift_decoder` call (`Vocoder.stack_calls`). `chunk_policy` is the
@@ -185,8 +191,11 @@ class Synthesizer:
         self._runners: dict[str, Runner] = {}
         try:
             for name in graphs_run(bundle, provider):
-                self._runners[name] = open_runner(bundle, name, provider, threads=threads,
-                                                  cuda_graph=cuda_graphs and name == LLM_DECODE)
+                if name == DIT and cuda_graphs and dit_replays(bundle):
+                    self._runners[name] = open_replayed_dit(bundle, provider, threads)
+                else:
+                    self._runners[name] = open_runner(bundle, name, provider, threads=threads,
+                                                      cuda_graph=cuda_graphs and name == LLM_DECODE)
         except BaseException:
             self.close()
             raise
@@ -197,10 +206,14 @@ class Synthesizer:
                                 sos=bundle.sos, task_id=bundle.task_id, endofprompt_id=bundle.endofprompt_id,
                                 speech_token_size=self.dims.speech_token_size,
                                 prefill=None if prefill is None else r[prefill])
-        self.flow = Flow(r[FLOW_ENCODER], r[DIT], bundle.table(FLOW_NOISE), self.dims,
-                         prefix_cache_bytes=flow_prefix_bytes)
+        estimator = r[DIT]
+        self.dit_graphs = GraphedDit(estimator) if isinstance(estimator, OrtRunner) and estimator.cuda_graph \
+            else None
+        """Where the DiT's calls replay from CUDA graphs (`cuda_graphs`, `dit_replays`)."""
+        self.flow = Flow(r[FLOW_ENCODER], estimator, bundle.table(FLOW_NOISE), self.dims,
+                         prefix_cache_bytes=flow_prefix_bytes, call=self.dit_graphs)
         if stack_dit:
-            self.flow.stack = DitStack(r[DIT])
+            self.flow.stack = DitStack(estimator, call=self.flow.call)
         # where a vocoder graph has a session per shape, its calls keep to shapes they have had
         pooled = isinstance(r[HIFT_DECODER], ShapePool)
         self.vocoder = Vocoder(r[HIFT_F0], r[HIFT_DECODER], bundle.uniform_noise(SINE_NOISE), self.dims,
@@ -266,6 +279,9 @@ class Synthesizer:
         batcher: DecodeBatcher | None = getattr(self, "batcher", None)  # None too while the runners open
         if batcher is not None:
             batcher.close()
+        dit_graphs: GraphedDit | None = getattr(self, "dit_graphs", None)
+        if dit_graphs is not None:
+            dit_graphs.release()
         for runner in self._runners.values():
             runner.close()
 
@@ -420,6 +436,31 @@ def uses_cuda_graphs(asked: bool | None, bundle: RuntimeBundle, provider: str) -
     if asked:
         check_cuda_graphs(bundle, provider)
     return asked
+
+
+def dit_replays(bundle: RuntimeBundle) -> bool:
+    """Whether `bundle`'s DiT calls can replay from CUDA graphs: where its graph is the floating-point form
+    written for onnxruntime (`Precision.onnxruntime_only`: tf32's, fp16's without TensorRT plans), which reads
+    no shape and computes nothing on the CPU (its positions and mask are inputs); fp32's standard operators
+    reshape by the shapes they read, and the int8 form's quantization does."""
+    precision = bundle.graph_precision(DIT)
+    return precision.name in (TF32.name, FP16.name) and precision.onnxruntime_only(
+        trt_plans=bundle.has_trt_plan(DIT), float32_cuda_form=RECIPES[DIT].float32_cuda_form)
+
+
+def open_replayed_dit(bundle: RuntimeBundle, provider: str, threads: int | None) -> Runner:
+    """`bundle`'s DiT opened to replay its calls from CUDA graphs (`dit_replays`). onnxruntime refuses a
+    session with CUDA graphs where it places a node off the GPU; then the DiT opens without them, its calls
+    launched node by node, and the log says why."""
+    try:
+        return open_runner(bundle, DIT, provider, threads=threads, cuda_graph=True)
+    except Exception as e:  # onnxruntime's own exception types, not part of its public API
+        if GRAPH_CAPTURE_REFUSED not in str(e):
+            raise
+        reason = str(e).strip().splitlines()[-1]
+        log.warning("%s: the DiT's calls launch node by node: onnxruntime refused its CUDA graphs (%s)",
+                    bundle.root, reason)
+    return open_runner(bundle, DIT, provider, threads=threads)
 
 
 def check_cuda_graphs(bundle: RuntimeBundle, provider: str) -> None:

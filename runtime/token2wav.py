@@ -32,6 +32,7 @@ call over many frames runs as such a stream, so that the calls' lengths repeat.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -53,7 +54,7 @@ from cosyvoice_graphs.hift_layout import HiftLayout
 
 from .call_stack import CallStack, StackMember
 from .chunk_turns import no_pause
-from .dit_stack import AloneCalls, DitCalls, DitStack, Presents
+from .dit_stack import AloneCalls, DitCall, DitCalls, DitStack, Presents, call_alone
 from .errors import SynthesisError
 from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES, FlowPrefix, FlowPrefixCache
 from .frontend import PromptFeatures
@@ -133,11 +134,13 @@ class Flow:
     """
 
     def __init__(self, encoder: Runner, estimator: Runner, noise: np.ndarray, dims: ModelDims, *,
-                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, call: DitCall | None = None) -> None:
         """`estimator` is the `flow_estimator_cached` graph; `noise` is the bundle's `flow_noise` table
         (1, mel_bins, max frames), read from frame 0; `prefix_cache_bytes` bounds `prefixes` (0: none
-        kept, every stream computes its prompt's prefix)."""
+        kept, every stream computes its prompt's prefix); `call` runs each DiT call (None: `call_alone` on
+        `estimator`; `dit_graphs.GraphedDit` replays them from CUDA graphs)."""
         self.encoder, self.estimator = encoder, estimator
+        self.call: DitCall = functools.partial(call_alone, estimator) if call is None else call
         self.keep_on_device = isinstance(estimator, OrtRunner) and estimator.device_type != CPU
         """Whether a stream's DiT caches stay on the GPU that computed them between calls (an exact
         stream's: a windowed one cuts them on the host), instead of crossing to the host and back at
@@ -176,7 +179,7 @@ class Flow:
         """How a call's or a chunk's DiT calls run: through `stack` as a member for its flow work (joined
         before its encoder call, so that streams whose chunks start together go through the ODE together),
         or alone."""
-        return nullcontext(AloneCalls(self.estimator)) if self.stack is None else self.stack.chunk_calls()
+        return nullcontext(AloneCalls(self.call)) if self.stack is None else self.stack.chunk_calls()
 
     def stream(self, prompt: PromptFeatures, *, window: int | None = None) -> FlowStream:
         """A new utterance's `FlowStream`: exact caches (`window=None`), or attention bounded to the
@@ -401,7 +404,7 @@ class FlowStream:
         (None: alone, as a prompt's prefix computes, whose caches a `FlowPrefixCache` keeps: rows of a stacked
         call's outputs would hold the whole call's memory there)."""
         flow, first = self.flow, self.frames
-        dit = calls if calls is not None else AloneCalls(flow.estimator)
+        dit = calls if calls is not None else AloneCalls(flow.call)
         end = first + mu.shape[2]
         feeds = {**dit_attention(first, mu.shape[2], self.cached_frames, block_frames),
                  **_cfg_rows(mu, spks, flow.cond(self.prompt, first, end))}

@@ -85,8 +85,8 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
                    "when --threads is not given), on a GPU every session's].")
 @click.option("--cuda-graphs", is_flag=True,
               help="Replay the decode steps from CUDA graphs (--provider cuda, a bundle with llm_decode: "
-                   "--precision decode=fp16 or gpu-fp16). The sessions decode in the batch, one at a time "
-                   "without --max-batch.")
+                   "--precision decode=fp16 or gpu-fp16), and the DiT's calls where it is tf32's or "
+                   "gpu-fp16's. The sessions decode in the batch, one at a time without --max-batch.")
 @click.option("--stack-dit", is_flag=True,
               help="Run concurrent sessions' DiT calls at the same ODE step and frames as one call "
                    "(a float DiT: fp32, fp16, bf16; on a GPU each call's time is mostly its launches). "

@@ -49,7 +49,7 @@ class ServerSettings:
     (`ChunkTurns`); None: `synthesis.default_chunk_slots` (one where a session's graphs take every core)."""
     cuda_graphs: bool = False
     """The decode steps replay from CUDA graphs (on cuda, with `llm_decode`: `decode_graphs`), in the batch,
-    of one session where `max_batch` is 1."""
+    of one session where `max_batch` is 1, and so do the DiT's calls where its graph allows (`dit_graphs`)."""
     stack_dit: bool = False
     """Concurrent sessions' DiT calls at the same ODE step and frames run as one call (`dit_stack`)."""
     stack_vocoder: bool = False

@@ -109,6 +109,7 @@ def check_figures(figures: dict[str, Any], pinned: int, *, torch_side: bool, pol
 def check_common(result: dict[str, Any], lengths: list[str], levels: list[int], *, threads: int = 1,
                  policy: bool = False) -> None:
     assert result["schema"] == "cosyvoice-bench/1" and result["settings"]["lengths"] == lengths
+    assert result["settings"]["cuda_graphs"] is result["settings"]["dit_graphs"] is False  # the CPU's
     machine = result["machine"]
     assert machine["threads"] == threads and machine["memory_bandwidth_gbs"] > 0 and machine["onnxruntime"]
     assert set(machine["vector_features"]) == {"AVX2", "AVX-512", "VNNI", "BF16", "AMX"}

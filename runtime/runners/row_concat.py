@@ -33,8 +33,10 @@ class RowConcat:
         self.device_id = device_id
         self._sessions: dict[int, ort.InferenceSession] = {}
 
-    def __call__(self, parts: Sequence[Mapping[str, Feed]]) -> dict[str, ort.OrtValue]:
-        """Each name's feeds of `parts`, in order, as one tensor on the provider's device."""
+    def __call__(self, parts: Sequence[Mapping[str, Feed]], *, into: Mapping[str, ort.OrtValue] | None = None
+                 ) -> dict[str, ort.OrtValue]:
+        """Each name's feeds of `parts`, in order, as one tensor on the provider's device: a new one, or
+        written into `into`'s (of the result's shape, on that device). Of one part, a copy."""
         if not parts:
             raise ValueError("nothing to concatenate")
         with on_device(self.provider):
@@ -42,7 +44,10 @@ class RowConcat:
             binding = bound_inputs(session, {f"{name}.{i}": part[name] for i, part in enumerate(parts)
                                              for name in self.tensors}, self.device_id)
             for name in self.tensors:
-                binding.bind_output(name, self.provider, self.device_id)
+                if into is None:
+                    binding.bind_output(name, self.provider, self.device_id)
+                else:
+                    binding.bind_ortvalue_output(name, into[name])
             session.run_with_iobinding(binding)
         return dict(zip(self.tensors, binding.get_outputs(), strict=True))
 

@@ -1,0 +1,195 @@
+"""`flow_estimator_cached`'s calls replayed from CUDA graphs (onnxruntime's CUDA provider's
+`enable_cuda_graph`).
+
+At one stream a DiT call is mostly the host's work of launching its few hundred nodes: on an H200 a first
+chunk's ten calls took 0.116 s of which the kernels are a small part (docs/gpu.md). onnxruntime captures a
+call's kernels into a CUDA graph and replays them with one launch, where no node of the graph runs on the CPU
+(the DiT takes its positions and attention mask as inputs for that) and every input and output is bound at the
+device address it had at the capture, with the same shape. A stream's caches are its own, one set per ODE
+step, and grow every chunk, so `GraphedDit` keeps per shape of a call (rows, new and cached frames) a binding
+over device memory of its own: before a call the host inputs are written into it and the caches copied into
+it on the device (`RowConcat` of one part), after it the velocity is copied to the host and the caches to
+where the call's `Presents` wants them. The ten ODE steps of a chunk are calls of one shape: onnxruntime's
+regular runs, then its capture, then replays. A capture holds the GPU alone (`capture_gate`), so a shape is
+bound once it comes again (`BIND_AFTER`), and a handful are kept (`MAX_GRAPHS`).
+
+A shape's binding serves one call at a time; a call that finds it busy (another stream's, on another thread)
+runs as an ordinary call. On a runner without CUDA graphs (the CPU's, in tests) the bindings run as ordinary
+calls: a call gives what `dit_stack.call_alone` gives.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import onnxruntime as ort
+
+from cosyvoice_graphs import BATCH, DIT_ROWS, ODE_STEPS, TensorSpec, cache_pairs
+
+from .decode_graphs import CAPTURE_RUNS
+from .dit_stack import DitResult, Presents, call_alone
+from .runners import OrtRunner, feed_shape, to_host
+from .runners.base import Feed
+from .runners.capture_gate import GATE, on_device
+from .runners.ort import GPU_GRAPH_ID
+from .runners.row_concat import RowConcat
+
+MAX_GRAPHS = 8
+"""Shapes whose bindings (and CUDA graphs) `GraphedDit` keeps, the least recently called let go first: a
+shape's device memory holds its caches in and out (at full size ~0.35 MB a cached frame each way) beside
+what onnxruntime keeps for its graph."""
+BIND_AFTER = ODE_STEPS
+"""Calls of a shape launched before `GraphedDit` binds it: one chunk's. A capture holds the GPU alone and
+a binding holds memory, so a shape is bound once it comes again (a voice's first chunk, the later chunks of
+a schedule, in the next request or another stream), not for a length that comes once (an offline call)."""
+SEEN_SHAPES = 64
+"""Unbound shapes whose launched calls `GraphedDit` counts, the least recent forgotten first."""
+
+
+class Shape(NamedTuple):
+    """What a binding is made for: a call's rows (two per stream), new frames and cached frames."""
+
+    rows: int
+    new_frames: int
+    past_frames: int
+
+
+@dataclass
+class _Graph:
+    """One shape's binding, the device memory bound in it, and its calls so far."""
+
+    id: int
+    binding: ort.IOBinding
+    run_options: ort.RunOptions
+    inputs: dict[str, ort.OrtValue]
+    outputs: dict[str, ort.OrtValue]
+    runs: int = 0
+    busy: threading.Lock = field(default_factory=threading.Lock)
+
+
+class GraphedDit:
+    """`flow_estimator_cached` calls of `runner`, each shape replayed from its CUDA graph where the runner
+    captures them (`OrtRunner(cuda_graph=True)`); a `dit_stack.DitCall` (see the module)."""
+
+    def __init__(self, runner: OrtRunner, *, max_graphs: int = MAX_GRAPHS, bind_after: int = BIND_AFTER
+                 ) -> None:
+        if max_graphs < 1 or bind_after < 0:
+            raise ValueError(f"max_graphs must be >= 1 and bind_after >= 0, got {max_graphs}, {bind_after}")
+        self.runner = runner
+        self.max_graphs, self.bind_after = max_graphs, bind_after
+        spec = runner.spec
+        self._pairs = cache_pairs(spec)
+        pasts = {past for past, _ in self._pairs}
+        self._copy = RowConcat({t.name: (t.np_dtype, len(t.shape)) for t in spec.inputs if t.name in pasts},
+                               runner.provider, runner.device_id)
+        """Copies caches on the device: into a binding's inputs, out of its outputs."""
+        self._dtypes = {t.name: t.np_dtype for t in spec.inputs}
+        self._rows_per_stream = spec.derived[DIT_ROWS].terms[BATCH]
+        self._keys_input = next(t.name for t in spec.inputs if t.shape[2:3] == ("past_frames",))
+        self._graphs: OrderedDict[Shape, _Graph] = OrderedDict()
+        self._seen: OrderedDict[Shape, int] = OrderedDict()
+        """Unbound shapes -> their calls launched so far."""
+        self._lock = threading.Lock()
+        """Guards `_graphs`, `_seen` and `_next_id`."""
+        self._next_id = 1  # onnxruntime keeps 0, its default, to itself (and -1 runs outside the graphs)
+
+    @property
+    def graphs(self) -> int:
+        """Shapes bound now (each a CUDA graph once captured)."""
+        return len(self._graphs)
+
+    def __call__(self, feeds: Mapping[str, Feed], *, presents: Presents) -> DitResult:
+        """One call on `feeds` (every input of the graph): the velocity and, as `presents` says, the caches
+        for the next call (on the device: tensors of their own), as `call_alone` gives them."""
+        rows, _, new_frames = feed_shape(feeds["x"])
+        graph = self._claim(Shape(rows, new_frames, feed_shape(feeds[self._keys_input])[2]))
+        if graph is None:
+            return call_alone(self.runner, feeds, presents=presents)
+        try:
+            return self._run(graph, feeds, presents)
+        finally:
+            graph.busy.release()
+
+    def release(self) -> None:
+        """Let every shape's binding and graph go; later calls bind and capture anew, under new graph ids."""
+        with self._lock:
+            while self._graphs:
+                _, graph = self._graphs.popitem(last=False)
+                with graph.busy:
+                    self._let_go(graph)
+
+    def _claim(self, shape: Shape) -> _Graph | None:
+        """`shape`'s graph, bound now if it was not, held for this call; None where the call is launched: a
+        shape called fewer than `bind_after` times before, or one another call holds."""
+        with self._lock:
+            graph = self._graphs.get(shape)
+            if graph is None:
+                seen = self._seen.pop(shape, 0)
+                if seen < self.bind_after:
+                    self._seen[shape] = seen + 1
+                    while len(self._seen) > SEEN_SHAPES:
+                        self._seen.popitem(last=False)
+                    return None
+                for old in list(self._graphs):
+                    if len(self._graphs) < self.max_graphs:
+                        break
+                    if self._graphs[old].busy.acquire(blocking=False):
+                        self._let_go(self._graphs.pop(old))
+                with on_device(self.runner.device_type):  # device memory of its own
+                    graph = self._graphs[shape] = self._bind(shape)
+            self._graphs.move_to_end(shape)
+            return graph if graph.busy.acquire(blocking=False) else None
+
+    def _run(self, graph: _Graph, feeds: Mapping[str, Feed], presents: Presents) -> DitResult:
+        runner = self.runner
+        graph.runs += 1
+        held = GATE.capture() if runner.cuda_graph and graph.runs <= CAPTURE_RUNS else \
+            on_device(runner.device_type)
+        pasts = [past for past, _ in self._pairs]
+        on_host = all(isinstance(feeds[past], np.ndarray) for past in pasts)  # else copied on the device
+        with held:
+            for name, value in graph.inputs.items():
+                if on_host or name not in pasts:
+                    value.update_inplace(np.ascontiguousarray(to_host(feeds[name]), dtype=self._dtypes[name]))
+            if not on_host:
+                self._copy([{past: feeds[past] for past in pasts}], into=graph.inputs)
+            runner.session.run_with_iobinding(graph.binding, graph.run_options)
+            velocity = np.array(graph.outputs["velocity"].numpy())
+            out = {past: graph.outputs[present] for past, present in self._pairs}
+            if presents == Presents.DEVICE:
+                return velocity, dict(self._copy([out]))
+            if presents == Presents.HOST:
+                return velocity, {past: np.array(value.numpy()) for past, value in out.items()}
+            return velocity, {}
+
+    def _bind(self, shape: Shape) -> _Graph:
+        runner, spec = self.runner, self.runner.spec
+        dims = {BATCH: shape.rows // self._rows_per_stream, "new_frames": shape.new_frames,
+                "past_frames": shape.past_frames}
+
+        def value(tensor: TensorSpec) -> ort.OrtValue:
+            return ort.OrtValue.ortvalue_from_shape_and_type(list(spec.shape_of(tensor, dims)),
+                                                             tensor.np_dtype, runner.device_type,
+                                                             runner.device_id)
+
+        graph = _Graph(id=self._next_id, binding=runner.session.io_binding(), run_options=ort.RunOptions(),
+                       inputs={t.name: value(t) for t in spec.inputs},
+                       outputs={t.name: value(t) for t in spec.outputs})
+        self._next_id += 1
+        graph.run_options.add_run_config_entry(GPU_GRAPH_ID, str(graph.id))
+        for name, bound in graph.inputs.items():
+            graph.binding.bind_ortvalue_input(name, bound)
+        for name, bound in graph.outputs.items():
+            graph.binding.bind_ortvalue_output(name, bound)
+        return graph
+
+    def _let_go(self, graph: _Graph) -> None:
+        """Release `graph`'s CUDA graph (its binding's memory goes with the object)."""
+        if self.runner.cuda_graph:
+            with on_device(self.runner.device_type):
+                self.runner.session.release_captured_graph(graph.id)
