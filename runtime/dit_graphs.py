@@ -11,7 +11,7 @@ over device memory of its own: before a call the host inputs are written into it
 it on the device (`RowConcat` of one part), after it the velocity is copied to the host and the caches to
 where the call's `Presents` wants them. The ten ODE steps of a chunk are calls of one shape: onnxruntime's
 regular runs, then its capture, then replays. A capture holds the GPU alone (`capture_gate`), so a shape is
-bound once it comes again (`BIND_AFTER`), and a handful are kept (`MAX_GRAPHS`).
+bound once it comes again (`BIND_AFTER`), and a handful are kept (`MAX_GRAPHS`, `MAX_BOUND_BYTES`).
 
 A shape's binding serves one call at a time; a call that finds it busy (another stream's, on another thread)
 runs as an ordinary call. On a runner without CUDA graphs (the CPU's, in tests) the bindings run as ordinary
@@ -20,6 +20,7 @@ calls: a call gives what `dit_stack.call_alone` gives.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -40,9 +41,12 @@ from .runners.ort import GPU_GRAPH_ID
 from .runners.row_concat import RowConcat
 
 MAX_GRAPHS = 8
-"""Shapes whose bindings (and CUDA graphs) `GraphedDit` keeps, the least recently called let go first: a
-shape's device memory holds its caches in and out (at full size ~0.35 MB a cached frame each way) beside
-what onnxruntime keeps for its graph."""
+"""Shapes whose bindings (and CUDA graphs) `GraphedDit` keeps, the least recently called let go first."""
+MAX_BOUND_BYTES = 4 << 30
+"""Device memory `GraphedDit`'s bindings may hold together, besides what onnxruntime keeps for their graphs:
+a binding holds a call's inputs and outputs, at full size ~0.36 MB of caches a frame, a cached frame's in and
+out (a first chunk after a 300-frame prompt ~0.25 GB, a call over 1,000 new frames ~0.36 GB); a shape that
+needs more than this alone is never bound."""
 BIND_AFTER = ODE_STEPS
 """Calls of a shape launched before `GraphedDit` binds it: one chunk's. A capture holds the GPU alone and
 a binding holds memory, so a shape is bound once it comes again (a voice's first chunk, the later chunks of
@@ -66,6 +70,8 @@ class _Graph:
     id: int
     binding: ort.IOBinding
     run_options: ort.RunOptions
+    nbytes: int
+    """The device memory of its inputs and outputs."""
     inputs: dict[str, ort.OrtValue]
     outputs: dict[str, ort.OrtValue]
     runs: int = 0
@@ -76,12 +82,13 @@ class GraphedDit:
     """`flow_estimator_cached` calls of `runner`, each shape replayed from its CUDA graph where the runner
     captures them (`OrtRunner(cuda_graph=True)`); a `dit_stack.DitCall` (see the module)."""
 
-    def __init__(self, runner: OrtRunner, *, max_graphs: int = MAX_GRAPHS, bind_after: int = BIND_AFTER
-                 ) -> None:
-        if max_graphs < 1 or bind_after < 0:
-            raise ValueError(f"max_graphs must be >= 1 and bind_after >= 0, got {max_graphs}, {bind_after}")
+    def __init__(self, runner: OrtRunner, *, max_graphs: int = MAX_GRAPHS, max_bytes: int = MAX_BOUND_BYTES,
+                 bind_after: int = BIND_AFTER) -> None:
+        if max_graphs < 1 or max_bytes < 0 or bind_after < 0:
+            raise ValueError(f"max_graphs must be >= 1, max_bytes and bind_after >= 0, got {max_graphs}, "
+                             f"{max_bytes}, {bind_after}")
         self.runner = runner
-        self.max_graphs, self.bind_after = max_graphs, bind_after
+        self.max_graphs, self.max_bytes, self.bind_after = max_graphs, max_bytes, bind_after
         spec = runner.spec
         self._pairs = cache_pairs(spec)
         pasts = {past for past, _ in self._pairs}
@@ -102,6 +109,11 @@ class GraphedDit:
     def graphs(self) -> int:
         """Shapes bound now (each a CUDA graph once captured)."""
         return len(self._graphs)
+
+    @property
+    def bound_bytes(self) -> int:
+        """Device memory the bindings hold now."""
+        return sum(graph.nbytes for graph in self._graphs.values())
 
     def __call__(self, feeds: Mapping[str, Feed], *, presents: Presents) -> DitResult:
         """One call on `feeds` (every input of the graph): the velocity and, as `presents` says, the caches
@@ -125,23 +137,33 @@ class GraphedDit:
 
     def _claim(self, shape: Shape) -> _Graph | None:
         """`shape`'s graph, bound now if it was not, held for this call; None where the call is launched: a
-        shape called fewer than `bind_after` times before, or one another call holds."""
+        shape called fewer than `bind_after` times before, one another call holds, or one that the bounds
+        leave no room for (the other bindings busy, or more than `max_bytes` alone)."""
         with self._lock:
             graph = self._graphs.get(shape)
             if graph is None:
                 seen = self._seen.pop(shape, 0)
-                if seen < self.bind_after:
-                    self._seen[shape] = seen + 1
-                    while len(self._seen) > SEEN_SHAPES:
-                        self._seen.popitem(last=False)
+                self._seen[shape] = seen + 1
+                while len(self._seen) > SEEN_SHAPES:
+                    self._seen.popitem(last=False)
+                dims = self._dims(shape)
+                need = self._nbytes(dims)
+                if seen < self.bind_after or need > self.max_bytes:
                     return None
+
+                def full() -> bool:
+                    return len(self._graphs) >= self.max_graphs or self.bound_bytes + need > self.max_bytes
+
                 for old in list(self._graphs):
-                    if len(self._graphs) < self.max_graphs:
+                    if not full():
                         break
                     if self._graphs[old].busy.acquire(blocking=False):
                         self._let_go(self._graphs.pop(old))
+                if full():
+                    return None
+                del self._seen[shape]
                 with on_device(self.runner.device_type):  # device memory of its own
-                    graph = self._graphs[shape] = self._bind(shape)
+                    graph = self._graphs[shape] = self._bind(shape, dims, need)
             self._graphs.move_to_end(shape)
             return graph if graph.busy.acquire(blocking=False) else None
 
@@ -167,10 +189,19 @@ class GraphedDit:
                 return velocity, {past: np.array(value.numpy()) for past, value in out.items()}
             return velocity, {}
 
-    def _bind(self, shape: Shape) -> _Graph:
-        runner, spec = self.runner, self.runner.spec
-        dims = {BATCH: shape.rows // self._rows_per_stream, "new_frames": shape.new_frames,
+    def _dims(self, shape: Shape) -> dict[str, int]:
+        """The spec's free dims for `shape`."""
+        return {BATCH: shape.rows // self._rows_per_stream, "new_frames": shape.new_frames,
                 "past_frames": shape.past_frames}
+
+    def _nbytes(self, dims: Mapping[str, int]) -> int:
+        """The device memory of a binding's inputs and outputs at `dims`."""
+        spec = self.runner.spec
+        return sum(math.prod(spec.shape_of(t, dims)) * np.dtype(t.np_dtype).itemsize
+                   for t in (*spec.inputs, *spec.outputs))
+
+    def _bind(self, shape: Shape, dims: Mapping[str, int], nbytes: int) -> _Graph:
+        runner, spec = self.runner, self.runner.spec
 
         def value(tensor: TensorSpec) -> ort.OrtValue:
             return ort.OrtValue.ortvalue_from_shape_and_type(list(spec.shape_of(tensor, dims)),
@@ -178,7 +209,7 @@ class GraphedDit:
                                                              runner.device_id)
 
         graph = _Graph(id=self._next_id, binding=runner.session.io_binding(), run_options=ort.RunOptions(),
-                       inputs={t.name: value(t) for t in spec.inputs},
+                       nbytes=nbytes, inputs={t.name: value(t) for t in spec.inputs},
                        outputs={t.name: value(t) for t in spec.outputs})
         self._next_id += 1
         graph.run_options.add_run_config_entry(GPU_GRAPH_ID, str(graph.id))

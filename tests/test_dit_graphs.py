@@ -109,6 +109,26 @@ def test_the_least_recent_shapes_are_let_go_and_a_busy_one_runs_alone(estimator:
     assert graphed.graphs == 0
 
 
+def test_the_bindings_keep_within_their_memory(estimator: OrtRunner, block: int) -> None:
+    """The bindings' memory stays within `max_bytes`: a shape that needs more alone is launched, never bound;
+    one that does not fit beside the others lets the least recent go."""
+    small, large = _feeds(estimator, 5, 0, 1, block), _feeds(estimator, 40, 0, 2, block)
+    graphed = GraphedDit(estimator, bind_after=0, max_bytes=1)
+    want = call_alone(estimator, small, presents=Presents.NONE)
+    assert _equal(graphed(small, presents=Presents.NONE), want)
+    assert graphed.graphs == 0 and graphed.bound_bytes == 0
+    graphed = GraphedDit(estimator, bind_after=0)
+    graphed(small, presents=Presents.NONE)
+    one = graphed.bound_bytes
+    graphed(large, presents=Presents.NONE)
+    both = graphed.bound_bytes
+    assert 0 < one < both - one
+    graphed = GraphedDit(estimator, bind_after=0, max_bytes=both - 1)  # room for the large one alone
+    graphed(small, presents=Presents.NONE)
+    graphed(large, presents=Presents.NONE)
+    assert set(graphed._graphs) == {Shape(2, 40, 0)} and graphed.bound_bytes == both - one
+
+
 def test_a_shape_is_bound_once_it_comes_again(estimator: OrtRunner, block: int) -> None:
     """A chunk's worth of calls of a shape (`BIND_AFTER`, its ten ODE steps) run launched; the shape's next
     call binds it: a length that comes once holds no memory and costs no capture."""
