@@ -7,6 +7,7 @@ optimisation profiles from it, and the runtime binds tensors by its names.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -324,6 +325,10 @@ class GraphSpec:
     def shape_of(self, tensor: TensorSpec, dims: Mapping[str, int]) -> tuple[int, ...]:
         sizes = self.sizes(dims)
         return tuple(d if isinstance(d, int) else sizes[d] for d in tensor.shape)
+
+    def nbytes_of(self, tensor: TensorSpec, dims: Mapping[str, int]) -> int:
+        """The bytes of `tensor` at the free-dim sizes `dims`."""
+        return math.prod(self.shape_of(tensor, dims)) * np.dtype(tensor.np_dtype).itemsize
 
     def sample_inputs(self, case: Case, seed: int = 0) -> dict[str, np.ndarray]:
         """Inputs for `case`: pinned values where given, else uniform draws in each input's range."""

@@ -20,7 +20,6 @@ calls: a call gives what `dit_stack.call_alone` gives.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -197,8 +196,7 @@ class GraphedDit:
     def _nbytes(self, dims: Mapping[str, int]) -> int:
         """The device memory of a binding's inputs and outputs at `dims`."""
         spec = self.runner.spec
-        return sum(math.prod(spec.shape_of(t, dims)) * np.dtype(t.np_dtype).itemsize
-                   for t in (*spec.inputs, *spec.outputs))
+        return sum(spec.nbytes_of(t, dims) for t in (*spec.inputs, *spec.outputs))
 
     def _bind(self, shape: Shape, dims: Mapping[str, int], nbytes: int) -> _Graph:
         runner, spec = self.runner, self.runner.spec

@@ -33,7 +33,6 @@ call over many frames runs as such a stream, so that the calls' lengths repeat.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -204,10 +203,9 @@ class Flow:
         before computing it: every cache input's shape for one stream with `prefix_frames` cached."""
         spec = self.estimator.spec
         frames = self.prefix_frames(prompt_tokens)
-        sizes = spec.sizes({name: 1 if name == BATCH else frames for name in spec.dims})
-        shapes = {t.name: t for t in spec.inputs}
-        step = sum(math.prod(spec.shape_of(shapes[past], sizes)) * np.dtype(shapes[past].np_dtype).itemsize
-                   for past, _ in cache_pairs(spec))
+        dims = {name: 1 if name == BATCH else frames for name in spec.dims}
+        pasts = {past for past, _ in cache_pairs(spec)}
+        step = sum(spec.nbytes_of(t, dims) for t in spec.inputs if t.name in pasts)
         return step * len(self.steps)
 
     def prefix(self, prompt: PromptFeatures) -> FlowPrefix:
