@@ -44,7 +44,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, speakers:
     the API; `settings.docs` serves FastAPI's /docs and /redoc.
     """
     settings = settings or ServerSettings()
-    sessions = SessionQueue(settings.sessions_at_once, settings.queue_depth, settings.timeout)
+    sessions = SessionQueue(settings.sessions_at_once(engine.max_batch), settings.queue_depth,
+                            settings.timeout)
     metrics = ServerMetrics(running=lambda: sessions.running, waiting=lambda: sessions.waiting,
                             prefixes=engine.synth.flow.prefixes, prefix_jobs=engine.voice.prefix_jobs,
                             batch=engine.batch_metrics, dit_stack=engine.synth.flow.stack,

@@ -24,6 +24,7 @@ from .ray_options import RayOptions, ray_options
 from .settings import (
     API_KEY_ENV,
     DEFAULT_PORT,
+    GPU_MAX_BATCH,
     HOST_ENV,
     MAX_BODY_MIB,
     PORT_ENV,
@@ -78,15 +79,17 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
               help="Sessions whose speech tokens one LLM call decodes together (continuous batching; that "
                    "many run at once, --max-conc or more). Needs a bundle with llm_decode: on the cpu "
                    "provider (export --precision cpu-fast, or decode=fp32 for float32), or on cuda in fp16 "
-                   "(decode=fp16); 1: no batching.")
+                   f"(decode=fp16); 1: no batching [default: {GPU_MAX_BATCH} on cuda where the bundle "
+                   "batches, else 1].")
 @click.option("--chunk-slots", type=click.IntRange(1, MAX_BATCH), default=None,
               help="With --max-batch, the sessions' chunks that run their flow and vocoder at once, first "
                    "chunks first [default: on a CPU as many as the usable CPUs hold at --threads each (one "
                    "when --threads is not given), on a GPU every session's].")
-@click.option("--cuda-graphs", is_flag=True,
+@click.option("--cuda-graphs/--no-cuda-graphs", default=None,
               help="Replay the decode steps from CUDA graphs (--provider cuda, a bundle with llm_decode: "
                    "--precision decode=fp16 or gpu-fp16), and the DiT's calls where it is tf32's or "
-                   "gpu-fp16's. The sessions decode in the batch, one at a time without --max-batch.")
+                   "gpu-fp16's. The sessions decode in the batch, one at a time with --max-batch 1 "
+                   "[default: on wherever they can, as cosyvoice-run].")
 @click.option("--stack-dit", is_flag=True,
               help="Run concurrent sessions' DiT calls at the same ODE step and frames as one call "
                    "(a float DiT: fp32, fp16, bf16; on a GPU each call's time is mostly its launches). "
@@ -141,7 +144,8 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
                     "(lower latency; a deviation from upstream's schedule) [default: upstream's].")
 @ray_options
 def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model: Path | None, provider: str,
-          threads: int | None, max_conc: int, max_batch: int, chunk_slots: int | None, cuda_graphs: bool,
+          threads: int | None, max_conc: int, max_batch: int | None, chunk_slots: int | None,
+          cuda_graphs: bool | None,
           stack_dit: bool, stack_vocoder: bool, queue_depth: int,
           stream_idle: float, timeout: float,
           speakers_dir: Path | None, sampling: str, seed: int | None,
@@ -194,6 +198,10 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
         _refuse(str(e))
     try:
         click.echo(f"model: {engine.origin}", err=True)
+        click.echo(f"sessions at once: {settings.sessions_at_once(engine.max_batch)}, their speech tokens "
+                   + (f"decoded in batches of up to {engine.max_batch}" if engine.max_batch > 1 else
+                      "decoded each on its own")
+                   + (", the decode steps replayed from CUDA graphs" if engine.cuda_graphs else ""), err=True)
         if warm_up:
             engine.warm_up()
         click.echo(f"API key: {'required' if api_key else 'none (every endpoint is open)'}", err=True)

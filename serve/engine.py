@@ -47,12 +47,12 @@ from cosyvoice_runtime.runners import CPU
 from cosyvoice_runtime.sampling import Sampling
 from cosyvoice_runtime.segments import Segment
 from cosyvoice_runtime.speakers import frontend_fingerprint
-from cosyvoice_runtime.synthesis import Mode, Synthesizer
+from cosyvoice_runtime.synthesis import Mode, Synthesizer, uses_cuda_graphs
 
 from .errors import FieldError
 from .metrics import BatchMetrics
 from .queue import Session
-from .settings import SERVER_PROVIDERS
+from .settings import SERVER_PROVIDERS, default_max_batch
 
 log = logging.getLogger(__name__)
 _REQUESTS = itertools.count(1)
@@ -127,20 +127,27 @@ class Engine:
 
     def __init__(self, bundle: RuntimeBundle, origin: str, *, provider: str = CPU,
                  flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, threads: int | None = None,
-                 max_batch: int = 1, chunk_slots: int | None = None, chunk_policy: ChunkPolicy | None = None,
-                 cuda_graphs: bool = False, stack_dit: bool = False, stack_vocoder: bool = False) -> None:
+                 max_batch: int | None = None, chunk_slots: int | None = None,
+                 chunk_policy: ChunkPolicy | None = None, cuda_graphs: bool | None = None,
+                 stack_dit: bool = False, stack_vocoder: bool = False) -> None:
         """Open every graph of `bundle` on `provider` (one of `SERVER_PROVIDERS`) with `threads` intra-op
         threads (None: the provider's default, every core); `flow_prefix_bytes` bounds the per-prompt flow
         prefixes that streams from one speaker share (`Flow.prefixes`); `max_batch` > 1 decodes the speech
         ids of that many sessions in one LLM call (`decode_batch`: a `UserError` where the bundle has no
-        `llm_decode` on `provider`), `chunk_slots` of their chunks at once (`Synthesizer.set_max_batch`);
-        `chunk_policy` is every stream's schedule (None: upstream's; a `UserError` where these graphs cannot
-        stream on it); `cuda_graphs` replays the decode steps from CUDA graphs, `stack_dit` and
-        `stack_vocoder` stack concurrent sessions' DiT and vocoder calls (all `CosyVoice3`)."""
+        `llm_decode` on `provider`; None: `default_max_batch`), `chunk_slots` of their chunks at once
+        (`Synthesizer.set_max_batch`); `chunk_policy` is every stream's schedule (None: upstream's; a
+        `UserError` where these graphs cannot stream on it); `cuda_graphs` replays the decode steps from CUDA
+        graphs (None: wherever they can, `uses_cuda_graphs`), `stack_dit` and `stack_vocoder` stack
+        concurrent sessions' DiT and vocoder calls (all `CosyVoice3`)."""
         if provider not in SERVER_PROVIDERS:
             raise ValueError(f"the server runs on providers whose runners sessions can share "
                              f"({', '.join(SERVER_PROVIDERS)}); got {provider!r}")
         self.bundle, self.origin, self.provider = bundle, origin, provider
+        self.max_batch = default_max_batch(bundle, provider) if max_batch is None else max_batch
+        """Sessions whose speech ids one LLM call decodes (1: each on its own)."""
+        self.cuda_graphs = uses_cuda_graphs(cuda_graphs, bundle, provider)
+        """Whether the decode steps (and the DiT's calls, where its graph allows) replay from CUDA graphs."""
+        max_batch, cuda_graphs = self.max_batch, self.cuda_graphs
         self.batch_metrics = BatchMetrics() if max_batch > 1 or cuda_graphs else None
         """What the decode batch reports, where there is one."""
         self.voice = CosyVoice3(bundle, provider=provider, threads=threads,
@@ -157,8 +164,9 @@ class Engine:
     @classmethod
     def open(cls, model: Path | None, *, provider: str = CPU,
              flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, threads: int | None = None,
-             max_batch: int = 1, chunk_slots: int | None = None, chunk_policy: ChunkPolicy | None = None,
-             cuda_graphs: bool = False, stack_dit: bool = False, stack_vocoder: bool = False) -> Engine:
+             max_batch: int | None = None, chunk_slots: int | None = None,
+             chunk_policy: ChunkPolicy | None = None, cuda_graphs: bool | None = None,
+             stack_dit: bool = False, stack_vocoder: bool = False) -> Engine:
         """The bundle `cosyvoice-run` would use for `--model model` (verified), opened for serving."""
         choice = choose_bundle(model)
         return cls(RuntimeBundle.open(choice.path, verify=True), choice.origin, provider=provider,

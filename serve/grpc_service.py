@@ -138,7 +138,7 @@ class CosyVoiceService(cosyvoice_pb2_grpc.CosyVoiceServicer):
                  metrics: ServerMetrics | None = None) -> None:
         self.engine, self.settings, self.metrics = engine, settings, metrics
         self.sessions = sessions if sessions is not None else SessionQueue(
-            settings.sessions_at_once, settings.queue_depth, settings.timeout)
+            settings.sessions_at_once(engine.max_batch), settings.queue_depth, settings.timeout)
 
     async def Inference(self, request: cosyvoice_pb2.Request, context: grpc.aio.ServicerContext) -> None:
         """Synthesise `request`, writing each streamed chunk's PCM16 as one `Response`."""

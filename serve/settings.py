@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cosyvoice_graphs import MAX_BATCH
+from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
-from cosyvoice_runtime.runners import OPENVINO, ORT_PROVIDERS
+from cosyvoice_runtime.runners import CUDA, OPENVINO, ORT_PROVIDERS
 from cosyvoice_runtime.sampling import MAX_SEED, SAMPLINGS
 from cosyvoice_runtime.segments import MAX_TEXT_CHARS
 from cosyvoice_runtime.speakers import default_speakers_dir
+from cosyvoice_runtime.synthesis import batches
 
 HOST_ENV = "COSYVOICE_HOST"
 PORT_ENV = "COSYVOICE_PORT"
@@ -34,6 +36,20 @@ MAX_BODY_MIB = math.ceil(4 * MAX_UPLOAD_BYTES / 3 / 2**20) + 1
 and a MiB for the other fields."""
 
 
+GPU_MAX_BATCH = 4
+"""`default_max_batch` on cuda. On an H200 (docs/performance-log.md, "fourteenth session") 4 sessions in the
+decode batch made 17.3 s of audio per s against 8.15 for one alone (`decode=fp16,dit=tf32`), each stream 4x
+faster than real time; 16 made 14.1 s (`decode=fp16`), each stream slower than real time."""
+
+
+def default_max_batch(bundle: RuntimeBundle, provider: str) -> int:
+    """The server's decode batch where `--max-batch` is not given: `GPU_MAX_BATCH` on cuda where `bundle`
+    batches (`batches`: an fp16 `llm_decode`), else 1. A CPU batches only when asked: there 4 sessions
+    batched on two cores made 1.20-1.25x the audio of sessions one by one (docs/performance.md), each stream
+    4x slower, while every session holds its flow's caches (~2.6 GB for 10 s of audio at full size)."""
+    return GPU_MAX_BATCH if provider == CUDA and batches(bundle, provider) else 1
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     """How the server admits and bounds work; the model side is `Engine`'s."""
@@ -41,15 +57,17 @@ class ServerSettings:
     max_concurrency: int = 1
     """Sessions synthesising at once. One on the CPU: every graph call already uses all cores (unless their
     decoding is batched: `max_batch`)."""
-    max_batch: int = 1
+    max_batch: int | None = None
     """Sessions whose speech ids one LLM call decodes together (continuous batching, `decode_batch`; the
-    bundle needs `llm_decode`); 1: each session decodes on its own."""
+    bundle needs `llm_decode`); 1: each session decodes on its own; None: the engine's default by bundle and
+    provider (`engine.default_max_batch`)."""
     chunk_slots: int | None = None
     """With a batch, its sessions' chunks that run their flow and vocoder calls at once, first chunks first
     (`ChunkTurns`); None: `synthesis.default_chunk_slots` (one where a session's graphs take every core)."""
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     """The decode steps replay from CUDA graphs (on cuda, with `llm_decode`: `decode_graphs`), in the batch,
-    of one session where `max_batch` is 1, and so do the DiT's calls where its graph allows (`dit_graphs`)."""
+    of one session where `max_batch` is 1, and so do the DiT's calls where its graph allows (`dit_graphs`);
+    None: wherever they can (`synthesis.uses_cuda_graphs`)."""
     stack_dit: bool = False
     """Concurrent sessions' DiT calls at the same ODE step and frames run as one call (`dit_stack`)."""
     stack_vocoder: bool = False
@@ -88,16 +106,15 @@ class ServerSettings:
     """Stream a few chunks in the bundle's own voice before serving (`Engine.warm_up`), so that the first
     request does not pay for the first synthesis (what that costs: docs/server.md)."""
 
-    @property
-    def sessions_at_once(self) -> int:
-        """Sessions the queue runs at once: `max_concurrency`, or `max_batch` where more, so that a batch can
-        fill."""
-        return max(self.max_concurrency, self.max_batch)
+    def sessions_at_once(self, max_batch: int) -> int:
+        """Sessions the queue runs at once beside an engine that decodes in batches of `max_batch`
+        (`Engine.max_batch`): `max_concurrency`, or `max_batch` where more, so that a batch can fill."""
+        return max(self.max_concurrency, max_batch)
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
-        if not 1 <= self.max_batch <= MAX_BATCH:
+        if self.max_batch is not None and not 1 <= self.max_batch <= MAX_BATCH:
             raise ValueError(f"max_batch must be from 1 to {MAX_BATCH}, got {self.max_batch}")
         if self.chunk_slots is not None and not 1 <= self.chunk_slots <= MAX_BATCH:
             raise ValueError(f"chunk_slots must be from 1 to {MAX_BATCH}, got {self.chunk_slots}")

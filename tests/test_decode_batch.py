@@ -28,6 +28,7 @@ from cosyvoice_runtime import CosyVoice3, synthesis
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.decode_batch import BatchedDecoding, DecodeBatcher
 from cosyvoice_runtime.decode_graphs import GraphedSteps
+from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.llm import LlmRequest
 from cosyvoice_runtime.runners import CPU, CUDA, OPENVINO
@@ -486,6 +487,34 @@ def test_the_server_batches_its_sessions_and_reports_the_batch(fp32_decode_bundl
     single_rows = _metric(metrics, 'tts_decode_batch_size_bucket{le="1"}')
     assert _metric(metrics, "tts_decode_batch_size_count") > single_rows  # some steps advanced several
     assert _metric(metrics, "tts_decode_batch_wait_seconds_count") == 3  # every session joined the batch
+
+
+def test_the_server_batches_by_default_where_a_gpu_decodes(fp16_decode_bundle: Path, fp32_decode_bundle: Path
+                                                           ) -> None:
+    """`--max-batch` not given: `GPU_MAX_BATCH` sessions on cuda where the decode steps batch there (an fp16
+    `llm_decode`), else one, on the CPU too (a batch there is asked for); the engine resolves it, with CUDA
+    graphs wherever the runtime replays them."""
+    pytest.importorskip("fastapi", reason="needs the serve extra")
+    from cosyvoice_serve.engine import Engine
+    from cosyvoice_serve.settings import GPU_MAX_BATCH, ServerSettings, default_max_batch
+
+    fp16, fp32 = RuntimeBundle.open(fp16_decode_bundle), RuntimeBundle.open(fp32_decode_bundle)
+    assert default_max_batch(fp16, CUDA) == GPU_MAX_BATCH == 4
+    assert default_max_batch(fp16, CPU) == default_max_batch(fp32, CPU) == default_max_batch(fp32, CUDA) == 1
+    assert default_max_batch(RuntimeBundle.open(DEMO_BUNDLE), CUDA) == 1  # decodes on llm
+    engine = Engine(fp32, "the tiny bundle", threads=1)
+    try:
+        assert (engine.max_batch, engine.cuda_graphs, engine.batch_metrics) == (1, False, None)
+        assert engine.synth.batcher is None
+    finally:
+        engine.close()
+    asked = Engine(fp32, "the tiny bundle", threads=1, max_batch=3)
+    try:
+        assert asked.max_batch == 3 and asked.synth.batcher is not None and asked.synth.batcher.max_batch == 3
+        assert ServerSettings().sessions_at_once(asked.max_batch) == 3
+        assert ServerSettings(max_concurrency=5).sessions_at_once(asked.max_batch) == 5
+    finally:
+        asked.close()
 
 
 def _metric(text: str, name: str) -> float:

@@ -856,11 +856,12 @@ def test_port_model_and_api_key_from_flags_then_environment_then_dotenv(
     opened: list[tuple[Path | None, str | None]] = []
 
     def open_engine(model: Path | None, provider: str, flow_prefix_bytes: int, threads: int | None,
-                    max_batch: int, chunk_slots: int | None, chunk_policy: ChunkPolicy | None,
-                    cuda_graphs: bool, stack_dit: bool, stack_vocoder: bool) -> _Unclosable:
-        # --flow-prefix-cache's default, 2048 MiB; no batching by default; upstream's chunk schedule
-        assert flow_prefix_bytes == 2 << 30 and threads is None and max_batch == 1 and chunk_policy is None
-        assert not cuda_graphs and not stack_dit and not stack_vocoder
+                    max_batch: int | None, chunk_slots: int | None, chunk_policy: ChunkPolicy | None,
+                    cuda_graphs: bool | None, stack_dit: bool, stack_vocoder: bool) -> _Unclosable:
+        # --flow-prefix-cache's default, 2048 MiB; the batch and CUDA graphs by bundle and provider (the
+        # engine's defaults); upstream's chunk schedule
+        assert flow_prefix_bytes == 2 << 30 and threads is None and max_batch is None and chunk_policy is None
+        assert cuda_graphs is None and not stack_dit and not stack_vocoder
         assert chunk_slots is None  # the runtime's default
         opened.append((model, os.environ.get(MODEL_DIR_ENV)))
         return _Unclosable(engine)
@@ -879,6 +880,7 @@ def test_port_model_and_api_key_from_flags_then_environment_then_dotenv(
     assert served == [("127.0.0.1", port, API_KEY)]
     err = capsys.readouterr().err
     assert "API key: required" in err and API_KEY not in err
+    assert "sessions at once: 1, their speech tokens decoded each on its own\n" in err  # the demo bundle's
     assert opened == [(None, str(DEMO_BUNDLE))]  # choose_bundle reads $COSYVOICE_MODEL_DIR, set by .env
 
 
