@@ -6,16 +6,20 @@ chunk's ten calls took 0.116 s of which the kernels are a small part (docs/gpu.m
 call's kernels into a CUDA graph and replays them with one launch, where no node of the graph runs on the CPU
 (the DiT takes its positions and attention mask as inputs for that) and every input and output is bound at the
 device address it had at the capture, with the same shape. A stream's caches are its own, one set per ODE
-step, and grow every chunk, so `GraphedDit` keeps per shape of a call (rows, new and cached frames) a binding
-over device memory of its own: before a call the host inputs are written into it and the caches copied into
-it on the device (`RowConcat` of one part), after it the velocity is copied to the host and the caches to
-where the call's `Presents` wants them. The ten ODE steps of a chunk are calls of one shape: onnxruntime's
-regular runs, then its capture, then replays. A capture holds the GPU alone (`capture_gate`), so a shape is
-bound once it comes again (`BIND_AFTER`), and a handful are kept (`MAX_GRAPHS`, `MAX_BOUND_BYTES`).
+step, and grow every chunk, so `GraphedDit` keeps per shape of a call (rows, new frames, and cached frames
+rounded up to `PAST_BUCKET`) a binding over device memory of its own: before a call the host inputs are
+written into it and the caches copied into it on the device after as many zero frames as the rounding adds,
+which the attention mask hides (`FramePad`); after it the velocity is copied to the host and the caches,
+without those frames, to where the call's `Presents` wants them. The ten ODE steps of a chunk are calls of one
+shape, and so are the next chunks' until their cache outgrows the bucket: onnxruntime's regular runs, then its
+capture, then replays. A capture holds the GPU alone (`capture_gate`), so a shape is bound once it comes again
+(`BIND_AFTER`), and a handful are kept (`MAX_GRAPHS`, `MAX_BOUND_BYTES`).
 
 A shape's binding serves one call at a time; a call that finds it busy (another stream's, on another thread)
 runs as an ordinary call. On a runner without CUDA graphs (the CPU's, in tests) the bindings run as ordinary
-calls: a call gives what `dit_stack.call_alone` gives.
+calls: a call gives what `dit_stack.call_alone` gives, to the bit where its cache fills its bucket, else
+within float32's rounding (the attention's sums over more keys, the hidden ones adding zeros, group
+otherwise).
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ from .dit_stack import DitResult, Presents, call_alone
 from .runners import OrtRunner, feed_shape, to_host
 from .runners.base import Feed
 from .runners.capture_gate import GATE, on_device
+from .runners.device_copies import FramePad
 from .runners.ort import GPU_GRAPH_ID
-from .runners.row_concat import RowConcat
 
 MAX_GRAPHS = 8
 """Shapes whose bindings (and CUDA graphs) `GraphedDit` keeps, the least recently called let go first."""
@@ -50,6 +54,11 @@ BIND_AFTER = ODE_STEPS
 """Calls of a shape launched before `GraphedDit` binds it: one chunk's. A capture holds the GPU alone and
 a binding holds memory, so a shape is bound once it comes again (a voice's first chunk, the later chunks of
 a schedule, in the next request or another stream), not for a length that comes once (an offline call)."""
+PAST_BUCKET = 128
+"""Cached frames a binding's shape rounds a call's up to (2.56 s of audio): a stream's later chunks, 50 new
+frames each on upstream's schedule, share a binding for a few chunks, and prompts of nearby lengths share
+their first chunk's; the hidden frames cost the attention a few more keys and the binding ~0.7 MB each at
+full size (a frame's keys and values in and out)."""
 SEEN_SHAPES = 64
 """Unbound shapes whose launched calls `GraphedDit` counts, the least recent forgotten first."""
 
@@ -82,21 +91,25 @@ class GraphedDit:
     captures them (`OrtRunner(cuda_graph=True)`); a `dit_stack.DitCall` (see the module)."""
 
     def __init__(self, runner: OrtRunner, *, max_graphs: int = MAX_GRAPHS, max_bytes: int = MAX_BOUND_BYTES,
-                 bind_after: int = BIND_AFTER) -> None:
-        if max_graphs < 1 or max_bytes < 0 or bind_after < 0:
-            raise ValueError(f"max_graphs must be >= 1, max_bytes and bind_after >= 0, got {max_graphs}, "
-                             f"{max_bytes}, {bind_after}")
+                 bind_after: int = BIND_AFTER, past_bucket: int = PAST_BUCKET) -> None:
+        if max_graphs < 1 or max_bytes < 0 or bind_after < 0 or past_bucket < 1:
+            raise ValueError(f"max_graphs and past_bucket must be >= 1, max_bytes and bind_after >= 0, got "
+                             f"{max_graphs}, {past_bucket}, {max_bytes}, {bind_after}")
         self.runner = runner
         self.max_graphs, self.max_bytes, self.bind_after = max_graphs, max_bytes, bind_after
+        self.past_bucket = past_bucket
         spec = runner.spec
         self._pairs = cache_pairs(spec)
         pasts = {past for past, _ in self._pairs}
-        self._copy = RowConcat({t.name: (t.np_dtype, len(t.shape)) for t in spec.inputs if t.name in pasts},
-                               runner.provider, runner.device_id)
-        """Copies caches on the device: into a binding's inputs, out of its outputs."""
+        self._framed = {t.name for t in spec.inputs if t.name in pasts and t.shape[2:3] == ("past_frames",)}
+        """The caches of keys and values, whose frames a bucket pads (the conv caches' frames are fixed)."""
+        self._frames = FramePad({t.name: (t.np_dtype, len(t.shape)) for t in spec.inputs if t.name in pasts},
+                                axis=2, provider=runner.provider, device_id=runner.device_id)
+        """Copies caches on the device: into a binding's inputs after the bucket's hidden frames, out of its
+        outputs without them."""
+        self._max_past = spec.dims["past_frames"].max
         self._dtypes = {t.name: t.np_dtype for t in spec.inputs}
         self._rows_per_stream = spec.derived[DIT_ROWS].terms[BATCH]
-        self._keys_input = next(t.name for t in spec.inputs if t.shape[2:3] == ("past_frames",))
         self._graphs: OrderedDict[Shape, _Graph] = OrderedDict()
         self._seen: OrderedDict[Shape, int] = OrderedDict()
         """Unbound shapes -> their calls launched so far."""
@@ -118,13 +131,20 @@ class GraphedDit:
         """One call on `feeds` (every input of the graph): the velocity and, as `presents` says, the caches
         for the next call (on the device: tensors of their own), as `call_alone` gives them."""
         rows, _, new_frames = feed_shape(feeds["x"])
-        graph = self._claim(Shape(rows, new_frames, feed_shape(feeds[self._keys_input])[2]))
+        past = feed_shape(feeds[next(iter(self._framed))])[2]
+        graph = self._claim(Shape(rows, new_frames, self.bucket(past)))
         if graph is None:
             return call_alone(self.runner, feeds, presents=presents)
         try:
-            return self._run(graph, feeds, presents)
+            return self._run(graph, feeds, presents, hidden=self.bucket(past) - past)
         finally:
             graph.busy.release()
+
+    def bucket(self, past: int) -> int:
+        """The cached frames of the binding a call over `past` cached frames runs in: `past` rounded up to
+        `past_bucket`, within the spec's range (`past` itself where it lies beyond)."""
+        rounded = -(-past // self.past_bucket) * self.past_bucket
+        return rounded if rounded <= self._max_past else max(past, self._max_past)
 
     def release(self) -> None:
         """Let every shape's binding and graph go; later calls bind and capture anew, under new graph ids."""
@@ -166,26 +186,37 @@ class GraphedDit:
             self._graphs.move_to_end(shape)
             return graph if graph.busy.acquire(blocking=False) else None
 
-    def _run(self, graph: _Graph, feeds: Mapping[str, Feed], presents: Presents) -> DitResult:
+    def _run(self, graph: _Graph, feeds: Mapping[str, Feed], presents: Presents, *, hidden: int
+             ) -> DitResult:
+        """`feeds`' call in `graph`, whose cached frames are `hidden` more than theirs: zeros in front of
+        their caches, which its attention mask does not see."""
         runner = self.runner
         graph.runs += 1
         held = GATE.capture() if runner.cuda_graph and graph.runs <= CAPTURE_RUNS else \
             on_device(runner.device_type)
         pasts = [past for past, _ in self._pairs]
+        frames = {past: hidden if past in self._framed else 0 for past in pasts}
         on_host = all(isinstance(feeds[past], np.ndarray) for past in pasts)  # else copied on the device
         with held:
             for name, value in graph.inputs.items():
                 if on_host or name not in pasts:
-                    value.update_inplace(np.ascontiguousarray(to_host(feeds[name]), dtype=self._dtypes[name]))
+                    host = to_host(feeds[name])
+                    if name == "attention_mask":
+                        host = np.concatenate([np.zeros((host.shape[0], hidden), dtype=bool), host], axis=1)
+                    elif name in pasts:
+                        host = np.pad(host, [(frames[name], 0) if axis == 2 else (0, 0)
+                                             for axis in range(host.ndim)])
+                    value.update_inplace(np.ascontiguousarray(host, dtype=self._dtypes[name]))
             if not on_host:
-                self._copy([{past: feeds[past] for past in pasts}], into=graph.inputs)
+                self._frames.pad({past: feeds[past] for past in pasts}, frames, into=graph.inputs)
             runner.session.run_with_iobinding(graph.binding, graph.run_options)
             velocity = np.array(graph.outputs["velocity"].numpy())
             out = {past: graph.outputs[present] for past, present in self._pairs}
             if presents == Presents.DEVICE:
-                return velocity, dict(self._copy([out]))
+                return velocity, self._frames.cut(out, frames)
             if presents == Presents.HOST:
-                return velocity, {past: np.array(value.numpy()) for past, value in out.items()}
+                return velocity, {past: np.array(value.numpy()[:, :, frames[past]:])
+                                  for past, value in out.items()}
             return velocity, {}
 
     def _dims(self, shape: Shape) -> dict[str, int]:

@@ -31,7 +31,7 @@ from cosyvoice_graphs import BATCH, DIT_ROWS, MAX_BATCH, ODE_STEPS, GraphSpec, c
 
 from .call_stack import LINGER_S, CallStack, StackMember
 from .runners import BufferView, Feed, OrtRunner, Runner, feed_shape, to_host
-from .runners.row_concat import RowConcat
+from .runners.device_copies import RowConcat
 
 
 class Presents(StrEnum):

@@ -26,7 +26,7 @@ from cosyvoice_runtime.dit_stack import DitStack, Presents, call_alone
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.runners import CUDA, BufferView, Feed, open_runner
-from cosyvoice_runtime.runners.row_concat import RowConcat
+from cosyvoice_runtime.runners.device_copies import RowConcat
 from cosyvoice_runtime.synthesis import Synthesizer
 
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
