@@ -134,9 +134,11 @@ def _num(value: Any, scale: float = 1.0) -> str:
 
 OPTIONAL_COLUMNS = {"dit_streams_per_call": "DiT streams/call",
                    "vocoder_streams_per_call": "vocoder streams/call",
+                   "dit_bound_share": "DiT calls bound",
                    "gpu_utilization_mean_pct": "GPU busy %"}
-"""The streams a stacked call served, by figure (`--stack-dit`, `--stack-vocoder`), and on a GPU its mean
-utilisation: columns of the runs that have them."""
+"""The streams a stacked call served, by figure (`--stack-dit`, `--stack-vocoder`), the share of the DiT's
+calls that ran in a binding of `dit_graphs` (on a GPU replays from CUDA graphs, but for each binding's first
+three), and on a GPU its mean utilisation: columns of the runs that have them."""
 
 
 def _concurrency(rows: Sequence[dict[str, Any]]) -> list[str]:

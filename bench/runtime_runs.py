@@ -255,6 +255,8 @@ class RuntimeBackend:
         stacks = {name: list({id(s): s for v in voices if (s := stack_of(v.synth)) is not None}.values())
                   for name, stack_of in STACKS.items()}
         before = {name: [(s.calls, s.streams) for s in found] for name, found in stacks.items()}
+        graphed = list({id(g): g for v in voices if (g := v.synth.dit_graphs) is not None}.values())
+        graphed_before = [(g.calls, g.bound_calls) for g in graphed]
 
         def session(voice: CosyVoice3) -> _Session:
             barrier.wait()
@@ -284,6 +286,10 @@ class RuntimeBackend:
                 streams = sum(s.streams - b[1] for s, b in zip(found, before[name], strict=True))
                 figures |= {f"{name}_calls": calls,
                             f"{name}_streams_per_call": streams / calls if calls else None}
+        if graphed:
+            calls = sum(g.calls - b[0] for g, b in zip(graphed, graphed_before, strict=True))
+            bound = sum(g.bound_calls - b[1] for g, b in zip(graphed, graphed_before, strict=True))
+            figures["dit_bound_share"] = bound / calls if calls else None
         return figures
 
     @staticmethod

@@ -13,13 +13,14 @@ which the attention mask hides (`FramePad`); after it the velocity is copied to 
 without those frames, to where the call's `Presents` wants them. The ten ODE steps of a chunk are calls of one
 shape, and so are the next chunks' until their cache outgrows the bucket: onnxruntime's regular runs, then its
 capture, then replays. A capture holds the GPU alone (`capture_gate`), so a shape is bound once it comes again
-(`BIND_AFTER`), and a handful are kept (`MAX_GRAPHS`, `MAX_BOUND_BYTES`).
+(`BIND_AFTER`), and a handful of bindings are kept (`MAX_GRAPHS`, `MAX_BOUND_BYTES`).
 
-A shape's binding serves one call at a time; a call that finds it busy (another stream's, on another thread)
-runs as an ordinary call. On a runner without CUDA graphs (the CPU's, in tests) the bindings run as ordinary
-calls: a call gives what `dit_stack.call_alone` gives, to the bit where its cache fills its bucket, else
-within float32's rounding (the attention's sums over more keys, the hidden ones adding zeros, group
-otherwise).
+A binding serves one call at a time. A call that finds its shape's bindings busy (other streams', on other
+threads) runs as an ordinary call, and once as many calls as bind a shape have found them so, the shape gets
+one more binding: streams in step, as a batch's are, then replay side by side. On a runner without CUDA
+graphs (the CPU's, in tests) the bindings run as ordinary calls: a call gives what `dit_stack.call_alone`
+gives, to the bit where its cache fills its bucket, else within float32's rounding (the attention's sums over
+more keys, the hidden ones adding zeros, group otherwise).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from .runners.device_copies import FramePad
 from .runners.ort import GPU_GRAPH_ID
 
 MAX_GRAPHS = 8
-"""Shapes whose bindings (and CUDA graphs) `GraphedDit` keeps, the least recently called let go first."""
+"""Bindings (and CUDA graphs) `GraphedDit` keeps, the least recently called shape's let go first."""
 MAX_BOUND_BYTES = 4 << 30
 """Device memory `GraphedDit`'s bindings may hold together, besides what onnxruntime keeps for their graphs:
 a binding holds a call's inputs and outputs, at full size ~0.36 MB of caches a frame, a cached frame's in and
@@ -110,22 +111,28 @@ class GraphedDit:
         self._max_past = spec.dims["past_frames"].max
         self._dtypes = {t.name: t.np_dtype for t in spec.inputs}
         self._rows_per_stream = spec.derived[DIT_ROWS].terms[BATCH]
-        self._graphs: OrderedDict[Shape, _Graph] = OrderedDict()
+        self._graphs: OrderedDict[Shape, list[_Graph]] = OrderedDict()
+        """Bound shapes -> their bindings, the least recently called shape first."""
         self._seen: OrderedDict[Shape, int] = OrderedDict()
-        """Unbound shapes -> their calls launched so far."""
+        """Shapes -> their calls launched since the shape's last binding (none free, or none bound)."""
+        self.calls = 0
+        """Calls so far."""
+        self.bound_calls = 0
+        """Calls so far that ran in a binding (on CUDA a replay, but for each binding's first
+        `CAPTURE_RUNS`), the others launched node by node."""
         self._lock = threading.Lock()
-        """Guards `_graphs`, `_seen` and `_next_id`."""
+        """Guards `_graphs`, `_seen`, `_next_id` and the counts of calls."""
         self._next_id = 1  # onnxruntime keeps 0, its default, to itself (and -1 runs outside the graphs)
 
     @property
     def graphs(self) -> int:
-        """Shapes bound now (each a CUDA graph once captured)."""
-        return len(self._graphs)
+        """Bindings now (each a CUDA graph once captured)."""
+        return sum(len(pool) for pool in self._graphs.values())
 
     @property
     def bound_bytes(self) -> int:
         """Device memory the bindings hold now."""
-        return sum(graph.nbytes for graph in self._graphs.values())
+        return sum(graph.nbytes for pool in self._graphs.values() for graph in pool)
 
     def __call__(self, feeds: Mapping[str, Feed], *, presents: Presents) -> DitResult:
         """One call on `feeds` (every input of the graph): the velocity and, as `presents` says, the caches
@@ -150,41 +157,56 @@ class GraphedDit:
         """Let every shape's binding and graph go; later calls bind and capture anew, under new graph ids."""
         with self._lock:
             while self._graphs:
-                _, graph = self._graphs.popitem(last=False)
-                with graph.busy:
-                    self._let_go(graph)
+                _, pool = self._graphs.popitem(last=False)
+                for graph in pool:
+                    with graph.busy:
+                        self._let_go(graph)
 
     def _claim(self, shape: Shape) -> _Graph | None:
-        """`shape`'s graph, bound now if it was not, held for this call; None where the call is launched: a
-        shape called fewer than `bind_after` times before, one another call holds, or one that the bounds
-        leave no room for (the other bindings busy, or more than `max_bytes` alone)."""
+        """A free binding of `shape`, bound now if none is and the shape has earned one, held for this
+        call; None where the call is launched: fewer than `bind_after` calls of the shape found none free
+        since its last binding, or the bounds leave no room (the other bindings busy, or more than
+        `max_bytes` alone)."""
         with self._lock:
-            graph = self._graphs.get(shape)
-            if graph is None:
-                seen = self._seen.pop(shape, 0)
-                self._seen[shape] = seen + 1
-                while len(self._seen) > SEEN_SHAPES:
-                    self._seen.popitem(last=False)
-                dims = self._dims(shape)
-                need = self._nbytes(dims)
-                if seen < self.bind_after or need > self.max_bytes:
-                    return None
+            self.calls += 1
+            pool = self._graphs.get(shape, [])
+            if pool:
+                self._graphs.move_to_end(shape)
+            for graph in pool:
+                if graph.busy.acquire(blocking=False):
+                    self.bound_calls += 1
+                    return graph
+            seen = self._seen.pop(shape, 0)
+            self._seen[shape] = seen + 1
+            while len(self._seen) > SEEN_SHAPES:
+                self._seen.popitem(last=False)
+            dims = self._dims(shape)
+            need = self._nbytes(dims)
+            if seen < self.bind_after or need > self.max_bytes:
+                return None
 
-                def full() -> bool:
-                    return len(self._graphs) >= self.max_graphs or self.bound_bytes + need > self.max_bytes
+            def full() -> bool:
+                return self.graphs >= self.max_graphs or self.bound_bytes + need > self.max_bytes
 
-                for old in list(self._graphs):
+            for old in [other for other in self._graphs if other != shape]:  # least recent first, idle ones
+                for graph in list(self._graphs[old]):
                     if not full():
                         break
-                    if self._graphs[old].busy.acquire(blocking=False):
-                        self._let_go(self._graphs.pop(old))
-                if full():
-                    return None
-                del self._seen[shape]
-                with on_device(self.runner.device_type):  # device memory of its own
-                    graph = self._graphs[shape] = self._bind(shape, dims, need)
+                    if graph.busy.acquire(blocking=False):
+                        self._graphs[old].remove(graph)
+                        self._let_go(graph)
+                if not self._graphs[old]:
+                    del self._graphs[old]
+            if full():
+                return None
+            del self._seen[shape]
+            with on_device(self.runner.device_type):  # device memory of its own
+                graph = self._bind(shape, dims, need)
+            graph.busy.acquire()
+            self._graphs[shape] = [*pool, graph]
             self._graphs.move_to_end(shape)
-            return graph if graph.busy.acquire(blocking=False) else None
+            self.bound_calls += 1
+            return graph
 
     def _run(self, graph: _Graph, feeds: Mapping[str, Feed], presents: Presents, *, hidden: int
              ) -> DitResult:

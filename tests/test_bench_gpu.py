@@ -10,14 +10,16 @@ import json
 import os
 import re
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
 
+from cosyvoice_bench.backend import StreamRun
 from cosyvoice_bench.bounds import ModelShapes, dit_bound_s, dit_flops_per_step
-from cosyvoice_bench.cases import make_cases
+from cosyvoice_bench.cases import Case, make_cases
 from cosyvoice_bench.cli import main
 from cosyvoice_bench.errors import BenchError
 from cosyvoice_bench.gpu import conv_search_levers, describe_gpu, gpu_rates
@@ -30,6 +32,8 @@ from cosyvoice_graphs.bundle_layout import PROMPT_TEXT, PROMPT_WAV
 from cosyvoice_graphs.precision import BF16, FP16, FP32, TF32
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.dit_graphs import GraphedDit
+from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.runners.ort_settings import CONV_ALGO_SEARCHES
 
 
@@ -120,24 +124,47 @@ def test_the_report_names_the_gpu_and_the_search_lever(tmp_path: Path, runtime_b
     assert re.search(r"hift_decoder +HEURISTIC \* +57 +812 +9\.10 +130\n", text), text  # * the runtime's
 
 
-def test_concurrent_sessions_say_how_busy_the_gpu_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                      runtime_bundle: Path) -> None:
-    """The concurrency runs sample the GPU while their sessions run (a stand-in nvidia-smi here)."""
-    _fake_nvidia_smi(tmp_path, 'echo "2048, 37"')
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+@pytest.fixture
+def short_case(runtime_bundle: Path) -> Iterator[tuple[RuntimeBackend, Case, PromptFeatures, StreamRun]]:
+    """The runtime on the CPU, the short case of 12 tokens, its prompt's features and one stream of it."""
     bundle = RuntimeBundle.open(runtime_bundle)
     runtime = RuntimeBackend(bundle, provider="cpu", threads=1,
                              prompt_text=(bundle.root / PROMPT_TEXT).read_text(encoding="utf-8"), seed=0)
     try:
         prompt = runtime.prompt_features(bundle.root / PROMPT_WAV)
         (case,) = make_cases(["short"], 12)
-        reference = runtime.stream(case, prompt)
-        row = runtime.concurrent(case, prompt, 1, reference, GpuSampler(interval_s=0.01))
-        unsampled = runtime.concurrent(case, prompt, 1, reference)
+        yield runtime, case, prompt, runtime.stream(case, prompt)
     finally:
         runtime.close()
+
+
+def test_concurrent_sessions_say_how_busy_the_gpu_was(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        short_case: tuple[RuntimeBackend, Case, PromptFeatures, StreamRun]) -> None:
+    """The concurrency runs sample the GPU while their sessions run (a stand-in nvidia-smi here)."""
+    _fake_nvidia_smi(tmp_path, 'echo "2048, 37"')
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    runtime, case, prompt, reference = short_case
+    row = runtime.concurrent(case, prompt, 1, reference, GpuSampler(interval_s=0.01))
+    unsampled = runtime.concurrent(case, prompt, 1, reference)
     assert row["gpu_utilization_mean_pct"] == 37 and "gpu_utilization_mean_pct" not in unsampled
     assert row["outputs_match"] is row["tokens_match"] is True
+
+
+def test_concurrent_sessions_say_how_many_dit_calls_ran_in_bindings(
+        short_case: tuple[RuntimeBackend, Case, PromptFeatures, StreamRun]) -> None:
+    """Where the DiT's calls go through `dit_graphs` (on a GPU, replays from CUDA graphs; here its bindings
+    run as plain calls) a concurrency row gives the share of its calls that ran in a binding; elsewhere it
+    has no such figure."""
+    runtime, case, prompt, reference = short_case
+    plain = runtime.concurrent(case, prompt, 2, reference)
+    synth = runtime.voice.synth
+    synth.dit_graphs = synth.flow.call = graphed = GraphedDit(synth.flow.estimator, bind_after=0)
+    bound = runtime.concurrent(case, prompt, 2, reference)
+    assert "dit_bound_share" not in plain
+    assert 0 < bound["dit_bound_share"] <= 1 and graphed.bound_calls <= graphed.calls
+    assert bound["tokens_match"] is True  # the audio: a single stream's within float32's rounding (buckets)
+    assert bound["outputs_match"] or bound["outputs_max_diff"] <= 1e-4
 
 
 def test_thread_scaling_is_refused_on_a_gpu_before_any_work(tmp_path: Path) -> None:

@@ -123,23 +123,40 @@ def test_calls_over_caches_of_one_bucket_share_its_binding(estimator: OrtRunner,
     assert graphed.bucket(top - 1) == top and graphed.bucket(top + 1) == top + 1  # within the spec's range
 
 
-def test_the_least_recent_shapes_are_let_go_and_a_busy_one_runs_alone(estimator: OrtRunner, block: int
-                                                                      ) -> None:
-    """At most `max_graphs` shapes are bound, the least recently called let go; a call whose shape another
-    call holds (another stream's, on another thread) runs as an ordinary call, with the same result."""
+def test_the_least_recent_shapes_are_let_go(estimator: OrtRunner, block: int) -> None:
+    """At most `max_graphs` bindings are kept, the least recently called shape's let go first."""
     graphed = GraphedDit(estimator, max_graphs=2, bind_after=0)
     for new in (5, 6, 5, 7):
         graphed(_feeds(estimator, new, 0, new, block), presents=Presents.NONE)
-    assert set(graphed._graphs) == {Shape(2, 5, 0), Shape(2, 7, 0)}
-    feeds = _feeds(estimator, 5, 0, 9, block)
-    graph = graphed._graphs[Shape(2, 5, 0)]
-    runs = graph.runs
-    with graph.busy:  # held as a call on another thread holds it
-        got = graphed(feeds, presents=Presents.HOST)
-    assert graph.runs == runs  # not through the binding
-    assert _equal(got, call_alone(estimator, feeds, presents=Presents.HOST))
+    assert set(graphed._graphs) == {Shape(2, 5, 0), Shape(2, 7, 0)} and graphed.graphs == 2
     graphed.release()
     assert graphed.graphs == 0
+
+
+def test_a_busy_shape_gets_another_binding_once_its_calls_have_waited(estimator: OrtRunner, block: int
+                                                                      ) -> None:
+    """A call whose shape's bindings are all busy (held by other streams' calls, on other threads) runs as an
+    ordinary call, with the same result; once `bind_after` calls have found them so, the shape gets one more
+    binding, and past `max_graphs` its calls run alone."""
+    graphed = GraphedDit(estimator, max_graphs=2, bind_after=2)
+    feeds = _feeds(estimator, 5, 0, 9, block)
+    want = call_alone(estimator, feeds, presents=Presents.HOST)
+    for _ in range(3):  # two launched, then bound
+        assert _equal(graphed(feeds, presents=Presents.HOST), want)
+    [first] = graphed._graphs[Shape(2, 5, 0)]
+    with first.busy:  # held as a call on another thread holds it
+        for _ in range(2):
+            assert _equal(graphed(feeds, presents=Presents.HOST), want)
+        assert graphed.graphs == 1 and first.runs == 1  # launched
+        assert _equal(graphed(feeds, presents=Presents.HOST), want)
+        [_, second] = graphed._graphs[Shape(2, 5, 0)]
+        assert second.runs == 1
+        with second.busy:
+            for _ in range(3):
+                assert _equal(graphed(feeds, presents=Presents.HOST), want)
+            assert graphed.graphs == 2 and (first.runs, second.runs) == (1, 1)  # no room: launched
+    assert _equal(graphed(feeds, presents=Presents.HOST), want)
+    assert first.runs == 2  # the first free binding
 
 
 def test_the_bindings_keep_within_their_memory(estimator: OrtRunner, block: int) -> None:
@@ -172,7 +189,7 @@ def test_a_shape_is_bound_once_it_comes_again(estimator: OrtRunner, block: int) 
         assert _equal(graphed(feeds, presents=Presents.HOST), want)
     assert graphed.graphs == 0
     assert _equal(graphed(feeds, presents=Presents.HOST), want)
-    assert graphed.graphs == 1 and graphed._graphs[Shape(2, 9, 0)].runs == 1
+    assert graphed.graphs == 1 and graphed._graphs[Shape(2, 9, 0)][0].runs == 1
 
 
 @pytest.mark.parametrize(("kept", "bucket"), [(False, 1), (True, 1), (True, PAST_BUCKET)],
