@@ -223,10 +223,10 @@ class GraphedDit:
             for name, value in graph.inputs.items():
                 if on_host or name not in pasts:
                     host = to_host(feeds[name])
-                    if name == "attention_mask":
+                    if hidden and name == "attention_mask":
                         host = np.concatenate([np.zeros((host.shape[0], hidden), dtype=bool), host], axis=1)
-                    elif name in pasts:
-                        host = np.pad(host, [(frames[name], 0) if axis == 2 else (0, 0)
+                    elif hidden and name in self._framed:  # else written as it is, copied once
+                        host = np.pad(host, [(hidden, 0) if axis == 2 else (0, 0)
                                              for axis in range(host.ndim)])
                     value.update_inplace(np.ascontiguousarray(host, dtype=self._dtypes[name]))
             if not on_host:

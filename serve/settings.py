@@ -60,7 +60,7 @@ class ServerSettings:
     max_batch: int | None = None
     """Sessions whose speech ids one LLM call decodes together (continuous batching, `decode_batch`; the
     bundle needs `llm_decode`); 1: each session decodes on its own; None: the engine's default by bundle and
-    provider (`engine.default_max_batch`)."""
+    provider (`default_max_batch`)."""
     chunk_slots: int | None = None
     """With a batch, its sessions' chunks that run their flow and vocoder calls at once, first chunks first
     (`ChunkTurns`); None: `synthesis.default_chunk_slots` (one where a session's graphs take every core)."""
