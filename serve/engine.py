@@ -83,6 +83,10 @@ class AudioUpload:
 
 WARM_UP_CHUNKS = 2
 """Chunks `Engine.warm_up` streams: a first chunk's shapes and a later chunk's."""
+WARM_UP_ROUNDS_REPLAYED = 2
+"""Times `Engine.warm_up` streams them where the DiT's calls replay from CUDA graphs: a shape is bound once it
+comes again (`dit_graphs.BIND_AFTER`), so the second round's calls bind, capture and replay, and the first
+request in the bundle's voice (or in one whose prompt's cache rounds alike) replays its first chunk."""
 
 
 class BundlePrompt(Enum):
@@ -220,8 +224,9 @@ class Engine:
         """Stream the bundle's own prompt's transcript in its own voice for `WARM_UP_CHUNKS` chunks, then
         stop, so that the first request does not pay what only a first synthesis pays: the text normaliser's
         grammars, the bundle prompt's features and flow prefix, onnxruntime's first calls of every graph at
-        a stream's first shapes (on a GPU, cuDNN's algorithm search for them). Returns the seconds it
-        took, or None for a bundle without a prompt of its own (nothing to warm up with)."""
+        a stream's first shapes (on a GPU, cuDNN's algorithm search for them; where the DiT replays, its
+        graphs of them: `WARM_UP_ROUNDS_REPLAYED`). Returns the seconds it took, or None for a bundle
+        without a prompt of its own (nothing to warm up with)."""
         if self.default_prompt is None:
             log.info("warm-up: skipped, the bundle carries no prompt of its own")
             return None
@@ -230,14 +235,17 @@ class Engine:
         prompt = self.default_features()
         with self._text_lock:
             pieces = self.voice.segments(Mode.ZERO_SHOT, text, prompt_text=text)
-        speech = self.voice.speak(pieces[0], prompt, Mode.ZERO_SHOT, stream=True)
-        try:
-            for _ in itertools.islice(speech, WARM_UP_CHUNKS):
-                pass
-        finally:
-            speech.close()
+        rounds = WARM_UP_ROUNDS_REPLAYED if self.synth.dit_graphs is not None else 1
+        for _ in range(rounds):
+            speech = self.voice.speak(pieces[0], prompt, Mode.ZERO_SHOT, stream=True)
+            try:
+                for _ in itertools.islice(speech, WARM_UP_CHUNKS):
+                    pass
+            finally:
+                speech.close()
         seconds = time.monotonic() - start
-        log.info("warm-up: %d chunks in the bundle's own voice in %.2f s", WARM_UP_CHUNKS, seconds)
+        log.info("warm-up: %d chunks in the bundle's own voice%s in %.2f s", WARM_UP_CHUNKS,
+                 f", {rounds} times (the DiT's graphs)" if rounds > 1 else "", seconds)
         return seconds
 
     def stream(self, job: SynthesisJob, session: Session) -> Iterator[np.ndarray]:

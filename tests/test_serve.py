@@ -45,6 +45,7 @@ from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.dit_graphs import GraphedDit
 from cosyvoice_runtime.frontend import PromptFeatures, zero_shot_prompt
 from cosyvoice_runtime.sampling import Sampling
 from cosyvoice_runtime.speakers import LOCK, REGISTRY, SpeakerRegistry
@@ -53,7 +54,13 @@ from cosyvoice_serve import Engine, ServerSettings, create_app
 from cosyvoice_serve import cli as serve_cli
 from cosyvoice_serve.app import ROUTERS
 from cosyvoice_serve.auth import MISSING_KEY, OPEN_PATHS
-from cosyvoice_serve.engine import WARM_UP_CHUNKS, AudioUpload, BundlePrompt, SynthesisJob
+from cosyvoice_serve.engine import (
+    WARM_UP_CHUNKS,
+    WARM_UP_ROUNDS_REPLAYED,
+    AudioUpload,
+    BundlePrompt,
+    SynthesisJob,
+)
 from cosyvoice_serve.queue import Session
 from cosyvoice_serve.routes_bridge import MISSING_PROMPT
 from cosyvoice_serve.settings import API_KEY_ENV, PORT_ENV, read_dotenv
@@ -909,6 +916,32 @@ def test_the_warm_up_leaves_the_bundle_voice_ready(caplog: pytest.LogCaptureFixt
             assert warm.warm_up() is None
         skipped = "warm-up: skipped, the bundle carries no prompt of its own"
         assert [r.getMessage() for r in caplog.records] == [skipped]
+    finally:
+        warm.close()
+
+
+def test_where_the_dit_replays_the_warm_up_binds_its_shapes(caplog: pytest.LogCaptureFixture) -> None:
+    """Where the DiT's calls go through `dit_graphs` (on a GPU, CUDA graphs; here its bindings run as plain
+    calls) the warm-up streams its chunks twice, so that the second time binds the shapes the first made
+    (a shape is bound once it comes again) and the next stream in that voice runs its first chunk there."""
+    warm = Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle")
+    try:
+        synth = warm.synth
+        synth.dit_graphs = synth.flow.call = graphed = GraphedDit(synth.flow.estimator)
+        with caplog.at_level(logging.INFO, logger="cosyvoice_serve.engine"):
+            seconds = warm.warm_up()
+        said = (f"warm-up: {WARM_UP_CHUNKS} chunks in the bundle's own voice, {WARM_UP_ROUNDS_REPLAYED} "
+                f"times (the DiT's graphs) in {seconds:.2f} s")
+        assert said in [r.getMessage() for r in caplog.records]
+        assert graphed.graphs >= 1 and graphed.bound_calls > 0
+        assert warm.default_prompt is not None
+        bound = graphed.bound_calls
+        job = SynthesisJob(Mode.ZERO_SHOT, SHORT, BundlePrompt.DEFAULT, Sampling(),
+                           prompt_text=warm.default_prompt[1])
+        chunks = warm.stream(job, Session(60))
+        assert len(next(chunks)) > 0
+        chunks.close()
+        assert graphed.bound_calls > bound  # the first chunk in a binding
     finally:
         warm.close()
 
