@@ -141,9 +141,9 @@ REPLICAS: Deployment = serve.deployment(name=DEPLOYMENT_NAME)(serve.ingress()(Co
 """The replicas' deployment (its options: `deployment`)."""
 
 
-def deployment(scale: ScaleOptions, settings: ServerSettings) -> Deployment:
-    """The replicas' deployment with `scale`'s options."""
-    return REPLICAS.options(**scale.deployment_options(settings))
+def deployment(scale: ScaleOptions, settings: ServerSettings, provider: str) -> Deployment:
+    """The replicas' deployment on `provider` with `scale`'s options."""
+    return REPLICAS.options(**scale.deployment_options(settings, provider))
 
 
 def replica_config(args: dict[str, Any]) -> ReplicaConfig:
@@ -174,7 +174,7 @@ def build_app(args: dict[str, Any]) -> Application:
     `args` as `replica_config` takes them: one replica reserving one CPU, unless the config file's
     `deployments` entry says otherwise."""
     config = replica_config(args)
-    return deployment(ScaleOptions(), config.settings).bind(config)
+    return deployment(ScaleOptions(), config.settings, config.provider).bind(config)
 
 
 app = build_app({})
@@ -191,7 +191,7 @@ def run_ray(options: RayOptions, config: ReplicaConfig, *, host: str, port: int)
     try:
         serve.start(http_options={"host": host, "port": port})
         try:
-            serve.run(deployment(options.scale, config.settings).bind(config), name=APP_NAME,
+            serve.run(deployment(options.scale, config.settings, config.provider).bind(config), name=APP_NAME,
                       route_prefix="/")
         except RuntimeError as e:
             print(f"error: {deploy_error(e)}", file=sys.stderr)

@@ -29,11 +29,11 @@ class ScaleOptions:
     min_replicas: int = 1
     """Autoscale down to this many (0 lets the app scale to nothing while idle)."""
     target_ongoing: float | None = None
-    """Requests per replica that autoscaling aims at (None: the settings' `max_concurrency`, so that it
-    adds a replica when requests start to wait)."""
+    """Requests per replica that autoscaling aims at (None: the sessions a replica runs at once,
+    `ServerSettings.sessions_on`, so that it adds a replica when requests start to wait)."""
     max_ongoing: int | None = None
-    """Requests Ray sends one replica at once (None: the settings' `max_concurrency`, what it runs at once,
-    so that a request waits for the first free replica rather than behind a busy one)."""
+    """Requests Ray sends one replica at once (None: the sessions it runs at once, `sessions_on`, so that a
+    request waits for the first free replica rather than behind a busy one)."""
     cpus: float = 1.0
     """CPUs each replica reserves, and the threads its graphs run on (rounded up)."""
     gpus: float = 0.0
@@ -46,12 +46,13 @@ class ScaleOptions:
             raise ValueError(f"replicas ({self.replicas}) must be from min_replicas ({self.min_replicas}) to "
                              f"max_replicas ({self.max_replicas})")
 
-    def deployment_options(self, settings: ServerSettings) -> dict[str, Any]:
-        """The arguments of Ray's `Deployment.options` these stand for, with `settings`' queue: the requests
-        waiting for a replica wait in Ray's proxy, which answers 503 beyond `queue_depth` of them (at least
-        one: Ray's lower bound)."""
+    def deployment_options(self, settings: ServerSettings, provider: str) -> dict[str, Any]:
+        """The arguments of Ray's `Deployment.options` these stand for, for replicas on `provider` with
+        `settings`' queue: the requests waiting for a replica wait in Ray's proxy, which answers 503 beyond
+        `queue_depth` of them (at least one: Ray's lower bound)."""
+        sessions = settings.sessions_on(provider)
         options: dict[str, Any] = {
-            "max_ongoing_requests": self.max_ongoing or settings.max_concurrency,
+            "max_ongoing_requests": self.max_ongoing or sessions,
             "max_queued_requests": max(settings.queue_depth, 1),
             "ray_actor_options": {"num_cpus": self.cpus, "num_gpus": self.gpus}}
         if self.max_replicas is None:
@@ -59,7 +60,7 @@ class ScaleOptions:
         return options | {"autoscaling_config": {
             "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
             "initial_replicas": self.replicas,
-            "target_ongoing_requests": self.target_ongoing or settings.max_concurrency}}
+            "target_ongoing_requests": self.target_ongoing or sessions}}
 
 
 @dataclass(frozen=True)
@@ -89,10 +90,12 @@ def ray_options(command: F) -> F:
         click.option("--max-replicas", type=click.IntRange(min=1), default=None,
                      help="Autoscale the replicas up to this many [default: a fixed --replicas]."),
         click.option("--target-ongoing", type=click.FloatRange(min=0, min_open=True), default=None,
-                     help="Requests per replica that autoscaling aims at [default: --max-conc]."),
+                     help="Requests per replica that autoscaling aims at [default: the sessions it runs at "
+                          "once: --max-conc, or its decode batch where larger]."),
         click.option("--max-ongoing", type=click.IntRange(min=1), default=None,
                      help="Requests Ray sends one replica at once; the rest wait in Ray's proxy for a free "
-                          "replica, up to --queue of them per proxy (503 beyond) [default: --max-conc]."),
+                          "replica, up to --queue of them per proxy (503 beyond) [default: the sessions it "
+                          "runs at once: --max-conc, or its decode batch where larger]."),
         click.option("--replica-cpus", type=click.FloatRange(min=0), default=1.0,
                      help="CPUs each replica reserves, and its graphs' threads (rounded up; 0: every core)."),
         click.option("--replica-gpus", type=click.FloatRange(min=0), default=0.0,

@@ -111,6 +111,14 @@ class ServerSettings:
         (`Engine.max_batch`): `max_concurrency`, or `max_batch` where more, so that a batch can fill."""
         return max(self.max_concurrency, max_batch)
 
+    def sessions_on(self, provider: str) -> int:
+        """`sessions_at_once` where the bundle is not known (Ray's driver, which deploys replicas that open
+        it): of `max_batch`, or where that is None of the most `default_max_batch` gives on `provider`
+        (`GPU_MAX_BATCH` on cuda; a replica whose bundle does not batch there keeps the rest in its queue)."""
+        if self.max_batch is not None:
+            return self.sessions_at_once(self.max_batch)
+        return self.sessions_at_once(GPU_MAX_BATCH if provider == CUDA else 1)
+
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")

@@ -32,6 +32,7 @@ from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from cosyvoice_runtime.frontend import PromptFeatures
+from cosyvoice_runtime.runners import CPU
 from cosyvoice_serve import Engine, ServerSettings, create_app
 from cosyvoice_serve.ray_app import (
     APP_NAME,
@@ -104,7 +105,7 @@ def cluster() -> Iterator[str]:
 def replicas(cluster: str, settings: ServerSettings) -> Iterator[httpx.Client]:
     """Two replicas of the demo bundle, one CPU each; a client of the proxy."""
     scale = ScaleOptions(replicas=2, cpus=1)
-    serve.run(deployment(scale, settings).bind(ReplicaConfig(settings=settings)), name=APP_NAME,
+    serve.run(deployment(scale, settings, CPU).bind(ReplicaConfig(settings=settings)), name=APP_NAME,
               route_prefix="/")
     with httpx.Client(base_url=cluster, timeout=120) as client:
         yield client

@@ -14,24 +14,39 @@ from click.testing import CliRunner
 
 from cosyvoice_serve import cli as serve_cli
 from cosyvoice_serve.ray_options import ScaleOptions
-from cosyvoice_serve.settings import ServerSettings
+from cosyvoice_serve.settings import GPU_MAX_BATCH, ServerSettings
 
 
 def test_the_scale_options_are_ray_serves_deployment_options() -> None:
     settings = ServerSettings(max_concurrency=2, queue_depth=6)
-    assert ScaleOptions(replicas=3, cpus=2, gpus=0.5).deployment_options(settings) == {
+    assert ScaleOptions(replicas=3, cpus=2, gpus=0.5).deployment_options(settings, "cpu") == {
         "num_replicas": 3, "max_ongoing_requests": 2, "max_queued_requests": 6,
         "ray_actor_options": {"num_cpus": 2, "num_gpus": 0.5}}
     autoscaling = ScaleOptions(replicas=2, max_replicas=4, min_replicas=0, max_ongoing=3)
-    assert autoscaling.deployment_options(settings) == {
+    assert autoscaling.deployment_options(settings, "cpu") == {
         "max_ongoing_requests": 3, "max_queued_requests": 6,
         "ray_actor_options": {"num_cpus": 1.0, "num_gpus": 0.0},
         "autoscaling_config": {"min_replicas": 0, "max_replicas": 4, "initial_replicas": 2,
                                "target_ongoing_requests": 2}}
-    targeted = ScaleOptions(max_replicas=2, target_ongoing=1.5).deployment_options(settings)
+    targeted = ScaleOptions(max_replicas=2, target_ongoing=1.5).deployment_options(settings, "cpu")
     assert targeted["autoscaling_config"]["target_ongoing_requests"] == 1.5
-    no_queue = ScaleOptions().deployment_options(ServerSettings(queue_depth=0))
+    no_queue = ScaleOptions().deployment_options(ServerSettings(queue_depth=0), "cpu")
     assert no_queue["max_queued_requests"] == 1  # Ray's least
+
+
+def test_ray_sends_a_replica_as_many_requests_as_it_runs_at_once() -> None:
+    """A replica runs `--max-conc` sessions at once, or its decode batch where larger: `--max-batch`, else
+    the engine's default on the provider (the most it gives there: 4 on cuda, 1 elsewhere), which the
+    driver, without the bundle, cannot narrow."""
+    def ongoing(settings: ServerSettings, provider: str) -> tuple[int, int]:
+        options = ScaleOptions(max_replicas=2).deployment_options(settings, provider)
+        return options["max_ongoing_requests"], options["autoscaling_config"]["target_ongoing_requests"]
+
+    assert ongoing(ServerSettings(), "cpu") == (1, 1)
+    assert ongoing(ServerSettings(), "cuda") == (GPU_MAX_BATCH, GPU_MAX_BATCH) == (4, 4)
+    assert ongoing(ServerSettings(max_batch=1), "cuda") == (1, 1)
+    assert ongoing(ServerSettings(max_batch=3, max_concurrency=2), "cpu") == (3, 3)
+    assert ongoing(ServerSettings(max_batch=2, max_concurrency=5), "cuda") == (5, 5)
 
 
 @pytest.mark.parametrize(("args", "message"), [
