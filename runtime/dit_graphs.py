@@ -102,10 +102,13 @@ class GraphedDit:
         spec = runner.spec
         self._pairs = cache_pairs(spec)
         pasts = {past for past, _ in self._pairs}
-        self._framed = {t.name for t in spec.inputs if t.name in pasts and t.shape[2:3] == ("past_frames",)}
+        keys = [t for t in spec.inputs if t.name in pasts and "past_frames" in t.shape]
+        self._framed = {t.name for t in keys}
         """The caches of keys and values, whose frames a bucket pads (the conv caches' frames are fixed)."""
+        self._axis = keys[0].shape.index("past_frames")
+        """Their frames' axis, which the conv caches' frames share."""
         self._frames = FramePad({t.name: (t.np_dtype, len(t.shape)) for t in spec.inputs if t.name in pasts},
-                                axis=2, provider=runner.provider, device_id=runner.device_id)
+                                axis=self._axis, provider=runner.provider, device_id=runner.device_id)
         """Copies caches on the device: into a binding's inputs after the bucket's hidden frames, out of its
         outputs without them."""
         self._max_past = spec.dims["past_frames"].max
@@ -138,12 +141,13 @@ class GraphedDit:
         """One call on `feeds` (every input of the graph): the velocity and, as `presents` says, the caches
         for the next call (on the device: tensors of their own), as `call_alone` gives them."""
         rows, _, new_frames = feed_shape(feeds["x"])
-        past = feed_shape(feeds[next(iter(self._framed))])[2]
-        graph = self._claim(Shape(rows, new_frames, self.bucket(past)))
+        past = feed_shape(feeds[next(iter(self._framed))])[self._axis]
+        bucket = self.bucket(past)
+        graph = self._claim(Shape(rows, new_frames, bucket))
         if graph is None:
             return call_alone(self.runner, feeds, presents=presents)
         try:
-            return self._run(graph, feeds, presents, hidden=self.bucket(past) - past)
+            return self._run(graph, feeds, presents, hidden=bucket - past)
         finally:
             graph.busy.release()
 
@@ -226,7 +230,7 @@ class GraphedDit:
                     if hidden and name == "attention_mask":
                         host = np.concatenate([np.zeros((host.shape[0], hidden), dtype=bool), host], axis=1)
                     elif hidden and name in self._framed:  # else written as it is, copied once
-                        host = np.pad(host, [(hidden, 0) if axis == 2 else (0, 0)
+                        host = np.pad(host, [(hidden, 0) if axis == self._axis else (0, 0)
                                              for axis in range(host.ndim)])
                     value.update_inplace(np.ascontiguousarray(host, dtype=self._dtypes[name]))
             if not on_host:
@@ -237,7 +241,8 @@ class GraphedDit:
             if presents == Presents.DEVICE:
                 return velocity, self._frames.cut(out, frames)
             if presents == Presents.HOST:
-                return velocity, {past: np.array(value.numpy()[:, :, frames[past]:])
+                return velocity, {past: np.array(value.numpy()[(slice(None),) * self._axis
+                                                               + (slice(frames[past], None),)])
                                   for past, value in out.items()}
             return velocity, {}
 
