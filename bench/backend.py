@@ -41,6 +41,9 @@ class StreamRun:
     first: FirstChunk
     seconds: float
     """From the request to the final chunk."""
+    final_wait_s: float
+    """From the chunk before the final one to the final one (the first chunk's time where it is the only
+    one): how long a listener waits for the end once the rest is out."""
     audio_s: float
     samples: np.ndarray
     """The concatenated float32 samples."""

@@ -15,7 +15,7 @@ from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import choose_prompt
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
-from cosyvoice_runtime.cli_options import first_chunk_option
+from cosyvoice_runtime.cli_options import chunk_policy_options
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, PROVIDERS
 from cosyvoice_runtime.synthesis import check_stack_dit, uses_cuda_graphs
@@ -67,8 +67,12 @@ def _user_errors() -> Iterator[None]:
               help="Warm rounds per case; medians are reported  [default: 3; 1 with --quick]")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the RAS sampler.")
 @click.option("--quick", is_flag=True, help="Smoke run: few tokens, one round, short machine probes.")
-@first_chunk_option("Also measure the first chunk with the runtime's latency policy: after N tokens (and the "
-                    "flow's look-ahead), beside upstream's schedule (a deviation from upstream).")
+@chunk_policy_options("Also measure the first chunk with the runtime's latency policy: after N tokens (and "
+                      "the flow's look-ahead), beside upstream's schedule (a deviation from upstream).",
+                      "Also stream each case with the final chunk run against the earlier chunks' caches, "
+                      "not upstream's re-run over every frame, attention kept to the prompt and the last N "
+                      "1-s blocks ('all': every block), beside upstream's flow: its RTF and final chunk's "
+                      "wait (a deviation from upstream).")
 @click.option("--thread-scaling/--no-thread-scaling", default=None,
               help="Also run the runtime at 1 and 2 threads (longest case): first chunk, per-stage times and "
                    "bounds at each (CPU providers)  [default: on with --threads >= 2, off with --quick and "

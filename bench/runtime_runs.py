@@ -109,10 +109,16 @@ class RuntimeBackend:
         return self._first_chunk(case, prompt, None)
 
     def policy_first_chunk(self, case: Case, prompt: PromptFeatures) -> FirstChunk | None:
-        """The first chunk on the latency policy; None without one."""
-        if self.latency_policy is None:
+        """The first chunk on the latency policy; None without its first chunk's deviation."""
+        if self.latency_policy is None or self.latency_policy.first_chunk_tokens is None:
             return None
         return self._first_chunk(case, prompt, self.latency_policy)
+
+    def policy_stream(self, case: Case, prompt: PromptFeatures) -> StreamRun | None:
+        """The whole stream on the latency policy; None without its flow's deviation (`--flow-window`)."""
+        if self.latency_policy is None or self.latency_policy.flow != "window":
+            return None
+        return self._stream(case, prompt, self.latency_policy)
 
     def text_stream_first_chunk(self, case: Case, prompt: PromptFeatures) -> TextStreamFirstChunk:
         """The first chunk of `case`'s text streamed in (upstream's bistream, `speak_text_stream`) a word
@@ -149,19 +155,22 @@ class RuntimeBackend:
         return FirstChunk(seconds, len(chunk.samples) / self.voice.sample_rate, t.llm, t.flow, t.vocoder)
 
     def stream(self, case: Case, prompt: PromptFeatures) -> StreamRun:
+        return self._stream(case, prompt, None)
+
+    def _stream(self, case: Case, prompt: PromptFeatures, policy: ChunkPolicy | None) -> StreamRun:
         start = time.perf_counter()
         first: FirstChunk | None = None
-        parts = []
-        speech = self._speak(self.voice, self._segment(case), prompt, case.tokens, stream=True)
+        parts, arrivals = [], [start]
+        speech = self._speak(self.voice, self._segment(case), prompt, case.tokens, stream=True, policy=policy)
         for chunk in speech:
+            arrivals.append(time.perf_counter())
             if first is None:
-                first = self._first(chunk, time.perf_counter() - start)
+                first = self._first(chunk, arrivals[-1] - start)
             parts.append(chunk.samples)
-        seconds = time.perf_counter() - start
         assert first is not None  # a stream always ends with a final chunk
         audio = np.concatenate(parts)
-        return StreamRun(first, seconds, len(audio) / self.voice.sample_rate, audio,
-                         list(speech.speech_tokens))
+        return StreamRun(first, arrivals[-1] - start, arrivals[-1] - arrivals[-2],
+                         len(audio) / self.voice.sample_rate, audio, list(speech.speech_tokens))
 
     def offline(self, case: Case, prompt: PromptFeatures) -> OfflineRun:
         start = time.perf_counter()

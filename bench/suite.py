@@ -23,6 +23,7 @@ from tqdm import tqdm
 from cosyvoice_graphs.bundle_layout import FORMAT_VERSION
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
+from cosyvoice_runtime.cli_options import EVERY_BLOCK
 from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, CUDA, OPTIMIZATION
 from cosyvoice_runtime.runners.ort_settings import CONV_ALGO_SEARCHES
 from cosyvoice_runtime.synthesis import dit_replays
@@ -67,8 +68,8 @@ class Settings:
     model_dir: Path | None = None
     """The torch reference's model directory (`--vs-torch`), None for the runtime alone."""
     latency_policy: ChunkPolicy | None = None
-    """A chunk policy of the runtime's (`--first-chunk-tokens`), whose first chunk is measured beside
-    upstream's schedule's; None: upstream's schedule alone."""
+    """A chunk policy of the runtime's: its first chunk (`--first-chunk-tokens`) and its stream
+    (`--flow-window`) measured beside upstream's schedule's and flow's; None: upstream's alone."""
     thread_scaling: bool = False
     """Also run the runtime at each of `thread_levels` (longest case) and measure the rates there."""
     chunk_slots: int | None = None
@@ -214,6 +215,7 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
             "lengths": [c.name for c in s.cases], "concurrency": s.concurrency, "repeat": s.repeat,
             "quick": s.quick,
             "first_chunk_tokens": s.latency_policy.first_chunk_tokens if s.latency_policy else None,
+            "flow_window": _flow_window(s.latency_policy),
             "thread_scaling": s.thread_scaling, "chunk_slots": s.chunk_slots, "cuda_graphs": s.cuda_graphs,
             "dit_graphs": s.cuda_graphs and dit_replays(bundle), "stack_dit": s.stack_dit,
             "stack_vocoder": s.stack_vocoder,
@@ -336,6 +338,7 @@ def _warm(b: Backend, case: Case, wav: Path, prompt: Any, gpu: GpuSampler | None
         streamed = b.stream(case, prompt)
         cached = streamed.first if streamed is not None else b.first_chunk(case, prompt)
         policy = b.policy_first_chunk(case, prompt) if isinstance(b, RuntimeBackend) else None
+        policy_stream = b.policy_stream(case, prompt) if isinstance(b, RuntimeBackend) else None
         text_stream = b.text_stream_first_chunk(case, prompt) if isinstance(b, RuntimeBackend) else None
         offline = b.offline(case, prompt)
     gpu_usage = usage()
@@ -351,11 +354,21 @@ def _warm(b: Backend, case: Case, wav: Path, prompt: Any, gpu: GpuSampler | None
         "first_chunk_text_stream_s": text_stream.seconds if text_stream else None,
         "first_chunk_text_stream_words": text_stream.words if text_stream else None,
         "rtf_stream": streamed.seconds / streamed.audio_s if streamed is not None else None,
+        "stream_final_wait_s": streamed.final_wait_s if streamed is not None else None,
+        "rtf_stream_policy": policy_stream.seconds / policy_stream.audio_s if policy_stream else None,
+        "stream_final_wait_policy_s": policy_stream.final_wait_s if policy_stream else None,
         **offline.figures,
         "gpu_memory_peak_mib": gpu_usage.memory_peak_mib if gpu_usage else None,
         "gpu_utilization_mean_pct": gpu_usage.utilization_mean_pct if gpu_usage else None,
     }
     return figures, streamed, offline.speech_tokens
+
+
+def _flow_window(policy: ChunkPolicy | None) -> str | int | None:
+    """`--flow-window` as given (`EVERY_BLOCK` or the blocks), None without it."""
+    if policy is None or policy.flow != "window":
+        return None
+    return EVERY_BLOCK if policy.flow_window is None else policy.flow_window
 
 
 def _policy_figures(policy: FirstChunk | None) -> Figures:
@@ -406,7 +419,8 @@ def _notes(s: Settings, gpu: GpuSampler | None) -> dict[str, str]:
         "llm_per_token": "(LLM time - prefill call) / (steps - 1): a decode step with its embedding lookup "
                          "and sampling; tokens/s = steps / LLM time, prefill included",
         "rtf": "wall time from the request (text front end included, prompt cached) to the last sample, "
-               "divided by the audio's duration",
+               "divided by the audio's duration; a stream's final chunk's wait: from the chunk before it to "
+               "it (upstream's final chunk re-runs the flow over every frame)",
         "peak_rss": "peak RSS (VmHWM) of a fresh process of its own (python -m cosyvoice_bench.peak_rss) "
                     "that opened the pipeline, extracted the prompt and synthesised the case cold (streamed "
                     "where the backend can), nothing else loaded: the interpreter and the backend's "
@@ -424,7 +438,15 @@ def _notes(s: Settings, gpu: GpuSampler | None) -> dict[str, str]:
         "cpu_class": "the CPU's vector class (AVX2 / AVX-512, VNNI, BF16, AMX): figures from different "
                      "classes are not comparable as equals",
     }
-    if s.latency_policy is not None:
+    if s.latency_policy is not None and s.latency_policy.flow == "window":
+        window = s.latency_policy.flow_window
+        notes["stream_policy"] = (
+            f"--flow-window {_flow_window(s.latency_policy)}: a deviation from upstream's flow: each case "
+            "also streamed with its final chunk run against the earlier chunks' caches instead of upstream's "
+            "re-run over every frame, attention kept to the prompt and "
+            + ("every block" if window is None else f"the last {window} 1-s blocks")
+            + ", warm with the cached prompt; runtime only")
+    if s.latency_policy is not None and s.latency_policy.first_chunk_tokens is not None:
         notes["first_chunk_policy"] = (
             f"--first-chunk-tokens {s.latency_policy.first_chunk_tokens}: the runtime's latency policy (a "
             "deviation from upstream's chunk schedule): the first chunk after that many tokens plus the "

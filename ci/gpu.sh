@@ -143,8 +143,8 @@ measure() {
     batches=$(grep -c '"llm_decode"' "$bundle/manifest.json")
     case $kind in
     bench) step "bench-$tag" 300 "$PY" -m cosyvoice_bench --model "$bundle" --provider "$PROVIDER" \
-        --lengths long --concurrency 1,4 --quick --repeat 3 --tokens 250 --first-chunk-tokens 10 --no-progress \
-        --json "$OUT/bench-$tag.json" ;;
+        --lengths long --concurrency 1,4 --quick --repeat 3 --tokens 250 --first-chunk-tokens 10 \
+        --flow-window all --no-progress --json "$OUT/bench-$tag.json" ;;
     nographs) ((batches)) || return 0
         if [ "$PROVIDER" = cuda ]; then
             step "nographs-$tag" 300 "$PY" -m cosyvoice_bench --model "$bundle" --provider "$PROVIDER" \

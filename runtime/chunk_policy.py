@@ -42,12 +42,13 @@ class ChunkPolicy:
     never attend forward) and measured equal to float rounding (mel within 1e-5, audio within the
     vocoder's tolerance). Its caches take 160·depth·dim bytes per frame (keys and values, 2 CFG rows,
     10 ODE steps, float32; full size 3.6 MB, i.e. 180 MB per second of prompt and speech).
-    `"window"`: bounded cost and memory per chunk: attention sees the prompt's blocks and the last
-    `flow_window` blocks, in the final chunk too (whose new frames see each other fully); it deviates
-    from upstream (docs/runtime.md: figures)."""
-    flow_window: int = 8
+    `"window"`: the final chunk runs over its new frames against the caches too (whose new frames see each
+    other fully), and attention sees the prompt's blocks and the last `flow_window` blocks: no re-run,
+    cost and memory per chunk bounded; it deviates from upstream in the final chunk's frames, and in
+    every chunk's once the window drops blocks (docs/runtime.md: figures)."""
+    flow_window: int | None = 8
     """DiT blocks (50 frames = 1 s each) of generated speech that `flow="window"` keeps in attention
-    besides the prompt's."""
+    besides the prompt's; None keeps every block (only the final chunk deviates)."""
     first_chunk_tokens: int | None = None
     """None: upstream's schedule. N: the first chunk fires after N tokens (and the look-ahead), then the
     chunks end where upstream's do, from its first boundary past N on (N = 10 with a first hop of 38:
@@ -68,8 +69,21 @@ class ChunkPolicy:
             raise ValueError(f"vocoder must be 'rerun' or 'window', got {self.vocoder!r}")
         if self.flow not in ("rerun", "cache", "window"):
             raise ValueError(f"flow must be 'rerun', 'cache' or 'window', got {self.flow!r}")
-        if self.flow_window < 1:
-            raise ValueError(f"flow_window must be >= 1 block, got {self.flow_window}")
+        if self.flow_window is not None and self.flow_window < 1:
+            raise ValueError(f"flow_window must be >= 1 block or None (every block), got {self.flow_window}")
+
+    def summary(self) -> str:
+        """Where a stream on this policy departs from upstream's chunk schedule and flow, in words."""
+        departures = []
+        if self.first_chunk_tokens is not None:
+            departures.append(f"the first chunk after {self.first_chunk_tokens} speech tokens")
+        if self.flow == "window":
+            kept = "every block" if self.flow_window is None else f"the last {self.flow_window} 1-s blocks"
+            departures.append(f"the final chunk run against the caches, attention kept to the prompt and "
+                              f"{kept}")
+        if not departures:
+            return "upstream's chunk schedule and flow"
+        return "; ".join(departures) + " (deviations from upstream)"
 
     def first_pad(self, prompt_tokens: int) -> int:
         """Tokens added to the first hop so that prompt + first hop is a multiple of `token_hop`."""

@@ -21,7 +21,7 @@ from .atomic_files import atomic_paths, check_writable, write_json, write_wav
 from .bundle import RuntimeBundle
 from .bundle_source import MODEL_DIR_ENV, choose_bundle, choose_prompt
 from .chunk_policy import ChunkPolicy
-from .cli_options import first_chunk_option
+from .cli_options import FLOW_WINDOW_HELP, chunk_policy_options
 from .cosyvoice3 import CosyVoice3
 from .demo import DEMO_BUNDLE
 from .errors import USER_ERRORS, UserError
@@ -76,8 +76,9 @@ def _read_text(text: str, stdin: IO[str]) -> str:
 @click.option("--speed", type=click.FloatRange(min=0.5, max=2.0), default=1.0, show_default=True,
               help="Speaking rate (offline only, as upstream).")
 @click.option("--stream", is_flag=True, help="Synthesise in streaming chunks (upstream's chunk schedule).")
-@first_chunk_option("With --stream: the first chunk after N speech tokens, later chunks on upstream's "
-                    "boundaries (lower latency; a deviation from upstream's schedule) [default: upstream's].")
+@chunk_policy_options("With --stream: the first chunk after N speech tokens, later chunks on upstream's "
+                      "boundaries (lower latency; a deviation from upstream's schedule) [default: "
+                      "upstream's].", "With --stream: " + FLOW_WINDOW_HELP)
 @click.option("--provider", type=click.Choice(PROVIDERS), default=CPU, show_default=True,
               help="onnxruntime cpu/cuda/tensorrt provider, trt for the bundle's TensorRT plans, or openvino "
                    "(OpenVINO's CPU plugin; bf16 graphs run on it under cpu too).")
@@ -131,7 +132,8 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
         if chunks_out is not None and not stream:
             raise UserError("--chunks-out needs --stream")
         if chunk_policy is not None and not stream:
-            raise UserError("--first-chunk-tokens needs --stream")
+            given = "--first-chunk-tokens" if chunk_policy.first_chunk_tokens is not None else "--flow-window"
+            raise UserError(f"{given} needs --stream")
         for option, path in (("--out", out), ("--tokens-out", tokens_out), ("--chunks-out", chunks_out)):
             if path is not None:  # refused now, not after the synthesis with some outputs written
                 check_writable(path, option)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -9,13 +10,57 @@ import click
 
 from .chunk_policy import ChunkPolicy
 
+EVERY_BLOCK = "all"
+"""`--flow-window`'s value for a window of every block (only the final chunk deviates)."""
 
-def _chunk_policy(ctx: click.Context, param: click.Parameter, value: int | None) -> ChunkPolicy | None:
-    return None if value is None else ChunkPolicy(first_chunk_tokens=value)
+
+class FlowWindow(click.ParamType):
+    """`--flow-window`: `EVERY_BLOCK` or a number of blocks >= 1, as given (the string or the count)."""
+
+    name = "all|N"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str | int:
+        text = str(value).strip().lower()
+        if text == EVERY_BLOCK:
+            return EVERY_BLOCK
+        if text.isdigit() and int(text) >= 1:
+            return int(text)
+        self.fail(f"expected {EVERY_BLOCK!r} or a number of 1-s blocks >= 1, got {value!r}", param, ctx)
 
 
-def first_chunk_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """`--first-chunk-tokens N`, given to the command as `chunk_policy`: a `ChunkPolicy` whose first chunk
-    fires after N speech tokens, or None (upstream's schedule). The graphs check it (`check_policy`)."""
-    return click.option("--first-chunk-tokens", "chunk_policy", type=int, default=None, metavar="N",
-                        callback=_chunk_policy, help=help)
+def chunk_policy(first_chunk_tokens: int | None, flow_window: str | int | None) -> ChunkPolicy | None:
+    """The `ChunkPolicy` of `--first-chunk-tokens` and `--flow-window` (None where not given), or None where
+    neither is given: upstream's schedule and flow."""
+    if first_chunk_tokens is None and flow_window is None:
+        return None
+    if flow_window is None:
+        return ChunkPolicy(first_chunk_tokens=first_chunk_tokens)
+    window = None if flow_window == EVERY_BLOCK else int(flow_window)
+    return ChunkPolicy(first_chunk_tokens=first_chunk_tokens, flow="window", flow_window=window)
+
+
+FLOW_WINDOW_HELP = ("deviate from upstream for streams that cost less: the final chunk runs over its own "
+                    "frames against the earlier chunks' caches, not upstream's re-run over every frame, and "
+                    "attention keeps the prompt and the last N 1-s blocks ('all': every block, so only the "
+                    "final chunk's frames change) [default: off, upstream's flow; docs/runtime.md measures "
+                    "it].")
+"""`--flow-window`'s help, the same wherever it streams."""
+
+
+def chunk_policy_options(first_chunk_help: str, flow_window_help: str = FLOW_WINDOW_HELP
+                         ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """`--first-chunk-tokens N` and `--flow-window all|N`, given to the command as one `chunk_policy`: a
+    `ChunkPolicy`, or None (upstream's schedule and flow). The graphs check it (`check_policy`)."""
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(command)
+        def with_policy(*args: Any, first_chunk_tokens: int | None, flow_window: str | int | None,
+                        **kwargs: Any) -> Any:
+            return command(*args, chunk_policy=chunk_policy(first_chunk_tokens, flow_window), **kwargs)
+
+        with_window = click.option("--flow-window", type=FlowWindow(), default=None, metavar="all|N",
+                                   help=flow_window_help)(with_policy)
+        return click.option("--first-chunk-tokens", type=int, default=None, metavar="N",
+                            help=first_chunk_help)(with_window)
+
+    return decorate

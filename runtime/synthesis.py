@@ -513,7 +513,8 @@ class _Stream:
                                                      else None)
         self.flow_stream: FlowStream | None = (
             None if policy.flow == "rerun"
-            else synth.flow.stream(prompt, window=policy.flow_window if policy.flow == "window" else None))
+            else synth.flow.stream(prompt, final_cached=policy.flow == "window",
+                                   window=policy.flow_window if policy.flow == "window" else None))
         self.offset = 0
         """Tokens whose mel frames have gone to the vocoder."""
         self.samples_out = 0

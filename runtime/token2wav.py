@@ -17,8 +17,9 @@ Upstream's `CosyVoice3Model.token2wav` with `CausalMaskedDiffWithDiT.inference`,
 `FlowStream` streams the flow: a non-final chunk runs the same graph over its new frames only, fed per
 ODE step with the keys/values and conv context of the earlier frames, and gives the frames of
 `Flow` over the whole prefix (the earlier frames are whole blocks that the block-causal mask never lets
-attend forward); with a `window` it bounds the cost per chunk, at a deviation from upstream. The first
-chunk starts after the prompt's `FlowPrefix` (`flow_prefix`), computed once per prompt.
+attend forward); with its final chunk run against the caches and a `window` it bounds the cost per chunk,
+at a deviation from upstream. The first chunk starts after the prompt's `FlowPrefix` (`flow_prefix`),
+computed once per prompt.
 
 `VocoderStream` streams the vocoder at a bounded cost per chunk: every HiFT layer is causal with a
 finite reach (`HiftLayout`), so it re-runs the two graphs only over the new frames plus a fixed left
@@ -59,6 +60,7 @@ from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES, FlowPrefix, FlowPrefixCache
 from .frontend import PromptFeatures
 from .noise import UniformNoise
 from .runners import CPU, Feed, OrtRunner, Runner, feed_nbytes, feed_shape
+from .runners.device_copies import FramePad
 
 CFG_RATE = 0.7
 """`inference_cfg_rate`: v = (1 + rate) v_cond - rate v_uncond."""
@@ -141,9 +143,20 @@ class Flow:
         self.encoder, self.estimator = encoder, estimator
         self.call: DitCall = functools.partial(call_alone, estimator) if call is None else call
         self.keep_on_device = isinstance(estimator, OrtRunner) and estimator.device_type != CPU
-        """Whether a stream's DiT caches stay on the GPU that computed them between calls (an exact
-        stream's: a windowed one cuts them on the host), instead of crossing to the host and back at
-        every ODE step (at full size ~0.35 MB per cached frame each way)."""
+        """Whether a stream's DiT caches stay on the GPU that computed them between calls, instead of
+        crossing to the host and back at every ODE step (at full size ~0.35 MB per cached frame each way)."""
+        spec = estimator.spec
+        pasts = {past for past, _ in cache_pairs(spec)}
+        keys = [t for t in spec.inputs if t.name in pasts and "past_frames" in t.shape]
+        self.growing = [t.name for t in keys]
+        """The caches that grow with the frames (the keys and values; the conv caches' frames are fixed)."""
+        self.frame_axis = keys[0].shape.index("past_frames")
+        self.frame_copies = (FramePad({t.name: (t.np_dtype, len(t.shape)) for t in keys},
+                                      axis=self.frame_axis, provider=estimator.provider,
+                                      device_id=estimator.device_id)
+                             if isinstance(estimator, OrtRunner) else None)
+        """Where a windowed stream's caches kept on the device drop frames, there (its sessions made when
+        first needed)."""
         self.noise = noise
         self.dims = dims
         self.steps = euler_steps()
@@ -180,16 +193,19 @@ class Flow:
         or alone."""
         return nullcontext(AloneCalls(self.call)) if self.stack is None else self.stack.chunk_calls()
 
-    def stream(self, prompt: PromptFeatures, *, window: int | None = None) -> FlowStream:
-        """A new utterance's `FlowStream`: exact caches (`window=None`), or attention bounded to the
-        prompt's blocks and the last `window` blocks (see `FlowStream`)."""
+    def stream(self, prompt: PromptFeatures, *, final_cached: bool = False, window: int | None = None
+               ) -> FlowStream:
+        """A new utterance's `FlowStream`: upstream's computation (the defaults), or its final chunk run
+        against the caches (`final_cached`), attention bounded to the prompt's blocks and the last `window`
+        blocks, or both (see `FlowStream`)."""
         if window is not None and window < 1:
             raise ValueError(f"window must be >= 1 block, got {window}")
         if prompt.mel.shape[1] != self.dims.token_mel_ratio * prompt.speech_tokens.shape[1]:
             raise ValueError(f"the prompt has {prompt.mel.shape[1]} mel frames for "
                              f"{prompt.speech_tokens.shape[1]} tokens; the flow needs "
                              f"{self.dims.token_mel_ratio} per token")
-        return FlowStream(self, prompt, window, [empty_caches(self.estimator.spec) for _ in self.steps])
+        return FlowStream(self, prompt, final_cached, window,
+                          [empty_caches(self.estimator.spec) for _ in self.steps])
 
     def prefix_frames(self, prompt_tokens: int) -> int:
         """Frames of a prompt of `prompt_tokens` tokens that `prefix` covers: the whole blocks among the
@@ -295,22 +311,25 @@ class FlowStream:
     starts from the prompt's `FlowPrefix` (`Flow.prefix`), the caches of its leading whole blocks
     (the same argument: their frames read prompt tokens only), so it runs the frames after them.
 
-    With `window=None` (exact) the final push re-runs the full-attention flow over every token, as
-    upstream does (its full attention changes every frame, so nothing cached applies). With a window,
-    the caches keep the prompt's blocks and the last `window` blocks (older keys/values are dropped
-    after each step), and the final push is cached too, with full attention among its new frames: the
-    cost of every push is bounded, at a deviation from upstream that docs/runtime.md states.
+    By default (exact) the final push re-runs the full-attention flow over every token, as upstream does
+    (its full attention changes every frame, so nothing cached applies). With `final_cached` it runs over
+    its new frames against the caches like the others, with full attention among them: no re-run. With a
+    `window` the caches keep the prompt's blocks and the last `window` blocks (older keys/values are
+    dropped after each step): the cost of every push is bounded. Both deviate from upstream, as
+    docs/runtime.md states and measures.
     """
 
     flow: Flow = field(repr=False)
     prompt: PromptFeatures = field(repr=False)
+    final_cached: bool
+    """Whether the final push runs against the caches (else upstream's re-run over every frame)."""
     window: int | None
     """Blocks of generated frames whose keys/values attention keeps besides the prompt's blocks;
-    None keeps every frame (exact)."""
+    None keeps every frame."""
     caches: list[dict[str, Feed]] = field(repr=False)
     """Per ODE step, the `past_*` inputs of `flow_estimator_cached` for the next push (numpy arrays, or values
-    on the GPU with `Flow.keep_on_device`: `OrtValue`s, or `BufferView`s of a stacked call's); empty once an
-    exact stream's final push has begun (its full re-run reads none of them)."""
+    on the GPU with `Flow.keep_on_device`: `OrtValue`s, or `BufferView`s of a stacked call's); empty once the
+    final push has begun (a full re-run reads none of them) or run (nothing reads them again)."""
     frames: int = 0
     """Frames (prompt included) run so far: the position of the next new frame."""
     tokens: int = 0
@@ -318,17 +337,10 @@ class FlowStream:
     finished: bool = False
 
     @property
-    def growing(self) -> list[str]:
-        """The caches that grow with the frames (keys and values, frames on axis 2): those whose axis 2
-        is symbolic in the spec; the conv caches have a fixed size there."""
-        spec = self.flow.estimator.spec
-        pasts = {past for past, _ in cache_pairs(spec)}
-        return [t.name for t in spec.inputs if t.name in pasts and isinstance(t.shape[2], str)]
-
-    @property
     def cached_frames(self) -> int:
         """Frames whose keys/values the caches hold: `frames`, or fewer if the window dropped some."""
-        return feed_shape(self.caches[0][self.growing[0]])[2] if self.caches else 0
+        flow = self.flow
+        return feed_shape(self.caches[0][flow.growing[0]])[flow.frame_axis] if self.caches else 0
 
     @property
     def cache_bytes(self) -> int:
@@ -348,11 +360,12 @@ class FlowStream:
         covered = len(tokens) - (0 if finalize else d.pre_lookahead_len)  # tokens with frames after this push
         if covered <= self.tokens:
             raise ValueError(f"no new tokens: {self.tokens} have their frames already, {len(tokens)} given")
-        if finalize and self.window is None:
+        if finalize and not self.final_cached:
             self.caches = []  # released before the re-run allocates its own activations: a lower peak
             mel = flow(np.asarray(tokens, dtype=np.int64), self.prompt, finalize=True, streaming=False,
                        pause=pause)
             emitted, self.tokens, self.finished = ratio * self.tokens, covered, True
+            self.frames = self.prompt.mel.shape[1] + mel.shape[2]
             return mel[:, :, emitted:]
         all_tokens = flow.tokens_with_prompt(tokens, self.prompt, finalize=finalize)
         if not finalize:
@@ -364,7 +377,10 @@ class FlowStream:
                 raise ValueError(f"a non-final chunk ends at frame {end}, not on a {block}-frame block "
                                  "boundary: its frames would see later ones, so caching them would change "
                                  "the result")
-            x = self.advance(mu, spks, block_frames=end if finalize else block, pause=pause, calls=calls)
+            x = self.advance(mu, spks, block_frames=end if finalize else block, pause=pause, calls=calls,
+                             keep=not finalize)
+        if finalize:
+            self.caches, self.frames = [], end  # nothing reads the caches again
         emitted = self.prompt.mel.shape[1] + ratio * self.tokens  # the first frame not returned yet
         self.tokens, self.finished = covered, finalize
         return x[:, :, emitted - first:]
@@ -380,12 +396,12 @@ class FlowStream:
             raise ValueError("this flow stream is finalized already")
         flow, ratio = self.flow, self.flow.dims.token_mel_ratio
         self._start()
-        kept, first = list(self.caches), self.frames
+        first = self.frames
         with flow.dit_calls() as calls:
             all_tokens = flow.tokens_with_prompt(tokens, self.prompt, finalize=False)
             mu, spks = flow.encode(all_tokens, first // ratio, self.prompt, finalize=False)
-            x = self.advance(mu, spks, block_frames=flow.dims.dit_block_frames, pause=pause, calls=calls)
-        self.caches, self.frames = kept, first
+            x = self.advance(mu, spks, block_frames=flow.dims.dit_block_frames, pause=pause, calls=calls,
+                             keep=False)
         return x[:, :, self.prompt.mel.shape[1] + ratio * self.tokens - first:]
 
     def _start(self) -> None:
@@ -395,9 +411,11 @@ class FlowStream:
             self.frames, self.caches = prefix.frames, [dict(step) for step in prefix.caches]
 
     def advance(self, mu: np.ndarray, spks: np.ndarray, *, block_frames: int,
-                pause: Callable[[], None] = no_pause, calls: DitCalls | None = None) -> np.ndarray:
+                pause: Callable[[], None] = no_pause, calls: DitCalls | None = None, keep: bool = True
+                ) -> np.ndarray:
         """Solve the ODE over the next frames (their `mu` (1, 80, n), `spks` (1, 80)) against the caches,
-        which then cover them too: x (1, 80, n). `block_frames` is the mask's block (counted from frame 0);
+        which then cover them too (`keep`; else the calls give back no caches and the stream stays where it
+        was: a final push, a peek): x (1, 80, n). `block_frames` is the mask's block (counted from frame 0);
         `pause` is called before every graph call (`Flow.compute_prefix`); the DiT calls go through `calls`
         (None: alone, as a prompt's prefix computes, whose caches a `FlowPrefixCache` keeps: rows of a stacked
         call's outputs would hold the whole call's memory there)."""
@@ -406,32 +424,40 @@ class FlowStream:
         end = first + mu.shape[2]
         feeds = {**dit_attention(first, mu.shape[2], self.cached_frames, block_frames),
                  **_cfg_rows(mu, spks, flow.cond(self.prompt, first, end))}
-        on_device = flow.keep_on_device and self.window is None
+        presents = (Presents.NONE if not keep else Presents.DEVICE if flow.keep_on_device else Presents.HOST)
 
         def velocity(step: int, x: np.ndarray) -> np.ndarray:
             inputs = {"x": x, "ode_step": _ode_step(step), **feeds, **self.caches[step]}
-            v, caches = dit.velocity(inputs, presents=Presents.DEVICE if on_device else Presents.HOST,
-                                     pause=pause)
-            self.caches[step] = caches if on_device else self._windowed(caches)
+            v, caches = dit.velocity(inputs, presents=presents, pause=pause)
+            if keep:
+                self.caches[step] = self._windowed(caches)
             return v
 
         x = flow.solve(flow.initial_x(first, end), velocity)
-        self.frames = end
+        if keep:
+            self.frames = end
         return x
 
     def _windowed(self, caches: Mapping[str, Feed]) -> dict[str, Feed]:
-        """`caches` with the keys/values of frames outside the window dropped (all kept without one)."""
+        """`caches` with the keys/values of frames outside the window dropped (all kept without one), where
+        they are (on the host, or on the GPU by `Flow.frame_copies`)."""
         out: dict[str, Feed] = dict(caches)
         if self.window is None:
             return out
-        block = self.flow.dims.dit_block_frames
+        flow = self.flow
+        block, axis = flow.dims.dit_block_frames, flow.frame_axis
         head = -(-self.prompt.mel.shape[1] // block) * block  # the prompt's blocks
-        tail = self.window * block
-        for name in self.growing:
-            a = caches[name]  # (2, H, frames, Dh), on the host
+        dropped = feed_shape(caches[flow.growing[0]])[axis] - head - self.window * block
+        if dropped <= 0:
+            return out
+        if not isinstance(caches[flow.growing[0]], np.ndarray):  # kept on the device
+            assert flow.frame_copies is not None
+            out.update(flow.frame_copies.drop({name: caches[name] for name in flow.growing}, head, dropped))
+            return out
+        for name in flow.growing:
+            a = caches[name]
             assert isinstance(a, np.ndarray)
-            if a.shape[2] > head + tail:
-                out[name] = np.concatenate([a[:, :, :head], a[:, :, a.shape[2] - tail:]], axis=2)
+            out[name] = np.delete(a, np.s_[head:head + dropped], axis=axis)
         return out
 
 

@@ -13,7 +13,7 @@ import click
 from cosyvoice_graphs import MAX_BATCH
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
-from cosyvoice_runtime.cli_options import first_chunk_option
+from cosyvoice_runtime.cli_options import FLOW_WINDOW_HELP, chunk_policy_options
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from cosyvoice_runtime.runners import CPU
@@ -140,8 +140,9 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
               help="Before serving, stream a few chunks in the bundle's own voice, so that the first request "
                    "does not pay for the first synthesis (the text normaliser's grammars, the prompt's "
                    "features, every graph's first calls: a few seconds at start-up on a CPU).")
-@first_chunk_option("Every stream's first chunk after N speech tokens, later chunks on upstream's boundaries "
-                    "(lower latency; a deviation from upstream's schedule) [default: upstream's].")
+@chunk_policy_options("Every stream's first chunk after N speech tokens, later chunks on upstream's "
+                      "boundaries (lower latency; a deviation from upstream's schedule) [default: "
+                      "upstream's].", "Every stream: " + FLOW_WINDOW_HELP)
 @ray_options
 def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model: Path | None, provider: str,
           threads: int | None, max_conc: int, max_batch: int | None, chunk_slots: int | None,
@@ -202,6 +203,7 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
                    + (f"decoded in batches of up to {engine.max_batch}" if engine.max_batch > 1 else
                       "decoded each on its own")
                    + (", the decode steps replayed from CUDA graphs" if engine.cuda_graphs else ""), err=True)
+        click.echo(f"streams: {engine.voice.chunk_policy.summary()}", err=True)
         if warm_up:
             engine.warm_up()
         click.echo(f"API key: {'required' if api_key else 'none (every endpoint is open)'}", err=True)

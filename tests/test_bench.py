@@ -85,14 +85,17 @@ def bench_args(runtime_bundle: Path, out: Path) -> list[str]:
 
 
 POLICY_KEYS = {key for key in FIGURE_KEYS if key.startswith("first_chunk_policy_")}
+WINDOW_KEYS = {"rtf_stream_policy", "stream_final_wait_policy_s"}
 TEXT_STREAM_KEYS = {"first_chunk_text_stream_s", "first_chunk_text_stream_words"}
 
 
-def check_figures(figures: dict[str, Any], pinned: int, *, torch_side: bool, policy: bool = False) -> None:
+def check_figures(figures: dict[str, Any], pinned: int, *, torch_side: bool, policy: bool = False,
+                  window: bool = False) -> None:
     assert set(figures) == set(FIGURE_KEYS)
-    absent = {"gpu_memory_peak_mib", "gpu_utilization_mean_pct"} | ({"rtf_stream", *TEXT_STREAM_KEYS}
-                                                                   if torch_side else set())
+    absent = {"gpu_memory_peak_mib", "gpu_utilization_mean_pct"} | (
+        {"rtf_stream", "stream_final_wait_s", *TEXT_STREAM_KEYS} if torch_side else set())
     absent |= set() if policy and not torch_side else POLICY_KEYS
+    absent |= set() if window and not torch_side else WINDOW_KEYS
     for key, value in figures.items():
         if key in absent:
             assert value is None, key
@@ -107,7 +110,7 @@ def check_figures(figures: dict[str, Any], pinned: int, *, torch_side: bool, pol
 
 
 def check_common(result: dict[str, Any], lengths: list[str], levels: list[int], *, threads: int = 1,
-                 policy: bool = False) -> None:
+                 policy: bool = False, window: bool = False) -> None:
     assert result["schema"] == "cosyvoice-bench/1" and result["settings"]["lengths"] == lengths
     assert result["settings"]["cuda_graphs"] is result["settings"]["dit_graphs"] is False  # the CPU's
     machine = result["machine"]
@@ -125,7 +128,7 @@ def check_common(result: dict[str, Any], lengths: list[str], levels: list[int], 
                     "dit_flops_per_step", "matmul_gflops", "dit_bound_s_per_step", "dit_fraction_runtime",
                     "hift_frames", "hift_flops", "hift_bound_s", "hift_fraction_runtime"):
             assert bounds[key] > 0, key
-        check_figures(case["runtime"], case["pinned_tokens"], torch_side=False, policy=policy)
+        check_figures(case["runtime"], case["pinned_tokens"], torch_side=False, policy=policy, window=window)
     assert [r["level"] for r in result["concurrency"]] == levels
     for row in result["concurrency"]:
         assert row["shared_synthesizer"] is True and row["outputs_match"] is True
@@ -161,9 +164,10 @@ sys.meta_path.insert(0, _Block())
 
 def test_quick_run_of_the_runtime_without_torch(runtime_bundle: Path, tmp_path: Path) -> None:
     """With the DiT's calls stacked: the sessions' audio still matches a single stream's, and the concurrency
-    table says how many streams a DiT call served."""
+    table says how many streams a DiT call served. With `--flow-window`, each case is streamed on it too."""
     out = tmp_path / "bench.json"  # the prompt: the bundle's own
-    args = [*bench_args(runtime_bundle, out), "--lengths", "long", "--concurrency", "1,2", "--stack-dit"]
+    args = [*bench_args(runtime_bundle, out), "--lengths", "long", "--concurrency", "1,2", "--stack-dit",
+            "--flow-window", "all"]
     script = _BLOCK_TORCH + textwrap.dedent(f"""
         from cosyvoice_bench.cli import main
         try:
@@ -176,7 +180,10 @@ def test_quick_run_of_the_runtime_without_torch(runtime_bundle: Path, tmp_path: 
     assert done.returncode == 0, done.stderr[-3000:]
     assert "RTF offline" in done.stdout and "first chunk, cold, cached prompt" in done.stdout
     result = json.loads(out.read_text())
-    check_common(result, ["long"], [1, 2])
+    check_common(result, ["long"], [1, 2], window=True)
+    assert result["settings"]["flow_window"] == "all" and result["settings"]["first_chunk_tokens"] is None
+    assert "stream_policy" in result["notes"] and "first_chunk_policy" not in result["notes"]
+    assert "RTF streaming, --flow-window" in done.stdout
     assert Path(result["settings"]["prompt_wav"]) == runtime_bundle / PROMPT_WAV
     case = result["cases"][0]
     assert case["torch"] is None and case["speedup"] is None and case["same_speech_tokens"] is None

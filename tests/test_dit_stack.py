@@ -26,7 +26,7 @@ from cosyvoice_runtime.dit_stack import DitStack, Presents, call_alone
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.runners import CUDA, BufferView, Feed, open_runner
-from cosyvoice_runtime.runners.device_copies import RowConcat
+from cosyvoice_runtime.runners.device_copies import FramePad, RowConcat
 from cosyvoice_runtime.synthesis import Synthesizer
 
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
@@ -163,6 +163,28 @@ def test_row_concat_stacks_device_values_and_their_rows(estimator: Any) -> None:
         want = np.concatenate([arrays[0][name], arrays[1][name][1:3], arrays[2][name]])
         assert np.array_equal(got[name].numpy(), want)
     assert np.array_equal(concat(parts[:1])[pasts[0]].numpy(), arrays[0][pasts[0]])
+
+
+def test_frame_pad_drops_a_run_of_frames_where_the_tensors_are(estimator: Any) -> None:
+    """On the CPU provider `FramePad.drop` takes `OrtValue`s and `BufferView`s as a GPU's caches are kept,
+    and gives each tensor without the run of entries along its axis, as numpy's `delete`."""
+    pytest.importorskip("onnx", reason=NEEDS_ONNX)
+    specs = {t.name: t for t in estimator.spec.inputs}
+    keys = [t.name for t in estimator.spec.inputs if "past_frames" in t.shape][:2]
+    axis = specs[keys[0]].shape.index("past_frames")
+    frames = FramePad({name: (specs[name].np_dtype, len(specs[name].shape)) for name in keys}, axis=axis)
+    rng = np.random.default_rng(0)
+    arrays = {name: rng.standard_normal((4, 3, 9, 5)).astype(np.float32) for name in keys}
+    feeds: dict[str, Feed] = {keys[0]: ort.OrtValue.ortvalue_from_numpy(arrays[keys[0]]),
+                              keys[1]: BufferView(ort.OrtValue.ortvalue_from_numpy(arrays[keys[1]]), 1, 2)}
+    wants = {keys[0]: arrays[keys[0]], keys[1]: arrays[keys[1]][1:3]}
+    for first, count in ((3, 4), (0, 2), (7, 2), (4, 0)):
+        got = frames.drop(feeds, first, count)
+        for name in keys:
+            want = np.delete(wants[name], np.s_[first:first + count], axis=axis)
+            assert np.array_equal(got[name].numpy(), want)
+    with pytest.raises(ValueError, match="cannot drop"):
+        frames.drop(feeds, 2, -1)
 
 
 def _tokens(n: int, seed: int) -> list[int]:

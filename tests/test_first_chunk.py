@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,10 @@ from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.chunk_policy import ChunkPolicy, check_policy
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.dit_stack import DitResult, Presents
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.frontend import PromptFeatures
+from cosyvoice_runtime.runners import Feed, feed_shape
 from cosyvoice_runtime.synthesis import AudioChunk, Mode
 
 TEXT = "Hello there, this is a test of the streaming seams."
@@ -142,22 +144,21 @@ def test_cache_gives_reruns_samples_with_a_cut_first_chunk(voice: CosyVoice3,
     flow = voice.synth.flow
     prefix = flow.prefix(prompt).frames
     assert prefix > 0
-    estimator, frames_run = flow.estimator, []
+    call, frames_run = flow.call, []
 
-    def recording(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        frames_run.append(feeds["x"].shape[2])
-        return infer(feeds)
+    def recording(feeds: Mapping[str, Feed], *, presents: Presents) -> DitResult:
+        frames_run.append(feed_shape(feeds["x"])[2])
+        return call(feeds, presents=presents)
 
-    infer = estimator.infer
     policies = [ChunkPolicy(flow=flow, first_chunk_tokens=FIRST) for flow in ("cache", "rerun")]  # type: ignore[arg-type]
     try:
-        estimator.infer = recording  # type: ignore[method-assign]
+        flow.call = recording
         cached = voice.synth.stream_tokens(tokens, prompt, policy=policies[0])
         first = next(cached)
         calls = list(frames_run)
         runs = [[first, *cached], list(voice.synth.stream_tokens(tokens, prompt, policy=policies[1]))]
     finally:
-        del estimator.infer
+        flow.call = call
     end = prompt.mel.shape[1] + flow.dims.token_mel_ratio * FIRST
     assert calls == [end - prefix] * ODE_STEPS
     assert np.abs(runs[0][0].mel - runs[1][0].mel).max() < 1e-4

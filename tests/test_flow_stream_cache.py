@@ -1,5 +1,6 @@
 """Streaming with flow caches (`FlowStream` over the `flow_estimator_cached` graph) against upstream's re-run
-of the flow over every frame per chunk, and the deviation of the bounded `window` policy.
+of the flow over every frame per chunk, and the deviations of the `window` policy: the final chunk run
+against the caches, and attention bounded to a window of blocks.
 
 Why the cache is exact for a non-final chunk (argued in `FlowStream`): the frames before it are whole
 50-frame blocks, which the block-causal mask never lets attend to a later frame; the rest of the DiT is
@@ -18,10 +19,14 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
+import soundfile as sf
+from click.testing import CliRunner
 
-from cosyvoice_graphs import ODE_STEPS
+from cosyvoice_graphs import ODE_STEPS, dit_attention, empty_caches
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
+from cosyvoice_runtime.cli import main as run_main
+from cosyvoice_runtime.cli_options import chunk_policy
 from cosyvoice_runtime.flow_prefix import FlowPrefixCache
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.synthesis import AudioChunk, Synthesizer
@@ -142,7 +147,7 @@ def test_the_prefix_is_the_first_chunks_caches_of_its_frames(synth: Synthesizer,
     whole.advance(mu, spks, block_frames=BLOCK)
     worst = 0.0
     for got, want in zip(prefix.caches, whole.caches, strict=True):
-        for name in whole.growing:
+        for name in whole.flow.growing:
             worst = max(worst, float(np.abs(got[name] - want[name][:, :, :prefix.frames]).max()))
     print(f"prefix vs one first-chunk call, keys/values max abs {worst:.2e}")
     assert worst < MEL_MAX
@@ -232,11 +237,12 @@ def test_window_bounds_the_cache_and_its_deviation_is_measured(synth: Synthesize
     same; mel and audio deviate from upstream's re-run (figures printed; the README has them)."""
     p = prompt.speech_tokens.shape[1]
     head = -(-2 * p // BLOCK) * BLOCK
-    stream = synth.flow.stream(prompt, window=window)
-    mels = []
+    stream = synth.flow.stream(prompt, final_cached=True, window=window)
+    mels, held = [], 0
     for tokens, _, final in _schedule(ChunkPolicy(), p, LONG):
         mels.append(stream.push(tokens, finalize=final))
         assert stream.cached_frames <= head + window * BLOCK
+        held = max(held, stream.cache_bytes)
     assert stream.frames == 2 * (p + LONG)
     want_mels, want_audio = long_rerun
     assert [m.shape for m in mels] == [m.shape for m in want_mels]
@@ -244,20 +250,102 @@ def test_window_bounds_the_cache_and_its_deviation_is_measured(synth: Synthesize
     audio = _vocode(synth, mels)
     print(f"window {window}: {len(mels)} chunks, mel vs re-run max abs {mel_diff.max():.3g}, mean "
           f"{mel_diff.mean():.3g}; audio SNR {_snr_db(audio, want_audio):.1f} dB; cache "
-          f"{stream.cache_bytes / 2**20:.1f} MiB")
+          f"{held / 2**20:.1f} MiB at most")
     assert np.isfinite(audio).all() and audio.shape == want_audio.shape
     assert 0 < mel_diff.mean() < 0.1  # an approximation, not a failure: random weights attend everywhere
 
 
 def test_window_policy_streams_through_the_synthesizer(synth: Synthesizer, prompt: PromptFeatures) -> None:
-    """`flow="window"` in `Synthesizer.stream_tokens` is `FlowStream` with the policy's window, vocoded."""
-    policy = ChunkPolicy(flow="window")
-    stream = synth.flow.stream(prompt, window=policy.flow_window)
-    mels = [stream.push(tokens, finalize=final)
-            for tokens, _, final in _schedule(policy, prompt.speech_tokens.shape[1], LONG)]
-    chunks = list(synth.stream_tokens(_tokens(LONG), prompt, policy=policy))
-    assert len(chunks) == len(mels) and chunks[-1].is_final
-    assert np.array_equal(np.concatenate([c.samples for c in chunks]), _vocode(synth, mels))
+    """`flow="window"` in `Synthesizer.stream_tokens` is `FlowStream` with its final chunk cached and the
+    policy's window (None: every block), vocoded."""
+    for policy in (ChunkPolicy(flow="window"), ChunkPolicy(flow="window", flow_window=None)):
+        stream = synth.flow.stream(prompt, final_cached=True, window=policy.flow_window)
+        mels = [stream.push(tokens, finalize=final)
+                for tokens, _, final in _schedule(policy, prompt.speech_tokens.shape[1], LONG)]
+        chunks = list(synth.stream_tokens(_tokens(LONG), prompt, policy=policy))
+        assert len(chunks) == len(mels) and chunks[-1].is_final
+        assert np.array_equal(np.concatenate([c.samples for c in chunks]), _vocode(synth, mels))
+
+
+def _final_seeing_everything(synth: Synthesizer, prompt: PromptFeatures, tokens: list[int], first: int
+                             ) -> np.ndarray:
+    """The mel from frame `first` on of one flow call over every frame without caches, under the block-causal
+    mask except that the frames from `first` on see every frame: what a stream whose final push runs from
+    `first` on computes against its caches (`final_cached`)."""
+    flow = synth.flow
+    mu, spks = flow.encode(flow.tokens_with_prompt(tokens, prompt, finalize=True), 0, prompt, finalize=True)
+    frames = mu.shape[2]
+    attention = dit_attention(0, frames, 0, BLOCK)
+    attention["attention_mask"][first:] = True
+    cond = flow.cond(prompt, 0, frames)
+    feeds = {**attention, **empty_caches(flow.estimator.spec),
+             "mu": np.concatenate([mu, np.zeros_like(mu)]),
+             "spks": np.concatenate([spks, np.zeros_like(spks)]),
+             "cond": np.concatenate([cond, np.zeros_like(cond)])}
+
+    def velocity(step: int, x: np.ndarray) -> np.ndarray:
+        ode_step = np.array([step], dtype=np.int64)
+        return flow.estimator.infer({"x": x, "ode_step": ode_step, **feeds})["velocity"]
+
+    return flow.solve(flow.initial_x(0, frames), velocity)[:, :, first:]
+
+
+@pytest.mark.parametrize("n", [20, 250])
+def test_a_cached_final_chunk_sees_every_frame_and_only_it_deviates(synth: Synthesizer,
+                                                                     prompt: PromptFeatures, n: int) -> None:
+    """`final_cached` without a window: every chunk before the final is the exact stream's to the bit; the
+    final one is the flow over every frame with the block-causal mask, its own frames seeing all (to float
+    rounding), not upstream's re-run under full attention, from which it deviates (printed); nothing held
+    after it. 20 tokens: a final chunk alone, which is upstream's call."""
+    p = prompt.speech_tokens.shape[1]
+    exact, cached = synth.flow.stream(prompt), synth.flow.stream(prompt, final_cached=True)
+    for tokens, offset, final in _schedule(ChunkPolicy(), p, n):
+        start = cached.frames  # where the push's calls begin: after its caches (none before a first chunk)
+        want, got = exact.push(tokens, finalize=final), cached.push(tokens, finalize=final)
+        if not final:
+            assert np.array_equal(got, want)
+            continue
+        emitted = prompt.mel.shape[1] + 2 * offset
+        reference = _final_seeing_everything(synth, prompt, tokens, start)[:, :, emitted - start:]
+        worst = float(np.abs(got - reference).max())
+        deviation = np.abs(got - want)
+        print(f"{n} tokens: final chunk of {got.shape[2]} frames against the one-call reference max abs "
+              f"{worst:.2e}; against upstream's re-run max {deviation.max():.3g}, "
+              f"mean {deviation.mean():.3g}")
+        assert got.shape == want.shape and worst < MEL_MAX
+        if offset == 0:
+            assert deviation.max() < MEL_MAX  # no chunk before: every frame sees every frame, as upstream's
+        else:
+            assert 0 < deviation.mean() < 0.1
+    assert cached.finished and cached.caches == [] and cached.cache_bytes == 0
+
+
+def test_cosyvoice_run_takes_a_flow_window_and_refuses_a_bad_one(tmp_path: Path) -> None:
+    """`--flow-window all|N` (with `--first-chunk-tokens` or not) is `ChunkPolicy(flow="window")`; a value
+    that is not a count of blocks, or no `--stream`, is one line and exit status 2."""
+    assert chunk_policy(None, None) is None
+    assert chunk_policy(10, None) == ChunkPolicy(first_chunk_tokens=10)
+    assert chunk_policy(None, "all") == ChunkPolicy(flow="window", flow_window=None)
+    assert chunk_policy(10, 3) == ChunkPolicy(first_chunk_tokens=10, flow="window", flow_window=3)
+    assert ChunkPolicy(flow="window", flow_window=None, first_chunk_tokens=10).summary() == (
+        "the first chunk after 10 speech tokens; the final chunk run against the caches, attention kept to "
+        "the prompt and every block (deviations from upstream)")
+    out = tmp_path / "out.wav"
+    base = ["--text", "Hi.", "--sampling", "greedy", "--out", str(out)]
+    audio = {}
+    for flags in ([], ["--flow-window", "all"], ["--flow-window", "2"]):
+        result = CliRunner().invoke(run_main, [*base, "--stream", *flags])
+        assert result.exit_code == 0, result.output
+        audio[tuple(flags)] = sf.read(out, dtype="int16")[0]
+    upstream, every, two = audio.values()
+    assert len(every) == len(upstream) and not np.array_equal(every, upstream)  # its final chunk differs
+    assert np.array_equal(two, every)  # 2.4 s of speech: a window of two blocks drops nothing
+    for bad in ("0", "-1", "x", "1.5"):
+        result = CliRunner().invoke(run_main, [*base, "--stream", "--flow-window", bad])
+        assert result.exit_code == 2 and "Invalid value for '--flow-window': expected 'all' or a number of " \
+            "1-s blocks >= 1" in result.stderr
+    result = CliRunner().invoke(run_main, [*base, "--flow-window", "all"])
+    assert result.exit_code == 2 and result.stderr == "error: --flow-window needs --stream\n"
 
 
 # --- the caches left where the estimator computed them --------------------------------------------------
@@ -267,7 +355,7 @@ def test_caches_kept_on_the_device_give_the_same_stream(runtime_bundle: Path, pr
     """On a GPU an exact stream's DiT caches stay there between calls (`Flow.keep_on_device`, through
     `Runner.infer_kept`). Forced on the CPU provider, where the kept values are CPU `OrtValue`s: the same
     mel bit for bit, chunk by chunk, the caches (and the prompt's prefix) held as `OrtValue`s of the same
-    size; a windowed stream still cuts its caches on the host."""
+    size."""
     n = 250
     mels: dict[bool, list[np.ndarray]] = {}
     for keep in (False, True):
@@ -283,10 +371,32 @@ def test_caches_kept_on_the_device_give_the_same_stream(runtime_bundle: Path, pr
                     assert stream.cache_bytes == _cache_bytes(s, stream.frames)
             prefix = s.flow.prefix(prompt)
             assert all(isinstance(v, ort.OrtValue) == keep for step in prefix.caches for v in step.values())
-            windowed = s.flow.stream(prompt, window=2)
-            first_chunk, _, _ = next(_schedule(ChunkPolicy(), prompt.speech_tokens.shape[1], n))
-            windowed.push(first_chunk, finalize=False)
-            assert all(isinstance(v, np.ndarray) for step in windowed.caches for v in step.values())
+    assert len(mels[False]) == len(mels[True]) > 2
+    for a, b in zip(mels[False], mels[True], strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_a_window_drops_frames_where_the_caches_are(runtime_bundle: Path, prompt: PromptFeatures) -> None:
+    """Kept on the device, a windowed stream's caches drop the frames outside the window there
+    (`Flow.frame_copies`, onnxruntime's `Slice` and `Concat`), never crossing to the host. Forced on the CPU
+    provider: the host's stream's mel bit for bit, chunk by chunk, the caches `OrtValue`s bounded to the
+    window."""
+    pytest.importorskip("onnx", reason="needs the onnx package (in the gpu and export extras), which builds "
+                                       "the graph that drops the frames")
+    p = prompt.speech_tokens.shape[1]
+    head = -(-2 * p // BLOCK) * BLOCK
+    mels: dict[bool, list[np.ndarray]] = {}
+    for keep in (False, True):
+        with Synthesizer(RuntimeBundle.open(runtime_bundle), threads=1) as s:
+            s.flow.keep_on_device = keep
+            stream, mels[keep] = s.flow.stream(prompt, final_cached=True, window=2), []
+            for tokens, _, final in _schedule(ChunkPolicy(), p, LONG):
+                mels[keep].append(stream.push(tokens, finalize=final))
+                if not final:
+                    held = [v for step in stream.caches for v in step.values()]
+                    assert all(isinstance(v, ort.OrtValue) == keep for v in held)
+                    assert stream.cached_frames == min(stream.frames, head + 2 * BLOCK)
+    assert stream.frames - head > 2 * BLOCK  # the window dropped frames
     assert len(mels[False]) == len(mels[True]) > 2
     for a, b in zip(mels[False], mels[True], strict=True):
         assert np.array_equal(a, b)

@@ -199,6 +199,24 @@ def test_zero_shot_stream_equals_cosyvoice_run_stream(engine: Engine, prompt: tu
     assert np.array_equal(np.frombuffer(response.content, "<i2"), cli_stream)
 
 
+def test_a_flow_window_streams_as_cosyvoice_run_does(prompt: tuple[bytes, str], cli_stream: np.ndarray,
+                                                      tmp_path: Path) -> None:
+    """`cosyvoice-serve --flow-window all` streams what `cosyvoice-run --stream --flow-window all` does: the
+    same samples, which are not upstream's (the final chunk runs against the caches)."""
+    policy = ChunkPolicy(flow="window", flow_window=None)
+    engine = Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle", chunk_policy=policy)
+    try:
+        with TestClient(make_app(engine, tmp_path)) as client:
+            response = client.post("/inference_zero_shot", **form(prompt))
+    finally:
+        engine.close()
+    assert response.status_code == 200, response.text
+    served = np.frombuffer(response.content, "<i2")
+    windowed = cosyvoice_run(tmp_path, "--stream", "--flow-window", "all", "--text", SHORT)
+    assert np.array_equal(served, windowed)
+    assert len(served) == len(cli_stream) and not np.array_equal(served, cli_stream)
+
+
 def test_concurrent_sessions_share_one_synthesizer_exactly(engine: Engine, prompt: tuple[bytes, str],
                                                           cli_stream: np.ndarray, tmp_path: Path) -> None:
     with serving(make_app(engine, tmp_path, max_concurrency=2)) as client, ThreadPoolExecutor(2) as pool:
@@ -888,6 +906,7 @@ def test_port_model_and_api_key_from_flags_then_environment_then_dotenv(
     err = capsys.readouterr().err
     assert "API key: required" in err and API_KEY not in err
     assert "sessions at once: 1, their speech tokens decoded each on its own\n" in err  # the demo bundle's
+    assert "streams: upstream's chunk schedule and flow\n" in err
     assert opened == [(None, str(DEMO_BUNDLE))]  # choose_bundle reads $COSYVOICE_MODEL_DIR, set by .env
 
 

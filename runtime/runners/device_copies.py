@@ -1,8 +1,8 @@
 """Tensors copied on their device by onnxruntime's own operators, each in a session of its own, so that
 streams' caches on a GPU become a call's inputs, and its outputs a stream's caches, without crossing to the
 host (onnxruntime's Python API copies whole tensors only): rows of several feeds as one tensor (`RowConcat`),
-and tensors with frames added in front or cut from the front (`FramePad`). The graphs are built with the
-onnx package when first needed, then kept."""
+and tensors with frames added in front, cut from the front or dropped between others (`FramePad`). The
+graphs are built with the onnx package when first needed, then kept."""
 
 from __future__ import annotations
 
@@ -96,9 +96,9 @@ class RowConcat:
 
 
 class FramePad:
-    """Tensors of the given names, dtypes and ranks with zeros added in front of their `axis` (`pad`) or
-    their first entries along it cut (`cut`), each name by its own count, on onnxruntime's CPU or CUDA
-    provider (`Pad` and `Slice`, the counts host inputs)."""
+    """Tensors of the given names, dtypes and ranks with zeros added in front of their `axis` (`pad`),
+    their first entries along it cut (`cut`), each name by its own count, or a run of entries dropped
+    (`drop`), on onnxruntime's CPU or CUDA provider (`Pad`, `Slice`, `Concat`; the counts host inputs)."""
 
     def __init__(self, tensors: Mapping[str, tuple[np.dtype[Any], int]], axis: int, provider: str = CPU,
                  device_id: int = 0) -> None:
@@ -111,6 +111,7 @@ class FramePad:
         self.device_id = device_id
         self._pad: ort.InferenceSession | None = None
         self._cut: ort.InferenceSession | None = None
+        self._drop: ort.InferenceSession | None = None
 
     def pad(self, feeds: Mapping[str, Feed], frames: Mapping[str, int], *, into: Mapping[str, ort.OrtValue]
             ) -> None:
@@ -131,21 +132,38 @@ class FramePad:
         return _run(self._cut, {**{f"{name}.in": values[name] for name in self.tensors}, **counts},
                     list(self.tensors), self.provider, self.device_id, None)
 
+    def drop(self, values: Mapping[str, Feed], first: int, frames: int) -> dict[str, ort.OrtValue]:
+        """Each name's value without its entries `first` to `first + frames` along the axis, as a new tensor
+        on the provider's device."""
+        if min(first, frames) < 0:
+            raise ValueError(f"cannot drop {frames} entries from entry {first}")
+        if self._drop is None:
+            self._drop = _session(self._graph("Drop"), self.provider, self.device_id)
+        counts = {"first": np.array([first], dtype=np.int64),
+                  "after": np.array([first + frames], dtype=np.int64)}
+        return _run(self._drop, {**{f"{name}.in": values[name] for name in self.tensors}, **counts},
+                    list(self.tensors), self.provider, self.device_id, None)
+
     def _pads(self, name: str, frames: int) -> np.ndarray:
         pads = np.zeros(2 * self.tensors[name][1], dtype=np.int64)
         pads[self.axis] = frames
         return pads
 
     def _graph(self, op: str) -> Any:
-        """Per name, the inputs `name.in` and its count (`name.pads`, `name.starts`), and `op` on them as the
-        output `name`: Pad (zeros in front) or Slice (from the count to the end) along the axis."""
+        """Per name, the input `name.in` and the output `name`, which is along the axis: Pad (zeros in front,
+        as many as the input `name.pads` says), Slice (from the input `name.starts` to the end) or Drop (the
+        entries before the input `first` and from the input `after` on, concatenated)."""
         helper = _onnx_helper()
         TensorProto = helper.TensorProto  # noqa: N806
 
         inputs, outputs, nodes, initializers = [], [], [], []
-        if op == "Slice":
+        if op in ("Slice", "Drop"):
             initializers = [helper.make_tensor("ends", TensorProto.INT64, [1], [np.iinfo(np.int64).max]),
                             helper.make_tensor("axes", TensorProto.INT64, [1], [self.axis])]
+        if op == "Drop":
+            initializers.append(helper.make_tensor("zero", TensorProto.INT64, [1], [0]))
+            inputs += [helper.make_tensor_value_info(count, TensorProto.INT64, [1])
+                       for count in ("first", "after")]
         for name, (dtype, rank) in self.tensors.items():
             elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
             shape = [f"{name}_d{axis}" for axis in range(rank)]
@@ -155,6 +173,11 @@ class FramePad:
             if op == "Pad":
                 inputs.append(helper.make_tensor_value_info(f"{name}.pads", TensorProto.INT64, [2 * rank]))
                 nodes.append(helper.make_node("Pad", [f"{name}.in", f"{name}.pads"], [name]))
+            elif op == "Drop":
+                kept = [f"{name}.before", f"{name}.after"]
+                nodes += [helper.make_node("Slice", [f"{name}.in", "zero", "first", "axes"], [kept[0]]),
+                          helper.make_node("Slice", [f"{name}.in", "after", "ends", "axes"], [kept[1]]),
+                          helper.make_node("Concat", kept, [name], axis=self.axis)]
             else:
                 inputs.append(helper.make_tensor_value_info(f"{name}.starts", TensorProto.INT64, [1]))
                 nodes.append(helper.make_node("Slice", [f"{name}.in", f"{name}.starts", "ends", "axes"],
