@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -115,10 +115,11 @@ class RuntimeBackend:
         return self._first_chunk(case, prompt, self.latency_policy)
 
     def policy_stream(self, case: Case, prompt: PromptFeatures) -> StreamRun | None:
-        """The whole stream on the latency policy; None without its flow's deviation (`--flow-window`)."""
+        """The whole stream on the latency policy's flow (`--flow-window`) and upstream's schedule, so that
+        it differs from `stream` by the flow alone; None without that deviation."""
         if self.latency_policy is None or self.latency_policy.flow != "window":
             return None
-        return self._stream(case, prompt, self.latency_policy)
+        return self._stream(case, prompt, replace(self.latency_policy, first_chunk_tokens=None))
 
     def text_stream_first_chunk(self, case: Case, prompt: PromptFeatures) -> TextStreamFirstChunk:
         """The first chunk of `case`'s text streamed in (upstream's bistream, `speak_text_stream`) a word

@@ -445,7 +445,7 @@ def _notes(s: Settings, gpu: GpuSampler | None) -> dict[str, str]:
             "also streamed with its final chunk run against the earlier chunks' caches instead of upstream's "
             "re-run over every frame, attention kept to the prompt and "
             + ("every block" if window is None else f"the last {window} 1-s blocks")
-            + ", warm with the cached prompt; runtime only")
+            + ", on upstream's chunk schedule, warm with the cached prompt; runtime only")
     if s.latency_policy is not None and s.latency_policy.first_chunk_tokens is not None:
         notes["first_chunk_policy"] = (
             f"--first-chunk-tokens {s.latency_policy.first_chunk_tokens}: the runtime's latency policy (a "

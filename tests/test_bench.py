@@ -164,10 +164,11 @@ sys.meta_path.insert(0, _Block())
 
 def test_quick_run_of_the_runtime_without_torch(runtime_bundle: Path, tmp_path: Path) -> None:
     """With the DiT's calls stacked: the sessions' audio still matches a single stream's, and the concurrency
-    table says how many streams a DiT call served. With `--flow-window`, each case is streamed on it too."""
+    table says how many streams a DiT call served. With `--flow-window`, each case is streamed on it too (on
+    upstream's schedule, beside `--first-chunk-tokens`' first chunk)."""
     out = tmp_path / "bench.json"  # the prompt: the bundle's own
     args = [*bench_args(runtime_bundle, out), "--lengths", "long", "--concurrency", "1,2", "--stack-dit",
-            "--flow-window", "all"]
+            "--flow-window", "all", "--first-chunk-tokens", "10"]
     script = _BLOCK_TORCH + textwrap.dedent(f"""
         from cosyvoice_bench.cli import main
         try:
@@ -180,9 +181,10 @@ def test_quick_run_of_the_runtime_without_torch(runtime_bundle: Path, tmp_path: 
     assert done.returncode == 0, done.stderr[-3000:]
     assert "RTF offline" in done.stdout and "first chunk, cold, cached prompt" in done.stdout
     result = json.loads(out.read_text())
-    check_common(result, ["long"], [1, 2], window=True)
-    assert result["settings"]["flow_window"] == "all" and result["settings"]["first_chunk_tokens"] is None
-    assert "stream_policy" in result["notes"] and "first_chunk_policy" not in result["notes"]
+    check_common(result, ["long"], [1, 2], policy=True, window=True)
+    assert result["settings"]["flow_window"] == "all" and result["settings"]["first_chunk_tokens"] == 10
+    assert "on upstream's chunk schedule" in result["notes"]["stream_policy"]
+    assert "first_chunk_policy" in result["notes"]
     assert "RTF streaming, --flow-window" in done.stdout
     assert Path(result["settings"]["prompt_wav"]) == runtime_bundle / PROMPT_WAV
     case = result["cases"][0]

@@ -234,7 +234,7 @@ def long_rerun(synth: Synthesizer, prompt: PromptFeatures) -> Rerun:
 def test_window_bounds_the_cache_and_its_deviation_is_measured(synth: Synthesizer, prompt: PromptFeatures,
                                                                 long_rerun: Rerun, window: int) -> None:
     """The caches never hold more than the prompt's blocks and `window` blocks, so every chunk costs the
-    same; mel and audio deviate from upstream's re-run (figures printed; the README has them)."""
+    same; mel and audio deviate from upstream's re-run (figures printed; docs/runtime.md has them)."""
     p = prompt.speech_tokens.shape[1]
     head = -(-2 * p // BLOCK) * BLOCK
     stream = synth.flow.stream(prompt, final_cached=True, window=window)
