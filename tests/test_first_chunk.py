@@ -251,3 +251,21 @@ def test_cosyvoice_serve_refuses_a_bad_one_at_start_in_one_line() -> None:
     for bad in ("0", "3"):
         result = CliRunner().invoke(serve, ["--first-chunk-tokens", bad])
         assert result.exit_code == 2 and _one_error_line(result.stderr, "must be >= 5")
+
+
+def test_cosyvoice_serve_opens_its_engine_with_the_flow_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--flow-window` and `--first-chunk-tokens` reach the engine as one policy (stopped there)."""
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    from cosyvoice_serve import Engine
+    from cosyvoice_serve.cli import serve
+
+    opened: list[ChunkPolicy | None] = []
+
+    def open_engine(model: Path | None, **options: Any) -> Engine:
+        opened.append(options["chunk_policy"])
+        raise UserError("stopped before opening")
+
+    monkeypatch.setattr(Engine, "open", open_engine)
+    result = CliRunner().invoke(serve, ["--flow-window", "2", "--first-chunk-tokens", str(FIRST)])
+    assert result.exit_code == 2 and _one_error_line(result.stderr, "stopped before opening")
+    assert opened == [ChunkPolicy(first_chunk_tokens=FIRST, flow="window", flow_window=2)]
