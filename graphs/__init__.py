@@ -3,6 +3,7 @@
 from .precision import PRECISION_NAMES, PRECISIONS, REDUCED_PRECISIONS, Precision, precisions_on
 from .registry import (
     DIT,
+    DIT_PAST_FRAMES,
     DIT_ROWS,
     FLOW_ENCODER,
     HIFT_DECODER,
@@ -22,6 +23,7 @@ from .registry import (
     decode_step_case,
     dit_attention,
     dit_call_case,
+    dit_frame_caches,
     euler_steps,
     metadata,
     ode_time_grid,
@@ -42,10 +44,10 @@ from .spec import (
     empty_caches,
 )
 
-__all__ = ["BATCH", "DIT", "DIT_ROWS", "FLOW_ENCODER", "HIFT_DECODER", "HIFT_F0", "LLM", "LLM_DECODE",
-           "LLM_PREFILL", "MAX_BATCH", "ODE_STEPS", "OPTIONAL_SPECS", "PAST_LEN", "PRECISIONS",
+__all__ = ["BATCH", "DIT", "DIT_PAST_FRAMES", "DIT_ROWS", "FLOW_ENCODER", "HIFT_DECODER", "HIFT_F0", "LLM",
+           "LLM_DECODE", "LLM_PREFILL", "MAX_BATCH", "ODE_STEPS", "OPTIONAL_SPECS", "PAST_LEN", "PRECISIONS",
            "PRECISION_NAMES", "REDUCED_PRECISIONS", "SEQLENS_K", "SPECS", "TOTAL_SEQUENCE_LENGTH", "Case",
            "DecodeGates", "DerivedDim", "DimRange", "GraphSpec", "ModelDims", "Precision", "SolveGates",
            "TensorSpec", "Tolerance", "cache_pairs", "decode_lengths", "decode_step_case", "dit_attention",
-           "dit_call_case", "empty_caches", "euler_steps", "metadata", "ode_time_grid", "precisions_on",
-           "spec", "vocoder_case"]
+           "dit_call_case", "dit_frame_caches", "empty_caches", "euler_steps", "metadata", "ode_time_grid",
+           "precisions_on", "spec", "vocoder_case"]

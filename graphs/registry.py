@@ -335,6 +335,16 @@ def flow_encoder_spec(d: ModelDims) -> GraphSpec:
 
 DIT_ROWS = "rows"
 """`flow_estimator_cached`'s rows: two per stream of its `BATCH` (a CFG pair)."""
+DIT_PAST_FRAMES = "past_frames"
+"""`flow_estimator_cached`'s cached frames: the dim of its key and value caches that grows chunk by chunk."""
+
+
+def dit_frame_caches(spec: GraphSpec) -> tuple[list[TensorSpec], int]:
+    """`flow_estimator_cached`'s caches with a frame per cached frame (the keys and values; the conv caches
+    hold a fixed number) and their frames' axis."""
+    pasts = {past for past, _ in cache_pairs(spec)}
+    caches = [t for t in spec.inputs if t.name in pasts and DIT_PAST_FRAMES in t.shape]
+    return caches, caches[0].shape.index(DIT_PAST_FRAMES)
 
 
 def flow_estimator_cached_spec(d: ModelDims) -> GraphSpec:
@@ -371,7 +381,7 @@ def flow_estimator_cached_spec(d: ModelDims) -> GraphSpec:
     # exactly with no position test in the graph, nothing is computed twice, and the caches follow
     # the one past_/present_ rule.
     mel, ctx = d.mel_bins, d.dit_conv_kernel - 1
-    kv = (DIT_ROWS, d.dit_heads, "past_frames", d.dit_head_dim)
+    kv = (DIT_ROWS, d.dit_heads, DIT_PAST_FRAMES, d.dit_head_dim)
     present = (DIT_ROWS, d.dit_heads, "total_frames", d.dit_head_dim)
     inputs = [
         _f32("x", (DIT_ROWS, mel, "new_frames"), "The ODE state of the new frames.", -3.0, 3.0),
@@ -407,9 +417,9 @@ def flow_estimator_cached_spec(d: ModelDims) -> GraphSpec:
         # DiT's frames; a later chunk is one hop of at most 200 frames over the cache. max: 60 s, as far
         # as the flow noise table reaches.
         dims={BATCH: DimRange(1, 1, MAX_BATCH), "new_frames": DimRange(1, 500, 3000),
-              "past_frames": DimRange(0, 0, 3000)},
+              DIT_PAST_FRAMES: DimRange(0, 0, 3000)},
         derived={DIT_ROWS: DerivedDim({BATCH: 2}),
-                 "total_frames": DerivedDim({"new_frames": 1, "past_frames": 1})},
+                 "total_frames": DerivedDim({"new_frames": 1, DIT_PAST_FRAMES: 1})},
         tolerances={o.name: Tolerance("max_abs", 1e-4) for o in outputs},
         trace=case(64, 100, 100),
         validate=(case(123, 0, 0),  # a first chunk: several blocks, no cache
@@ -451,7 +461,7 @@ def dit_call_case(new_frames: int, past_frames: int, offset: int, block_frames: 
     """A `flow_estimator_cached` call of `streams` CFG pairs over `new_frames` frames at positions `offset`..
     after `past_frames` cached ones, attention blocks of `block_frames` among the new frames."""
     attention = dit_attention(offset, new_frames, past_frames, block_frames)
-    return Case({BATCH: streams, "new_frames": new_frames, "past_frames": past_frames},
+    return Case({BATCH: streams, "new_frames": new_frames, DIT_PAST_FRAMES: past_frames},
                 {name: tuple(value.ravel().tolist()) for name, value in attention.items()})
 
 

@@ -34,7 +34,15 @@ from typing import NamedTuple
 import numpy as np
 import onnxruntime as ort
 
-from cosyvoice_graphs import BATCH, DIT_ROWS, ODE_STEPS, TensorSpec, cache_pairs
+from cosyvoice_graphs import (
+    BATCH,
+    DIT_PAST_FRAMES,
+    DIT_ROWS,
+    ODE_STEPS,
+    TensorSpec,
+    cache_pairs,
+    dit_frame_caches,
+)
 
 from .decode_graphs import CAPTURE_RUNS
 from .dit_stack import DitResult, Presents, call_alone
@@ -102,16 +110,15 @@ class GraphedDit:
         spec = runner.spec
         self._pairs = cache_pairs(spec)
         pasts = {past for past, _ in self._pairs}
-        keys = [t for t in spec.inputs if t.name in pasts and "past_frames" in t.shape]
+        keys, self._axis = dit_frame_caches(spec)
         self._framed = {t.name for t in keys}
-        """The caches of keys and values, whose frames a bucket pads (the conv caches' frames are fixed)."""
-        self._axis = keys[0].shape.index("past_frames")
-        """Their frames' axis, which the conv caches' frames share."""
+        """The caches of keys and values, whose frames a bucket pads (the conv caches' frames are fixed);
+        `_axis` their frames' axis, which the conv caches' frames share."""
         self._frames = FramePad({t.name: (t.np_dtype, len(t.shape)) for t in spec.inputs if t.name in pasts},
                                 axis=self._axis, provider=runner.provider, device_id=runner.device_id)
         """Copies caches on the device: into a binding's inputs after the bucket's hidden frames, out of its
         outputs without them."""
-        self._max_past = spec.dims["past_frames"].max
+        self._max_past = spec.dims[DIT_PAST_FRAMES].max
         self._dtypes = {t.name: t.np_dtype for t in spec.inputs}
         self._rows_per_stream = spec.derived[DIT_ROWS].terms[BATCH]
         self._graphs: OrderedDict[Shape, list[_Graph]] = OrderedDict()
@@ -249,7 +256,7 @@ class GraphedDit:
     def _dims(self, shape: Shape) -> dict[str, int]:
         """The spec's free dims for `shape`."""
         return {BATCH: shape.rows // self._rows_per_stream, "new_frames": shape.new_frames,
-                "past_frames": shape.past_frames}
+                DIT_PAST_FRAMES: shape.past_frames}
 
     def _nbytes(self, dims: Mapping[str, int]) -> int:
         """The device memory of a binding's inputs and outputs at `dims`."""

@@ -27,7 +27,15 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import onnxruntime as ort
 
-from cosyvoice_graphs import BATCH, DIT_ROWS, MAX_BATCH, ODE_STEPS, GraphSpec, cache_pairs
+from cosyvoice_graphs import (
+    BATCH,
+    DIT_ROWS,
+    MAX_BATCH,
+    ODE_STEPS,
+    GraphSpec,
+    cache_pairs,
+    dit_frame_caches,
+)
 
 from .call_stack import LINGER_S, CallStack, StackMember
 from .runners import BufferView, Feed, OrtRunner, Runner, feed_shape, to_host
@@ -148,7 +156,7 @@ class DitStack(CallStack[CallKey, Mapping[str, Feed], DitResult]):
         self.pairs = cache_pairs(spec)
         self.rows_per_stream = spec.derived[DIT_ROWS].terms[BATCH]
         """A stream's rows in a call (its CFG pair)."""
-        self.keys_input = next(t.name for t in spec.inputs if t.shape[2:3] == ("past_frames",))
+        self.keys_input = dit_frame_caches(spec)[0][0].name
         """A cache whose frames are the cached frames (a key cache)."""
         pasts = {past for past, _ in self.pairs}
         self.concat = RowConcat({t.name: (t.np_dtype, len(t.shape)) for t in spec.inputs if t.name in pasts},

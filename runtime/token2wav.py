@@ -47,6 +47,7 @@ from cosyvoice_graphs import (
     ModelDims,
     cache_pairs,
     dit_attention,
+    dit_frame_caches,
     empty_caches,
     euler_steps,
 )
@@ -145,12 +146,9 @@ class Flow:
         self.keep_on_device = isinstance(estimator, OrtRunner) and estimator.device_type != CPU
         """Whether a stream's DiT caches stay on the GPU that computed them between calls, instead of
         crossing to the host and back at every ODE step (at full size ~0.35 MB per cached frame each way)."""
-        spec = estimator.spec
-        pasts = {past for past, _ in cache_pairs(spec)}
-        keys = [t for t in spec.inputs if t.name in pasts and "past_frames" in t.shape]
+        keys, self.frame_axis = dit_frame_caches(estimator.spec)
         self.growing = [t.name for t in keys]
         """The caches that grow with the frames (the keys and values; the conv caches' frames are fixed)."""
-        self.frame_axis = keys[0].shape.index("past_frames")
         self.frame_copies = (FramePad({t.name: (t.np_dtype, len(t.shape)) for t in keys},
                                       axis=self.frame_axis, provider=estimator.provider,
                                       device_id=estimator.device_id)

@@ -17,7 +17,7 @@ import onnxruntime as ort
 import pytest
 from test_runtime_core import clone
 
-from cosyvoice_graphs import DIT, cache_pairs, dit_call_case
+from cosyvoice_graphs import DIT, cache_pairs, dit_call_case, dit_frame_caches
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cosyvoice3 import CosyVoice3
@@ -170,8 +170,8 @@ def test_frame_pad_drops_a_run_of_frames_where_the_tensors_are(estimator: Any) -
     and gives each tensor without the run of entries along its axis, as numpy's `delete`."""
     pytest.importorskip("onnx", reason=NEEDS_ONNX)
     specs = {t.name: t for t in estimator.spec.inputs}
-    keys = [t.name for t in estimator.spec.inputs if "past_frames" in t.shape][:2]
-    axis = specs[keys[0]].shape.index("past_frames")
+    caches, axis = dit_frame_caches(estimator.spec)
+    keys = [t.name for t in caches][:2]
     frames = FramePad({name: (specs[name].np_dtype, len(specs[name].shape)) for name in keys}, axis=axis)
     rng = np.random.default_rng(0)
     arrays = {name: rng.standard_normal((4, 3, 9, 5)).astype(np.float32) for name in keys}
