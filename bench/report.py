@@ -147,7 +147,8 @@ three), and on a GPU its mean utilisation: columns of the runs that have them.""
 def _concurrency(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The concurrency table: each level unbatched, then batched (`decode_batch`, where the bundle batches on
     this provider) and the batched/unbatched ratio of audio per second, with the chunks that ran at once
-    (chunk slots); LLM tok/s is decodings alone; with `--stack-dit` or `--stack-vocoder`, the streams a DiT
+    (chunk slots), and with `--flow-window` the batched sessions on it and their ratio to the batched
+    ones (window); LLM tok/s is decodings alone; with `--stack-dit` or `--stack-vocoder`, the streams a DiT
     or vocoder call served; on a GPU, its mean utilisation during the sessions."""
     batched = any(r.get("batched") for r in rows)
     extra = [key for key in OPTIONAL_COLUMNS if any(key in r for r in rows)]
@@ -156,6 +157,9 @@ def _concurrency(rows: Sequence[dict[str, Any]]) -> list[str]:
     if batched:
         header += ["batched audio s/s", "ratio", "chunk slots", "session RTF", "first chunk p95 s",
                    "LLM tok/s", "outputs match", *(OPTIONAL_COLUMNS[key] for key in extra)]
+    window = any(r.get("batched_window") for r in rows)
+    if window:
+        header += ["window audio s/s", "window/batched", "session RTF", "first chunk p95 s", "outputs match"]
     table = []
     for r in rows:
         row = [str(r["level"]), r["length"], _num(r["shared_synthesizer"]), _num(r["wall_s"]),
@@ -169,9 +173,15 @@ def _concurrency(rows: Sequence[dict[str, Any]]) -> list[str]:
                     _num(b.get("session_rtf_mean")),
                     _num(b.get("first_chunk_p95_s")), _num(b.get("llm_tokens_per_s")),
                     _outputs(b) if b else "-", *(_num(b.get(key)) for key in extra)]
+        if window:
+            w, b = r.get("batched_window") or {}, r.get("batched") or {}
+            ratio = w["audio_s_per_s"] / b["audio_s_per_s"] if w else None
+            row += [_num(w.get("audio_s_per_s")), _num(ratio), _num(w.get("session_rtf_mean")),
+                    _num(w.get("first_chunk_p95_s")), _outputs(w) if w else "-"]
         table.append(row)
     title = "concurrency (runtime, streamed sessions in threads, cached prompt" + (
-        "; batched: their decodings in one batch)" if batched else ")")
+        "; batched: their decodings in one batch" if batched else "") + (
+        "; window: batched, on --flow-window, its ratio to batched" if window else "") + ")"
     return [title] + ["  " + line for line in _table(header, table)]
 
 

@@ -117,9 +117,14 @@ class RuntimeBackend:
     def policy_stream(self, case: Case, prompt: PromptFeatures) -> StreamRun | None:
         """The whole stream on the latency policy's flow (`--flow-window`) and upstream's schedule, so that
         it differs from `stream` by the flow alone; None without that deviation."""
+        flow = self._flow_policy()
+        return self._stream(case, prompt, flow) if flow is not None else None
+
+    def _flow_policy(self) -> ChunkPolicy | None:
+        """The latency policy's flow deviation on upstream's chunk schedule; None without it."""
         if self.latency_policy is None or self.latency_policy.flow != "window":
             return None
-        return self._stream(case, prompt, replace(self.latency_policy, first_chunk_tokens=None))
+        return replace(self.latency_policy, first_chunk_tokens=None)
 
     def text_stream_first_chunk(self, case: Case, prompt: PromptFeatures) -> TextStreamFirstChunk:
         """The first chunk of `case`'s text streamed in (upstream's bistream, `speak_text_stream`) a word
@@ -206,11 +211,14 @@ class RuntimeBackend:
         return OfflineRun(figures, list(speech.speech_tokens))
 
     def concurrent(self, case: Case, prompt: PromptFeatures, level: int, reference: StreamRun,
-                   gpu: GpuSampler | None = None) -> dict[str, Any]:
+                   gpu: GpuSampler | None = None, window_reference: StreamRun | None = None
+                   ) -> dict[str, Any]:
         """`level` streamed sessions of `case` started together on `level` threads, from tokenised text
         and a cached prompt (the front end stays outside: wetext's thread safety is not ours to claim), and
         `level` decodings alone (the LLM's tokens per second); then the same with their decodings in one
-        batch (`Synthesizer.set_max_batch`), where this bundle batches on this provider.
+        batch (`Synthesizer.set_max_batch`), where this bundle batches on this provider, and with the latency
+        policy's flow (`--flow-window`) those batched sessions again on it (`batched_window`, judged against
+        `window_reference`, a single stream on it): the throughput of the deviation at that many streams.
 
         Above one session, an unmeasured round of them comes first (its figures kept as `warm_up`): the
         first time a process runs that many sessions their memory is new to it, and a first touch can cost
@@ -243,6 +251,8 @@ class RuntimeBackend:
                 if voice is not self.voice:
                     voice.close()
         synth = self.voice.synth
+        flow = self._flow_policy()
+        row["batched_window"] = None
         if level > 1 and batches(self.bundle, self.provider):
             release_free_heap()  # the sessions' threads' heaps, before as many sessions again
             synth.set_max_batch(level, chunk_slots=self.chunk_slots)
@@ -252,15 +262,20 @@ class RuntimeBackend:
                 row["batched"] = {**self._sessions(voices, piece, prompt, case.tokens, reference, gpu),
                                   "llm_tokens_per_s": self._decodings(voices, piece, prompt, case.tokens),
                                   "chunk_slots": synth.turns.slots}
+                if flow is not None and window_reference is not None:
+                    release_free_heap()
+                    row["batched_window"] = self._sessions(voices, piece, prompt, case.tokens,
+                                                           window_reference, gpu, flow)
             finally:
                 synth.set_max_batch(1)
         release_free_heap()
         return row
 
     def _sessions(self, voices: list[CosyVoice3], piece: Segment, prompt: PromptFeatures, tokens: int,
-                  reference: StreamRun, gpu: GpuSampler | None) -> dict[str, Any]:
-        """One streamed session per voice, all started together: throughput, session RTF, first chunks, and
-        with `gpu` the GPU's mean utilisation meanwhile."""
+                  reference: StreamRun, gpu: GpuSampler | None, policy: ChunkPolicy | None = None
+                  ) -> dict[str, Any]:
+        """One streamed session per voice (on `policy`, else the voice's), all started together: throughput,
+        session RTF, first chunks, and with `gpu` the GPU's mean utilisation meanwhile."""
         barrier = threading.Barrier(len(voices))
         stacks = {name: list({id(s): s for v in voices if (s := stack_of(v.synth)) is not None}.values())
                   for name, stack_of in STACKS.items()}
@@ -273,7 +288,7 @@ class RuntimeBackend:
             start = time.perf_counter()
             first = None
             parts = []
-            speech = self._speak(voice, piece, prompt, tokens, stream=True)
+            speech = self._speak(voice, piece, prompt, tokens, stream=True, policy=policy)
             for chunk in speech:
                 first = time.perf_counter() - start if first is None else first
                 parts.append(chunk.samples)

@@ -98,6 +98,8 @@ class _Warm:
     """backend -> case -> the offline speech tokens of the first repeat."""
     streams: dict[str, StreamRun] = field(default_factory=dict)
     """case -> the runtime's streamed run (first repeat)."""
+    policy_streams: dict[str, StreamRun] = field(default_factory=dict)
+    """case -> the runtime's stream on `--flow-window` (first repeat)."""
     prompt_frames: int = 0
     prompt_tokens: int = 0
     concurrency: list[dict[str, Any]] = field(default_factory=list)
@@ -301,12 +303,14 @@ def _warm_phase(s: Settings, factories: dict[str, Callable[[], Backend]], gpu: G
         for case in s.cases:
             for r in range(s.repeat):
                 for name, b in backends.items():
-                    figures, streamed, tokens = _warm(b, case, s.prompt_wav, prompts[name],
-                                                      gpu if name == "runtime" else None)
+                    figures, streamed, policy_stream, tokens = _warm(b, case, s.prompt_wav, prompts[name],
+                                                                     gpu if name == "runtime" else None)
                     warm.figures[name][case.name].append(figures)
                     warm.tokens[name].setdefault(case.name, tokens)
                     if streamed is not None and name == "runtime":
                         warm.streams.setdefault(case.name, streamed)
+                    if policy_stream is not None:
+                        warm.policy_streams.setdefault(case.name, policy_stream)
                     step(f"{name} {case.name} {r + 1}/{s.repeat}")
         runtime = backends["runtime"]
         assert isinstance(runtime, RuntimeBackend)
@@ -315,7 +319,7 @@ def _warm_phase(s: Settings, factories: dict[str, Callable[[], Backend]], gpu: G
         longest = max(s.cases, key=lambda c: c.tokens)
         for level in s.concurrency:
             warm.concurrency.append(runtime.concurrent(longest, prompt, level, warm.streams[longest.name],
-                                                       gpu))
+                                                       gpu, warm.policy_streams.get(longest.name)))
             step(f"concurrency {level}")
         return warm
     finally:
@@ -324,10 +328,10 @@ def _warm_phase(s: Settings, factories: dict[str, Callable[[], Backend]], gpu: G
 
 
 def _warm(b: Backend, case: Case, wav: Path, prompt: Any, gpu: GpuSampler | None
-          ) -> tuple[Figures, StreamRun | None, list[int]]:
+          ) -> tuple[Figures, StreamRun | None, StreamRun | None, list[int]]:
     """One warm round of `case`: the first chunk with the prompt extracted in the timed region; streamed
-    with the cached prompt (just the first chunk where the backend cannot stream); offline with stage
-    timings. Returns the figures, the streamed run and the offline speech tokens."""
+    with the cached prompt (just the first chunk where the backend cannot stream), and on `--flow-window`;
+    offline with stage timings. Returns the figures, the streamed runs and the offline speech tokens."""
     none: Callable[[], GpuUsage | None] = lambda: None  # noqa: E731
     with gpu.sample() if gpu is not None else nullcontext(none) as usage:
         start = time.perf_counter()
@@ -361,7 +365,7 @@ def _warm(b: Backend, case: Case, wav: Path, prompt: Any, gpu: GpuSampler | None
         "gpu_memory_peak_mib": gpu_usage.memory_peak_mib if gpu_usage else None,
         "gpu_utilization_mean_pct": gpu_usage.utilization_mean_pct if gpu_usage else None,
     }
-    return figures, streamed, offline.speech_tokens
+    return figures, streamed, policy_stream, offline.speech_tokens
 
 
 def _flow_window(policy: ChunkPolicy | None) -> str | int | None:
@@ -445,7 +449,8 @@ def _notes(s: Settings, gpu: GpuSampler | None) -> dict[str, str]:
             "also streamed with its final chunk run against the earlier chunks' caches instead of upstream's "
             "re-run over every frame, attention kept to the prompt and "
             + ("every block" if window is None else f"the last {window} 1-s blocks")
-            + ", on upstream's chunk schedule, warm with the cached prompt; runtime only")
+            + ", on upstream's chunk schedule, warm with the cached prompt; runtime only; where the bundle "
+            "batches, each concurrency level's batched sessions again on it (batched_window)")
     if s.latency_policy is not None and s.latency_policy.first_chunk_tokens is not None:
         notes["first_chunk_policy"] = (
             f"--first-chunk-tokens {s.latency_policy.first_chunk_tokens}: the runtime's latency policy (a "

@@ -28,10 +28,10 @@
 #                (--no-cuda-graphs), where bench-P replays them from CUDA graphs (the runtime's default)
 #   stacking-P   the DiT's calls of 1, 4 and 16 streams one after another against one stacked call
 #   vocstacking-P  the same for the vocoder's windows (one hift_decoder call)
-#   streamsN-P   with an llm_decode: STREAMS (16) concurrent streams of 125 tokens, unbatched and batched
-#                (the many-streams target), a bench of their own so that a slow level costs only its figures;
-#                on cuda with the decode steps replayed from CUDA graphs, so the unbatched streams decode
-#                one at a time
+#   streamsN-P   with an llm_decode: STREAMS (16) concurrent streams of 125 tokens, unbatched, batched (the
+#                many-streams target) and batched on --flow-window all, a bench of their own so that a slow
+#                level costs only its figures; on cuda with the decode steps replayed from CUDA graphs, so
+#                the unbatched streams decode one at a time
 #   stacked-streamsN-P  streamsN-P again with the streams' DiT and vocoder calls stacked (--stack-dit
 #                --stack-vocoder)
 #   profile-P    its hot graph calls under onnxruntime's profiler: time per provider, host/device copies
@@ -158,8 +158,8 @@ measure() {
     vocstacking) step "vocstacking-$tag" 120 "$PY" -m cosyvoice_bench.vocoder_stacking --model "$bundle" \
         --provider "$PROVIDER" --streams 1,4,16 --json "$OUT/vocstacking-$tag.json" ;;
     streams) ((batches)) && step "streams$STREAMS-$tag" 360 "$PY" -m cosyvoice_bench --model "$bundle" \
-        --provider "$PROVIDER" --lengths long --concurrency "$STREAMS" --quick --tokens 125 --no-progress \
-        --json "$OUT/streams$STREAMS-$tag.json" ;;
+        --provider "$PROVIDER" --lengths long --concurrency "$STREAMS" --quick --tokens 125 --flow-window all \
+        --no-progress --json "$OUT/streams$STREAMS-$tag.json" ;;
     stacked) ((batches)) && step "stacked-streams$STREAMS-$tag" 360 "$PY" -m cosyvoice_bench --model "$bundle" \
         --provider "$PROVIDER" --lengths long --concurrency "$STREAMS" --quick --tokens 125 --stack-dit \
         --stack-vocoder --no-progress --json "$OUT/stacked-streams$STREAMS-$tag.json" ;;

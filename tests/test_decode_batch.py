@@ -544,3 +544,27 @@ def test_the_benchmark_has_a_batched_column(fp32_decode_bundle: Path, tmp_path: 
     assert three["outputs_match"] is True and batched["outputs_match"] is True
     assert batched["audio_s_per_s"] > 0 and batched["llm_tokens_per_s"] > 0
     assert batched["first_chunk_mean_s"] <= batched["first_chunk_p95_s"] <= batched["first_chunk_max_s"]
+    assert three["batched_window"] is None  # no --flow-window
+
+
+def test_the_benchmark_streams_the_batch_on_the_flow_window(fp32_decode_bundle: Path, tmp_path: Path) -> None:
+    """With `--flow-window`, each level's batched sessions run again on it: every session's audio is a
+    single stream's on that window, which is not upstream's flow's (the long case ends in a final chunk
+    after earlier ones, so a window of one block changes it)."""
+    from cosyvoice_bench.cli import main as bench
+
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(bench, ["--model", str(fp32_decode_bundle), "--quick", "--threads", "1",
+                                        "--json", str(out), "--no-progress", "--lengths", "long",
+                                        "--concurrency", "1,2", "--flow-window", "1"])
+    assert result.exit_code == 0, result.output
+    assert all(column in result.output for column in ("window audio s/s", "window/batched"))
+    document = json.loads(out.read_text())
+    one, two = document["concurrency"]
+    assert one["batched_window"] is None  # a batch of one is no batch
+    window, batched = two["batched_window"], two["batched"]
+    assert window["outputs_match"] is True and window["tokens_match"] is True
+    assert batched["outputs_match"] is True
+    assert window["audio_s"] == batched["audio_s"] and window["audio_s_per_s"] > 0
+    assert window["first_chunk_mean_s"] <= window["first_chunk_p95_s"] <= window["first_chunk_max_s"]
+    assert "batched_window" in document["notes"]["stream_policy"]

@@ -55,6 +55,7 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
     assert variants["runs"][2]["variants"]["bound once"]["max_abs_diff"] == 0
     (streams,) = json.loads((tmp_path / "out" / "streams3-decode-fp16.json").read_text())["concurrency"]
     assert streams["level"] == 3 and streams["batched"]["llm_tokens_per_s"] > 0
+    assert streams["batched_window"]["audio_s_per_s"] > 0  # the batch on --flow-window all
     one_slot_run = json.loads((tmp_path / "out" / "slots1-streams3-decode-fp16.json").read_text())
     (one_slot,) = one_slot_run["concurrency"]
     assert one_slot["batched"]["chunk_slots"] == 1 and one_slot["batched"]["outputs_match"] is True
