@@ -62,15 +62,13 @@ def nucleus_size(sorted_probs: np.ndarray, top_p: float, top_k: int) -> int:
 
     Ids are taken while the running total is below `top_p` and fewer than `top_k` are kept, so the id
     that crosses `top_p` is included. The total is accumulated one float32 add at a time, as upstream
-    does, because a vectorised cumsum may round differently at the boundary.
+    does: numpy's `cumsum` is such a sequence of adds (a pairwise sum may round differently at the
+    boundary).
     """
-    total = np.float32(0.0)
     limit = min(top_k, sorted_probs.shape[0])
-    n = 0
-    while n < limit and total < top_p:
-        total = np.float32(total + sorted_probs[n])
-        n += 1
-    return n
+    totals = np.cumsum(sorted_probs[:limit], dtype=np.float32)  # (limit,)
+    ends = np.flatnonzero(~(totals < top_p))  # a NaN total ends it too
+    return int(ends[0]) + 1 if ends.shape[0] else limit
 
 
 def draw_index(weights: np.ndarray, u: float) -> int:
@@ -86,13 +84,30 @@ def draw_index(weights: np.ndarray, u: float) -> int:
     return index
 
 
+TOP_SAMPLE_STRIDE = 8
+"""`top_order` bounds the k-th largest prob by the k-th largest of every this many probs."""
+
+
 def top_order(probs: np.ndarray, k: int) -> np.ndarray:
     """The ids of the `k` largest of `probs` (V,), descending, ties in id order: the first `k` of torch's
-    stable descending sort, without sorting all V (a decode step's hot path)."""
-    if k >= probs.shape[0]:
+    stable descending sort, without sorting all V (a decode step's hot path).
+
+    The k-th largest of a strided sample is at most the k-th largest of all (the sample's k largest are
+    among all), so the probs at least that large hold every id of the answer and its ties: selecting among
+    those few (some 200 of the 6761 speech ids) gives the same ids in about half the time."""
+    vocab = probs.shape[0]
+    if k >= vocab:
         return np.argsort(-probs, kind="stable")
-    kth = np.partition(probs, probs.shape[0] - k)[probs.shape[0] - k]  # the k-th largest value
-    candidates = np.flatnonzero(probs >= kth)  # ascending ids: every tie at the k-th value is in
+    pool = np.arange(vocab)
+    sample = probs[::TOP_SAMPLE_STRIDE]
+    if sample.shape[0] > k:
+        bound = np.partition(sample, sample.shape[0] - k)[sample.shape[0] - k]
+        found = np.flatnonzero(probs >= bound)  # ascending ids
+        if found.shape[0] >= k:  # fewer only where a NaN made the bound
+            pool = found
+    values = probs[pool]
+    kth = np.partition(values, values.shape[0] - k)[values.shape[0] - k]  # the k-th largest value
+    candidates = pool[values >= kth]  # ascending ids: every tie at the k-th value is in
     return candidates[np.argsort(-probs[candidates], kind="stable")][:k]
 
 

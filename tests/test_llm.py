@@ -157,13 +157,32 @@ def test_nucleus_includes_the_crossing_token_and_caps_at_top_k() -> None:
     assert nucleus_size(f32([0.5, 0.2, 0.15, 0.1, 0.05]), 0.8, 2) == 2
 
 
+def test_nucleus_size_is_upstreams_float32_loop() -> None:
+    """Against upstream's loop (a running float32 total, one add at a time), on softmaxes of every
+    sharpness and on totals that land on `top_p` itself."""
+    def loop(sorted_probs: np.ndarray, top_p: float, top_k: int) -> int:
+        total, n = np.float32(0.0), 0
+        while n < min(top_k, sorted_probs.shape[0]) and total < top_p:
+            total = np.float32(total + sorted_probs[n])
+            n += 1
+        return n
+
+    rng = np.random.default_rng(3)
+    for trial in range(2000):
+        scores = rng.standard_normal(6761).astype(np.float32) * [0.5, 2.0, 4.0, 8.0][trial % 4]
+        probs = np.sort(torch.softmax(torch.from_numpy(scores), 0).numpy())[::-1]
+        top_p = float(np.cumsum(probs[:25], dtype=np.float32)[trial % 25]) if trial % 5 == 0 else 0.8
+        assert nucleus_size(probs, top_p, 25) == loop(probs, top_p, 25), trial
+
+
 def test_top_order_is_the_head_of_torchs_stable_descending_sort() -> None:
     rng = np.random.default_rng(0)
     for trial in range(600):
         vocab = 6761 if trial % 2 else int(rng.integers(1, 60))
         k = int(rng.integers(1, 40))
-        probs = [rng.random(vocab), rng.integers(0, 4, vocab) / 3, np.where(rng.random(vocab) < 0.5, 0,
-                                                                          rng.random(vocab))][trial % 3]
+        probs = [rng.random(vocab), rng.integers(0, 4, vocab) / 3,
+                 np.where(rng.random(vocab) < 0.5, 0, rng.random(vocab)),
+                 torch.softmax(torch.from_numpy(rng.standard_normal(vocab) * 4), 0).numpy()][trial // 2 % 4]
         probs = torch.from_numpy(probs.astype(np.float32))
         want = torch.sort(probs, descending=True, stable=True).indices[:k].numpy()
         assert np.array_equal(top_order(probs.numpy(), k), want), (vocab, k)
