@@ -154,7 +154,9 @@ class RuntimeBundle:
             if (array.shape, str(array.dtype)) != (entry.shape, entry.dtype):
                 raise RuntimeBundleError(f"{path}: {array.shape} {array.dtype}, the manifest says "
                                          f"{entry.shape} {entry.dtype}")
-            self._tables[name] = array
+            # a plain array over the same mapped pages: each lookup in a `np.memmap` builds a memmap of its
+            # result, a cost a decode step's embedding lookup would pay per id
+            self._tables[name] = array.view(np.ndarray)
         return self._tables[name]
 
     def uniform_noise(self, name: str) -> UniformNoise:

@@ -63,7 +63,8 @@ def test_open_and_verify(runtime_bundle: Path) -> None:
     assert (bundle.tokenizer_dir / "vocab.json").is_file()
     table = bundle.table(SPEECH_EMBEDDING)
     assert table.shape == (bundle.dims.speech_vocab, bundle.dims.llm_hidden) and table.dtype == np.float32
-    assert isinstance(table, np.memmap) and not table.flags.writeable
+    assert isinstance(table.base, np.memmap) and not table.flags.writeable  # mapped, not read in
+    assert type(table[[0]]) is np.ndarray  # a lookup builds no memmap of its own
     for name in SPECS:
         assert bundle.graph_path(name).is_file()
         meta = bundle.graph_metadata(name)
