@@ -91,15 +91,15 @@ def timed(work: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def batch_llm_calls(llm_s: float, takes: Sequence[float]) -> list[float]:
-    """A batched decoding's calls as `llm_figures` reads them (prefill first), from when each call's
-    log-probs reached the decoding (`takes`: the starts of its `Decoding.take`, one per call). A decode
-    batch makes the calls on its own thread, in steps it may replay from CUDA graphs, so they are timed by
-    their period: a step is the mean interval between takes, the prefill what came before the first."""
-    if len(takes) < 2:
-        return [llm_s] * len(takes)
-    span = takes[-1] - takes[0]
-    return [llm_s - span] + [span / (len(takes) - 1)] * (len(takes) - 1)
+def batch_llm_calls(llm_s: float, accepts: Sequence[float]) -> list[float]:
+    """A batched decoding's calls as `llm_figures` reads them (prefill first), from when each call's id
+    reached the decoding (`accepts`: the starts of its `Decoding.accept`, one per call). A decode batch
+    makes the calls on its own thread, in steps it may replay from CUDA graphs, so they are timed by their
+    period: a step is the mean interval between accepts, the prefill what came before the first."""
+    if len(accepts) < 2:
+        return [llm_s] * len(accepts)
+    span = accepts[-1] - accepts[0]
+    return [llm_s - span] + [span / (len(accepts) - 1)] * (len(accepts) - 1)
 
 
 def prefill_length(text_ids: Sequence[int], prompt_text_ids: Sequence[int], prompt_speech_tokens: int) -> int:

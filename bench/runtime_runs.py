@@ -184,9 +184,10 @@ class RuntimeBackend:
         front_end_s = time.perf_counter() - start
         synth = self.voice.synth
         # `lm.step` is one llm graph call whichever runner method it uses (IOBinding on onnxruntime); a
-        # decode batch's calls (`--cuda-graphs`) are timed by when their log-probs reach the decoding; the
-        # offline flow fetches the DiT's velocity only, through `infer_outputs`
-        llm = (synth.lm, "step") if synth.batcher is None else (Decoding, "take")
+        # decode batch's calls (`--cuda-graphs`) are timed by when their ids reach the decoding (`accept`,
+        # after each call's draw, alone or with the batch's other rows); the offline flow fetches the DiT's
+        # velocity only, through `infer_outputs`
+        llm = (synth.lm, "step") if synth.batcher is None else (Decoding, "accept")
         calls = {"llm": llm, "estimator": (synth.flow.estimator, "infer_outputs")}
         with self._log.wrap(calls):
             speech = self._speak(self.voice, piece, prompt, case.tokens, stream=False)

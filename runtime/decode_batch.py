@@ -4,16 +4,16 @@ A `DecodeBatcher` owns a thread and one set of cache buffers with a row per deco
 decoding submitted to it prefills alone, exactly as it would unbatched (on the CPU on its consumer's thread
 and its own buffers, then copied into a row; on a GPU by the batcher, into its row), then joins the batch;
 every batch step is one `llm_decode` call over all joined rows, each at its own cache length
-(`GroupQueryAttention` takes one per row), and each row's id is drawn by its own decoding (its request's
-sampler and seed, its masks and limiter). A row leaves at its stop id, at `max_len`, or when its consumer
-closes it (a client that went away); on the CPU the last row moves into its place, so the rows stay
-packed, and on a GPU the row stays free for the next decoding (`SlotBuffers`). Rows wait for a place
-(`max_batch`) in the order they joined, and every joined row advances at every step, but the batch waits
-while every row holds `AHEAD_IDS` ids its consumer has not taken, and while the streams' flow and vocoder
-work it yields to is running or waiting (`chunks_due`) unless a consumer that has sent no audio yet waits for
-an id: then those calls, which need the cores, are not slowed by ids due later, and a first chunk's ids are
-not kept waiting. The other way round, `first_audio_due` tells the streams' later chunks when the batch
-works for a stream's first audio, so that on the CPU they wait between their DiT calls meanwhile
+(`GroupQueryAttention` takes one per row), and each row's id is its own decoding's (its request's sampler and
+seed, its masks and limiter), the rows' draws made together (`llm.take_rows`). A row leaves at its stop id, at
+`max_len`, or when its consumer closes it (a client that went away); on the CPU the last row moves into its
+place, so the rows stay packed, and on a GPU the row stays free for the next decoding (`SlotBuffers`). Rows
+wait for a place (`max_batch`) in the order they joined, and every joined row advances at every step, but the
+batch waits while every row holds `AHEAD_IDS` ids its consumer has not taken, and while the streams' flow and
+vocoder work it yields to is running or waiting (`chunks_due`) unless a consumer that has sent no audio yet
+waits for an id: then those calls, which need the cores, are not slowed by ids due later, and a first chunk's
+ids are not kept waiting. The other way round, `first_audio_due` tells the streams' later chunks when the
+batch works for a stream's first audio, so that on the CPU they wait between their DiT calls meanwhile
 (`synthesis.chunks_yield_to`).
 
 On onnxruntime's CPU in float32 a row's log-probs are those of the same decoding run alone, to the bit
@@ -38,7 +38,7 @@ from cosyvoice_graphs import MAX_BATCH, GraphSpec
 
 from .decode_graphs import GraphedSteps
 from .errors import SynthesisError
-from .llm import FIRST_BUFFER_STEPS, Decoding, KVBuffers, SpeechTokenLM, placed, zeroed_caches
+from .llm import FIRST_BUFFER_STEPS, Decoding, KVBuffers, SpeechTokenLM, placed, take_rows, zeroed_caches
 from .runners import CPU, BufferView, to_host
 
 AHEAD_IDS = 32
@@ -488,9 +488,10 @@ class DecodeBatcher:
         logp = (self.lm.extend_rows(embeds, lengths, views) if self.graphs is None
                 else self.graphs.step(embeds, lengths, views))
         self.observer.step(self.size, time.perf_counter() - start)
-        for row, item in enumerate(rows):
-            if item is not None:
-                buffers.lengths[row] += 1
-                token = item.decoding.take(logp[row])
-                if token is not None:
-                    item.ids.put(token)
+        joined = [(row, item) for row, item in enumerate(rows) if item is not None]
+        for row, _ in joined:
+            buffers.lengths[row] += 1
+        tokens = take_rows([item.decoding for _, item in joined], logp[[row for row, _ in joined]])
+        for (_, item), token in zip(joined, tokens, strict=True):
+            if token is not None:
+                item.ids.put(token)

@@ -15,7 +15,7 @@ silent-token limiter of `llm_job` (`cosyvoice/cli/model.py`):
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -26,7 +26,7 @@ from cosyvoice_graphs import SEQLENS_K, GraphSpec, cache_pairs, decode_lengths, 
 
 from .runners import CPU, BufferView, Feed, OrtRunner, Runner, to_host
 from .runners.capture_gate import on_device
-from .sampling import Sampler, SilentTokenLimiter
+from .sampling import Sampler, SilentTokenLimiter, sample_rows
 
 PREFILL_BODY_FROM = 4
 """New positions from which a call runs on the bundle's prefill body (`llm_prefill`) when it has one: where
@@ -305,16 +305,24 @@ class Decoding(Iterator[int]):
     def take(self, logp: np.ndarray) -> int | None:
         """The step after a call: sample from its log-probs (V,) at the last position (masked as upstream
         does), end at a stop id, feed the id back, apply the silent-token limiter; returns the kept id, or
-        None. A batch (`decode_batch.DecodeBatcher`) makes the call for many decodings and gives each its
-        row."""
-        stop_from = self.lm.speech_token_size
+        None. A batch (`decode_batch.DecodeBatcher`) makes the call for many decodings and takes their rows
+        together (`take_rows`)."""
         if self.steps < self.min_len or self.ignore_stop:
             logp = logp.copy()
-            if self.steps < self.min_len:
-                logp[stop_from] = -np.inf  # upstream masks sos here, not eos
-            if self.ignore_stop:
-                logp[stop_from:] = -np.inf
-        token = self.sampler(logp, self.history)
+            self.mask(logp)
+        return self.accept(self.sampler(logp, self.history))
+
+    def mask(self, logp: np.ndarray) -> None:
+        """Upstream's masks on this step's log-probs (V,), in place."""
+        stop_from = self.lm.speech_token_size
+        if self.steps < self.min_len:
+            logp[stop_from] = -np.inf  # upstream masks sos here, not eos
+        if self.ignore_stop:
+            logp[stop_from:] = -np.inf
+
+    def accept(self, token: int) -> int | None:
+        """`take` after its draw: end at a stop id, feed the id back, apply the silent-token limiter."""
+        stop_from = self.lm.speech_token_size
         self.steps += 1
         if token >= stop_from:
             self.stop_id, self.finished = token, True
@@ -332,3 +340,12 @@ class Decoding(Iterator[int]):
             pass
         return list(self.tokens)
 
+
+def take_rows(decodings: Sequence[Decoding], logp: np.ndarray) -> list[int | None]:
+    """`Decoding.take` for many decodings at once, row r of `logp` (R, V) being decodings[r]'s: each
+    masked as it would be alone and their ids drawn together (`sample_rows`), each the id it draws alone."""
+    scores = logp.copy()
+    for decoding, row in zip(decodings, scores, strict=True):
+        decoding.mask(row)
+    tokens = sample_rows([d.sampler for d in decodings], scores, [d.history for d in decodings])
+    return [d.accept(token) for d, token in zip(decodings, tokens, strict=True)]

@@ -3,10 +3,11 @@
 Upstream samples with `torch.multinomial`, whose draws cannot be reproduced outside torch. Here a
 sampler owns a caller-seeded `numpy.random.Generator`, and each draw is exactly one
 `generator.random()` uniform mapped to an id by inverse CDF over the (unnormalised) weights
-(`draw_index`). The torch reference (`cosyvoice_export.reference.llm_decode`) calls these same
+(`draw_indices`). The torch reference (`cosyvoice_export.reference.llm_decode`) calls these same
 functions, so a seed gives the same ids in both.
 
-- `ras_sample`: upstream's repetition-aware sampling (`ras_sampling`, `cosyvoice/utils/common.py`).
+- `ras_sample`: upstream's repetition-aware sampling (`ras_sampling`, `cosyvoice/utils/common.py`);
+  `ras_sample_rows` draws a batch's rows together, each the id it draws alone (`sample_rows`).
 - `greedy_sample`: argmax, for exact comparisons.
 - `SilentTokenLimiter`: CosyVoice3Model's cap on runs of silent ids (`llm_job`, `cosyvoice/cli/model.py`).
 """
@@ -51,90 +52,114 @@ class RasConfig:
 
 
 def softmax(scores: np.ndarray) -> np.ndarray:
-    """float32 softmax of (V,) scores; -inf scores get probability 0."""
+    """float32 softmax over the last axis of (..., V) scores; -inf scores get probability 0. A row of a
+    batch gets what it gets alone, to the bit: numpy sums a contiguous last axis row by row, pairwise."""
     scores = np.asarray(scores, dtype=np.float32)
-    e = np.exp(scores - scores.max())  # (V,)
-    return e / e.sum(dtype=np.float32)
+    e = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, dtype=np.float32, keepdims=True)
 
 
-def nucleus_size(sorted_probs: np.ndarray, top_p: float, top_k: int) -> int:
-    """How many of the descending-sorted probs (V,) upstream's nucleus keeps.
+def nucleus_sizes(sorted_probs: np.ndarray, top_p: float, top_k: int) -> np.ndarray:
+    """How many of each row's descending-sorted probs (R, N) upstream's nucleus keeps, as (R,) ints.
 
     Ids are taken while the running total is below `top_p` and fewer than `top_k` are kept, so the id
     that crosses `top_p` is included. The total is accumulated one float32 add at a time, as upstream
     does: numpy's `cumsum` is such a sequence of adds (a pairwise sum may round differently at the
     boundary).
     """
-    limit = min(top_k, sorted_probs.shape[0])
+    rows, limit = sorted_probs.shape[0], min(top_k, sorted_probs.shape[1])
     if limit == 0:
-        return 0
-    ended = ~(sorted_probs[:limit].cumsum(dtype=np.float32) < top_p)  # (limit,); a NaN total ends it too
-    first = int(ended.argmax())
-    return first + 1 if ended[first] else limit
+        return np.zeros(rows, dtype=np.int64)
+    ended = ~(sorted_probs[:, :limit].cumsum(axis=1, dtype=np.float32) < top_p)  # a NaN total ends it too
+    first = ended.argmax(axis=1)
+    return np.where(ended[np.arange(rows), first], first + 1, limit)
 
 
-def draw_index(weights: np.ndarray, u: float) -> int:
-    """Inverse CDF: the index i with cdf[i-1] <= u * total < cdf[i] over non-negative `weights` (N,).
+def draw_indices(weights: np.ndarray, counts: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Inverse CDF per row: over row r's first `counts[r]` non-negative `weights` (R, N), the index i with
+    cdf[i-1] <= u[r] * total < cdf[i], as (R,) ints.
 
-    `u` is one uniform draw in [0, 1). The weights need not sum to 1; the cumulative sum is taken in
-    float64. A zero weight is never picked.
+    `u` holds one uniform draw in [0, 1) per row. The weights need not sum to 1; the cumulative sum is
+    taken in float64 (a running sum, so each prefix is the row's own whatever follows it). A zero weight
+    is never picked.
     """
-    cdf = weights.cumsum(dtype=np.float64)  # (N,)
-    index = int(cdf.searchsorted(u * cdf[-1], side="right"))
-    if index >= cdf.shape[0]:  # u * total rounded up to total: take the last id that has weight
-        index = int(weights.nonzero()[0][-1])
+    cdf = weights.cumsum(axis=1, dtype=np.float64)  # (R, N)
+    limits = cdf[np.arange(weights.shape[0]), counts - 1] * u
+    # numpy's searchsorted(side="right") on each row: no total past a row's first counts[r] is below its
+    # limit unless the limit is the whole total, which the fallback below takes
+    index = np.count_nonzero(cdf <= limits[:, None], axis=1)
+    for row in np.flatnonzero(index >= counts):  # u * total rounded up to total: the last id with weight
+        index[row] = weights[row, :counts[row]].nonzero()[0][-1]
     return index
 
 
 TOP_SAMPLE_STRIDE = 8
-"""`top_order` bounds the k-th largest prob by the k-th largest of every this many probs."""
+"""`top_orders` bounds each row's k-th largest prob by the k-th largest of every this many probs."""
 
 
-def top_order(probs: np.ndarray, k: int) -> np.ndarray:
-    """The ids of the `k` largest of `probs` (V,), descending, ties in id order: the first `k` of torch's
-    stable descending sort, without sorting all V (a decode step's hot path, hence array methods rather
-    than numpy's slower function wrappers).
+def top_orders(probs: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the `k` largest of each row of finite `probs` (R, V), descending, ties in id order, as
+    (R, k): the first `k` of torch's stable descending sort, without sorting all V (a decode step's hot
+    path).
 
     The k-th largest of a strided sample is at most the k-th largest of all (the sample's k largest are
     among all), so the probs at least that large hold the answer and every tie of its last value, and their
     own stable descending sort begins with it: some 200 of the 6761 speech ids sorted instead of all."""
-    vocab = probs.shape[0]
+    rows, vocab = probs.shape
     if k >= vocab:
-        return np.argsort(-probs, kind="stable")
-    pool = None
-    sample = probs[::TOP_SAMPLE_STRIDE].copy()
-    if sample.shape[0] > k:
-        sample.partition(sample.shape[0] - k)
-        found = (probs >= sample[sample.shape[0] - k]).nonzero()[0]  # ascending ids
-        if found.shape[0] >= k:  # fewer only where a NaN made the bound
-            pool = found
-    if pool is None:
-        kth = np.partition(probs, vocab - k)[vocab - k]  # the k-th largest value
-        pool = (probs >= kth).nonzero()[0]
-    return pool[(-probs[pool]).argsort(kind="stable")[:k]]
+        return np.argsort(-probs, axis=1, kind="stable")
+    sample = probs[:, ::TOP_SAMPLE_STRIDE]
+    if sample.shape[1] > k:
+        bounds = np.partition(sample, sample.shape[1] - k, axis=1)[:, sample.shape[1] - k]
+    else:  # too few to sample: each row's k-th largest itself
+        bounds = np.partition(probs, vocab - k, axis=1)[:, vocab - k]
+    flat = (probs >= bounds[:, None]).ravel().nonzero()[0]  # row by row, each row's ids ascending
+    ends = np.searchsorted(flat, np.arange(1, rows + 1) * vocab).tolist()
+    values = probs.ravel()[flat]
+    order = np.empty((rows, k), dtype=np.int64)
+    start = 0
+    for row, end in enumerate(ends):
+        order[row] = flat[start:end][(-values[start:end]).argsort(kind="stable")[:k]] - row * vocab
+        start = end
+    return order
 
 
-def ras_sample(logp: np.ndarray, history: Sequence[int], cfg: RasConfig, generator: np.random.Generator
-               ) -> int:
-    """Repetition-aware sampling (VALL-E 2) as upstream's `ras_sampling`, with explicit uniforms.
+def ras_sample_rows(logp: np.ndarray, histories: Sequence[Sequence[int]], cfg: RasConfig,
+                    generators: Sequence[np.random.Generator]) -> list[int]:
+    """Repetition-aware sampling (VALL-E 2) as upstream's `ras_sampling`, with explicit uniforms, for
+    each row of `logp` (R, V) with its own history and generator: each row's id is the one it draws alone.
 
     One uniform picks an id from the top-p/top-k nucleus of `softmax(logp)` (stable descending sort,
     unnormalised kept probs). If that id occurs at least `win_size * tau_r` times in the last
     `win_size` history ids, its score is set to -inf and a second uniform picks an id from the full
     softmax of the rest. The redrawn id is not re-checked and may be a stop id.
     """
-    scores = np.asarray(logp, dtype=np.float32)  # (V,)
+    if len({id(g) for g in generators}) < len(generators):  # a shared generator: its draws in row order
+        return [ras_sample_rows(logp[row:row + 1], histories[row:row + 1], cfg, generators[row:row + 1])[0]
+                for row in range(len(generators))]
+    scores = np.asarray(logp, dtype=np.float32)  # (R, V)
     probs = softmax(scores)
-    order = top_order(probs, cfg.top_k)
-    sorted_probs = probs[order]
-    n = nucleus_size(sorted_probs, cfg.top_p, cfg.top_k)
-    token = int(order[draw_index(sorted_probs[:n], generator.random())])
-    window = list(history[-cfg.win_size:]) if cfg.win_size > 0 else []
-    if window.count(token) >= cfg.win_size * cfg.tau_r:
-        scores = scores.copy()
-        scores[token] = -np.inf
-        token = draw_index(softmax(scores), generator.random())
-    return token
+    if np.isnan(probs[:, 0]).any():  # a NaN or +inf score makes its row's every prob NaN
+        raise ValueError("log-probs hold NaN or +inf: no id can be drawn")
+    order = top_orders(probs, cfg.top_k)
+    sorted_probs = probs[np.arange(order.shape[0])[:, None], order]  # (R, k)
+    n = nucleus_sizes(sorted_probs, cfg.top_p, cfg.top_k)
+    u = np.array([g.random() for g in generators])
+    tokens = order[np.arange(order.shape[0]), draw_indices(sorted_probs, n, u)].tolist()
+    for row, (token, history) in enumerate(zip(tokens, histories, strict=True)):
+        window = list(history[-cfg.win_size:]) if cfg.win_size > 0 else []
+        if window.count(token) >= cfg.win_size * cfg.tau_r:
+            redraw = scores[row:row + 1].copy()
+            redraw[0, token] = -np.inf
+            tokens[row] = int(draw_indices(softmax(redraw), np.array([redraw.shape[1]]),
+                                           np.array([generators[row].random()]))[0])
+    return tokens
+
+
+def ras_sample(logp: np.ndarray, history: Sequence[int], cfg: RasConfig, generator: np.random.Generator
+               ) -> int:
+    """`ras_sample_rows` for one decoding's log-probs (V,)."""
+    return ras_sample_rows(np.asarray(logp)[None], [history], cfg, [generator])[0]
 
 
 def greedy_sample(logp: np.ndarray) -> int:
@@ -164,6 +189,25 @@ class GreedySampler:
 
     def __call__(self, logp: np.ndarray, history: Sequence[int]) -> int:
         return greedy_sample(logp)
+
+
+def sample_rows(samplers: Sequence[Sampler], logp: np.ndarray, histories: Sequence[Sequence[int]]
+                ) -> list[int]:
+    """Row r's id of `logp` (R, V) from `samplers[r]` given `histories[r]`, each the id that sampler draws
+    alone: the `RasSampler`s of one config draw together (`ras_sample_rows`), any other sampler row by row."""
+    tokens = [0] * len(samplers)
+    together: dict[RasConfig, list[tuple[int, np.random.Generator]]] = {}
+    for row, sampler in enumerate(samplers):
+        if isinstance(sampler, RasSampler):
+            together.setdefault(sampler.cfg, []).append((row, sampler.generator))
+        else:
+            tokens[row] = sampler(logp[row], histories[row])
+    for cfg, members in together.items():
+        rows = [row for row, _ in members]
+        drawn = ras_sample_rows(logp[rows], [histories[r] for r in rows], cfg, [g for _, g in members])
+        for row, token in zip(rows, drawn, strict=True):
+            tokens[row] = token
+    return tokens
 
 
 @dataclass

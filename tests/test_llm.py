@@ -22,7 +22,17 @@ from torch import Tensor
 from cosyvoice_export.config import LLMConfig, RASConfig, full_size, tiny
 from cosyvoice_export.nets.llm import CosyVoice3LM, init_random_
 from cosyvoice_export.reference.llm_decode import TorchGreedySampler, TorchRasSampler, generate_speech_tokens
-from cosyvoice_runtime.sampling import SILENT_TOKENS, SilentTokenLimiter, nucleus_size, ras_sample, top_order
+from cosyvoice_runtime.sampling import (
+    SILENT_TOKENS,
+    GreedySampler,
+    RasSampler,
+    SilentTokenLimiter,
+    nucleus_sizes,
+    ras_sample,
+    ras_sample_rows,
+    sample_rows,
+    top_orders,
+)
 from cosyvoice_runtime.sampling import RasConfig as RuntimeRasConfig
 
 MANIFEST = Path(__file__).parent / "data" / "upstream_manifest" / "llm.tsv"
@@ -147,45 +157,124 @@ def _draws(logp: Tensor, history: Sequence[int], cfg: RASConfig, n: int, seed: i
 
 
 def test_nucleus_includes_the_crossing_token_and_caps_at_top_k() -> None:
-    def f32(values: list[float]) -> np.ndarray:
-        return np.array(values, dtype=np.float32)
+    def nucleus(values: list[float], top_p: float, top_k: int) -> int:
+        return int(nucleus_sizes(np.array([values], dtype=np.float32), top_p, top_k)[0])
 
-    assert nucleus_size(f32([0.5, 0.2, 0.15, 0.1, 0.05]), 0.8, 25) == 3  # 0.5+0.2 < 0.8 -> +0.15
-    assert nucleus_size(f32([0.85, 0.1, 0.05]), 0.8, 25) == 1
-    assert nucleus_size(f32([0.4, 0.4, 0.2]), 0.8, 25) == 2  # total == top_p stops
-    assert nucleus_size(np.full((100,), 0.01, dtype=np.float32), 0.8, 25) == 25
-    assert nucleus_size(f32([0.5, 0.2, 0.15, 0.1, 0.05]), 0.8, 2) == 2
+    assert nucleus([0.5, 0.2, 0.15, 0.1, 0.05], 0.8, 25) == 3  # 0.5+0.2 < 0.8 -> +0.15
+    assert nucleus([0.85, 0.1, 0.05], 0.8, 25) == 1
+    assert nucleus([0.4, 0.4, 0.2], 0.8, 25) == 2  # total == top_p stops
+    assert nucleus([0.01] * 100, 0.8, 25) == 25
+    assert nucleus([0.5, 0.2, 0.15, 0.1, 0.05], 0.8, 2) == 2
 
 
-def test_nucleus_size_is_upstreams_float32_loop() -> None:
-    """Against upstream's loop (a running float32 total, one add at a time), on softmaxes of every
-    sharpness and on totals that land on `top_p` itself."""
-    def loop(sorted_probs: np.ndarray, top_p: float, top_k: int) -> int:
-        total, n = np.float32(0.0), 0
-        while n < min(top_k, sorted_probs.shape[0]) and total < top_p:
-            total = np.float32(total + sorted_probs[n])
-            n += 1
-        return n
+def _loop_nucleus(sorted_probs: np.ndarray, top_p: float, top_k: int) -> int:
+    """Upstream's nucleus: a running float32 total, one add at a time."""
+    total, n = np.float32(0.0), 0
+    while n < min(top_k, sorted_probs.shape[0]) and total < top_p:
+        total = np.float32(total + sorted_probs[n])
+        n += 1
+    return n
 
+
+def test_nucleus_sizes_are_upstreams_float32_loop() -> None:
+    """Each row against upstream's loop, on softmaxes of every sharpness and on totals that land on `top_p`
+    itself."""
     rng = np.random.default_rng(3)
-    for trial in range(2000):
-        scores = rng.standard_normal(6761).astype(np.float32) * [0.5, 2.0, 4.0, 8.0][trial % 4]
-        probs = np.sort(torch.softmax(torch.from_numpy(scores), 0).numpy())[::-1]
-        top_p = float(np.cumsum(probs[:25], dtype=np.float32)[trial % 25]) if trial % 5 == 0 else 0.8
-        assert nucleus_size(probs, top_p, 25) == loop(probs, top_p, 25), trial
+    for batch in range(125):
+        sharpness = np.tile([0.5, 2.0, 4.0, 8.0], 4)[:, None]
+        scores = (rng.standard_normal((16, 6761)) * sharpness).astype(np.float32)
+        probs = np.sort(torch.softmax(torch.from_numpy(scores), 1).numpy(), axis=1)[:, ::-1]
+        top_p = float(np.cumsum(probs[0, :25], dtype=np.float32)[batch % 25]) if batch % 5 == 0 else 0.8
+        want = [_loop_nucleus(row, top_p, 25) for row in probs]
+        assert nucleus_sizes(probs, top_p, 25).tolist() == want, batch
 
 
-def test_top_order_is_the_head_of_torchs_stable_descending_sort() -> None:
+def test_top_orders_are_the_head_of_torchs_stable_descending_sort() -> None:
     rng = np.random.default_rng(0)
     for trial in range(600):
         vocab = 6761 if trial % 2 else int(rng.integers(1, 60))
-        k = int(rng.integers(1, 40))
-        probs = [rng.random(vocab), rng.integers(0, 4, vocab) / 3,
-                 np.where(rng.random(vocab) < 0.5, 0, rng.random(vocab)),
-                 torch.softmax(torch.from_numpy(rng.standard_normal(vocab) * 4), 0).numpy()][trial // 2 % 4]
+        k, rows = int(rng.integers(1, 40)), int(rng.integers(1, 6))
+        probs = [rng.random((rows, vocab)), rng.integers(0, 4, (rows, vocab)) / 3,
+                 np.where(rng.random((rows, vocab)) < 0.5, 0, rng.random((rows, vocab))),
+                 torch.softmax(torch.from_numpy(rng.standard_normal((rows, vocab)) * 4), 1).numpy()
+                 ][trial // 2 % 4]
         probs = torch.from_numpy(probs.astype(np.float32))
-        want = torch.sort(probs, descending=True, stable=True).indices[:k].numpy()
-        assert np.array_equal(top_order(probs.numpy(), k), want), (vocab, k)
+        want = torch.sort(probs, dim=1, descending=True, stable=True).indices[:, :k].numpy()
+        assert np.array_equal(top_orders(probs.numpy(), k), want), (vocab, k, rows)
+
+
+def _ras_alone(logp: np.ndarray, history: Sequence[int], cfg: RuntimeRasConfig,
+               generator: np.random.Generator) -> int:
+    """Upstream's repetition-aware sampling written plainly for one row: a float32 softmax, torch's stable
+    descending sort, upstream's nucleus loop, one uniform by inverse CDF (numpy's searchsorted)."""
+    def softmax(scores: np.ndarray) -> np.ndarray:
+        e = np.exp(scores - scores.max())
+        return e / e.sum(dtype=np.float32)
+
+    def draw(weights: np.ndarray) -> int:
+        cdf = np.cumsum(weights, dtype=np.float64)
+        index = int(np.searchsorted(cdf, generator.random() * cdf[-1], side="right"))
+        return index if index < len(cdf) else int(np.flatnonzero(weights)[-1])
+
+    probs = softmax(logp)
+    order = torch.sort(torch.from_numpy(probs), descending=True, stable=True).indices[:cfg.top_k].numpy()
+    kept = probs[order][:_loop_nucleus(probs[order], cfg.top_p, cfg.top_k)]
+    token = int(order[draw(kept)])
+    if list(history[-cfg.win_size:]).count(token) >= cfg.win_size * cfg.tau_r:
+        rest = logp.copy()
+        rest[token] = -np.inf
+        token = draw(softmax(rest))
+    return token
+
+
+def _peaked_logp(rows: int, seed: int) -> np.ndarray:
+    """(rows, 6761) log-probs as sharp as a decode step's."""
+    scores = torch.randn(rows, 6761, generator=torch.Generator().manual_seed(seed)) * 4
+    return torch.log_softmax(scores, 1).numpy()
+
+
+def test_ras_rows_draw_what_each_row_draws_alone() -> None:
+    """16 rows drawn together, each with its own generator and history, step after step (the stop ids
+    masked in some, repeats redrawn in others), give the ids each row's plain sampling draws alone; two rows
+    sharing one generator draw from it in row order."""
+    cfg, rng = RuntimeRasConfig(), np.random.default_rng(5)
+    together = [np.random.Generator(np.random.PCG64(seed)) for seed in range(16)]
+    alone = [np.random.Generator(np.random.PCG64(seed)) for seed in range(16)]
+    histories: list[list[int]] = [[] for _ in range(16)]
+    redraws = 0
+    for step in range(60):
+        sharpness = np.repeat([0.5, 2.0, 4.0, 8.0], 4)[:, None]
+        logp = (rng.standard_normal((16, 6761)) * sharpness).astype(np.float32)
+        logp[::3, 6561:] = -np.inf  # ignore_stop's mask
+        logp[1::4, 7] = 30.0  # a nucleus of 7 alone, which the history repeats: redrawn
+        logp -= np.log(np.exp(logp).sum(axis=1, keepdims=True))
+        drawn = ras_sample_rows(logp, histories, cfg, together)
+        want = [_ras_alone(row, history, cfg, g)
+                for row, history, g in zip(logp, histories, alone, strict=True)]
+        assert drawn == want, step
+        redraws += sum(7 in histories[row][-cfg.win_size:] and drawn[row] != 7 for row in range(1, 16, 4))
+        for history, token in zip(histories, drawn, strict=True):
+            history.append(token if step % 2 else 7)
+    assert redraws > 50
+    shared = np.random.Generator(np.random.PCG64(9))
+    one_by_one = np.random.Generator(np.random.PCG64(9))
+    logp = _peaked_logp(2, seed=1)
+    assert ras_sample_rows(logp, [[], []], cfg, [shared, shared]) == [
+        _ras_alone(logp[0], [], cfg, one_by_one), _ras_alone(logp[1], [], cfg, one_by_one)]
+
+
+def test_sample_rows_gives_each_sampler_its_own_draw() -> None:
+    """RasSamplers of two configs and a greedy one in one batch: each row's id is its sampler's alone."""
+    logp = _peaked_logp(5, seed=2)
+    five = RuntimeRasConfig(top_k=5)
+    configs = [RuntimeRasConfig(), five, RuntimeRasConfig(), None, five]
+
+    def samplers() -> list[RasSampler | GreedySampler]:
+        return [RasSampler.seeded(i, cfg) if cfg else GreedySampler() for i, cfg in enumerate(configs)]
+
+    histories: list[list[int]] = [[1, 2], [], [3], [], [4]]
+    alone = [sampler(row, history) for sampler, row, history in zip(samplers(), logp, histories, strict=True)]
+    assert sample_rows(samplers(), logp, histories) == alone
 
 
 def test_ras_draws_only_from_the_nucleus() -> None:

@@ -22,9 +22,9 @@ from cosyvoice_runtime.sampling import (
     SILENT_TOKENS,
     RasConfig,
     SilentTokenLimiter,
-    draw_index,
+    draw_indices,
     make_sampler,
-    nucleus_size,
+    nucleus_sizes,
     ras_sample,
     softmax,
 )
@@ -53,6 +53,11 @@ def _logp(probs: dict[int, float], vocab: int = 40) -> np.ndarray:
     return np.log(p).astype(np.float32)
 
 
+def draw_index(weights: np.ndarray, u: float) -> int:
+    """`draw_indices` over one row's weights, all of them."""
+    return int(draw_indices(weights[None], np.array([weights.shape[0]]), np.array([u]))[0])
+
+
 def test_draw_index_is_the_inverse_cdf_of_unnormalised_weights() -> None:
     w = np.array([0.5, 0.0, 0.2, 0.15], dtype=np.float32)  # total 0.85
     assert draw_index(w, 0.0) == 0
@@ -66,7 +71,7 @@ def test_draw_index_is_the_inverse_cdf_of_unnormalised_weights() -> None:
 def test_nucleus_keeps_the_crossing_token_and_a_draw_is_one_uniform() -> None:
     logp = _logp({17: 0.5, 3: 0.2, 30: 0.15, 8: 0.1})  # nucleus 17, 3, 30 (crosses 0.8)
     probs = softmax(logp)
-    assert nucleus_size(np.sort(probs)[::-1], 0.8, 25) == 3
+    assert nucleus_sizes(np.sort(probs)[None, ::-1], 0.8, 25).tolist() == [3]
     cfg = RasConfig()
     for u, want in [(0.0, 17), (0.58, 17), (0.6, 3), (0.82, 3), (0.83, 30), (0.999, 30)]:
         gen = _Uniforms(u)
