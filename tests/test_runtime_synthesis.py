@@ -68,6 +68,16 @@ def test_draw_index_is_the_inverse_cdf_of_unnormalised_weights() -> None:
     assert draw_index(np.array([0.3, 0.7, 0.0], dtype=np.float32), np.nextafter(1.0, 0.0)) == 1
 
 
+def test_draw_indices_read_each_rows_first_counts_weights_alone() -> None:
+    """Rows drawn together, each over its first `counts[r]` weights: the weights after them (the rest of a
+    row's top k, outside its nucleus) are never drawn, even at a uniform whose product rounds to the total."""
+    weights = np.array([[0.5, 0.0, 0.2, 0.15], [0.3, 0.7, 0.5, 0.5], [0.2, 0.0, 0.6, 0.2]], dtype=np.float32)
+    counts = np.array([4, 2, 2])
+    for u in (0.0, 0.3, 0.59, 0.61, 0.9, np.nextafter(1.0, 0.0)):
+        drawn = draw_indices(weights, counts, np.full(3, u))
+        assert drawn.tolist() == [draw_index(w[:n], u) for w, n in zip(weights, counts, strict=True)], u
+        assert drawn[1] < 2 and drawn[2] == 0  # a zero weight is never drawn, nor one past the count
+
 def test_nucleus_keeps_the_crossing_token_and_a_draw_is_one_uniform() -> None:
     logp = _logp({17: 0.5, 3: 0.2, 30: 0.15, 8: 0.1})  # nucleus 17, 3, 30 (crosses 0.8)
     probs = softmax(logp)
