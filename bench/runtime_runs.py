@@ -79,7 +79,8 @@ class RuntimeBackend:
         check_chunk_slots(chunk_slots)
         self.chunk_slots = chunk_slots
         self.cuda_graphs, self.stack_dit, self.stack_vocoder = cuda_graphs, stack_dit, stack_vocoder
-        self.voice = CosyVoice3(bundle, provider=provider, threads=threads, seed=seed,
+        # unbatched (on cuda the runtime's default is a batch of 4): levels batch it (`concurrent`)
+        self.voice = CosyVoice3(bundle, provider=provider, threads=threads, seed=seed, max_batch=1,
                                 cuda_graphs=cuda_graphs, stack_dit=stack_dit, stack_vocoder=stack_vocoder)
         self._log = CallLog()
         self.load_s = time.perf_counter() - start
@@ -236,7 +237,7 @@ class RuntimeBackend:
         piece = self._segment(case)
         shared = self.provider != TRT
         voices = ([self.voice] * level if shared else
-                  [CosyVoice3(self.bundle, provider=self.provider, threads=self.threads,
+                  [CosyVoice3(self.bundle, provider=self.provider, threads=self.threads, max_batch=1,
                               seed=self.voice.sampling.seed, cuda_graphs=self.cuda_graphs,
                               stack_dit=self.stack_dit, stack_vocoder=self.stack_vocoder)
                    for _ in range(level)])

@@ -122,7 +122,7 @@ class CosyVoice3:
                  load_vllm: bool = False, fp16: bool = False, trt_concurrent: int = 1, provider: str = CPU,
                  threads: int | None = None, sampling: str = "ras", seed: int = 0, verify: bool = True,
                  speakers_dir: Path | None = None, flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
-                 max_batch: int = 1, batch_observer: BatchObserver | None = None,
+                 max_batch: int | None = None, batch_observer: BatchObserver | None = None,
                  chunk_policy: ChunkPolicy | None = None, chunk_slots: int | None = None,
                  cuda_graphs: bool | None = None, stack_dit: bool = False, stack_vocoder: bool = False
                  ) -> None:
@@ -136,7 +136,9 @@ class CosyVoice3:
         (`Flow.prefixes`); `max_batch` > 1 decodes the speech ids of concurrent calls (threads, the server's
         sessions, `synthesize_many`) together, up to that many per `llm_decode` call (`decode_batch`,
         reporting to `batch_observer`; the bundle needs `llm_decode`: `--precision cpu-fast` or
-        `decode=fp32`), and `chunk_slots` of those calls' chunks run their flow and vocoder at once (None:
+        `decode=fp32` on the CPU, `decode=fp16` on cuda; None: `synthesis.default_max_batch`, 4 on cuda where
+        the bundle batches there, else 1),
+        and `chunk_slots` of those calls' chunks run their flow and vocoder at once (None:
         one on a CPU whose cores a session's graphs take, `synthesis.default_chunk_slots`); `chunk_policy` is
         when every stream emits its chunks (None: upstream's schedule; `ChunkPolicy.first_chunk_tokens` a
         deviation from it for latency), checked against the graphs here; `cuda_graphs` replays the decode
@@ -163,7 +165,8 @@ class CosyVoice3:
             raise UserError(f"fp16=True: {bundle.root} is a {bundle.manifest.precision} bundle; give its "
                             "model directory (exported in fp16 on first use) or an export with "
                             "cosyvoice-export all --precision fp16")
-        check_max_batch(max_batch, bundle, provider)
+        if max_batch is not None:
+            check_max_batch(max_batch, bundle, provider)
         check_chunk_slots(chunk_slots)
         check_policy(chunk_policy, bundle)
         cuda_graphs = uses_cuda_graphs(cuda_graphs, bundle, provider)

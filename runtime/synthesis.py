@@ -161,14 +161,15 @@ class Synthesizer:
     """The bundle's graphs, opened once on one provider, and the tables they read."""
 
     def __init__(self, bundle: RuntimeBundle, provider: str = CPU, *, threads: int | None = None,
-                 flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, max_batch: int = 1,
+                 flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, max_batch: int | None = None,
                  batch_observer: BatchObserver | None = None, chunk_policy: ChunkPolicy | None = None,
                  chunk_slots: int | None = None, cuda_graphs: bool | None = None, stack_dit: bool = False,
                  stack_vocoder: bool = False) -> None:
         """Open every graph of `bundle` on `provider` (see `cosyvoice_runtime.runners.PROVIDERS`);
         `flow_prefix_bytes` bounds the streaming flow's per-prompt cache (`Flow.prefixes`). `max_batch` > 1
         decodes concurrent requests' speech ids together (`decode_batch`, reporting to `batch_observer`),
-        which needs the bundle's `llm_decode` on the decode steps (`batches`); 1 decodes each on its own.
+        which needs the bundle's `llm_decode` on the decode steps (`batches`); 1 decodes each on its own;
+        None: `default_max_batch`.
         `chunk_slots` is how many of the batch's streams run their chunks' flow and vocoder calls at once
         (`set_max_batch`). `cuda_graphs`: the decode steps replay from CUDA graphs (`decode_graphs`; on
         cuda, where `llm_decode` takes them), in a batch even of one (None: wherever they can,
@@ -179,6 +180,7 @@ class Synthesizer:
         over the same frames run as one `hift_decoder` call (`Vocoder.stack_calls`). `chunk_policy` is the
         streams' schedule (None: upstream's); it, `max_batch`, `chunk_slots`, `cuda_graphs` and `stack_dit`
         are checked before any graph opens (a `UserError`)."""
+        max_batch = default_max_batch(bundle, provider) if max_batch is None else max_batch
         check_max_batch(max_batch, bundle, provider)
         check_chunk_slots(chunk_slots)
         cuda_graphs = uses_cuda_graphs(cuda_graphs, bundle, provider)
@@ -411,6 +413,23 @@ def batches(bundle: RuntimeBundle, provider: str) -> bool:
     """Whether `bundle` on `provider` decodes requests in a batch (`max_batch` > 1): where its decode steps
     run on `llm_decode` (`decode_body`: on onnxruntime's CPU, and on CUDA in fp16)."""
     return decode_body(bundle, provider) == LLM_DECODE
+
+
+GPU_MAX_BATCH = 4
+"""`default_max_batch` on cuda. On an H200 (docs/performance-log.md, "fourteenth session") 4 sessions in the
+decode batch made 17.3 s of audio per s against 8.15 for one alone (`decode=fp16,dit=tf32`), each stream 4x
+faster than real time; 16 made 14.1 s (`decode=fp16`), each stream slower than real time."""
+
+
+def default_max_batch(bundle: RuntimeBundle, provider: str) -> int:
+    """The decode batch where none is given (`Synthesizer`, `CosyVoice3`, the server's `--max-batch`):
+    `GPU_MAX_BATCH` on cuda where `bundle` batches (`batches`: an fp16 `llm_decode`), else 1. On cuda a batch
+    costs a lone request nothing (its steps replay from CUDA graphs in a batch either way:
+    `uses_cuda_graphs`), and in a batch of one concurrent requests would decode one after another. A CPU
+    batches only when asked: there 4 sessions batched on two cores made 1.20-1.25x the audio of sessions one
+    by one (docs/performance.md), each stream 4x slower, while every session holds its flow's caches (~2.6 GB
+    for 10 s of audio at full size)."""
+    return GPU_MAX_BATCH if provider == CUDA and batches(bundle, provider) else 1
 
 
 def check_max_batch(max_batch: int, bundle: RuntimeBundle, provider: str) -> None:

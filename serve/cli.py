@@ -19,12 +19,12 @@ from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from cosyvoice_runtime.runners import CPU
 from cosyvoice_runtime.sampling import MAX_SEED, SAMPLINGS
 from cosyvoice_runtime.speakers import SPEAKERS_DIR_ENV, SpeakerError
+from cosyvoice_runtime.synthesis import GPU_MAX_BATCH
 
 from .ray_options import RayOptions, ray_options
 from .settings import (
     API_KEY_ENV,
     DEFAULT_PORT,
-    GPU_MAX_BATCH,
     HOST_ENV,
     MAX_BODY_MIB,
     PORT_ENV,

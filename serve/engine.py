@@ -47,12 +47,12 @@ from cosyvoice_runtime.runners import CPU
 from cosyvoice_runtime.sampling import Sampling
 from cosyvoice_runtime.segments import Segment
 from cosyvoice_runtime.speakers import frontend_fingerprint
-from cosyvoice_runtime.synthesis import Mode, Synthesizer, uses_cuda_graphs
+from cosyvoice_runtime.synthesis import Mode, Synthesizer, default_max_batch, uses_cuda_graphs
 
 from .errors import FieldError
 from .metrics import BatchMetrics
 from .queue import Session
-from .settings import SERVER_PROVIDERS, default_max_batch
+from .settings import SERVER_PROVIDERS
 
 log = logging.getLogger(__name__)
 _REQUESTS = itertools.count(1)

@@ -14,13 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cosyvoice_graphs import MAX_BATCH
-from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.runners import CUDA, OPENVINO, ORT_PROVIDERS
 from cosyvoice_runtime.sampling import MAX_SEED, SAMPLINGS
 from cosyvoice_runtime.segments import MAX_TEXT_CHARS
 from cosyvoice_runtime.speakers import default_speakers_dir
-from cosyvoice_runtime.synthesis import batches
+from cosyvoice_runtime.synthesis import GPU_MAX_BATCH
 
 HOST_ENV = "COSYVOICE_HOST"
 PORT_ENV = "COSYVOICE_PORT"
@@ -36,20 +35,6 @@ MAX_BODY_MIB = math.ceil(4 * MAX_UPLOAD_BYTES / 3 / 2**20) + 1
 and a MiB for the other fields."""
 
 
-GPU_MAX_BATCH = 4
-"""`default_max_batch` on cuda. On an H200 (docs/performance-log.md, "fourteenth session") 4 sessions in the
-decode batch made 17.3 s of audio per s against 8.15 for one alone (`decode=fp16,dit=tf32`), each stream 4x
-faster than real time; 16 made 14.1 s (`decode=fp16`), each stream slower than real time."""
-
-
-def default_max_batch(bundle: RuntimeBundle, provider: str) -> int:
-    """The server's decode batch where `--max-batch` is not given: `GPU_MAX_BATCH` on cuda where `bundle`
-    batches (`batches`: an fp16 `llm_decode`), else 1. A CPU batches only when asked: there 4 sessions
-    batched on two cores made 1.20-1.25x the audio of sessions one by one (docs/performance.md), each stream
-    4x slower, while every session holds its flow's caches (~2.6 GB for 10 s of audio at full size)."""
-    return GPU_MAX_BATCH if provider == CUDA and batches(bundle, provider) else 1
-
-
 @dataclass(frozen=True)
 class ServerSettings:
     """How the server admits and bounds work; the model side is `Engine`'s."""
@@ -59,8 +44,8 @@ class ServerSettings:
     decoding is batched: `max_batch`)."""
     max_batch: int | None = None
     """Sessions whose speech ids one LLM call decodes together (continuous batching, `decode_batch`; the
-    bundle needs `llm_decode`); 1: each session decodes on its own; None: the engine's default by bundle and
-    provider (`default_max_batch`)."""
+    bundle needs `llm_decode`); 1: each session decodes on its own; None: the runtime's default by bundle and
+    provider (`synthesis.default_max_batch`)."""
     chunk_slots: int | None = None
     """With a batch, its sessions' chunks that run their flow and vocoder calls at once, first chunks first
     (`ChunkTurns`); None: `synthesis.default_chunk_slots` (one where a session's graphs take every core)."""
@@ -113,8 +98,9 @@ class ServerSettings:
 
     def sessions_on(self, provider: str) -> int:
         """`sessions_at_once` where the bundle is not known (Ray's driver, which deploys replicas that open
-        it): of `max_batch`, or where that is None of the most `default_max_batch` gives on `provider`
-        (`GPU_MAX_BATCH` on cuda; a replica whose bundle does not batch there keeps the rest in its queue)."""
+        it): of `max_batch`, or where that is None of the most `synthesis.default_max_batch` gives on
+        `provider` (`GPU_MAX_BATCH` on cuda; a replica whose bundle does not batch there keeps the rest in its
+        queue)."""
         if self.max_batch is not None:
             return self.sessions_at_once(self.max_batch)
         return self.sessions_at_once(GPU_MAX_BATCH if provider == CUDA else 1)

@@ -32,6 +32,7 @@ from cosyvoice_bench.report import FIGURE_KEYS
 from cosyvoice_bench.report import _outputs as outputs_cell
 from cosyvoice_bench.runtime_runs import RuntimeBackend
 from cosyvoice_graphs.bundle_layout import PROMPT_TEXT, PROMPT_WAV
+from cosyvoice_runtime import synthesis
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.llm import LlmRequest, SpeechTokenLM
 from cosyvoice_runtime.process_memory import rss_bytes
@@ -213,6 +214,19 @@ def test_the_concurrency_table_says_how_sessions_differ_from_a_single_stream() -
     moved = {**row, "tokens_match": False}
     assert outputs_cell({**moved, "outputs_max_diff": 0.85}) == "NO (max 0.850; tokens differ)"
     assert outputs_cell({**moved, "outputs_max_diff": None}) == "NO (lengths; tokens differ)"
+
+
+def test_the_runtimes_runs_are_unbatched_unless_a_level_batches_them(fp32_decode_bundle: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the runtime would batch by default (cuda), the bench's single streams and unbatched sessions
+    still decode alone: its concurrency levels batch them themselves."""
+    monkeypatch.setattr(synthesis, "default_max_batch", lambda bundle, provider: 4)
+    bundle = RuntimeBundle.open(fp32_decode_bundle)
+    runtime = RuntimeBackend(bundle, provider="cpu", threads=1, prompt_text="", seed=0)
+    try:
+        assert runtime.voice.synth.batcher is None
+    finally:
+        runtime.close()
 
 
 def test_offline_llm_figures_with_the_decodings_in_a_batch(fp32_decode_bundle: Path) -> None:

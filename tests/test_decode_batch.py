@@ -495,8 +495,9 @@ def test_the_server_batches_by_default_where_a_gpu_decodes(fp16_decode_bundle: P
     `llm_decode`), else one, on the CPU too (a batch there is asked for); the engine resolves it, with CUDA
     graphs wherever the runtime replays them."""
     pytest.importorskip("fastapi", reason="needs the serve extra")
+    from cosyvoice_runtime.synthesis import GPU_MAX_BATCH, default_max_batch
     from cosyvoice_serve.engine import Engine
-    from cosyvoice_serve.settings import GPU_MAX_BATCH, ServerSettings, default_max_batch
+    from cosyvoice_serve.settings import ServerSettings
 
     fp16, fp32 = RuntimeBundle.open(fp16_decode_bundle), RuntimeBundle.open(fp32_decode_bundle)
     assert default_max_batch(fp16, CUDA) == GPU_MAX_BATCH == 4
@@ -515,6 +516,18 @@ def test_the_server_batches_by_default_where_a_gpu_decodes(fp16_decode_bundle: P
         assert ServerSettings(max_concurrency=5).sessions_at_once(asked.max_batch) == 5
     finally:
         asked.close()
+
+
+def test_the_python_object_takes_the_runtimes_default_batch(fp32_decode_bundle: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`CosyVoice3` without `max_batch` decodes in the batch `synthesis.default_max_batch` gives (the server's
+    default: 4 on cuda where the bundle batches there)."""
+    bundle = RuntimeBundle.open(fp32_decode_bundle)
+    with CosyVoice3(bundle, threads=1, verify=False) as voice:
+        assert voice.synth.batcher is None  # 1 on the CPU
+    monkeypatch.setattr(synthesis, "default_max_batch", lambda b, provider: 3)
+    with CosyVoice3(bundle, threads=1, verify=False) as voice:
+        assert voice.synth.batcher is not None and voice.synth.batcher.max_batch == 3
 
 
 def _metric(text: str, name: str) -> float:

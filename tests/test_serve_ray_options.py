@@ -12,9 +12,10 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed")
 
 from click.testing import CliRunner
 
+from cosyvoice_runtime.synthesis import GPU_MAX_BATCH
 from cosyvoice_serve import cli as serve_cli
 from cosyvoice_serve.ray_options import ScaleOptions
-from cosyvoice_serve.settings import GPU_MAX_BATCH, ServerSettings
+from cosyvoice_serve.settings import ServerSettings
 
 
 def test_the_scale_options_are_ray_serves_deployment_options() -> None:
