@@ -7,10 +7,13 @@ are built on the meta device, so even the full-size table costs no weight memory
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .config import ModelConfig
 from .nets.flow import CausalMaskedDiffWithDiT
@@ -31,8 +34,31 @@ class Entry:
         return f"{self.key}\t{json.dumps(list(self.shape))}\t{self.dtype}"
 
 
-def build_network(cfg: ModelConfig, name: str) -> nn.Module:
-    """Construct one network (`llm`, `flow` or `hift`) on the current default device."""
+_RANDOM_INITS = frozenset({
+    nn.init.uniform_, nn.init.normal_, nn.init.trunc_normal_, nn.init.kaiming_uniform_,
+    nn.init.kaiming_normal_, nn.init.xavier_uniform_, nn.init.xavier_normal_, nn.init.orthogonal_,
+    torch.Tensor.uniform_, torch.Tensor.normal_})
+"""The draws of the modules' initial weights (`reset_parameters`)."""
+
+
+class _NoRandomInit(TorchFunctionMode):
+    """Modules built in it keep their weights' memory as allocated: for weights a checkpoint then loads."""
+
+    def __torch_function__(self, func: Callable[..., Any], types: Sequence[type], args: Sequence[Any] = (),
+                           kwargs: Mapping[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _RANDOM_INITS:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+def build_network(cfg: ModelConfig, name: str, *, random_init: bool = True) -> nn.Module:
+    """Construct one network (`llm`, `flow` or `hift`) on the current default device. Without
+    `random_init` its weights are left as allocated (not drawn: 3 s of the full-size LLM's construction on
+    two cores), for a strict load of every one of them (`ModelBundle.load_network`)."""
+    if not random_init:
+        with _NoRandomInit():
+            return build_network(cfg, name)
     if name == "llm":
         return CosyVoice3LM(cfg.llm)
     if name == "flow":

@@ -15,10 +15,12 @@ pytestmark = pytest.mark.torch
 import torch
 from click.testing import CliRunner
 
+from cosyvoice_export.bundle.checkpoint import to_float32
 from cosyvoice_export.bundle.layout import CAMPPLUS, QWEN_DIR, SPEECH_TOKENIZER, YAML
 from cosyvoice_export.bundle.model_dir import ModelBundle
 from cosyvoice_export.bundle.tiny import write_bundle
 from cosyvoice_export.cli import main
+from cosyvoice_export.manifest import build_network
 
 MANIFESTS = Path(__file__).parent / "data" / "upstream_manifest"
 
@@ -49,6 +51,29 @@ def test_tiny_bundle_round_trips_through_check_bundle(tiny_bundle: Path) -> None
     for name in (YAML, "llm.pt", "flow.pt", "hift.pt", CAMPPLUS, SPEECH_TOKENIZER):
         assert f"ok  {name}" in out
     assert out.rstrip().endswith("bundle ok")
+
+
+@pytest.mark.parametrize("network", ["llm", "flow", "hift"])
+def test_a_loaded_network_skips_only_the_random_draws(tiny_bundle: Path, network: str) -> None:
+    """`load_network` builds without drawing initial weights: every tensor, parameter or buffer, is what a
+    network built with its draws holds after the same strict load, and a network built so and never loaded
+    keeps no draw (its parameters are not those of a built one)."""
+    bundle = ModelBundle.open(tiny_bundle)
+    loaded = bundle.load_network(network)
+    drawn = build_network(bundle.config, network)
+    drawn.load_state_dict(to_float32(bundle.read_checked_state(network)), strict=True)
+    for (name, got), (_, want) in zip(loaded.state_dict(keep_vars=True).items(),
+                                      drawn.state_dict(keep_vars=True).items(), strict=True):
+        assert torch.equal(got, want), name
+    for (name, got), (_, want) in zip(loaded.named_buffers(), drawn.named_buffers(), strict=True):
+        assert torch.equal(got, want), name
+    torch.manual_seed(0)
+    first = dict(build_network(bundle.config, network).named_parameters())
+    torch.manual_seed(0)
+    again = dict(build_network(bundle.config, network, random_init=False).named_parameters())
+    torch.manual_seed(0)
+    assert all(torch.equal(p, first[k]) for k, p in build_network(bundle.config, network).named_parameters())
+    assert not all(torch.equal(p, first[k]) for k, p in again.items())
 
 
 def _digest(root: Path) -> dict[str, str]:

@@ -64,6 +64,6 @@ class ModelBundle:
     def load_network(self, name: str) -> nn.Module:
         """Build network `name` (`llm`, `flow`, `hift`) and load its checkpoint strictly, in eval mode."""
         state = to_float32(self.read_checked_state(name))
-        net = build_network(self.config, name)
+        net = build_network(self.config, name, random_init=False)  # every weight is loaded next
         net.load_state_dict(state, strict=True)
         return net.eval()
