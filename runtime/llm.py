@@ -343,9 +343,9 @@ class Decoding(Iterator[int]):
 
 def take_rows(decodings: Sequence[Decoding], logp: np.ndarray) -> list[int | None]:
     """`Decoding.take` for many decodings at once, row r of `logp` (R, V) being decodings[r]'s: each
-    masked as it would be alone and their ids drawn together (`sample_rows`), each the id it draws alone."""
-    scores = logp.copy()
-    for decoding, row in zip(decodings, scores, strict=True):
+    masked as it would be alone, in place (the caller's copy of the step's rows), and their ids drawn
+    together (`sample_rows`), each the id it draws alone."""
+    for decoding, row in zip(decodings, logp, strict=True):
         decoding.mask(row)
-    tokens = sample_rows([d.sampler for d in decodings], scores, [d.history for d in decodings])
+    tokens = sample_rows([d.sampler for d in decodings], logp, [d.history for d in decodings])
     return [d.accept(token) for d, token in zip(decodings, tokens, strict=True)]
