@@ -145,7 +145,7 @@ def test_batched_rows_follow_their_runs_alone(body: str, provider: str, graphs: 
     requests = _requests(bundle, 5)
     speech = bundle.dims.speech_token_size
     alone = [Replay() for _ in requests]
-    with Synthesizer(bundle, provider, threads=1, cuda_graphs=False) as synth:  # each step as launched
+    with Synthesizer(bundle, provider, threads=1, max_batch=1, cuda_graphs=False) as synth:  # as launched
         for r, sampler in zip(requests, alone, strict=True):
             synth.decode(r, sampler, max_tokens=60, ignore_stop=True).run()
     batched = [Replay(sampler.ids) for sampler in alone]
