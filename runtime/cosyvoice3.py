@@ -137,16 +137,15 @@ class CosyVoice3:
         sessions, `synthesize_many`) together, up to that many per `llm_decode` call (`decode_batch`,
         reporting to `batch_observer`; the bundle needs `llm_decode`: `--precision cpu-fast` or
         `decode=fp32` on the CPU, `decode=fp16` on cuda; None: `synthesis.default_max_batch`, 4 on cuda where
-        the bundle batches there, else 1),
-        and `chunk_slots` of those calls' chunks run their flow and vocoder at once (None:
-        one on a CPU whose cores a session's graphs take, `synthesis.default_chunk_slots`); `chunk_policy` is
-        when every stream emits its chunks (None: upstream's schedule; `ChunkPolicy.first_chunk_tokens` a
-        deviation from it for latency), checked against the graphs here; `cuda_graphs` replays the decode
-        steps from CUDA graphs (on cuda, with `llm_decode`: `decode_graphs`; None: wherever they can, so
-        that threads calling at once decode one after another unless `max_batch` batches them), and the DiT's
-        calls where its graph allows (`synthesis.dit_replays`, `dit_graphs`);
-        `stack_dit` runs concurrent streams' DiT calls at the same ODE step and frames as one call
-        (`dit_stack`), `stack_vocoder` their vocoder calls over the same frames (`Vocoder.stack_calls`).
+        the bundle batches there, else 1), and `chunk_slots` of those calls' chunks run their flow and vocoder
+        at once (None: one on a CPU whose cores a session's graphs take, `synthesis.default_chunk_slots`);
+        `chunk_policy` is when every stream emits its chunks (None: upstream's schedule;
+        `ChunkPolicy.first_chunk_tokens` a deviation from it for latency), checked against the graphs here;
+        `cuda_graphs` replays the decode steps from CUDA graphs (on cuda, with `llm_decode`: `decode_graphs`;
+        None: wherever they can), in the decode batch even of one, and the DiT's calls where its graph allows
+        (`synthesis.dit_replays`, `dit_graphs`); `stack_dit` runs concurrent streams' DiT calls at the same
+        ODE step and frames as one call (`dit_stack`), `stack_vocoder` their vocoder calls over the same
+        frames (`Vocoder.stack_calls`).
 
         Upstream's own keywords are taken for what they mean here: `load_trt` runs the graphs on
         onnxruntime's TensorRT provider (upstream's DiT runs as a TensorRT plan it builds on first use);

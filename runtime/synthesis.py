@@ -423,8 +423,8 @@ faster than real time; 16 made 14.1 s (`decode=fp16`), each stream slower than r
 
 def default_max_batch(bundle: RuntimeBundle, provider: str) -> int:
     """The decode batch where none is given (`Synthesizer`, `CosyVoice3`, the server's `--max-batch`):
-    `GPU_MAX_BATCH` on cuda where `bundle` batches (`batches`: an fp16 `llm_decode`), else 1. On cuda a batch
-    costs a lone request nothing (its steps replay from CUDA graphs in a batch either way:
+    `GPU_MAX_BATCH` on cuda where `bundle` batches (`batches`: an fp16 `llm_decode`), else 1. On cuda a lone
+    request decodes in a batch either way where its steps replay from CUDA graphs (the default:
     `uses_cuda_graphs`), and in a batch of one concurrent requests would decode one after another. A CPU
     batches only when asked: there 4 sessions batched on two cores made 1.20-1.25x the audio of sessions one
     by one (docs/performance.md), each stream 4x slower, while every session holds its flow's caches (~2.6 GB
