@@ -17,7 +17,6 @@ import onnxruntime as ort
 
 from cosyvoice_graphs import (
     DIT,
-    LLM,
     LLM_DECODE,
     Case,
     GraphSpec,
@@ -164,13 +163,14 @@ def _mask_lever(mask_cost: Mapping[str, Any] | None, measured: str) -> dict[str,
 def export_levers(bundle: RuntimeBundle, mask_cost: Mapping[str, Any] | None) -> list[dict[str, Any]]:
     """The export-side levers, as our graphs stand (read from their specs and exporters, not re-done);
     `mask_cost` is `attention_mask_cost`'s measurement, None where it was not taken."""
-    logp_shape = bundle.specs[LLM].outputs[0].shape
+    body = decode_body(bundle, CPU)
+    logp_shape = bundle.specs[body].outputs[0].shape
     mask = ("not measured (--provider is not cpu)" if mask_cost is None else
             f"measured: {mask_cost['share']:.1%} of a full-attention call at {mask_cost['frames']} frames "
             f"({mask_cost['mask_s'] * 1e3:.3g} of {mask_cost['call_s'] * 1e3:.3g} ms, onnxruntime profile)")
     return [
         {"lever": "skip Qwen's 151,936-way output layer", "status": "done in the export",
-         "detail": f"the llm graph's only logits are `logp` {tuple(logp_shape)}: llm_decoder over the "
+         "detail": f"the {body} graph's only logits are `logp` {tuple(logp_shape)}: llm_decoder over the "
                    f"{bundle.dims.speech_vocab} speech ids at the last position; Qwen's embedding and "
                    "lm_head are not in the graph (embeddings are the runtime's tables)"},
         _mask_lever(mask_cost, mask),

@@ -15,7 +15,7 @@
 #   model        the full-size random model the exports read
 #   export-P     the full-size random bundle exported in P (decode=fp16: the decode steps on an fp16
 #                llm_decode, its caches in buffers on the GPU, the rest fp32; gpu-fp16: every graph in fp16,
-#                the decode steps on llm_decode; fp32)
+#                the decode steps on llm_decode; fp32), the graphs PROVIDER opens (--providers)
 #   golden       cosyvoice-golden check on the demo bundle: tokens, mel and audio against torch (fp32)
 #   tests        the tests that use CUDA where it is present
 #   tiny-model   the tiny model the gates export
@@ -95,15 +95,18 @@ step() {
     return 0
 }
 
-# export PRECISION MODEL OUT: a runtime bundle, reused where an earlier call finished it, its graphs that
-# another precision's bundle of MODEL holds alike linked from there (--reuse-from)
+# export PRECISION MODEL OUT [PROVIDER]: a runtime bundle, reused where an earlier call finished it, its
+# graphs that another precision's bundle of MODEL holds alike linked from there (--reuse-from); with
+# PROVIDER, only the graphs its pipeline opens (--providers: on cuda an fp16 llm_decode's bundle has no llm,
+# 30 % of the export's time on a CPU)
 export_bundle() {
-    local precision=$1 model=$2 out=$3 other reuse=()
+    local precision=$1 model=$2 out=$3 other args=()
     [ -f "$out/manifest.json" ] && { echo "reused $out"; return 0; }
     for other in "$model"-*/; do
-        [ -f "$other/manifest.json" ] && reuse+=(--reuse-from "$other")
+        [ -f "$other/manifest.json" ] && args+=(--reuse-from "$other")
     done
-    "$PY" -m cosyvoice_export all --model-dir "$model" --out "$out" --precision "$precision" "${reuse[@]}"
+    [ -n "${4:-}" ] && args+=(--providers "$4")
+    "$PY" -m cosyvoice_export all --model-dir "$model" --out "$out" --precision "$precision" "${args[@]}"
 }
 
 step gpu 30 bash -c 'nvidia-smi || echo "no nvidia-smi"'
@@ -112,7 +115,7 @@ step gpu 30 bash -c 'nvidia-smi || echo "no nvidia-smi"'
     for p in $PRECISIONS; do  # one at a time: each takes every core (two at once ran past 300 s, one 83 s)
         tag=${p//[=,]/-}
         step "export-$tag" 300 bash -c "$(declare -f export_bundle); PY=$PY; export_bundle $p $WORK/$SIZE \
-            $WORK/$SIZE-$tag"
+            $WORK/$SIZE-$tag $PROVIDER"
     done
 ) &
 exports=$!

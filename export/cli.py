@@ -12,7 +12,9 @@ from typing import Any
 
 import click
 
+from cosyvoice_graphs.pipeline import PipelineError
 from cosyvoice_graphs.precision_plan import GRAPH_ALIASES, PROFILES, PrecisionPlanError
+from cosyvoice_graphs.providers import PROVIDERS
 from cosyvoice_runtime.atomic_files import check_writable
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV, console_script
 from cosyvoice_runtime.errors import UserError
@@ -160,6 +162,20 @@ def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:
     click.echo(f"wrote {size} bundle (seed {seed}) to {out}")
 
 
+def _providers_option(ctx: click.Context, param: click.Parameter, value: str | None
+                      ) -> tuple[str, ...] | None:
+    """`--providers`: comma-separated names of `PROVIDERS`, each once; None where not given."""
+    if value is None:
+        return None
+    names = tuple(name.strip() for name in value.split(","))
+    for name in names:
+        if name not in PROVIDERS:
+            raise click.BadParameter(f"unknown provider {name!r}; known: {', '.join(PROVIDERS)}")
+    if len(set(names)) != len(names):
+        raise click.BadParameter(f"{value!r} names a provider twice")
+    return names
+
+
 @main.command("all")
 @click.option("--model-dir", type=click.Path(path_type=Path), required=True,
               help="The CosyVoice3 model bundle (upstream's model directory).")
@@ -202,12 +218,19 @@ def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:
                    + ". Each graph is validated with its spec's bounds for its precision (and the llm's "
                    "decode gates, the DiT's solve gates); the manifest and each graph's metadata record it. "
                    "OUT holds one --precision.")
+@click.option("--providers", callback=_providers_option, metavar="PROVIDER,...",
+              help="Export only the graphs the runtime opens on these providers (of "
+                   f"{', '.join(PROVIDERS)}), each checked to run the precision first. The LLM's decode "
+                   "steps run on llm_decode where a profile has one (onnxruntime's cpu, and cuda in fp16), "
+                   "so --precision cpu-fast --providers cpu, or decode=fp16,dit=tf32 --providers cuda, "
+                   "leaves out llm, a fifth to a third of the export's time and its size on disk. "
+                   "[default: every graph of the precision]")
 @click.option("--report-memory", is_flag=True,
               help="After the summary, print each stage's time, peak RSS and the RSS it left (loading the "
                    "networks, tracing, onnxslim, saving, precision conversion, validation, per graph), then "
                    "the export's peak RSS.")
 def all_cmd(model_dir: Path, out: Path, trt: bool, llm: str, force: bool, reuse_from: tuple[Path, ...],
-            wait: bool, precision: str, report_memory: bool) -> None:
+            wait: bool, precision: str, providers: tuple[str, ...] | None, report_memory: bool) -> None:
     """Export every graph to ONNX and assemble a torch-free runtime bundle in OUT.
 
     Each graph is traced from its spec, checked (onnx.checker, then its I/O against the spec),
@@ -233,8 +256,8 @@ def all_cmd(model_dir: Path, out: Path, trt: bool, llm: str, force: bool, reuse_
         # the monitor restarts the kernel's peak-RSS mark at every stage: only when asked to
         with monitor_memory() if report_memory else nullcontext() as memory:
             report = export_all(model_dir, out, llm=llm, force=force, trt=trt, precision=precision, wait=wait,
-                                progress=True, reuse_from=reuse_from)
-    except (TrtUnavailable, Bf16Unavailable, PrecisionPlanError) as e:
+                                progress=True, reuse_from=reuse_from, providers=providers)
+    except (TrtUnavailable, Bf16Unavailable, PrecisionPlanError, PipelineError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     except ExportError as e:

@@ -248,7 +248,7 @@ def llm_decode_spec(d: ModelDims) -> GraphSpec:
     positions: one node per layer where `llm` has ~25. Its CUDA kernel computes in float16 only (of the
     precisions here), so the fp16 body's caches are float16 (`precision_dtypes`). Optional
     (`OPTIONAL_SPECS`): where a bundle's plan names it, the runtime runs the decode steps on it and not
-    `llm` on onnxruntime's CPU, and on CUDA where it is fp16 (`runners.decode_body`); TensorRT and
+    `llm` on onnxruntime's CPU, and on CUDA where it is fp16 (`pipeline.decode_body`); TensorRT and
     OpenVINO, which have no such operator, keep `llm`."""
     llm = llm_spec(d)
 

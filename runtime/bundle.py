@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cosyvoice_graphs import OPTIONAL_SPECS, SPECS, GraphSpec, ModelDims, Precision, spec
+from cosyvoice_graphs import LLM, LLM_DECODE, OPTIONAL_SPECS, SPECS, GraphSpec, ModelDims, Precision, spec
 from cosyvoice_graphs.bundle_layout import FORMAT, FORMAT_VERSION, MANIFEST
 from cosyvoice_graphs.manifest import (
     FRONTEND_MODELS,
@@ -27,6 +27,7 @@ from cosyvoice_graphs.manifest import (
     ManifestError,
     TableEntry,
 )
+from cosyvoice_graphs.pipeline import providers_run
 from cosyvoice_graphs.precision import FP32
 
 from .errors import RuntimeBundleError
@@ -64,8 +65,9 @@ class RuntimeBundle:
     @classmethod
     def open(cls, root: Path | str, *, verify: bool = False) -> RuntimeBundle:
         """Read and check `root/manifest.json`: its format, version and shape (`Manifest.from_json`), one
-        graph per registered spec (and optional ones: `OPTIONAL_SPECS`) at our spec version, and every listed
-        file present with its recorded size.
+        graph per registered spec (`llm` only where `llm_decode` is there: an export for the providers that
+        decode on it alone may leave `llm` out) and optional ones (`OPTIONAL_SPECS`), at our spec version, and
+        every listed file present with its recorded size.
 
         `verify` also re-hashes every file against the manifest's sha256 (seconds for a full model).
         """
@@ -76,9 +78,11 @@ class RuntimeBundle:
         except ManifestError as e:
             raise RuntimeBundleError(str(e)) from None
         graphs = manifest.graphs
-        if not set(SPECS) <= set(graphs) <= set(SPECS) | set(OPTIONAL_SPECS):
-            raise RuntimeBundleError(f"{where}: graphs are {sorted(graphs)}, expected {sorted(SPECS)} and "
-                                     f"optionally {sorted(OPTIONAL_SPECS)}")
+        # a bundle exported for the providers that decode on llm_decode alone may lack llm (--providers)
+        required = set(SPECS) - {LLM} if LLM_DECODE in graphs else set(SPECS)
+        if not required <= set(graphs) <= set(SPECS) | set(OPTIONAL_SPECS):
+            raise RuntimeBundleError(f"{where}: graphs are {sorted(graphs)}, expected {sorted(SPECS)} (llm "
+                                     f"only beside llm_decode) and optionally {sorted(OPTIONAL_SPECS)}")
         specs = {name: spec(name, manifest.model.dims) for name in (*SPECS, *OPTIONAL_SPECS)
                  if name in graphs}
         for name, s in specs.items():
@@ -201,6 +205,16 @@ class RuntimeBundle:
         except ValueError as e:
             raise RuntimeBundleError(f"{self.root / MANIFEST}: graphs.{name}.precision: {e}") from None
 
+    @property
+    def graph_precisions(self) -> dict[str, Precision]:
+        """Graph -> its precision (`graph_precision`), in pipeline order."""
+        return {name: self.graph_precision(name) for name in self.specs}
+
+    @property
+    def trt_planned(self) -> list[str]:
+        """The graphs with TensorRT plans (`has_trt_plan`)."""
+        return [name for name in self.specs if self.has_trt_plan(name)]
+
     def graph_metadata(self, name: str) -> dict[str, str]:
         """Graph `name`'s ONNX `metadata_props` (read without loading its weights), checked by
         `check_metadata`."""
@@ -225,7 +239,8 @@ class RuntimeBundle:
 
     def summary(self) -> list[str]:
         """The bundle in a few lines (`cosyvoice-run --info`): where it is, its format and provenance, the
-        LLM checkpoint, the model constants, and each graph's precision and TensorRT plan."""
+        LLM checkpoint, the model constants, each graph's precision and TensorRT plan, and the providers that
+        run it (`cosyvoice_graphs.pipeline.providers_run`)."""
         m = self.manifest
         dims = ", ".join(f"{name}={value}" for name, value in asdict(self.dims).items())
         lines = [f"bundle: {self.root}", f"format: {FORMAT} version {FORMAT_VERSION}",
@@ -244,6 +259,7 @@ class RuntimeBundle:
                          f"TensorRT {plans[0].tensorrt}")
         else:
             lines.append("TensorRT plans: none (`cosyvoice-export all --trt` builds them)")
+        lines.append(f"providers: {', '.join(providers_run(self.graph_precisions, self.trt_planned))}")
         return lines
 
     # --- helpers -----------------------------------------------------------------------------------

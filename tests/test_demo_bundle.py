@@ -82,7 +82,8 @@ def test_info_prints_the_bundles_summary_without_text_or_out() -> None:
     assert "llm_hidden=64" in result.stdout and "samples_per_frame=480" in result.stdout
     for name, s in bundle.specs.items():
         assert f"  {name}: fp32, spec version {s.version}, graphs/{name}.onnx, no TensorRT plan" in lines
-    assert lines[-1] == "TensorRT plans: none (`cosyvoice-export all --trt` builds them)"
+    assert lines[-2:] == ["TensorRT plans: none (`cosyvoice-export all --trt` builds them)",
+                          "providers: cpu, cuda, tensorrt, openvino"]
     missing = CliRunner().invoke(main, ["--out", "o.wav"])
     assert missing.exit_code == 2 and "Missing option '--text'" in missing.output
 

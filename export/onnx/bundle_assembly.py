@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from cosyvoice_graphs import PRECISIONS, ModelDims, spec
+from cosyvoice_graphs import PRECISIONS, GraphSpec, ModelDims, spec
 from cosyvoice_graphs.bundle_layout import (
     FRONTEND_DIR,
     MANIFEST,
     PROMPT_TEXT,
     PROMPT_WAV,
+    RETIRED_GRAPHS,
     TOKENIZER_DIR,
     TRT_DIR,
     graph_file,
@@ -39,6 +40,7 @@ from cosyvoice_graphs.manifest import (
     Tokenizer,
     TrtPlanEntry,
 )
+from cosyvoice_graphs.pipeline import PipelineError, check_runs
 from cosyvoice_graphs.precision import FP32
 from cosyvoice_graphs.precision_plan import PrecisionPlan
 from cosyvoice_graphs.providers import OPENVINO
@@ -65,7 +67,7 @@ from .graph_export import (
     validation_record,
 )
 from .lazy_networks import LazyNetworks
-from .output_dir import drop_retired_graphs, file_entry, install, locked, prepare_out, write_json
+from .output_dir import drop_graphs, file_entry, install, locked, prepare_out, write_json
 from .trace import EXPORTER_VERSION, file_sha256
 
 if TYPE_CHECKING:
@@ -77,7 +79,7 @@ TOKENIZER_COPY = (*TOKENIZER_FILES, QWEN_CONFIG)
 
 def export_all(model_dir: Path | str, out: Path | str, *, llm: str = "base", force: bool = False,
                trt: bool = False, precision: str = FP32.name, wait: bool = False, progress: bool = True,
-               reuse_from: Sequence[Path | str] = ()) -> Report:
+               reuse_from: Sequence[Path | str] = (), providers: Sequence[str] | None = None) -> Report:
     """Export, check and validate every graph of the model bundle at `model_dir` and assemble the
     runtime bundle in `out`.
 
@@ -89,6 +91,13 @@ def export_all(model_dir: Path | str, out: Path | str, *, llm: str = "base", for
     is one that another export of the model made alike into a folder of `reuse_from` (another precision's
     bundle), its files linked into `out`; the files of graphs an earlier exporter made that this one no
     longer does (`RETIRED_GRAPHS`) are deleted.
+
+    `providers` (None: every graph of the plan) keeps to the graphs the pipelines on those providers open
+    (`bundle_graphs`): a `--precision cpu-fast` bundle for `cpu` has no `llm` (its decode steps and prefills
+    run on `llm_decode` and `llm_prefill`); a provider that would not run the plan raises `PipelineError`
+    before any weights are read. The files of graphs left out, from an earlier export into `out`, are
+    deleted.
+
     Bad bundles raise `BundleError` (the one-line errors of `check-bundle`); a foreign or unwritable
     `out` raises `OutputDirError`; with `trt` and no CUDA device or TensorRT, or a precision without
     TensorRT plans (`Precision.trt_plans`: int8, int4, bf16), `TrtUnavailable` is raised before anything is
@@ -126,24 +135,52 @@ def export_all(model_dir: Path | str, out: Path | str, *, llm: str = "base", for
         if record.cpu_provider == OPENVINO:
             require_openvino(record)
     bundle = ModelBundle.open(model_dir, LLM_CHECKPOINTS[llm])
-    plan.check({name: spec(name, model_dims(bundle.config)) for name in plan.graph_names})
+    specs = {name: spec(name, model_dims(bundle.config)) for name in plan.graph_names}
+    plan.check(specs)
+    graphs = bundle_graphs(plan, specs, providers, trt)
     if not bundle.checkpoint("llm").is_file():
         raise BundleError(f"{bundle.checkpoint('llm')}: file not found; --llm {llm} exports it "
                           f"(`cosyvoice-export download --llm {llm}` fetches it)")
     out = Path(out)
     with locked(out, wait):
-        return _assemble(bundle, out, force, plan, trt_env, progress, start, [Path(d) for d in reuse_from])
+        return _assemble(bundle, out, force, plan, graphs, trt_env, progress, start,
+                         [Path(d) for d in reuse_from])
 
 
-def _assemble(bundle: ModelBundle, out: Path, force: bool, plan: PrecisionPlan, trt_env: TrtEnv | None,
-              progress: bool, start: float, reuse_from: list[Path]) -> Report:
-    """The work of `export_all`, under `out`'s lock."""
+def bundle_graphs(plan: PrecisionPlan, specs: Mapping[str, GraphSpec], providers: Sequence[str] | None,
+                  trt: bool) -> list[str]:
+    """The graphs of `plan` (`specs`: each one's spec) to export: every one, or, for `providers`, those
+    the pipelines on them open (`cosyvoice_graphs.pipeline.check_runs`, which refuses in one line a
+    provider that would not run the bundle), in pipeline order."""
+    if providers is None:
+        return list(plan.graph_names)
+    precisions = {name: PRECISIONS[plan.precision_of(s)] for name, s in specs.items()}
+    planned = [name for name, s in specs.items() if trt and builds_plan(s)]
+    opened: set[str] = set()
+    for provider in providers:
+        try:
+            opened.update(check_runs(precisions, provider, planned))
+        except PipelineError as e:
+            built = f"a --precision {plan.name} bundle{' with --trt' * trt}"
+            raise PipelineError(f"--providers {provider}: {built} cannot run there: {e}") from None
+    return [name for name in plan.graph_names if name in opened]
+
+
+def builds_plan(s: GraphSpec) -> bool:
+    """Whether `--trt` builds a TensorRT plan of graph `s`: not of a graph of onnxruntime's own operators
+    (`llm_decode`), which TensorRT cannot parse and the runtime runs on onnxruntime alone."""
+    return not s.custom_opsets
+
+
+def _assemble(bundle: ModelBundle, out: Path, force: bool, plan: PrecisionPlan, graphs: Sequence[str],
+              trt_env: TrtEnv | None, progress: bool, start: float, reuse_from: list[Path]) -> Report:
+    """The work of `export_all`, under `out`'s lock: the graphs named by `graphs` (`bundle_graphs`)."""
     stage("check bundle")
     check_bundle(bundle.root, report=lambda line: None, llm_checkpoints=(bundle.llm_checkpoint,))
     prepare_out(out, plan.name)
-    drop_retired_graphs(out)
+    drop_graphs(out, (*RETIRED_GRAPHS, *(name for name in plan.graph_names if name not in graphs)))
     dims = model_dims(bundle.config)
-    specs = {name: spec(name, dims) for name in plan.graph_names}
+    specs = {name: spec(name, dims) for name in graphs}
     stage("hash sources")
     source_sha = _hash_sources(_source_files(bundle), progress)
     nets = LazyNetworks(bundle)
@@ -245,12 +282,11 @@ def _copy_prompt(out: Path, bundle: ModelBundle) -> tuple[Prompt | None, dict[st
 
 
 def _build_plans(out: Path, results: list[GraphResult], env: TrtEnv, progress: bool) -> None:
-    """A TensorRT plan per graph (from the cache where it has one), validated against onnxruntime; none for a
-    graph of onnxruntime's own operators (`decode=fp32`'s `llm_decode`), which TensorRT cannot parse and the
-    runtime runs on onnxruntime's CPU only."""
+    """A TensorRT plan per graph that has one (`builds_plan`; from the cache where it has one), validated
+    against onnxruntime."""
     from .trt import build_plan, validate_plan
 
-    planned = [g for g in results if not g.spec.custom_opsets]
+    planned = [g for g in results if builds_plan(g.spec)]
     for g in tqdm(planned, desc="tensorrt", unit="graph", disable=not progress):
         onnx_path = out / graph_file(g.name)
         plan = build_plan(onnx_path, g.spec, out / TRT_DIR, env)

@@ -15,14 +15,14 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
 from filelock import FileLock, Timeout
 
-from cosyvoice_graphs.bundle_layout import GRAPHS_DIR, MANIFEST, RETIRED_GRAPHS, TRT_DIR
+from cosyvoice_graphs.bundle_layout import GRAPHS_DIR, MANIFEST, TRT_DIR
 from cosyvoice_graphs.manifest import FileEntry
 from cosyvoice_graphs.precision import FP32
 
@@ -106,10 +106,11 @@ def graph_record_file(graph: str) -> str:
     return f"{STATE_DIR}/graph-{graph}.json"
 
 
-def drop_retired_graphs(out: Path) -> None:
-    """Delete what an earlier export wrote for `RETIRED_GRAPHS` (the graph and its external data, its
-    record, its TensorRT plans): the runtime never opens them and the new manifest does not list them."""
-    for name in RETIRED_GRAPHS:
+def drop_graphs(out: Path, names: Iterable[str]) -> None:
+    """Delete what an earlier export wrote for the graphs `names` (the graph and its external data, its
+    record, its TensorRT plans): graphs this exporter no longer makes (`RETIRED_GRAPHS`) or this export
+    leaves out (`--providers`), which the new manifest does not list."""
+    for name in names:
         for path in (*(out / GRAPHS_DIR).glob(f"{name}.onnx*"), *(out / TRT_DIR).glob(f"{name}.*.plan"),
                      out / graph_record_file(name)):
             path.unlink(missing_ok=True)

@@ -8,8 +8,10 @@ another execution provider: what was asked for runs, or `ProviderError` says why
 
 from __future__ import annotations
 
-from cosyvoice_graphs import LLM, LLM_DECODE, LLM_PREFILL, precisions_on
-from cosyvoice_graphs.precision import FP16
+from collections.abc import Callable, Collection, Mapping
+from typing import TypeVar
+
+from cosyvoice_graphs import Precision, pipeline, precisions_on
 from cosyvoice_graphs.providers import CPU, CPU_PROVIDERS, CUDA, OPENVINO, PROVIDERS, TENSORRT, TRT
 
 from ..bundle import RuntimeBundle
@@ -26,50 +28,40 @@ __all__ = ["CPU", "CPU_PROVIDERS", "CUDA", "OPENVINO", "OPTIMIZATION", "ORT_PROV
            "ShapePool", "TrtRunner", "check_feeds", "decode_body", "feed_nbytes", "feed_shape", "graphs_run",
            "on_openvino", "open_runner", "prefill_body", "provider_chain", "to_host"]
 
+T = TypeVar("T")
+
 
 def on_openvino(bundle: RuntimeBundle, graph: str, provider: str) -> bool:
-    """Whether `open_runner` runs `graph` on OpenVINO: any graph under the `openvino` provider, and under
-    `cpu` a graph whose precision runs there on OpenVINO (bf16: OpenVINO's is the fast x86 bf16)."""
-    cpu_on_openvino = provider == CPU and bundle.graph_precision(graph).cpu_provider == OPENVINO
-    return provider == OPENVINO or cpu_on_openvino
+    """Whether `open_runner` runs `graph` on OpenVINO (`cosyvoice_graphs.pipeline.on_openvino`)."""
+    return pipeline.on_openvino(bundle.graph_precision(graph), provider)
 
 
 def decode_body(bundle: RuntimeBundle, provider: str) -> str:
-    """The graph the LLM's decode steps run on with `provider`: `llm_decode` where the bundle has it and
-    `provider` runs it (it needs onnxruntime's own operators: on its CPU provider, and on CUDA in fp16, the
-    only float type, with bfloat16, of the CUDA kernel of its `GroupQueryAttention`), else `llm`. An fp16
-    `llm` written for onnxruntime cannot take them on CUDA: a `ProviderError` before anything opens."""
-    if LLM_DECODE in bundle.specs:
-        if provider == CPU and not on_openvino(bundle, LLM_DECODE, provider):
-            return LLM_DECODE
-        if provider == CUDA and bundle.graph_precision(LLM_DECODE) == FP16:
-            return LLM_DECODE
-    if provider in (CUDA, TENSORRT) and bundle.graph_precision(LLM) == FP16 and not bundle.has_trt_plan(LLM):
-        # onnxruntime 1.31's CUDA GroupQueryAttention may write its present cache over its past one, which
-        # fails when the cache grows ("Shape mismatch attempting to re-use buffer", on an H200)
-        raise ProviderError(f"{bundle.root}: its fp16 llm attends with onnxruntime's GroupQueryAttention "
-                            "over growing caches, which onnxruntime's CUDA kernel fails; on "
-                            f"{provider!r} export the decode steps on an fp16 llm_decode (--precision "
-                            "gpu-fp16, or decode=fp16 beside a list)")
-    return LLM
+    """The graph the LLM's decode steps run on with `provider` (`cosyvoice_graphs.pipeline.decode_body`):
+    `llm_decode` on onnxruntime's CPU, and on CUDA in fp16, where the bundle has it, else `llm`; a
+    `ProviderError` before anything opens where `provider` cannot decode on the bundle's graphs."""
+    return _pipeline(bundle, pipeline.decode_body, provider)
 
 
 def prefill_body(bundle: RuntimeBundle, provider: str) -> str | None:
-    """The graph a request's prefill runs on where it is not the decode body: the bundle's `llm_prefill`,
-    unless the decode steps keep their caches on a GPU (`llm_decode` on CUDA), where the prefill writes
-    them there itself; None where there is none."""
-    if LLM_PREFILL not in bundle.specs or (decode_body(bundle, provider) == LLM_DECODE and provider != CPU):
-        return None
-    return LLM_PREFILL
+    """The graph a request's prefill runs on where it is not the decode body
+    (`cosyvoice_graphs.pipeline.prefill_body`); None where there is none."""
+    return _pipeline(bundle, pipeline.prefill_body, provider)
 
 
 def graphs_run(bundle: RuntimeBundle, provider: str) -> list[str]:
-    """The graphs of `bundle` a pipeline on `provider` runs: all of them but the bodies it does not run
-    (`decode_body`: where `llm_decode` takes the decode steps, `llm` stays closed; `prefill_body`)."""
-    skipped = {LLM if decode_body(bundle, provider) == LLM_DECODE else LLM_DECODE}
-    if prefill_body(bundle, provider) is None:
-        skipped.add(LLM_PREFILL)
-    return [name for name in bundle.specs if name not in skipped]
+    """The graphs of `bundle` a pipeline on `provider` runs (`cosyvoice_graphs.pipeline.graphs_run`): all of
+    them but the LLM's bodies it does not run."""
+    return _pipeline(bundle, pipeline.graphs_run, provider)
+
+
+def _pipeline(bundle: RuntimeBundle, rule: Callable[[Mapping[str, Precision], str, Collection[str]], T],
+              provider: str) -> T:
+    """`rule` applied to `bundle`'s graphs; its `PipelineError` as a `ProviderError` naming the bundle."""
+    try:
+        return rule(bundle.graph_precisions, provider, bundle.trt_planned)
+    except pipeline.PipelineError as e:
+        raise ProviderError(f"{bundle.root}: {e}") from None
 
 
 def open_runner(bundle: RuntimeBundle, graph: str, provider: str = CPU, *, threads: int | None = None,
