@@ -57,6 +57,7 @@ def test_a_bundle_for_the_cpu_leaves_llm_out_and_speaks_as_the_whole_one(tiny_bu
     for_cpu = _export(tiny_bundle, out, "--providers", "cpu")
     assert for_cpu.exit_code == 0, for_cpu.output
     assert _runs(for_cpu) == dict.fromkeys([*REST, "llm_prefill", "llm_decode"], "reused")
+    assert "6 graphs in " in for_cpu.output and " s, for cpu; manifest: " in for_cpu.output
     manifest = json.loads((out / MANIFEST).read_text())
     assert LLM not in manifest["graphs"] and not any("llm.onnx" in f for f in manifest["files"])
     assert not (out / "graphs" / "llm.onnx").exists() and not (out / graph_record_file(LLM)).exists()
@@ -75,6 +76,7 @@ def test_a_bundle_for_the_cpu_leaves_llm_out_and_speaks_as_the_whole_one(tiny_bu
     again = _export(tiny_bundle, out)  # every provider's graphs again: llm alone is exported
     assert again.exit_code == 0, again.output
     assert _runs(again) == {LLM: "exported", **dict.fromkeys([*REST, "llm_prefill", "llm_decode"], "reused")}
+    assert " s, for cpu, cuda, tensorrt; manifest: " in again.output
     assert "providers: cpu, cuda, tensorrt\n" in CliRunner().invoke(run_main, ["--model", str(out), "--info"]
                                                                     ).output
 

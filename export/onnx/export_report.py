@@ -6,7 +6,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from cosyvoice_graphs import PRECISIONS
 from cosyvoice_graphs.manifest import FileEntry
+from cosyvoice_graphs.pipeline import providers_run
 
 from .graph_export import GraphResult
 from .validate import Figure, ValidationError
@@ -32,6 +34,12 @@ class Report:
     def passed(self) -> bool:
         return not self.failures
 
+    @property
+    def providers(self) -> list[str]:
+        """The providers the bundle runs on (`cosyvoice_graphs.pipeline.providers_run`)."""
+        return providers_run({g.name: PRECISIONS[g.precision] for g in self.graphs},
+                             [g.name for g in self.graphs if g.trt])
+
     def table(self) -> str:
         """The summary table: one row per graph (and per gate set and TensorRT plan), its worst
         output or gate."""
@@ -54,7 +62,8 @@ class Report:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         status = f"manifest: {self.manifest}" if self.manifest else "no manifest written: validation failed"
-        return "\n".join([*lines, f"{len(self.graphs)} graphs in {self.seconds:.1f} s; {status}"])
+        runs = f"for {', '.join(self.providers)}"
+        return "\n".join([*lines, f"{len(self.graphs)} graphs in {self.seconds:.1f} s, {runs}; {status}"])
 
 
 def _plan_size(g: GraphResult) -> int:
