@@ -102,6 +102,8 @@ def test_a_provider_that_cannot_run_the_precision_is_refused_before_anything_is_
     ("decode=fp16,dit=tf32", ("cpu", "cuda"), {LLM}),
     ("decode=fp16", ("cuda", "tensorrt"), set()),  # TensorRT decodes on the fp32 llm
     ("gpu-fp16", ("cuda",), {LLM}),
+    ("decode=fp16,prefill=int8", ("cuda",), {LLM, "llm_prefill"}),  # the prefill writes the GPU's caches
+    ("decode=fp16,prefill=int8", ("cpu",), {LLM}),
     ("cpu-fast", ("cpu", "cuda"), set()),
     ("fp32", ("cpu",), set()),
 ])
