@@ -231,7 +231,8 @@ def _providers_option(ctx: click.Context, param: click.Parameter, value: str | N
                    "the export's peak RSS.")
 def all_cmd(model_dir: Path, out: Path, trt: bool, llm: str, force: bool, reuse_from: tuple[Path, ...],
             wait: bool, precision: str, providers: tuple[str, ...] | None, report_memory: bool) -> None:
-    """Export every graph to ONNX and assemble a torch-free runtime bundle in OUT.
+    """Export the model to a torch-free runtime bundle in OUT: its graphs in ONNX (every one, or those
+    --providers open).
 
     Each graph is traced from its spec, checked (onnx.checker, then its I/O against the spec),
     simplified with onnxslim, and validated against the torch networks with the spec's tolerances at

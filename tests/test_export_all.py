@@ -510,7 +510,7 @@ def test_bad_bundle_gives_the_check_bundle_error(tmp_path: Path) -> None:
 def test_all_help_explains() -> None:
     code, out, _ = run("all", "--help")
     assert code == 0
-    for option in ("--model-dir", "--out", "--trt", "--force", "--precision"):
+    for option in ("--model-dir", "--out", "--trt", "--force", "--precision", "--providers"):
         assert option in out
 
 
