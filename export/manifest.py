@@ -55,7 +55,8 @@ class _NoRandomInit(TorchFunctionMode):
 def build_network(cfg: ModelConfig, name: str, *, random_init: bool = True) -> nn.Module:
     """Construct one network (`llm`, `flow` or `hift`) on the current default device. Without
     `random_init` its weights are left as allocated (not drawn: 3 s of the full-size LLM's construction on
-    two cores), for a strict load of every one of them (`ModelBundle.load_network`)."""
+    a 2-core AMD EPYC Zen 4 with AVX-512), for a strict load of every one of them
+    (`ModelBundle.load_network`)."""
     if not random_init:
         with _NoRandomInit():
             return build_network(cfg, name)

@@ -112,9 +112,9 @@ def rerun_with_huge_pages(script: str, module: str) -> None:
     started as the console script `script` or `python -m module` (`started_as`); glibc reads its tunables
     only as a process starts. For a command that allocates and frees large buffers over and over: each new
     one is memory first touched 4 KiB at a time (an export of the full-size model took 29.9 million page
-    faults and 112-117 s of system time on a 2-core VM, 1.3 million and 65-71 s on huge pages,
-    docs/performance-log.md). Call it before anything else has run; GLIBC_TUNABLES naming the tunable (=0
-    to keep 4 KiB pages) leaves the process as it is."""
+    faults and 112-117 s of system time on a 2-core AMD EPYC Zen 4 VM with AVX-512, 1.3 million and 65-71 s
+    on huge pages, docs/performance-log.md). Call it before anything else has run; GLIBC_TUNABLES naming the
+    tunable (=0 to keep 4 KiB pages) leaves the process as it is."""
     if not (started_as(script, module) and huge_pages_wanted()):
         return
     tunables, wanted = os.environ.get("GLIBC_TUNABLES"), f"{HUGE_PAGES_TUNABLE}=1"
