@@ -18,7 +18,7 @@ from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cli_options import chunk_policy_options
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, PROVIDERS
-from cosyvoice_runtime.synthesis import check_stack_dit, uses_cuda_graphs
+from cosyvoice_runtime.synthesis import check_synthesis, uses_cuda_graphs
 
 from .cases import LENGTHS, default_long_tokens, make_cases, parse_lengths, parse_levels
 from .errors import BenchError
@@ -125,11 +125,11 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
             assert json_out is not None
             for path in plot_paths(json_out).values():
                 check_writable(path, "--plots")
-        # a damaged graph is one line here, not figures from a broken model
+        # a provider that cannot run the bundle, then a damaged graph, is one line here, not a failed run
+        check_synthesis(RuntimeBundle.open(model), provider, chunk_slots=chunk_slots, cuda_graphs=cuda_graphs,
+                        stack_dit=stack_dit)
         bundle = RuntimeBundle.open(model, verify=True)
         uses_graphs = uses_cuda_graphs(cuda_graphs, bundle, provider)
-        if stack_dit:
-            check_stack_dit(bundle)
         if model_dir is not None:  # fail before the run starts, not when the torch side first loads
             from cosyvoice_export.bundle.model_dir import ModelBundle
 

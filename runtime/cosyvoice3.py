@@ -68,12 +68,9 @@ from .synthesis import (
     AudioChunk,
     Mode,
     Synthesizer,
-    check_chunk_slots,
-    check_max_batch,
-    check_stack_dit,
+    check_synthesis,
     closing_after,
     llm_request,
-    uses_cuda_graphs,
 )
 from .text_stream import TextStreamDecoding
 
@@ -164,13 +161,8 @@ class CosyVoice3:
             raise UserError(f"fp16=True: {bundle.root} is a {bundle.manifest.precision} bundle; give its "
                             "model directory (exported in fp16 on first use) or an export with "
                             "cosyvoice-export all --precision fp16")
-        if max_batch is not None:
-            check_max_batch(max_batch, bundle, provider)
-        check_chunk_slots(chunk_slots)
-        check_policy(chunk_policy, bundle)
-        cuda_graphs = uses_cuda_graphs(cuda_graphs, bundle, provider)
-        if stack_dit:
-            check_stack_dit(bundle)
+        check_synthesis(bundle, provider, max_batch=max_batch, chunk_slots=chunk_slots,
+                        chunk_policy=chunk_policy, cuda_graphs=cuda_graphs, stack_dit=stack_dit)
         if verify and bundle is not model_dir:  # hashed once it is known to be the bundle asked for
             bundle = RuntimeBundle.open(bundle.root, verify=True)
         self.bundle = bundle

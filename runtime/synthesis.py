@@ -52,8 +52,9 @@ from .runners import (
     OrtRunner,
     Runner,
     ShapePool,
+    check_opens,
+    check_runs,
     decode_body,
-    graphs_run,
     open_runner,
     prefill_body,
 )
@@ -179,20 +180,18 @@ class Synthesizer:
         every stream's without a batch, a batch's `chunk_slots`). `stack_vocoder`: concurrent vocoder calls
         over the same frames run as one `hift_decoder` call (`Vocoder.stack_calls`). `chunk_policy` is the
         streams' schedule (None: upstream's); it, `max_batch`, `chunk_slots`, `cuda_graphs` and `stack_dit`
-        are checked before any graph opens (a `UserError`)."""
+        are checked before any graph opens (`check_synthesis`)."""
+        graphs = check_synthesis(bundle, provider, max_batch=max_batch, chunk_slots=chunk_slots,
+                                 chunk_policy=chunk_policy, cuda_graphs=cuda_graphs, stack_dit=stack_dit)
         max_batch = default_max_batch(bundle, provider) if max_batch is None else max_batch
-        check_max_batch(max_batch, bundle, provider)
-        check_chunk_slots(chunk_slots)
         cuda_graphs = uses_cuda_graphs(cuda_graphs, bundle, provider)
-        if stack_dit:
-            check_stack_dit(bundle)
         self.chunk_policy = check_policy(chunk_policy, bundle)
         """The streams' chunk schedule unless a call gives its own."""
         self.bundle, self.provider, self.threads = bundle, provider, threads
         self.dims = bundle.dims
         self._runners: dict[str, Runner] = {}
         try:
-            for name in graphs_run(bundle, provider):
+            for name in graphs:
                 if name == DIT and cuda_graphs and dit_replays(bundle):
                     self._runners[name] = open_replayed_dit(bundle, provider, threads)
                 else:
@@ -401,6 +400,24 @@ def default_chunk_slots(provider: str, max_batch: int, threads: int | None) -> i
     if provider not in CPU_PROVIDERS:
         return max_batch
     return max(1, min(max_batch, usable_cpus() // threads)) if threads else 1
+
+
+def check_synthesis(bundle: RuntimeBundle, provider: str, *, max_batch: int | None = None,
+                    chunk_slots: int | None = None, chunk_policy: ChunkPolicy | None = None,
+                    cuda_graphs: bool | None = None, stack_dit: bool = False) -> list[str]:
+    """The graphs a `Synthesizer` of `bundle` on `provider` with these options opens, after every check it
+    makes before one opens: a `ProviderError` where `provider` does not run the bundle's pipeline
+    (`check_runs`), a `UserError` for an option the graphs cannot take (both from the manifest alone), then
+    a `ProviderError` where this machine lacks what runs a graph on `provider` (`check_opens`); one line
+    each."""
+    check_runs(bundle, provider)
+    check_max_batch(default_max_batch(bundle, provider) if max_batch is None else max_batch, bundle, provider)
+    check_chunk_slots(chunk_slots)
+    uses_cuda_graphs(cuda_graphs, bundle, provider)
+    if stack_dit:
+        check_stack_dit(bundle)
+    check_policy(chunk_policy, bundle)
+    return check_opens(bundle, provider)
 
 
 def check_chunk_slots(chunk_slots: int | None) -> None:

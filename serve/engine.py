@@ -47,7 +47,13 @@ from cosyvoice_runtime.runners import CPU
 from cosyvoice_runtime.sampling import Sampling
 from cosyvoice_runtime.segments import Segment
 from cosyvoice_runtime.speakers import frontend_fingerprint
-from cosyvoice_runtime.synthesis import Mode, Synthesizer, default_max_batch, uses_cuda_graphs
+from cosyvoice_runtime.synthesis import (
+    Mode,
+    Synthesizer,
+    check_synthesis,
+    default_max_batch,
+    uses_cuda_graphs,
+)
 
 from .errors import FieldError
 from .metrics import BatchMetrics
@@ -143,9 +149,7 @@ class Engine:
         `UserError` where these graphs cannot stream on it); `cuda_graphs` replays the decode steps from CUDA
         graphs (None: wherever they can, `uses_cuda_graphs`), `stack_dit` and `stack_vocoder` stack
         concurrent sessions' DiT and vocoder calls (all `CosyVoice3`)."""
-        if provider not in SERVER_PROVIDERS:
-            raise ValueError(f"the server runs on providers whose runners sessions can share "
-                             f"({', '.join(SERVER_PROVIDERS)}); got {provider!r}")
+        _check_provider(provider)
         self.bundle, self.origin, self.provider = bundle, origin, provider
         self.max_batch = default_max_batch(bundle, provider) if max_batch is None else max_batch
         """Sessions whose speech ids one LLM call decodes (1: each on its own)."""
@@ -177,6 +181,19 @@ class Engine:
                    flow_prefix_bytes=flow_prefix_bytes, threads=threads, max_batch=max_batch,
                    chunk_slots=chunk_slots, chunk_policy=chunk_policy, cuda_graphs=cuda_graphs,
                    stack_dit=stack_dit, stack_vocoder=stack_vocoder)
+
+    @staticmethod
+    def check(model: Path | None, *, provider: str = CPU, max_batch: int | None = None,
+              chunk_slots: int | None = None, chunk_policy: ChunkPolicy | None = None,
+              cuda_graphs: bool | None = None, stack_dit: bool = False) -> RuntimeBundle:
+        """The bundle `open` would serve for `model` (a model bundle exported first; no file hashed), held
+        against the options as `open` holds it before any graph opens (`check_synthesis`): one of
+        `USER_ERRORS` where `open` would refuse them."""
+        _check_provider(provider)
+        bundle = RuntimeBundle.open(choose_bundle(model).path)
+        check_synthesis(bundle, provider, max_batch=max_batch, chunk_slots=chunk_slots,
+                        chunk_policy=chunk_policy, cuda_graphs=cuda_graphs, stack_dit=stack_dit)
+        return bundle
 
     @property
     def synth(self) -> Synthesizer:
@@ -328,3 +345,9 @@ class Engine:
         if isinstance(job.prompt, BundlePrompt):
             return self.default_features()
         return job.prompt
+
+
+def _check_provider(provider: str) -> None:
+    if provider not in SERVER_PROVIDERS:
+        raise ValueError(f"the server runs on providers whose runners sessions can share "
+                         f"({', '.join(SERVER_PROVIDERS)}); got {provider!r}")

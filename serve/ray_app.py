@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 from dataclasses import dataclass, field, fields
@@ -36,7 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS
-from cosyvoice_runtime.speakers import SpeakerError
+from cosyvoice_runtime.speakers import SpeakerError, SpeakerRegistry, frontend_fingerprint
 
 from .app import create_app
 from .engine import Engine
@@ -184,7 +185,15 @@ app = build_app({})
 def run_ray(options: RayOptions, config: ReplicaConfig, *, host: str, port: int) -> None:
     """`cosyvoice-serve --ray`: deploy the replicas and serve HTTP on `host`:`port` (Ray Serve's proxy)
     until SIGINT or SIGTERM, then delete the app (and stop the Ray instance started here). A replica that
-    cannot open the bundle fails the deployment: one line on stderr, exit status 2."""
+    cannot open the bundle fails the deployment: one line on stderr, exit status 2; on a local instance, whose
+    replicas open this machine's bundle and speakers, what they would refuse is refused before Ray starts
+    (`check_replica`)."""
+    if options.address is None:
+        try:
+            check_replica(config)
+        except USER_ERRORS as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
     # Serve's controller logs each replica's start and stop, tracebacks included: they stay in the
     # session's log folder (/tmp/ray/session_latest/logs), and a failed deployment is one line here
     ray.init(address=options.address, include_dashboard=False, log_to_driver=False)
@@ -205,9 +214,20 @@ def run_ray(options: RayOptions, config: ReplicaConfig, *, host: str, port: int)
         _wait_for_a_signal()
     finally:
         try:
-            serve.delete(APP_NAME)
+            _delete_app()
         finally:
             ray.shutdown()
+
+
+def check_replica(config: ReplicaConfig) -> None:
+    """What a replica of `config` on this machine would refuse as it starts, without opening a graph: the
+    bundle against the provider and the engine's options (`Engine.check`; a model bundle is exported here,
+    once, for the replicas to reuse) and the speakers' registry. One of `USER_ERRORS`."""
+    settings = config.settings
+    bundle = Engine.check(config.model, provider=config.provider, max_batch=settings.max_batch,
+                          chunk_slots=settings.chunk_slots, chunk_policy=settings.chunk_policy,
+                          cuda_graphs=settings.cuda_graphs, stack_dit=settings.stack_dit)
+    SpeakerRegistry(settings.speakers_dir, frontend_fingerprint(bundle))
 
 
 def deploy_error(error: RuntimeError) -> str:
@@ -219,6 +239,26 @@ def deploy_error(error: RuntimeError) -> str:
              if line.strip()]
     marker = f"{ReplicaStartError.__name__}: "
     return next((line.split(marker, 1)[1] for line in reversed(lines) if marker in line), lines[-1])
+
+
+def _delete_app() -> None:
+    """`serve.delete` of the app, given up once the cluster's GCS stops taking connections: a signal to the
+    process group (`kill -TERM -PGID`, systemd stopping the unit, `timeout`) stops a local instance's GCS
+    beside this process, and Ray would try for 60 s to reach it and then end the process with status 1."""
+    deleting = threading.Thread(target=serve.delete, args=(APP_NAME,), daemon=True)
+    deleting.start()
+    while deleting.is_alive() and _gcs_answers():
+        deleting.join(0.5)
+
+
+def _gcs_answers() -> bool:
+    """Whether the cluster's GCS takes connections."""
+    host, port = ray.get_runtime_context().gcs_address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+    except OSError:
+        return False
+    return True
 
 
 def _wait_for_a_signal() -> None:

@@ -1,7 +1,7 @@
 """Input a command cannot use is refused before the work, in one line with exit status 2, and nothing is
 written: unwritable outputs (`cosyvoice-run`, `cosyvoice-export tiny-bundle`), text over the limit, a
-damaged bundle file (`cosyvoice-golden check`, `cosyvoice-bench`, which verify every sha256); and outputs
-get the usual mode of a new file."""
+damaged bundle file (`cosyvoice-golden check`, `cosyvoice-bench`, which verify every sha256), a provider
+missing here before that; and outputs get the usual mode of a new file."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from importlib.util import find_spec
 from pathlib import Path
 
+import onnxruntime
 import pytest
 import soundfile as sf
 from click.testing import CliRunner, Result
@@ -23,6 +24,7 @@ from cosyvoice_runtime import CosyVoice3
 from cosyvoice_runtime.atomic_files import new_sibling
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.runners import CUDA, ORT_PROVIDERS
 from cosyvoice_runtime.segments import MAX_TEXT_CHARS
 from cosyvoice_runtime.synthesis import Mode
 
@@ -195,6 +197,23 @@ def test_bench_names_the_damaged_file(damaged: tuple[Path, Path], tmp_path: Path
                                              "--json", str(tmp_path / "bench.json")])
     assert refused(result).startswith(f"error: {graph}: sha256 ")
     assert not (tmp_path / "bench.json").exists()
+
+
+@pytest.mark.skipif(ORT_PROVIDERS[CUDA] in onnxruntime.get_available_providers(),
+                    reason="this onnxruntime has the CUDA provider, whose absence the test refuses")
+@pytest.mark.parametrize("command", ["run", "bench"])
+def test_a_provider_missing_here_is_refused_before_any_file_is_hashed(
+        command: str, damaged: tuple[Path, Path], tmp_path: Path) -> None:
+    """Whether this machine runs the bundle's graphs on the provider is known from the manifest and the
+    installed libraries: the damaged file, found only by hashing every graph, is not reached."""
+    bundle, _ = damaged
+    out = tmp_path / ("out.wav" if command == "run" else "bench.json")
+    result = CliRunner().invoke(*{
+        "run": (run_main, ["--model", str(bundle), "--provider", CUDA, "--text", "Hi.", "--out", str(out)]),
+        "bench": (bench_main, ["--model", str(bundle), "--provider", CUDA, "--quick", "--json", str(out)]),
+    }[command])
+    assert refused(result).startswith("error: provider 'cuda' needs onnxruntime's CUDAExecutionProvider; ")
+    assert not out.exists()
 
 
 # --- the mode of outputs -----------------------------------------------------------------------------------

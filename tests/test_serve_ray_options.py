@@ -1,17 +1,30 @@
 """`cosyvoice-serve --ray`'s options without Ray: what they ask of Ray Serve, the combinations refused
-before anything starts, and the one line where the ray extra is missing."""
+before anything starts, what a local instance's replicas would refuse refused before Ray starts, a local
+instance ended in seconds by a signal to its process group, and the one line where the ray extra is
+missing."""
 
 from __future__ import annotations
 
+import os
+import queue
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
+import onnxruntime
 import pytest
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed")
 
 from click.testing import CliRunner
 
+from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.runners import CUDA, ORT_PROVIDERS
+from cosyvoice_runtime.speakers import REGISTRY
 from cosyvoice_runtime.synthesis import GPU_MAX_BATCH
 from cosyvoice_serve import cli as serve_cli
 from cosyvoice_serve.ray_options import ScaleOptions
@@ -71,3 +84,66 @@ def test_without_the_ray_extra_ray_is_one_line_naming_it() -> None:
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.splitlines() == ["error: cosyvoice-serve needs the ray extra (ray is not installed): "
                                         "pip install 'cosyvoice-onnx[ray]'"]
+
+
+@pytest.mark.parametrize("case", ["manifest", "max-batch", "provider", "speakers"])
+def test_on_a_local_instance_what_a_replica_would_refuse_is_refused_before_ray_starts(
+        case: str, tmp_path: Path) -> None:
+    """The replicas of a local Ray instance open this machine's bundle and speakers: the driver holds them to
+    the replica's checks first, one line and exit status 2 in a second, not after Ray started."""
+    ray = pytest.importorskip("ray", reason="Ray Serve is not installed (the ray extra)")
+    speakers = tmp_path / "speakers"
+    args, message = {
+        "manifest": (["--model", str(tmp_path)], f"{tmp_path / 'manifest.json'}: format is None, expected "
+                                                 "'cosyvoice3-runtime-bundle'"),
+        "max-batch": (["--max-batch", "4"], f"max_batch 4: batched decoding runs on llm_decode, on the cpu "
+                                            f"provider or in fp16 on cuda; {DEMO_BUNDLE} (fp32) on 'cpu' "
+                                            "decodes on llm"),
+        "provider": (["--provider", CUDA], "provider 'cuda' needs onnxruntime's CUDAExecutionProvider"),
+        "speakers": ([], f"{speakers / REGISTRY}: not a readable speaker registry"),
+    }[case]
+    if case == "provider" and ORT_PROVIDERS[CUDA] in onnxruntime.get_available_providers():
+        pytest.skip("this onnxruntime has the CUDA provider, whose absence the case refuses")
+    (tmp_path / "manifest.json").write_text("{}")
+    speakers.mkdir()
+    (speakers / REGISTRY).write_text("not a registry")
+    started = time.monotonic()
+    done = CliRunner().invoke(serve_cli.serve, ["--ray", "--port", "1", "--speakers", str(speakers),
+                                                "--model", str(DEMO_BUNDLE), *args])
+    assert done.exit_code == 2, done.output
+    errors = [line for line in done.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], done.output
+    assert not ray.is_initialized() and time.monotonic() - started < 10
+
+
+def test_a_signal_to_its_process_group_ends_a_local_instance_in_seconds(tmp_path: Path) -> None:
+    """systemd stopping the unit, `timeout` and `kill -TERM -PGID` stop the local instance's GCS beside the
+    command, which then neither waits Ray's 60 s for it nor ends with its error: status 0 in seconds."""
+    pytest.importorskip("ray", reason="Ray Serve is not installed (the ray extra)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "cosyvoice_serve", "--ray", "--port", str(port),
+                               "--model", str(DEMO_BUNDLE), "--speakers", str(tmp_path / "speakers")],
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        for line in server.stderr or ():
+            lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        deadline = time.monotonic() + 150
+        log: list[str] = []
+        while not any("serving http://" in line for line in log):
+            log.append(lines.get(timeout=max(deadline - time.monotonic(), 0)))
+        os.killpg(server.pid, signal.SIGTERM)
+        stopped = time.monotonic()
+        assert server.wait(timeout=55) == 0
+        assert time.monotonic() - stopped < 30
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+    log.extend(lines.queue)
+    assert not any("Failed to connect to GCS" in line for line in log), "".join(log)

@@ -17,16 +17,17 @@ from cosyvoice_graphs.providers import CPU, CPU_PROVIDERS, CUDA, OPENVINO, PROVI
 from ..bundle import RuntimeBundle
 from ..errors import ProviderError
 from .base import BufferView, Feed, Runner, RunnerBase, check_feeds, feed_nbytes, feed_shape, to_host
-from .openvino import OpenVinoRunner
-from .ort import OPTIMIZATION, ORT_PROVIDERS, OrtRunner, provider_chain
+from .openvino import OpenVinoRunner, check_openvino_runs
+from .ort import OPTIMIZATION, ORT_PROVIDERS, OrtRunner, check_installed, provider_chain
 from .ort_settings import shape_sessions
 from .shape_pool import ShapePool
-from .trt import TrtRunner
+from .trt import TrtRunner, import_trt
 
 __all__ = ["CPU", "CPU_PROVIDERS", "CUDA", "OPENVINO", "OPTIMIZATION", "ORT_PROVIDERS", "PROVIDERS",
            "TENSORRT", "TRT", "BufferView", "Feed", "OpenVinoRunner", "OrtRunner", "Runner", "RunnerBase",
-           "ShapePool", "TrtRunner", "check_feeds", "decode_body", "feed_nbytes", "feed_shape", "graphs_run",
-           "on_openvino", "open_runner", "prefill_body", "provider_chain", "to_host"]
+           "ShapePool", "TrtRunner", "check_feeds", "check_opens", "check_runs", "decode_body", "feed_nbytes",
+           "feed_shape", "graphs_run", "on_openvino", "open_runner", "prefill_body", "provider_chain",
+           "to_host"]
 
 T = TypeVar("T")
 
@@ -53,6 +54,28 @@ def graphs_run(bundle: RuntimeBundle, provider: str) -> list[str]:
     """The graphs of `bundle` a pipeline on `provider` runs (`cosyvoice_graphs.pipeline.graphs_run`): all of
     them but the LLM's bodies it does not run."""
     return _pipeline(bundle, pipeline.graphs_run, provider)
+
+
+def check_runs(bundle: RuntimeBundle, provider: str) -> list[str]:
+    """`graphs_run`, each of which `provider` runs at its precision (and under `trt` as a plan of the
+    bundle's): a `ProviderError` naming the first it does not, before anything opens
+    (`cosyvoice_graphs.pipeline.check_runs`)."""
+    return _pipeline(bundle, pipeline.check_runs, provider)
+
+
+def check_opens(bundle: RuntimeBundle, provider: str) -> list[str]:
+    """`check_runs`, and what runs each of those graphs on `provider` is installed here (onnxruntime's
+    provider; OpenVINO, and the CPU's instructions for a bf16 graph; TensorRT): a `ProviderError` in one
+    line where `open_runner` would refuse one for either, before anything opens."""
+    graphs = check_runs(bundle, provider)
+    for graph in graphs:
+        if on_openvino(bundle, graph, provider):
+            check_openvino_runs(bundle.graph_path(graph), bundle.graph_precision(graph).name)
+        elif provider == TRT:
+            import_trt()
+        else:
+            check_installed(provider)
+    return graphs
 
 
 def _pipeline(bundle: RuntimeBundle, rule: Callable[[Mapping[str, Precision], str, Collection[str]], T],

@@ -64,6 +64,19 @@ def unsupported_reason(precision: Precision) -> str | None:
             f"{precision.name} is for {precision.purpose}; use another --precision here")
 
 
+def check_openvino_runs(path: Path | str, precision: str) -> Precision:
+    """`precision`'s record, where OpenVINO is installed and runs a graph (`path`) of it on this CPU; else a
+    `ProviderError` in one line."""
+    record = Precision.named(precision)
+    if record.openvino_hint is None:
+        raise ProviderError(f"{path}: a {precision} graph does not run on OpenVINO (it runs "
+                            f"{', '.join(precisions_on(OPENVINO))} graphs); use --provider cpu")
+    if (reason := unsupported_reason(record)) is not None:
+        raise ProviderError(f"{path}: a {precision} graph: {reason}")
+    import_openvino()
+    return record
+
+
 def _named(ports: list[set[str]], names: list[str]) -> bool:
     """Whether `ports` (each port's tensor names) are, in order, the ports named `names`."""
     return len(ports) == len(names) and all(name in port for port, name in zip(ports, names, strict=True))
@@ -80,12 +93,7 @@ class OpenVinoRunner(RunnerBase):
         """`precision`: the graph's (one with an OpenVINO hint); `threads`: inference threads (None:
         OpenVINO's default)."""
         super().__init__(spec)
-        record = Precision.named(precision)
-        if record.openvino_hint is None:
-            raise ProviderError(f"{path}: a {precision} graph does not run on OpenVINO (it runs "
-                                f"{', '.join(precisions_on(OPENVINO))} graphs); use --provider cpu")
-        if (reason := unsupported_reason(record)) is not None:
-            raise ProviderError(f"{path}: a {precision} graph: {reason}")
+        record = check_openvino_runs(path, precision)
         ov = import_openvino()
         wanted = record.openvino_hint
         config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": wanted, "PERFORMANCE_HINT": "LATENCY"}

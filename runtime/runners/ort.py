@@ -67,6 +67,17 @@ def provider_chain(provider: str, device_id: int = 0, *, tf32: bool = False,
     return chains[provider]
 
 
+def check_installed(provider: str) -> None:
+    """A `ProviderError` (one line, with the command that installs it) unless this onnxruntime has
+    `provider`'s execution provider."""
+    wanted = ORT_PROVIDERS[provider]
+    available = ort.get_available_providers()
+    if wanted not in available:
+        raise ProviderError(f"provider {provider!r} needs onnxruntime's {wanted}; this onnxruntime "
+                            f"{ort.__version__} has only {', '.join(available)} "
+                            f"({gpu_install_command(tensorrt=provider == TENSORRT)})")
+
+
 def bound_inputs(session: ort.InferenceSession, feeds: Mapping[str, Feed], device_id: int = 0
                  ) -> ort.IOBinding:
     """A new IOBinding of `session` with `feeds` bound: `OrtValue`s and `BufferView`s where they are (a GPU's
@@ -107,12 +118,8 @@ class OrtRunner(RunnerBase):
             raise ValueError(f"unknown onnxruntime provider {provider!r}; known: {', '.join(ORT_PROVIDERS)}")
         if optimization not in OPTIMIZATION:
             raise ValueError(f"unknown optimization level {optimization!r}; known: {', '.join(OPTIMIZATION)}")
+        check_installed(provider)
         wanted = ORT_PROVIDERS[provider]
-        available = ort.get_available_providers()
-        if wanted not in available:
-            raise ProviderError(f"provider {provider!r} needs onnxruntime's {wanted}; this onnxruntime "
-                                f"{ort.__version__} has only {', '.join(available)} "
-                                f"({gpu_install_command(tensorrt=provider == TENSORRT)})")
         if provider != CPU:
             preload_cuda_libraries()
         options = ort.SessionOptions()

@@ -16,7 +16,7 @@ from ..extras import gpu_install_command
 from .base import RunnerBase
 
 
-def _import_trt() -> tuple[ModuleType, ModuleType]:
+def import_trt() -> tuple[ModuleType, ModuleType]:
     """tensorrt and polygraphy's CUDA wrapper (device memory, streams), imported only when asked for."""
     try:
         import tensorrt
@@ -33,7 +33,7 @@ class TrtRunner(RunnerBase):
 
     def __init__(self, plan: TrtPlan, spec: GraphSpec) -> None:
         super().__init__(spec)
-        trt, cuda = _import_trt()
+        trt, cuda = import_trt()
         if plan.tensorrt != trt.__version__:
             raise ProviderError(f"{plan.path}: built with TensorRT {plan.tensorrt} (on {plan.gpu}); this is "
                                 f"TensorRT {trt.__version__}; export again with --trt here")
