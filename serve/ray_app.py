@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ from .app import create_app
 from .engine import Engine
 from .ray_options import SPEAKER_STORES, RayOptions, ScaleOptions, SpeakerStore
 from .ray_speakers import ActorSpeakers
-from .settings import API_KEY_ENV, ServerSettings
+from .settings import API_KEY_ENV, SERVER_PROVIDERS, ServerSettings
 
 APP_NAME = "cosyvoice"
 """The Serve application's name (`serve status`, the replicas' actor names)."""
@@ -156,6 +157,8 @@ def replica_config(args: dict[str, Any]) -> ReplicaConfig:
     args = dict(args)
     model = args.pop("model", None)
     provider = str(args.pop("provider", CPU))
+    if provider not in SERVER_PROVIDERS:
+        raise ValueError(f"provider must be one of {', '.join(SERVER_PROVIDERS)}, got {provider!r}")
     flow_prefix_mib = int(args.pop("flow_prefix_mib", DEFAULT_PREFIX_CACHE_BYTES >> 20))
     store = args.pop("speaker_store", "folder")
     if store not in SPEAKER_STORES:
@@ -205,13 +208,14 @@ def run_ray(options: RayOptions, config: ReplicaConfig, *, host: str, port: int)
         except RuntimeError as e:
             print(f"error: {deploy_error(e)}", file=sys.stderr)
             sys.exit(2)
+        stop = _stop_on_a_signal()  # before the line saying it serves, which a supervisor may wait for
         scale = options.scale
         autoscaling = ("" if scale.max_replicas is None
                        else f", autoscaling from {scale.min_replicas} to {scale.max_replicas}")
         print(f"ray: {scale.replicas} replicas{autoscaling}, each reserving CPU {scale.cpus:g} and GPU "
               f"{scale.gpus:g}, on {ray.get_runtime_context().gcs_address}; speakers: {config.speaker_store} "
               f"{config.settings.speakers_dir}; serving http://{host}:{port}", file=sys.stderr)
-        _wait_for_a_signal()
+        stop.wait()
     finally:
         try:
             _delete_app()
@@ -241,13 +245,20 @@ def deploy_error(error: RuntimeError) -> str:
     return next((line.split(marker, 1)[1] for line in reversed(lines) if marker in line), lines[-1])
 
 
+DELETE_WAIT_S = 30.0
+"""The longest the command waits for `serve.delete`: above the 20 s Serve gives a replica to finish its
+requests (`graceful_shutdown_timeout_s`), below the 60 s after which Ray ends a process that lost its GCS."""
+
+
 def _delete_app() -> None:
-    """`serve.delete` of the app, given up once the cluster's GCS stops taking connections: a signal to the
-    process group (`kill -TERM -PGID`, systemd stopping the unit, `timeout`) stops a local instance's GCS
-    beside this process, and Ray would try for 60 s to reach it and then end the process with status 1."""
+    """`serve.delete` of the app, given up once the cluster's GCS stops taking connections, or after
+    `DELETE_WAIT_S`: a signal to the process group (`kill -TERM -PGID`, systemd stopping the unit,
+    `timeout`) stops a local instance's processes beside this one, and Ray would try for 60 s to reach its
+    GCS and then end the process with status 1."""
     deleting = threading.Thread(target=serve.delete, args=(APP_NAME,), daemon=True)
     deleting.start()
-    while deleting.is_alive() and _gcs_answers():
+    deadline = time.monotonic() + DELETE_WAIT_S
+    while deleting.is_alive() and time.monotonic() < deadline and _gcs_answers():
         deleting.join(0.5)
 
 
@@ -261,8 +272,9 @@ def _gcs_answers() -> bool:
     return True
 
 
-def _wait_for_a_signal() -> None:
+def _stop_on_a_signal() -> threading.Event:
+    """An event that SIGINT or SIGTERM sets from now on."""
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    stop.wait()
+    return stop

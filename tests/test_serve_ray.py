@@ -139,6 +139,8 @@ def test_a_config_files_args_are_the_servers_settings_by_name(monkeypatch: pytes
         replica_config({"speaker_store": "disk"})
     with pytest.raises(ValueError, match="sampling must be one of"):
         replica_config({"sampling": "beam"})
+    with pytest.raises(ValueError, match="provider must be one of cpu, cuda, tensorrt, openvino, got 'trt'"):
+        replica_config({"provider": "trt"})
 
 
 def test_a_cpu_replica_runs_one_chunk_at_a_time_unless_told() -> None:
