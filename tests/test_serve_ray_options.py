@@ -118,7 +118,7 @@ def test_on_a_local_instance_what_a_replica_would_refuse_is_refused_before_ray_s
 
 def test_a_signal_to_its_process_group_ends_a_local_instance_in_seconds(tmp_path: Path) -> None:
     """systemd stopping the unit, `timeout` and `kill -TERM -PGID` stop the local instance's GCS beside the
-    command, which then neither waits Ray's 60 s for it nor ends with its error: status 0 in seconds."""
+    command, which then neither waits Ray's 60 s for it nor is ended by Ray: status 0 in seconds."""
     pytest.importorskip("ray", reason="Ray Serve is not installed (the ray extra)")
     from cosyvoice_serve.ray_app import DELETE_WAIT_S
 
@@ -151,4 +151,5 @@ def test_a_signal_to_its_process_group_ends_a_local_instance_in_seconds(tmp_path
     reader.join(10)  # the rest of stderr, to its end
     log.extend(lines.queue)
     assert status == 0 and waited < DELETE_WAIT_S + 15, (status, waited, "".join(log))  # shutdown: 5-7 s
-    assert not any("Failed to connect to GCS" in line for line in log), "".join(log)
+    # Ray's end of a process that lost its GCS for 60 s (its other GCS lines at shutdown are routine)
+    assert not any("The program will terminate" in line for line in log), "".join(log)
