@@ -12,9 +12,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from cosyvoice_graphs import DIT, FLOW_ENCODER, HIFT_DECODER, HIFT_F0, LLM, LLM_DECODE, LLM_PREFILL
 from cosyvoice_runtime.runners.ort_settings import CONV_ALGO_SEARCH
 
 from .backend import Figures
+from .graph_calls import ANY, DEVICE_COPIES
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,35 @@ def _concurrency(rows: Sequence[dict[str, Any]]) -> list[str]:
     return [title] + ["  " + line for line in _table(header, table)]
 
 
+GRAPH_ORDER = (LLM_PREFILL, LLM, LLM_DECODE, FLOW_ENCODER, DIT, HIFT_F0, HIFT_DECODER, DEVICE_COPIES)
+"""The pipeline's order, the columns of the graphs' table (a graph not listed comes after, by name)."""
+
+
+def _graph_time(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Where each concurrency run's wall went: per graph, the share of the wall during which at least one of
+    its calls ran, its calls and their mean ms (`graph_calls.in_flight`); `any`: some graph ran, the rest
+    being the host's own work and waits. Empty where no run recorded its graphs."""
+    runs = [(str(r["level"]), mode, run["graphs"]) for r in rows
+            for mode, run in (("unbatched", r), ("batched", r.get("batched")),
+                              ("window", r.get("batched_window")))
+            if run and run.get("graphs")]
+    if not runs:
+        return []
+    seen = {graph for *_, graphs in runs for graph in graphs if graph != ANY}
+    columns = [g for g in GRAPH_ORDER if g in seen] + sorted(seen - set(GRAPH_ORDER))
+
+    def cell(f: dict[str, Any] | None) -> str:
+        if not f or not f["calls"]:
+            return "-"
+        return f"{100 * f['share']:.0f}% ({f['calls']} x {_num(f['call_ms_mean'])} ms)"
+
+    table = [[level, mode, cell(graphs[ANY]), *(cell(graphs.get(g)) for g in columns)]
+             for level, mode, graphs in runs]
+    title = ("where the sessions' wall went (each graph: the share of the wall with one of its calls running "
+             "(calls x mean ms); any: some graph running, the rest the host's work and waits)")
+    return [title] + ["  " + line for line in _table(["sessions", "run", ANY, *columns], table)]
+
+
 def _outputs(row: dict[str, Any]) -> str:
     """Whether every session's audio equals a single stream's, and by how much it differs where not."""
     if row["outputs_match"]:
@@ -249,6 +280,8 @@ def render(result: dict[str, Any]) -> str:
         lines += ["  " + line for line in _bounds(case["bounds"], vs_torch)] + [""]
     if result["concurrency"]:
         lines += _concurrency(result["concurrency"]) + [""]
+        graphs = _graph_time(result["concurrency"])
+        lines += graphs + [""] if graphs else []
     if result["thread_scaling"]:
         lines += _scaling(result["thread_scaling"]) + [""]
     levers = result["levers"]

@@ -35,6 +35,7 @@ from cosyvoice_runtime.runners import TRT
 from cosyvoice_runtime.segments import Segment
 from cosyvoice_runtime.synthesis import AudioChunk, Mode, Synthesizer, batches, check_chunk_slots, llm_request
 
+from . import graph_calls
 from .backend import FirstChunk, OfflineRun, StreamRun
 from .cases import Case
 from .measure import CallLog, GpuSampler, batch_llm_calls, llm_figures, mean, prefill_length
@@ -277,7 +278,8 @@ class RuntimeBackend:
                   reference: StreamRun, gpu: GpuSampler | None, policy: ChunkPolicy | None = None
                   ) -> dict[str, Any]:
         """One streamed session per voice (on `policy`, else the voice's), all started together: throughput,
-        session RTF, first chunks, and with `gpu` the GPU's mean utilisation meanwhile."""
+        session RTF, first chunks, where their wall went (`graphs`: each graph's calls in flight,
+        `graph_calls.in_flight`), and with `gpu` the GPU's mean utilisation meanwhile."""
         barrier = threading.Barrier(len(voices))
         stacks = {name: list({id(s): s for v in voices if (s := stack_of(v.synth)) is not None}.values())
                   for name, stack_of in STACKS.items()}
@@ -301,9 +303,10 @@ class RuntimeBackend:
                             list(speech.speech_tokens))
 
         with gpu.sample() if gpu is not None else nullcontext(lambda: None) as usage, \
-                ThreadPoolExecutor(len(voices)) as pool:
+                graph_calls.record() as calls, ThreadPoolExecutor(len(voices)) as pool:
             runs = list(pool.map(session, voices))
         figures = _sessions_figures(runs, reference)
+        figures["graphs"] = graph_calls.in_flight(calls, min(r.start for r in runs), max(r.end for r in runs))
         if gpu is not None:
             used = usage()
             figures["gpu_utilization_mean_pct"] = used.utilization_mean_pct if used is not None else None

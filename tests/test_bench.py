@@ -26,11 +26,13 @@ from click.testing import CliRunner
 from cosyvoice_bench.cases import make_cases
 from cosyvoice_bench.cli import main
 from cosyvoice_bench.errors import BenchError
+from cosyvoice_bench.graph_calls import ANY
 from cosyvoice_bench.measure import batch_llm_calls, llm_figures
 from cosyvoice_bench.peak_rss import PeakJob, fresh_peak
 from cosyvoice_bench.report import FIGURE_KEYS
 from cosyvoice_bench.report import _outputs as outputs_cell
 from cosyvoice_bench.runtime_runs import RuntimeBackend
+from cosyvoice_graphs import DIT, FLOW_ENCODER, HIFT_DECODER, HIFT_F0, LLM
 from cosyvoice_graphs.bundle_layout import PROMPT_TEXT, PROMPT_WAV
 from cosyvoice_runtime import synthesis
 from cosyvoice_runtime.bundle import RuntimeBundle
@@ -137,6 +139,11 @@ def check_common(result: dict[str, Any], lengths: list[str], levels: list[int], 
         assert row["wall_s"] > 0 and row["audio_s"] > 0 and row["first_chunk_max_s"] > 0
         assert row["first_chunk_mean_s"] <= row["first_chunk_p95_s"] <= row["first_chunk_max_s"]
         assert row["llm_tokens_per_s"] > 0
+        graphs = row["graphs"]  # where the wall went: every graph the sessions ran, each call once
+        assert {FLOW_ENCODER, DIT, HIFT_F0, HIFT_DECODER} <= set(graphs)
+        assert any(g.startswith(LLM) for g in graphs)
+        assert graphs[ANY]["calls"] == sum(f["calls"] for g, f in graphs.items() if g != ANY)
+        assert all(0 < f["share"] <= graphs[ANY]["share"] <= 1 for f in graphs.values())
         assert row["batched"] is None  # the bundle has no llm_decode: no decode batch
         if row["level"] == 1:
             assert row["warm_up"] is None
@@ -193,6 +200,7 @@ def test_quick_run_of_the_runtime_without_torch(runtime_bundle: Path, tmp_path: 
     assert case["pinned_tokens"] == 50  # --quick's: a chunk and the final one
     assert result["thread_scaling"] is None and result["plots"] == []  # off with --quick, and not asked
     assert result["settings"]["stack_dit"] is True and "DiT streams/call" in done.stdout
+    assert "where the sessions' wall went" in done.stdout
     one, two = result["concurrency"]
     assert one["dit_streams_per_call"] == 1 and one["dit_calls"] > 0
     assert 1 <= two["dit_streams_per_call"] <= 2 and two["dit_calls"] > 0
