@@ -3,8 +3,9 @@
 `record()` swaps, for the block, the methods through which every graph runs: onnxruntime's
 `InferenceSession.run` and `run_with_iobinding` (the runners' calls, bound calls, and the steps and DiT
 calls replayed from CUDA graphs), OpenVINO's and TensorRT's runners' `_run`. A call is labelled by its
-graph: the session's model file's name (every session of one graph, as the vocoder's per-length pool makes,
-shares it), `DEVICE_COPIES` for the sessions the runtime builds in memory to concatenate device buffers.
+graph: the `spec_name` a bundle's graph carries in its metadata (every session of one graph, as the
+vocoder's per-length pool makes, shares it), `DEVICE_COPIES` for the graphs the runtime builds in memory
+to copy device buffers (`runners.device_copies`), which carry none.
 
 `in_flight` turns the calls into figures over a window (the sessions' wall): per graph its calls, their
 mean duration, and the share of the wall during which at least one of its calls ran (a share near 1: that
@@ -14,9 +15,9 @@ covered is the host's own work and waits (sampling, queues, turns).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -27,7 +28,7 @@ from cosyvoice_runtime.runners.openvino import OpenVinoRunner
 from cosyvoice_runtime.runners.trt import TrtRunner
 
 DEVICE_COPIES = "device copies"
-"""The label of onnxruntime sessions made from bytes, not a bundle's file (`runners.device_copies`)."""
+"""The label of onnxruntime sessions of graphs without a `spec_name`: the runtime's copy graphs."""
 ANY = "any"
 """The key of `in_flight`'s union over every graph."""
 
@@ -35,9 +36,16 @@ Call = tuple[float, float]
 """When a call began and ended (`time.perf_counter`)."""
 
 
+_SESSION_GRAPHS: weakref.WeakKeyDictionary[ort.InferenceSession, str] = weakref.WeakKeyDictionary()
+"""Each session's graph, read once (reading a session's metadata copies all of it)."""
+
+
 def _session_graph(session: ort.InferenceSession) -> str:
-    path = getattr(session, "_model_path", None)
-    return os.path.splitext(os.path.basename(path))[0] if path else DEVICE_COPIES
+    graph = _SESSION_GRAPHS.get(session)
+    if graph is None:
+        meta = session.get_modelmeta().custom_metadata_map  # `cosyvoice_graphs.metadata`'s
+        graph = _SESSION_GRAPHS[session] = meta.get("spec_name", DEVICE_COPIES)
+    return graph
 
 
 def _runner_graph(runner: OpenVinoRunner | TrtRunner) -> str:
@@ -72,7 +80,7 @@ def record() -> Iterator[dict[str, list[Call]]]:
                 return method(owner, *args, **kwargs)
             finally:
                 end = time.perf_counter()
-                with lock:
+                with lock:  # also guards `_SESSION_GRAPHS`
                     calls.setdefault(graph_of(owner), []).append((start, end))
         return call
 
