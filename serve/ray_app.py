@@ -23,6 +23,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -200,27 +201,51 @@ def run_ray(options: RayOptions, config: ReplicaConfig, *, host: str, port: int)
     # Serve's controller logs each replica's start and stop, tracebacks included: they stay in the
     # session's log folder (/tmp/ray/session_latest/logs), and a failed deployment is one line here
     ray.init(address=options.address, include_dashboard=False, log_to_driver=False)
+    status = 1  # where an exception escapes
     try:
-        serve.start(http_options={"host": host, "port": port})
-        try:
-            serve.run(deployment(options.scale, config.settings, config.provider).bind(config), name=APP_NAME,
-                      route_prefix="/")
-        except RuntimeError as e:
-            print(f"error: {deploy_error(e)}", file=sys.stderr)
-            sys.exit(2)
-        stop = _stop_on_a_signal()  # before the line saying it serves, which a supervisor may wait for
-        scale = options.scale
-        autoscaling = ("" if scale.max_replicas is None
-                       else f", autoscaling from {scale.min_replicas} to {scale.max_replicas}")
-        print(f"ray: {scale.replicas} replicas{autoscaling}, each reserving CPU {scale.cpus:g} and GPU "
-              f"{scale.gpus:g}, on {ray.get_runtime_context().gcs_address}; speakers: {config.speaker_store} "
-              f"{config.settings.speakers_dir}; serving http://{host}:{port}", file=sys.stderr)
-        stop.wait()
+        status = _serve_until_a_signal(options, config, host=host, port=port)
     finally:
-        try:
-            _delete_app()
-        finally:
-            ray.shutdown()
+        _leave_ray(status)
+    if status:
+        sys.exit(status)
+
+
+def _serve_until_a_signal(options: RayOptions, config: ReplicaConfig, *, host: str, port: int) -> int:
+    """Deploy the app and serve it until SIGINT or SIGTERM: exit status 0, or 2 for a failed deployment."""
+    serve.start(http_options={"host": host, "port": port})
+    try:
+        serve.run(deployment(options.scale, config.settings, config.provider).bind(config), name=APP_NAME,
+                  route_prefix="/")
+    except RuntimeError as e:
+        print(f"error: {deploy_error(e)}", file=sys.stderr)
+        return 2
+    stop = _stop_on_a_signal()  # before the line saying it serves, which a supervisor may wait for
+    scale = options.scale
+    autoscaling = ("" if scale.max_replicas is None
+                   else f", autoscaling from {scale.min_replicas} to {scale.max_replicas}")
+    print(f"ray: {scale.replicas} replicas{autoscaling}, each reserving CPU {scale.cpus:g} and GPU "
+          f"{scale.gpus:g}, on {ray.get_runtime_context().gcs_address}; speakers: {config.speaker_store} "
+          f"{config.settings.speakers_dir}; serving http://{host}:{port}", file=sys.stderr)
+    stop.wait()
+    return 0
+
+
+def _leave_ray(status: int) -> None:
+    """Delete the app and disconnect from Ray, stopping a local instance started here. Where the delete is
+    given up, its thread may still be inside a Ray call, and `ray.shutdown` beside it can end the process
+    with SIGSEGV: the process ends at once instead, with `status` (a local instance's processes end with it:
+    Ray starts them to share its fate). Called in a `finally`, it prints an exception escaping there first."""
+    if _delete_app():
+        ray.shutdown()
+        return
+    error = sys.exc_info()[1]
+    if isinstance(error, KeyboardInterrupt):
+        status = 130
+    elif error is not None:
+        traceback.print_exception(error)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def check_replica(config: ReplicaConfig) -> None:
@@ -250,16 +275,17 @@ DELETE_WAIT_S = 30.0
 requests (`graceful_shutdown_timeout_s`), below the 60 s after which Ray ends a process that lost its GCS."""
 
 
-def _delete_app() -> None:
+def _delete_app() -> bool:
     """`serve.delete` of the app, given up once the cluster's GCS stops taking connections, or after
     `DELETE_WAIT_S`: a signal to the process group (`kill -TERM -PGID`, systemd stopping the unit,
     `timeout`) stops a local instance's processes beside this one, and Ray would try for 60 s to reach its
-    GCS and then end the process with status 1."""
+    GCS and then end the process with status 1. Whether the delete ended (the app deleted, or an error)."""
     deleting = threading.Thread(target=serve.delete, args=(APP_NAME,), daemon=True)
     deleting.start()
     deadline = time.monotonic() + DELETE_WAIT_S
     while deleting.is_alive() and time.monotonic() < deadline and _gcs_answers():
         deleting.join(0.5)
+    return not deleting.is_alive()
 
 
 def _gcs_answers() -> bool:

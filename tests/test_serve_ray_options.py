@@ -118,7 +118,8 @@ def test_on_a_local_instance_what_a_replica_would_refuse_is_refused_before_ray_s
 
 def test_a_signal_to_its_process_group_ends_a_local_instance_in_seconds(tmp_path: Path) -> None:
     """systemd stopping the unit, `timeout` and `kill -TERM -PGID` stop the local instance's GCS beside the
-    command, which then neither waits Ray's 60 s for it nor is ended by Ray: status 0 in seconds."""
+    command, which then neither waits Ray's 60 s for it nor is ended by Ray, nor crashes in Ray's shutdown
+    beside the delete it gave up: status 0 in seconds, and none of the instance's processes left."""
     pytest.importorskip("ray", reason="Ray Serve is not installed (the ray extra)")
     from cosyvoice_serve.ray_app import DELETE_WAIT_S
 
@@ -153,3 +154,20 @@ def test_a_signal_to_its_process_group_ends_a_local_instance_in_seconds(tmp_path
     assert status == 0 and waited < DELETE_WAIT_S + 15, (status, waited, "".join(log))
     # Ray's end of a process that lost its GCS for 60 s (its other GCS lines at shutdown are routine)
     assert not any("The program will terminate" in line for line in log), "".join(log)
+    deadline = time.monotonic() + 15
+    while _group_alive(server.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if _group_alive(server.pid):
+        left = subprocess.run(["ps", "-o", "pid,stat,args", "-g", str(server.pid)], capture_output=True,
+                              text=True).stdout
+        os.killpg(server.pid, signal.SIGKILL)
+        raise AssertionError(f"the local instance's processes outlived the command:\n{left}")
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of the group `pgid` is left."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
