@@ -154,12 +154,16 @@ def test_a_tampered_file_is_refused_before_anything_runs(tmp_path: Path) -> None
     (np.full(9000, 0.1, np.float32), 22050, "is too short (0.408 s); a prompt needs at least 0.5 s"),
     (np.full(12000, 0.1, np.float32), 11025, "has sample rate 11025 Hz; the minimum is 16000 Hz"),
     (np.full(16000 * 31, 0.1, np.float32), 16000, "lasts 31.00 s; the speech tokenizer takes at most 30 s"),
-], ids=["silent", "near-silent", "short", "11 kHz", "31 s"])
+    (np.where(np.arange(24000) % 5000 == 7, np.inf, 0.1).astype(np.float32), 24000,
+     "holds 5 sample(s) that are NaN or infinite; a prompt needs finite samples"),
+    (np.where(np.arange(24000) == 7, np.nan, 0.1).astype(np.float32), 24000,
+     "holds 1 sample(s) that are NaN or infinite"),
+], ids=["silent", "near-silent", "short", "11 kHz", "31 s", "infinite", "NaN"])
 def test_a_bad_prompt_is_one_line_before_the_bundle_opens(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, samples: np.ndarray, rate: int, message: str
 ) -> None:
-    prompt = tmp_path / "prompt.flac"
-    sf.write(prompt, samples, rate)
+    prompt = tmp_path / "prompt.wav"
+    sf.write(prompt, samples, rate, subtype="FLOAT")  # float samples keep a NaN or an infinity
     opened: list[Path] = []
     monkeypatch.setattr(RuntimeBundle, "open", lambda path, **_: opened.append(path))
     out = tmp_path / "o.wav"

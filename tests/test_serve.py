@@ -720,6 +720,7 @@ def _wav(samples: np.ndarray, rate: int) -> bytes:
 
 
 _TONE = (0.3 * np.sin(np.arange(16000) * 0.2)).astype(np.float32)  # 1 s at 16 kHz
+_AT_900 = np.arange(16000) == 900
 
 
 def multipart(body: bytes, boundary: str | None = "b0") -> dict[str, Any]:
@@ -738,6 +739,13 @@ BAD_REQUESTS = [
     ("silent prompt", "/inference_cross_lingual",
      {"data": {"tts_text": "Hi."}, "files": _upload(_wav(np.zeros(16000, np.float32), 16000))},
      400, "prompt_wav: the audio file is silent or nearly so (RMS level -inf dBFS)"),
+    ("infinite sample", "/inference_cross_lingual",
+     {"data": {"tts_text": "Hi."}, "files": _upload(_wav(np.where(_AT_900, np.inf, _TONE), 16000))},
+     400, "prompt_wav: the audio file holds 1 sample(s) that are NaN or infinite; a prompt needs finite "
+          "samples"),
+    ("NaN sample", "/speakers", {"data": {"name": "nan", "prompt_text": "x"},
+                                 "files": _upload(_wav(np.where(_AT_900, np.nan, _TONE), 16000))},
+     400, "prompt_wav: the audio file holds 1 sample(s) that are NaN or infinite"),
     ("short prompt", "/inference_cross_lingual",
      {"data": {"tts_text": "Hi."}, "files": _upload(_wav(_TONE[:4000], 16000))},
      400, "prompt_wav: the audio file is too short (0.250 s); a prompt needs at least 0.5 s"),

@@ -92,12 +92,17 @@ def _name(path: str | Path | BinaryIO) -> str:
 
 def check_prompt_audio(prompt: PromptAudio) -> None:
     """Raise `FrontendError` (one line naming the audio and the measured value) for a prompt that is
-    shorter than 0.5 s, longer than the speech tokenizer's 30 s, or silent (RMS under -60 dBFS)."""
+    shorter than 0.5 s, longer than the speech tokenizer's 30 s, holding a NaN or an infinity, or silent
+    (RMS under -60 dBFS)."""
     seconds = prompt.samples.shape[0] / prompt.sample_rate
     if seconds < MIN_PROMPT_SECONDS:
         raise FrontendError(f"{prompt.source} is too short ({seconds:.3f} s); a prompt needs at least "
                             f"{MIN_PROMPT_SECONDS:g} s")
     check_tokenizer_length(seconds, prompt.source)
+    bad = int(np.count_nonzero(~np.isfinite(prompt.samples)))
+    if bad:
+        raise FrontendError(f"{prompt.source} holds {bad} sample(s) that are NaN or infinite; a prompt needs "
+                            "finite samples")
     rms = math.sqrt(float(np.mean(np.square(prompt.samples, dtype=np.float64))))
     level = 20 * math.log10(rms) if rms > 0 else -math.inf
     if level < SILENCE_DBFS:
