@@ -27,6 +27,8 @@ Ours beside upstream's: `synthesize_many`, many texts at once, their decodings b
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import threading
 import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
@@ -48,6 +50,7 @@ from .decode_batch import BatchObserver
 from .errors import UserError
 from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from .frontend import (
+    ENDOFPROMPT,
     PromptAudio,
     PromptFeatures,
     TextFrontend,
@@ -56,6 +59,7 @@ from .frontend import (
     extract_prompt,
     open_session,
     read_prompt_audio,
+    zero_shot_prompt,
 )
 from .frontend.audio import MIN_SAMPLE_RATE
 from .prefix_jobs import PrefixJobs
@@ -115,8 +119,8 @@ class CosyVoice3:
     """A runtime bundle's graphs, front end and speakers, opened once (the runtime's front door); the
     prompt front end's models open on the first prompt."""
 
-    def __init__(self, model_dir: str | Path | RuntimeBundle, *, load_trt: bool = False,
-                 load_vllm: bool = False, fp16: bool = False, trt_concurrent: int = 1, provider: str = CPU,
+    def __init__(self, model_dir: str | Path | RuntimeBundle, load_trt: bool = False,
+                 load_vllm: bool = False, fp16: bool = False, trt_concurrent: int = 1, *, provider: str = CPU,
                  threads: int | None = None, sampling: str = "ras", seed: int = 0, verify: bool = True,
                  speakers_dir: Path | None = None, flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
                  max_batch: int | None = None, batch_observer: BatchObserver | None = None,
@@ -212,9 +216,17 @@ class CosyVoice3:
     def inference_instruct2(self, tts_text: TtsText, instruct_text: str, prompt_wav: PromptWav | None,
                             zero_shot_spk_id: str = "", stream: bool = False, speed: float = 1.0,
                             text_frontend: bool = True) -> Iterator[dict[str, np.ndarray]]:
-        """Speak `tts_text` as `instruct_text` asks (e.g. "请用广东话表达。"), in the voice of `prompt_wav` or
-        of the speaker `zero_shot_spk_id`; `tts_text` as `inference_zero_shot`'s."""
+        """Speak `tts_text` as `instruct_text` asks (e.g. "请用广东话表达。"), in the voice of `prompt_wav`;
+        `tts_text` as `inference_zero_shot`'s. With the speaker `zero_shot_spk_id`, as upstream: its front
+        end takes the stored speaker's inputs whole, so the LLM reads the speaker's transcript where the
+        instruction would stand, and `instruct_text` goes unused (a warning says so; `segments` and
+        `speak` with the speaker's features apply an instruction in a stored voice)."""
         speaker = self._speaker(zero_shot_spk_id)
+        if speaker is not None:
+            warnings.warn("instruct_text unused: with zero_shot_spk_id upstream's instruct2 reads the "
+                          "speaker's transcript in its place", stacklevel=2)
+            transcript = speaker.prompt_text
+            instruct_text = transcript if ENDOFPROMPT in transcript else zero_shot_prompt(transcript)
         return self._inference(Mode.INSTRUCT2, tts_text, speaker or prompt_wav, stream, speed, text_frontend,
                                instruct=instruct_text)
 
@@ -412,7 +424,13 @@ class CosyVoice3:
                    ) -> Iterator[dict[str, np.ndarray]]:
         if prompt is None:
             raise UserError("prompt_wav is needed unless zero_shot_spk_id names an added speaker")
+        if stream and speed != 1.0:
+            warnings.warn(f"speed={speed!r} ignored: upstream applies speed offline only", stacklevel=3)
+            speed = 1.0
         _check_speed(stream, speed)
+        if tts_text is None or isinstance(tts_text, bytes) or not isinstance(tts_text, Iterable):
+            raise UserError(f"tts_text is {type(tts_text).__name__}; expected a str, or an iterable of str "
+                            "pieces")
         if not isinstance(tts_text, str):  # pieces of text still to come: upstream's bistream
             _check_text_stream(mode)
             prompt_ids(mode, self.tokenizer, prompt_text=prompt_text, instruct=instruct)  # checked first
@@ -445,6 +463,8 @@ def _check_text_stream(mode: Mode) -> None:
 
 
 def _check_speed(stream: bool, speed: float) -> None:
+    if not (isinstance(speed, numbers.Real) and math.isfinite(speed) and speed > 0):
+        raise UserError(f"speed is {speed!r}; expected a finite number above 0")
     if stream and speed != 1.0:
         raise UserError("speed works offline only (upstream ignores it when streaming)")
 
@@ -453,6 +473,12 @@ def _prompt_audio(prompt_wav: PromptWav) -> PromptAudio:
     """`prompt_wav` read and checked (`check_prompt_audio`)."""
     if isinstance(prompt_wav, PromptAudio):
         return prompt_wav
+    if isinstance(prompt_wav, str | Path) and not str(prompt_wav):
+        raise UserError("prompt_wav is empty; expected a recording's path, or zero_shot_spk_id naming an "
+                        "added speaker")
+    if not isinstance(prompt_wav, tuple | str | Path) and not hasattr(prompt_wav, "read"):
+        raise UserError(f"prompt_wav is {type(prompt_wav).__name__}; expected a path, an open binary file, "
+                        "(samples, sample rate) or audio read already")
     if not isinstance(prompt_wav, tuple):
         return read_prompt_audio(prompt_wav)
     samples, sample_rate = prompt_wav

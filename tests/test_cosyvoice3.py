@@ -168,8 +168,15 @@ def test_concurrent_first_prompts_open_the_front_end_once(monkeypatch: pytest.Mo
 
 def test_bad_input_is_refused_before_synthesis(cosyvoice: CosyVoice3) -> None:
     cases = [
-        (lambda: cosyvoice.inference_zero_shot(TEXT, TRANSCRIPT, str(PROMPT_WAV), stream=True, speed=1.5),
-         "speed works offline only"),
+        (lambda: cosyvoice.inference_zero_shot(TEXT, TRANSCRIPT, str(PROMPT_WAV), speed=float("nan")),
+         "speed is nan; expected a finite number above 0"),
+        (lambda: cosyvoice.inference_cross_lingual(TEXT, str(PROMPT_WAV), speed=0),
+         "speed is 0; expected a finite number above 0"),
+        (lambda: cosyvoice.inference_cross_lingual(TEXT, ""),
+         "prompt_wav is empty; expected a recording's path"),
+        (lambda: cosyvoice.inference_cross_lingual(TEXT, 5), "prompt_wav is int; expected a path"),
+        (lambda: cosyvoice.inference_cross_lingual(None, str(PROMPT_WAV)),
+         "tts_text is NoneType; expected a str"),
         (lambda: cosyvoice.inference_cross_lingual(TEXT, "", zero_shot_spk_id="nobody"),
          "zero_shot_spk_id: unknown speaker 'nobody'"),
         (lambda: cosyvoice.inference_cross_lingual(TEXT, (np.zeros(8000, np.float32), 8000)),
@@ -185,6 +192,36 @@ def test_bad_input_is_refused_before_synthesis(cosyvoice: CosyVoice3) -> None:
     assert issubclass(UserError, ValueError)
     with pytest.raises(UserError, match="sampling is 'beam'"):
         CosyVoice3(DEMO_BUNDLE, sampling="beam")
+
+
+def test_streaming_ignores_speed_as_upstream(cosyvoice: CosyVoice3) -> None:
+    with pytest.warns(UserWarning, match=r"speed=1.5 ignored: upstream applies speed offline only"):
+        fast = [o["tts_speech"] for o in cosyvoice.inference_cross_lingual(TEXT, str(PROMPT_WAV), stream=True,
+                                                                           speed=1.5)]
+    plain = [o["tts_speech"] for o in cosyvoice.inference_cross_lingual(TEXT, str(PROMPT_WAV), stream=True)]
+    assert len(fast) == len(plain)
+    for a, b in zip(fast, plain, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_instruct2_with_a_speaker_reads_its_transcript_as_upstream(cosyvoice: CosyVoice3) -> None:
+    """Upstream's front end takes a stored speaker's inputs whole: instruct2 reads the speaker's transcript
+    where the instruction would stand (the prompt's speech ids left out), whatever `instruct_text` says."""
+    cosyvoice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "instructed")
+    with pytest.warns(UserWarning, match="instruct_text unused"):
+        got = [o["tts_speech"] for o in cosyvoice.inference_instruct2(TEXT, "Speak slowly.", "",
+                                                                      zero_shot_spk_id="instructed")]
+    transcript = "You are a helpful assistant.<|endofprompt|>" + TRANSCRIPT
+    want = [o["tts_speech"] for o in cosyvoice.inference_instruct2(TEXT, transcript, str(PROMPT_WAV))]
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_upstreams_positional_constructor_arguments() -> None:
+    with pytest.warns(UserWarning, match="trt_concurrent=2 ignored"), \
+            CosyVoice3(DEMO_BUNDLE, False, False, False, 2) as voice:
+        assert voice.sample_rate == 24000
 
 
 def test_auto_model_is_the_same_object() -> None:
