@@ -56,9 +56,12 @@ from .frontend import (
     TextFrontend,
     TextTokenizer,
     check_prompt_audio,
+    check_source_audio,
     extract_prompt,
     open_session,
     read_prompt_audio,
+    read_source_audio,
+    source_speech_tokens,
     zero_shot_prompt,
 )
 from .frontend.audio import MIN_SAMPLE_RATE
@@ -230,6 +233,23 @@ class CosyVoice3:
         return self._inference(Mode.INSTRUCT2, tts_text, speaker or prompt_wav, stream, speed, text_frontend,
                                instruct=instruct_text)
 
+    def inference_vc(self, source_wav: PromptWav, prompt_wav: PromptWav, stream: bool = False,
+                     speed: float = 1.0) -> Iterator[dict[str, np.ndarray]]:
+        """Voice conversion: `source_wav`'s speech in the voice of `prompt_wav`, as upstream's: the source's
+        speech tokens (at most 30 s, as upstream asserts) go to the flow with no LLM, after the prompt's
+        tokens and mel as extracted (upstream's `frontend_vc` leaves them uncut, unlike the other modes'
+        front end). Offline one output; streaming one per chunk, on this object's `chunk_policy`."""
+        speed = _upstream_speed(stream, speed)
+        source = _audio(source_wav, "source_wav", read_source_audio, check_source_audio)
+        prompt = _audio(prompt_wav, "prompt_wav", read_prompt_audio, check_prompt_audio)
+        campplus, speech_tokenizer = self._prompt_models()
+        features = extract_prompt(prompt, campplus, speech_tokenizer, self.bundle.dims.token_mel_ratio,
+                                  aligned=False)
+        tokens = [int(t) for t in source_speech_tokens(source, speech_tokenizer)[0]]
+        chunks = (self.synth.stream_tokens(tokens, features) if stream
+                  else self._offline(iter(tokens), features, speed))
+        return ({"tts_speech": chunk.samples[None]} for chunk in chunks)
+
     def add_zero_shot_spk(self, prompt_text: str, prompt_wav: PromptWav, zero_shot_spk_id: str, *,
                           precompute: bool = True) -> bool:
         """Keep `prompt_wav`'s features and transcript as speaker `zero_shot_spk_id` (in this object until
@@ -290,7 +310,8 @@ class CosyVoice3:
     def prompt_features(self, prompt_wav: PromptWav) -> PromptFeatures:
         """The prompt recording's speech tokens, prompt mel and x-vector (upstream's front end); the first
         call opens its models."""
-        audio = _prompt_audio(prompt_wav)  # a bad recording is refused before any model opens
+        # a bad recording is refused before any model opens
+        audio = _audio(prompt_wav, "prompt_wav", read_prompt_audio, check_prompt_audio)
         campplus, speech_tokenizer = self._prompt_models()
         return extract_prompt(audio, campplus, speech_tokenizer, self.bundle.dims.token_mel_ratio)
 
@@ -424,10 +445,7 @@ class CosyVoice3:
                    ) -> Iterator[dict[str, np.ndarray]]:
         if prompt is None:
             raise UserError("prompt_wav is needed unless zero_shot_spk_id names an added speaker")
-        if stream and speed != 1.0:
-            warnings.warn(f"speed={speed!r} ignored: upstream applies speed offline only", stacklevel=3)
-            speed = 1.0
-        _check_speed(stream, speed)
+        speed = _upstream_speed(stream, speed)
         if tts_text is None or isinstance(tts_text, bytes) or not isinstance(tts_text, Iterable):
             raise UserError(f"tts_text is {type(tts_text).__name__}; expected a str, or an iterable of str "
                             "pieces")
@@ -462,6 +480,15 @@ def _check_text_stream(mode: Mode) -> None:
                         "zero-shot or instruct2)")
 
 
+def _upstream_speed(stream: bool, speed: float) -> float:
+    """The speed that upstream's methods apply: none when streaming (a warning says so); checked."""
+    if stream and speed != 1.0:
+        warnings.warn(f"speed={speed!r} ignored: upstream applies speed offline only", stacklevel=4)
+        speed = 1.0
+    _check_speed(stream, speed)
+    return speed
+
+
 def _check_speed(stream: bool, speed: float) -> None:
     if not (isinstance(speed, numbers.Real) and math.isfinite(speed) and speed > 0):
         raise UserError(f"speed is {speed!r}; expected a finite number above 0")
@@ -469,26 +496,27 @@ def _check_speed(stream: bool, speed: float) -> None:
         raise UserError("speed works offline only (upstream ignores it when streaming)")
 
 
-def _prompt_audio(prompt_wav: PromptWav) -> PromptAudio:
-    """`prompt_wav` read and checked (`check_prompt_audio`)."""
-    if isinstance(prompt_wav, PromptAudio):
-        return prompt_wav
-    if isinstance(prompt_wav, str | Path) and not str(prompt_wav):
-        raise UserError("prompt_wav is empty; expected a recording's path, or zero_shot_spk_id naming an "
-                        "added speaker")
-    if not isinstance(prompt_wav, tuple | str | Path) and not hasattr(prompt_wav, "read"):
-        raise UserError(f"prompt_wav is {type(prompt_wav).__name__}; expected a path, an open binary file, "
+def _audio(wav: PromptWav, name: str, read: Callable[[str | Path | BinaryIO], PromptAudio],
+           check: Callable[[PromptAudio], None]) -> PromptAudio:
+    """`wav`, the argument `name`, read (`read`: a path or an open file) and checked (`check`)."""
+    if isinstance(wav, PromptAudio):
+        return wav
+    if isinstance(wav, str | Path) and not str(wav):
+        hint = ", or zero_shot_spk_id naming an added speaker" if name == "prompt_wav" else ""
+        raise UserError(f"{name} is empty; expected a recording's path{hint}")
+    if not isinstance(wav, tuple | str | Path) and not hasattr(wav, "read"):
+        raise UserError(f"{name} is {type(wav).__name__}; expected a path, an open binary file, "
                         "(samples, sample rate) or audio read already")
-    if not isinstance(prompt_wav, tuple):
-        return read_prompt_audio(prompt_wav)
-    samples, sample_rate = prompt_wav
+    if not isinstance(wav, tuple):
+        return read(wav)
+    samples, sample_rate = wav
     data = np.asarray(samples, dtype=np.float32)
     if data.ndim not in (1, 2) or not isinstance(sample_rate, int | np.integer):
-        raise UserError(f"prompt_wav is ({data.shape} array, {sample_rate!r}); expected (samples (N,) or "
+        raise UserError(f"{name} is ({data.shape} array, {sample_rate!r}); expected (samples (N,) or "
                         "(N, channels), sample rate in Hz)")
     if sample_rate < MIN_SAMPLE_RATE:
-        raise UserError(f"prompt_wav has sample rate {sample_rate} Hz; the minimum is {MIN_SAMPLE_RATE} Hz")
+        raise UserError(f"{name} has sample rate {sample_rate} Hz; the minimum is {MIN_SAMPLE_RATE} Hz")
     mono = data if data.ndim == 1 else data.mean(axis=1, dtype=np.float32)  # float32 mean, as upstream
-    audio = PromptAudio(np.ascontiguousarray(mono), int(sample_rate), "prompt_wav")
-    check_prompt_audio(audio)
+    audio = PromptAudio(np.ascontiguousarray(mono), int(sample_rate), name)
+    check(audio)
     return audio

@@ -589,8 +589,9 @@ class _Stream:
         return frames % self.synth.dims.dit_block_frames != 0
 
     def _chunk(self, tokens: list[int], hop: int, llm_s: float, *, final: bool) -> AudioChunk:
-        # the chunk adds ratio * hop mel frames (its look-ahead tokens' frames come with the next one)
-        frames = self.ratio * hop
+        # the chunk adds ratio * hop mel frames (its look-ahead tokens' frames come with the next one), and
+        # again the last chunk's last frames where the prompt's mel is short of its tokens' (`prompt_lag`)
+        frames = self.ratio * hop + self.synth.flow.prompt_lag(self.prompt)
         key = (Vocoder.key(self.mel.shape[2] + frames) if self.vocoder_stream is None
                else self.vocoder_stream.key(frames, finalize=final))
         with self.synth.chunk_turn(first=self.index == 0) as pause, self.synth.vocoder.calls(key) as calls:

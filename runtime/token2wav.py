@@ -198,12 +198,15 @@ class Flow:
         blocks, or both (see `FlowStream`)."""
         if window is not None and window < 1:
             raise ValueError(f"window must be >= 1 block, got {window}")
-        if prompt.mel.shape[1] != self.dims.token_mel_ratio * prompt.speech_tokens.shape[1]:
-            raise ValueError(f"the prompt has {prompt.mel.shape[1]} mel frames for "
-                             f"{prompt.speech_tokens.shape[1]} tokens; the flow needs "
-                             f"{self.dims.token_mel_ratio} per token")
         return FlowStream(self, prompt, final_cached, window,
                           [empty_caches(self.estimator.spec) for _ in self.steps])
+
+    def prompt_lag(self, prompt: PromptFeatures) -> int:
+        """Frames the prompt's mel is short of its tokens' (0 for an aligned prompt; a voice conversion's,
+        as upstream's `frontend_vc` leaves it uncut, usually 0 to 2): the generated frames start that many
+        frames before the tokens' own, and upstream's every chunk after the first starts again that many
+        frames before the last one ended."""
+        return self.dims.token_mel_ratio * prompt.speech_tokens.shape[1] - prompt.mel.shape[1]
 
     def prefix_frames(self, prompt_tokens: int) -> int:
         """Frames of a prompt of `prompt_tokens` tokens that `prefix` covers: the whole blocks among the
@@ -333,6 +336,9 @@ class FlowStream:
     tokens: int = 0
     """Generated tokens whose mel frames `push` has returned."""
     finished: bool = False
+    tail: np.ndarray | None = field(default=None, repr=False)
+    """The last push's last `Flow.prompt_lag` frames, where a prompt's mel is short of its tokens': the next
+    chunk starts with them again, as upstream's does."""
 
     @property
     def cached_frames(self) -> int:
@@ -379,9 +385,10 @@ class FlowStream:
                              keep=not finalize)
         if finalize:
             self.caches, self.frames = [], end  # nothing reads the caches again
-        emitted = self.prompt.mel.shape[1] + ratio * self.tokens  # the first frame not returned yet
+        mel = self._from_emitted(x, first)
+        self._keep_tail(x)
         self.tokens, self.finished = covered, finalize
-        return x[:, :, emitted - first:]
+        return mel
 
     def peek(self, tokens: Sequence[int], *, pause: Callable[[], None] = no_pause) -> np.ndarray:
         """The mel (1, 80, n) of a non-final chunk that ends inside a DiT block (a first chunk of
@@ -400,7 +407,21 @@ class FlowStream:
             mu, spks = flow.encode(all_tokens, first // ratio, self.prompt, finalize=False)
             x = self.advance(mu, spks, block_frames=flow.dims.dit_block_frames, pause=pause, calls=calls,
                              keep=False)
-        return x[:, :, self.prompt.mel.shape[1] + ratio * self.tokens - first:]
+        return self._from_emitted(x, first)
+
+    def _from_emitted(self, x: np.ndarray, first: int) -> np.ndarray:
+        """The frames of `x` (1, 80, n), which starts at frame `first`, from the first that the generated
+        tokens after the first `self.tokens` give (the prompt's mel frames on): where that lies before
+        `first` (a prompt whose mel is short of its tokens'), the last push's tail first."""
+        emitted = self.prompt.mel.shape[1] + self.flow.dims.token_mel_ratio * self.tokens
+        if emitted >= first:
+            return x[:, :, emitted - first:]
+        assert self.tail is not None and self.tail.shape[2] >= first - emitted
+        return np.concatenate([self.tail[:, :, emitted - first:], x], axis=2)
+
+    def _keep_tail(self, x: np.ndarray) -> None:
+        lag = self.flow.prompt_lag(self.prompt)
+        self.tail = x[:, :, x.shape[2] - lag:] if lag > 0 else None
 
     def _start(self) -> None:
         """Before the first chunk: start after the prompt's prefix (`Flow.prefix`)."""

@@ -27,7 +27,15 @@ from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import ProviderError, UserError
-from cosyvoice_runtime.frontend import PromptFeatures, extract_prompt, open_session
+from cosyvoice_runtime.frontend import (
+    PromptAudio,
+    PromptFeatures,
+    check_prompt_audio,
+    extract_prompt,
+    open_session,
+    read_prompt_audio,
+    source_speech_tokens,
+)
 from cosyvoice_runtime.speakers import REGISTRY, SPEAKERS_DIR_ENV, SpeakerRegistry, frontend_fingerprint
 
 PROMPT_WAV = DEMO_BUNDLE / "asset" / "zero_shot_prompt.wav"
@@ -216,6 +224,45 @@ def test_instruct2_with_a_speaker_reads_its_transcript_as_upstream(cosyvoice: Co
     assert len(got) == len(want)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_voice_conversion_as_upstream(cosyvoice: CosyVoice3) -> None:
+    """`inference_vc`: the source's speech tokens through the flow after the prompt's tokens and mel as
+    extracted, uncut (upstream's `frontend_vc`), offline and streamed; the source is only the tokenizer's."""
+    samples, rate = sf.read(PROMPT_WAV, dtype="float32")
+    source, prompt = (samples[:int(rate * 4.3)], rate), (samples[int(rate * 0.3):int(rate * 3.31)], rate)
+    campplus, tokenizer = cosyvoice._prompt_models()
+    audio = cosyvoice_runtime.cosyvoice3._audio(prompt, "prompt_wav", read_prompt_audio, check_prompt_audio)
+    uncut = extract_prompt(audio, campplus, tokenizer, aligned=False)
+    aligned = cosyvoice.prompt_features(prompt)
+    lag = cosyvoice.synth.flow.prompt_lag(uncut)
+    assert lag == 2 and uncut.speech_tokens.shape[1] == aligned.speech_tokens.shape[1] + 1
+    np.testing.assert_array_equal(uncut.mel, aligned.mel)  # 150 frames: 2:1 with 75 tokens already
+    np.testing.assert_array_equal(uncut.speech_tokens[:, :-1], aligned.speech_tokens)
+    tokens = [int(t) for t in source_speech_tokens(PromptAudio(source[0], rate, "source"), tokenizer)[0]]
+
+    offline = [o["tts_speech"] for o in cosyvoice.inference_vc(source, prompt)]
+    assert len(offline) == 1
+    np.testing.assert_array_equal(offline[0][0], cosyvoice.synth.token2wav(tokens, uncut)[1])
+    assert offline[0].shape == (1, 480 * (2 * len(tokens) + lag))
+    streamed = [o["tts_speech"] for o in cosyvoice.inference_vc(source, prompt, stream=True)]
+    want = [c.samples for c in cosyvoice.synth.stream_tokens(tokens, uncut)]
+    assert len(streamed) == len(want) >= 2
+    for got, chunk in zip(streamed, want, strict=True):
+        np.testing.assert_array_equal(got[0], chunk)
+    assert sum(c.shape[1] for c in streamed) == 480 * (2 * len(tokens) + lag * len(streamed))
+
+    for call, message in [
+        (lambda: cosyvoice.inference_vc("", prompt), "source_wav is empty; expected a recording's path$"),
+        (lambda: cosyvoice.inference_vc((np.full(16000 * 31, 0.1, np.float32), 16000), prompt),
+         "source_wav lasts 31.00 s; the speech tokenizer takes at most 30 s"),
+        (lambda: cosyvoice.inference_vc((np.where(np.arange(16000) == 3, np.nan, 0.1), 16000), prompt),
+         "source_wav holds 1 sample"),
+        (lambda: cosyvoice.inference_vc(source, (np.zeros(24000, np.float32), 24000)),
+         "prompt_wav is silent or nearly so"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            call()
 
 
 def test_upstreams_positional_constructor_arguments() -> None:

@@ -25,6 +25,7 @@ from cosyvoice_export.reference.llm_decode import TorchGreedySampler, TorchRasSa
 from cosyvoice_export.reference.pipeline import ReferencePipeline
 from cosyvoice_graphs import ode_time_grid
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.sampling import make_sampler
 from cosyvoice_runtime.synthesis import AudioChunk, Mode, Synthesizer
@@ -212,6 +213,37 @@ def test_stream_equals_torch_streaming_and_repeats(pipe: ReferencePipeline, synt
     digest = [hashlib.sha256(c.samples.tobytes()).hexdigest() for c in chunks]
     assert digest == [hashlib.sha256(c.samples.tobytes()).hexdigest() for c in again]
     assert [c.token_range for c in again] == [c.token_range for c in chunks]
+
+
+@pytest.mark.parametrize("flow", ["cache", "rerun"])
+@pytest.mark.parametrize("lag", [1, 2])
+def test_a_prompt_short_of_its_tokens_streams_as_upstreams_voice_conversion(
+        pipe: ReferencePipeline, synth: Synthesizer, torch_prompt: TorchPromptFeatures,
+        stream_tokens: list[int], lag: int, flow: str) -> None:
+    """Upstream's voice conversion leaves the prompt's mel `lag` frames short of its tokens' (uncut): its
+    generated frames start `lag` frames early and each later chunk starts again `lag` frames before the
+    last one ended. The runtime's streams (cached and re-run flow) and offline path give upstream's
+    algorithm's samples on the torch networks."""
+    short = TorchPromptFeatures(torch_prompt.speech_tokens, torch_prompt.mel[:, :-lag],
+                                torch_prompt.embedding)
+    prompt = PromptFeatures(short.speech_tokens.numpy(), short.mel.numpy(), short.embedding.numpy())
+    assert synth.flow.prompt_lag(prompt) == lag
+    policy = ChunkPolicy(flow=flow)  # type: ignore[arg-type]
+    chunks = list(synth.stream_tokens(stream_tokens, prompt, policy=policy))
+    want = _torch_stream(pipe, stream_tokens, short)
+    n = len(stream_tokens)
+    assert len(chunks) == len(want) >= 4
+    assert [len(c.samples) for c in chunks] == [len(w) for w in want]
+    audio = np.concatenate([c.samples for c in chunks])
+    assert audio.shape == (480 * (2 * n + lag * len(chunks)),)  # each chunk's first `lag` frames again
+    audio_max, audio_mean = _report(f"stream, prompt {lag} short, {flow}", audio, np.concatenate(want))
+    assert audio_mean < AUDIO_MEAN and audio_max < AUDIO_MAX
+
+    mel, offline, _ = synth.token2wav(stream_tokens, prompt)
+    ref_mel, ref_audio = pipe.token2wav(stream_tokens, short)
+    assert mel.shape == ref_mel.shape == (1, 80, 2 * n + lag)
+    assert _report(f"offline mel, prompt {lag} short", mel, ref_mel.numpy())[0] < MEL_MAX
+    assert _report(f"offline audio, prompt {lag} short", offline, ref_audio)[1] < AUDIO_MEAN
 
 
 def test_stream_of_few_tokens_is_one_final_chunk(synth: Synthesizer, prompt: PromptFeatures,

@@ -3,7 +3,8 @@
 - `TextTokenizer`: Qwen2 BPE + CosyVoice3 special tokens from a `CosyVoice-BlankEN/` folder.
 - `TextFrontend`: upstream's text normalisation (wetext) and sentence splitting; prompt formats.
 - `read_prompt_audio`, `extract_prompt`: prompt recording -> checked audio -> speech tokens, prompt mel
-  and x-vector (`PromptFeatures`).
+  and x-vector (`PromptFeatures`); `read_source_audio`, `source_speech_tokens`: a voice conversion's
+  source recording -> its speech tokens.
 - `load_wav`, `whisper_log_mel`, `kaldi_fbank`, `prompt_mel`: the audio steps on their own.
 """
 
@@ -18,9 +19,11 @@ from .audio import (
     SPEECH_SAMPLE_RATE,
     PromptAudio,
     check_prompt_audio,
+    check_source_audio,
     load_wav,
     read_audio,
     read_prompt_audio,
+    read_source_audio,
     resample,
 )
 from .features import PromptMelConfig, kaldi_fbank, prompt_mel, slaney_mel_filterbank, whisper_log_mel
@@ -29,6 +32,7 @@ from .prompt import (
     align_prompt,
     extract_prompt,
     open_session,
+    source_speech_tokens,
     speaker_embedding,
     speech_tokens,
 )
@@ -63,6 +67,7 @@ __all__ = [
     "TextTokenizer",
     "align_prompt",
     "check_prompt_audio",
+    "check_source_audio",
     "contains_chinese",
     "cross_lingual_text",
     "extract_prompt",
@@ -74,8 +79,10 @@ __all__ = [
     "prompt_mel",
     "read_audio",
     "read_prompt_audio",
+    "read_source_audio",
     "resample",
     "slaney_mel_filterbank",
+    "source_speech_tokens",
     "speaker_embedding",
     "speech_tokens",
     "split_paragraph",

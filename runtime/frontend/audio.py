@@ -85,6 +85,15 @@ def read_prompt_audio(path: str | Path | BinaryIO) -> PromptAudio:
     return prompt
 
 
+def read_source_audio(path: str | Path | BinaryIO) -> PromptAudio:
+    """Read a voice conversion's source recording (`read_audio`) and refuse what the speech tokenizer
+    cannot take (`check_source_audio`)."""
+    samples, sr = read_audio(path)
+    source = PromptAudio(samples, sr, f"audio file {_name(path)}")
+    check_source_audio(source)
+    return source
+
+
 def _name(path: str | Path | BinaryIO) -> str:
     """How errors call a file: its path, or an open file's name."""
     return str(getattr(path, "name", "(an open file)")) if hasattr(path, "read") else str(path)
@@ -98,16 +107,23 @@ def check_prompt_audio(prompt: PromptAudio) -> None:
     if seconds < MIN_PROMPT_SECONDS:
         raise FrontendError(f"{prompt.source} is too short ({seconds:.3f} s); a prompt needs at least "
                             f"{MIN_PROMPT_SECONDS:g} s")
-    check_tokenizer_length(seconds, prompt.source)
-    bad = int(np.count_nonzero(~np.isfinite(prompt.samples)))
-    if bad:
-        raise FrontendError(f"{prompt.source} holds {bad} sample(s) that are NaN or infinite; a prompt needs "
-                            "finite samples")
+    check_source_audio(prompt)
     rms = math.sqrt(float(np.mean(np.square(prompt.samples, dtype=np.float64))))
     level = 20 * math.log10(rms) if rms > 0 else -math.inf
     if level < SILENCE_DBFS:
         raise FrontendError(f"{prompt.source} is silent or nearly so (RMS level {level:.1f} dBFS); a prompt "
                             f"needs speech above {SILENCE_DBFS:g} dBFS")
+
+
+def check_source_audio(audio: PromptAudio) -> None:
+    """Raise `FrontendError` (one line naming the audio) for audio the speech tokenizer cannot take: over
+    30 s (upstream asserts it), or holding a NaN or an infinity. A voice conversion's source may be short
+    or silent, as upstream's."""
+    check_tokenizer_length(audio.samples.shape[0] / audio.sample_rate, audio.source)
+    bad = int(np.count_nonzero(~np.isfinite(audio.samples)))
+    if bad:
+        raise FrontendError(f"{audio.source} holds {bad} sample(s) that are NaN or infinite; expected "
+                            "finite samples")
 
 
 def resample(x: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:

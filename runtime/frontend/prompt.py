@@ -44,6 +44,14 @@ def speech_tokens(session: onnxruntime.InferenceSession, wav16k: np.ndarray) -> 
     return np.asarray(out).reshape(1, -1).astype(np.int64)
 
 
+def source_speech_tokens(source: PromptAudio, session: onnxruntime.InferenceSession) -> np.ndarray:
+    """A voice conversion's source recording -> its speech tokens int64 (1, n) (upstream's `frontend_vc`)."""
+    tokens = speech_tokens(session, resample(source.samples, source.sample_rate, SPEECH_SAMPLE_RATE))
+    if tokens.shape[1] == 0:
+        raise FrontendError(f"{source.source} gives no speech tokens")
+    return tokens
+
+
 def speaker_embedding(session: onnxruntime.InferenceSession, wav16k: np.ndarray) -> np.ndarray:
     """CAM++ x-vector of 16 kHz mono audio (N,) -> float32 (1, D), D = 192 for `campplus.onnx`."""
     feat = kaldi_fbank(wav16k)[None]  # (1, T, 80)
@@ -78,9 +86,10 @@ class PromptFeatures:
     """Everything the networks take from a prompt recording."""
 
     speech_tokens: np.ndarray
-    """int64 (1, n): speech tokens, already cut to the mel alignment."""
+    """int64 (1, n): speech tokens, cut to the mel alignment (a voice conversion's prompt: as extracted)."""
     mel: np.ndarray
-    """float32 (1, token_mel_ratio * n, 80): prompt mel at 50 Hz."""
+    """float32 (1, token_mel_ratio * n, 80): prompt mel at 50 Hz (a voice conversion's prompt: as extracted,
+    at most `token_mel_ratio * n` frames)."""
     embedding: np.ndarray
     """float32 (1, 192): CAM++ x-vector (the flow's speaker embedding)."""
 
@@ -91,8 +100,11 @@ def extract_prompt(
     tokenizer_session: onnxruntime.InferenceSession,
     token_mel_ratio: int = 2,
     mel_config: PromptMelConfig | None = None,
+    *,
+    aligned: bool = True,
 ) -> PromptFeatures:
-    """Compute a prompt recording's aligned speech tokens, prompt mel and x-vector.
+    """Compute a prompt recording's aligned speech tokens, prompt mel and x-vector (`aligned=False`: as
+    upstream's `frontend_vc`, the mel and tokens as extracted, neither cut).
 
     `prompt` is a file to read (`read_prompt_audio`) or audio read already. It is resampled to 16 kHz
     (tokens, x-vector) and to `mel_config.sampling_rate` (mel; `mel_config` defaults to CosyVoice3's
@@ -104,7 +116,9 @@ def extract_prompt(
     wav16k = resample(audio.samples, audio.sample_rate, SPEECH_SAMPLE_RATE)
     wav_mel = resample(audio.samples, audio.sample_rate, mel_config.sampling_rate)
     tokens = speech_tokens(tokenizer_session, wav16k)
-    mel, tokens = align_prompt(prompt_mel(wav_mel, mel_config), tokens, token_mel_ratio)
+    mel = prompt_mel(wav_mel, mel_config)
+    if aligned:
+        mel, tokens = align_prompt(mel, tokens, token_mel_ratio)
     if tokens.shape[1] == 0:
         raise FrontendError(f"{audio.source} gives no speech tokens")
     embedding = speaker_embedding(campplus_session, wav16k)
