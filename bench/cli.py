@@ -15,7 +15,7 @@ from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import choose_prompt
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
-from cosyvoice_runtime.cli_options import chunk_policy_options
+from cosyvoice_runtime.cli_options import THREADS, chunk_policy_options
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, PROVIDERS
 from cosyvoice_runtime.synthesis import check_synthesis, uses_cuda_graphs
@@ -51,7 +51,7 @@ def _user_errors() -> Iterator[None]:
 @click.option("--vs-torch", is_flag=True, help="Also run every case on the torch reference, interleaved.")
 @click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path),
               help="The model directory the runtime bundle was exported from (torch reference).")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
+@click.option("--threads", type=THREADS, default=None,
               help="onnxruntime intra-op threads, and torch threads  [default: usable CPUs]")
 @click.option("--provider", type=click.Choice(PROVIDERS), default=CPU, show_default=True,
               help="The runtime's provider (the torch reference always runs on the CPU).")

@@ -25,6 +25,7 @@ import onnxruntime as ort
 from cosyvoice_graphs import DIT, GraphSpec, cache_pairs, dit_call_case
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.cli_options import THREADS
 from cosyvoice_runtime.dit_stack import row_inputs, stacked_feeds
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.runners import CPU, CUDA, Feed, OrtRunner, Runner, open_runner
@@ -132,7 +133,7 @@ def stacking_command(shapes: Callable[[F], F]) -> Callable[[Callable[..., Any]],
         shapes,
         click.option("--rounds", type=click.IntRange(min=1), default=10, show_default=True,
                      help="Timed rounds per count and shape, after a warm-up."),
-        click.option("--threads", type=click.IntRange(min=1), default=None,
+        click.option("--threads", type=THREADS, default=None,
                      help="onnxruntime's intra-op threads (default: the runtime's)."),
         click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
                      help="Also write the measurements as JSON (atomically).")]

@@ -42,6 +42,7 @@ from cosyvoice_graphs import (
 )
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.cli_options import THREADS
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.runners import CPU, CUDA, ORT_PROVIDERS, decode_body
 from cosyvoice_runtime.runners.ort_settings import OPTIMIZATION, settings_for
@@ -166,7 +167,7 @@ def render(rows: list[dict[str, Any]]) -> str:
               help="onnxruntime's provider to profile on.")
 @click.option("--calls", type=click.IntRange(min=1), default=20, show_default=True,
               help="Profiled calls per graph, after one warm-up.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
+@click.option("--threads", type=THREADS, default=None,
               help="Intra-op threads on the CPU  [default: the runtime's setting]")
 @click.option("--decode-rows", type=click.IntRange(1, MAX_BATCH), default=1, show_default=True,
               help="Decodings in the profiled decode step (a batch, as `--max-batch` runs them; more than "

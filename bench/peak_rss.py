@@ -23,6 +23,7 @@ from typing import Any, Literal
 import click
 
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.cli_options import THREADS
 from cosyvoice_runtime.process_memory import peak_rss_bytes, rss_bytes
 from cosyvoice_runtime.runners import CPU, PROVIDERS
 from cosyvoice_runtime.runners.ort_settings import usable_cpus
@@ -158,7 +159,7 @@ def measure_here(job: PeakJob, case: Case) -> FreshPeak:
 @click.option("--prompt-text", required=True, help="Transcript of the prompt recording.")
 @click.option("--length", type=click.Choice(list(LENGTHS)), default="long", show_default=True)
 @click.option("--tokens", type=click.IntRange(min=1), required=True, help="LLM steps pinned for the case.")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="[default: usable CPUs]")
+@click.option("--threads", type=THREADS, default=None, help="[default: usable CPUs]")
 @click.option("--provider", type=click.Choice(PROVIDERS), default=CPU, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--cuda-graphs/--no-cuda-graphs", default=False, show_default=True,

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from cosyvoice_graphs.bundle_layout import MANIFEST
 from cosyvoice_graphs.precision import FP32
 from cosyvoice_graphs.precision_plan import PrecisionPlan, PrecisionPlanError
+from cosyvoice_runtime.cli_options import THREADS
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.extras import install_command
 from cosyvoice_runtime.runners import PROVIDERS, graphs_run, open_runner
@@ -99,7 +100,7 @@ def main() -> None:
 @click.option("--provider", type=click.Choice(PROVIDERS),
               help="Backend to check on instead of each case's own: cpu, cuda, tensorrt (onnxruntime) or "
                    "trt (the bundle's TensorRT plans).")
-@click.option("--threads", type=click.IntRange(min=1),
+@click.option("--threads", type=THREADS,
               help="onnxruntime intra-op threads. Default: the reference backend's (cases.toml).")
 @click.option("--precision", metavar="PRECISION",
               help="Judge the cases on a bundle exported with this --precision (an export of the same model, "

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import secrets
+import stat
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -34,9 +35,29 @@ def new_sibling(path: Path, suffix: str, *, directory: bool = False) -> Path:
         return candidate
 
 
+SPECIAL_FILES = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                 (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+"""The kinds of file an output path may not name: the rename that writes an output would replace such a
+file with a regular one, not write into it."""
+
+
+def refuse_special_file(path: Path, name: str) -> None:
+    """A `UserError` naming `name` (an option and the path, or the path) where `path` (a link followed) is
+    one of `SPECIAL_FILES`."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:  # not there, or a dangling link: the rename makes a new file
+        return
+    kind = next((kind for is_kind, kind in SPECIAL_FILES if is_kind(mode)), None)
+    if kind is not None:
+        raise UserError(f"{name}: is {kind}, not a regular file (writing the output would replace it)")
+
+
 @contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
-    """A temporary path beside `path`, renamed onto it if the block succeeds and removed otherwise."""
+    """A temporary path beside `path`, renamed onto it if the block succeeds and removed otherwise; a
+    `UserError` where `path` is a device, FIFO or socket, which the rename would replace."""
+    refuse_special_file(path, str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = new_sibling(path, ".tmp")
     try:
@@ -49,13 +70,16 @@ def atomic_path(path: Path) -> Iterator[Path]:
 def check_writable(path: Path, option: str, *, directory: bool = False) -> None:
     """Refuse, in one line naming `option`, an output path that could not be written: a folder where a file
     is wanted (a file where a folder is), or a parent that is not a folder, or that neither exists nor can
-    be created, or that cannot be written. Proven by writing: the folders missing on the way are created,
-    an empty file is made where the write will make its own temporary file, and all of them are removed
-    again, so that a file system that refuses (read-only, /proc, full) is found before the work."""
+    be created, or that cannot be written, or a device, FIFO or socket where a file is wanted. Proven by
+    writing: the folders missing on the way are created, an empty file is made where the write will make its
+    own temporary file, and all of them are removed again, so that a file system that refuses (read-only,
+    /proc, full) is found before the work."""
     if directory and path.exists() and not path.is_dir():
         raise UserError(f"{option} {path}: is a file, not a folder")
     if not directory and path.is_dir():
         raise UserError(f"{option} {path}: is a folder")
+    if not directory:
+        refuse_special_file(path, f"{option} {path}")
     parent = path.absolute().parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent  # the folder that `mkdir(parents=True)` would create the rest in

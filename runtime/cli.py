@@ -21,7 +21,7 @@ from .atomic_files import atomic_paths, check_writable, write_json, write_wav
 from .bundle import RuntimeBundle
 from .bundle_source import MODEL_DIR_ENV, choose_bundle, choose_prompt
 from .chunk_policy import ChunkPolicy
-from .cli_options import FLOW_WINDOW_HELP, chunk_policy_options
+from .cli_options import FLOW_WINDOW_HELP, THREADS, FiniteFloatRange, chunk_policy_options
 from .cosyvoice3 import CosyVoice3
 from .demo import DEMO_BUNDLE
 from .errors import USER_ERRORS, UserError
@@ -46,12 +46,55 @@ def _user_errors() -> Iterator[None]:
 
 
 def _read_text(text: str, stdin: IO[str]) -> str:
-    text = stdin.read() if text == "-" else text
+    if text == "-":
+        try:
+            text = stdin.read()
+        except UnicodeDecodeError as e:
+            raise UserError(f"--text - (stdin) is not valid UTF-8: byte 0x{e.object[e.start]:02x} cannot be "
+                            "decoded") from None
     if not text.strip():
         raise UserError("--text is empty")
+    return _checked_text(text, "--text")
+
+
+def _checked_text(text: str, option: str) -> str:
+    """`text`, refused where it is over `MAX_TEXT_CHARS` or holds bytes that are not UTF-8 (which Python
+    decodes from the command line, and from stdin in a C locale, as lone surrogates)."""
     if len(text) > MAX_TEXT_CHARS:
-        raise UserError(f"--text is {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
+        raise UserError(f"{option} is {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(f"{option} is not valid UTF-8: character {e.start + 1} is an undecodable byte"
+                        ) from None
     return text
+
+
+def _check_mode(mode: Mode, prompt_wav: Path | None, prompt_text: str | None, instruct: str | None) -> None:
+    """Refuse a transcript or instruction `mode` would not use, or one it needs and lacks (without
+    --prompt-wav, zero-shot takes the bundle prompt's transcript, known once the bundle is open)."""
+    if instruct is not None and mode is not Mode.INSTRUCT2:
+        raise UserError(f"--instruct needs --mode {Mode.INSTRUCT2.value} ({mode.value} takes no instruction)")
+    if prompt_text is not None and mode is not Mode.ZERO_SHOT:
+        raise UserError(f"--prompt-text needs --mode {Mode.ZERO_SHOT.value} ({mode.value} takes no "
+                        "transcript)")
+    if mode is Mode.ZERO_SHOT and (prompt_wav is not None or prompt_text is not None) and not (
+            prompt_text or "").strip():
+        raise UserError("zero-shot needs --prompt-text (the transcript of --prompt-wav)")
+    if mode is Mode.INSTRUCT2 and not (instruct or "").strip():
+        raise UserError("instruct2 needs --instruct")
+
+
+def _check_outputs(outputs: dict[str, Path | None]) -> None:
+    """Refuse outputs that could not be written, or two options naming the same file (one would be lost)."""
+    given = {option: path for option, path in outputs.items() if path is not None}
+    seen: dict[Path, str] = {}
+    for option, path in given.items():
+        other = seen.setdefault(path.resolve(), option)
+        if other != option:
+            raise UserError(f"{other} and {option} name the same file {path}; give each its own")
+    for option, path in given.items():
+        check_writable(path, option)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -65,15 +108,16 @@ def _read_text(text: str, stdin: IO[str]) -> str:
               help="Prompt recording (any soundfile format, >= 16 kHz, 0.5-30 s of speech). "
                    "Default: the bundle's own prompt, if it has one (the demo bundle does).")
 @click.option("--prompt-text", default=None,
-              help="Transcript of the prompt recording (zero-shot). Default: the bundle prompt's, "
-                   "when --prompt-wav is not given.")
+              help=f"Transcript of the prompt recording (zero-shot; at most {MAX_TEXT_CHARS} characters). "
+                   "Default: the bundle prompt's, when --prompt-wav is not given.")
 @click.option("--mode", type=click.Choice([m.value for m in Mode]), default=Mode.ZERO_SHOT.value,
               show_default=True, help="Upstream's inference entry point.")
-@click.option("--instruct", default="", help="Instruction (instruct2), e.g. 'Speak slowly.'")
+@click.option("--instruct", default=None,
+              help=f"Instruction (instruct2), e.g. 'Speak slowly.'; at most {MAX_TEXT_CHARS} characters.")
 @click.option("--sampling", type=click.Choice(SAMPLINGS), default="ras", show_default=True,
               help="ras: upstream's repetition-aware sampling; greedy: argmax (exact comparisons).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the RAS sampler.")
-@click.option("--speed", type=click.FloatRange(min=0.5, max=2.0), default=1.0, show_default=True,
+@click.option("--speed", type=FiniteFloatRange(min=0.5, max=2.0), default=1.0, show_default=True,
               help="Speaking rate (offline only, as upstream).")
 @click.option("--stream", is_flag=True, help="Synthesise in streaming chunks (upstream's chunk schedule).")
 @chunk_policy_options("With --stream: the first chunk after N speech tokens, later chunks on upstream's "
@@ -82,7 +126,7 @@ def _read_text(text: str, stdin: IO[str]) -> str:
 @click.option("--provider", type=click.Choice(PROVIDERS), default=CPU, show_default=True,
               help="onnxruntime cpu/cuda/tensorrt provider, trt for the bundle's TensorRT plans, or openvino "
                    "(OpenVINO's CPU plugin; bf16 graphs run on it under cpu too).")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
+@click.option("--threads", type=THREADS, default=None,
               help="onnxruntime's intra-op threads per graph  [default: the bundle's tuning file, else the "
                    "measured setting, else one per core]")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None,
@@ -108,7 +152,7 @@ def _read_text(text: str, stdin: IO[str]) -> str:
                    f"it as loaded as the machine will be), write the fastest into the bundle's "
                    f"{TUNING_FILE}, which later runs use, and exit; needs no --text or --out.")
 def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_text: str | None, mode: str,
-         instruct: str, sampling: str, seed: int, speed: float, stream: bool,
+         instruct: str | None, sampling: str, seed: int, speed: float, stream: bool,
          chunk_policy: ChunkPolicy | None, provider: str, threads: int | None, cuda_graphs: bool | None,
          tokens_out: Path | None,
          chunks_out: Path | None, verify: bool, out: Path | None, info: bool, tune: bool) -> None:
@@ -117,6 +161,9 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
     Prints which bundle and prompt it uses, shows progress, and ends with the RTF (and the first
     chunk's latency when streaming). Bad input gives one line on stderr, exit status 2 and no output.
     """
+    if info and tune:
+        with _user_errors():
+            raise UserError("--info and --tune: give one")
     if info:
         _print_info(model, verify)
         return
@@ -127,6 +174,10 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
         raise click.UsageError(f"Missing option '{'--text' if text is None else '--out'}'.")
     with _user_errors():
         text = _read_text(text, sys.stdin)
+        for option, value in (("--prompt-text", prompt_text), ("--instruct", instruct)):
+            if value is not None:
+                _checked_text(value, option)
+        _check_mode(Mode(mode), prompt_wav, prompt_text, instruct)
         if stream and speed != 1.0:
             raise UserError("--speed works offline only (upstream ignores it when streaming)")
         if chunks_out is not None and not stream:
@@ -134,9 +185,8 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
         if chunk_policy is not None and not stream:
             given = "--first-chunk-tokens" if chunk_policy.first_chunk_tokens is not None else "--flow-window"
             raise UserError(f"{given} needs --stream")
-        for option, path in (("--out", out), ("--tokens-out", tokens_out), ("--chunks-out", chunks_out)):
-            if path is not None:  # refused now, not after the synthesis with some outputs written
-                check_writable(path, option)
+        # refused now, not after the synthesis with some outputs written
+        _check_outputs({"--out": out, "--tokens-out": tokens_out, "--chunks-out": chunks_out})
         start = time.perf_counter()
         # a bad recording is refused before the bundle's hashes are checked and its graphs opened
         given_audio = read_prompt_audio(prompt_wav) if prompt_wav is not None else None
@@ -149,10 +199,10 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
             if chosen.default:
                 click.echo(f"prompt: the bundle's {chosen.wav.name} ({chosen.text!r})", err=True)
             if Mode(mode) is Mode.ZERO_SHOT and not chosen.text.strip():
-                raise UserError("zero-shot needs --prompt-text (the transcript of --prompt-wav)")
-            if Mode(mode) is Mode.INSTRUCT2 and not instruct.strip():
-                raise UserError("instruct2 needs --instruct")
-            pieces = voice.segments(Mode(mode), text, prompt_text=chosen.text, instruct=instruct)
+                raise UserError(f"zero-shot needs --prompt-text: the bundle's prompt {chosen.wav.name} has "
+                                "no transcript")
+            pieces = voice.segments(Mode(mode), text, prompt_text=chosen.text, instruct=instruct or "",
+                                    text_name="--text")
             prompt = voice.prompt_features(given_audio if given_audio is not None else chosen.wav)
             ready = time.perf_counter()
             result = _run(voice, pieces, prompt, Mode(mode), speed, stream)
@@ -196,6 +246,7 @@ def _tune(model: Path | None, verify: bool) -> None:
         if choice.path == DEMO_BUNDLE:  # it lives in the installed package
             raise UserError(f"--tune needs --model or ${MODEL_DIR_ENV}; the embedded demo bundle is not "
                             "tuned")
+        check_writable(choice.path / TUNING_FILE, "--tune")  # before the minutes of timing, not after
         if choice.default:
             click.echo(f"model: {choice.origin}", err=True)
         bundle = RuntimeBundle.open(choice.path, verify=verify)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
 import click
 
 from .chunk_policy import ChunkPolicy
+from .runners.ort_settings import usable_cpus
 
 EVERY_BLOCK = "all"
 """`--flow-window`'s value for a window of every block (only the final chunk deviates)."""
@@ -26,6 +28,37 @@ class FlowWindow(click.ParamType):
         if text.isdigit() and int(text) >= 1:
             return int(text)
         self.fail(f"expected {EVERY_BLOCK!r} or a number of 1-s blocks >= 1, got {value!r}", param, ctx)
+
+
+class Threads(click.ParamType):
+    """`--threads`: a count of threads from 1 to the CPUs this process may use (`usable_cpus`, read when the
+    option is given): more only slows every call, onnxruntime's threads spinning for cores they share."""
+
+    name = "integer"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        count = click.INT.convert(value, param, ctx)
+        cpus = usable_cpus()
+        if count < 1:
+            self.fail(f"{count} is not a count of threads; expected 1 or more", param, ctx)
+        if count > cpus:
+            self.fail(f"{count} is more than the {cpus} CPUs this process may use", param, ctx)
+        return count
+
+
+THREADS = Threads()
+"""The type of every command's `--threads`."""
+
+
+class FiniteFloatRange(click.FloatRange):
+    """`click.FloatRange` that also refuses nan (which compares false with both bounds, so passes them) and
+    infinities."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
 
 
 def chunk_policy(first_chunk_tokens: int | None, flow_window: str | int | None) -> ChunkPolicy | None:

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import metadata
 from importlib.util import find_spec
+from typing import IO, Any
 
 DISTRIBUTION = "cosyvoice-onnx"
 ONNXRUNTIME = "onnxruntime"
@@ -97,12 +100,32 @@ def missing_extra_line(script: str, error: ImportError, extras: tuple[str, ...])
             f"install '{DISTRIBUTION}[{cpu}]' (on a CUDA machine '{DISTRIBUTION}[{gpu}]')")
 
 
-def run_console_script(script: str, module: str, extras: tuple[str, ...] = ()) -> None:
-    """Run `module`'s `main` as the console script `script`; where onnxruntime or a module of one of
-    `extras` is missing, when the CLI is imported or later in a command, print one line saying what to
-    install and exit 2."""
+@contextmanager
+def one_line_usage_errors() -> Iterator[None]:
+    """Within it, click reports a usage error (an option missing, unknown or out of its range) as one line,
+    `error: MESSAGE`, with exit status 2, as the commands report their own refusals, instead of the usage,
+    a hint and the message. Click shows the error itself before it exits (standalone mode), so it is how
+    the error shows itself that changes, and only for the block."""
+    import click  # a base dependency, imported here so that this module imports the standard library only
+
+    def one_line(self: click.UsageError, file: IO[Any] | None = None) -> None:
+        click.echo(f"error: {' '.join(self.format_message().split())}", file=file, err=True)
+
+    show = click.UsageError.show
+    click.UsageError.show = one_line  # type: ignore[method-assign]
     try:
-        importlib.import_module(module).main()
+        yield
+    finally:
+        click.UsageError.show = show  # type: ignore[method-assign]
+
+
+def run_console_script(script: str, module: str, extras: tuple[str, ...] = ()) -> None:
+    """Run `module`'s `main` as the console script `script`, click's usage errors in one line
+    (`one_line_usage_errors`); where onnxruntime or a module of one of `extras` is missing, when the CLI is
+    imported or later in a command, print one line saying what to install and exit 2."""
+    try:
+        with one_line_usage_errors():
+            importlib.import_module(module).main()
     except ModuleNotFoundError as e:
         line = missing_extra_line(script, e, extras)
         if line is None:

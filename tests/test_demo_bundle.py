@@ -155,7 +155,7 @@ def test_a_tampered_file_is_refused_before_anything_runs(tmp_path: Path) -> None
     (np.full(12000, 0.1, np.float32), 11025, "has sample rate 11025 Hz; the minimum is 16000 Hz"),
     (np.full(16000 * 31, 0.1, np.float32), 16000, "lasts 31.00 s; the speech tokenizer takes at most 30 s"),
     (np.where(np.arange(24000) % 5000 == 7, np.inf, 0.1).astype(np.float32), 24000,
-     "holds 5 sample(s) that are NaN or infinite; a prompt needs finite samples"),
+     "holds 5 sample(s) that are NaN or infinite; expected finite samples"),
     (np.where(np.arange(24000) == 7, np.nan, 0.1).astype(np.float32), 24000,
      "holds 1 sample(s) that are NaN or infinite"),
 ], ids=["silent", "near-silent", "short", "11 kHz", "31 s", "infinite", "NaN"])
@@ -167,8 +167,8 @@ def test_a_bad_prompt_is_one_line_before_the_bundle_opens(
     opened: list[Path] = []
     monkeypatch.setattr(RuntimeBundle, "open", lambda path, **_: opened.append(path))
     out = tmp_path / "o.wav"
-    result = CliRunner().invoke(main, ["--model", str(DEMO_BUNDLE), "--text", "Hi.",
-                                       "--prompt-wav", str(prompt), "--out", str(out)])
+    result = CliRunner().invoke(main, ["--model", str(DEMO_BUNDLE), "--text", "Hi.", "--prompt-wav",
+                                       str(prompt), "--prompt-text", "A transcript.", "--out", str(out)])
     assert result.exit_code == 2 and not out.exists() and opened == []
     assert result.output.startswith(f"error: audio file {prompt} {message}")
     assert result.output.count("\n") == 1

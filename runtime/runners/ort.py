@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+from onnxruntime.capi.onnxruntime_pybind11_state import InvalidGraph, InvalidProtobuf, NoSuchFile
 
 from cosyvoice_graphs import GraphSpec
 from cosyvoice_graphs.providers import CPU, CUDA, TENSORRT
@@ -37,6 +38,8 @@ SKIP_GRAPH = "-1"
 ORT_PROVIDERS = {CPU: "CPUExecutionProvider", CUDA: "CUDAExecutionProvider",
                  TENSORRT: "TensorrtExecutionProvider"}
 """The providers onnxruntime runs -> its execution provider."""
+LOAD_ERRORS = (InvalidProtobuf, InvalidGraph, NoSuchFile)
+"""onnxruntime's errors for a graph file it cannot read as a model: missing, damaged or not ONNX."""
 
 
 @functools.cache
@@ -131,7 +134,12 @@ class OrtRunner(RunnerBase):
         providers = provider_chain(provider, device_id, tf32=tf32, conv_algo_search=conv_algo_search,
                                    cuda_graph=cuda_graph)
         with on_device(CPU if provider == CPU else CUDA):
-            self.session = ort.InferenceSession(str(path), options, providers=providers)
+            try:
+                self.session = ort.InferenceSession(str(path), options, providers=providers)
+            except LOAD_ERRORS as e:  # reached where the bundle's sha256 check was skipped
+                detail = " ".join(str(e).rpartition(" failed:")[2].split()).rstrip(".")
+                raise RuntimeBundleError(f"{path}: not a graph onnxruntime can load ({detail}); verifying "
+                                         "the bundle's sha256s finds a damaged file") from None
         used = self.session.get_providers()
         if not used or used[0] != wanted:
             why = "" if provider == CPU else (f"; onnxruntime's log above says why (CUDA 13 and cuDNN 9 "

@@ -1,0 +1,259 @@
+"""`cosyvoice-run` refuses options it cannot use in one line with exit status 2, before the bundle is
+opened where the check needs no bundle, and writes nothing: outputs that are no regular file or that clash,
+text that is not UTF-8 or too long, a speed that is not finite, threads beyond the usable CPUs, a
+transcript or instruction the mode does not take, a damaged graph; and every console script reports
+click's own usage errors in the same one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import click
+import numpy as np
+import pytest
+from click.testing import CliRunner, Result
+
+import cosyvoice_runtime.cli as run_cli
+from cosyvoice_runtime import cli_options
+from cosyvoice_runtime.atomic_files import save_wav
+from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.cli import main as run_main
+from cosyvoice_runtime.cli_options import Threads
+from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.errors import UserError
+from cosyvoice_runtime.extras import run_console_script
+from cosyvoice_runtime.runners.ort_settings import TUNING_FILE
+from cosyvoice_runtime.segments import MAX_TEXT_CHARS
+
+
+def refused(result: Result) -> str:
+    """The one line a command that refused its input printed (exit status 2, nothing on stdout)."""
+    assert result.exit_code == 2, (result.output, result.exception)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and not result.stdout, result.output
+    return lines[0]
+
+
+@pytest.fixture
+def no_bundle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """`--model` naming no bundle, and `RuntimeBundle.open` failing the test: a refusal printed is one
+    made before any bundle is looked at."""
+    monkeypatch.setattr(RuntimeBundle, "open", lambda *_, **__: pytest.fail("the bundle was opened"))
+    return ["--model", str(tmp_path / "no-bundle")]
+
+
+def run(no_bundle: list[str], *args: str, input: str | bytes | None = None) -> Result:
+    return CliRunner().invoke(run_main, [*no_bundle, *args], input=input)
+
+
+# --- outputs -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option", ["--out", "--tokens-out", "--chunks-out"])
+def test_an_output_that_is_a_fifo_is_refused_and_left_as_it_is(option: str, no_bundle: list[str],
+                                                               tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    outputs = {"--out": tmp_path / "out.wav", "--tokens-out": tmp_path / "t.json",
+               "--chunks-out": tmp_path / "c.json", option: fifo}
+    args = [a for o, p in outputs.items() for a in (o, str(p))]
+    assert refused(run(no_bundle, "--text", "Hi.", "--stream", *args)) == (
+        f"error: {option} {fifo}: is a FIFO, not a regular file (writing the output would replace it)")
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]
+
+
+def test_a_device_is_refused_as_an_output() -> None:
+    result = CliRunner().invoke(run_main, ["--text", "Hi.", "--out", os.devnull])
+    assert refused(result) == (
+        f"error: --out {os.devnull}: is a character device, not a regular file (writing the output would "
+        "replace it)")
+    assert stat.S_ISCHR(Path(os.devnull).stat().st_mode)
+
+
+def test_every_atomic_writer_refuses_a_special_file(tmp_path: Path) -> None:
+    """The rename all outputs are written with, not only the command's check, refuses to replace it."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(UserError, match=f"^{fifo}: is a FIFO, not a regular file"):
+        save_wav(fifo, np.zeros((1, 10), np.float32), 24000)
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and [p.name for p in tmp_path.iterdir()] == ["fifo"]
+
+
+@pytest.mark.parametrize(("first", "second"), [("--out", "--tokens-out"), ("--tokens-out", "--chunks-out"),
+                                               ("--out", "--chunks-out")])
+def test_two_outputs_naming_one_file_are_refused(first: str, second: str, no_bundle: list[str],
+                                                 tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    outputs = {"--out": "out.wav", "--tokens-out": "t.json", "--chunks-out": "c.json", first: "same",
+               second: str(tmp_path / "sub" / ".." / "same")}  # the same file, spelt otherwise
+    result = run(no_bundle, "--text", "Hi.", "--stream", *[a for o, p in outputs.items() for a in (o, p)])
+    assert refused(result) == (
+        f"error: {first} and {second} name the same file {outputs[second]}; give each its own")
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- text --------------------------------------------------------------------------------------------------
+
+
+def test_text_that_is_not_utf8_is_refused_before_the_bundle_opens(no_bundle: list[str], tmp_path: Path
+                                                                  ) -> None:
+    out = ["--out", str(tmp_path / "o.wav")]
+    # stdin decoded strictly (a UTF-8 locale), and as Python decodes argv (and stdin in a C locale)
+    assert refused(run(no_bundle, "--text", "-", *out, input=b"hello \xff\xfe world")) == (
+        "error: --text - (stdin) is not valid UTF-8: byte 0xff cannot be decoded")
+    bad = b"hello \xff world".decode("utf-8", "surrogateescape")
+    for option, mode in (("--text", []), ("--prompt-text", []), ("--instruct", ["--mode", "instruct2"])):
+        args = ["--text", bad] if option == "--text" else ["--text", "Hi.", option, bad]
+        assert refused(run(no_bundle, *args, *mode, *out)) == (
+            f"error: {option} is not valid UTF-8: character 7 is an undecodable byte")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("option", ["--prompt-text", "--instruct"])
+def test_prompt_text_and_instruct_have_texts_limit(option: str, no_bundle: list[str], tmp_path: Path) -> None:
+    mode = ["--mode", "instruct2"] if option == "--instruct" else []
+    long = "x" * (MAX_TEXT_CHARS + 1)
+    result = run(no_bundle, "--text", "Hi.", option, long, *mode, "--out", str(tmp_path / "o.wav"))
+    assert refused(result) == (
+        f"error: {option} is {MAX_TEXT_CHARS + 1} characters; the limit is {MAX_TEXT_CHARS}")
+
+
+def test_text_with_nothing_to_speak_names_the_option(tmp_path: Path) -> None:
+    result = CliRunner().invoke(run_main, ["--model", str(DEMO_BUNDLE), "--text", "。。。", "--out",
+                                           str(tmp_path / "o.wav")])
+    assert result.exit_code == 2 and result.stderr.splitlines()[-1] == (
+        "error: --text has nothing to speak after normalisation")
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- options -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("speed", ["nan", "inf", "-nan"])
+def test_a_speed_that_is_not_finite_is_refused(speed: str, no_bundle: list[str], tmp_path: Path) -> None:
+    result = run(no_bundle, "--text", "Hi.", "--speed", speed, "--out", str(tmp_path / "o.wav"))
+    assert result.exit_code == 2 and "Invalid value for '--speed'" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_threads_beyond_the_usable_cpus_are_refused(no_bundle: list[str], tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli_options, "usable_cpus", lambda: 2)
+    out = ["--text", "Hi.", "--out", str(tmp_path / "o.wav")]
+    for threads, message in (("3", "3 is more than the 2 CPUs this process may use"),
+                             ("0", "0 is not a count of threads; expected 1 or more")):
+        result = run(no_bundle, "--threads", threads, *out)
+        assert result.exit_code == 2 and f"Invalid value for '--threads': {message}" in result.stderr
+    assert "does not exist" in run(no_bundle, "--threads", "2", *out).stderr  # allowed: on to the bundle
+
+
+def _threads_options() -> dict[str, click.Command]:
+    from cosyvoice_bench import dit_stacking, graph_profile, peak_rss, vocoder_stacking
+    from cosyvoice_bench.cli import main as bench
+    from cosyvoice_golden.cli import main as golden
+
+    commands = {"cosyvoice-run": run_main, "cosyvoice-bench": bench, "golden check": golden.commands["check"],
+                "peak_rss": peak_rss.main, "graph_profile": graph_profile.main,
+                "dit_stacking": dit_stacking.main, "vocoder_stacking": vocoder_stacking.main}
+    if find_spec("fastapi") is not None:
+        from cosyvoice_serve.cli import serve
+
+        commands["cosyvoice-serve"] = serve
+    return commands
+
+
+def test_every_commands_threads_is_the_shared_option() -> None:
+    for name, command in _threads_options().items():
+        types = [p.type for p in command.params if p.name == "threads"]
+        assert len(types) == 1 and isinstance(types[0], Threads), name
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--mode", "instruct2"], "instruct2 needs --instruct"),
+    (["--mode", "instruct2", "--instruct", " "], "instruct2 needs --instruct"),
+    (["--prompt-wav", "p.wav"], "zero-shot needs --prompt-text (the transcript of --prompt-wav)"),
+    (["--prompt-text", " "], "zero-shot needs --prompt-text (the transcript of --prompt-wav)"),
+    (["--instruct", "Speak slowly."], "--instruct needs --mode instruct2 (zero-shot takes no instruction)"),
+    (["--mode", "cross-lingual", "--instruct", "Speak slowly."],
+     "--instruct needs --mode instruct2 (cross-lingual takes no instruction)"),
+    (["--mode", "cross-lingual", "--prompt-text", "A transcript."],
+     "--prompt-text needs --mode zero-shot (cross-lingual takes no transcript)"),
+    (["--mode", "instruct2", "--instruct", "Speak slowly.", "--prompt-text", "A transcript."],
+     "--prompt-text needs --mode zero-shot (instruct2 takes no transcript)"),
+], ids=["instruct2-without", "instruct2-blank", "wav-without-text", "blank-text", "instruct-zero-shot",
+        "instruct-cross-lingual", "text-cross-lingual", "text-instruct2"])
+def test_a_mode_and_its_texts_are_checked_before_the_bundle_opens(
+        args: list[str], message: str, no_bundle: list[str], tmp_path: Path) -> None:
+    result = run(no_bundle, "--text", "Hi.", *args, "--out", str(tmp_path / "o.wav"))
+    assert refused(result) == f"error: {message}"
+
+
+def test_info_and_tune_together_are_refused(no_bundle: list[str]) -> None:
+    assert refused(run(no_bundle, "--info", "--tune")) == "error: --info and --tune: give one"
+
+
+def test_tune_refuses_a_bundle_it_cannot_write_before_timing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """As the read-only folder a user (not root) or a read-only mount gives: os.access says so."""
+    bundle = shutil.copytree(DEMO_BUNDLE, tmp_path / "bundle")
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: not (Path(path) == bundle and mode & os.W_OK)
+                        and access(path, mode))
+    monkeypatch.setattr(RuntimeBundle, "open", lambda *_, **__: pytest.fail("the bundle was opened"))
+    monkeypatch.setattr(run_cli, "tune", lambda *_, **__: pytest.fail("the tuning ran"))
+    result = CliRunner().invoke(run_main, ["--model", str(bundle), "--tune"])
+    assert refused(result) == f"error: --tune {bundle / TUNING_FILE}: {bundle} is not writable"
+    assert not (bundle / TUNING_FILE).exists()
+
+
+def test_a_damaged_graph_unverified_is_one_line_naming_it(tmp_path: Path) -> None:
+    bundle = shutil.copytree(DEMO_BUNDLE, tmp_path / "bundle")
+    graph = bundle / json.loads((bundle / "manifest.json").read_text())["graphs"]["hift_f0"]["file"]
+    graph.write_bytes(np.random.default_rng(0).bytes(graph.stat().st_size))  # the size the manifest says
+    out = tmp_path / "o.wav"
+    result = CliRunner().invoke(run_main, ["--model", str(bundle), "--no-verify", "--text", "Hi.", "--out",
+                                           str(out)])
+    assert result.exit_code == 2 and not out.exists(), result.output
+    assert result.stderr.splitlines()[-1] == (
+        f"error: {graph}: not a graph onnxruntime can load (Protobuf parsing failed); verifying the bundle's "
+        "sha256s finds a damaged file")
+
+
+# --- click's usage errors ----------------------------------------------------------------------------------
+
+SCRIPTS = {"cosyvoice-run": ("cosyvoice_runtime.cli", ()), "cosyvoice-golden": ("cosyvoice_golden.cli", ()),
+           "cosyvoice-bench": ("cosyvoice_bench.cli", ()),
+           "cosyvoice-serve": ("cosyvoice_serve.cli", ("serve", "ray")),
+           "cosyvoice-export": ("cosyvoice_export.cli", ("export",))}
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_every_console_script_reports_a_usage_error_in_one_line(
+        script: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    module, extras = SCRIPTS[script]
+    monkeypatch.setattr(sys, "argv", [script, "--no-such-option"])
+    show = click.UsageError.show
+    with pytest.raises(SystemExit) as exit:
+        run_console_script(script, module, extras)
+    out, err = capsys.readouterr()
+    if "pip install" in err:
+        pytest.skip(err.strip())  # the script's extra is not installed here
+    assert (exit.value.code, out) == (2, "")
+    assert err.startswith("error: No such option '--no-such-option'") and err.count("\n") == 1, err
+    assert click.UsageError.show is show  # click's own again once the script is done
+
+
+def test_cosyvoice_runs_option_errors_are_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    nan = "error: Invalid value for '--speed': 'nan' is not a finite number"
+    for args, line in ((["--text", "Hi."], "error: Missing option '--out'."), (["--speed", "nan"], nan)):
+        monkeypatch.setattr(sys, "argv", ["cosyvoice-run", *args])
+        with pytest.raises(SystemExit) as exit:
+            run_console_script("cosyvoice-run", "cosyvoice_runtime.cli")
+        assert exit.value.code == 2 and capsys.readouterr().err == f"{line}\n"
