@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -13,7 +14,7 @@ import click
 from cosyvoice_graphs import MAX_BATCH
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
-from cosyvoice_runtime.cli_options import FLOW_WINDOW_HELP, chunk_policy_options
+from cosyvoice_runtime.cli_options import FLOW_WINDOW_HELP, THREADS, chunk_policy_options
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from cosyvoice_runtime.runners import CPU
@@ -69,7 +70,7 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
 @click.option("--provider", type=click.Choice(SERVER_PROVIDERS), default=CPU,
               help="onnxruntime provider, or openvino (OpenVINO's CPU plugin; bf16 graphs run on it under "
                    "cpu too).")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
+@click.option("--threads", type=THREADS, default=None,
               help="onnxruntime's intra-op threads per graph [default: the bundle's tuning file, else the "
                    "measured setting, else one per core].")
 @click.option("--max-conc", type=click.IntRange(min=1), default=DEFAULTS.max_concurrency,
@@ -190,6 +191,8 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
         run_ray(ray, ReplicaConfig(model, provider, flow_prefix_mib << 20, settings, ray.speaker_store),
                 host=host, port=port)
         return
+    if not grpc_service:  # upstream's gRPC service has no registered speakers
+        _create_speakers_folder(settings.speakers_dir)
     try:
         engine = Engine.open(model, provider=provider, flow_prefix_bytes=flow_prefix_mib << 20,
                              threads=threads, max_batch=max_batch, chunk_slots=chunk_slots,
@@ -225,6 +228,20 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
                   metrics=app.state.server.metrics)
     finally:
         engine.close()
+
+
+def _create_speakers_folder(folder: Path) -> None:
+    """The folder the server keeps its speakers in, made and written to now, so that one it cannot use is a
+    refusal before the bundle opens rather than a traceback after (Ray's replicas make theirs where they
+    run)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _refuse(f"--speakers {folder}: cannot create the folder ({e.strerror or e})")
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        _refuse(f"--speakers {folder}: cannot write in the folder ({e.strerror or e})")
 
 
 def _refuse(message: str) -> NoReturn:

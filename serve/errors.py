@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from contextvars import ContextVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +21,8 @@ from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .forms import FieldNotText, undecodable
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +86,13 @@ def _empty_form_fields(error: RequestValidationError) -> list[str]:
             and error.body.get(str(item["loc"][1])) == ""]
 
 
+def _json_failure(error: UnicodeDecodeError | RecursionError) -> str:
+    """Why a body that is no JSON syntax error is not JSON either: its bytes or its depth."""
+    if isinstance(error, RecursionError):
+        return "nested too deeply"
+    return f"not UTF-8: {undecodable(error)}"
+
+
 def _validation_detail(error: RequestValidationError) -> str:
     """FastAPI's validation errors as one line: `field: message; field: message`."""
     parts = []
@@ -121,14 +131,40 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
+        path = request.url.path
+        # what json.loads raises besides a syntax error, which FastAPI answers with a bare 400: answered as
+        # a syntax error is (422, `_validation_detail`)
+        if isinstance(exc.__cause__, UnicodeDecodeError | RecursionError):
+            return error_response(422, f"body: not valid JSON ({_json_failure(exc.__cause__)})", path=path)
+        if isinstance(exc.__context__, FieldNotText):
+            return error_response(400, exc.__context__.message, path=path, param=exc.__context__.field)
         detail = " ".join(str(exc.detail).split())
         if isinstance(exc.__context__, MultiPartException):  # Starlette's form parser turned it into a 400
             detail = f"body: malformed multipart/form-data ({detail.rstrip('.')})"
-        return error_response(exc.status_code, detail, exc.headers, path=request.url.path)
+        return error_response(exc.status_code, detail, exc.headers, path=path)
 
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
+
+
+UNFINISHED = "ASGI callable returned without completing response."
+"""What uvicorn logs (an ERROR, on `uvicorn.error`) when an app returns from a response it did not finish;
+uvicorn then closes the connection, which is how a client learns that its stream was cut."""
+_stream_cut: ContextVar[bool] = ContextVar("stream_cut", default=False)
+"""Set in the request's context when `AnswerUnexpected` ends a cut stream: uvicorn logs `UNFINISHED` in that
+context (the same task, just after the app returns)."""
+
+
+class CutStreamLogged(logging.Filter):
+    """Drops uvicorn's `UNFINISHED` line for a stream whose cut was logged already (`StreamCut`), so that a
+    cut is one line; any other unfinished response keeps it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == UNFINISHED and _stream_cut.get())
+
+
+CUT_STREAM_LOGGED = CutStreamLogged()
 
 
 class AnswerUnexpected:
@@ -136,11 +172,13 @@ class AnswerUnexpected:
     status line, ends the response unfinished (the server then closes the connection).
 
     Starlette's own last resort (an `Exception` handler) answers and then raises the exception again
-    for the server, which logs it a second time; this one keeps it.
+    for the server, which logs it a second time; this one keeps it. A stream cut (`StreamCut`) ends
+    unfinished without a second line from uvicorn (`CutStreamLogged`).
     """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        logging.getLogger("uvicorn.error").addFilter(CUT_STREAM_LOGGED)  # a logger keeps one filter once
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -156,7 +194,7 @@ class AnswerUnexpected:
         try:
             await self.app(scope, receive, watch)
         except StreamCut:  # logged where it was cut; the server closes the unfinished response
-            pass
+            _stream_cut.set(True)
         except Exception as e:
             log.exception("%s %s failed", scope["method"], scope["path"])
             if not started:

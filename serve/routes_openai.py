@@ -7,7 +7,8 @@ names, which all speak in the bundle's own prompt voice (a registered speaker of
 first); `response_format` one of OpenAI's six (`formats.py`), mp3 by default as OpenAI's; `speed` 0.5 to
 2.0; `instructions`, when given, make it instruct2 instead of zero-shot with the voice's transcript.
 `stream_format` "sse" sends OpenAI's speech events instead of the bare file. `model` may be any id: the
-server has one model, listed under the names clients send (`GET /v1/models`).
+server has one model, listed under the names clients send (`GET /v1/models`). An optional field sent as
+null takes its default, as OpenAI's API reads it.
 
 The body leaves chunk by chunk as the runtime synthesises it, as OpenAI's does. As upstream, `speed` works
 offline only: with a speed other than 1.0 the audio is synthesised whole on upstream's offline path and
@@ -17,10 +18,11 @@ offline and answers a complete file (`X-Audio-Duration`; an MP3 with its LAME ta
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, Field, model_validator
+from pydantic_core import PydanticCustomError
 from starlette.concurrency import run_in_threadpool
 
 from cosyvoice_graphs.bundle_layout import MANIFEST
@@ -48,13 +50,42 @@ class VoiceId(BaseModel):
     id: str
 
 
-class SpeechRequest(BaseModel):
+def _voice_shape(value: object) -> object:
+    """`value` if it is a voice's shape (a name, or an object with a string `id`); else one error that says
+    so, rather than pydantic's error per member of the union (`voice.str`, `voice.VoiceId`)."""
+    if isinstance(value, str) or (isinstance(value, dict) and isinstance(value.get("id"), str)):
+        return value
+    got = {bool: "a boolean", int: "a number", float: "a number", list: "an array",
+           dict: "an object without a string id", type(None): "null"}.get(type(value), type(value).__name__)
+    raise PydanticCustomError("voice", "expected a speaker name (a string) or an object with an id (a "
+                                       "string), got {got}", {"got": got})
+
+
+Voice = Annotated[str | VoiceId, BeforeValidator(_voice_shape)]
+"""A request's `voice`: a speaker's name, or OpenAI's `{"id": name}`."""
+
+
+class NullIsDefault(BaseModel):
+    """A body whose optional fields take null for their default, as OpenAI's API reads them (its SDKs send
+    null for a field left unset); a required field's null stays an error."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {key: value for key, value in data.items()
+                if value is not None or key not in fields or fields[key].is_required()}
+
+
+class SpeechRequest(NullIsDefault):
     """OpenAI's `audio.speech.create` body, with the speeds this model has, plus our `stream` and `seed`."""
 
     model: str | None = Field(None, description="Any id: the server has one model (GET /v1/models).")
     input: str = Field(description="Text to speak.")
-    voice: str | VoiceId = Field(description="A registered speaker, or a standard voice name (alloy, ash, "
-                                             "...): the model's own prompt voice (GET /v1/audio/voices).")
+    voice: Voice = Field(description="A registered speaker, or a standard voice name (alloy, ash, ...): the "
+                                     "model's own prompt voice (GET /v1/audio/voices).")
     instructions: str | None = Field(None, description="An instruction: instruct2 instead of zero-shot.")
     response_format: FormatName = "mp3"
     speed: float = Field(1.0, ge=0.5, le=2.0, description="Speaking rate; other than 1.0, the audio is "

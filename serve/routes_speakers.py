@@ -14,10 +14,11 @@ from starlette.concurrency import run_in_threadpool
 from cosyvoice_runtime.speakers import SpeakerError, check_name
 
 from .errors import EmptyField, FieldError
+from .forms import FormRoute
 from .responses import first_item, read_upload, require_text, submit
 from .state import State
 
-router = APIRouter()
+router = APIRouter(route_class=FormRoute)
 
 
 @router.get("/speakers")
@@ -29,7 +30,8 @@ async def list_speakers(state: State) -> list[str]:
 @router.post("/speakers", status_code=201)
 async def register_speaker(request: Request, state: State,
                            name: Annotated[str, Form(description="The speaker's name: 1 to 64 printable "
-                                                                 "characters, none of / \\ ? # %.")],
+                                                                 "characters, none of / \\ ? # %, no "
+                                                                 "leading or trailing blank.")],
                            prompt_text: Annotated[str, Form(description="Transcript of prompt_wav.")],
                            prompt_wav: Annotated[UploadFile, File(description="The speaker's recording.")]
                            ) -> dict[str, Any]:
@@ -37,8 +39,11 @@ async def register_speaker(request: Request, state: State,
     flow prefix in the background."""
     if not name.strip():
         raise EmptyField("name")
+    # check_name strips a name: one sent with blanks around it would register (or replace) another name
+    if name != name.strip():
+        raise FieldError("name", f"a speaker name has no leading or trailing blanks; got {name!r}")
     try:
-        name = check_name(name)
+        check_name(name)
     except SpeakerError as e:
         raise FieldError("name", str(e)) from None
     prompt_text = require_text(prompt_text, "prompt_text", state.settings)

@@ -5,9 +5,10 @@ The client sends JSON text frames: a `start` (the voice, as `/v1/audio/speech` t
 `started` (sample rate, seed, format), the audio as binary frames as it is made (the format's bytes: PCM16
 by default), then `done` with the usage, and closes (1000). The session takes a slot of the same queue as
 the other routes, from the start message to its end. Anything else ends it with an `error` message and a
-close code (`CLOSE`): a bad message or field, text past `--max-text` in all, no message for
-`--stream-idle` seconds before `end`, a full queue, or a failed synthesis; the slot is free by the time the
-close arrives. A client that closes the socket cancels its session; its slot is free within one LLM step.
+close code (`CLOSE`): a bad message or field, an `end` before any non-blank text, text past `--max-text` in
+all, no message for `--stream-idle` seconds before `end`, a full queue, or a failed synthesis; the slot is
+free by the time the close arrives. A client that closes the socket cancels its session; its slot is free
+within one LLM step.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from cosyvoice_runtime.synthesis import Mode
@@ -31,7 +32,7 @@ from .errors import ApiError
 from .formats import FORMATS, FormatName
 from .queue import QueueFull, Session
 from .responses import Seed, record_session, request_sampling
-from .routes_openai import VoiceId, find_voice
+from .routes_openai import NullIsDefault, Voice, find_voice
 from .state import ServerState
 
 log = logging.getLogger(__name__)
@@ -48,11 +49,11 @@ POLL_SECONDS = 0.1
 """How often a worker waiting for text checks whether its session was cancelled."""
 
 
-class StartMessage(BaseModel):
+class StartMessage(NullIsDefault):
     """The first message: who speaks, how the audio comes."""
 
     type: str
-    voice: str | VoiceId
+    voice: Voice
     instructions: str | None = None
     response_format: FormatName = "pcm"
     seed: Seed = None
@@ -88,6 +89,7 @@ class TextFeed:
                 session.check()
                 continue
             if item is None:
+                session.check()  # a session stopped by the server ends its text too: it must not speak it
                 return
             yield item
 
@@ -168,20 +170,24 @@ async def _serve(socket: WebSocket, state: ServerState) -> None:
         await _close(socket, 1000, {"type": "done", "audio_seconds": samples / rate, "usage": usage})
     finally:
         reader.cancel()
+        stream.cancel()  # before the feed ends, so that the worker stops rather than speak what it has
         feed.end()
-        stream.cancel()
         encoder.close()
         # a client told to go (idle, a bad message) finds the slot free when it comes back at once
         await asyncio.to_thread(stream.session.released.wait, RELEASE_WAIT_S)
 
 
 async def _read_text(socket: WebSocket, feed: TextFeed, max_chars: int, idle: float) -> None:
-    """Text messages into `feed` until `end`; raises what ends the session otherwise."""
-    chars = 0
+    """Text messages into `feed` until `end`; raises what ends the session otherwise, an `end` before any
+    non-blank text included (before the LLM runs on nothing)."""
+    chars, spoken = 0, False
     while True:
         message = await _receive(socket, idle)
         kind = message.get("type")
         if kind == "end":
+            if not spoken:
+                raise StreamClosed("bad_message", "text: no text was sent before end (no piece, or only "
+                                                  "empty or blank ones)")
             feed.end()
             return
         if kind != "text" or not isinstance(message.get("text"), str):
@@ -189,6 +195,7 @@ async def _read_text(socket: WebSocket, feed: TextFeed, max_chars: int, idle: fl
                                               f"{{\"type\": \"end\"}}, got {_short(message)}")
         chars += len(message["text"])
         _check_length(chars, max_chars, "text")
+        spoken = spoken or bool(message["text"].strip())
         feed.put(message["text"])
 
 

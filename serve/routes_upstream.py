@@ -25,6 +25,7 @@ from cosyvoice_runtime.synthesis import Mode
 
 from .engine import SynthesisJob
 from .errors import ApiError
+from .forms import FormRoute
 from .responses import (
     SEED_DESCRIPTION,
     SYNTHESIS_TAG,
@@ -35,7 +36,7 @@ from .responses import (
 )
 from .state import ServerState, State
 
-router = APIRouter(tags=[SYNTHESIS_TAG])
+router = APIRouter(tags=[SYNTHESIS_TAG], route_class=FormRoute)
 PCM_MEDIA_TYPE = "application/octet-stream"
 METHODS = ("GET", "POST")
 """Upstream serves each endpoint to both; its own client uses GET (with a form body)."""

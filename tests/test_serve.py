@@ -723,6 +723,9 @@ _TONE = (0.3 * np.sin(np.arange(16000) * 0.2)).astype(np.float32)  # 1 s at 16 k
 _AT_900 = np.arange(16000) == 900
 
 
+JSON = {"content-type": "application/json"}
+
+
 def multipart(body: bytes, boundary: str | None = "b0") -> dict[str, Any]:
     """A request whose body is `body` as is, sent as multipart/form-data (with `boundary`, if any)."""
     content_type = "multipart/form-data" + (f"; boundary={boundary}" if boundary else "")
@@ -741,8 +744,7 @@ BAD_REQUESTS = [
      400, "prompt_wav: the audio file is silent or nearly so (RMS level -inf dBFS)"),
     ("infinite sample", "/inference_cross_lingual",
      {"data": {"tts_text": "Hi."}, "files": _upload(_wav(np.where(_AT_900, np.inf, _TONE), 16000))},
-     400, "prompt_wav: the audio file holds 1 sample(s) that are NaN or infinite; a prompt needs finite "
-          "samples"),
+     400, "prompt_wav: the audio file holds 1 sample(s) that are NaN or infinite; expected finite samples"),
     ("NaN sample", "/speakers", {"data": {"name": "nan", "prompt_text": "x"},
                                  "files": _upload(_wav(np.where(_AT_900, np.nan, _TONE), 16000))},
      400, "prompt_wav: the audio file holds 1 sample(s) that are NaN or infinite"),
@@ -766,13 +768,28 @@ BAD_REQUESTS = [
      400, "prompt_audio is not base64"),
     ("not json", "/synthesize", {"content": b"text=Hi.", "headers": {"content-type": "text/plain"}},
      422, "body:"),
+    ("json not UTF-8", "/synthesize", {"content": b'{"text": "\xff\xfe"}', "headers": JSON},
+     422, "body: not valid JSON (not UTF-8: byte 0xff at offset 10: invalid start byte)"),
+    ("json not UTF-8, OpenAI's", "/v1/audio/speech",
+     {"content": b'{"input": "\xff\xfe", "voice": "alloy"}', "headers": JSON},
+     422, "body: not valid JSON (not UTF-8: byte 0xff at offset 11: invalid start byte)"),
+    ("json nested too deeply", "/synthesize", {"content": b"[" * 100_000 + b"]" * 100_000, "headers": JSON},
+     422, "body: not valid JSON (nested too deeply)"),
+    ("form field not UTF-8", "/inference_zero_shot",
+     multipart(b'--b0\r\nContent-Disposition: form-data; name="tts_text"\r\n\r\n\xff\xfe\r\n--b0--\r\n'),
+     400, "tts_text: not UTF-8 text (byte 0xff at offset 0: invalid start byte)"),
     ("unknown voice", "/v1/audio/speech", {"json": {"input": "Hi.", "voice": "nobody"}},
      400, "voice: unknown speaker 'nobody'"),
+    ("voice not a name", "/v1/audio/speech", {"json": {"input": "Hi.", "voice": 5}}, 422,
+     "voice: expected a speaker name (a string) or an object with an id (a string), got a number"),
     ("format", "/v1/audio/speech", {"json": {"input": "Hi.", "voice": "x", "response_format": "ogg"}},
      422, "response_format: Input should be 'mp3', 'opus', 'aac', 'flac', 'wav' or 'pcm'"),
     ("speed", "/synthesize", {"json": {"text": "Hi.", "speed": 9}}, 422, "speed: Input should be less than"),
     ("blank speaker name", "/speakers", {"data": {"name": " ", "prompt_text": "x"}, "files": "prompt"},
      400, "name is empty"),
+    ("speaker name with blanks", "/speakers",
+     {"data": {"name": " pad ", "prompt_text": "x"}, "files": "prompt"},
+     400, "name: a speaker name has no leading or trailing blanks; got ' pad '"),
     ("speaker name", "/speakers", {"data": {"name": "a/b", "prompt_text": "x"}, "files": "prompt"},
      400, "name: a speaker name is 1 to 64 printable characters, none of / \\ ? # %"),
     ("multipart without boundary", "/inference_zero_shot", multipart(b"--x\r\n", boundary=None),

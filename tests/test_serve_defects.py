@@ -59,6 +59,7 @@ from cosyvoice_runtime.sampling import MAX_SEED, Sampling
 from cosyvoice_runtime.speakers import check_name
 from cosyvoice_serve import Engine, ServerSettings, create_app
 from cosyvoice_serve import cli as serve_cli
+from cosyvoice_serve.errors import UNFINISHED
 from cosyvoice_serve.grpc_service import request_seed
 
 __all__ = ["prompt"]  # the module-scoped fixture, shared with test_serve
@@ -181,6 +182,35 @@ def test_a_chunked_body_is_read_no_further_than_the_limit(engine: Engine, tmp_pa
     assert sent == 2  # the part's header and two MiB pass the limit: nothing after them was read
 
 
+def raw_form(fields: dict[str, bytes], charset: str | None = None) -> dict[str, Any]:
+    """A multipart body of `fields` (bytes as they are) and the demo prompt, with `charset` declared."""
+    default = RuntimeBundle.open(DEMO_BUNDLE).default_prompt()
+    assert default is not None
+    parts = [f'--b0\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n'.encode() + value + b"\r\n"
+             for name, value in fields.items()]
+    parts.append(b'--b0\r\nContent-Disposition: form-data; name="prompt_wav"; filename="p.wav"\r\n\r\n'
+                 + default[0].read_bytes() + b"\r\n--b0--\r\n")
+    content_type = "multipart/form-data; boundary=b0" + (f"; charset={charset}" if charset else "")
+    return {"content": b"".join(parts), "headers": {"content-type": content_type}}
+
+
+def test_a_form_field_is_text_in_the_bodys_charset_or_refused_naming_it(engine: Engine, tmp_path: Path
+                                                                        ) -> None:
+    """Starlette would read bytes that are not UTF-8 as Latin-1, and the server speak or register the
+    result; a charset the body declares is the one it is read in."""
+    with TestClient(make_app(engine, tmp_path)) as client:
+        transcript = client.post("/inference_zero_shot",
+                                 **raw_form({"tts_text": SHORT.encode(), "prompt_text": b"ok\xc3"}))
+        name = client.post("/speakers", **raw_form({"name": "café".encode("latin-1"), "prompt_text": b"x"}))
+        assert client.get("/speakers").json() == []
+        latin = client.post("/speakers", **raw_form({"name": "café".encode("latin-1"), "prompt_text": b"x"},
+                                                    charset="latin-1"))
+        assert latin.status_code == 201 and latin.json()["name"] == "café"
+    assert [(r.status_code, r.json()["detail"]) for r in (transcript, name)] == [
+        (400, "prompt_text: not UTF-8 text (byte 0xc3 at offset 2: unexpected end of data)"),
+        (400, "name: not UTF-8 text (byte 0xe9 at offset 3: unexpected end of data)")]
+
+
 # --- speaker names ------------------------------------------------------------------------------------------
 
 
@@ -296,8 +326,26 @@ def test_a_stream_failing_mid_way_is_logged_once(engine: Engine, prompt: tuple[b
     [record] = serve_records(caplog)
     assert record.levelno == logging.ERROR and record.exc_info is not None  # the one traceback
     assert record.getMessage().startswith("/inference_zero_shot: stream cut after ")
-    assert "Traceback" not in capfd.readouterr().err  # none from the server besides it
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and UNFINISHED not in err  # nothing from the server besides it
     assert metric(text, "tts_requests_error") == 1 and metric(text, "tts_requests_success") == 0
+
+
+def test_a_stream_cut_by_the_timeout_is_one_warning_line_and_ends_unfinished(
+        engine: Engine, prompt: tuple[bytes, str], tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """The client sees the stream end without its last chunk (the signal of a cut); the log has the
+    server's line only, not uvicorn's own about the unfinished response too."""
+    with serving(make_app(MidStreamFaults(engine), tmp_path, timeout=3)) as client:
+        with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):
+            client.post("/inference_zero_shot", **form(prompt, HOLD))
+        wait_until(client, running=0, waiting=0)
+    [record] = serve_records(caplog)
+    assert record.levelno == logging.WARNING and re.fullmatch(
+        r"/inference_zero_shot: stream cut after \d+ samples: synthesis took longer than the server's "
+        r"timeout of 3 s", record.getMessage())
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and UNFINISHED not in err
 
 
 class FailsBeforeAudio(MidStreamFaults):
@@ -441,6 +489,22 @@ def test_stack_dit_on_an_int8_dit_is_one_line_before_the_graphs_open(tmp_path: P
     assert result.stderr.startswith(f"error: stack_dit: {root}'s {DIT} is int8, its activations quantized ")
 
 
+def test_a_speakers_folder_the_server_cannot_use_is_one_line_before_the_bundle_opens(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    opened: list[Any] = []
+    monkeypatch.setattr(Engine, "open", lambda *args, **_: opened.append(args))
+    (tmp_path / "file").write_text("")
+    refusals = {tmp_path / "file" / "speakers": "cannot create the folder (Not a directory)"}
+    if Path("/proc/self").is_dir():  # procfs: a folder nobody may write in, whoever runs the test
+        refusals[Path("/proc")] = "cannot write in the folder ("
+    for folder, why in refusals.items():
+        result = CliRunner().invoke(serve_cli.serve, ["--speakers", str(folder), "--no-warm-up"])
+        assert result.exit_code == 2, result.output
+        assert result.stderr.startswith(f"error: --speakers {folder}: {why}")
+        assert result.stderr.count("\n") == 1
+    assert opened == []
+
+
 def test_the_options_reach_the_settings(engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                         ) -> None:
     served: list[FastAPI] = []
@@ -454,10 +518,10 @@ def test_the_options_reach_the_settings(engine: Engine, tmp_path: Path, monkeypa
     monkeypatch.setattr(uvicorn, "run", lambda app, **_: served.append(app))
     args = ["--speakers", str(tmp_path / "speakers"), "--max-body-mib", "3", "--cors-origin", ORIGIN,
             "--cors-origin", "http://localhost:8080", "--docs", "--prompt-dir", str(tmp_path),
-            "--threads", "3", "--chunk-slots", "2", "--cuda-graphs", "--stack-dit", "--stack-vocoder"]
+            "--threads", "2", "--chunk-slots", "2", "--cuda-graphs", "--stack-dit", "--stack-vocoder"]
     result = CliRunner().invoke(serve_cli.serve, args)
     assert result.exit_code == 0, result.output
-    assert opened[0]["threads"] == 3 and opened[0]["chunk_slots"] == 2 and opened[0]["cuda_graphs"]
+    assert opened[0]["threads"] == 2 and opened[0]["chunk_slots"] == 2 and opened[0]["cuda_graphs"]
     assert opened[0]["stack_dit"] and opened[0]["stack_vocoder"]
     settings = served[0].state.server.settings
     assert settings.chunk_slots == 2 and settings.cuda_graphs

@@ -3,8 +3,8 @@ own on the demo bundle: every `response_format` decodes to the stream's samples 
 the compressed encoders, fed chunk by chunk, keep a tone),
 the body streams as it is synthesised, SSE events carry the same audio and the usage, the standard voices
 work before any speaker is registered and a registered speaker of the same name comes first, the models and
-voices are listed, our `stream` field and `speed` still work, errors reach the SDK, the API key is the SDK's,
-and the server page's commands (docs/server.md) run as written."""
+voices are listed, our `stream` field and `speed` still work, errors reach the SDK, an optional field's null
+is its default, the API key is the SDK's, and the server page's commands (docs/server.md) run as written."""
 
 from __future__ import annotations
 
@@ -272,6 +272,25 @@ def test_errors_reach_the_sdk(sdk: Any) -> None:
     with pytest.raises(openai.NotFoundError) as model:
         sdk.models.retrieve("whisper-1")
     assert "unknown model 'whisper-1'" in str(model.value)
+
+
+def test_an_optional_field_sent_as_null_takes_its_default(server: str) -> None:
+    """As in OpenAI's API (its SDKs may send null for a field left unset); a required field's null is an
+    error naming it, the voice's as any value that is no voice."""
+    fields = {"input": SHORT, "voice": "alloy"}
+    nulls = dict.fromkeys(("model", "instructions", "response_format", "speed", "stream_format", "stream",
+                           "seed"))
+    default = httpx.post(f"{server}/v1/audio/speech", json=fields, timeout=60)
+    null = httpx.post(f"{server}/v1/audio/speech", json={**fields, **nulls}, timeout=60)
+    assert null.status_code == default.status_code == 200, null.text
+    assert null.headers["content-type"] == "audio/mpeg" and null.content == default.content
+    expected = "voice: expected a speaker name (a string) or an object with an id (a string), got "
+    for voice, got in ((None, "null"), (5, "a number"), ([], "an array"), ({"id": 5}, "an object without "
+                                                                                       "a string id")):
+        refused = httpx.post(f"{server}/v1/audio/speech", json={**fields, "voice": voice}).json()["error"]
+        assert (refused["message"], refused["param"]) == (expected + got, "voice")
+    refused = httpx.post(f"{server}/v1/audio/speech", json={**fields, "input": None}).json()["error"]
+    assert (refused["message"], refused["param"]) == ("input: Input should be a valid string", "input")
 
 
 def test_only_the_openai_routes_answer_in_openais_shape(server: str) -> None:

@@ -25,6 +25,7 @@ from cosyvoice_runtime.sampling import Sampling
 from cosyvoice_runtime.synthesis import Mode
 from cosyvoice_serve import Engine
 from cosyvoice_serve.formats import pcm16
+from cosyvoice_serve.queue import Cancelled
 
 PIECES = ["Hello ", "there, ", "this text ", "comes in ", "while it ", "is spoken."]
 
@@ -89,6 +90,8 @@ def test_text_pieces_in_audio_out(engine: Engine, tmp_path: Path) -> None:
     ([{"type": "text", "text": "hi"}], 1008, 'the first message must be {"type": "start", ...}'),
     ([{"type": "start", "voice": "nobody"}], 1008, "voice: unknown speaker 'nobody'"),
     ([{"type": "start", "voice": "alloy", "response_format": "ogg"}], 1008, "start: response_format:"),
+    ([{"type": "start", "voice": 5}], 1008, "start: voice: expected a speaker name (a string) or an object "
+                                            "with an id (a string), got a number"),
     (["{not json"], 1008, "not valid JSON"),
     ([b"\x00\x01"], 1008, "messages are JSON text frames, not binary"),
     ([{"type": "start", "voice": "alloy"}, {"type": "txt", "text": "hi"}], 1008, 'expected {"type": "text"'),
@@ -106,6 +109,39 @@ def test_a_bad_message_closes_the_session_with_its_code(engine: Engine, tmp_path
             events, audio, got = converse(ws, [{"type": "start", "voice": "alloy"},
                                                {"type": "text", "text": "Hello."}, {"type": "end"}])
         assert got == 1000 and audio
+
+
+@pytest.mark.parametrize("texts", [[], ["", "  "]], ids=["no piece", "blank pieces"])
+def test_an_end_before_any_text_is_refused_before_the_llm_runs(engine: Engine, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             texts: list[str]) -> None:
+    """The worker's text never ends (it would run the LLM on nothing, and fail as a synthesis, 1011): its
+    session is stopped first, and the client is told it sent no text (1008)."""
+    read: list[list[str] | None] = []
+
+    def text_only(job: Any, pieces: Iterator[str], session: Any) -> Iterator[Any]:
+        try:
+            read.append(list(pieces))
+        except Cancelled:
+            read.append(None)
+            raise
+        yield from ()
+
+    monkeypatch.setattr(engine, "stream_text", text_only)
+    with socket_to(engine, tmp_path) as (open_socket, _), open_socket() as ws:
+        events, _, code = converse(ws, [{"type": "start", "voice": "alloy"},
+                                        *({"type": "text", "text": t} for t in texts), {"type": "end"}])
+    message = "text: no text was sent before end (no piece, or only empty or blank ones)"
+    assert code == 1008 and events[-1] == {"type": "error", "message": message}
+    assert read == [None]
+
+
+def test_a_start_of_nulls_takes_the_defaults(engine: Engine, tmp_path: Path) -> None:
+    start = {"type": "start", "voice": {"id": "alloy"}, "instructions": None, "response_format": None,
+             "seed": None}
+    with socket_to(engine, tmp_path) as (open_socket, _), open_socket() as ws:
+        events, audio, code = converse(ws, [start, {"type": "text", "text": "Hello."}, {"type": "end"}])
+    assert code == 1000 and audio and events[0]["response_format"] == "pcm"
 
 
 def test_an_idle_client_is_closed_and_frees_its_slot(engine: Engine, tmp_path: Path) -> None:
