@@ -329,7 +329,7 @@ class CosyVoice3:
             policy = check_policy(policy, self.bundle)
         request = llm_request(mode, piece.text_ids, prompt, piece.prompt_text_ids)
         decoding = self.synth.decode(request, (sampling or self.sampling).sampler(), max_tokens=max_tokens,
-                                     ignore_stop=ignore_stop)
+                                     ignore_stop=ignore_stop, prompt=prompt)
         tokens = watch(decoding) if watch is not None else decoding
         chunks = (self.synth.stream_tokens(tokens, prompt, policy=policy) if stream
                   else self._offline(tokens, prompt, speed))

@@ -229,12 +229,14 @@ class SpeechTokenLM:
         return self.in_place.infer_in_place(feeds, self._written_into, ["logp"])["logp"]
 
     def decode(self, request: LlmRequest, sampler: Sampler, *, max_tokens: int | None = None,
-               ignore_stop: bool = False) -> Decoding:
+               ignore_stop: bool = False, max_ids: int | None = None) -> Decoding:
         """Start decoding `request`; iterate the result for the ids that pass the silent-token limiter.
 
         Together the text id lists must contain `<|endofprompt|>`. `max_tokens` replaces `max_len` as
         the number of decoding steps; `ignore_stop` masks every stop id so that exactly that many steps
-        run (benchmarks). Limiter-dropped ids count as steps, so fewer ids may come out.
+        run (benchmarks). Limiter-dropped ids count as steps, so fewer ids may come out. `max_ids`: the
+        decoding ends once it has kept one id more (what the flow holds, `Flow.max_tokens`: more fail there,
+        as upstream's do, so the rest are not decoded first).
         """
         if self.endofprompt_id not in request.prompt_text_ids + request.text_ids:
             raise ValueError(f"<|endofprompt|> (id {self.endofprompt_id}) is in neither the text nor the "
@@ -242,7 +244,7 @@ class SpeechTokenLM:
         lt = len(request.text_ids)
         steps = int(lt * MAX_TOKEN_TEXT_RATIO) if max_tokens is None else max_tokens
         return Decoding(self, request, sampler, min_len=int(lt * MIN_TOKEN_TEXT_RATIO), max_len=steps,
-                        ignore_stop=ignore_stop)
+                        ignore_stop=ignore_stop, max_ids=max_ids)
 
 
 class Decoding(Iterator[int]):
@@ -256,10 +258,12 @@ class Decoding(Iterator[int]):
     """
 
     def __init__(self, lm: SpeechTokenLM, request: LlmRequest, sampler: Sampler, *, min_len: int,
-                 max_len: int, ignore_stop: bool) -> None:
+                 max_len: int, ignore_stop: bool, max_ids: int | None = None) -> None:
         self.lm = lm
         self.sampler = sampler
         self.min_len, self.max_len, self.ignore_stop = min_len, max_len, ignore_stop
+        self.max_ids = max_ids
+        """Kept ids past which decoding ends, once it has one more (None: no bound but `max_len`)."""
         self._next_embeds: np.ndarray = lm.prompt_embeds(request)  # (1, T, C)
         self.cache: Cache | None = None
         self.history: list[int] = []
@@ -332,6 +336,8 @@ class Decoding(Iterator[int]):
         if not self._limiter.keep(token):
             return None
         self.tokens.append(token)
+        if self.max_ids is not None and len(self.tokens) > self.max_ids:
+            self.finished = True
         return token
 
     def run(self) -> list[int]:

@@ -294,9 +294,13 @@ class Synthesizer:
         self.close()
 
     def decode(self, request: LlmRequest, sampler: Sampler, *, max_tokens: int | None = None,
-               ignore_stop: bool = False) -> Decoding | BatchedDecoding:
-        """`SpeechTokenLM.decode`, its steps after the prefill run in the batch where there is one."""
-        decoding = self.lm.decode(request, sampler, max_tokens=max_tokens, ignore_stop=ignore_stop)
+               ignore_stop: bool = False, prompt: PromptFeatures | None = None) -> Decoding | BatchedDecoding:
+        """`SpeechTokenLM.decode`, its steps after the prefill run in the batch where there is one. With the
+        flow's `prompt`, the decoding ends once it has one id more than the flow holds after it
+        (`Flow.max_tokens`): the synthesis fails at the flow then, as upstream's does with them all."""
+        max_ids = None if prompt is None else self.flow.max_tokens(prompt)
+        decoding = self.lm.decode(request, sampler, max_tokens=max_tokens, ignore_stop=ignore_stop,
+                                  max_ids=max_ids)
         return decoding if self.batcher is None else self.batcher.submit(decoding)
 
     # --- offline ---------------------------------------------------------------------------------------
@@ -325,7 +329,8 @@ class Synthesizer:
         for benchmarks (see `SpeechTokenLM.decode`).
         """
         request = llm_request(mode, text_ids, prompt, prompt_text_ids)
-        decoding = self.decode(request, sampler, max_tokens=max_tokens, ignore_stop=ignore_stop)
+        decoding = self.decode(request, sampler, max_tokens=max_tokens, ignore_stop=ignore_stop,
+                               prompt=prompt)
         try:
             return self.synthesize_tokens(decoding, prompt, speed=speed)
         finally:
@@ -354,7 +359,8 @@ class Synthesizer:
         Upstream ignores `speed` when streaming, so there is none here.
         """
         request = llm_request(mode, text_ids, prompt, prompt_text_ids)
-        decoding = self.decode(request, sampler, max_tokens=max_tokens, ignore_stop=ignore_stop)
+        decoding = self.decode(request, sampler, max_tokens=max_tokens, ignore_stop=ignore_stop,
+                               prompt=prompt)
         return closing_after(self.stream_tokens(decoding, prompt, policy=policy), decoding.close)
 
     def stream_tokens(self, tokens: Iterable[int], prompt: PromptFeatures, *,

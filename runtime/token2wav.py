@@ -201,6 +201,11 @@ class Flow:
         return FlowStream(self, prompt, final_cached, window,
                           [empty_caches(self.estimator.spec) for _ in self.steps])
 
+    def max_tokens(self, prompt: PromptFeatures) -> int:
+        """Generated tokens the noise table holds frames for after `prompt`'s tokens (more fail in
+        `initial_x`)."""
+        return self.noise.shape[2] // self.dims.token_mel_ratio - prompt.speech_tokens.shape[1]
+
     def prompt_lag(self, prompt: PromptFeatures) -> int:
         """Frames the prompt's mel is short of its tokens' (0 for an aligned prompt; a voice conversion's,
         as upstream's `frontend_vc` leaves it uncut, usually 0 to 2): the generated frames start that many

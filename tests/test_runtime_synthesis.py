@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cli import main
+from cosyvoice_runtime.errors import SynthesisError
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.sampling import (
     SILENT_TOKENS,
@@ -150,6 +151,29 @@ def test_llm_state_is_explicit(runtime_bundle: Path, prompt: PromptFeatures) -> 
         assert tuple(cache.shape()) == (1, dims.llm_kv_heads, prefill + 8, dims.llm_head_dim)
         with pytest.raises(ValueError, match="endofprompt"):
             synth.lm.decode(llm_request(Mode.CROSS_LINGUAL, [5, 6], prompt), make_sampler("greedy"))
+
+
+def test_a_decoding_ends_past_what_the_flow_holds(runtime_bundle: Path, prompt: PromptFeatures) -> None:
+    """Ids past the flow's noise table fail at the flow, as upstream's: the decoding ends at the first one
+    rather than decoding the rest first."""
+    with Synthesizer(RuntimeBundle.open(runtime_bundle)) as synth:
+        ratio, frames = synth.dims.token_mel_ratio, synth.flow.noise.shape[2]
+        room = 4  # a prompt that leaves the flow room for 4 generated tokens
+        tokens = frames // ratio - room
+        long_prompt = PromptFeatures(np.resize(prompt.speech_tokens, (1, tokens)),
+                                     np.resize(prompt.mel, (1, ratio * tokens, prompt.mel.shape[2])),
+                                     prompt.embedding)
+        assert synth.flow.max_tokens(long_prompt) == room
+        text = [5, 6, synth.bundle.endofprompt_id]
+        request = llm_request(Mode.CROSS_LINGUAL, text, long_prompt)
+        decoding = synth.decode(request, make_sampler("ras", 1), max_tokens=60, ignore_stop=True,
+                                prompt=long_prompt)
+        assert len(decoding.run()) == room + 1 and decoding.steps < 60
+        with pytest.raises(SynthesisError, match="exceed the flow noise table"):
+            synth.synthesize(text, long_prompt, sampler=make_sampler("ras", 1), mode=Mode.CROSS_LINGUAL,
+                             max_tokens=60, ignore_stop=True)
+        unbounded = synth.lm.decode(request, make_sampler("ras", 1), max_tokens=60, ignore_stop=True)
+        assert len(unbounded.run()) > room + 1  # the same ids run on without the flow's bound
 
 
 # --- streaming --------------------------------------------------------------------------------------
