@@ -331,7 +331,7 @@ class CosyVoice3:
         decoding = self.synth.decode(request, (sampling or self.sampling).sampler(), max_tokens=max_tokens,
                                      ignore_stop=ignore_stop, prompt=prompt)
         tokens = watch(decoding) if watch is not None else decoding
-        chunks = (self.synth.stream_tokens(tokens, prompt, policy=policy) if stream
+        chunks = (self.synth.stream_tokens(tokens, prompt, policy=policy, decoding=decoding) if stream
                   else self._offline(tokens, prompt, speed))
         return SegmentSpeech(closing_after(chunks, decoding.close), decoding.tokens,
                              [*piece.prompt_text_ids, *piece.text_ids])

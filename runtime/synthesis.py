@@ -364,8 +364,11 @@ class Synthesizer:
         return closing_after(self.stream_tokens(decoding, prompt, policy=policy), decoding.close)
 
     def stream_tokens(self, tokens: Iterable[int], prompt: PromptFeatures, *,
-                      policy: ChunkPolicy | None = None) -> Iterator[AudioChunk]:
-        """Stream audio for speech ids from `tokens` (a decoding in progress, or a fixed list).
+                      policy: ChunkPolicy | None = None, decoding: Iterator[int] | None = None
+                      ) -> Iterator[AudioChunk]:
+        """Stream audio for speech ids from `tokens` (a decoding in progress, or a fixed list; `decoding`:
+        the decoding that `tokens` wraps, e.g. in a server's cancellation check, which the stream tells
+        about its first audio where it is a batch's, as it tells `tokens` itself).
 
         A non-final chunk fires when the hop's tokens and their look-ahead exist: block-causal flow
         over tokens[:offset + hop + lookahead] keeping the frames after 2·offset (re-run or cached:
@@ -376,7 +379,7 @@ class Synthesizer:
         """
         policy = self.chunk_policy if policy is None else check_policy(policy, self.bundle)
         log.info("streaming with %s", policy)
-        return _Stream(self, prompt, policy).run(iter(tokens))
+        return _Stream(self, prompt, policy).run(iter(tokens), tokens if decoding is None else decoding)
 
 
 def batch_yields_to(turns: ChunkTurns, provider: str) -> Callable[[], bool]:
@@ -563,10 +566,13 @@ class _Stream:
         self.index = 0
         self.start = time.perf_counter()
 
-    def run(self, source: Iterator[int]) -> Iterator[AudioChunk]:
+    def run(self, source: Iterator[int], decoding: Iterable[int]) -> Iterator[AudioChunk]:
+        """The chunks of the ids from `source`; `decoding` is the decoding they come from (`source` itself,
+        or what it wraps): a batch's is told when this stream's first audio is due and when it is out."""
+        batched = decoding if isinstance(decoding, BatchedDecoding) else None
         with self.synth.live.held():  # from the first step to the end, however the stream ends
-            if isinstance(source, BatchedDecoding):
-                source.mark_streamed()
+            if batched is not None:
+                batched.mark_streamed()
             hops = self.policy.hops(self.prompt.speech_tokens.shape[1])
             hop = next(hops)
             llm_s = 0.0
@@ -580,8 +586,8 @@ class _Stream:
                 if len(self.tokens) - self.offset >= hop + self.policy.lookahead:
                     chunk = self._chunk(self.tokens[: self.offset + hop + self.policy.lookahead], hop, llm_s,
                                         final=False)
-                    if isinstance(source, BatchedDecoding):  # its later ids wait for others' first audio
-                        source.sent_audio = True
+                    if batched is not None:  # its later ids wait for others' first audio
+                        batched.sent_audio = True
                     yield chunk
                     hop, llm_s = next(hops), 0.0
             if not self.tokens:

@@ -297,6 +297,22 @@ def test_a_batched_stream_tells_the_batch_once_its_first_audio_is_out(fp32_decod
         assert [c.index for c in chunks][-1] > 0
         decoding.close()
 
+        # the same where the ids are watched on their way (the server's cancellation check wraps them)
+        made: list[Iterator[int]] = []
+
+        def keep(*args: Any, **kwargs: Any) -> Iterator[int]:
+            made.append(decode(*args, **kwargs))
+            return made[-1]
+
+        decode = synth.decode
+        synth.decode = keep  # type: ignore[method-assign]
+        speech = voice.speak(piece, prompt, Mode.ZERO_SHOT, stream=True, max_tokens=120, ignore_stop=True,
+                             watch=lambda ids: (i for i in ids))
+        watched = iter(speech)
+        assert next(watched).index == 0
+        assert isinstance(made[0], BatchedDecoding) and made[0].sent_audio
+        speech.close()
+
 
 def _until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
     end = time.monotonic() + timeout
