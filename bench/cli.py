@@ -16,7 +16,8 @@ from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import choose_prompt
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cli_options import THREADS, chunk_policy_options
-from cosyvoice_runtime.errors import USER_ERRORS
+from cosyvoice_runtime.errors import USER_ERRORS, FrontendError
+from cosyvoice_runtime.frontend import read_prompt_audio
 from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, PROVIDERS
 from cosyvoice_runtime.synthesis import check_synthesis, uses_cuda_graphs
 
@@ -39,6 +40,15 @@ def _user_errors() -> Iterator[None]:
     except USER_ERRORS_BENCH as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+
+
+def _check_prompt(wav: Path, what: str) -> None:
+    """Read `wav` as the runtime will (`read_prompt_audio`): one line naming `what` where it cannot
+    prompt, not a failed measurement after the bundle opened."""
+    try:
+        read_prompt_audio(wav)
+    except FrontendError as e:
+        raise BenchError(f"{what}: {e}") from None
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -116,6 +126,8 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
                 raise BenchError(f"--thread-scaling measures CPU threads; it does not apply to --provider "
                                  f"{provider}")
             thread_scaling = False
+        if prompt_wav is not None:  # the runtime's reader, before any bundle opens
+            _check_prompt(prompt_wav, "--prompt-wav")
         if plots and json_out is None:
             raise BenchError("--plots writes its PNGs beside the JSON: give --json FILE too")
         if json_out is not None:
@@ -133,11 +145,12 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
         if model_dir is not None:  # fail before the run starts, not when the torch side first loads
             from cosyvoice_export.bundle.model_dir import ModelBundle
 
-            ModelBundle.open(model_dir)
+            # another model's reference would be measured in full and then disagree on every token
+            ModelBundle.open_exported_from(model_dir, bundle)
         chosen = choose_prompt(bundle, prompt_wav, prompt_text)
         prompt_wav, prompt_text = chosen.wav, chosen.text
-        if not prompt_wav.is_file():
-            raise BenchError(f"--prompt-wav {prompt_wav}: file not found")
+        if chosen.default:
+            _check_prompt(prompt_wav, f"the prompt of {model}")
         long_tokens = default_long_tokens(bundle.dims, quick=quick) if tokens is None else tokens
         threads = threads or usable_cpus()
         settings = Settings(

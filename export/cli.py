@@ -152,7 +152,9 @@ def download_cmd(model_dir: Path | None, model_dir_option: Path | None, source: 
               help="tiny: seconds, a few MB, for tests; full: the real dims with random weights "
                    "(~4.2 GB, about a minute), for benchmarks.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--force", is_flag=True,
+              help="Replace OUT if it exists: an empty folder, or a model bundle this command wrote (a "
+                   "folder holding anything else is refused, never deleted).")
 def tiny_bundle_cmd(out: Path, size: str, seed: int, force: bool) -> None:
     """Write a random-weight model bundle in upstream's exact file format to OUT."""
     from .bundle.tiny import write_bundle
@@ -246,7 +248,7 @@ def all_cmd(model_dir: Path, out: Path, trt: bool, llm: str, force: bool, reuse_
     deletes graphs an earlier exporter made that this one no longer does. One export runs into an OUT
     at a time (it holds the lock file OUT.lock beside OUT, which stays); a second one stops with one
     line, or waits with --wait. Prints a summary table; exits 1 if a graph fails validation (no manifest
-    is written then), 2 on a bad bundle or unusable OUT.
+    is written then), 2 on a bad bundle or unusable OUT, 130 when interrupted (Ctrl-C).
     """
     from .memory import monitor_memory
     from .onnx.bf16 import Bf16Unavailable

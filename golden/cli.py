@@ -2,7 +2,8 @@
 
 `check` runs on the runtime alone (numpy + onnxruntime); `update` also needs the `export` extra (torch),
 which is imported only when it runs. Exit status: 0 all passed, 1 a case or graph failed (or was not
-recorded), 2 bad input (one line on stderr).
+recorded; a case whose synthesis fails is a failed case), 2 bad input (one line on stderr), 130
+interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from tqdm import tqdm
 from cosyvoice_graphs.bundle_layout import MANIFEST
 from cosyvoice_graphs.precision import FP32
 from cosyvoice_graphs.precision_plan import PrecisionPlan, PrecisionPlanError
+from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.cli_options import THREADS
-from cosyvoice_runtime.errors import USER_ERRORS
+from cosyvoice_runtime.errors import USER_ERRORS, FeedError, SynthesisError
 from cosyvoice_runtime.extras import install_command
 from cosyvoice_runtime.runners import PROVIDERS, graphs_run, open_runner
 
@@ -41,6 +43,10 @@ from .store import (
     read_case,
     read_graph,
 )
+
+SYNTHESIS_ERRORS = (SynthesisError, FeedError)
+"""What a synthesis that was given good input raises when it fails (the LLM sampling what upstream
+refuses, a request beyond the noise tables, a graph fed wrongly): the failure of the case it ran in."""
 
 if TYPE_CHECKING:  # update imports torch only when it runs
     from cosyvoice_export.reference.pipeline import ReferencePipeline
@@ -106,8 +112,8 @@ def main() -> None:
               help="Judge the cases on a bundle exported with this --precision (an export of the same model, "
                    "e.g. cosyvoice-export all --precision int8, or llm=int4,dit=int8) by tolerance, whatever "
                    "precision they were recorded on: the loosest of cases.toml's [precision_tolerance] "
-                   "bounds of the bundle's reduced precisions. Default: a case runs only on a bundle of its "
-                   "own precision.")
+                   "bounds of the bundle's reduced precisions. It must be the precision the bundle's "
+                   "manifest records. Default: a case runs only on a bundle of its own precision.")
 def check(cases_file: Path, case_names: tuple[str, ...], graph_names: tuple[str, ...], model: Path | None,
           provider: str | None, threads: int | None, precision: str | None) -> None:
     """Replay the golden cases on the runtime (no torch) and judge them: one line per case and graph.
@@ -129,6 +135,8 @@ def check(cases_file: Path, case_names: tuple[str, ...], graph_names: tuple[str,
             goldens = [(case, _case_golden(cases, runtime, case, precision)) for case in selected]
             graphs = _graphs_run(cases, runtime, graphs)
             graph_goldens = [_graph_golden(cases, runtime, g) for g in graphs]
+            if graph_goldens:
+                _check_precision(runtime.open_bundle(cases.graph_bundle), precision)
             verdicts = []
             with tqdm(total=len(goldens) + len(graph_goldens), desc="golden check", unit="case",
                       disable=None, leave=False) as bar:
@@ -161,6 +169,7 @@ def _case_golden(cases: Cases, runtime: Runtime, case: GoldenCase, precision: st
     where = str(case_paths(cases.data_dir, case.name)[0])
     bundle = runtime.bundle(case)
     check_same_model(golden.bundle, bundle, where)
+    _check_precision(bundle, precision)
     found = fingerprint(bundle)["precision"]
     if found not in (case.precision, precision):
         raise GoldenError(f"case {case.name} is for {case.precision} graphs; {bundle.root} is {found} (to "
@@ -173,7 +182,17 @@ def _case_golden(cases: Cases, runtime: Runtime, case: GoldenCase, precision: st
     if stale:
         raise GoldenError(f"{where} is stale: {', '.join(stale)} changed since it was recorded (record it "
                           f"again with `cosyvoice-golden update --case {case.name}`)")
+    runtime.segments(case)  # text the tokenizer refuses is bad input, refused before anything runs
     return golden
+
+
+def _check_precision(bundle: RuntimeBundle, precision: str | None) -> None:
+    """Refuse a `--precision` other than the one `bundle` was exported with (its manifest's): the flag
+    says which bounds judge the bundle, and bounds of another precision would judge it wrongly."""
+    found = fingerprint(bundle)["precision"]
+    if precision is not None and precision != found:
+        raise GoldenError(f"--precision {precision}: {bundle.root} was exported with --precision {found} "
+                          f"(its manifest); give --precision {found}")
 
 
 def _graphs_run(cases: Cases, runtime: Runtime, graphs: list[str]) -> list[str]:
@@ -222,7 +241,11 @@ def _check_case(cases: Cases, runtime: Runtime, case: GoldenCase, golden: CaseGo
     else:
         return Verdict(case.name, False, f"{provider}: no tolerance", f"{cases.path.name} gives no "
                        f"bounds for {provider} (add [tolerance] {provider} or the case's own)")
-    return compare_case(golden, runtime.run(case), provider, bounds,
+    try:
+        run = runtime.run(case)
+    except SYNTHESIS_ERRORS as e:
+        return Verdict(case.name, False, f"{provider}: synthesis failed", str(e))
+    return compare_case(golden, run, provider, bounds,
                         not_exact(golden, bundle, provider, runtime.threads, cases.reference),
                         moved_draws=moved_draws)
 
@@ -289,7 +312,11 @@ def update(cases_file: Path, case_names: tuple[str, ...], graph_names: tuple[str
                     if precision != case.precision:
                         raise GoldenError(f"case {case.name} is for {case.precision} graphs; "
                                           f"{runtime.bundle(case).root} is {precision}")
-                    recorded = record_case(cases, runtime, pipeline(case.bundle), case)
+                    pipe = pipeline(case.bundle)
+                    try:
+                        recorded = record_case(cases, runtime, pipe, case)
+                    except SYNTHESIS_ERRORS as e:  # a golden cannot record a failure: stop, naming the case
+                        raise GoldenError(f"case {case.name}: {e}") from None
                     failed += not recorded.verdict.passed
                     _report(bar, recorded.verdict)
                 for graph in graphs:

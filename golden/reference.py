@@ -9,7 +9,6 @@ hold each spec's sample inputs and its torch wrapper's outputs. This module impo
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,19 +53,8 @@ def open_pipeline(model_dir: Path, bundle: RuntimeBundle) -> ReferencePipeline:
     recorded again must come out the same.
     """
     torch.set_num_threads(1)
-    for name, entry in bundle.manifest.sources.items():
-        path = model_dir / name
-        try:
-            with open(path, "rb") as f:
-                sha = hashlib.file_digest(f, "sha256").hexdigest()
-        except OSError as e:
-            raise GoldenError(f"{path}: unreadable ({e.strerror}); --model-dir must be the model "
-                              f"{bundle.root} was exported from") from None
-        if sha != entry.sha256:
-            raise GoldenError(f"{path} is not the {name} {bundle.root} was exported from (sha256 differs); "
-                              "--model-dir must be that model")
     try:
-        return ReferencePipeline(ModelBundle.open(model_dir, bundle.manifest.llm_checkpoint))
+        return ReferencePipeline(ModelBundle.open_exported_from(model_dir, bundle))
     except BundleError as e:
         raise GoldenError(str(e)) from None
 

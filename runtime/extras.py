@@ -119,12 +119,42 @@ def one_line_usage_errors() -> Iterator[None]:
         click.UsageError.show = show  # type: ignore[method-assign]
 
 
+INTERRUPTED = 130
+"""The exit status of a command Ctrl-C (SIGINT) stopped: the shell's 128 + SIGINT, which no command gives
+an outcome of its own (1 is a failed check or validation, 2 bad input)."""
+
+
+@contextmanager
+def interrupted_exits_130() -> Iterator[None]:
+    """Within it, a KeyboardInterrupt that ends a click command prints click's "Aborted!" and exits with
+    `INTERRUPTED`, where click's standalone mode would exit 1, the status of a failure. Click's
+    `Command.invoke` (which a group's subcommands run through too) is what changes, and only for the
+    block."""
+    import click  # a base dependency, imported here so that this module imports the standard library only
+
+    invoke = click.Command.invoke
+
+    def interruptible(self: click.Command, ctx: click.Context) -> Any:
+        try:
+            return invoke(self, ctx)
+        except KeyboardInterrupt:
+            click.echo("\nAborted!", err=True)  # the newline closes the terminal's ^C echo, as click's does
+            raise click.exceptions.Exit(INTERRUPTED) from None
+
+    click.Command.invoke = interruptible  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        click.Command.invoke = invoke  # type: ignore[method-assign]
+
+
 def run_console_script(script: str, module: str, extras: tuple[str, ...] = ()) -> None:
     """Run `module`'s `main` as the console script `script`, click's usage errors in one line
-    (`one_line_usage_errors`); where onnxruntime or a module of one of `extras` is missing, when the CLI is
-    imported or later in a command, print one line saying what to install and exit 2."""
+    (`one_line_usage_errors`) and an interrupted run exiting 130 (`interrupted_exits_130`); where
+    onnxruntime or a module of one of `extras` is missing, when the CLI is imported or later in a command,
+    print one line saying what to install and exit 2."""
     try:
-        with one_line_usage_errors():
+        with one_line_usage_errors(), interrupted_exits_130():
             importlib.import_module(module).main()
     except ModuleNotFoundError as e:
         line = missing_extra_line(script, e, extras)

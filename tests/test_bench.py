@@ -19,6 +19,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
+import click
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -36,6 +37,7 @@ from cosyvoice_graphs import DIT, FLOW_ENCODER, HIFT_DECODER, HIFT_F0, LLM
 from cosyvoice_graphs.bundle_layout import PROMPT_TEXT, PROMPT_WAV
 from cosyvoice_runtime import synthesis
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.extras import INTERRUPTED, run_console_script
 from cosyvoice_runtime.llm import LlmRequest, SpeechTokenLM
 from cosyvoice_runtime.process_memory import rss_bytes
 from cosyvoice_runtime.sampling import SilentTokenLimiter
@@ -280,6 +282,42 @@ def test_missing_bundle_is_one_line(tmp_path: Path) -> None:
     done = CliRunner().invoke(main, bench_args(tmp_path / "nothing", tmp_path / "x.json"))
     assert done.exit_code == 2 and done.stderr.count("\n") == 1
     assert done.stderr.startswith(f"error: {tmp_path / 'nothing' / 'manifest.json'}: missing")
+
+
+def test_an_unusable_prompt_is_refused_before_the_bundle_opens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    """--prompt-wav is read as the runtime reads a prompt, first: one line naming it, not a failed fresh
+    process after the bundle opened."""
+    monkeypatch.setattr(RuntimeBundle, "open", lambda *_, **__: pytest.fail("the bundle was opened"))
+    junk = tmp_path / "junk.wav"
+    junk.write_bytes(bytes(range(100)))
+    for wav, message in ((junk, f"cannot read audio file {junk}: "),
+                         (tmp_path / "none.wav", f"audio file {tmp_path / 'none.wav'}: no such file")):
+        done = CliRunner().invoke(main, [*bench_args(tmp_path / "bundle", tmp_path / "x.json"),
+                                         "--prompt-wav", str(wav)])
+        assert done.exit_code == 2 and done.stderr.count("\n") == 1, done.output
+        assert done.stderr.startswith(f"error: --prompt-wav: {message}")
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_an_interrupted_run_exits_130(runtime_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C is the shell's 130 with click's "Aborted!", not 1, the status of a failure (every console
+    script goes through `run_console_script`)."""
+    from cosyvoice_bench import cli
+
+    invoke = click.Command.invoke
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run", interrupted)
+    monkeypatch.setattr(sys, "argv", ["cosyvoice-bench", *bench_args(runtime_bundle, tmp_path / "x.json")])
+    with pytest.raises(SystemExit) as exit:
+        run_console_script("cosyvoice-bench", "cosyvoice_bench.cli")
+    assert exit.value.code == INTERRUPTED == 130
+    assert capsys.readouterr().err.endswith("\nAborted!\n")
+    assert click.Command.invoke is invoke  # click's own again once the script is done
 
 
 # --- peak RSS in a fresh process ------------------------------------------------------------------------

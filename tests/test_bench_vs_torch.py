@@ -126,3 +126,19 @@ def test_quick_run_beside_the_torch_reference(runtime_bundle: Path, tiny_bundle:
         speedup = case["speedup"]
         assert set(speedup) == set(FIGURE_KEYS)
         assert speedup["rtf_offline"] > 0 and speedup["rtf_stream"] is None and speedup["audio_s"] is None
+
+
+def test_another_models_reference_is_refused_before_measuring(runtime_bundle: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """--model-dir must be the model the bundle was exported from, checked as `cosyvoice-golden update`
+    checks it: one line naming the file that differs, before anything is measured."""
+    from cosyvoice_bench import cli
+    from cosyvoice_export.bundle.tiny import write_bundle
+
+    monkeypatch.setattr(cli, "run", lambda *_, **__: pytest.fail("the benchmark ran"))
+    other = write_bundle(tmp_path / "other", seed=1)
+    done = CliRunner().invoke(main, [*bench_args(runtime_bundle, tmp_path / "x.json"), "--vs-torch",
+                                     "--model-dir", str(other)])
+    assert done.exit_code == 2 and done.stderr.count("\n") == 1, done.output
+    assert done.stderr == (f"error: {other / 'llm.pt'} is not the llm.pt {runtime_bundle.resolve()} was "
+                           "exported from (sha256 differs); --model-dir must be that model\n")

@@ -12,11 +12,13 @@ import pytest
 pytest.importorskip("torch", reason="needs torch (the export extra)")
 pytestmark = pytest.mark.torch
 
+import numpy as np
+import soundfile as sf
 import torch
 from click.testing import CliRunner
 
 from cosyvoice_export.bundle.checkpoint import to_float32
-from cosyvoice_export.bundle.layout import CAMPPLUS, QWEN_DIR, SPEECH_TOKENIZER, YAML
+from cosyvoice_export.bundle.layout import CAMPPLUS, PROMPT_WAV, QWEN_DIR, SPEECH_TOKENIZER, YAML
 from cosyvoice_export.bundle.model_dir import ModelBundle
 from cosyvoice_export.bundle.tiny import write_bundle
 from cosyvoice_export.cli import main
@@ -98,6 +100,36 @@ def test_existing_output_needs_force(tiny_bundle: Path, tmp_path: Path) -> None:
     assert err.strip() == f"error: {out}: already exists; pass --force to replace it"
     assert list(out.iterdir()) == []  # untouched, and no temp dir left beside it
     assert [p.name for p in tmp_path.iterdir()] == ["b"]
+
+
+def test_force_replaces_only_a_model_bundle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--force never deletes a folder it did not write: a folder of other files, a stray file in a bundle,
+    the working folder (or one holding it) are refused in one line, untouched; a bundle it wrote, or an empty
+    folder, is replaced."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    code, _, err = run("tiny-bundle", str(mine), "--force")
+    assert code == 2 and err == (f"error: {mine}: not a model bundle tiny-bundle wrote (it holds notes.txt); "
+                                 "--force replaces only such a bundle: choose another OUT, or remove it "
+                                 "yourself\n")
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    monkeypatch.chdir(mine)
+    for out in (".", str(tmp_path)):
+        code, _, err = run("tiny-bundle", out, "--force")
+        assert code == 2 and err == (f"error: {out}: is the working folder or holds it; name a folder of the "
+                                     "bundle's own\n"), err
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+    bundle = tmp_path / "bundle"
+    assert run("tiny-bundle", str(bundle))[0] == 0
+    (bundle / "llm.pt").write_bytes(b"damaged")
+    code, out, err = run("tiny-bundle", str(bundle), "--force")
+    assert code == 0, err
+    assert run("check-bundle", str(bundle))[0] == 0
+    (bundle / "mine.txt").write_text("mine")
+    code, _, err = run("tiny-bundle", str(bundle), "--force")
+    assert code == 2 and "(it holds mine.txt)" in err and (bundle / "mine.txt").is_file()
 
 
 def test_failed_write_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -194,6 +226,10 @@ CASES: list[tuple[str, Callable[[Path], None], str]] = [
      "{root}/speech_tokenizer_v3.onnx: not a readable ONNX model"),
     ("swapped onnx", lambda r: shutil.copy(r / CAMPPLUS, r / SPEECH_TOKENIZER),
      "{root}/speech_tokenizer_v3.onnx: expected 2 inputs"),
+    ("junk prompt", lambda r: (r / PROMPT_WAV).write_bytes(bytes(range(100))),
+     "cannot read audio file {root}/asset/zero_shot_prompt.wav: "),
+    ("silent prompt", lambda r: sf.write(r / PROMPT_WAV, np.zeros(24000), 24000),
+     "audio file {root}/asset/zero_shot_prompt.wav is silent or nearly so"),
 ]
 
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -407,8 +410,69 @@ def test_foreign_or_unwritable_out_is_refused(tiny_bundle: Path, tmp_path: Path)
     code, _, err = run("all", "--model-dir", str(tiny_bundle), "--out", str(foreign))
     assert code == 2 and err.count("\n") == 1 and "not a runtime bundle" in err
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
-    with pytest.raises(OutputDirError, match="cannot write"):
+    not_a_folder = re.escape(f"cannot write there ({foreign / 'notes.txt'} is not a folder)")
+    with pytest.raises(OutputDirError, match=not_a_folder):
         export_all(tiny_bundle, foreign / "notes.txt" / "out", progress=False)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("wait", [[], ["--wait"]], ids=["", "wait"])
+def test_a_lock_that_cannot_be_made_is_one_line_never_a_wait(tiny_bundle: Path, tmp_path: Path,
+                                                               wait: list[str]) -> None:
+    """Only a lock another export holds means "another export is running"; where no lock file can be made
+    at all (filelock takes /proc's "no such file" for a held lock) the export stops in one line, with
+    --wait too."""
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    for out, why in ((Path("/proc/cosyvoice-out"), "its lock /proc/cosyvoice-out.lock: "),
+                     (afile / "sub", f"{afile} is not a folder")):
+        code, stdout, err = run("all", "--model-dir", str(tiny_bundle), "--out", str(out), *wait)
+        assert (code, stdout) == (2, "")
+        assert err.startswith(f"error: {out}: cannot write there ({why}") and err.count("\n") == 1, err
+    assert afile.read_text() == "mine"
+
+
+def test_reuse_from_a_folder_without_export_records_is_refused(tiny_bundle: Path, tmp_path: Path) -> None:
+    """--reuse-from names a folder this command exported into; a model bundle (or a runtime bundle without
+    its records) would lend nothing, and is refused in one line before anything is written."""
+    out = tmp_path / "out"
+    code, stdout, err = run("all", "--model-dir", str(tiny_bundle), "--out", str(out), "--reuse-from",
+                            str(tiny_bundle))
+    assert (code, stdout) == (2, "")
+    assert err == (f"error: --reuse-from {tiny_bundle}: not a runtime bundle with the records of "
+                   "`cosyvoice-export all` (.export/); name a folder that command exported into\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unreadable_demo_prompt_stops_the_export(tiny_bundle: Path, tmp_path: Path) -> None:
+    """The model bundle's prompt is checked as the runtime reads it, before it is copied into a bundle whose
+    every synthesis from its own prompt would fail."""
+    model = shutil.copytree(tiny_bundle, tmp_path / "model")
+    (model / PROMPT_WAV).write_bytes(bytes(range(100)))
+    code, stdout, err = run("all", "--model-dir", str(model), "--out", str(tmp_path / "out"))
+    assert (code, stdout) == (2, "")
+    assert err.startswith(f"error: cannot read audio file {model / PROMPT_WAV}: ") and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_interrupted_export_exits_130(tiny_bundle: Path, tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) in the middle of an export: click's "Aborted!" and the shell's 130, not 1 (a graph
+    that failed validation); no manifest."""
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "cosyvoice_export", "all", "--model-dir", str(tiny_bundle), "--out",
+               str(out)]
+    # a process started from a background shell inherits SIGINT ignored: Python installs its handler only
+    # where it is not
+    export = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    lock = output_dir.lock_path(out)
+    while not lock.exists() and export.poll() is None:  # the export has begun its work
+        time.sleep(0.05)
+    export.send_signal(signal.SIGINT)
+    stdout, err = export.communicate(timeout=600)
+    assert export.returncode == 130, err[-2000:]
+    assert err.endswith("\nAborted!\n") and stdout == ""
+    assert not (out / MANIFEST).exists()
 
 
 def test_a_second_export_into_the_same_out_stops_or_waits(tiny_bundle: Path, tmp_path: Path,

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
-from cosyvoice_golden.cases import CASES_FILE, DATA_DIR, Cases, load_cases
+from cosyvoice_golden.cases import CASES_FILE, DATA_DIR, Cases, GoldenCase, load_cases
 from cosyvoice_golden.cli import main
-from cosyvoice_golden.run import cpu_signature
+from cosyvoice_golden.run import CaseRun, Runtime, cpu_signature
 from cosyvoice_golden.store import case_paths, graph_paths, read_case, read_graph, write_case
 from cosyvoice_graphs import SPECS
+from cosyvoice_runtime.errors import SynthesisError
 from cosyvoice_runtime.frontend import contains_chinese
 from cosyvoice_runtime.synthesis import Mode
 
@@ -215,7 +216,63 @@ def test_precision_bounds_must_name_a_reduced_precision(tmp_path: Path) -> None:
                     "precision_tolerance: 'fp8' is not one of fp16, int8, int4, bf16")
 
 
+def test_a_precision_other_than_the_bundles_is_refused() -> None:
+    """--precision judges a bundle of that precision by tolerance; on a bundle of another (the demo bundle is
+    fp32) it is one line before anything runs, for cases and graphs alike."""
+    for selection in (["--case", SHORT], ["--graph", "hift_f0"]):
+        result = _golden("check", *selection, "--precision", "int8")
+        _one_error_line(result, "was exported with --precision fp32 (its manifest); give --precision fp32")
+        assert result.output.startswith("error: --precision int8: ")
+
+
+def _failing_synthesis(monkeypatch: pytest.MonkeyPatch, name: str, message: str) -> None:
+    """Case `name`'s synthesis on the runtime raises the runtime's `SynthesisError` with `message`."""
+    real = Runtime.run
+
+    def run(self: Runtime, case: GoldenCase) -> CaseRun:
+        if case.name == name:
+            raise SynthesisError(message)
+        return real(self, case)
+
+    monkeypatch.setattr(Runtime, "run", run)
+
+
+def test_a_synthesis_failing_in_a_case_is_that_cases_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The case's ✗ line names it and the error; the other cases and graphs are still judged, the summary
+    printed, and the exit status is a failure's (1), not bad input's."""
+    message = "the LLM sampled stop id 6627 after the text, which upstream's bistream refuses"
+    _failing_synthesis(monkeypatch, SHORT, message)
+    result = _golden("check", "--case", SHORT, "--case", STREAMED, "--graph", "hift_f0")
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert lines[0].startswith(f"✗ {SHORT}") and lines[0].endswith(f"cpu: synthesis failed — {message}")
+    assert lines[1].startswith(f"✓ {STREAMED}") and lines[2].startswith("✓ graph hift_f0")
+    assert lines[3].startswith("2 of 3 passed")
+
+
 # --- update -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.torch
+def test_a_synthesis_failing_in_update_names_the_case(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:
+    """An update cannot record a failing case: it stops, in one line naming the case, writing nothing."""
+    from cosyvoice_golden import update
+
+    message = "3304 mel frames (prompt included) exceed the flow noise table's 3000"
+    _failing_synthesis(monkeypatch, SHORT, message)
+    cases_file = _copy(tmp_path, SHORT)
+    before = {p: p.read_bytes() for p in (tmp_path / DATA_DIR).iterdir()}
+    _one_error_line(_golden("update", "--cases", str(cases_file), "--case", SHORT),
+                    f"error: case {SHORT}: {message}")
+
+    def refused(*args: object) -> None:  # upstream's refusal, which the torch reference mirrors
+        raise ValueError("should not get token 6562")
+
+    monkeypatch.setattr(update, "reference_segments", refused)
+    _one_error_line(_golden("update", "--cases", str(cases_file), "--case", SHORT),
+                    f"error: case {SHORT}: the torch reference failed: should not get token 6562")
+    assert {p: p.read_bytes() for p in (tmp_path / DATA_DIR).iterdir()} == before
 
 
 @pytest.mark.torch

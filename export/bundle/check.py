@@ -7,10 +7,13 @@ from pathlib import Path
 
 import onnx
 
+from cosyvoice_runtime.errors import FrontendError
+from cosyvoice_runtime.frontend import read_prompt_audio
+
 from ..manifest import NETWORKS
 from .checkpoint import read_pickled_dict
 from .errors import BundleError
-from .layout import CAMPPLUS, LLM_VARIANTS, SPEECH_TOKENIZER, SPK2INFO, YAML
+from .layout import CAMPPLUS, LLM_VARIANTS, PROMPT_WAV, SPEECH_TOKENIZER, SPK2INFO, YAML
 from .model_dir import ModelBundle
 from .tokenizer_files import TOKENIZER_FILES, load_cosyvoice3_tokenizer
 
@@ -65,6 +68,16 @@ def check_speech_tokenizer(path: Path, n_mels: int = 128) -> str:
     return f"inputs {feats.name}, {length.name}, output {outputs[0].name}"
 
 
+def check_prompt_wav(path: Path) -> str:
+    """The demo prompt as the runtime reads it (`read_prompt_audio`): a recording it refuses would be copied
+    into every runtime bundle and fail there at the first synthesis."""
+    try:
+        audio = read_prompt_audio(path)
+    except FrontendError as e:
+        raise BundleError(str(e)) from None
+    return f"{audio.samples.shape[0] / audio.sample_rate:.2f} s at {audio.sample_rate} Hz"
+
+
 def check_bundle(root: Path, report: Callable[[str], None] = print,
                  llm_checkpoints: Sequence[str] = LLM_VARIANTS["base"]) -> ModelBundle:
     """Check every file of the model directory at `root`; raise `BundleError` on the first problem.
@@ -85,6 +98,8 @@ def check_bundle(root: Path, report: Callable[[str], None] = print,
         raise BundleError(f"{bundle.qwen_dir}: tokenizer has {len(tok)} ids but config.json vocab_size is "
                           f"{cfg.llm.qwen.vocab_size}")
     report(f"ok  {bundle.qwen_dir.name}/: {len(tok)} text ids, {EOP_TOKEN} = {tok.token_id(EOP_TOKEN)}")
+    if (root / PROMPT_WAV).exists():
+        report(f"ok  {PROMPT_WAV}: {check_prompt_wav(root / PROMPT_WAV)}")
 
     for name in NETWORKS:
         for path in ([root / f for f in llm_checkpoints] if name == "llm" else [bundle.checkpoint(name)]):

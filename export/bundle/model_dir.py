@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -15,6 +17,9 @@ from .checkpoint import check_state_dict, read_state_dict, to_float32
 from .errors import BundleError
 from .layout import LLM_CHECKPOINTS, QWEN_DIR, YAML
 from .yaml_config import model_config_from_yaml
+
+if TYPE_CHECKING:
+    from cosyvoice_runtime.bundle import RuntimeBundle
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,25 @@ class ModelBundle:
             if not p.is_file():
                 raise BundleError(f"{p}: file not found")
         return cls(root, model_config_from_yaml(yaml_path, qwen_config), llm_checkpoint)
+
+    @classmethod
+    def open_exported_from(cls, root: Path | str, bundle: RuntimeBundle) -> ModelBundle:
+        """The model directory at `root` as `open` reads it, LLM checkpoint and all, when it is the model the
+        runtime bundle `bundle` was exported from: every source file its manifest names has its sha256
+        here. Otherwise `BundleError`, naming the first file that differs, before any weights are read."""
+        root = Path(root)
+        for name, entry in bundle.manifest.sources.items():
+            path = root / name
+            try:
+                with open(path, "rb") as f:
+                    sha = hashlib.file_digest(f, "sha256").hexdigest()
+            except OSError as e:
+                raise BundleError(f"{path}: unreadable ({e.strerror}); --model-dir must be the model "
+                                  f"{bundle.root} was exported from") from None
+            if sha != entry.sha256:
+                raise BundleError(f"{path} is not the {name} {bundle.root} was exported from (sha256 "
+                                  "differs); --model-dir must be that model")
+        return cls.open(root, bundle.manifest.llm_checkpoint)
 
     @property
     def qwen_dir(self) -> Path:

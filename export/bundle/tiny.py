@@ -24,7 +24,8 @@ from ..manifest import NETWORKS, build_network
 from ..nets import flow as flow_net
 from ..nets import hift as hift_net
 from ..nets import llm as llm_net
-from .layout import PROMPT_TEXT, PROMPT_WAV, QWEN_DIR, QWEN_WEIGHTS, YAML
+from .errors import BundleError
+from .layout import CAMPPLUS, PROMPT_TEXT, PROMPT_WAV, QWEN_DIR, QWEN_WEIGHTS, SPEECH_TOKENIZER, YAML
 from .prompt_wav import PROMPT_TRANSCRIPT, write_prompt_wav
 from .standin_onnx import write_standin_onnx
 from .tokenizer_files import (
@@ -108,17 +109,42 @@ def _write(root: Path, size: str, seed: int, progress: bool) -> None:
     steps.close()
 
 
+WRITTEN = frozenset({YAML, QWEN_DIR, *(f"{name}.pt" for name in NETWORKS), CAMPPLUS, SPEECH_TOKENIZER,
+                     PROMPT_WAV.split("/")[0], PROMPT_TEXT.split("/")[0]})
+"""What `write_bundle` puts at the top of a bundle."""
+
+
+def check_replaceable(out: Path) -> None:
+    """Raise `BundleError` unless `out` is an empty folder or a model bundle holding nothing but what
+    `write_bundle` writes: --force must never delete a folder of someone else's files."""
+    if not out.is_dir():
+        raise BundleError(f"{out}: is a file; --force replaces only a model bundle tiny-bundle wrote")
+    names = {p.name for p in out.iterdir()}
+    foreign = sorted(names - WRITTEN)
+    if names and (foreign or YAML not in names):
+        found = f"it holds {foreign[0]}" if foreign else f"no {YAML}"
+        raise BundleError(f"{out}: not a model bundle tiny-bundle wrote ({found}); --force replaces only "
+                          "such a bundle: choose another OUT, or remove it yourself")
+
+
 def write_bundle(out: Path, *, size: str = "tiny", seed: int = 0, force: bool = False, progress: bool = False
                  ) -> Path:
     """Write a random-weight bundle to `out`, atomically: into a sibling temp dir, then renamed.
 
-    Raises `FileExistsError` if `out` exists and `force` is not set.
+    Raises `FileExistsError` if `out` exists and `force` is not set, and `BundleError` if `force` would
+    replace something this function does not write (`check_replaceable`) or `out` holds the working
+    folder.
     """
     out = Path(out)
     if size not in SIZES:
         raise ValueError(f"unknown bundle size {size!r}; expected one of {', '.join(SIZES)}")
+    target = Path(os.path.abspath(out))
+    if not target.name or Path.cwd().is_relative_to(target):
+        raise BundleError(f"{out}: is the working folder or holds it; name a folder of the bundle's own")
     if out.exists() and not force:
         raise FileExistsError(f"{out}: already exists; pass --force to replace it")
+    if out.exists():
+        check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = new_sibling(out, ".partial", directory=True)
     try:
@@ -130,3 +156,4 @@ def write_bundle(out: Path, *, size: str = "tiny", seed: int = 0, force: bool = 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+

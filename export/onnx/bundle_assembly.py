@@ -67,7 +67,7 @@ from .graph_export import (
     validation_record,
 )
 from .lazy_networks import LazyNetworks
-from .output_dir import drop_graphs, file_entry, install, locked, prepare_out, write_json
+from .output_dir import check_reuse_source, drop_graphs, file_entry, install, locked, prepare_out, write_json
 from .trace import EXPORTER_VERSION, file_sha256
 
 if TYPE_CHECKING:
@@ -90,7 +90,8 @@ def export_all(model_dir: Path | str, out: Path | str, *, llm: str = "base", for
     earlier run into `out`, that passed then and whose files are intact, is reused unless `force`, and so
     is one that another export of the model made alike into a folder of `reuse_from` (another precision's
     bundle), its files linked into `out`; the files of graphs an earlier exporter made that this one no
-    longer does (`RETIRED_GRAPHS`) are deleted.
+    longer does (`RETIRED_GRAPHS`) are deleted. A folder of `reuse_from` that holds no export records
+    (`check_reuse_source`) raises `OutputDirError` before anything is read.
 
     `providers` (None: every graph of the plan) keeps to the graphs the pipelines on those providers open
     (`bundle_graphs`): a `--precision cpu-fast` bundle for `cpu` has no `llm` (its decode steps and prefills
@@ -119,6 +120,8 @@ def export_all(model_dir: Path | str, out: Path | str, *, llm: str = "base", for
     plan = PrecisionPlan.parse(precision)
     if llm not in LLM_CHECKPOINTS:
         raise ValueError(f"unknown llm {llm!r}; expected one of {', '.join(LLM_CHECKPOINTS)}")
+    for source in reuse_from:
+        check_reuse_source(Path(source))
     start = time.perf_counter()
     trt_env = None
     if trt:

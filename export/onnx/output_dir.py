@@ -47,20 +47,20 @@ def lock_path(out: Path) -> Path:
 
 @contextmanager
 def locked(out: Path, wait: bool) -> Iterator[None]:
-    """Hold `out`'s lock; `OutputDirError` if another export holds it (unless `wait`)."""
+    """Hold `out`'s lock; `OutputDirError` if another export holds it (unless `wait`), or if the lock file
+    cannot be made there at all (a parent that is not a folder, a read-only file system, /proc)."""
     path = lock_path(out)
+    _make_lock_file(out, path)
+    lock = FileLock(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(path)
-        try:
-            lock.acquire(timeout=0)
-        except Timeout:
-            if not wait:
-                raise OutputDirError(f"{out}: another export into it is running (it holds {path}); run "
-                                     "again when it has finished, or pass --wait") from None
-            print(f"waiting for another export into {out} to finish (it holds {path})", file=sys.stderr,
-                  flush=True)
-            lock.acquire()
+        lock.acquire(timeout=0)
+    except Timeout:
+        if not wait:
+            raise OutputDirError(f"{out}: another export into it is running (it holds {path}); run "
+                                 "again when it has finished, or pass --wait") from None
+        print(f"waiting for another export into {out} to finish (it holds {path})", file=sys.stderr,
+              flush=True)
+        lock.acquire()
     except OSError as e:
         raise OutputDirError(f"{out}: cannot write there (its lock {path}: {e.strerror or type(e).__name__})"
                              ) from None
@@ -68,6 +68,33 @@ def locked(out: Path, wait: bool) -> Iterator[None]:
         yield
     finally:
         lock.release()
+
+
+def _make_lock_file(out: Path, path: Path) -> None:
+    """Create `path` (or open it where it exists) so that a place no lock can be made in is one line here:
+    filelock reports a file it cannot create as a lock held by someone else (a `Timeout`, which --wait
+    would wait on for ever) wherever the open fails with "no such file" in an existing folder, as in
+    /proc."""
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent  # the folder `mkdir(parents=True)` would create the rest in
+    if not parent.is_dir():
+        raise OutputDirError(f"{out}: cannot write there ({parent} is not a folder)")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o644))
+    except OSError as e:
+        raise OutputDirError(f"{out}: cannot write there (its lock {path}: {e.strerror or type(e).__name__})"
+                             ) from None
+
+
+def check_reuse_source(source: Path) -> None:
+    """Refuse a `--reuse-from` folder that has no graph records to lend (a model bundle, a copied or
+    committed runtime bundle without STATE_DIR): only a folder this command exported into has them."""
+    if not (source / STATE_DIR).is_dir():
+        what = "a runtime bundle without" if (source / MANIFEST).is_file() else "not a runtime bundle with"
+        raise OutputDirError(f"--reuse-from {source}: {what} the records of `cosyvoice-export all` "
+                             f"({STATE_DIR}/); name a folder that command exported into")
 
 
 def prepare_out(out: Path, precision: str) -> None:
