@@ -156,4 +156,3 @@ def write_bundle(out: Path, *, size: str = "tiny", seed: int = 0, force: bool = 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
