@@ -228,10 +228,10 @@ def test_the_server_applies_it_to_every_stream(tmp_path: Path, monkeypatch: pyte
         seen: list[ChunkPolicy] = []
         stream_tokens = engine.synth.stream_tokens
 
-        def spy(tokens: Any, prompt: PromptFeatures, *, policy: ChunkPolicy | None = None
-                ) -> Iterator[AudioChunk]:
+        def spy(tokens: Any, prompt: PromptFeatures, *, policy: ChunkPolicy | None = None,
+                decoding: Any = None) -> Iterator[AudioChunk]:
             seen.append(policy or engine.synth.chunk_policy)
-            return stream_tokens(tokens, prompt, policy=policy)
+            return stream_tokens(tokens, prompt, policy=policy, decoding=decoding)
 
         monkeypatch.setattr(engine.synth, "stream_tokens", spy)
         with TestClient(create_app(engine, settings)) as client:
