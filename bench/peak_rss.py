@@ -79,6 +79,8 @@ class PeakJob:
     seed: int = 0
     cuda_graphs: bool = False
     """The runtime's decode steps replay from CUDA graphs, as the benchmark's do (`RuntimeBackend`)."""
+    llm_checkpoint: str = "llm.pt"
+    """The torch reference's LLM checkpoint in `model` (the runtime bundle's)."""
 
     def command(self, case: Case) -> list[str]:
         """The child's command line for `case`."""
@@ -86,7 +88,8 @@ class PeakJob:
                 "--prompt-wav", str(self.prompt_wav), "--prompt-text", self.prompt_text,
                 "--length", case.name, "--tokens", str(case.tokens), "--threads", str(self.threads),
                 "--provider", self.provider, "--seed", str(self.seed),
-                "--cuda-graphs" if self.cuda_graphs else "--no-cuda-graphs"]
+                "--cuda-graphs" if self.cuda_graphs else "--no-cuda-graphs",
+                "--llm-checkpoint", self.llm_checkpoint]
 
 
 @dataclass(frozen=True)
@@ -130,8 +133,8 @@ def _opener(job: PeakJob) -> Callable[[], Backend]:
     if job.backend == "torch":
         from .torch_runs import TorchBackend  # torch only in the reference's child
 
-        return lambda: TorchBackend(job.model, threads=job.threads, prompt_text=job.prompt_text,
-                                    seed=job.seed)
+        return lambda: TorchBackend(job.model, job.llm_checkpoint, threads=job.threads,
+                                    prompt_text=job.prompt_text, seed=job.seed)
     return lambda: RuntimeBackend(RuntimeBundle.open(job.model), provider=job.provider, threads=job.threads,
                                   prompt_text=job.prompt_text, seed=job.seed, cuda_graphs=job.cuda_graphs)
 
@@ -164,11 +167,14 @@ def measure_here(job: PeakJob, case: Case) -> FreshPeak:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--cuda-graphs/--no-cuda-graphs", default=False, show_default=True,
               help="The runtime's decode steps replay from CUDA graphs (cuda, with an llm_decode).")
+@click.option("--llm-checkpoint", default="llm.pt", show_default=True,
+              help="With --backend torch: the LLM's checkpoint in the model directory (the runtime "
+                   "bundle's).")
 def main(backend: BackendName, model: Path, prompt_wav: Path, prompt_text: str, length: str, tokens: int,
-         threads: int | None, provider: str, seed: int, cuda_graphs: bool) -> None:
+         threads: int | None, provider: str, seed: int, cuda_graphs: bool, llm_checkpoint: str) -> None:
     """Peak RSS of one cold run in this (fresh) process, printed as one JSON line."""
     job = PeakJob(backend, model, prompt_wav, prompt_text, threads or usable_cpus(), provider, seed,
-                  cuda_graphs)
+                  cuda_graphs, llm_checkpoint)
     click.echo(json.dumps(asdict(measure_here(job, Case(LENGTHS[length], tokens)))))
 
 

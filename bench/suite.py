@@ -127,9 +127,11 @@ def run(s: Settings, *, progress: bool = True) -> dict[str, Any]:
 
         torch_version = torch.__version__
         model_dir = s.model_dir
-        factories["torch"] = lambda: TorchBackend(model_dir, threads=s.threads, prompt_text=s.prompt_text,
-                                                  seed=s.seed)
-        jobs["torch"] = PeakJob("torch", model_dir, s.prompt_wav, s.prompt_text, s.threads, seed=s.seed)
+        llm = bundle.manifest.llm_checkpoint  # a bundle of `--llm rl` is compared with that LLM
+        factories["torch"] = lambda: TorchBackend(model_dir, llm, threads=s.threads,
+                                                  prompt_text=s.prompt_text, seed=s.seed)
+        jobs["torch"] = PeakJob("torch", model_dir, s.prompt_wav, s.prompt_text, s.threads, seed=s.seed,
+                                llm_checkpoint=llm)
     measure_levers = s.provider == CPU
     measure_conv_search = s.provider == CUDA
     int8, bf16 = needs_int8_rate(shapes), needs_bf16_rate(shapes)

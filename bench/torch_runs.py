@@ -33,12 +33,14 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self, model_dir: Path, *, threads: int, prompt_text: str, seed: int) -> None:
-        """Load the three networks; torch runs on `threads` threads until `close`."""
+    def __init__(self, model_dir: Path, llm_checkpoint: str, *, threads: int, prompt_text: str,
+                 seed: int) -> None:
+        """Load the three networks, the LLM from `llm_checkpoint` (the runtime bundle's: its manifest's
+        `llm_checkpoint`); torch runs on `threads` threads until `close`."""
         start = time.perf_counter()
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(threads)
-        self.pipe = ReferencePipeline(ModelBundle.open(model_dir))
+        self.pipe = ReferencePipeline(ModelBundle.open(model_dir, llm_checkpoint))
         self.prompt_text, self.seed = prompt_text, seed
         self.policy = ChunkPolicy(lookahead=self.pipe.config.flow.pre_lookahead_len)
         self._log = CallLog()

@@ -4,7 +4,10 @@ tokens, the bounds count the networks' FLOPs as torch does, and a quick `--vs-to
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,8 +22,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from cosyvoice_bench.bounds import dit_flops_per_step, hift_flops
+from cosyvoice_bench.cases import make_cases
 from cosyvoice_bench.cli import main
+from cosyvoice_bench.errors import BenchError
 from cosyvoice_bench.measure import CallLog
+from cosyvoice_bench.peak_rss import PeakJob, fresh_peak
 from cosyvoice_bench.report import FIGURE_KEYS
 from cosyvoice_export.bundle.layout import PROMPT_TEXT, PROMPT_WAV
 from cosyvoice_export.bundle.model_dir import ModelBundle
@@ -126,6 +132,51 @@ def test_quick_run_beside_the_torch_reference(runtime_bundle: Path, tiny_bundle:
         speedup = case["speedup"]
         assert set(speedup) == set(FIGURE_KEYS)
         assert speedup["rtf_offline"] > 0 and speedup["rtf_stream"] is None and speedup["audio_s"] is None
+
+
+def _rename_key(data: Any, old: str, new: str) -> Any:
+    """`data` (parsed JSON) with every object key `old` renamed `new`."""
+    if isinstance(data, dict):
+        return {new if k == old else k: _rename_key(v, old, new) for k, v in data.items()}
+    return [_rename_key(v, old, new) for v in data] if isinstance(data, list) else data
+
+
+def test_the_reference_reads_the_bundles_llm_checkpoint(runtime_bundle: Path, tiny_bundle: Path,
+                                                         tmp_path: Path) -> None:
+    """A bundle exported with `--llm rl` is measured beside the reference with that LLM: here the graphs'
+    weights are llm.rl.pt's and llm.pt holds another model's, so reading llm.pt would give other tokens."""
+    from cosyvoice_export.bundle.tiny import write_bundle
+
+    other = write_bundle(tmp_path / "other", seed=1)
+    model = tmp_path / "model"
+    model.mkdir()
+    for path in tiny_bundle.iterdir():
+        (model / path.name).symlink_to(path)
+    (model / "llm.pt").unlink()
+    (model / "llm.pt").symlink_to(other / "llm.pt")
+    (model / "llm.rl.pt").symlink_to(tiny_bundle / "llm.pt")
+    rl = shutil.copytree(runtime_bundle, tmp_path / "rl-runtime", copy_function=os.link)
+    manifest = json.loads((rl / "manifest.json").read_text())
+    assert manifest["llm_checkpoint"] == "llm.pt"
+    manifest = _rename_key(manifest, "llm.pt", "llm.rl.pt") | {"llm_checkpoint": "llm.rl.pt"}
+    (rl / "manifest.json").unlink()  # a hard link: the session's bundle keeps its own
+    (rl / "manifest.json").write_text(json.dumps(manifest))
+    out = tmp_path / "bench.json"
+    done = CliRunner().invoke(main, [*bench_args(rl, out), *_prompt_args(tiny_bundle), "--vs-torch",
+                                     "--model-dir", str(model), "--lengths", "short", "--concurrency", "1"])
+    assert done.exit_code == 0, done.output
+    assert "same speech tokens as torch: yes" in done.stdout
+    assert [case["same_speech_tokens"] for case in json.loads(out.read_text())["cases"]] == [True]
+
+
+def test_the_references_fresh_process_reads_the_llm_checkpoint_it_is_given(tiny_bundle: Path) -> None:
+    """The child measuring the reference's peak RSS opens the LLM checkpoint of the job (the runtime
+    bundle's), not llm.pt: one the model directory lacks fails there, named."""
+    job = PeakJob("torch", tiny_bundle, tiny_bundle / PROMPT_WAV, (tiny_bundle / PROMPT_TEXT).read_text(),
+                  threads=1, llm_checkpoint="llm.rl.pt")
+    with pytest.raises(BenchError, match=r"^torch short: the fresh process measuring peak RSS failed "
+                                         r"\(exit 1\): .*llm\.rl\.pt"):
+        fresh_peak(job, make_cases(["short"], 5)[0])
 
 
 def test_another_models_reference_is_refused_before_measuring(runtime_bundle: Path, tmp_path: Path,
