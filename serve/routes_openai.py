@@ -4,15 +4,17 @@
 
 `input` is the text; `voice` a registered speaker (`POST /speakers`) or one of OpenAI's standard voice
 names, which all speak in the bundle's own prompt voice (a registered speaker of the same name comes
-first); `response_format` one of OpenAI's six (`formats.py`), mp3 by default as OpenAI's; `speed` 0.5 to
-2.0; `instructions`, when given, make it instruct2 instead of zero-shot with the voice's transcript.
-`stream_format` "sse" sends OpenAI's speech events instead of the bare file. `model` may be any id: the
-server has one model, listed under the names clients send (`GET /v1/models`). An optional field sent as
-null takes its default, as OpenAI's API reads it.
+first); `response_format` one of OpenAI's six (`formats.py`), mp3 by default as OpenAI's; `speed` 0.25
+to 4.0, OpenAI's range; `instructions`, when given, make it instruct2 instead of zero-shot with the
+voice's transcript. `stream_format` "sse" sends OpenAI's speech events instead of the bare file. `model`
+may be any id: the server has one model, listed under the names clients send (`GET /v1/models`). An
+optional field sent as null takes its default, as OpenAI's API reads it.
 
-The body leaves chunk by chunk as the runtime synthesises it, as OpenAI's does. As upstream, `speed` works
-offline only: with a speed other than 1.0 the audio is synthesised whole on upstream's offline path and
-then sent. Our own field `stream` chooses explicitly: true streams (speed 1.0 only), false synthesises
+The body leaves chunk by chunk as the runtime synthesises it, as OpenAI's does, but for FLAC: its header
+holds the total length, which a stream cannot go back to fill in, and readers such as libsndfile refuse
+a FLAC without it, so a FLAC is a complete file unless `stream` asks for a stream. As upstream, `speed`
+works offline only: with a speed other than 1.0 the audio is synthesised whole on upstream's offline path
+and then sent. Our own field `stream` chooses explicitly: true streams (speed 1.0 only), false synthesises
 offline and answers a complete file (`X-Audio-Duration`; an MP3 with its LAME tag, a WAV with its sizes).
 """
 
@@ -88,13 +90,14 @@ class SpeechRequest(NullIsDefault):
                                      "model's own prompt voice (GET /v1/audio/voices).")
     instructions: str | None = Field(None, description="An instruction: instruct2 instead of zero-shot.")
     response_format: FormatName = "mp3"
-    speed: float = Field(1.0, ge=0.5, le=2.0, description="Speaking rate; other than 1.0, the audio is "
-                                                         "synthesised whole before it is sent.")
+    speed: float = Field(1.0, ge=0.25, le=4.0, description="Speaking rate; other than 1.0, the audio is "
+                                                          "synthesised whole before it is sent.")
     stream_format: Literal["audio", "sse"] = Field(
         "audio", description="audio: the file's bytes; sse: speech.audio.delta events, speech.audio.done.")
     stream: bool | None = Field(
         None, description="true: stream the runtime's chunks (speed 1.0 only); false: synthesise offline, "
-                          "answer a complete file; default: stream unless speed is not 1.0.")
+                          "answer a complete file; default: stream unless speed is not 1.0 or the "
+                          "format is flac.")
     seed: Seed = None
 
 
@@ -104,7 +107,7 @@ async def speech(body: SpeechRequest, request: Request, state: State) -> Respons
     settings = state.settings
     text = require_text(body.input, "input", settings)
     prompt, prompt_text = find_voice(state, body.voice if isinstance(body.voice, str) else body.voice.id)
-    streamed = body.speed == 1.0 if body.stream is None else body.stream
+    streamed = body.speed == 1.0 and body.response_format != "flac" if body.stream is None else body.stream
     if streamed and body.speed != 1.0:
         raise FieldError("speed", "speed works only without stream (upstream ignores it when streaming)")
     sampling = request_sampling(settings, body.seed)

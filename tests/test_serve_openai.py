@@ -113,8 +113,10 @@ def test_the_compressed_encoders_fed_chunk_by_chunk_keep_a_tone(response_format:
 def test_every_response_format_decodes_to_the_streamed_samples(sdk: Any, pcm: np.ndarray, server: str,
                                                                response_format: str) -> None:
     assert httpx.get(f"{server}/speakers").json() == []  # a standard voice, with no speaker registered
+    streamed = {"stream": True} if response_format == "flac" else None  # a FLAC is whole unless asked
     with sdk.audio.speech.with_streaming_response.create(model="tts-1", voice="alloy", input=SHORT,
-                                                         response_format=response_format) as response:
+                                                         response_format=response_format,
+                                                         extra_body=streamed) as response:
         assert response.headers["content-type"] == MEDIA_TYPES[response_format]
         assert response.headers["x-sample-rate"] == str(RATE)
         data = response.read()
@@ -146,6 +148,19 @@ def test_mp3_is_openais_default_and_a_whole_file_knows_its_length(sdk: Any, serv
                                          extra_body={"stream": False}).content for f in ("wav", "flac"))
     offline = sf.read(io.BytesIO(wav), dtype="int16")[0]
     assert np.array_equal(sf.read(io.BytesIO(flac), dtype="int16")[0], offline)  # its length in STREAMINFO
+    flac_default = sdk.audio.speech.create(model="tts-1", voice="alloy", input=SHORT, response_format="flac")
+    assert float(flac_default.response.headers["x-audio-duration"]) == pytest.approx(len(offline) / RATE,
+                                                                                      abs=1e-3)
+    assert np.array_equal(sf.read(io.BytesIO(flac_default.content), dtype="int16")[0], offline)
+
+
+def test_a_streamed_flac_leaves_its_length_unknown(sdk: Any, pcm: np.ndarray) -> None:
+    """Why a FLAC is whole unless `stream` asks: libsndfile reads a FLAC whose STREAMINFO gives no total
+    length as one of 2**63 - 1 frames, which `soundfile` cannot read."""
+    streamed = sdk.audio.speech.create(model="tts-1", voice="alloy", input=SHORT, response_format="flac",
+                                       extra_body={"stream": True}).content
+    assert np.array_equal(decode(streamed)[0], pcm)
+    assert sf.info(io.BytesIO(streamed)).frames == 2**63 - 1
 
 
 def test_the_body_is_sent_as_it_is_synthesised(sdk: Any) -> None:
@@ -250,6 +265,13 @@ def test_our_stream_field_and_speed_still_work(sdk: Any, pcm: np.ndarray) -> Non
         sdk.audio.speech.create(model="tts-1", voice="alloy", input=SHORT, speed=2.0,
                                 extra_body={"stream": True})
     assert refused.value.body["message"].startswith("speed works only without stream")
+    for speed, frames in ((0.25, 4 * len(pcm)), (4.0, len(pcm) // 4)):  # OpenAI's range, its ends
+        audio = sdk.audio.speech.create(model="tts-1", voice="alloy", input=SHORT, response_format="pcm",
+                                        speed=speed).content
+        assert abs(len(audio) // 2 - frames) <= 480  # the mel stretched to int(frames / speed): a frame
+    for speed in (0.24, 4.01):
+        with pytest.raises(openai.UnprocessableEntityError):
+            sdk.audio.speech.create(model="tts-1", voice="alloy", input=SHORT, speed=speed)
 
 
 def test_errors_reach_the_sdk(sdk: Any) -> None:
