@@ -87,7 +87,8 @@ class SessionStream(Generic[T]):
     """The event loop's end of a session: `await next()` for each item its work yields, None at the end.
 
     Errors raised by the work are raised by `next()`; a deadline that passes while waiting cancels the
-    session and raises `SessionTimeout`.
+    session and raises `SessionTimeout`. What the work has yielded is delivered however late the client
+    reads it: the deadline bounds the synthesis, not the client.
     """
 
     def __init__(self, session: Session, loop: asyncio.AbstractEventLoop) -> None:
@@ -104,12 +105,15 @@ class SessionStream(Generic[T]):
 
     async def next(self) -> T | None:
         """The next item, or None when the work has finished."""
-        remaining = self.session.deadline - time.monotonic()
-        try:
-            item = await asyncio.wait_for(self._items.get(), timeout=max(remaining, 0.0))
-        except TimeoutError:
-            self.session.cancel()
-            raise SessionTimeout(self.session.timeout) from None
+        try:  # an item already here is taken at once (`wait_for` with no time left would not)
+            item = self._items.get_nowait()
+        except asyncio.QueueEmpty:
+            remaining = self.session.deadline - time.monotonic()
+            try:
+                item = await asyncio.wait_for(self._items.get(), timeout=max(remaining, 0.0))
+            except TimeoutError:
+                self.session.cancel()
+                raise SessionTimeout(self.session.timeout) from None
         if item is _END:
             return None
         if isinstance(item, BaseException):
