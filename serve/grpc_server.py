@@ -29,7 +29,6 @@ from .auth import GrpcApiKey
 from .engine import Engine
 from .grpc_service import CosyVoiceService
 from .metrics import ServerMetrics
-from .proto import cosyvoice_pb2_grpc
 from .queue import SessionQueue
 from .settings import ServerSettings
 
@@ -64,7 +63,7 @@ class GrpcServer:
         interceptors = [GrpcApiKey(settings.api_key)] if settings.api_key is not None else []
         server = grpc.aio.server(interceptors=interceptors, options=OPTIONS)
         service = CosyVoiceService(engine, settings, sessions, metrics)
-        cosyvoice_pb2_grpc.add_CosyVoiceServicer_to_server(service, server)
+        service.add_to(server)
         try:
             bound = server.add_insecure_port(grpc_address(host, port))
         except RuntimeError as e:  # grpc's "Failed to bind to address"

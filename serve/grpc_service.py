@@ -11,9 +11,11 @@ chunk the runtime streams goes back as one `Response` of PCM16 at 24 kHz, conver
 the samples of `cosyvoice-run --stream` for the same input.
 
 Statuses: bad input is INVALID_ARGUMENT with a one-line message naming the field as the .proto does
-(`zero_shot_request.tts_text is empty`); a full queue RESOURCE_EXHAUSTED at once; the server's timeout
-DEADLINE_EXCEEDED. A client that cancels, disconnects or passes its own deadline has its handler cancelled
-by grpc, which cancels its session, queued or running. An error after some audio ends the stream with its
+(`zero_shot_request.tts_text is empty`), bytes that are no `cosyvoice.Request` too (`parse_request`:
+protobuf's error raised in grpc's deserializer would be UNKNOWN, with a traceback in the log); a full
+queue RESOURCE_EXHAUSTED at once; the server's timeout DEADLINE_EXCEEDED. A client that cancels,
+disconnects or passes its own deadline has its handler cancelled by grpc, which cancels its session,
+queued or running. An error after some audio ends the stream with its
 status (unlike HTTP, gRPC has a status after the body). Sampling: the server's (`--sampling`), seeded by
 the request metadata `seed`, else `--seed`, else a random seed; the initial metadata sends it back as
 `x-seed`, with `x-sample-rate`.
@@ -25,9 +27,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from cosyvoice_runtime.sampling import MAX_SEED
 from cosyvoice_runtime.synthesis import Mode
@@ -76,11 +80,35 @@ def status_code(status: int) -> grpc.StatusCode:
     return grpc.StatusCode.INVALID_ARGUMENT if status < 500 else grpc.StatusCode.INTERNAL
 
 
+AUDIO_FILE_MAGIC = {b"RIFF": "a WAV", b"fLaC": "a FLAC", b"OggS": "an Ogg", b"ID3": "an MP3"}
+"""How audio files begin: a `prompt_audio` that begins so is a file, not samples (as upstream, whose server
+would take its header and compressed bytes as samples)."""
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """Bytes of a call that are not a `cosyvoice.Request`: why, as protobuf says."""
+
+    reason: str
+
+
+def parse_request(data: bytes) -> cosyvoice_pb2.Request | Malformed:
+    """The service's request deserializer: the request, or `Malformed`, which `Inference` refuses."""
+    try:
+        return cosyvoice_pb2.Request.FromString(data)
+    except DecodeError as e:
+        return Malformed(str(e))
+
+
 def prompt_upload(data: bytes, field: str) -> AudioUpload:
     """A `prompt_audio` (PCM16 at 16 kHz) as a WAV file, for `Engine.extract` to read like an upload."""
     if not data:
         raise FieldError(field, f"{field} is empty; send the prompt recording as 16 kHz mono PCM16 "
                                 "(int16 bytes)")
+    kind = next((name for magic, name in AUDIO_FILE_MAGIC.items() if data.startswith(magic)), None)
+    if kind is not None:
+        raise FieldError(field, f"{field} holds {kind} file; send the recording's samples: 16 kHz mono "
+                                "PCM16 (int16 bytes), as upstream's client does")
     if len(data) % PCM16_BYTES:
         raise FieldError(field, f"{field} has {len(data)} bytes, not a whole number of 16-bit samples")
     return AudioUpload(wav_bytes(np.frombuffer(data, "<i2"), PROMPT_SAMPLE_RATE), field)
@@ -140,12 +168,24 @@ class CosyVoiceService(cosyvoice_pb2_grpc.CosyVoiceServicer):
         self.sessions = sessions if sessions is not None else SessionQueue(
             settings.sessions_at_once(engine.max_batch), settings.queue_depth, settings.timeout)
 
-    async def Inference(self, request: cosyvoice_pb2.Request, context: grpc.aio.ServicerContext) -> None:
+    def add_to(self, server: grpc.aio.Server) -> None:
+        """Serve this service's one method on `server`, its requests read by `parse_request`."""
+        handlers = {"Inference": grpc.unary_stream_rpc_method_handler(
+            self.Inference, request_deserializer=parse_request,
+            response_serializer=cosyvoice_pb2.Response.SerializeToString)}
+        name = cosyvoice_pb2.DESCRIPTOR.services_by_name["CosyVoice"].full_name
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+        server.add_registered_method_handlers(name, handlers)
+
+    async def Inference(self, request: cosyvoice_pb2.Request | Malformed,
+                        context: grpc.aio.ServicerContext) -> None:
         """Synthesise `request`, writing each streamed chunk's PCM16 as one `Response`."""
         metrics = self.metrics
         if metrics is not None:
             metrics.requests_total.inc()
         try:
+            if isinstance(request, Malformed):
+                raise ApiError(400, f"the call's bytes are not a cosyvoice.Request: {request.reason}")
             job = synthesis_job(request, self.settings, request_seed(context.invocation_metadata()))
             stream = self.sessions.submit(lambda session: self.engine.stream(job, session))
         except ApiError as e:

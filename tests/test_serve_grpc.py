@@ -110,22 +110,28 @@ def pcm(responses: Iterator[cosyvoice_pb2.Response]) -> np.ndarray:
 
 
 @contextmanager
-def grpc_serving(engine: Engine, **settings: Any) -> Iterator[tuple[cosyvoice_pb2_grpc.CosyVoiceStub,
-                                                                    CosyVoiceService]]:
-    """The gRPC server (greedy sampling) on a free loopback port, its event loop on a thread; a stub."""
+def grpc_server(engine: Engine, **settings: Any) -> Iterator[GrpcServer]:
+    """The gRPC server (greedy sampling) on a free loopback port, its event loop on a thread."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     start = GrpcServer.start(engine, ServerSettings(sampling="greedy", **settings), "127.0.0.1", 0)
     server = asyncio.run_coroutine_threadsafe(start, loop).result(10)
     try:
-        with grpc.insecure_channel(server.address) as channel:
-            yield cosyvoice_pb2_grpc.CosyVoiceStub(channel), server.service
+        yield server
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(1), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
         loop.close()
+
+
+@contextmanager
+def grpc_serving(engine: Engine, **settings: Any) -> Iterator[tuple[cosyvoice_pb2_grpc.CosyVoiceStub,
+                                                                    CosyVoiceService]]:
+    """`grpc_server`'s stub and service."""
+    with grpc_server(engine, **settings) as server, grpc.insecure_channel(server.address) as channel:
+        yield cosyvoice_pb2_grpc.CosyVoiceStub(channel), server.service
 
 
 def wait_for_sessions(service: CosyVoiceService, running: int, waiting: int, within: float = 5.0) -> None:
@@ -263,6 +269,12 @@ BAD_REQUESTS = [
      "cross_lingual_request.prompt_audio has 3 bytes, not a whole number of 16-bit samples"),
     ("short prompt", ("instruct2", "Hi."), {"prompt_audio": bytes(200), "instruct_text": "x"}, INVALID,
      "instruct2_request.prompt_audio: the audio file is too short"),
+    *[(f"{name} file prompt", ("cross_lingual", "Hi."), {"prompt_audio": magic + bytes(1000)}, INVALID,
+       f"cross_lingual_request.prompt_audio holds {name} file; send the recording's samples")
+      for magic, name in ((b"RIFF", "a WAV"), (b"fLaC", "a FLAC"), (b"OggS", "an Ogg"), (b"ID3", "an MP3"))],
+    ("30 s and a sample", ("cross_lingual", "Hi."), {"prompt_audio": bytes(2 * (30 * PROMPT_RATE + 1))},
+     INVALID, "cross_lingual_request.prompt_audio: the audio file lasts over 30 s; the speech tokenizer "
+              "takes at most 30 s"),
     *[(f"{quality} prompt, {kind}", (kind, "Hi."), {"prompt_audio": audio, **fields}, INVALID,
        f"{kind}_request.prompt_audio: the audio file is {problem}")
       for kind, fields in (("zero_shot", {"prompt_text": "x"}), ("cross_lingual", {}),
@@ -303,6 +315,24 @@ def test_a_bad_seed_is_invalid_argument(stub: cosyvoice_pb2_grpc.CosyVoiceStub,
         list(stub.Inference(request, metadata=(("seed", "-1"),)))
     assert error.value.code() == INVALID
     assert error.value.details() == f"seed metadata must be an integer from 0 to {2**63 - 1}, got '-1'"
+
+
+def test_bytes_that_are_no_request_are_invalid_argument_and_log_no_traceback(
+        engine: Engine, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]) -> None:
+    """A call whose bytes protobuf cannot parse (garbage, a string field that is not UTF-8) is refused in one
+    line, not grpc's UNKNOWN with the parser's traceback logged; without the key, UNAUTHENTICATED."""
+    text = b"\x0a\x02\xff\xfe"  # cross_lingual_request.tts_text, two bytes that are no UTF-8
+    bodies = {"garbage": b"\xff\xff\xff", "not UTF-8": b"\x1a" + bytes([len(text)]) + text}
+    for settings, code in (({}, INVALID), ({"api_key": API_KEY}, grpc.StatusCode.UNAUTHENTICATED)):
+        with grpc_server(engine, **settings) as server, grpc.insecure_channel(server.address) as channel:
+            call = channel.unary_stream("/cosyvoice.CosyVoice/Inference")  # the bytes as they are
+            for name, body in bodies.items():
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(call(body, timeout=10))
+                assert refused.value.code() == code, name
+                if code == INVALID:
+                    assert refused.value.details().startswith("the call's bytes are not a cosyvoice.Request:")
+    assert "Traceback" not in caplog.text + capfd.readouterr().err
 
 
 def test_an_api_key_is_required_as_metadata(engine: Engine, prompt: tuple[bytes, str, Path]) -> None:

@@ -193,5 +193,6 @@ def check_tokenizer_length(seconds: float, source: str) -> None:
     `source` names the audio in the message, e.g. "audio file prompt.wav".
     """
     if seconds > MAX_PROMPT_SECONDS:
-        raise FrontendError(f"{source} lasts {seconds:.2f} s; the speech tokenizer takes at most "
-                            f"{MAX_PROMPT_SECONDS:g} s")
+        limit = f"{MAX_PROMPT_SECONDS:g} s"
+        shown = f"{seconds:.2f} s" if round(seconds, 2) > MAX_PROMPT_SECONDS else f"over {limit}"
+        raise FrontendError(f"{source} lasts {shown}; the speech tokenizer takes at most {limit}")
