@@ -110,10 +110,12 @@ def main() -> None:
               help="onnxruntime intra-op threads. Default: the reference backend's (cases.toml).")
 @click.option("--precision", metavar="PRECISION",
               help="Judge the cases on a bundle exported with this --precision (an export of the same model, "
-                   "e.g. cosyvoice-export all --precision int8, or llm=int4,dit=int8) by tolerance, whatever "
+                   "e.g. cosyvoice-export all --precision int8, or llm=int8,dit=int8) by tolerance, whatever "
                    "precision they were recorded on: the loosest of cases.toml's [precision_tolerance] "
-                   "bounds of the bundle's reduced precisions. It must be the precision the bundle's "
-                   "manifest records. Default: a case runs only on a bundle of its own precision.")
+                   "bounds of the bundle's reduced precisions (int4 has none: an int4 LLM's tokens leave "
+                   "torch's within a few steps, so its cases fail; its export gates judge it). It must be "
+                   "the precision the bundle's manifest records. Default: a case runs only on a bundle of "
+                   "its own precision.")
 def check(cases_file: Path, case_names: tuple[str, ...], graph_names: tuple[str, ...], model: Path | None,
           provider: str | None, threads: int | None, precision: str | None) -> None:
     """Replay the golden cases on the runtime (no torch) and judge them: one line per case and graph.

@@ -125,7 +125,7 @@ class CosyVoice3:
     def __init__(self, model_dir: str | Path | RuntimeBundle, load_trt: bool = False,
                  load_vllm: bool = False, fp16: bool = False, trt_concurrent: int = 1, *, provider: str = CPU,
                  threads: int | None = None, sampling: str = "ras", seed: int = 0, verify: bool = True,
-                 speakers_dir: Path | None = None, flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+                 speakers_dir: str | Path | None = None, flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
                  max_batch: int | None = None, batch_observer: BatchObserver | None = None,
                  chunk_policy: ChunkPolicy | None = None, chunk_slots: int | None = None,
                  cuda_graphs: bool | None = None, stack_dit: bool = False, stack_vocoder: bool = False
@@ -289,7 +289,7 @@ class CosyVoice3:
     @functools.cached_property
     def speakers(self) -> SpeakerRegistry:
         """The speaker registry folder, read when first needed."""
-        folder = self._speakers_dir or default_speakers_dir()
+        folder = Path(self._speakers_dir) if self._speakers_dir else default_speakers_dir()
         return SpeakerRegistry(folder, frontend_fingerprint(self.bundle))
 
     # --- the lower level ------------------------------------------------------------------------------

@@ -108,7 +108,7 @@ def test_speakers_are_kept_in_the_object_until_saved(tmp_path: Path) -> None:
         voice.save_spkinfo()
         assert voice.list_available_spks() == ["a", "b"] and (folder / REGISTRY).is_file()
         want = voice.speakers.get("a")
-    with CosyVoice3(DEMO_BUNDLE, speakers_dir=folder) as again:
+    with CosyVoice3(DEMO_BUNDLE, speakers_dir=str(folder)) as again:  # a str, as model_dir may be
         assert again.list_available_spks() == ["a", "b"]
         got = again.speakers.get("a")
         assert got is not None and want is not None and got.prompt_text == TRANSCRIPT

@@ -314,6 +314,11 @@ def test_second_run_reuses_unchanged_graphs(exported: tuple[Path, str], tmp_path
     assert {g: list(e["sources"].items()) for g, e in reused["graphs"].items()} == sources
     assert all(items == sorted(items) for items in sources.values())
     assert "reused" in report.table()
+    # the summary's bounds as the manifest records them, to three digits (a gate's 45, not 4e+01)
+    shown = set(re.findall(r"(\w+) <= (\S+)", report.table()))
+    recorded = {(o["metric"], f"{o['bound']:.3g}") for e in fresh["graphs"].values()
+                for o in e["validation"]["outputs"].values()}
+    assert shown and shown <= recorded, shown - recorded
     forced = export_all(tiny_bundle, out, progress=False, force=True)
     assert forced.passed and not any(g.reused for g in forced.graphs)
 

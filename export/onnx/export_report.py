@@ -48,7 +48,7 @@ class Report:
         def row(label: str, figures: Iterable[Figure], size: str, run: str) -> None:
             f = max(figures, key=lambda fig: fig.ratio)
             error = f.problem[:24] if f.problem else f"{f.measured:.2e}"
-            rows.append((label, size, f.output, error, f"{f.metric} <= {f.bound:.0e}", run,
+            rows.append((label, size, f.output, error, f"{f.metric} <= {f.bound:.3g}", run,
                          "✓" if f.passed else "✗"))
 
         for g in self.graphs:
