@@ -24,13 +24,15 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import ray
 from fastapi import FastAPI
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
+from pydantic_core import ErrorDetails
 from ray import serve
 from ray.serve import Application
 from ray.serve.deployment import Deployment
@@ -154,13 +156,14 @@ def replica_config(args: dict[str, Any]) -> ReplicaConfig:
     `provider`, `flow_prefix_mib`, `speaker_store` (`folder` or `actor`) and any field of `ServerSettings`
     (`max_concurrency`, `queue_depth`, `timeout`, `sampling`, `seed`, `speakers_dir`, ...), values as YAML
     or `serve run`'s `key=value` strings give them; the API key comes from `$COSYVOICE_API_KEY`, kept out
-    of config files. `ValueError` naming what is wrong."""
+    of config files and of every message. `ValueError` naming what is wrong, in one line."""
     args = dict(args)
     model = args.pop("model", None)
     provider = str(args.pop("provider", CPU))
     if provider not in SERVER_PROVIDERS:
         raise ValueError(f"provider must be one of {', '.join(SERVER_PROVIDERS)}, got {provider!r}")
-    flow_prefix_mib = int(args.pop("flow_prefix_mib", DEFAULT_PREFIX_CACHE_BYTES >> 20))
+    flow_prefix_mib = _whole_number("flow_prefix_mib",
+                                    args.pop("flow_prefix_mib", DEFAULT_PREFIX_CACHE_BYTES >> 20))
     store = args.pop("speaker_store", "folder")
     if store not in SPEAKER_STORES:
         raise ValueError(f"speaker_store must be one of {', '.join(SPEAKER_STORES)}, got {store!r}")
@@ -168,10 +171,33 @@ def replica_config(args: dict[str, Any]) -> ReplicaConfig:
     if unknown:
         raise ValueError(f"unknown args {', '.join(unknown)}: model, provider, flow_prefix_mib, "
                          "speaker_store and ServerSettings' fields are taken")
-    if os.environ.get(API_KEY_ENV, "").strip():
-        args.setdefault("api_key", os.environ[API_KEY_ENV].strip())
-    settings = TypeAdapter(ServerSettings).validate_python(args)
+    try:  # pydantic's messages repeat the input, which must not hold a key: it is added after
+        settings = TypeAdapter(ServerSettings).validate_python(args)
+    except ValidationError as e:
+        raise ValueError("; ".join(_message(error) for error in e.errors(include_input=False))) from None
+    key = os.environ.get(API_KEY_ENV, "").strip()
+    if key and settings.api_key is None:
+        settings = replace(settings, api_key=key)
     return ReplicaConfig(Path(model) if model else None, provider, flow_prefix_mib << 20, settings, store)
+
+
+def _message(error: ErrorDetails) -> str:
+    """One of pydantic's errors without its input: `field: message`, or the message of a check of several
+    fields (`ServerSettings.__post_init__`)."""
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{'.'.join(map(str, error['loc']))}: {message}" if error["loc"] else message
+
+
+def _whole_number(name: str, value: object) -> int:
+    """`value` (YAML's number or `serve run`'s string) as a whole number of at least 0; else a `ValueError`
+    naming `name`."""
+    try:
+        number = float(value)  # type: ignore[arg-type]  # anything else is refused below
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or not (number >= 0 and number.is_integer()):
+        raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
+    return int(number)
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -191,7 +217,8 @@ def run_ray(options: RayOptions, config: ReplicaConfig, *, host: str, port: int)
     until SIGINT or SIGTERM, then delete the app (and stop the Ray instance started here). A replica that
     cannot open the bundle fails the deployment: one line on stderr, exit status 2; on a local instance, whose
     replicas open this machine's bundle and speakers, what they would refuse is refused before Ray starts
-    (`check_replica`)."""
+    (`check_replica`), and replicas its resources cannot hold once it has started (`placement_problem`; a
+    cluster's is a warning: an autoscaler may add the nodes)."""
     if options.address is None:
         try:
             check_replica(config)
@@ -201,6 +228,14 @@ def run_ray(options: RayOptions, config: ReplicaConfig, *, host: str, port: int)
     # Serve's controller logs each replica's start and stop, tracebacks included: they stay in the
     # session's log folder (/tmp/ray/session_latest/logs), and a failed deployment is one line here
     ray.init(address=options.address, include_dashboard=False, log_to_driver=False)
+    signal.signal(signal.SIGTERM, _interrupt)  # Ray's own handler ends the process with SIGABRT
+    problem = placement_problem(options.scale, ray.nodes())
+    if problem is not None and options.address is None:
+        ray.shutdown()
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
+    if problem is not None:
+        print(f"warning: {problem}; the deployment waits until the cluster has such nodes", file=sys.stderr)
     status = 1  # where an exception escapes
     try:
         status = _serve_until_a_signal(options, config, host=host, port=port)
@@ -208,6 +243,28 @@ def run_ray(options: RayOptions, config: ReplicaConfig, *, host: str, port: int)
         _leave_ray(status)
     if status:
         sys.exit(status)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM before the app serves (`_stop_on_a_signal` takes over then): unwind as Ctrl-C does, the app
+    deleted and a local instance stopped."""
+    raise KeyboardInterrupt
+
+
+def placement_problem(scale: ScaleOptions, nodes: Sequence[Mapping[str, Any]]) -> str | None:
+    """Why the alive nodes of `nodes` (`ray.nodes()`: their total resources) cannot hold the replicas
+    `scale` starts with, each on one node; None where they can."""
+    need = {name: amount for name, amount in (("CPU", scale.cpus), ("GPU", scale.gpus)) if amount > 0}
+    if not need:
+        return None
+    held = [min(math.floor(node["Resources"].get(name, 0.0) / amount + 1e-9) for name, amount in need.items())
+            for node in nodes if node.get("Alive")]
+    each = " and ".join(f"{amount:g} {name}" for name, amount in need.items())
+    if not any(held):
+        return f"each replica reserves {each}, which no node of the cluster has"
+    if sum(held) < scale.replicas:
+        return f"{scale.replicas} replicas reserving {each} each: the cluster's nodes hold {sum(held)}"
+    return None
 
 
 def _serve_until_a_signal(options: RayOptions, config: ReplicaConfig, *, host: str, port: int) -> int:

@@ -141,6 +141,16 @@ def test_a_config_files_args_are_the_servers_settings_by_name(monkeypatch: pytes
         replica_config({"sampling": "beam"})
     with pytest.raises(ValueError, match="provider must be one of cpu, cuda, tensorrt, openvino, got 'trt'"):
         replica_config({"provider": "trt"})
+    for value in (-1, "abc", 1.5, True):
+        with pytest.raises(ValueError, match=f"^flow_prefix_mib must be a whole number >= 0, got {value!r}$"):
+            replica_config({"flow_prefix_mib": value})
+    assert replica_config({"flow_prefix_mib": "64"}).flow_prefix_bytes == 64 << 20
+    # one line per wrong value, never the environment's key (pydantic's own message repeats the input)
+    for args, message in (({"max_concurrency": 0}, "max_concurrency must be >= 1, got 0"),
+                          ({"timeout": "x"}, "timeout: Input should be a valid number")):
+        with pytest.raises(ValueError) as refused:
+            replica_config(args)
+        assert str(refused.value).startswith(message) and "key" not in str(refused.value)
 
 
 def test_a_cpu_replica_runs_one_chunk_at_a_time_unless_told() -> None:

@@ -116,6 +116,56 @@ def test_on_a_local_instance_what_a_replica_would_refuse_is_refused_before_ray_s
     assert not ray.is_initialized() and time.monotonic() - started < 10
 
 
+def test_replicas_the_clusters_nodes_cannot_hold_are_named() -> None:
+    """Each replica on one node, as many as `--replicas` starts with (`ray.nodes()`'s total resources)."""
+    pytest.importorskip("ray", reason="Ray Serve is not installed (the ray extra)")
+    from cosyvoice_serve.ray_app import placement_problem
+
+    def node(cpus: float, gpus: float = 0.0, alive: bool = True) -> dict[str, object]:
+        resources = {"CPU": cpus, "memory": 1e10} | ({"GPU": gpus} if gpus else {})
+        return {"Alive": alive, "Resources": resources}
+
+    two_cpus = [node(2.0), node(8.0, 1.0, alive=False)]
+    assert placement_problem(ScaleOptions(replicas=2), two_cpus) is None
+    assert placement_problem(ScaleOptions(replicas=4, cpus=0.5), two_cpus) is None
+    assert placement_problem(ScaleOptions(cpus=0), []) is None  # nothing reserved: anywhere
+    assert placement_problem(ScaleOptions(gpus=1), two_cpus) == (
+        "each replica reserves 1 CPU and 1 GPU, which no node of the cluster has")
+    assert placement_problem(ScaleOptions(replicas=3), two_cpus) == (
+        "3 replicas reserving 1 CPU each: the cluster's nodes hold 2")
+    assert placement_problem(ScaleOptions(replicas=2, cpus=1, gpus=1), [node(2, 1), node(1, 1)]) is None
+
+
+def test_sigterm_while_the_app_deploys_unwinds_as_ctrl_c_does(tmp_path: Path) -> None:
+    """Ray's handler of SIGTERM ends the process with SIGABRT and a stack dump; before the app serves, the
+    command unwinds instead: the app deleted, the local instance stopped, exit status 130."""
+    pytest.importorskip("ray", reason="Ray Serve is not installed (the ray extra)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "cosyvoice_serve", "--ray", "--port", str(port),
+                               "--model", str(DEMO_BUNDLE), "--speakers", str(tmp_path / "speakers")],
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    log: list[str] = []
+    try:
+        for line in server.stderr or ():  # Serve starts, then the app deploys (seconds: the replica opens)
+            log.append(line)
+            if "Started Serve" in line:
+                server.send_signal(signal.SIGTERM)
+                break
+        log.extend(server.stderr or ())
+        status = server.wait(timeout=60)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+    assert status == 130 and not any("SIGTERM received" in line for line in log), "".join(log)
+    assert not any("serving http://" in line for line in log), "".join(log)
+    deadline = time.monotonic() + 15
+    while _group_alive(server.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _group_alive(server.pid), "the local instance's processes outlived the command"
+
+
 def test_a_signal_to_its_process_group_ends_a_local_instance_in_seconds(tmp_path: Path) -> None:
     """systemd stopping the unit, `timeout` and `kill -TERM -PGID` stop the local instance's GCS beside the
     command, which then neither waits Ray's 60 s for it nor is ended by Ray, nor crashes in Ray's shutdown
