@@ -282,7 +282,8 @@ def _serve_until_a_signal(options: RayOptions, config: ReplicaConfig, *, host: s
                    else f", autoscaling from {scale.min_replicas} to {scale.max_replicas}")
     print(f"ray: {scale.replicas} replicas{autoscaling}, each reserving CPU {scale.cpus:g} and GPU "
           f"{scale.gpus:g}, on {ray.get_runtime_context().gcs_address}; speakers: {config.speaker_store} "
-          f"{config.settings.speakers_dir}; serving http://{host}:{port}", file=sys.stderr)
+          f"{config.settings.speakers_dir}; API key: {'required' if config.settings.api_key else 'none'}; "
+          f"serving http://{host}:{port}", file=sys.stderr)
     stop.wait()
     return 0
 

@@ -192,6 +192,7 @@ def test_a_signal_to_its_process_group_ends_a_local_instance_in_seconds(tmp_path
         log: list[str] = []
         while not any("serving http://" in line for line in log):
             log.append(lines.get(timeout=max(deadline - time.monotonic(), 0)))
+        assert f"; API key: none; serving http://127.0.0.1:{port}\n" in log[-1]  # as the server's own line
         os.killpg(server.pid, signal.SIGTERM)
         stopped = time.monotonic()
         status = server.wait(timeout=55)
