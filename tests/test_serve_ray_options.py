@@ -136,16 +136,22 @@ def test_replicas_the_clusters_nodes_cannot_hold_are_named() -> None:
     assert placement_problem(ScaleOptions(replicas=2, cpus=1, gpus=1), [node(2, 1), node(1, 1)]) is None
 
 
-def test_sigterm_while_the_app_deploys_unwinds_as_ctrl_c_does(tmp_path: Path) -> None:
-    """Ray's handler of SIGTERM ends the process with SIGABRT and a stack dump; before the app serves, the
-    command unwinds instead: the app deleted, the local instance stopped, exit status 130."""
-    pytest.importorskip("ray", reason="Ray Serve is not installed (the ray extra)")
+def _serve_on_a_local_instance(tmp_path: Path) -> tuple[subprocess.Popen[str], int]:
+    """`cosyvoice-serve --ray` on the demo bundle in a process group of its own, stderr piped; its port."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     server = subprocess.Popen([sys.executable, "-m", "cosyvoice_serve", "--ray", "--port", str(port),
                                "--model", str(DEMO_BUNDLE), "--speakers", str(tmp_path / "speakers")],
                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return server, port
+
+
+def test_sigterm_while_the_app_deploys_unwinds_as_ctrl_c_does(tmp_path: Path) -> None:
+    """Ray's handler of SIGTERM ends the process with SIGABRT and a stack dump; before the app serves, the
+    command unwinds instead: the app deleted, the local instance stopped, exit status 130."""
+    pytest.importorskip("ray", reason="Ray Serve is not installed (the ray extra)")
+    server, port = _serve_on_a_local_instance(tmp_path)
     log: list[str] = []
     try:
         for line in server.stderr or ():  # Serve starts, then the app deploys (seconds: the replica opens)
@@ -173,12 +179,7 @@ def test_a_signal_to_its_process_group_ends_a_local_instance_in_seconds(tmp_path
     pytest.importorskip("ray", reason="Ray Serve is not installed (the ray extra)")
     from cosyvoice_serve.ray_app import DELETE_WAIT_S
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "cosyvoice_serve", "--ray", "--port", str(port),
-                               "--model", str(DEMO_BUNDLE), "--speakers", str(tmp_path / "speakers")],
-                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    server, port = _serve_on_a_local_instance(tmp_path)
     lines: queue.Queue[str] = queue.Queue()
 
     def read() -> None:
