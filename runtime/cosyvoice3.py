@@ -345,6 +345,11 @@ class CosyVoice3:
         (`max_batch` of them), so that their speech ids decode in one batch while their flow and vocoder
         calls share the cores; each text's audio is what `inference_*` makes of it alone (each segment from
         a fresh sampler of this object's sampling). Every text is checked before any runs."""
+        if isinstance(texts, str | bytes) or not isinstance(texts, Sequence):
+            raise UserError(f"texts is {type(texts).__name__}; expected a list of str")
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise UserError(f"texts[{i}] is {type(text).__name__}; expected a str")
         mode = Mode(mode)
         speaker = self._speaker(zero_shot_spk_id)
         prompt = speaker or prompt_wav
@@ -383,7 +388,8 @@ class CosyVoice3:
         speech = [int(t) for t in prompt.speech_tokens[0]] if mode is Mode.ZERO_SHOT else []
         read = list(ids)
         decoding = TextStreamDecoding(self.synth.lm, self._text_ids(pieces, read), ids, speech,
-                                      (sampling or self.sampling).sampler(), max_tokens=max_tokens)
+                                      (sampling or self.sampling).sampler(), max_tokens=max_tokens,
+                                      max_ids=self.synth.flow.max_tokens(prompt))
         tokens = watch(decoding) if watch is not None else decoding
         chunks = (self.synth.stream_tokens(tokens, prompt, policy=policy) if stream
                   else self._offline(tokens, prompt, speed))

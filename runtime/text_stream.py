@@ -47,15 +47,17 @@ class TextStreamDecoding(Iterator[int]):
     `stop_id` the id that ended decoding (eos), None if the length bound did."""
 
     def __init__(self, lm: SpeechTokenLM, text_ids: Iterable[int], prompt_text_ids: Sequence[int],
-                 prompt_speech_tokens: Sequence[int], sampler: Sampler, *, max_tokens: int | None = None
-                 ) -> None:
+                 prompt_speech_tokens: Sequence[int], sampler: Sampler, *, max_tokens: int | None = None,
+                 max_ids: int | None = None) -> None:
         """`prompt_text_ids` must hold `<|endofprompt|>` (upstream asserts it: cross-lingual, which has no
         prompt text, cannot stream its text); `max_tokens` bounds the ids sampled (fills included) instead
-        of `MAX_TOKEN_TEXT_RATIO` per text id (benchmarks)."""
+        of `MAX_TOKEN_TEXT_RATIO` per text id (benchmarks). With `max_ids` (`Flow.max_tokens`), decoding
+        ends once it has kept one id more: the synthesis fails at the flow then, as upstream's does with
+        them all."""
         if lm.endofprompt_id not in prompt_text_ids:
             raise ValueError(f"<|endofprompt|> (id {lm.endofprompt_id}) is not in the prompt text: text "
                              "streaming (upstream's bistream) needs it there")
-        self.lm, self.sampler, self.max_tokens = lm, sampler, max_tokens
+        self.lm, self.sampler, self.max_tokens, self.max_ids = lm, sampler, max_tokens, max_ids
         self.fill = lm.speech_token_size + FILL_OFFSET
         self.eos = lm.speech_token_size + 1
         self.history: list[int] = []
@@ -68,6 +70,9 @@ class TextStreamDecoding(Iterator[int]):
         self._ids = self._decode(iter(text_ids), list(prompt_text_ids), list(prompt_speech_tokens))
 
     def __next__(self) -> int:
+        if self.max_ids is not None and len(self.tokens) > self.max_ids:
+            self._ids.close()
+            raise StopIteration
         for token in self._ids:
             if self._limiter.keep(token):
                 self.tokens.append(token)

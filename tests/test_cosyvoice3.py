@@ -193,6 +193,10 @@ def test_bad_input_is_refused_before_synthesis(cosyvoice: CosyVoice3) -> None:
          "prompt_wav is silent or nearly so"),
         (lambda: cosyvoice.inference_cross_lingual("  ", str(PROMPT_WAV)), "tts_text is empty"),
         (lambda: cosyvoice.inference_zero_shot(TEXT, "", str(PROMPT_WAV)), "zero-shot needs"),
+        (lambda: cosyvoice.synthesize_many("Hey", str(PROMPT_WAV), mode="cross_lingual"),
+         "texts is str; expected a list of str"),  # not three texts of a letter each
+        (lambda: cosyvoice.synthesize_many([TEXT, None], str(PROMPT_WAV), mode="cross_lingual"),
+         r"texts\[1\] is NoneType; expected a str"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message):  # UserError and FrontendError are ValueErrors

@@ -24,6 +24,7 @@ from cosyvoice_export.reference.llm_decode import (
 from cosyvoice_runtime import CosyVoice3
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.errors import SynthesisError, UserError
+from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.sampling import GreedySampler, RasConfig, RasSampler
 from cosyvoice_runtime.synthesis import Mode, Synthesizer
 from cosyvoice_runtime.text_stream import MIX_RATIO, TextStreamDecoding
@@ -100,6 +101,36 @@ def test_the_text_is_read_as_decoding_needs_it(runtime_bundle: Path) -> None:
         assert len(read) < len(TEXT_IDS)
         decoding.close()
         assert list(decoding) == []
+
+
+def test_a_decoding_ends_past_what_the_flow_holds(runtime_bundle: Path) -> None:
+    """With `max_ids` (`Flow.max_tokens`) the decoding ends at the first id past it, as the whole text's
+    does: the same ids as without it, up to there. Through the object, a prompt that leaves the flow room
+    for 4 ids fails at the flow (as upstream's) after 5 decoded, offline and streamed."""
+    bundle = RuntimeBundle.open(runtime_bundle)
+    prompt_text, prompt_speech = _prompt(bundle, 40)
+    with Synthesizer(bundle, threads=1) as synth:
+        full = TextStreamDecoding(synth.lm, iter(TEXT_IDS), prompt_text, prompt_speech, GreedySampler(),
+                                  max_tokens=260).run()
+        bounded = TextStreamDecoding(synth.lm, iter(TEXT_IDS), prompt_text, prompt_speech, GreedySampler(),
+                                     max_tokens=260, max_ids=30)
+        assert bounded.run() == full[:31] and len(full) > 31 and bounded.stop_id is None
+    with CosyVoice3(bundle, threads=1, sampling="greedy") as voice:
+        wav, text = bundle.default_prompt() or pytest.fail("the bundle has no prompt")
+        prompt = voice.prompt_features(wav)
+        ratio, frames = voice.synth.dims.token_mel_ratio, voice.synth.flow.noise.shape[2]
+        tokens = frames // ratio - 4
+        long_prompt = PromptFeatures(np.resize(prompt.speech_tokens, (1, tokens)),
+                                     np.resize(prompt.mel, (1, ratio * tokens, prompt.mel.shape[2])),
+                                     prompt.embedding)
+        assert voice.synth.flow.max_tokens(long_prompt) == 4
+        for stream in (False, True):
+            pieces = iter(["Hello there, ", "this is a test ", "of the text stream."])
+            speech = voice.speak_text_stream(pieces, long_prompt, Mode.ZERO_SHOT, prompt_text=text,
+                                             stream=stream)
+            with pytest.raises(SynthesisError, match="exceed the flow noise table"):
+                list(speech)
+            assert len(speech.speech_tokens) == 5, stream
 
 
 def test_upstreams_refusals(runtime_bundle: Path) -> None:
