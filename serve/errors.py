@@ -13,10 +13,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from contextvars import ContextVar
+from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
@@ -25,6 +28,42 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .forms import FieldNotText, undecodable
 
 log = logging.getLogger(__name__)
+
+
+class ErrorBody(BaseModel):
+    """An error's JSON body outside `/v1/` (`error_response`), as the API schema states it."""
+
+    detail: str = Field(description="What is wrong, in one line, naming the request field at fault.")
+    error: str = Field(description="The same line (the bridge server's field).")
+    code: int = Field(description="The HTTP status.")
+
+
+class OpenAIError(BaseModel):
+    """OpenAI's error object."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIErrorBody(BaseModel):
+    """An error's JSON body under `/v1/`: OpenAI's."""
+
+    error: OpenAIError
+
+
+def error_responses(*statuses: int, openai: bool = False) -> dict[int | str, dict[str, Any]]:
+    """The API schema's `responses` for errors of `statuses`, in `error_response`'s body: FastAPI's default
+    422 (its validation error list) would describe a body the server never sends."""
+    model = OpenAIErrorBody if openai else ErrorBody
+    return {status: {"model": model, "description": HTTPStatus(status).phrase} for status in statuses}
+
+
+def audio_response(description: str, *media_types: str) -> dict[int | str, dict[str, Any]]:
+    """The API schema's 200 of a route answering audio (bytes, in one of `media_types`)."""
+    content = {media: {"schema": {"type": "string", "format": "binary"}} for media in media_types}
+    return {200: {"description": description, "content": content}}
 
 
 class ApiError(Exception):

@@ -8,8 +8,9 @@ refused unless the server names a folder for them (`--prompt-dir`): then a `prom
 path that leads out of it (`..`, a symlink, another absolute path) is refused without looking further.
 With a non-blank `prompt_text` it is zero-shot cloning; otherwise instruct2, with the
 instruction `instruct`, else `speaker` (the bridge passes its `speaker` field as the instruction),
-else "Speak naturally in English.". Synthesis is offline (upstream's non-streaming path, which honours
-`speed`); the answer is `audio/wav` with the audio's length in seconds in `X-Audio-Duration`.
+else "Speak naturally in English." (a blank field counts as not given, as `prompt_text` does).
+Synthesis is offline (upstream's non-streaming path, which honours `speed`); the answer is `audio/wav`
+with the audio's length in seconds in `X-Audio-Duration`.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from starlette.concurrency import run_in_threadpool
 from cosyvoice_runtime.synthesis import Mode
 
 from .audio import check_upload, decode_base64_audio, wav_bytes
+from .auth import key_matches
 from .engine import AudioUpload, SynthesisJob
-from .errors import FieldError
+from .errors import FieldError, audio_response, error_responses
 from .metrics import CONTENT_TYPE
 from .responses import SYNTHESIS_TAG, Seed, offline_audio, request_sampling, require_text
 from .settings import MAX_UPLOAD_BYTES
@@ -49,7 +51,9 @@ class SynthesizeRequest(BaseModel):
     seed: Seed = None
 
 
-@router.post("/synthesize", tags=[SYNTHESIS_TAG])
+@router.post("/synthesize", tags=[SYNTHESIS_TAG], response_class=Response,
+             responses={**audio_response("The audio, a WAV file (PCM16, mono, 24 kHz)", "audio/wav"),
+                        **error_responses(400, 401, 413, 422, 503, 504)})
 async def synthesize(body: SynthesizeRequest, request: Request, state: State) -> Response:
     """Text to a WAV file, zero-shot or instructed, in the voice of `prompt_audio`."""
     settings = state.settings
@@ -62,8 +66,9 @@ async def synthesize(body: SynthesizeRequest, request: Request, state: State) ->
         job = SynthesisJob(Mode.ZERO_SHOT, text, prompt, sampling, speed=body.speed,
                            prompt_text=require_text(body.prompt_text, "prompt_text", settings))
     else:
-        field = "instruct" if body.instruct else "speaker"
-        instruct = body.instruct or body.speaker or DEFAULT_INSTRUCTION
+        field, instruct = next(((field, value) for field, value in (("instruct", body.instruct),
+                                                                    ("speaker", body.speaker))
+                                if value and value.strip()), ("instruct", DEFAULT_INSTRUCTION))
         job = SynthesisJob(Mode.INSTRUCT2, text, prompt, sampling, speed=body.speed,
                            instruct=require_text(instruct, field, settings))
     audio = await offline_audio(state, request, job)
@@ -100,13 +105,16 @@ def read_prompt_file(name: str, folder: Path) -> bytes:
 
 
 @router.get("/health")
-async def health(state: State) -> dict[str, object]:
-    """Liveness, the package version, the served speakers, the model and the session counts."""
+async def health(request: Request, state: State) -> dict[str, object]:
+    """Liveness, the package version, the session counts, and the served speakers and the model: with an
+    API key, only to a request that carries it (the probe is open, and `GET /speakers` is not)."""
+    key = state.settings.api_key
+    known = key is None or key_matches(key, request.headers.items())
     return {"status": "healthy", "version": importlib.metadata.version("cosyvoice-onnx"),
-            "speakers": state.speakers.names(), "model": state.engine.origin,
+            **({"speakers": state.speakers.names(), "model": state.engine.origin} if known else {}),
             "sample_rate": state.engine.sample_rate, "provider": state.engine.provider,
             "sessions": {"running": state.sessions.running, "waiting": state.sessions.waiting,
-                         "max_concurrency": state.sessions.concurrency, "queue_depth": state.sessions.depth}}
+                         "max_concurrency": state.sessions.concurrency, "max_waiting": state.sessions.depth}}
 
 
 @router.get("/metrics")

@@ -32,7 +32,7 @@ from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.synthesis import Mode
 
 from .engine import BundlePrompt, SynthesisJob
-from .errors import FieldError
+from .errors import FieldError, audio_response, error_responses
 from .formats import FORMATS, SSE_MEDIA_TYPE, FormatName, SseEncoder
 from .responses import SYNTHESIS_TAG, Seed, offline_audio, request_sampling, require_text, stream_response
 from .state import ServerState, State
@@ -101,7 +101,11 @@ class SpeechRequest(NullIsDefault):
     seed: Seed = None
 
 
-@router.post("/v1/audio/speech", tags=[SYNTHESIS_TAG])
+@router.post("/v1/audio/speech", tags=[SYNTHESIS_TAG], response_class=Response,
+             responses={**audio_response("The audio in `response_format`, or OpenAI's speech events "
+                                         "(`stream_format: sse`)", *(f.media_type for f in FORMATS.values()),
+                                         SSE_MEDIA_TYPE),
+                        **error_responses(400, 401, 413, 422, 503, 504, openai=True)})
 async def speech(body: SpeechRequest, request: Request, state: State) -> Response:
     """`input` spoken by `voice` in `response_format`, streamed as it is synthesised, or as events."""
     settings = state.settings
@@ -180,7 +184,7 @@ async def list_speech_models() -> dict[str, list[dict[str, str]]]:
     return {"models": [{"id": model_id, "name": model_id} for model_id in MODEL_IDS]}
 
 
-@router.get("/v1/models/{model_id}")
+@router.get("/v1/models/{model_id}", responses=error_responses(401, 404, 422, openai=True))
 async def get_model(model_id: str, state: State) -> dict[str, Any]:
     """One of `GET /v1/models`' entries."""
     if model_id not in MODEL_IDS:

@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from cosyvoice_runtime.speakers import SpeakerError, check_name
 
-from .errors import EmptyField, FieldError
+from .errors import EmptyField, FieldError, error_responses
 from .forms import FormRoute
 from .responses import first_item, read_upload, require_text, submit
 from .state import State
@@ -27,7 +27,7 @@ async def list_speakers(state: State) -> list[str]:
     return state.speakers.names()
 
 
-@router.post("/speakers", status_code=201)
+@router.post("/speakers", status_code=201, responses=error_responses(400, 401, 413, 422, 503, 504))
 async def register_speaker(request: Request, state: State,
                            name: Annotated[str, Form(description="The speaker's name: 1 to 64 printable "
                                                                  "characters, none of / \\ ? # %, no "
@@ -54,7 +54,7 @@ async def register_speaker(request: Request, state: State,
     return speaker.describe()
 
 
-@router.get("/speakers/{name}")
+@router.get("/speakers/{name}", responses=error_responses(401, 404, 422))
 async def get_speaker(name: str, state: State) -> dict[str, Any]:
     """A registered speaker's transcript, size and time of registration."""
     speaker = state.speakers.get(name)
@@ -63,7 +63,7 @@ async def get_speaker(name: str, state: State) -> dict[str, Any]:
     return speaker.describe()
 
 
-@router.delete("/speakers/{name}", status_code=204)
+@router.delete("/speakers/{name}", status_code=204, responses=error_responses(401, 404, 422))
 async def delete_speaker(name: str, state: State) -> Response:
     """Forget a speaker (its features file too, and its flow prefix)."""
     if not await run_in_threadpool(state.speakers.remove, name):

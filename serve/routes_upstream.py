@@ -17,14 +17,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter, File, Form, Request, UploadFile
+from fastapi import APIRouter, File, Form, Request, Response, UploadFile
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from cosyvoice_runtime.sampling import MAX_SEED
 from cosyvoice_runtime.synthesis import Mode
 
 from .engine import SynthesisJob
-from .errors import ApiError
+from .errors import ApiError, audio_response, error_responses
 from .forms import FormRoute
 from .responses import (
     SEED_DESCRIPTION,
@@ -69,7 +69,15 @@ def get_and_post(path: str, **route: Any) -> Callable[[Endpoint], Endpoint]:
 def _needs_spk2info(path: str) -> dict[str, Any]:
     """The route options of an upstream endpoint CosyVoice3 cannot serve: its 501 in the schema."""
     return {"response_class": JSONResponse, "status_code": 501,
-            "responses": {501: {"description": NEEDS_SPK2INFO[path]}}}
+            "responses": {**error_responses(401, 501), 501: {**error_responses(501)[501],
+                                                            "description": NEEDS_SPK2INFO[path]}}}
+
+
+PCM_STREAM = {"response_class": Response,
+              "responses": {**audio_response("The audio as it is synthesised: PCM16, mono, 24 kHz "
+                                             "(X-Sample-Rate), little-endian", PCM_MEDIA_TYPE),
+                            **error_responses(400, 401, 413, 422, 503, 504)}}
+"""The route options of an upstream endpoint that streams audio."""
 
 TtsText = Annotated[str, Form(description="Text to speak.")]
 PromptWav = Annotated[UploadFile, File(description="Prompt recording (audio file, >= 16 kHz, <= 30 s).")]
@@ -81,7 +89,7 @@ async def _pcm_stream(state: ServerState, request: Request, job: SynthesisJob) -
     return await stream_response(state, request, job, media_type=PCM_MEDIA_TYPE, headers=headers)
 
 
-@get_and_post("/inference_zero_shot")
+@get_and_post("/inference_zero_shot", **PCM_STREAM)
 async def inference_zero_shot(request: Request, state: State, tts_text: TtsText,
                               prompt_text: Annotated[str, Form(description="Transcript of prompt_wav.")],
                               prompt_wav: PromptWav, seed: Seed = None) -> StreamingResponse:
@@ -93,7 +101,7 @@ async def inference_zero_shot(request: Request, state: State, tts_text: TtsText,
     return await _pcm_stream(state, request, job)
 
 
-@get_and_post("/inference_cross_lingual")
+@get_and_post("/inference_cross_lingual", **PCM_STREAM)
 async def inference_cross_lingual(request: Request, state: State, tts_text: TtsText, prompt_wav: PromptWav,
                                   seed: Seed = None) -> StreamingResponse:
     """Cross-lingual cloning: `tts_text` (any language) in the voice of `prompt_wav`, no transcript."""
@@ -103,7 +111,7 @@ async def inference_cross_lingual(request: Request, state: State, tts_text: TtsT
     return await _pcm_stream(state, request, job)
 
 
-@get_and_post("/inference_instruct2")
+@get_and_post("/inference_instruct2", **PCM_STREAM)
 async def inference_instruct2(request: Request, state: State, tts_text: TtsText,
                               instruct_text: Annotated[str, Form(description="e.g. 'Speak slowly.'")],
                               prompt_wav: PromptWav, seed: Seed = None) -> StreamingResponse:

@@ -318,7 +318,7 @@ def test_a_mounted_bundle_is_served_and_arguments_reach_the_server(tmp_path: Pat
     with entrypoint_server(tmp_path, "--max-conc", "2", "--queue", "3") as (_, env, _):
         health = get_health(int(env["COSYVOICE_PORT"]))
         assert health["model"] == f"$COSYVOICE_MODEL_DIR ({mount})"
-        assert health["sessions"] == {"running": 0, "waiting": 0, "max_concurrency": 2, "queue_depth": 3}
+        assert health["sessions"] == {"running": 0, "waiting": 0, "max_concurrency": 2, "max_waiting": 3}
         assert run_healthcheck(env).returncode == 0
 
 

@@ -265,6 +265,11 @@ def test_synthesize_is_cosyvoice_run_offline_as_a_wav(engine: Engine, prompt: tu
         normal = client.post("/synthesize", json=zero_shot)
         fast = client.post("/synthesize", json={**zero_shot, "speed": 2.0})
         instructed = client.post("/synthesize", json={"text": SHORT, "prompt_audio": f"data:;base64,{audio}"})
+        # blank fields count as not given, as an empty one does: the default instruction, or the speaker
+        blanks = [client.post("/synthesize", json={"text": SHORT, "prompt_audio": audio, "seed": 1, **fields})
+                  for fields in ({}, {"instruct": " ", "speaker": "\t", "prompt_text": " "},
+                                 {"instruct": "Speak naturally in English."},
+                                 {"speaker": "Speak fast."}, {"instruct": " ", "speaker": "Speak fast."})]
         missing = client.post("/synthesize", json={"text": SHORT, "prompt_text": prompt[1]})
     assert normal.status_code == 200 and normal.headers["content-type"] == "audio/wav"
     samples, rate = sf.read(io.BytesIO(normal.content), dtype="int16")
@@ -273,6 +278,9 @@ def test_synthesize_is_cosyvoice_run_offline_as_a_wav(engine: Engine, prompt: tu
     assert len(sf.read(io.BytesIO(fast.content))[0]) == len(samples) // 2  # the same tokens, half the mel
     assert instructed.status_code == 200, instructed.text  # instruct2, "Speak naturally in English."
     assert len(sf.read(io.BytesIO(instructed.content))[0]) > 0
+    assert all(r.status_code == 200 for r in blanks), [r.text for r in blanks]
+    assert blanks[0].content == blanks[1].content == blanks[2].content != blanks[3].content
+    assert blanks[3].content == blanks[4].content
     assert missing.status_code == 400
     assert missing.json()["detail"] == MISSING_PROMPT == missing.json()["error"]
 
@@ -479,6 +487,16 @@ def test_the_app_builds_without_warnings_and_its_openapi_lists_every_route(engin
         body = schema["paths"]["/inference_zero_shot"][method]["requestBody"]["content"]
         [form_schema] = [components[ref.rsplit("/", 1)[1]] for ref in refs(body["multipart/form-data"])]
         assert set(form_schema["required"]) == {"tts_text", "prompt_text", "prompt_wav"}
+    # the bodies the server sends: audio where it answers audio, and its own error body, not FastAPI's list
+    answers = {(path, method): operation["responses"] for (method, path), operation in operations.items()}
+    assert set(answers["/inference_zero_shot", "POST"]["200"]["content"]) == {"application/octet-stream"}
+    assert set(answers["/synthesize", "POST"]["200"]["content"]) == {"audio/wav"}
+    assert {"audio/mpeg", "audio/flac", "text/event-stream"} <= set(answers["/v1/audio/speech", "POST"]["200"]
+                                                                     ["content"])
+    assert "HTTPValidationError" not in components
+    assert set(components["ErrorBody"]["properties"]) == {"detail", "error", "code"}
+    assert list(refs(answers["/synthesize", "POST"]["422"])) == ["#/components/schemas/ErrorBody"]
+    assert list(refs(answers["/v1/audio/speech", "POST"]["422"])) == ["#/components/schemas/OpenAIErrorBody"]
 
 
 # --- the API key ---------------------------------------------------------------------------------------
@@ -508,6 +526,9 @@ def test_an_api_key_guards_every_endpoint_but_health_and_the_page(
                 want = refused_openai if path.startswith("/v1/") else refused
                 assert response.json() == want and response.headers["www-authenticate"] == "Bearer"
         assert client.get("/speakers", headers={"Authorization": f"bearer  {API_KEY} "}).json() == []
+        # the open probe tells no speakers or model path to a request without the key
+        assert not {"speakers", "model"} & set(client.get("/health").json())
+        assert {"speakers", "model"} <= set(client.get("/health", headers={"X-API-Key": API_KEY}).json())
         streamed = client.post("/inference_zero_shot", headers={"x-api-key": API_KEY}, **form(prompt))
         text = client.get("/metrics", headers={"X-API-Key": API_KEY}).text
     assert streamed.status_code == 200 and np.array_equal(np.frombuffer(streamed.content, "<i2"), cli_stream)
