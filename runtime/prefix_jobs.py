@@ -13,8 +13,9 @@ except for the one graph call that a job had started just before the request arr
 A stream that needs the prefix while its job is queued or paused computes the prefix itself, as it would
 without jobs: it never waits for a job. The job, resumed, sees the prefix kept and stops (`CACHED`); it
 cannot be computing at that time, since the stream is live work. Deleting or replacing a speaker cancels
-its job (a running one stops at its next graph call) and drops its prefix from the cache, unless another
-speaker of this runtime has the same prompt.
+its job (a running one stops at its next graph call) and drops the prefix its job computed from the cache,
+unless another speaker of this runtime has the same prompt. A prefix the speaker found kept (the bundle's
+own prompt voice, an upload of the same recording) stays: streams that are no speaker's use it.
 """
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ class PrefixJobs:
         self._running: PrefixJob | None = None
         self._names: dict[str, str] = {}
         """Speaker name -> the `prompt_key` of its prompt, for every speaker submitted and not cancelled."""
+        self._computed: set[str] = set()
+        """The keys of the prefixes jobs here computed (which a speaker's cancellation drops)."""
         self._thread: threading.Thread | None = None
         self._closed = False
         self.counts = dict.fromkeys(JobState, 0)
@@ -171,8 +174,9 @@ class PrefixJobs:
         return jobs
 
     def cancel(self, name: str) -> bool:
-        """Speaker `name` was deleted: cancel its prompt's job and drop its prefix, unless another speaker
-        has the same prompt. False if `name` was never submitted (or is cancelled already)."""
+        """Speaker `name` was deleted: cancel its prompt's job and drop the prefix a job computed for it,
+        unless another speaker has the same prompt. False if `name` was never submitted (or is cancelled
+        already)."""
         with self._cond:
             return self._cancel(name)
 
@@ -209,7 +213,9 @@ class PrefixJobs:
             job = self._running  # the thread stops at its next graph call, seeing the state
         if job is not None and job.state not in FINISHED:
             self._finish(job, JobState.CANCELLED)
-        self.flow.prefixes.discard(key)
+        if key in self._computed:
+            self._computed.discard(key)
+            self.flow.prefixes.discard(key)
         self._cond.notify_all()
         return True
 
@@ -240,6 +246,8 @@ class PrefixJobs:
             with self._cond:  # a cancellation after the last graph call must not find it kept
                 if job.state is JobState.RUNNING:
                     kept = self.flow.prefixes.put(job.key, prefix)
+                    if kept:
+                        self._computed.add(job.key)
                     self._finish(job, JobState.DONE if kept else JobState.FAILED)
         except _Stop as stop:
             with self._cond:

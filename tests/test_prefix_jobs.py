@@ -142,6 +142,20 @@ def test_deleting_or_replacing_a_speaker_cancels_its_job(voice: CosyVoice3) -> N
     assert second.key not in cache and len(cache) == 0
 
 
+def test_deleting_a_speaker_keeps_a_prefix_it_found_kept(voice: CosyVoice3) -> None:
+    """A stream that is no speaker's (an upload, the bundle's own voice) computed the prefix; a speaker of
+    the same recording finds it kept, and deleting the speaker leaves it for those streams."""
+    cache, jobs = voice.synth.flow.prefixes, voice.prefix_jobs
+    uploaded = [o["tts_speech"][0] for o in voice.inference_zero_shot(TEXT, TRANSCRIPT, str(PROMPT_WAV),
+                                                                      stream=True)]
+    assert len(cache) == 1 and (cache.hits, cache.misses) == (0, 1) and len(uploaded) > 1
+    voice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "dave")
+    assert voice.wait_prefixes(WAIT) and jobs.counts[JobState.DONE] == 0  # found kept: nothing computed
+    assert jobs.cancel("dave") and len(cache) == 1
+    list(voice.inference_zero_shot(TEXT, TRANSCRIPT, str(PROMPT_WAV), stream=True))
+    assert (cache.hits, cache.misses) == (1, 1)
+
+
 def test_a_live_stream_goes_first(voice: CosyVoice3, monkeypatch: pytest.MonkeyPatch) -> None:
     """A job queued while a stream is in flight makes no graph call until the stream has ended."""
     voice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "dave", precompute=False)
