@@ -1,7 +1,7 @@
 """The web page at `/`: its form, endpoints and policy without a browser; in headless Chromium against a
 running server: a prompt file, a click, the audio streamed and played, the WAV equal to `cosyvoice-run
---stream`, a server error shown, a recorded prompt (Chromium's fake microphone), the voices listed and a
-standard one spoken, a screenshot."""
+--stream`, server errors shown (both shapes), a recorded prompt (Chromium's fake microphone), the voices
+listed and a standard one spoken, Stop while the audio plays on, a screenshot."""
 
 from __future__ import annotations
 
@@ -162,6 +162,33 @@ def test_the_page_streams_plays_and_offers_the_wav_in_chromium(engine: Engine, t
             page.wait_for_selector(RUN_ENDED, state="attached", timeout=60_000)
             assert page.text_content("#error") == ""
             assert page.evaluate("document.body.dataset.samples") == str(len(expected))
+            # The stream ended before its audio played out: Stop stays for it; replaying the WAV stops it.
+            assert page.is_enabled("#stop") and page.evaluate("playback.state") == "running"
+            page.evaluate("document.getElementById('player').play()")
+            page.wait_for_selector("#stop:disabled", state="attached", timeout=5_000)
+            assert page.evaluate("playback") is None
+            page.evaluate("document.getElementById('player').pause()")
+
+            page.fill("#tts_text", "  ")  # the OpenAI route's error, in its own shape, shown the same
+            page.click("#speak")
+            page.wait_for_selector(RUN_ENDED, state="attached", timeout=30_000)
+            assert page.text_content("#error") == "400: input is empty"
+
+            page.select_option("#mode", "instruct2")  # no instruction: the browser asks for one
+            page.fill("#instruct_text", "")
+            page.fill("#tts_text", SHORT)
+            assert page.evaluate("document.getElementById('synth').checkValidity()") is False
+            assert page.evaluate("document.getElementById('instruct_text').validity.valueMissing") is True
+
+            page.fill("#api_key", "wrong")  # the voices are not listed again: said, and the choice kept
+            page.dispatch_event("#api_key", "change")
+            page.wait_for_selector("#error:has-text('Voices not listed')", timeout=10_000)
+            assert page.text_content("#error") == f"Voices not listed: 401: {MISSING_KEY}"
+            assert page.input_value("#voice") == "alloy"
+            page.fill("#api_key", API_KEY)
+            page.dispatch_event("#api_key", "change")
+            page.wait_for_selector("#error:empty", state="attached", timeout=10_000)
+            assert page.input_value("#voice") == "alloy"
         finally:
             browser.close()
     samples, rate = sf.read(io.BytesIO(wav), dtype="int16")
