@@ -128,21 +128,32 @@ def download_cmd(model_dir: Path | None, model_dir_option: Path | None, source: 
     Fetches only what the exporter and runtime read: cosyvoice3.yaml, the LLM checkpoint(s) of --llm,
     flow.pt, hift.pt, campplus.onnx, speech_tokenizer_v3.onnx, CosyVoice-BlankEN/ without its
     model.safetensors (llm.pt carries those weights), and asset/. An interrupted download resumes when run
-    again; files already fetched are skipped. With --llm rl alone, export with `all --llm rl` (upstream's
-    loader reads llm.pt only). A hub that cannot be reached, or a missing
-    repository or revision, is one line on stderr saying how to place the files by hand, and exit status 2.
+    again (Ctrl-C stops it at once); files already fetched are skipped. With --llm rl alone, export with
+    `all --llm rl` (upstream's loader reads llm.pt only). A hub that asks for a token reads $HF_TOKEN (or
+    `huggingface-cli login`'s). A hub that cannot be reached, or a missing repository or revision, is one
+    line on stderr saying how to place the files by hand, and exit status 2.
     """
     from .bundle.check import check_bundle
     from .download import DownloadError, download
 
     model_dir = one_model_dir(model_dir, model_dir_option, DEFAULT_DIR)
+    check_writable(model_dir, "MODEL_DIR", directory=True)
     try:
         download(model_dir, source=source, revision=revision, llm=llm,
                  warn=lambda line: click.echo(line, err=True))
     except DownloadError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    check_bundle(model_dir, report=click.echo, llm_checkpoints=LLM_VARIANTS[llm])
+    except KeyboardInterrupt:
+        # on a line of its own, below the progress bar
+        click.echo("\ninterrupted: run the same command again to resume the download", err=True)
+        sys.stdout.flush()
+        os._exit(130)  # the hub client's threads would finish their files first
+    try:
+        check_bundle(model_dir, report=click.echo, llm_checkpoints=LLM_VARIANTS[llm])
+    except BundleError as e:
+        raise BundleError(f"{e}; if the download left the file damaged, delete it and run this command again "
+                          "to fetch it anew") from None
     click.echo(f"{model_dir}: bundle ok")
 
 
@@ -376,6 +387,13 @@ def demo(text: str, prompt_wav: Path | None, prompt_text: str | None, stream: bo
 
         write_bundle(model_dir, size="tiny", seed=0, force=False, progress=True)
         click.echo(f"wrote tiny bundle to {model_dir}")
+    if env:
+        from .bundle.model_dir import ModelBundle
+
+        try:
+            ModelBundle.open(model_dir)  # the folder itself is judged before the prompt it should hold
+        except BundleError as e:
+            raise BundleError(f"${MODEL_DIR_ENV}: {e}") from None
     prompt_wav, prompt_text = _default_prompt(model_dir, prompt_wav, prompt_text)
     runtime_dir = DEFAULT_DEMO_BUNDLE.parent / f"{model_dir.resolve().name}-runtime"
     report = export_all(model_dir, runtime_dir, progress=True)

@@ -9,8 +9,11 @@ appears under its name only once it is complete.
 
 from __future__ import annotations
 
+import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from .bundle.layout import CAMPPLUS, LLM_VARIANTS, QWEN_DIR, QWEN_WEIGHTS, SPEECH_TOKENIZER, YAML
 from .bundle.tokenizer_files import TOKENIZER_FILES
@@ -23,6 +26,9 @@ SOURCES = ("huggingface", "modelscope")
 QWEN_FILES = ("config.json", *TOKENIZER_FILES)
 """What we read of `CosyVoice-BlankEN/`: the Qwen2 config and the tokenizer."""
 MODELSCOPE_URL = f"https://www.modelscope.cn/models/{REPO_ID}"
+TOKEN_HINT = "set HF_TOKEN to a token that can read it, or run `huggingface-cli login`"
+
+T = TypeVar("T")
 
 
 class DownloadError(Exception):
@@ -93,6 +99,7 @@ def _fetch_huggingface(model_dir: Path, revision: str | None, llm: str, warn: Ca
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
+    from requests import RequestException
 
     endpoint = constants.ENDPOINT
     url = f"{endpoint}/{REPO_ID}"
@@ -105,11 +112,16 @@ def _fetch_huggingface(model_dir: Path, revision: str | None, llm: str, warn: Ca
         unreachable = "offline mode is on (HF_HUB_OFFLINE)"
     except RevisionNotFoundError:
         raise DownloadError(f"{REPO_ID}: no revision {revision!r} at {endpoint}") from None
-    except (RepositoryNotFoundError, GatedRepoError):
-        raise DownloadError(f"{REPO_ID}: no such repository at {endpoint}; "
-                            f"{by_hand(model_dir, llm, url)}") from None
+    except GatedRepoError:
+        raise DownloadError(f"{REPO_ID} is gated at {endpoint}: accept its terms at {url}, then "
+                            f"{TOKEN_HINT}") from None
+    except RepositoryNotFoundError:  # the hub answers a private repository so too, without a token
+        raise DownloadError(f"{REPO_ID}: no such repository at {endpoint} (or none that this token, or no "
+                            f"token, may read: {TOKEN_HINT}); {by_hand(model_dir, llm, url)}") from None
     except HfHubHTTPError as e:
-        unreachable = f"{endpoint} answered {str(e).splitlines()[0]}"
+        status = e.response.status_code if e.response is not None else None
+        token = f" ({TOKEN_HINT})" if status in (401, 403) else ""
+        unreachable = f"{endpoint} answered {str(e).splitlines()[0]}{token}"
     except OSError as e:  # requests' connection errors and timeouts
         unreachable = f"cannot reach {endpoint} ({type(e).__name__})"
     else:
@@ -121,11 +133,13 @@ def _fetch_huggingface(model_dir: Path, revision: str | None, llm: str, warn: Ca
         allow, ignore = file_patterns(llm)
         try:
             # the commit, not the branch: files already fetched from it are skipped without a request
-            snapshot_download(REPO_ID, revision=info.sha, local_dir=model_dir, allow_patterns=allow,
-                              ignore_patterns=ignore)
-        except (LocalEntryNotFoundError, OSError) as e:
+            _quietly(lambda: snapshot_download(REPO_ID, revision=info.sha, local_dir=model_dir,
+                                               allow_patterns=allow, ignore_patterns=ignore))
+        except (LocalEntryNotFoundError, RequestException) as e:  # the network's, or the hub's
             raise DownloadError(f"the download from {endpoint} stopped ({type(e).__name__}); run the same "
                                 f"command again to resume it, or {by_hand(model_dir, llm, url)}") from None
+        except OSError as e:  # this machine's: a full disk, a folder that cannot be written
+            raise DownloadError(f"{e.filename or model_dir}: cannot be written ({e.strerror or e})") from None
         return url
 
     if missing_files(model_dir, llm):
@@ -133,6 +147,32 @@ def _fetch_huggingface(model_dir: Path, revision: str | None, llm: str, warn: Ca
                             f"{by_hand(model_dir, llm, url)}")
     warn(f"warning: {unreachable}; checking the files already in {model_dir}")
     return url
+
+
+def _quietly(fetch: Callable[[], T]) -> T:
+    """`fetch()` with the hub client's retry logs and warnings left out (the command says in one line what
+    stopped it), in a thread of its own: Ctrl-C then reaches the command at once, where the client's pool
+    would first finish every file in flight (their partial files stay, for the next run to resume)."""
+    from huggingface_hub.utils import logging
+
+    logging.set_verbosity_error()
+    done: list[T] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=UserWarning, module="huggingface_hub")
+            try:
+                done.append(fetch())
+            except BaseException as e:  # handed to the caller's thread as it is
+                failed.append(e)
+
+    thread = threading.Thread(target=run, name="hub-download", daemon=True)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return done[0]
 
 
 def _fetch_modelscope(model_dir: Path, revision: str | None, llm: str) -> None:

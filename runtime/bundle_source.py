@@ -128,6 +128,9 @@ def _export(model_dir: Path, out: Path, what: str, progress: bool, precision: st
     done = subprocess.run(args, stdout=_stderr_fd() if progress else subprocess.DEVNULL,
                           stderr=None if progress else subprocess.PIPE, text=True, check=False)
     if done.returncode != 0:
+        if progress:  # the export's own error line is on stderr already
+            raise RuntimeBundleError(f"exporting {what} failed (exit status {done.returncode}): its error is "
+                                     "above")
         detail = (done.stderr or "").strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
         raise RuntimeBundleError(f"exporting {what} failed: {detail[0].removeprefix('error: ')}")
 

@@ -23,6 +23,7 @@ from cosyvoice_export.bundle.model_dir import ModelBundle
 from cosyvoice_export.bundle.tiny import write_bundle
 from cosyvoice_export.cli import main
 from cosyvoice_export.manifest import build_network
+from cosyvoice_runtime.demo import DEMO_BUNDLE
 
 MANIFESTS = Path(__file__).parent / "data" / "upstream_manifest"
 
@@ -248,8 +249,29 @@ def test_bad_bundles_give_one_line_and_status_2(bundle_copy: Path, breakage: Cal
 def test_not_a_directory(tmp_path: Path) -> None:
     code, _, err = run("check-bundle", str(tmp_path / "nope"))
     assert code == 2
-    expected = f"error: {tmp_path / 'nope'}: not a directory; expected a CosyVoice3 model directory"
+    expected = f"error: {tmp_path / 'nope'}: does not exist; expected a CosyVoice3 model directory"
     assert err.strip() == expected
+    (tmp_path / "file").write_text("")
+    code, _, err = run("check-bundle", str(tmp_path / "file"))
+    assert code == 2
+    assert err.strip() == (f"error: {tmp_path / 'file'}: not a directory; "
+                           "expected a CosyVoice3 model directory")
+
+
+def test_a_runtime_bundle_is_named_as_one(tmp_path: Path) -> None:
+    """A runtime bundle where a model directory is wanted (`$COSYVOICE_MODEL_DIR` names either for
+    cosyvoice-run) is said to be one, before any other file is looked for."""
+    code, _, err = run("check-bundle", str(DEMO_BUNDLE))
+    assert code == 2
+    assert err.strip() == (f"error: {DEMO_BUNDLE}: a runtime bundle (already exported: run it with "
+                           f"`cosyvoice-run --model {DEMO_BUNDLE}` or cosyvoice-serve); this command reads a "
+                           "model directory (cosyvoice3.yaml, llm.pt, CosyVoice-BlankEN/, ...)")
+    for value in (str(DEMO_BUNDLE), str(tmp_path / "nope")):  # the demo judges the folder before its prompt
+        result = CliRunner().invoke(main, ["demo", "--out", str(tmp_path / "demo.wav")],
+                                    env={"COSYVOICE_MODEL_DIR": value})
+        code, err = result.exit_code, result.stderr
+        assert code == 2 and err.startswith(f"error: $COSYVOICE_MODEL_DIR: {value}: "), err
+        assert "prompt" not in err and not (tmp_path / "demo.wav").exists()
 
 
 def test_model_dir_is_spelt_either_way(tiny_bundle: Path) -> None:

@@ -13,9 +13,11 @@ import hashlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -57,6 +59,11 @@ class Hub:
     repo_id: str = REPO_ID
     cut_short: set[str] = field(default_factory=set)
     """Files whose next GET stops a MiB short and closes the connection, as a dropped network does."""
+    stall: set[str] = field(default_factory=set)
+    """Files whose GET sends a MiB and then waits, as a slow link does, until `resume` is set."""
+    resume: threading.Event = field(default_factory=threading.Event)
+    refuse: tuple[int, str] | None = None
+    """The status and `X-Error-Code` (or "") the model info is answered with instead, where set."""
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)
     """(method, path, Range header) of every request."""
     endpoint: str = ""
@@ -81,7 +88,10 @@ def _handler(hub: Hub) -> type[BaseHTTPRequestHandler]:
         def _answer(self, body: bool) -> None:
             path = unquote(urlsplit(self.path).path)
             hub.requests.append((self.command, path, self.headers.get("Range")))
-            if m := INFO.match(path):
+            if (m := INFO.match(path)) and hub.refuse is not None:
+                status, code = hub.refuse
+                self._send(status, b"", {"X-Error-Code": code} if code else {}, body)
+            elif m := INFO.match(path):
                 if self._known(m["repo"], m["rev"]):
                     siblings = [{"rfilename": name} for name in sorted(hub.files)]
                     info = {"id": hub.repo_id, "sha": COMMIT, "siblings": siblings}
@@ -117,6 +127,12 @@ def _handler(hub: Hub) -> type[BaseHTTPRequestHandler]:
             if body and name in hub.cut_short:
                 hub.cut_short.discard(name)
                 self._send(status, part[:-CUT], headers, body, length=len(part))
+                self.close_connection = True
+                return
+            if body and name in hub.stall:
+                self._send(status, part[:CUT], headers, body, length=len(part))
+                self.wfile.flush()
+                hub.resume.wait(60)
                 self.close_connection = True
                 return
             self._send(status, part, headers, body)
@@ -161,6 +177,7 @@ def hub(release: dict[str, bytes]) -> Iterator[Hub]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield served
+    served.resume.set()
     server.shutdown()
     server.server_close()
     thread.join()
@@ -171,12 +188,18 @@ def download(endpoint: str, tmp_path: Path, *args: str, offline: bool = False
     """Run `cosyvoice-export download ARGS` against `endpoint`, with a Hugging Face home of its own."""
     command = console_script("cosyvoice-export")
     assert command is not None, "cosyvoice-export is not installed (pip install -e .)"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    env |= {"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env = download_env(endpoint, tmp_path)
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
     return subprocess.run([command, "download", *args], env=env, capture_output=True, text=True, timeout=300,
                           check=False)
+
+
+def download_env(endpoint: str, tmp_path: Path) -> dict[str, str]:
+    """The environment `download` runs the command in."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    return env | {"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf-home"),
+                  "HF_HUB_DISABLE_TELEMETRY": "1"}
 
 
 def closed_port() -> int:
@@ -242,6 +265,7 @@ def test_interrupted_download_fails_then_resumes(hub: Hub, tmp_path: Path) -> No
     cut = download(hub.endpoint, tmp_path, str(model_dir))
     assert cut.returncode == 2
     assert cut.stderr.splitlines()[-1].startswith("error: the download from ")
+    assert "Retrying" not in cut.stderr and "thrown while requesting" not in cut.stderr  # the client's logs
     assert "run the same command again to resume" in cut.stderr
     assert not (model_dir / LARGE).exists()  # a partial file is never left under the real name
     assert "bundle ok" not in cut.stdout
@@ -259,8 +283,58 @@ def test_a_bad_file_fails_the_check(hub: Hub, tmp_path: Path) -> None:
     hub.files["hift.pt"] = b"not a checkpoint"
     run = download(hub.endpoint, tmp_path, str(tmp_path / "model"))
     assert run.returncode == 2
-    assert run.stderr.splitlines()[-1].startswith(f"error: {tmp_path / 'model' / 'hift.pt'}: ")
+    line = run.stderr.splitlines()[-1]
+    assert line.startswith(f"error: {tmp_path / 'model' / 'hift.pt'}: ")
+    assert line.endswith("; if the download left the file damaged, delete it and run this command again to "
+                         "fetch it anew")
     assert "bundle ok" not in run.stdout
+
+
+def test_ctrl_c_stops_at_once_and_the_next_run_resumes(hub: Hub, tmp_path: Path) -> None:
+    """The hub client's pool would finish every file in flight before the interrupt reached the command."""
+    model_dir = tmp_path / "model"
+    hub.stall.add(LARGE)
+    command = console_script("cosyvoice-export")
+    assert command is not None
+    with subprocess.Popen([command, "download", str(model_dir)], env=download_env(hub.endpoint, tmp_path),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
+        deadline = time.monotonic() + 120
+        while LARGE not in hub.gets() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert LARGE in hub.gets()
+        time.sleep(0.5)
+        child.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        _, err = child.communicate(timeout=30)
+        waited = time.monotonic() - start
+    assert child.returncode == 130 and waited < 10, (child.returncode, waited, err)  # the stall is 60 s
+    assert err.splitlines()[-1] == "interrupted: run the same command again to resume the download"
+    hub.stall.clear()
+    hub.resume.set()
+    resumed = download(hub.endpoint, tmp_path, str(model_dir))
+    assert resumed.returncode == 0, resumed.stderr
+    assert (model_dir / LARGE).read_bytes() == hub.files[LARGE]
+
+
+def test_a_target_that_is_a_file_is_refused_before_the_hub(hub: Hub, tmp_path: Path) -> None:
+    (tmp_path / "model").write_text("")
+    line = one_error_line(download(hub.endpoint, tmp_path, str(tmp_path / "model")))
+    assert line == f"error: MODEL_DIR {tmp_path / 'model'}: is a file, not a folder"
+    assert hub.requests == []
+
+
+@pytest.mark.parametrize(("status", "code", "says"), [
+    (403, "GatedRepo", f"{REPO_ID} is gated at {{endpoint}}: accept its terms at {{endpoint}}/{REPO_ID}, "
+                       "then set HF_TOKEN to a token that can read it, or run `huggingface-cli login`"),
+    (401, "RepoNotFound", f"{REPO_ID}: no such repository at {{endpoint}} (or none that this token, or no "
+                          "token, may read: set HF_TOKEN"),
+    (401, "", "(set HF_TOKEN to a token that can read it, or run `huggingface-cli login`), and "),
+])
+def test_a_hub_that_wants_a_token_says_how_to_give_one(hub: Hub, tmp_path: Path, status: int, code: str,
+                                                       says: str) -> None:
+    hub.refuse = (status, code)
+    line = one_error_line(download(hub.endpoint, tmp_path, str(tmp_path / "model")))
+    assert says.format(endpoint=hub.endpoint) in line, line
 
 
 def one_error_line(run: subprocess.CompletedProcess[str]) -> str:
@@ -291,7 +365,8 @@ def test_missing_repository_and_revision_are_one_line(hub: Hub, tmp_path: Path) 
     assert line == f"error: {REPO_ID}: no revision 'v9' at {hub.endpoint}"
     hub.repo_id = "FunAudioLLM/another-model"
     line = one_error_line(download(hub.endpoint, tmp_path, str(tmp_path / "model")))
-    assert line.startswith(f"error: {REPO_ID}: no such repository at {hub.endpoint}; to place the files")
+    assert line.startswith(f"error: {REPO_ID}: no such repository at {hub.endpoint} (or none that this")
+    assert "; to place the files by hand" in line
     assert not (tmp_path / "model").exists()
 
 

@@ -149,5 +149,5 @@ def test_synth_on_a_missing_bundle_is_one_line(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["synth", "--model-dir", str(tmp_path / "none"), "--text", "Hi.",
                                        "--out", str(tmp_path / "x.wav")])
     assert result.exit_code == 2
-    expected = f"error: {tmp_path / 'none'}: not a directory; expected a CosyVoice3 model directory"
+    expected = f"error: {tmp_path / 'none'}: does not exist; expected a CosyVoice3 model directory"
     assert result.stderr.strip() == expected

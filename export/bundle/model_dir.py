@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from cosyvoice_graphs.bundle_layout import MANIFEST
+
 from ..config import ModelConfig
 from ..manifest import build_network, expected_entries
 from ..nets.hift import normalize_hift_state_dict
@@ -37,7 +39,12 @@ class ModelBundle:
         `llm_checkpoint`."""
         root = Path(root)
         if not root.is_dir():
-            raise BundleError(f"{root}: not a directory; expected a CosyVoice3 model directory")
+            found = "not a directory" if root.exists() else "does not exist"
+            raise BundleError(f"{root}: {found}; expected a CosyVoice3 model directory")
+        if (root / MANIFEST).is_file() and not (root / QWEN_DIR).is_dir():
+            raise BundleError(f"{root}: a runtime bundle (already exported: run it with `cosyvoice-run "
+                              f"--model {root}` or cosyvoice-serve); this command reads a model directory "
+                              f"({YAML}, llm.pt, {QWEN_DIR}/, ...)")
         yaml_path = root / YAML
         qwen_config = root / QWEN_DIR / "config.json"
         for p in (yaml_path, qwen_config):
