@@ -25,10 +25,11 @@ import functools
 import hashlib
 import importlib.metadata
 import re
-import unicodedata
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol
+
+import regex
 
 from ..errors import FrontendError
 from .special_tokens import ENDOFPROMPT
@@ -57,6 +58,7 @@ _EN_TERMINATORS = frozenset(".?!;:")
 _CLOSING_QUOTES = frozenset('"”')
 _DIGIT = re.compile(r"\d")
 _TRAILING_COMMAS = re.compile(r"[，,、]+$")
+_PUNCTUATION_OR_SYMBOLS = regex.compile(r"[\p{P}\p{S}]*")
 
 
 # --- prompt formats ---------------------------------------------------------------------------------
@@ -87,8 +89,10 @@ def contains_chinese(text: str) -> bool:
 
 
 def is_only_punctuation(text: str) -> bool:
-    """Whether every character of `text` is Unicode punctuation (P*) or a symbol (S*); true for ''."""
-    return all(unicodedata.category(ch)[0] in "PS" for ch in text)
+    """Whether every character of `text` is Unicode punctuation (P*) or a symbol (S*); true for ''. By the
+    `regex` module's Unicode tables, as upstream's test: Python 3.11's are older, and leave emoji of
+    Unicode 15 on unassigned."""
+    return _PUNCTUATION_OR_SYMBOLS.fullmatch(text) is not None
 
 
 def spell_out_numbers(text: str, number_to_words: Callable[[str], str]) -> str:
@@ -251,7 +255,12 @@ def _inflect_engine() -> Any:
 
 
 def _number_to_words(digits: str) -> str:
-    return str(_inflect_engine().number_to_words(digits))
+    import inflect
+
+    try:
+        return str(_inflect_engine().number_to_words(digits))
+    except inflect.NumOutOfRangeError:  # upstream's text_normalize fails on it too
+        raise FrontendError(f"a number of {len(digits)} digits: more than inflect can spell out") from None
 
 
 class TokenEncoder(Protocol):
