@@ -11,6 +11,7 @@ import click
 
 from cosyvoice_export.bundle.errors import BundleError
 from cosyvoice_graphs import MAX_BATCH
+from cosyvoice_graphs.bundle_layout import FLOW_NOISE
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import choose_prompt
@@ -19,6 +20,7 @@ from cosyvoice_runtime.cli_options import THREADS, chunk_policy_options
 from cosyvoice_runtime.errors import USER_ERRORS, FrontendError
 from cosyvoice_runtime.frontend import read_prompt_audio
 from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, PROVIDERS
+from cosyvoice_runtime.sampling import MAX_SEED
 from cosyvoice_runtime.synthesis import check_synthesis, uses_cuda_graphs
 
 from .cases import LENGTHS, default_long_tokens, make_cases, parse_lengths, parse_levels
@@ -55,7 +57,7 @@ def _check_prompt(wav: Path, what: str) -> None:
 @click.option("--model", "model", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Runtime bundle (cosyvoice-export all).")
 @click.option("--prompt-wav", type=click.Path(dir_okay=False, path_type=Path),
-              help="Prompt recording (zero-shot)  [default: the bundle's own]")
+              help="Prompt recording (zero-shot; give --prompt-text with it)  [default: the bundle's own]")
 @click.option("--prompt-text", default=None,
               help="Transcript of the prompt recording  [default: the bundle's own prompt's]")
 @click.option("--vs-torch", is_flag=True, help="Also run every case on the torch reference, interleaved.")
@@ -75,7 +77,8 @@ def _check_prompt(wav: Path, what: str) -> None:
                    "[default: 10 s of audio, 250; 50 with --quick]")
 @click.option("--repeat", type=click.IntRange(min=1), default=None,
               help="Warm rounds per case; medians are reported  [default: 3; 1 with --quick]")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the RAS sampler.")
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
+              help="Seed of the RAS sampler.")
 @click.option("--quick", is_flag=True, help="Smoke run: few tokens, one round, short machine probes.")
 @chunk_policy_options("Also measure the first chunk with the runtime's latency policy: after N tokens (and "
                       "the flow's look-ahead), beside upstream's schedule (a deviation from upstream).",
@@ -128,6 +131,8 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
             thread_scaling = False
         if prompt_wav is not None:  # the runtime's reader, before any bundle opens
             _check_prompt(prompt_wav, "--prompt-wav")
+            if not (prompt_text or "").strip():
+                raise BenchError("--prompt-wav needs --prompt-text, its transcript: the cases run zero-shot")
         if plots and json_out is None:
             raise BenchError("--plots writes its PNGs beside the JSON: give --json FILE too")
         if json_out is not None:
@@ -152,6 +157,10 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
         if chosen.default:
             _check_prompt(prompt_wav, f"the prompt of {model}")
         long_tokens = default_long_tokens(bundle.dims, quick=quick) if tokens is None else tokens
+        most = bundle.manifest.tables[FLOW_NOISE].shape[2] // bundle.dims.token_mel_ratio
+        if long_tokens > most:  # the prompt's tokens take their share of the same frames
+            raise BenchError(f"--tokens {long_tokens}: at most {most} for {model}, whose flow noise table "
+                             f"holds {most} tokens' frames, the prompt's included")
         threads = threads or usable_cpus()
         settings = Settings(
             model=model, prompt_wav=prompt_wav, prompt_text=prompt_text, cases=make_cases(names, long_tokens),

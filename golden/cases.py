@@ -7,6 +7,8 @@ backend; `GoldenCase.to_json` is what a golden file records of it.
 
 from __future__ import annotations
 
+import math
+import re
 import tomllib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -17,7 +19,7 @@ from cosyvoice_graphs import PRECISION_NAMES, SPECS
 from cosyvoice_graphs.precision import FP32
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.runners import PROVIDERS
-from cosyvoice_runtime.sampling import SAMPLINGS
+from cosyvoice_runtime.sampling import MAX_SEED, SAMPLINGS
 from cosyvoice_runtime.synthesis import Mode
 
 from .errors import GoldenError
@@ -31,6 +33,8 @@ DEMO = "demo"
 """`bundle = "demo"`: the runtime's embedded demo bundle (`cosyvoice_runtime.demo.DEMO_BUNDLE`)."""
 FROM_BUNDLE = "bundle"
 """`prompt_wav` / `prompt_text` = "bundle": the bundle's own prompt and transcript."""
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+"""A case's name, which names its golden files in the data folder."""
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,8 @@ def load_cases(path: Path = CASES_FILE) -> Cases:
     ref = _table(data, "reference", where)
     reference = Reference(_get(ref, "provider", str, f"{where}: reference"),
                           _get(ref, "threads", int, f"{where}: reference"))
+    if reference.threads < 1:
+        raise GoldenError(f"{where}: reference.threads is {reference.threads}, expected at least 1")
     _choice(reference.provider, PROVIDERS, f"{where}: reference.provider")
     default_bounds = {p: _bounds(b, f"{where}: tolerance.{p}")
                       for p, b in _table(data, "tolerance", where).items()}
@@ -221,8 +227,17 @@ def _case(raw: dict[str, Any], default_bounds: Mapping[str, Bounds], where: str)
     _choice(v["sampling"], SAMPLINGS, f"{where}: sampling")
     _choice(v["provider"], PROVIDERS, f"{where}: provider")
     _choice(v["precision"], PRECISION_NAMES, f"{where}: precision")
-    if not v["name"] or not v["text"].strip():
-        raise GoldenError(f"{where}: name and text must not be empty")
+    if not NAME.fullmatch(v["name"]):
+        raise GoldenError(f"{where}: name {v['name']!r} must be letters, digits, '.', '_' and '-', starting "
+                          "with a letter or digit (it names the golden's files)")
+    if not v["text"].strip():
+        raise GoldenError(f"{where}: text must not be empty")
+    if not (math.isfinite(v["speed"]) and v["speed"] > 0):  # as the runtime's methods take it
+        raise GoldenError(f"{where}: speed is {v['speed']!r}, expected a finite number above 0")
+    if not 0 <= v["seed"] <= MAX_SEED:
+        raise GoldenError(f"{where}: seed is {v['seed']!r}, expected 0 to {MAX_SEED}")
+    if v.get("max_tokens", 1) < 1:
+        raise GoldenError(f"{where}: max_tokens is {v['max_tokens']!r}, expected at least 1")
     if v["stream"] and v["speed"] != 1.0:
         raise GoldenError(f"{where}: speed works offline only (upstream ignores it when streaming)")
     if pieces is not None and v["mode"] == Mode.CROSS_LINGUAL.value:
@@ -261,7 +276,12 @@ def _bounds(raw: Any, where: str) -> Bounds:
     names = [f.name for f in fields(Bounds)]
     if not isinstance(raw, dict) or not raw or not set(raw) <= set(names):
         raise GoldenError(f"{where} is {raw!r}, expected some of {{{', '.join(names)}}}")
-    return Bounds(**{k: float(_get(raw, k, (int, float), where)) for k in raw})
+    bounds = {k: float(_get(raw, k, (int, float), where)) for k in raw}
+    for name, value in bounds.items():  # errors are at least 0; an SNR may be any finite figure
+        if not math.isfinite(value) or (name in ("max_abs", "l1") and value <= 0):
+            raise GoldenError(f"{where}: {name} is {value!r}, expected a finite number"
+                              f"{' above 0' if name in ('max_abs', 'l1') else ''}")
+    return Bounds(**bounds)
 
 
 def _table(data: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:

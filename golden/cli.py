@@ -22,6 +22,7 @@ from tqdm import tqdm
 from cosyvoice_graphs.bundle_layout import MANIFEST
 from cosyvoice_graphs.precision import FP32
 from cosyvoice_graphs.precision_plan import PrecisionPlan, PrecisionPlanError
+from cosyvoice_runtime.atomic_files import check_writable
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.cli_options import THREADS
 from cosyvoice_runtime.errors import USER_ERRORS, FeedError, SynthesisError
@@ -34,6 +35,7 @@ from .errors import GoldenError
 from .run import Runtime
 from .store import (
     EXPECTATION_FIELDS,
+    GRAPHS_DIR,
     CaseGolden,
     GraphGolden,
     case_paths,
@@ -104,8 +106,8 @@ def main() -> None:
 @main.command()
 @_selection
 @click.option("--provider", type=click.Choice(PROVIDERS),
-              help="Backend to check on instead of each case's own: cpu, cuda, tensorrt (onnxruntime) or "
-                   "trt (the bundle's TensorRT plans).")
+              help="Backend to check on instead of each case's own: cpu, cuda, tensorrt (onnxruntime), "
+                   "openvino, or trt (the bundle's TensorRT plans).")
 @click.option("--threads", type=THREADS,
               help="onnxruntime intra-op threads. Default: the reference backend's (cases.toml).")
 @click.option("--precision", metavar="PRECISION",
@@ -167,10 +169,10 @@ def _report(bar: tqdm, verdict: Verdict) -> None:
 def _case_golden(cases: Cases, runtime: Runtime, case: GoldenCase, precision: str | None) -> CaseGolden:
     """The golden of `case`, checked against the case as it now reads and against its bundle, which must
     have the case's precision or `precision` (judged by tolerance)."""
-    golden = read_case(cases.data_dir, case.name)
+    golden = read_case(cases.data_dir, case.name, runtime.update_command())
     where = str(case_paths(cases.data_dir, case.name)[0])
     bundle = runtime.bundle(case)
-    check_same_model(golden.bundle, bundle, where)
+    check_same_model(golden.bundle, bundle, where, runtime.update_command())
     _check_precision(bundle, precision)
     found = fingerprint(bundle)["precision"]
     if found not in (case.precision, precision):
@@ -183,7 +185,7 @@ def _case_golden(cases: Cases, runtime: Runtime, case: GoldenCase, precision: st
         stale.append(f"prompt {prompt.wav.name}")
     if stale:
         raise GoldenError(f"{where} is stale: {', '.join(stale)} changed since it was recorded (record it "
-                          f"again with `cosyvoice-golden update --case {case.name}`)")
+                          f"again with `{runtime.update_command('--case', case.name)}`)")
     runtime.segments(case)  # text the tokenizer refuses is bad input, refused before anything runs
     return golden
 
@@ -210,11 +212,11 @@ def _graphs_run(cases: Cases, runtime: Runtime, graphs: list[str]) -> list[str]:
 
 def _graph_golden(cases: Cases, runtime: Runtime, graph: str) -> GraphGolden:
     """The golden bundle of `graph`, checked against the cases file, the bundle and its spec."""
-    golden = read_graph(cases.data_dir, graph)
+    golden = read_graph(cases.data_dir, graph, runtime.update_command())
     where = str(graph_paths(cases.data_dir, graph)[0])
-    remedy = f"record it again with `cosyvoice-golden update --graph {graph}`"
+    remedy = f"record it again with `{runtime.update_command('--graph', graph)}`"
     bundle = runtime.open_bundle(cases.graph_bundle)
-    check_same_model(golden.bundle, bundle, where)
+    check_same_model(golden.bundle, bundle, where, runtime.update_command())
     version = bundle.specs[graph].version
     if golden.spec_version != version:
         raise GoldenError(f"{where} holds spec {graph} version {golden.spec_version}; {bundle.root} has "
@@ -276,14 +278,17 @@ def update(cases_file: Path, case_names: tuple[str, ...], graph_names: tuple[str
     it changed; each line says what changed. Needs the export extra (torch).
     """
     with _user_errors():
+        cases = load_cases(cases_file)
+        selected, graphs = _select(cases, case_names, graph_names)
+        check_writable(cases.data_dir, "the cases' data folder", directory=True)  # before torch's work
+        if graphs:
+            check_writable(cases.data_dir / GRAPHS_DIR, "the graphs' data folder", directory=True)
         try:
             from .reference import demo_model, open_pipeline
             from .update import record_case, record_graph
         except ImportError as e:
             raise GoldenError(f"update needs the export extra ({install_command('export')}): "
                               f"{e.name} is not installed") from None
-        cases = load_cases(cases_file)
-        selected, graphs = _select(cases, case_names, graph_names)
         ref = cases.reference
         failed = 0
         with (Runtime(cases, model=model, provider=ref.provider, threads=ref.threads) as runtime,

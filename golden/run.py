@@ -31,9 +31,10 @@ from cosyvoice_runtime.sampling import Sampling
 from cosyvoice_runtime.segments import Segment, prompt_ids
 from cosyvoice_runtime.synthesis import AudioChunk, Mode
 
-from .cases import DEMO, FROM_BUNDLE, Cases, GoldenCase
+from .cases import CASES_FILE, DEMO, FROM_BUNDLE, Cases, GoldenCase
 from .errors import GoldenError
 from .stats import GraphRecorder
+from .store import UPDATE
 
 ISA_FLAGS = frozenset({
     "sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl",
@@ -130,6 +131,16 @@ class Runtime:
         self._bundles: dict[Path, RuntimeBundle] = {}
         self._voices: dict[tuple[Path, str], tuple[CosyVoice3, GraphRecorder]] = {}
         self._prompts: dict[tuple[Path, Path], PromptFeatures] = {}
+
+    def update_command(self, *selection: str) -> str:
+        """`cosyvoice-golden update` with this check's cases file and model, then `selection`: what a
+        remedy tells to run, which must record the goldens this check reads."""
+        words = [UPDATE]
+        if self.cases.path.resolve() != CASES_FILE.resolve():
+            words.append(f"--cases {self.cases.path}")
+        if self.model is not None:
+            words.append(f"--model {self.model}")
+        return " ".join([*words, *selection])
 
     def provider_of(self, case: GoldenCase) -> str:
         """The backend `case` runs on: `provider`, else the case's own."""

@@ -34,6 +34,8 @@ from .errors import GoldenError
 FORMAT = "cosyvoice-golden"
 FORMAT_VERSION = 2
 GRAPHS_DIR = "graphs"
+UPDATE = "cosyvoice-golden update"
+"""The command that records goldens, as remedies name it (with the cases file and model of a check)."""
 AUDIO = "audio"
 """The torch reference's samples in a case's npz file."""
 MEL = "mel"
@@ -59,7 +61,8 @@ def fingerprint(bundle: RuntimeBundle) -> dict[str, Any]:
     }
 
 
-def check_same_model(recorded: Mapping[str, Any], bundle: RuntimeBundle, where: str) -> None:
+def check_same_model(recorded: Mapping[str, Any], bundle: RuntimeBundle, where: str, update: str = UPDATE
+                     ) -> None:
     """Raise `GoldenError` unless `bundle` was exported from the model the golden at `where` was recorded
     from (every model constant and source file the golden records, the same): expectations from torch
     hold for any export of it. Constants or sources a later exporter records besides do not count."""
@@ -70,7 +73,7 @@ def check_same_model(recorded: Mapping[str, Any], bundle: RuntimeBundle, where: 
             raise GoldenError(
                 f"{where} was recorded from another model than {bundle.root}: {key} {name} is "
                 f"{_short(recorded.get(key, {}).get(name))} there and {_short(now[key].get(name))} here "
-                "(record goldens for this model with `cosyvoice-golden update`)")
+                f"(record goldens for this model with `{update}`)")
 
 
 def export_difference(recorded: Mapping[str, Any], bundle: RuntimeBundle) -> str | None:
@@ -188,12 +191,17 @@ def write_case(data_dir: Path, golden: CaseGolden) -> None:
     write_json_atomic(json_path, golden.to_json(sha))
 
 
-def read_case(data_dir: Path, name: str) -> CaseGolden:
-    """Read a case's golden files; a missing, damaged or mismatched file is a `GoldenError`."""
+def read_case(data_dir: Path, name: str, update: str = UPDATE) -> CaseGolden:
+    """Read a case's golden files; a missing, damaged or mismatched file is a `GoldenError` whose remedy
+    runs `update` (the command that records them)."""
     json_path, npz_path = case_paths(data_dir, name)
-    data = _read_json(json_path, f"cosyvoice-golden update --case {name}")
+    data = _read_json(json_path, f"{update} --case {name}")
     try:
-        arrays = _read_npz(npz_path, data["audio"]["sha256"], json_path)
+        sha256 = data["audio"]["sha256"]
+    except (KeyError, TypeError) as e:
+        raise GoldenError(f"{json_path}: not a golden case file ({type(e).__name__}: {e})") from None
+    arrays = _read_npz(npz_path, sha256, json_path, f"{update} --case {name}")
+    try:
         segments = tuple(
             SegmentGolden(s["text"], tuple(s["speech_tokens"]), tuple(
                 ChunkGolden(c["index"], c["is_final"], tuple(c["token_range"]), tuple(c["sample_range"]),
@@ -208,7 +216,7 @@ def read_case(data_dir: Path, name: str) -> CaseGolden:
     if golden.name != name or golden.audio.shape != (golden.samples,) or golden.mel.shape[::2] != (1, frames):
         raise GoldenError(f"{json_path}: inconsistent (name {golden.name!r}, {golden.samples} samples, "
                           f"audio {golden.audio.shape}, {frames} mel frames, mel {golden.mel.shape}); record "
-                          "it again with `cosyvoice-golden update`")
+                          f"it again with `{update} --case {name}`")
     return golden
 
 
@@ -258,12 +266,17 @@ def write_graph(data_dir: Path, golden: GraphGolden) -> None:
     })
 
 
-def read_graph(data_dir: Path, graph: str) -> GraphGolden:
-    """Read a graph's golden bundle; a missing, damaged or mismatched file is a `GoldenError`."""
+def read_graph(data_dir: Path, graph: str, update: str = UPDATE) -> GraphGolden:
+    """Read a graph's golden bundle; a missing, damaged or mismatched file is a `GoldenError` whose remedy
+    runs `update`."""
     json_path, npz_path = graph_paths(data_dir, graph)
-    data = _read_json(json_path, f"cosyvoice-golden update --graph {graph}")
+    data = _read_json(json_path, f"{update} --graph {graph}")
     try:
-        arrays = _read_npz(npz_path, data["arrays"]["sha256"], json_path)
+        sha256 = data["arrays"]["sha256"]
+    except (KeyError, TypeError) as e:
+        raise GoldenError(f"{json_path}: not a golden graph file ({type(e).__name__}: {e})") from None
+    arrays = _read_npz(npz_path, sha256, json_path, f"{update} --graph {graph}")
+    try:
         cases = tuple(GraphCaseGolden(c["index"], c["label"],
                                       {n: arrays[f"{i}/inputs/{n}"] for n in c["inputs"]},
                                       {n: arrays[f"{i}/outputs/{n}"] for n in c["outputs"]})
@@ -302,16 +315,16 @@ def _read_json(path: Path, remedy: str) -> dict[str, Any]:
     return data
 
 
-def _read_npz(path: Path, sha256: str, json_path: Path) -> dict[str, np.ndarray]:
+def _read_npz(path: Path, sha256: str, json_path: Path, update: str) -> dict[str, np.ndarray]:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         raise GoldenError(f"{path}: missing (named by {json_path.name}); record both again with "
-                          "`cosyvoice-golden update`") from None
+                          f"`{update}`") from None
     except OSError as e:
         raise GoldenError(f"{path}: unreadable ({e})") from None
     if hashlib.sha256(data).hexdigest() != sha256:
         raise GoldenError(f"{path}: sha256 is not the one {json_path.name} records; the pair is damaged or "
-                          "mixed (record it again with `cosyvoice-golden update`)")
+                          f"mixed (record it again with `{update}`)")
     with np.load(io.BytesIO(data), allow_pickle=False) as npz:
         return {k: npz[k] for k in npz.files}

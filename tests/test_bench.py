@@ -270,8 +270,12 @@ def test_offline_llm_figures_with_the_decodings_in_a_batch(fp32_decode_bundle: P
     (["--cuda-graphs"], "cuda graphs are the cuda provider's, not 'cpu''s"),
     (["--cuda-graphs", "--provider", "cuda"], "cuda graphs: the decode steps replay from CUDA graphs on "
                                               "llm_decode; "),
+    (["--tokens", "100000000"], "--tokens 100000000: at most "),
+    (["--prompt-wav", "BUNDLE_PROMPT"], "--prompt-wav needs --prompt-text, its transcript"),
 ])
 def test_bad_input_is_one_line(runtime_bundle: Path, tmp_path: Path, extra: list[str], message: str) -> None:
+    prompt = str(runtime_bundle / "asset" / "zero_shot_prompt.wav")
+    extra = [prompt if a == "BUNDLE_PROMPT" else a for a in extra]
     done = CliRunner().invoke(main, [*bench_args(runtime_bundle, tmp_path / "x.json"), *extra])
     assert done.exit_code == 2 and done.stderr.count("\n") == 1
     assert done.stderr.startswith(f"error: {message}")

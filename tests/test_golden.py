@@ -169,12 +169,61 @@ def test_update_of_an_unknown_case() -> None:
 
 
 def test_missing_golden_file(tmp_path: Path) -> None:
+    """The remedy is the update of this check's cases file and model, not of the package's cases."""
     cases_file = _copy(tmp_path / "none")
     _one_error_line(_golden("check", "--cases", str(cases_file), "--case", SHORT),
-                    f"{SHORT}.json: missing; record it with `cosyvoice-golden update --case {SHORT}`")
+                    f"{SHORT}.json: missing; record it with `cosyvoice-golden update --cases {cases_file} "
+                    f"--case {SHORT}`")
     cases_file = _copy(tmp_path / "json-only", SHORT)
     (cases_file.parent / DATA_DIR / f"{SHORT}.npz").unlink()
     _one_error_line(_golden("check", "--cases", str(cases_file), "--case", SHORT), f"{SHORT}.npz: missing")
+
+
+def test_a_damaged_npz_is_named(tmp_path: Path) -> None:
+    cases_file = _copy(tmp_path, SHORT)
+    npz = cases_file.parent / DATA_DIR / f"{SHORT}.npz"
+    npz.write_bytes(npz.read_bytes()[:100])
+    result = _golden("check", "--cases", str(cases_file), "--case", SHORT)
+    _one_error_line(result, f"{npz}: sha256 is not the one {SHORT}.json records; the pair is damaged")
+    assert "not a golden case file" not in result.output
+
+
+@pytest.mark.parametrize(("old", "new", "message"), [
+    ('name = "zero-shot-en-greedy"', 'name = "../escaped"',
+     "name '../escaped' must be letters, digits, '.', '_' and '-'"),
+    ('name = "zero-shot-en-greedy"', 'name = "zero-shot-en-greedy"\nspeed = 0.0',
+     "speed is 0.0, expected a finite number above 0"),
+    ('name = "zero-shot-en-greedy"', 'name = "zero-shot-en-greedy"\nmax_tokens = -3',
+     "max_tokens is -3, expected at least 1"),
+    ('name = "zero-shot-en-greedy"', 'name = "zero-shot-en-greedy"\nseed = -1', "seed is -1, expected 0 to"),
+    ("threads = 1", "threads = 0", "reference.threads is 0, expected at least 1"),
+    ("cpu = { max_abs = 3e-2,", "cpu = { max_abs = -3e-2,", "max_abs is -0.03, expected a finite number"),
+])
+def test_a_cases_field_out_of_range_is_one_line(tmp_path: Path, old: str, new: str, message: str) -> None:
+    """Refused as the cases file is read, before any synthesis (a name with a path would also have written
+    its goldens outside the data folder)."""
+    cases_file = _copy(tmp_path, SHORT)
+    text = cases_file.read_text()
+    assert text.count(old) == 1, old
+    cases_file.write_text(text.replace(old, new))
+    for command in ("check", "update"):
+        _one_error_line(_golden(command, "--cases", str(cases_file), "--case", SHORT), message)
+
+
+@pytest.mark.torch
+def test_update_refuses_a_data_folder_it_cannot_write_before_torch(tmp_path: Path) -> None:
+    cases_file = _copy(tmp_path / "cases", SHORT)
+    shutil.rmtree(cases_file.parent / DATA_DIR)
+    (cases_file.parent / DATA_DIR).write_text("")
+    result = _golden("update", "--cases", str(cases_file), "--case", SHORT)
+    _one_error_line(result, f"the cases' data folder {cases_file.parent / DATA_DIR}: is a file, not a folder")
+
+
+def test_openvino_is_judged_by_its_bounds() -> None:
+    pytest.importorskip("openvino", reason="the openvino extra is not installed")
+    result = _golden("check", "--case", SHORT, "--provider", "openvino")
+    assert result.exit_code == 0, result.output
+    assert "1 of 1 passed (openvino" in result.output
 
 
 def test_golden_from_another_model(tmp_path: Path) -> None:
