@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import click
 
-from cosyvoice_export.bundle.errors import BundleError
 from cosyvoice_graphs import MAX_BATCH
 from cosyvoice_graphs.bundle_layout import FLOW_NOISE
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
@@ -17,31 +13,18 @@ from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import choose_prompt
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cli_options import THREADS, chunk_policy_options
-from cosyvoice_runtime.errors import USER_ERRORS, FrontendError
+from cosyvoice_runtime.errors import FrontendError
 from cosyvoice_runtime.frontend import read_prompt_audio
 from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, PROVIDERS
 from cosyvoice_runtime.sampling import MAX_SEED
 from cosyvoice_runtime.synthesis import check_synthesis, uses_cuda_graphs
 
 from .cases import LENGTHS, default_long_tokens, make_cases, parse_lengths, parse_levels
-from .errors import BenchError
+from .errors import BenchError, user_errors
 from .machine import usable_cpus
 from .plots import plot_paths, require_matplotlib, write_plots
 from .report import render
 from .suite import Settings, run
-
-USER_ERRORS_BENCH = (BenchError, BundleError, *USER_ERRORS)
-"""Bad input or environment: the runtime's user errors, a model directory's (yaml, `--model-dir`), ours."""
-
-
-@contextmanager
-def _user_errors() -> Iterator[None]:
-    """Bad input: one line on stderr and exit status 2."""
-    try:
-        yield
-    except USER_ERRORS_BENCH as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
 
 
 def _check_prompt(wav: Path, what: str) -> None:
@@ -119,7 +102,7 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
          stack_vocoder: bool, json_out: Path | None, plots: bool, progress: bool) -> None:
     """Benchmark a CosyVoice3 runtime bundle: first-chunk latency, RTF, per-stage times, LLM tokens/s,
     memory, concurrency, hardware bounds and onnxruntime levers, optionally beside the torch reference."""
-    with _user_errors():
+    with user_errors():
         names, levels = parse_lengths(lengths), parse_levels(concurrency)
         if vs_torch != (model_dir is not None):
             raise BenchError("--vs-torch and --model-dir go together (the torch reference loads "

@@ -207,14 +207,16 @@ def render(provider: str, runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def batch_counts(text: str, what: str) -> list[int]:
-    """'1,4,16' -> [1, 4, 16]: counts of `what` (rows, streams) in one call, each from 1 to MAX_BATCH."""
+def batch_counts(text: str, what: str, option: str) -> list[int]:
+    """'1,4,16' -> [1, 4, 16]: counts of `what` (rows, streams) in one call, each from 1 to MAX_BATCH; a
+    `click.BadParameter` naming `option` otherwise."""
     try:
         counts = [int(part) for part in text.split(",")]
     except ValueError:
         counts = []
     if not counts or any(not 1 <= c <= MAX_BATCH for c in counts):
-        raise click.BadParameter(f"{text!r}: comma-separated {what} counts from 1 to {MAX_BATCH}")
+        raise click.BadParameter(f"{text!r}: comma-separated {what} counts from 1 to {MAX_BATCH}",
+                                 param_hint=option)
     return counts
 
 
@@ -235,7 +237,7 @@ def main(model: Path, provider: str, rows_text: str, past: int, steps: int, json
     """Time llm_decode's step as the runtime makes it, bound once, replayed from a CUDA graph, and with
     onnxruntime's XQA kernel on and off, the same steps each; compare each variant's log-probs with the
     runtime's."""
-    rows = batch_counts(rows_text, "row")
+    rows = batch_counts(rows_text, "row", "--rows")
     try:
         if json_out is not None:
             check_writable(json_out, "--json")

@@ -108,14 +108,14 @@ def render(provider: str, precision: str, runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def frame_pairs(text: str, meaning: str, example: str) -> list[tuple[int, int]]:
+def frame_pairs(text: str, meaning: str, example: str, option: str) -> list[tuple[int, int]]:
     """'50:200,44:400' -> [(50, 200), (44, 400)]: new frames (at least 1) and frames before them, each pair
-    as `meaning` says (a `click.BadParameter` naming it and `example` otherwise)."""
+    as `meaning` says (a `click.BadParameter` naming `option`, `meaning` and `example` otherwise)."""
     pairs = []
     for part in text.split(","):
         new, _, before = part.partition(":")
         if not (new.isdigit() and before.isdigit() and int(new) >= 1):
-            raise click.BadParameter(f"{part!r}: {meaning}, e.g. {example}")
+            raise click.BadParameter(f"{part!r}: {meaning}, e.g. {example}", param_hint=option)
         pairs.append((int(new), int(before)))
     return pairs
 
@@ -153,8 +153,9 @@ def main(model: Path, provider: str, streams_text: str, shapes_text: str, rounds
          json_out: Path | None) -> None:
     """Time several streams' DiT calls made one after another against one call of their CFG pairs stacked,
     and compare each stream's rows of the stacked call with its call alone."""
-    counts = batch_counts(streams_text, "stream")
-    shapes = frame_pairs(shapes_text, "NEW:PAST, new frames (at least 1) after cached ones", DEFAULT_SHAPES)
+    counts = batch_counts(streams_text, "stream", "--streams")
+    shapes = frame_pairs(shapes_text, "NEW:PAST, new frames (at least 1) after cached ones", DEFAULT_SHAPES,
+                         "--shapes")
     try:
         if json_out is not None:
             check_writable(json_out, "--json")

@@ -1,7 +1,30 @@
-"""The benchmark's one exception type for bad input."""
+"""The benchmark's exception type for bad input, and the one-line handling its commands share."""
 
 from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import click
+
+from cosyvoice_export.bundle.errors import BundleError
+from cosyvoice_runtime.errors import USER_ERRORS
 
 
 class BenchError(ValueError):
     """Bad benchmark input (an unknown length, an empty list, a missing option); one line, exit status 2."""
+
+
+BENCH_USER_ERRORS = (BenchError, BundleError, *USER_ERRORS)
+"""Bad input or environment: the runtime's user errors, a model directory's (yaml, `--model-dir`), ours."""
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Bad input: one line on stderr and exit status 2."""
+    try:
+        yield
+    except BENCH_USER_ERRORS as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)

@@ -46,6 +46,7 @@ from cosyvoice_runtime.cli_options import THREADS
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.runners import CPU, CUDA, ORT_PROVIDERS, decode_body
 from cosyvoice_runtime.runners.ort_settings import OPTIMIZATION, settings_for
+from cosyvoice_runtime.synthesis import check_synthesis
 
 from .errors import BenchError
 from .gpu import device_session
@@ -184,6 +185,7 @@ def main(model: Path, provider: str, calls: int, threads: int | None, decode_row
         if json_out is not None:
             check_writable(json_out, "--json")
         bundle = RuntimeBundle.open(model)
+        check_synthesis(bundle, provider)  # a provider this machine lacks: one line, before a session
         calls_of = hot_calls(bundle, provider, decode_rows=decode_rows, decode_past=decode_past)
         rows = [profile_graph(bundle, graph, case, provider, calls=calls, threads=threads)
                 for graph, case in calls_of.items()]

@@ -27,10 +27,11 @@ from cosyvoice_runtime.cli_options import THREADS
 from cosyvoice_runtime.process_memory import peak_rss_bytes, rss_bytes
 from cosyvoice_runtime.runners import CPU, PROVIDERS
 from cosyvoice_runtime.runners.ort_settings import usable_cpus
+from cosyvoice_runtime.sampling import MAX_SEED
 
 from .backend import Backend, FirstChunk
 from .cases import LENGTHS, Case
-from .errors import BenchError
+from .errors import BenchError, user_errors
 from .runtime_runs import RuntimeBackend
 
 MODULE = "cosyvoice_bench.peak_rss"
@@ -125,7 +126,7 @@ def _failure(code: int, stderr: str) -> str:
         name = signal.Signals(-code).name
         return f"was killed by {name}" + (" (out of memory?)" if -code == signal.SIGKILL else "")
     lines = [line for line in stderr.splitlines() if line.strip()]
-    return f"failed (exit {code}): {lines[-1].strip() if lines else 'no message'}"
+    return f"failed (exit {code}): {lines[-1].strip().removeprefix('error: ') if lines else 'no message'}"
 
 
 def _opener(job: PeakJob) -> Callable[[], Backend]:
@@ -155,16 +156,22 @@ def measure_here(job: PeakJob, case: Case) -> FreshPeak:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--backend", type=click.Choice(["runtime", "torch"]), default="runtime", show_default=True)
+@click.option("--backend", type=click.Choice(["runtime", "torch"]), default="runtime", show_default=True,
+              help="What runs the case: the runtime (numpy and onnxruntime), or the torch reference.")
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="The runtime bundle; with --backend torch, the model directory.")
-@click.option("--prompt-wav", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--prompt-wav", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Prompt recording (zero-shot).")
 @click.option("--prompt-text", required=True, help="Transcript of the prompt recording.")
-@click.option("--length", type=click.Choice(list(LENGTHS)), default="long", show_default=True)
+@click.option("--length", type=click.Choice(list(LENGTHS)), default="long", show_default=True,
+              help="The case's text (cosyvoice-bench --lengths).")
 @click.option("--tokens", type=click.IntRange(min=1), required=True, help="LLM steps pinned for the case.")
-@click.option("--threads", type=THREADS, default=None, help="[default: usable CPUs]")
-@click.option("--provider", type=click.Choice(PROVIDERS), default=CPU, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--threads", type=THREADS, default=None,
+              help="onnxruntime intra-op threads, and torch threads  [default: usable CPUs]")
+@click.option("--provider", type=click.Choice(PROVIDERS), default=CPU, show_default=True,
+              help="The runtime's provider.")
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
+              help="Seed of the RAS sampler.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=False, show_default=True,
               help="The runtime's decode steps replay from CUDA graphs (cuda, with an llm_decode).")
 @click.option("--llm-checkpoint", default="llm.pt", show_default=True,
@@ -172,10 +179,12 @@ def measure_here(job: PeakJob, case: Case) -> FreshPeak:
                    "bundle's).")
 def main(backend: BackendName, model: Path, prompt_wav: Path, prompt_text: str, length: str, tokens: int,
          threads: int | None, provider: str, seed: int, cuda_graphs: bool, llm_checkpoint: str) -> None:
-    """Peak RSS of one cold run in this (fresh) process, printed as one JSON line."""
+    """Peak RSS of one cold run in this (fresh) process, printed as one JSON line (cosyvoice-bench runs
+    it for each case)."""
     job = PeakJob(backend, model, prompt_wav, prompt_text, threads or usable_cpus(), provider, seed,
                   cuda_graphs, llm_checkpoint)
-    click.echo(json.dumps(asdict(measure_here(job, Case(LENGTHS[length], tokens)))))
+    with user_errors():
+        click.echo(json.dumps(asdict(measure_here(job, Case(LENGTHS[length], tokens)))))
 
 
 if __name__ == "__main__":

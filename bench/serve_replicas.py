@@ -32,6 +32,8 @@ import click
 
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 
+from .cases import parse_levels
+from .errors import BenchError, user_errors
 from .machine import describe, usable_cpus
 
 SAMPLE_RATE = 24000
@@ -197,15 +199,32 @@ def main(model: Path | None, replicas: str, concurrency: str, per_client: int, t
          json_out: Path | None) -> None:
     """Throughput, first-chunk latency and memory of `cosyvoice-serve --ray` replicas against the
     single-process server, from an HTTP client on this machine."""
-    if json_out is not None:
-        check_writable(json_out, "--json")
-    levels = [int(c) for c in concurrency.split(",")]
+    with user_errors():
+        counts = parse_replicas(replicas, usable_cpus())
+        levels = parse_levels(concurrency)
+        if not text.strip():
+            raise BenchError("--text: nothing to speak")
+        if model is not None and not model.is_dir():
+            raise BenchError(f"--model {model}: not a folder")
+        if json_out is not None:
+            check_writable(json_out, "--json")
     machine = describe(usable_cpus(), None)
-    runs = [bench_server(model, int(n), text, levels, per_client) for n in replicas.split(",")]
+    runs = [bench_server(model, n, text, levels, per_client) for n in counts]
     click.echo(render(runs, machine, text))
     if json_out is not None:
         write_json_atomic(json_out, {"machine": machine, "text": text, "model": str(model) if model else None,
                                      "runs": [asdict(r) for r in runs]})
+
+
+def parse_replicas(text: str, cpus: int) -> list[int]:
+    """'0,1,2' -> [0, 1, 2]: 0 (the single-process server) or a count of Ray replicas, each with a share of
+    the `cpus` usable CPUs (at most one replica a CPU)."""
+    items = [item.strip() for item in text.split(",")]
+    bad = [item for item in items if not item.isdigit() or int(item) > cpus]
+    if not items or bad or len(set(items)) != len(items):
+        raise BenchError(f"--replicas: {text!r}; expected distinct counts from 0 (the single-process server) "
+                         f"to {cpus} (a replica per usable CPU at most), comma-separated")
+    return [int(item) for item in items]
 
 
 def _wait_for_health(port: int, server: subprocess.Popen[str], errors: list[str]) -> None:

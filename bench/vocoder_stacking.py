@@ -93,9 +93,9 @@ def main(model: Path, provider: str, streams_text: str, windows_text: str, round
          json_out: Path | None) -> None:
     """Time several streams' vocoder windows run one after another against one decoder call over them stacked,
     and compare each stream's samples with its window alone."""
-    counts = batch_counts(streams_text, "stream")
+    counts = batch_counts(streams_text, "stream", "--streams")
     windows = frame_pairs(windows_text, "NEW:BEFORE, new frames (at least 1) after frames pushed before",
-                          DEFAULT_WINDOWS)
+                          DEFAULT_WINDOWS, "--windows")
     try:
         if json_out is not None:
             check_writable(json_out, "--json")

@@ -349,14 +349,14 @@ def test_the_fresh_process_decodes_as_the_benchmark_does(runtime_bundle: Path) -
     job = peak_job(runtime_bundle, cuda_graphs=True)
     assert "--cuda-graphs" in job.command(make_cases(["short"], 10)[0])
     with pytest.raises(BenchError, match=r"runtime short: the fresh process measuring peak RSS failed "
-                                         r"\(exit 1\): .*cuda graphs are the cuda provider's"):
+                                         r"\(exit 2\): cuda graphs are the cuda provider's"):
         fresh_peak(job, make_cases(["short"], 10)[0])
 
 
 @pytest.mark.parametrize(("bad", "message"), [
     ("model", "failed (exit 2): Error: Invalid value for '--model': Directory '/nonexistent' does not "
               "exist."),
-    ("prompt", "failed (exit 1): cosyvoice_runtime.errors.FrontendError: cannot read audio file"),
+    ("prompt", "failed (exit 2): cannot read audio file"),
 ])
 def test_a_failing_fresh_process_is_one_line(runtime_bundle: Path, tmp_path: Path, bad: str, message: str
                                              ) -> None:
@@ -398,3 +398,22 @@ def _child_of_this_process() -> int:
                 return int(stat.parent.name)
         time.sleep(0.05)
     raise AssertionError("no child process started")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--replicas", "x"], "--replicas: 'x'; expected distinct counts from 0 (the single-process server) to"),
+    (["--replicas", "100"], "--replicas: '100'; expected distinct counts"),
+    (["--replicas", "0,0"], "--replicas: '0,0'; expected distinct counts"),
+    (["--concurrency", "0"], "--concurrency: '0' is not a positive integer"),
+    (["--text", " "], "--text: nothing to speak"),
+    (["--model", "/nonexistent"], "--model /nonexistent: not a folder"),
+])
+def test_serve_replicas_refuses_bad_input_before_a_server_starts(args: list[str], message: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from cosyvoice_bench import serve_replicas
+
+    monkeypatch.setattr(serve_replicas, "bench_server", lambda *_: pytest.fail("a server was started"))
+    done = CliRunner().invoke(serve_replicas.main, args)
+    assert done.exit_code == 2 and done.stderr == f"error: {message}" + done.stderr.removeprefix(
+        f"error: {message}"), done.output
+    assert done.stderr.count("\n") == 1

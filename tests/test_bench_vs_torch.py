@@ -175,7 +175,7 @@ def test_the_references_fresh_process_reads_the_llm_checkpoint_it_is_given(tiny_
     job = PeakJob("torch", tiny_bundle, tiny_bundle / PROMPT_WAV, (tiny_bundle / PROMPT_TEXT).read_text(),
                   threads=1, llm_checkpoint="llm.rl.pt")
     with pytest.raises(BenchError, match=r"^torch short: the fresh process measuring peak RSS failed "
-                                         r"\(exit 1\): .*llm\.rl\.pt"):
+                                         r"\(exit 2\): .*llm\.rl\.pt: file not found"):
         fresh_peak(job, make_cases(["short"], 5)[0])
 
 

@@ -86,7 +86,7 @@ def test_the_command_prints_and_writes_each_count_and_shape(tmp_path: Path) -> N
 ])
 def test_bad_counts_and_shapes_are_refused_before_any_session(args: list[str], message: str) -> None:
     done = CliRunner().invoke(main, ["--model", str(DEMO_BUNDLE), *args])
-    assert done.exit_code == 2 and message in done.output
+    assert done.exit_code == 2 and f"Invalid value for {args[0]}: {message}" in done.output
 
 
 def test_a_directory_that_is_no_bundle_is_one_line_and_exit_2(tmp_path: Path) -> None:
