@@ -46,6 +46,8 @@ def test_the_page_has_its_form_and_uses_only_this_servers_endpoints(engine: Engi
         assert f'id="{name}" name="{name}"' in html, name
     assert re.findall(r'<option value="(\w+)"', html) == ["zero_shot", "cross_lingual", "instruct2"]
     assert 'id="record"' in html and 'download="cosyvoice.wav"' in html
+    # the picker offers what the server's reader (libsndfile) takes, not every audio/* (m4a, webm)
+    assert 'accept=".wav,.flac,.ogg,.oga,.opus,.mp3,.aif,.aiff"' in html
     [script] = re.findall(r"<script>(.*?)</script>", html, flags=re.DOTALL)
     [style] = re.findall(r"<style>(.*?)</style>", html, flags=re.DOTALL)
     assert all(word in script for word in ("getUserMedia", "MediaRecorder", "AudioContext", "getReader"))
