@@ -6,10 +6,10 @@
 fingerprint, time) and one `.npz` per speaker (speech tokens, prompt mel, x-vector). Every file is
 written to a temporary file, flushed to disk and renamed over its target, and a speaker's features are
 written before the registry names them; so a crash leaves either the old registry or the new one, never
-a half-written one, and at worst an unreferenced `.npz` (`tidy` removes those; the server does at
-start). Features depend on the bundle's front-end models: speakers registered with other ones are kept
-on disk but not used. Several processes may share a folder (server replicas on one machine, or on a
-shared filesystem whose `flock` works across machines, as NFS's does): writers take turns on
+a half-written one, and at worst an unreferenced `.npz` or a temporary file (`tidy` removes those; the
+server does at start). Features depend on the bundle's front-end models: speakers registered with other
+ones are kept on disk but not used. Several processes may share a folder (server replicas on one machine,
+or on a shared filesystem whose `flock` works across machines, as NFS's does): writers take turns on
 `registry.lock` and merge into the registry as it is on disk, and every reader reads the registry again
 when its file has been replaced.
 
@@ -168,10 +168,11 @@ class SpeakerRegistry:
         return True
 
     def tidy(self) -> None:
-        """Remove the feature files no entry names: left by a crash between writing one and the registry."""
+        """Remove the feature files no entry names, left by a crash between writing one and the registry,
+        and the temporary files of writes a crash cut short (every write holds the lock `tidy` holds)."""
         with self._writing():
             named = {str(e.get("file")) for e in self._entries.values()}
-            for path in self.root.glob("*.npz"):
+            for path in [*self.root.glob("*.npz"), *self.root.glob(".*.tmp")]:
                 if path.name not in named:
                     path.unlink(missing_ok=True)
 

@@ -6,6 +6,8 @@ first stream starts as fast as its second; deleting or replacing it cancels that
 
 from __future__ import annotations
 
+import errno
+import logging
 from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, Request, Response, UploadFile
@@ -13,12 +15,22 @@ from starlette.concurrency import run_in_threadpool
 
 from cosyvoice_runtime.speakers import SpeakerError, check_name
 
-from .errors import EmptyField, FieldError, error_responses
+from .errors import ApiError, EmptyField, FieldError, error_responses
 from .forms import FormRoute
-from .responses import first_item, read_upload, require_text, submit
+from .responses import first_item, read_upload, require_text
 from .state import State
 
 router = APIRouter(route_class=FormRoute)
+log = logging.getLogger(__name__)
+
+
+def folder_error(error: OSError) -> ApiError:
+    """The speakers folder refused a write (full, read-only, gone): 507 where it is out of space, else 500,
+    one line for the client and one for the log; the registry is as it was."""
+    log.error("the speakers folder refused a write: %s", error)
+    full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return ApiError(507 if full else 500, f"the server's speakers folder cannot be written: "
+                                          f"{error.strerror or type(error).__name__}")
 
 
 @router.get("/speakers")
@@ -27,7 +39,7 @@ async def list_speakers(state: State) -> list[str]:
     return state.speakers.names()
 
 
-@router.post("/speakers", status_code=201, responses=error_responses(400, 401, 413, 422, 503, 504))
+@router.post("/speakers", status_code=201, responses=error_responses(400, 401, 413, 422, 500, 503, 504, 507))
 async def register_speaker(request: Request, state: State,
                            name: Annotated[str, Form(description="The speaker's name: 1 to 64 printable "
                                                                  "characters, none of / \\ ? # %, no "
@@ -48,8 +60,13 @@ async def register_speaker(request: Request, state: State,
         raise FieldError("name", str(e)) from None
     prompt_text = require_text(prompt_text, "prompt_text", state.settings)
     upload = await read_upload(prompt_wav, "prompt_wav")
-    features = await first_item(state, request, submit(state, lambda _: [state.engine.extract(upload)]))
-    speaker = await run_in_threadpool(state.speakers.add, name, prompt_text, features)
+    # a session of the queue (503 when it is full), not a synthesis: the requests' counters leave it out
+    stream = state.sessions.submit(lambda _: [state.engine.extract(upload)])
+    features = await first_item(state, request, stream)
+    try:
+        speaker = await run_in_threadpool(state.speakers.add, name, prompt_text, features)
+    except OSError as e:
+        raise folder_error(e) from None
     state.engine.voice.prefix_jobs.submit(speaker.name, features)
     return speaker.describe()
 
@@ -63,10 +80,14 @@ async def get_speaker(name: str, state: State) -> dict[str, Any]:
     return speaker.describe()
 
 
-@router.delete("/speakers/{name}", status_code=204, responses=error_responses(401, 404, 422))
+@router.delete("/speakers/{name}", status_code=204, responses=error_responses(401, 404, 422, 500, 507))
 async def delete_speaker(name: str, state: State) -> Response:
     """Forget a speaker (its features file too, and its flow prefix)."""
-    if not await run_in_threadpool(state.speakers.remove, name):
+    try:
+        removed = await run_in_threadpool(state.speakers.remove, name)
+    except OSError as e:
+        raise folder_error(e) from None
+    if not removed:
         raise FieldError("name", f"unknown speaker {name!r}", status=404)
     state.engine.voice.prefix_jobs.cancel(name)
     return Response(status_code=204)

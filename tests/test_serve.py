@@ -6,6 +6,7 @@ metrics, settings."""
 from __future__ import annotations
 
 import base64
+import errno
 import io
 import json
 import logging
@@ -20,7 +21,7 @@ import textwrap
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -322,6 +323,31 @@ def test_the_readmes_synthesize_command_works_with_a_long_prompt(tmp_path: Path)
 # --- speakers and the OpenAI-style endpoint ----------------------------------------------------------
 
 
+def test_a_speakers_folder_that_refuses_a_write_is_one_line(
+        engine: Engine, prompt: tuple[bytes, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Full: 507; read-only or gone: 500; the cause named, no traceback for the client, the registry kept."""
+    def refuse(code: int) -> Callable[..., Any]:
+        def write(*_: Any) -> Any:
+            raise OSError(code, os.strerror(code))
+        return write
+
+    with TestClient(make_app(engine, tmp_path)) as client:
+        register = {"data": {"name": "demo", "prompt_text": prompt[1]},
+                    "files": {"prompt_wav": ("p.wav", prompt[0], "audio/wav")}}
+        assert client.post("/speakers", **register).status_code == 201
+        monkeypatch.setattr(SpeakerRegistry, "add", refuse(errno.ENOSPC))
+        full = client.post("/speakers", **{**register, "data": {"name": "other", "prompt_text": prompt[1]}})
+        assert full.status_code == 507
+        assert full.json()["detail"] == ("the server's speakers folder cannot be written: No space left on "
+                                         "device")
+        monkeypatch.setattr(SpeakerRegistry, "remove", refuse(errno.EROFS))
+        read_only = client.delete("/speakers/demo")
+        assert read_only.status_code == 500
+        assert read_only.json()["detail"] == ("the server's speakers folder cannot be written: Read-only "
+                                              "file system")
+        assert client.get("/speakers").json() == ["demo"]
+
+
 def test_speakers_serve_v1_audio_speech_and_persist_across_a_restart(
         engine: Engine, prompt: tuple[bytes, str], tmp_path: Path) -> None:
     speech = {"input": SHORT, "voice": "demo", "response_format": "pcm", "stream": True}
@@ -433,8 +459,12 @@ def test_a_crash_while_registering_leaves_the_registry_whole(tmp_path: Path, mon
     registry = SpeakerRegistry(tmp_path, "fp")
     assert registry.names() == ["first"]
     assert len(list(tmp_path.glob("*.npz"))) == 2  # reading removes nothing: another may be writing
+    left = [tmp_path / f".{REGISTRY}.0badc0de.tmp", tmp_path / ".0123456789abcdef-01234567.npz.c0ffee00.tmp"]
+    for path in left:  # what a write that died before its rename leaves
+        path.write_bytes(b"half")
     registry.tidy()
     assert len(list(tmp_path.glob("*.npz"))) == 1  # the orphan is gone, the registry's file kept
+    assert not any(path.exists() for path in left)
     speaker = registry.get("first")
     assert speaker is not None and np.array_equal(speaker.features.speech_tokens, features.speech_tokens)
     assert SpeakerRegistry(tmp_path, "other front end").names() == []
@@ -565,6 +595,9 @@ def test_the_queue_is_bounded_and_clients_that_leave_free_their_sessions(
             assert time.monotonic() - start < 2.0  # at once, not after the sessions ahead (seconds)
             assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
             assert busy.json()["detail"].startswith("server busy")
+            registration = client.post("/speakers", data={"name": "late", "prompt_text": prompt[1]},
+                                       files={"prompt_wav": ("p.wav", prompt[0], "audio/wav")})
+            assert registration.status_code == 503  # refused too, but not a synthesis request counted
             with pytest.raises(httpx.ReadTimeout):
                 queued.result()  # that client gives up while queued: its session never runs
             wait_until(client, running=1, waiting=0)
