@@ -19,7 +19,6 @@ import soundfile as sf
 from cosyvoice_export.bundle import tokenizer_files as export_tok
 from cosyvoice_export.config import tiny
 from cosyvoice_runtime import frontend as rt
-from cosyvoice_runtime.errors import FrontendError
 from cosyvoice_runtime.frontend import text as rt_text
 
 # --- shared inputs ----------------------------------------------------------------------------------
@@ -157,14 +156,14 @@ def test_whisper_log_mel_floor_uses_whole_utterance_max() -> None:
 
 
 def test_kaldi_fbank_refuses_less_than_a_frame() -> None:
-    with pytest.raises(FrontendError, match="399 samples"):
+    with pytest.raises(rt.FrontendError, match="399 samples"):
         rt.kaldi_fbank(np.zeros(399, dtype=np.float32))
 
 
 def test_feature_inputs_too_short() -> None:
-    with pytest.raises(FrontendError, match="prompt mel"):
+    with pytest.raises(rt.FrontendError, match="prompt mel"):
         rt.prompt_mel(np.zeros(700, dtype=np.float32))
-    with pytest.raises(FrontendError, match="whisper"):
+    with pytest.raises(rt.FrontendError, match="whisper"):
         rt.whisper_log_mel(np.zeros(200, dtype=np.float32))
 
 
@@ -184,7 +183,7 @@ def test_speech_tokens_feed_by_position(standin_paths: tuple[Path, Path]) -> Non
     session = rt.open_session(standin_paths[1])
     tokens = rt.speech_tokens(session, tone_signal(16000 + 500, 16000))
     assert tokens.dtype == np.int64 and tokens.shape == (1, -(-(16500 // 160) // 4))
-    with pytest.raises(FrontendError, match="at most 30 s"):
+    with pytest.raises(rt.FrontendError, match="at most 30 s"):
         rt.speech_tokens(session, np.zeros(30 * 16000 + 1, dtype=np.float32))
 
 
@@ -267,7 +266,7 @@ def test_tokenizer_equals_transformers_with_a_qwen25_config(tmp_path: Path) -> N
 
 
 def test_tokenizer_errors(tmp_path: Path, tiny_blanken: Path) -> None:
-    with pytest.raises(FrontendError, match=r"tokenizer files missing: vocab\.json, merges\.txt"):
+    with pytest.raises(rt.FrontendError, match=r"tokenizer files missing: vocab\.json, merges\.txt"):
         rt.TextTokenizer(tmp_path)
     with pytest.raises(KeyError, match="not a single token"):
         rt.TextTokenizer(tiny_blanken).token_id("hello world")
@@ -276,7 +275,7 @@ def test_tokenizer_errors(tmp_path: Path, tiny_blanken: Path) -> None:
     config = json.loads((tiny_blanken / "tokenizer_config.json").read_text(encoding="utf-8"))
     config["added_tokens_decoder"] = {str(int(k) + 5): v for k, v in config["added_tokens_decoder"].items()}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
-    with pytest.raises(FrontendError, match="is declared with id"):
+    with pytest.raises(rt.FrontendError, match="is declared with id"):
         rt.TextTokenizer(tmp_path)
 
 
@@ -358,7 +357,7 @@ def test_english_numbers_and_symbols(text_frontend: rt.TextFrontend) -> None:
         ["I have twenty three apples and two pears . ."]
     assert text_frontend.split("x²") == ["xzero."]  # ² is no \d for wetext but isdigit() for the spelling
     assert text_frontend.split("Dr. Smith arrived") == ["Dr. Smith arrived."]  # no digit: wetext not run
-    with pytest.raises(FrontendError, match="a number of 41 digits: more than inflect can spell out"):
+    with pytest.raises(rt.FrontendError, match="a number of 41 digits: more than inflect can spell out"):
         text_frontend.split("１" + "０" * 40)  # upstream's inflect fails on it too
 
 
@@ -429,7 +428,7 @@ def test_wetext_fsts_are_pinned(monkeypatch: pytest.MonkeyPatch, real_tokenizer:
     monkeypatch.setitem(rt_text.WETEXT_FST_SHA256, "en", ("0" * 64, rt_text.WETEXT_FST_SHA256["en"][1]))
     try:
         pinned = r"en/tn/tagger\.fst is not the pinned one.*wetext==0\.1\.2"
-        with pytest.raises(FrontendError, match=pinned):
+        with pytest.raises(rt.FrontendError, match=pinned):
             rt.TextFrontend(real_tokenizer)
     finally:
         rt_text._wetext_fsts.cache_clear()
@@ -455,7 +454,7 @@ def test_wetext_failure_is_a_clear_error(text_frontend: rt.TextFrontend) -> None
     # the en grammar finds no parse for a leading tab, which the front end strips before it gets there
     with pytest.raises(AssertionError):
         rt_text.wetext_normalize("\tA5")
-    with pytest.raises(FrontendError, match=r"wetext \(en\) cannot normalise '\\tA5'"):
+    with pytest.raises(rt.FrontendError, match=r"wetext \(en\) cannot normalise '\\tA5'"):
         text_frontend._wetext("\tA5")
 
 
@@ -474,8 +473,7 @@ _TORCH_FREE_SCRIPT = textwrap.dedent("""
 
     sys.meta_path.insert(0, Block())
     import numpy as np
-    from cosyvoice_runtime.errors import FrontendError
-from cosyvoice_runtime import frontend as rt
+    from cosyvoice_runtime import frontend as rt
 
     wav, campplus, tokenizer, blanken = sys.argv[1:5]
     feats = rt.extract_prompt(wav, rt.open_session(campplus), rt.open_session(tokenizer))
