@@ -17,7 +17,9 @@ from cosyvoice_graphs.precision_plan import GRAPH_ALIASES, PROFILES, PrecisionPl
 from cosyvoice_graphs.providers import PROVIDERS
 from cosyvoice_runtime.atomic_files import check_writable
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV, console_script
+from cosyvoice_runtime.cli_options import FiniteFloatRange
 from cosyvoice_runtime.errors import UserError
+from cosyvoice_runtime.sampling import MAX_SEED
 from cosyvoice_runtime.speakers import SPEAKERS_DIR_ENV
 from cosyvoice_runtime.synthesis import Mode
 
@@ -219,6 +221,8 @@ def _providers_option(ctx: click.Context, param: click.Parameter, value: str | N
                    "others stay float32), a profile, or a precision per graph, as llm=int4,dit=int8 "
                    f"(graphs by name or alias: {', '.join(GRAPH_ALIASES)}; graphs not named stay float32). "
                    "Precisions: "
+                   "tf32 (for CUDA): the float32 graphs, which the CUDA provider computes with TF32 "
+                   "matmuls and convolutions (fp32's in float32), the DiT written for onnxruntime. "
                    "fp16: float16 weights and matmul/conv compute, fragile ops (norms, softmax, time "
                    "embedding, output projections, HiFT's source and Snake) and all graph I/O in float32; "
                    "hift_f0 has none. int8: the llm's and the DiT blocks' matmul weights in int8 "
@@ -313,8 +317,14 @@ def _synthesize(model_dir: Path, text: str, prompt_wav: Path | None, prompt_text
     from .reference.pipeline import ReferencePipeline
 
     check_writable(out, "--out")
+    if not text.strip():
+        raise UserError("--text: nothing to speak")
+    if mode == Mode.INSTRUCT2.value and not instruct.strip():
+        raise UserError(f"--mode {Mode.INSTRUCT2.value} needs --instruct, the instruction")
     bundle = ModelBundle.open(model_dir)
     prompt_wav, prompt_text = _default_prompt(model_dir, prompt_wav, prompt_text)
+    if mode == Mode.ZERO_SHOT.value and not (prompt_text or "").strip():
+        raise UserError(f"--mode {Mode.ZERO_SHOT.value} needs --prompt-text, the recording's transcript")
     pipe = ReferencePipeline(bundle)
     prompt = pipe.prompt_features(prompt_wav)
     generator = np.random.Generator(np.random.PCG64(seed))
@@ -340,8 +350,10 @@ _SYNTH_OPTIONS = [
                  help="Instruction for instruct2, e.g. 'Please speak as fast as possible.'"),
     click.option("--sampling", type=click.Choice(["ras", "greedy"]), default="ras", show_default=True,
                  help="ras: upstream's repetition-aware sampling; greedy: argmax, for exact comparisons."),
-    click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampler's generator."),
-    click.option("--speed", type=float, default=1.0, show_default=True),
+    click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
+                 help="Seed of the sampler's generator."),
+    click.option("--speed", type=FiniteFloatRange(min=0.5, max=2.0), default=1.0, show_default=True,
+                 help="Speech rate, offline (the range cosyvoice-run takes)."),
     click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
                  help="Output WAV (24 kHz PCM16)."),
 ]
@@ -354,7 +366,8 @@ def _synth_options(f: Any) -> Any:
 
 
 @main.command()
-@click.option("--model-dir", type=click.Path(path_type=Path), required=True)
+@click.option("--model-dir", type=click.Path(path_type=Path), required=True,
+              help="The model directory (cosyvoice3.yaml, llm.pt, ...) the reference loads.")
 @_synth_options
 def synth(model_dir: Path, **kwargs: Any) -> None:
     """Synthesise speech with the torch reference pipeline (the oracle for the runtime)."""

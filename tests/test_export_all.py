@@ -29,9 +29,10 @@ from click.testing import CliRunner
 from torch import Tensor, nn
 
 from cosyvoice_export.bundle.model_dir import ModelBundle
+from cosyvoice_export.bundle.tiny import write_bundle
 from cosyvoice_export.cli import main
 from cosyvoice_export.onnx import bundle_assembly, graph_export, output_dir, trace, trt
-from cosyvoice_export.onnx.bundle_assembly import export_all
+from cosyvoice_export.onnx.bundle_assembly import as_recorded, export_all
 from cosyvoice_export.onnx.dims import model_dims
 from cosyvoice_export.onnx.export_report import Report
 from cosyvoice_export.onnx.graphs import EXPORT_RECIPES, Networks
@@ -67,6 +68,7 @@ from cosyvoice_graphs import (
 )
 from cosyvoice_graphs.bundle_layout import MANIFEST, PROMPT_TEXT, PROMPT_WAV
 from cosyvoice_graphs.manifest import GraphRecord
+from cosyvoice_graphs.precision_plan import PrecisionPlan
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.cli import main as run_main
 
@@ -415,6 +417,9 @@ def test_foreign_or_unwritable_out_is_refused(tiny_bundle: Path, tmp_path: Path)
     code, _, err = run("all", "--model-dir", str(tiny_bundle), "--out", str(foreign))
     assert code == 2 and err.count("\n") == 1 and "not a runtime bundle" in err
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+    assert not (tmp_path / "foreign.lock").exists()  # refused before its lock was made beside it
+    code, _, err = run("all", "--model-dir", str(tiny_bundle), "--out", "/")
+    assert (code, err) == (2, "error: /: the file system's root; choose a folder below it\n")
     not_a_folder = re.escape(f"cannot write there ({foreign / 'notes.txt'} is not a folder)")
     with pytest.raises(OutputDirError, match=not_a_folder):
         export_all(tiny_bundle, foreign / "notes.txt" / "out", progress=False)
@@ -447,6 +452,61 @@ def test_reuse_from_a_folder_without_export_records_is_refused(tiny_bundle: Path
     assert err == (f"error: --reuse-from {tiny_bundle}: not a runtime bundle with the records of "
                    "`cosyvoice-export all` (.export/); name a folder that command exported into\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_reuse_from_an_export_of_another_model_is_refused(exported: tuple[Path, str], tiny_bundle: Path,
+                                                           tmp_path: Path) -> None:
+    """Its graphs would all be exported again in silence: said, in one line, before OUT changes."""
+    other = write_bundle(tmp_path / "other-model", size="tiny", seed=1)
+    out = tmp_path / "out"
+    code, stdout, err = run("all", "--model-dir", str(other), "--out", str(out), "--reuse-from",
+                            str(exported[0]))
+    assert (code, stdout) == (2, "")
+    assert err.splitlines()[-1] == (f"error: --reuse-from {exported[0]}: exported from another model "
+                                    f"(none of its graphs was made from {other}'s files); name an export of "
+                                    "this model")
+    assert not out.exists()
+
+
+def test_a_plan_spelt_as_its_graphs_is_the_bundles_own(exported: tuple[Path, str], tiny_bundle: Path) -> None:
+    """`llm=fp32` (or a profile's graphs named one by one) is the plan the bundle was exported with; the
+    bundle keeps its recorded name."""
+    out = exported[0]
+    dims = model_dims(ModelBundle.open(tiny_bundle).config)
+    plan = PrecisionPlan.parse("llm=fp32,flow_encoder=fp32")
+    specs = {name: spec(name, dims) for name in plan.graph_names}
+    assert as_recorded(plan, out, specs).name == "fp32"
+    other = PrecisionPlan.parse("flow_estimator_cached=int8")
+    assert as_recorded(other, out, {name: spec(name, dims) for name in other.graph_names}) is other
+
+
+def test_demo_bundle_never_replaces_a_folder_of_other_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("precious")
+    monkeypatch.chdir(tmp_path)
+    for out, message in ((mine, f"{mine}: not empty and not a runtime bundle"),
+                         (Path("."), ".: the working folder or a folder above it")):
+        code, _, err = run("demo-bundle", "--out", str(out))
+        assert code == 2 and err.startswith(f"error: {message}"), err
+    assert [p.name for p in mine.iterdir()] == ["keep.txt"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--text", " "], "--text: nothing to speak"),
+    (["--mode", "instruct2"], "--mode instruct2 needs --instruct, the instruction"),
+    (["--prompt-wav", "PROMPT"], "--mode zero-shot needs --prompt-text, the recording's transcript"),
+])
+def test_synth_refuses_bad_input_before_the_models_load(tiny_bundle: Path, tmp_path: Path, args: list[str],
+                                                        message: str) -> None:
+    args = [str(tiny_bundle / PROMPT_WAV) if a == "PROMPT" else a for a in args]
+    code, _, err = run("synth", "--model-dir", str(tiny_bundle), "--text", "Hi.", "--out",
+                       str(tmp_path / "x.wav"), *args)
+    assert (code, err) == (2, f"error: {message}\n")
+    code, _, err = run("synth", "--model-dir", str(tiny_bundle), "--text", "Hi.", "--out",
+                       str(tmp_path / "x.wav"), "--speed", "0")
+    assert code == 2 and "0.5<=x<=2.0" in err
 
 
 def test_an_unreadable_demo_prompt_stops_the_export(tiny_bundle: Path, tmp_path: Path) -> None:

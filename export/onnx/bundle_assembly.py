@@ -42,7 +42,7 @@ from cosyvoice_graphs.manifest import (
 )
 from cosyvoice_graphs.pipeline import PipelineError, check_runs
 from cosyvoice_graphs.precision import FP32
-from cosyvoice_graphs.precision_plan import PrecisionPlan
+from cosyvoice_graphs.precision_plan import PrecisionPlan, PrecisionPlanError
 from cosyvoice_graphs.providers import OPENVINO
 
 from ..bundle.check import check_bundle
@@ -64,10 +64,22 @@ from .graph_export import (
     adopt_graph,
     export_and_validate,
     reuse_graph,
+    shares_sources,
     validation_record,
 )
 from .lazy_networks import LazyNetworks
-from .output_dir import check_reuse_source, drop_graphs, file_entry, install, locked, prepare_out, write_json
+from .output_dir import (
+    OutputDirError,
+    check_out,
+    check_reuse_source,
+    drop_graphs,
+    file_entry,
+    install,
+    locked,
+    prepare_out,
+    recorded_precision,
+    write_json,
+)
 from .trace import EXPORTER_VERSION, file_sha256
 
 if TYPE_CHECKING:
@@ -145,9 +157,27 @@ def export_all(model_dir: Path | str, out: Path | str, *, llm: str = "base", for
         raise BundleError(f"{bundle.checkpoint('llm')}: file not found; --llm {llm} exports it "
                           f"(`cosyvoice-export download --llm {llm}` fetches it)")
     out = Path(out)
+    plan = as_recorded(plan, out, specs)
+    check_out(out, plan.name)  # before its lock is made beside it
     with locked(out, wait):
         return _assemble(bundle, out, force, plan, graphs, trt_env, progress, start,
                          [Path(d) for d in reuse_from])
+
+
+def as_recorded(plan: PrecisionPlan, out: Path, specs: Mapping[str, GraphSpec]) -> PrecisionPlan:
+    """`plan` under the name OUT's export records, where that plan gives every graph (`specs`: the plan's)
+    the same precision (a profile spelt as its graphs, `llm=fp32` for fp32): the same bundle, kept under
+    its name; else `plan`."""
+    found = recorded_precision(out)
+    if found is None or found == plan.name:
+        return plan
+    try:
+        recorded = PrecisionPlan.parse(found)
+    except PrecisionPlanError:
+        return plan
+    same = recorded.graph_names == plan.graph_names and all(
+        recorded.precision_of(specs[g]) == plan.precision_of(specs[g]) for g in plan.graph_names)
+    return recorded if same else plan
 
 
 def bundle_graphs(plan: PrecisionPlan, specs: Mapping[str, GraphSpec], providers: Sequence[str] | None,
@@ -180,12 +210,16 @@ def _assemble(bundle: ModelBundle, out: Path, force: bool, plan: PrecisionPlan, 
     """The work of `export_all`, under `out`'s lock: the graphs named by `graphs` (`bundle_graphs`)."""
     stage("check bundle")
     check_bundle(bundle.root, report=lambda line: None, llm_checkpoints=(bundle.llm_checkpoint,))
+    stage("hash sources")
+    source_sha = _hash_sources(_source_files(bundle), progress)
+    for source in reuse_from:  # before OUT changes
+        if not shares_sources(source, source_sha):
+            raise OutputDirError(f"--reuse-from {source}: exported from another model (none of its graphs "
+                                 f"was made from {bundle.root}'s files); name an export of this model")
     prepare_out(out, plan.name)
     drop_graphs(out, (*RETIRED_GRAPHS, *(name for name in plan.graph_names if name not in graphs)))
     dims = model_dims(bundle.config)
     specs = {name: spec(name, dims) for name in graphs}
-    stage("hash sources")
-    source_sha = _hash_sources(_source_files(bundle), progress)
     nets = LazyNetworks(bundle)
 
     trt = trt_env is not None  # plans to build: graphs in the operators TensorRT parses

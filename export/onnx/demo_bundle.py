@@ -10,18 +10,23 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from cosyvoice_graphs.precision import FP32
 from cosyvoice_runtime.demo import DEMO_BUNDLE, DEMO_SEED
 
 from ..bundle.errors import BundleError
 from ..bundle.tiny import write_bundle
 from .bundle_assembly import export_all
-from .output_dir import STATE_DIR
+from .output_dir import STATE_DIR, OutputDirError, check_out
 
 
 def write_demo_bundle(out: Path | None = None, *, progress: bool = False) -> Path:
     """Export the tiny seed-`DEMO_SEED` model bundle to `out` (default `DEMO_BUNDLE`), replacing it only
     once the export has passed validation; returns `out`."""
     out = DEMO_BUNDLE if out is None else Path(out)
+    here = Path.cwd().resolve()
+    if out.resolve() in (here, *here.parents):
+        raise OutputDirError(f"{out}: the working folder or a folder above it; choose another --out")
+    check_out(out, FP32.name)  # a folder of other files is never replaced
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".demo-bundle-", dir=out.parent) as work:
         model = write_bundle(Path(work) / "model", size="tiny", seed=DEMO_SEED, progress=progress)

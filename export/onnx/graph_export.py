@@ -31,7 +31,7 @@ from .conversions import CONVERSIONS
 from .decode_gates import decode_figures, decode_reference
 from .graphs import EXPORT_RECIPES
 from .lazy_networks import LazyNetworks, checkpoints_of
-from .output_dir import file_entry, graph_record_file, link_into, write_json
+from .output_dir import STATE_DIR, file_entry, graph_record_file, link_into, write_json
 from .solve_gates import validate_solve
 from .trace import EXPORTER_VERSION, ExportError, file_sha256, traced
 from .validate import Figure, GraphValidation, torch_reference, validate_against
@@ -144,6 +144,17 @@ def adopt_graph(source: Path, out: Path, s: GraphSpec, source_sha: Mapping[str, 
     write_json(out, graph_record_file(s.name), record.to_json())
     return GraphResult(s, record, _recorded_figures(s.name, record.validation), reused=True,
                        precision=precision)
+
+
+def shares_sources(source: Path, source_sha: Mapping[str, FileEntry]) -> bool:
+    """Whether a graph record in `source` (an export's folder) was made from files whose hashes
+    `source_sha` has: an export of the same model, which may lend graphs."""
+    for path in sorted((source / STATE_DIR).glob("graph-*.json")):
+        record = _read_record(source, path.stem.removeprefix("graph-"))
+        sources = record.inputs.sources if record is not None else {}
+        if sources and all(n in source_sha and source_sha[n].sha256 == sha for n, sha in sources.items()):
+            return True
+    return False
 
 
 def _reusable_record(out: Path, s: GraphSpec, source_sha: Mapping[str, FileEntry], precision: str, trt: bool

@@ -97,21 +97,37 @@ def check_reuse_source(source: Path) -> None:
                              f"({STATE_DIR}/); name a folder that command exported into")
 
 
+def recorded_precision(out: Path) -> str | None:
+    """The precision plan OUT was exported with (`PrecisionPlan.name`); None where OUT holds no export."""
+    marker = out / STATE_DIR / PRECISION_FILE
+    if marker.is_file():
+        return marker.read_text().strip()
+    # bundles written before precisions were recorded are fp32
+    return FP32.name if (out / MANIFEST).is_file() or (out / STATE_DIR).is_dir() else None
+
+
+def check_out(out: Path, precision: str) -> None:
+    """Refuse an OUT that cannot take an export of `precision` (a `PrecisionPlan.name`): the file system's
+    root, a file, a foreign folder that is not empty, a bundle of another precision plan. Reads only: it
+    runs before the lock is made, and again under it (`prepare_out`)."""
+    if not out.resolve().name:
+        raise OutputDirError(f"{out}: the file system's root; choose a folder below it")
+    if out.exists() and not out.is_dir():
+        raise OutputDirError(f"{out}: exists and is not a directory")
+    found = recorded_precision(out)
+    if found is None and out.is_dir() and any(out.iterdir()):
+        raise OutputDirError(f"{out}: not empty and not a runtime bundle (no {MANIFEST}); "
+                             "choose a new or empty directory")
+    if found not in (None, precision):
+        raise OutputDirError(f"{out}: holds a {found} runtime bundle; --precision {precision} needs "
+                             "a new or empty --out (one precision plan per bundle)")
+
+
 def prepare_out(out: Path, precision: str) -> None:
     """Refuse a foreign or unwritable OUT, or one exported with another precision plan (`precision`, a
     `PrecisionPlan.name`); mark it as ours (and its plan) and drop its manifest before changing it."""
-    if out.exists() and not out.is_dir():
-        raise OutputDirError(f"{out}: exists and is not a directory")
-    ours = (out / MANIFEST).is_file() or (out / STATE_DIR).is_dir()
-    if out.is_dir() and not ours and any(out.iterdir()):
-        raise OutputDirError(f"{out}: not empty and not a runtime bundle (no {MANIFEST}); "
-                             "choose a new or empty directory")
+    check_out(out, precision)
     marker = out / STATE_DIR / PRECISION_FILE
-    # bundles written before precisions were recorded are fp32
-    found = marker.read_text().strip() if marker.is_file() else FP32.name if ours else precision
-    if found != precision:
-        raise OutputDirError(f"{out}: holds a {found} runtime bundle; --precision {precision} needs "
-                             "a new or empty --out (one precision plan per bundle)")
     try:
         (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
         marker.write_text(f"{precision}\n")
