@@ -195,12 +195,7 @@ def read_case(data_dir: Path, name: str, update: str = UPDATE) -> CaseGolden:
     """Read a case's golden files; a missing, damaged or mismatched file is a `GoldenError` whose remedy
     runs `update` (the command that records them)."""
     json_path, npz_path = case_paths(data_dir, name)
-    data = _read_json(json_path, f"{update} --case {name}")
-    try:
-        sha256 = data["audio"]["sha256"]
-    except (KeyError, TypeError) as e:
-        raise GoldenError(f"{json_path}: not a golden case file ({type(e).__name__}: {e})") from None
-    arrays = _read_npz(npz_path, sha256, json_path, f"{update} --case {name}")
+    data, arrays = _read_pair(json_path, npz_path, "audio", f"{update} --case {name}", "case")
     try:
         segments = tuple(
             SegmentGolden(s["text"], tuple(s["speech_tokens"]), tuple(
@@ -270,12 +265,7 @@ def read_graph(data_dir: Path, graph: str, update: str = UPDATE) -> GraphGolden:
     """Read a graph's golden bundle; a missing, damaged or mismatched file is a `GoldenError` whose remedy
     runs `update`."""
     json_path, npz_path = graph_paths(data_dir, graph)
-    data = _read_json(json_path, f"{update} --graph {graph}")
-    try:
-        sha256 = data["arrays"]["sha256"]
-    except (KeyError, TypeError) as e:
-        raise GoldenError(f"{json_path}: not a golden graph file ({type(e).__name__}: {e})") from None
-    arrays = _read_npz(npz_path, sha256, json_path, f"{update} --graph {graph}")
+    data, arrays = _read_pair(json_path, npz_path, "arrays", f"{update} --graph {graph}", "graph")
     try:
         cases = tuple(GraphCaseGolden(c["index"], c["label"],
                                       {n: arrays[f"{i}/inputs/{n}"] for n in c["inputs"]},
@@ -313,6 +303,18 @@ def _read_json(path: Path, remedy: str) -> dict[str, Any]:
         raise GoldenError(f"{path}: format_version {data.get('format_version')!r}, this tool reads "
                           f"{FORMAT_VERSION}; record it again with `{remedy}`")
     return data
+
+
+def _read_pair(json_path: Path, npz_path: Path, table: str, remedy: str, kind: str
+               ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """A golden's JSON and its arrays, which the JSON's `table` names by hash; each a `GoldenError` where
+    missing or damaged, whose remedy runs `remedy`."""
+    data = _read_json(json_path, remedy)
+    try:
+        sha256 = data[table]["sha256"]
+    except (KeyError, TypeError) as e:
+        raise GoldenError(f"{json_path}: not a golden {kind} file ({type(e).__name__}: {e})") from None
+    return data, _read_npz(npz_path, sha256, json_path, remedy)
 
 
 def _read_npz(path: Path, sha256: str, json_path: Path, update: str) -> dict[str, np.ndarray]:
