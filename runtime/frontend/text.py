@@ -90,8 +90,8 @@ def contains_chinese(text: str) -> bool:
 
 def is_only_punctuation(text: str) -> bool:
     """Whether every character of `text` is Unicode punctuation (P*) or a symbol (S*); true for ''. By the
-    `regex` module's Unicode tables, as upstream's test: Python 3.11's are older, and leave emoji of
-    Unicode 15 on unassigned."""
+    `regex` module's Unicode tables, as upstream tests it: Python 3.11's are older and leave the emoji of
+    Unicode 15 and later unassigned."""
     return _PUNCTUATION_OR_SYMBOLS.fullmatch(text) is not None
 
 
