@@ -157,6 +157,12 @@ def _resave(path: Path, edit: Callable[[dict[str, torch.Tensor]], dict[str, torc
     torch.save(edit(state), path)
 
 
+def _poison(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    bias = state["conv_post.bias"].clone()
+    bias[:2] = torch.tensor([float("nan"), float("inf")])
+    return {**state, "conv_post.bias": bias}
+
+
 def test_upstream_variants_pass(bundle_copy: Path) -> None:
     """What upstream's own files may look like: bf16/fp16 storage, legacy weight norm with `generator.`,
     a training checkpoint's extra scalars."""
@@ -223,6 +229,8 @@ CASES: list[tuple[str, Callable[[Path], None], str]] = [
      "{root}/llm.pt: unexpected key llm_decoder.bias"),
     ("int tensor", lambda r: _resave(r / "llm.pt", lambda s: {**s, "llm_decoder.weight": _INT_DECODER}),
      "{root}/llm.pt: llm_decoder.weight has dtype int32"),
+    ("nan weights", lambda r: _resave(r / "hift.pt", _poison),
+     "{root}/hift.pt: conv_post.bias holds 2 NaN or infinite values of 18;"),
     ("garbage onnx", lambda r: (r / SPEECH_TOKENIZER).write_bytes(b"\x00garbage"),
      "{root}/speech_tokenizer_v3.onnx: not a readable ONNX model"),
     ("swapped onnx", lambda r: shutil.copy(r / CAMPPLUS, r / SPEECH_TOKENIZER),

@@ -43,7 +43,8 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 
 def check_state_dict(path: Path, state: dict[str, torch.Tensor], expected: list[Entry]) -> None:
-    """Raise a one-line `BundleError` on the first missing/unexpected key, shape or dtype mismatch."""
+    """Raise a one-line `BundleError` on the first missing/unexpected key, shape or dtype mismatch, or tensor
+    holding NaN or inf."""
     want = {e.key: e for e in expected}
     missing = [e.key for e in expected if e.key not in state]
     if missing:
@@ -60,6 +61,10 @@ def check_state_dict(path: Path, state: dict[str, torch.Tensor], expected: list[
         if t.dtype not in ACCEPTED_DTYPES:
             raise BundleError(f"{path}: {key} has dtype {str(t.dtype).removeprefix('torch.')}, "
                               "expected float32, float16 or bfloat16")
+        finite = torch.isfinite(t)
+        if not finite.all():
+            raise BundleError(f"{path}: {key} holds {int((~finite).sum()):,} NaN or infinite values of "
+                              f"{t.numel():,}; a trained network's weights are finite")
 
 
 def to_float32(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
