@@ -12,7 +12,7 @@ from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import choose_prompt
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
-from cosyvoice_runtime.cli_options import THREADS, chunk_policy_options
+from cosyvoice_runtime.cli_options import THREADS, NonEmptyPath, chunk_policy_options
 from cosyvoice_runtime.errors import FrontendError
 from cosyvoice_runtime.frontend import read_prompt_audio
 from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, PROVIDERS
@@ -37,14 +37,14 @@ def _check_prompt(wav: Path, what: str) -> None:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--model", "model", required=True, type=click.Path(file_okay=False, path_type=Path),
+@click.option("--model", "model", required=True, type=NonEmptyPath(file_okay=False, path_type=Path),
               help="Runtime bundle (cosyvoice-export all).")
-@click.option("--prompt-wav", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--prompt-wav", type=NonEmptyPath(dir_okay=False, path_type=Path),
               help="Prompt recording (zero-shot; give --prompt-text with it)  [default: the bundle's own]")
 @click.option("--prompt-text", default=None,
               help="Transcript of the prompt recording  [default: the bundle's own prompt's]")
 @click.option("--vs-torch", is_flag=True, help="Also run every case on the torch reference, interleaved.")
-@click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--model-dir", type=NonEmptyPath(file_okay=False, path_type=Path),
               help="The model directory the runtime bundle was exported from (torch reference).")
 @click.option("--threads", type=THREADS, default=None,
               help="onnxruntime intra-op threads, and torch threads  [default: usable CPUs]")
@@ -89,7 +89,7 @@ def _check_prompt(wav: Path, what: str) -> None:
 @click.option("--stack-vocoder", is_flag=True,
               help="Run concurrent sessions' vocoder windows over the same frames as one hift_decoder "
                    "call; the concurrency table then says how many streams a call served.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--json", "json_out", type=NonEmptyPath(dir_okay=False, path_type=Path),
               help="Also write the results as JSON (atomically).")
 @click.option("--plots", is_flag=True,
               help="Also draw PNGs beside --json OUT.json: OUT-stages.png (each stage against its bound) "

@@ -47,6 +47,7 @@ from cosyvoice_graphs import (
 )
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.cli_options import NonEmptyPath
 from cosyvoice_runtime.decode_graphs import GraphedSteps
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.runners import CPU, CUDA, OrtRunner, decode_body
@@ -221,7 +222,7 @@ def batch_counts(text: str, what: str, option: str) -> list[int]:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--model", required=True, type=click.Path(file_okay=False, path_type=Path),
+@click.option("--model", required=True, type=NonEmptyPath(file_okay=False, path_type=Path),
               help="Runtime bundle with an llm_decode (cosyvoice-export all).")
 @click.option("--provider", type=click.Choice([CPU, CUDA]), default=CPU, show_default=True,
               help="onnxruntime's provider; the CUDA graph and XQA variants need cuda.")
@@ -231,7 +232,7 @@ def batch_counts(text: str, what: str, option: str) -> list[int]:
               help=f"Cached positions of the first row at the first step (row r has {ROW_STAGGER}·r more).")
 @click.option("--steps", type=click.IntRange(min=TIMED_AFTER + 1), default=32, show_default=True,
               help=f"Steps per variant; the first {TIMED_AFTER} are not timed.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--json", "json_out", type=NonEmptyPath(dir_okay=False, path_type=Path),
               help="Also write the measurements as JSON (atomically).")
 def main(model: Path, provider: str, rows_text: str, past: int, steps: int, json_out: Path | None) -> None:
     """Time llm_decode's step as the runtime makes it, bound once, replayed from a CUDA graph, and with

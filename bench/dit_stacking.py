@@ -25,7 +25,7 @@ import onnxruntime as ort
 from cosyvoice_graphs import DIT, GraphSpec, cache_pairs, dit_call_case
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
-from cosyvoice_runtime.cli_options import THREADS
+from cosyvoice_runtime.cli_options import THREADS, NonEmptyPath
 from cosyvoice_runtime.dit_stack import row_inputs, stacked_feeds
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.runners import CPU, CUDA, Feed, OrtRunner, Runner, open_runner
@@ -124,7 +124,7 @@ def stacking_command(shapes: Callable[[F], F]) -> Callable[[Callable[..., Any]],
     """A stacking benchmark's command: its options, `shapes` (the calls' shapes) among them."""
     options: list[Callable[[Any], Any]] = [
         click.command(context_settings={"help_option_names": ["-h", "--help"]}),
-        click.option("--model", required=True, type=click.Path(file_okay=False, path_type=Path),
+        click.option("--model", required=True, type=NonEmptyPath(file_okay=False, path_type=Path),
                      help="Runtime bundle (cosyvoice-export all)."),
         click.option("--provider", type=click.Choice([CPU, CUDA]), default=CPU, show_default=True,
                      help="onnxruntime's provider."),
@@ -135,7 +135,7 @@ def stacking_command(shapes: Callable[[F], F]) -> Callable[[Callable[..., Any]],
                      help="Timed rounds per count and shape, after a warm-up."),
         click.option("--threads", type=THREADS, default=None,
                      help="onnxruntime's intra-op threads (default: the runtime's)."),
-        click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
+        click.option("--json", "json_out", type=NonEmptyPath(dir_okay=False, path_type=Path),
                      help="Also write the measurements as JSON (atomically).")]
 
     def decorate(function: Callable[..., Any]) -> click.Command:

@@ -42,7 +42,7 @@ from cosyvoice_graphs import (
 )
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
-from cosyvoice_runtime.cli_options import THREADS
+from cosyvoice_runtime.cli_options import THREADS, NonEmptyPath
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.runners import CPU, CUDA, ORT_PROVIDERS, decode_body
 from cosyvoice_runtime.runners.ort_settings import OPTIMIZATION, settings_for
@@ -162,7 +162,7 @@ def render(rows: list[dict[str, Any]]) -> str:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--model", required=True, type=click.Path(file_okay=False, path_type=Path),
+@click.option("--model", required=True, type=NonEmptyPath(file_okay=False, path_type=Path),
               help="Runtime bundle (cosyvoice-export all).")
 @click.option("--provider", type=click.Choice(list(ORT_PROVIDERS)), default=CPU, show_default=True,
               help="onnxruntime's provider to profile on.")
@@ -175,7 +175,7 @@ def render(rows: list[dict[str, Any]]) -> str:
                    "one needs the bundle's llm_decode: on the cpu provider, or in fp16 on cuda).")
 @click.option("--decode-past", type=click.IntRange(min=0), default=DECODE_PAST, show_default=True,
               help="Cached positions of each decoding in the profiled decode step.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--json", "json_out", type=NonEmptyPath(dir_okay=False, path_type=Path),
               help="Also write the profiles as JSON (atomically).")
 def main(model: Path, provider: str, calls: int, threads: int | None, decode_rows: int, decode_past: int,
          json_out: Path | None) -> None:

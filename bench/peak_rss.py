@@ -23,7 +23,7 @@ from typing import Any, Literal
 import click
 
 from cosyvoice_runtime.bundle import RuntimeBundle
-from cosyvoice_runtime.cli_options import THREADS
+from cosyvoice_runtime.cli_options import THREADS, NonEmptyPath
 from cosyvoice_runtime.process_memory import peak_rss_bytes, rss_bytes
 from cosyvoice_runtime.runners import CPU, PROVIDERS
 from cosyvoice_runtime.runners.ort_settings import usable_cpus
@@ -158,9 +158,9 @@ def measure_here(job: PeakJob, case: Case) -> FreshPeak:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--backend", type=click.Choice(["runtime", "torch"]), default="runtime", show_default=True,
               help="What runs the case: the runtime (numpy and onnxruntime), or the torch reference.")
-@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+@click.option("--model", required=True, type=NonEmptyPath(exists=True, file_okay=False, path_type=Path),
               help="The runtime bundle; with --backend torch, the model directory.")
-@click.option("--prompt-wav", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+@click.option("--prompt-wav", required=True, type=NonEmptyPath(exists=True, dir_okay=False, path_type=Path),
               help="Prompt recording (zero-shot).")
 @click.option("--prompt-text", required=True, help="Transcript of the prompt recording.")
 @click.option("--length", type=click.Choice(list(LENGTHS)), default="long", show_default=True,

@@ -31,6 +31,7 @@ from typing import Any
 import click
 
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
+from cosyvoice_runtime.cli_options import NonEmptyPath
 
 from .cases import parse_levels
 from .errors import BenchError, user_errors
@@ -185,7 +186,7 @@ def render(runs: list[ServerRun], machine: dict[str, Any], text: str) -> str:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--model", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--model", type=NonEmptyPath(file_okay=False, path_type=Path),
               help="Runtime bundle [default: the servers' default, the demo bundle]")
 @click.option("--replicas", default="0,1,2", show_default=True,
               help="Servers to measure, comma-separated: 0 is the single-process server, N Ray replicas.")
@@ -193,7 +194,7 @@ def render(runs: list[ServerRun], machine: dict[str, Any], text: str) -> str:
 @click.option("--requests", "per_client", type=click.IntRange(min=1), default=2, show_default=True,
               help="Syntheses each client streams, one after the other.")
 @click.option("--text", default=DEFAULT_TEXT, show_default=True)
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--json", "json_out", type=NonEmptyPath(dir_okay=False, path_type=Path),
               help="Also write the results as JSON (atomically).")
 def main(model: Path | None, replicas: str, concurrency: str, per_client: int, text: str,
          json_out: Path | None) -> None:

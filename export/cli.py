@@ -17,7 +17,7 @@ from cosyvoice_graphs.precision_plan import GRAPH_ALIASES, PROFILES, PrecisionPl
 from cosyvoice_graphs.providers import PROVIDERS
 from cosyvoice_runtime.atomic_files import check_writable
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV, console_script
-from cosyvoice_runtime.cli_options import FiniteFloatRange
+from cosyvoice_runtime.cli_options import FiniteFloatRange, NonEmptyPath
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.sampling import MAX_SEED
 from cosyvoice_runtime.speakers import SPEAKERS_DIR_ENV
@@ -83,8 +83,8 @@ def model_dir_option(default: Path | None) -> Callable[[Callable[..., Any]], Cal
     """MODEL_DIR as an argument, or as `--model-dir` as `all` and the other commands name it (either, not
     both); `default` where neither is given, or required when None."""
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
-        command = click.argument("model_dir", required=False, type=click.Path(path_type=Path))(command)
-        return click.option("--model-dir", "model_dir_option", type=click.Path(path_type=Path),
+        command = click.argument("model_dir", required=False, type=NonEmptyPath(path_type=Path))(command)
+        return click.option("--model-dir", "model_dir_option", type=NonEmptyPath(path_type=Path),
                             help="The model directory (or give it as MODEL_DIR).")(command)
     return decorate
 
@@ -160,7 +160,7 @@ def download_cmd(model_dir: Path | None, model_dir_option: Path | None, source: 
 
 
 @main.command("tiny-bundle")
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=NonEmptyPath(path_type=Path))
 @click.option("--size", type=SIZES, default="tiny", show_default=True,
               help="tiny: seconds, a few MB, for tests; full: the real dims with random weights "
                    "(~4.2 GB, about a minute), for benchmarks.")
@@ -192,9 +192,9 @@ def _providers_option(ctx: click.Context, param: click.Parameter, value: str | N
 
 
 @main.command("all")
-@click.option("--model-dir", type=click.Path(path_type=Path), required=True,
+@click.option("--model-dir", type=NonEmptyPath(path_type=Path), required=True,
               help="The CosyVoice3 model bundle (upstream's model directory).")
-@click.option("--out", type=click.Path(path_type=Path), required=True,
+@click.option("--out", type=NonEmptyPath(path_type=Path), required=True,
               help="The runtime bundle to write: a new or empty directory, or one this command wrote.")
 @click.option("--trt", is_flag=True,
               help="Also build a TensorRT plan per graph (cached by ONNX sha256 + profile + GPU + TensorRT "
@@ -207,7 +207,7 @@ def _providers_option(ctx: click.Context, param: click.Parameter, value: str | N
                    "sha256 (cosyvoice-run --info prints it).")
 @click.option("--force", is_flag=True, help="Export every graph again, even unchanged ones.")
 @click.option("--reuse-from", "reuse_from", multiple=True,
-              type=click.Path(exists=True, file_okay=False, path_type=Path), metavar="DIR",
+              type=NonEmptyPath(exists=True, file_okay=False, path_type=Path), metavar="DIR",
               help="Another runtime bundle this command exported from the same model (another "
                    "precision's): a graph it holds that this export would make alike (the same sources, spec "
                    "version, exporter and precision; validated there, its files intact) is hard-linked from "
@@ -340,7 +340,7 @@ def _synthesize(model_dir: Path, text: str, prompt_wav: Path | None, prompt_text
 
 _SYNTH_OPTIONS = [
     click.option("--text", required=True, help="Text to speak (one segment; no normalisation)."),
-    click.option("--prompt-wav", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    click.option("--prompt-wav", type=NonEmptyPath(exists=True, dir_okay=False, path_type=Path),
                  help="Prompt recording (any soundfile format, >= 16 kHz). "
                       "Default: the bundle's demo prompt."),
     click.option("--prompt-text", help="Transcript of the prompt recording (zero-shot)."),
@@ -354,7 +354,7 @@ _SYNTH_OPTIONS = [
                  help="Seed of the sampler's generator."),
     click.option("--speed", type=FiniteFloatRange(min=0.5, max=2.0), default=1.0, show_default=True,
                  help="Speech rate, offline (the range cosyvoice-run takes)."),
-    click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+    click.option("--out", type=NonEmptyPath(dir_okay=False, path_type=Path), required=True,
                  help="Output WAV (24 kHz PCM16)."),
 ]
 
@@ -366,7 +366,7 @@ def _synth_options(f: Any) -> Any:
 
 
 @main.command()
-@click.option("--model-dir", type=click.Path(path_type=Path), required=True,
+@click.option("--model-dir", type=NonEmptyPath(path_type=Path), required=True,
               help="The model directory (cosyvoice3.yaml, llm.pt, ...) the reference loads.")
 @_synth_options
 def synth(model_dir: Path, **kwargs: Any) -> None:
@@ -376,11 +376,11 @@ def synth(model_dir: Path, **kwargs: Any) -> None:
 
 @main.command()
 @click.option("--text", default="Hello from CosyVoice three.", show_default=True, help="Text to speak.")
-@click.option("--prompt-wav", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+@click.option("--prompt-wav", type=NonEmptyPath(exists=True, dir_okay=False, path_type=Path),
               help="Prompt recording. Default: the bundle's demo prompt.")
 @click.option("--prompt-text", help="Its transcript. Default: the bundle's demo transcript.")
 @click.option("--stream", is_flag=True, help="Synthesise in streaming chunks.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("demo.wav"),
+@click.option("--out", type=NonEmptyPath(dir_okay=False, path_type=Path), default=Path("demo.wav"),
               show_default=True, help="Output WAV (24 kHz PCM16).")
 def demo(text: str, prompt_wav: Path | None, prompt_text: str | None, stream: bool, out: Path) -> None:
     """The main job end to end: model bundle -> runtime bundle -> torch-free synthesis.
@@ -424,12 +424,12 @@ def demo(text: str, prompt_wav: Path | None, prompt_text: str | None, stream: bo
 
 
 @main.command("speakers")
-@click.argument("spk2info", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), envvar=SPEAKERS_DIR_ENV,
+@click.argument("spk2info", type=NonEmptyPath(dir_okay=False, path_type=Path))
+@click.option("--out", type=NonEmptyPath(file_okay=False, path_type=Path), envvar=SPEAKERS_DIR_ENV,
               show_envvar=True,
               help="The speaker registry folder (cosyvoice-serve --speakers, CosyVoice3(speakers_dir=...)) "
                    "[default: ~/.local/share/cosyvoice/speakers]")
-@click.option("--model", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--model", type=NonEmptyPath(file_okay=False, path_type=Path),
               help=f"The bundle that will use them (cosyvoice-serve --model); default: ${MODEL_DIR_ENV}, "
                    "else the demo bundle, as cosyvoice-serve.")
 def speakers_cmd(spk2info: Path, out: Path | None, model: Path | None) -> None:
@@ -458,7 +458,7 @@ def speakers_cmd(spk2info: Path, out: Path | None, model: Path | None) -> None:
 
 
 @main.command("demo-bundle")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--out", type=NonEmptyPath(file_okay=False, path_type=Path), default=None,
               help="Where to write it. Default: the runtime package's demo bundle (in a source checkout, "
                    "runtime/demo_bundle), which `cosyvoice-run` uses when given no model.")
 def demo_bundle(out: Path | None) -> None:

@@ -24,7 +24,7 @@ from cosyvoice_graphs.precision import FP32
 from cosyvoice_graphs.precision_plan import PrecisionPlan, PrecisionPlanError
 from cosyvoice_runtime.atomic_files import check_writable
 from cosyvoice_runtime.bundle import RuntimeBundle
-from cosyvoice_runtime.cli_options import THREADS
+from cosyvoice_runtime.cli_options import THREADS, NonEmptyPath
 from cosyvoice_runtime.errors import USER_ERRORS, FeedError, SynthesisError
 from cosyvoice_runtime.extras import install_command
 from cosyvoice_runtime.runners import PROVIDERS, graphs_run, open_runner
@@ -67,14 +67,14 @@ def _user_errors() -> Iterator[None]:
 def _selection(command: Callable[..., Any]) -> Callable[..., Any]:
     """The options `check` and `update` share: which cases file, cases, graphs and bundle."""
     options = [
-        click.option("--cases", "cases_file", type=click.Path(dir_okay=False, path_type=Path),
+        click.option("--cases", "cases_file", type=NonEmptyPath(dir_okay=False, path_type=Path),
                      default=CASES_FILE, show_default="the package's cases.toml",
                      help="Cases file; its golden data lives in data/ beside it."),
         click.option("--case", "case_names", multiple=True, metavar="NAME",
                      help="Only this case (repeatable). Default: every case and graph."),
         click.option("--graph", "graph_names", multiple=True, metavar="NAME",
                      help="Only this graph's golden bundle (repeatable)."),
-        click.option("--model", type=click.Path(file_okay=False, path_type=Path),
+        click.option("--model", type=NonEmptyPath(file_okay=False, path_type=Path),
                      help="Runtime bundle to use instead of every case's own, or a model bundle (exported on "
                           "first use, as cosyvoice-run --model does; needs the export extra)."),
     ]
@@ -265,7 +265,7 @@ def _check_graph(cases: Cases, runtime: Runtime, golden: GraphGolden) -> Verdict
 
 @main.command()
 @_selection
-@click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--model-dir", type=NonEmptyPath(file_okay=False, path_type=Path),
               help="The model bundle (upstream's model directory) the runtime bundle was exported from, "
                    "for the torch reference. Not needed for the demo bundle (its model is rebuilt from its "
                    "recipe: cosyvoice-export tiny-bundle, seed 0) nor when --model is the model bundle.")

@@ -21,7 +21,7 @@ from .atomic_files import atomic_paths, check_writable, write_json, write_wav
 from .bundle import RuntimeBundle
 from .bundle_source import MODEL_DIR_ENV, choose_bundle, choose_prompt
 from .chunk_policy import ChunkPolicy
-from .cli_options import FLOW_WINDOW_HELP, THREADS, FiniteFloatRange, chunk_policy_options
+from .cli_options import FLOW_WINDOW_HELP, THREADS, FiniteFloatRange, NonEmptyPath, chunk_policy_options
 from .cosyvoice3 import CosyVoice3
 from .demo import DEMO_BUNDLE
 from .errors import USER_ERRORS, UserError
@@ -98,13 +98,13 @@ def _check_outputs(outputs: dict[str, Path | None]) -> None:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--model", "--bundle", "model", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--model", "--bundle", "model", type=NonEmptyPath(file_okay=False, path_type=Path),
               help=f"Runtime bundle (cosyvoice-export all), or a model bundle to export on first use "
                    f"(needs the export extra). Default: ${MODEL_DIR_ENV}, else the embedded demo bundle.")
 @click.option("--text",
               help=f"Text to speak; '-' reads stdin. Long text is split into sentences; at most "
                    f"{MAX_TEXT_CHARS} characters. Required, as --out is, unless --info.")
-@click.option("--prompt-wav", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--prompt-wav", type=NonEmptyPath(dir_okay=False, path_type=Path),
               help="Prompt recording (any soundfile format, >= 16 kHz, 0.5-30 s of speech). "
                    "Default: the bundle's own prompt, if it has one (the demo bundle does).")
 @click.option("--prompt-text", default=None,
@@ -133,14 +133,14 @@ def _check_outputs(outputs: dict[str, Path | None]) -> None:
               help="Replay the LLM's decode steps from CUDA graphs: --provider cuda with a bundle whose "
                    "decode steps run on llm_decode (--precision decode=fp16 or gpu-fp16); the DiT's calls "
                    "too where it is tf32's or gpu-fp16's  [default: wherever they can]")
-@click.option("--tokens-out", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--tokens-out", type=NonEmptyPath(dir_okay=False, path_type=Path),
               help="Also write the speech tokens of every segment as JSON.")
-@click.option("--chunks-out", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--chunks-out", type=NonEmptyPath(dir_okay=False, path_type=Path),
               help="Also write every streamed chunk's ranges, sha256 and timings as JSON (--stream).")
 @click.option("--verify/--no-verify", default=True, show_default=True,
               help="Check every bundle file's sha256 against the manifest before running "
                    "(about a second per GB); sizes are always checked.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--out", type=NonEmptyPath(dir_okay=False, path_type=Path),
               help="Output WAV (24 kHz mono PCM16), written atomically.")
 @click.option("--info", is_flag=True,
               help="Print the bundle's summary (where it is, format version, model dims, sample rate, each "

@@ -16,6 +16,16 @@ EVERY_BLOCK = "all"
 """`--flow-window`'s value for a window of every block (only the final chunk deviates)."""
 
 
+class NonEmptyPath(click.Path):
+    """`click.Path` that refuses an empty value, which it would take as the working folder (`Path("")` is
+    `Path(".")`): an empty value is an unset variable in a script, not a path."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str | bytes) and not value:
+            self.fail("an empty path; expected the name of a file or folder", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 class FlowWindow(click.ParamType):
     """`--flow-window`: `EVERY_BLOCK` or a number of blocks >= 1, as given (the string or the count)."""
 

@@ -64,7 +64,7 @@ from .frontend import (
     source_speech_tokens,
     zero_shot_prompt,
 )
-from .frontend.audio import MIN_SAMPLE_RATE
+from .frontend.audio import check_sample_rate
 from .prefix_jobs import PrefixJobs
 from .process_memory import release_free_heap
 from .runners import CPU, TENSORRT
@@ -520,8 +520,7 @@ def _audio(wav: PromptWav, name: str, read: Callable[[str | Path | BinaryIO], Pr
     if data.ndim not in (1, 2) or not isinstance(sample_rate, int | np.integer):
         raise UserError(f"{name} is ({data.shape} array, {sample_rate!r}); expected (samples (N,) or "
                         "(N, channels), sample rate in Hz)")
-    if sample_rate < MIN_SAMPLE_RATE:
-        raise UserError(f"{name} has sample rate {sample_rate} Hz; the minimum is {MIN_SAMPLE_RATE} Hz")
+    check_sample_rate(int(sample_rate), name)
     mono = data if data.ndim == 1 else data.mean(axis=1, dtype=np.float32)  # float32 mean, as upstream
     audio = PromptAudio(np.ascontiguousarray(mono), int(sample_rate), name)
     check(audio)

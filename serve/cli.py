@@ -14,7 +14,7 @@ import click
 from cosyvoice_graphs import MAX_BATCH
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
-from cosyvoice_runtime.cli_options import FLOW_WINDOW_HELP, THREADS, chunk_policy_options
+from cosyvoice_runtime.cli_options import FLOW_WINDOW_HELP, THREADS, NonEmptyPath, chunk_policy_options
 from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from cosyvoice_runtime.runners import CPU
@@ -64,7 +64,7 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
 @click.option("--grpc-port", type=click.IntRange(1, 65535), default=None,
               help="Also serve the gRPC service on this port, beside HTTP in the same process: one model, "
                    "and --max-conc and --queue bound both together [default: HTTP only].")
-@click.option("--model", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--model", type=NonEmptyPath(file_okay=False, path_type=Path),
               help=f"Runtime bundle, or a model bundle to export on first use. Default: ${MODEL_DIR_ENV}, "
                    "else the embedded demo bundle (as cosyvoice-run).")
 @click.option("--provider", type=click.Choice(SERVER_PROVIDERS), default=CPU,
@@ -107,7 +107,7 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
                    "message before its end.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=DEFAULTS.timeout,
               help="Seconds a request may take from admission to its last sample.")
-@click.option("--speakers", "speakers_dir", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--speakers", "speakers_dir", type=NonEmptyPath(file_okay=False, path_type=Path),
               envvar=SPEAKERS_DIR_ENV, show_envvar=True,
               help=f"Registered speakers' folder [default: {DEFAULTS.speakers_dir}]")
 @click.option("--sampling", type=click.Choice(SAMPLINGS), default=DEFAULTS.sampling,
@@ -134,7 +134,7 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
 @click.option("--docs", is_flag=True,
               help="Serve FastAPI's /docs and /redoc, whose pages load Swagger UI and ReDoc from a CDN "
                    "(cdn.jsdelivr.net) [default: off; /openapi.json is served either way].")
-@click.option("--prompt-dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+@click.option("--prompt-dir", type=NonEmptyPath(exists=True, file_okay=False, path_type=Path),
               help="Let /synthesize's prompt_audio name a file in this folder by path, as the bridge server "
                    "took it (paths leading out of it are refused) [default: paths refused, base64 only].")
 @click.option("--warm-up/--no-warm-up", default=DEFAULTS.warm_up,

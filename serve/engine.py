@@ -17,7 +17,8 @@ synthesises. A test runs two sessions at once and gets
 context and its device buffers per call, so the server offers the onnxruntime providers and OpenVINO
 (`cpu`, `cuda`, `tensorrt`, `openvino`). The text front end is used under a lock: the wetext grammars load
 on first use and their thread-safety is not documented; it is cheap next to synthesis. Prompt extraction
-uses two onnxruntime sessions of its own, safe the same way, and reads an upload from memory.
+uses two onnxruntime sessions of its own, safe the same way, on an upload decoded before its request waits
+for a session (`decode_upload`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cosyvoice3 import SegmentSpeech
 from cosyvoice_runtime.errors import FrontendError, SynthesisError, UserError
 from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
-from cosyvoice_runtime.frontend import PromptFeatures
+from cosyvoice_runtime.frontend import PromptAudio, PromptFeatures, read_prompt_audio
 from cosyvoice_runtime.progress import SynthesisProgress
 from cosyvoice_runtime.runners import CPU
 from cosyvoice_runtime.sampling import Sampling
@@ -81,10 +82,23 @@ class _LogLines(io.TextIOBase):
 
 @dataclass(frozen=True)
 class AudioUpload:
-    """A prompt recording as sent: an audio file's bytes and the request field they came in."""
+    """A prompt recording as sent, decoded and checked as a prompt (`decode_upload`), and the request field
+    it came in."""
 
-    data: bytes
+    audio: PromptAudio
     field: str
+
+
+def decode_upload(data: bytes, field: str) -> AudioUpload:
+    """An uploaded audio file's bytes read as a prompt recording: a `FieldError` naming `field` if it is not
+    usable audio (unreadable, under 16 kHz, over 30 s, too short, silent). Cheap next to a prompt's
+    features, so a request is refused before it waits for a session."""
+    audio = io.BytesIO(data)
+    audio.name = field  # what the front end's errors call the file
+    try:
+        return AudioUpload(read_prompt_audio(audio), field)
+    except FrontendError as e:
+        raise FieldError(field, str(e).replace(f"audio file {field}", "the audio file")) from None
 
 
 WARM_UP_CHUNKS = 2
@@ -217,15 +231,8 @@ class Engine:
     # --- work run on a session's worker -----------------------------------------------------------------
 
     def extract(self, upload: AudioUpload) -> PromptFeatures:
-        """Speech tokens, prompt mel and x-vector of an uploaded recording; a `FieldError` naming the
-        field if it is not usable audio (unreadable, under 16 kHz, over 30 s, too short)."""
-        audio = io.BytesIO(upload.data)
-        audio.name = upload.field  # what the front end's errors call the file
-        try:
-            return self.voice.prompt_features(audio)
-        except FrontendError as e:
-            raise FieldError(upload.field, str(e).replace(f"audio file {upload.field}", "the audio file")
-                             ) from None
+        """Speech tokens, prompt mel and x-vector of an uploaded recording."""
+        return self.voice.prompt_features(upload.audio)
 
     def default_features(self) -> PromptFeatures:
         """The features of the bundle's own prompt, extracted on first use and kept (a server that never

@@ -37,7 +37,7 @@ from cosyvoice_runtime.sampling import MAX_SEED
 from cosyvoice_runtime.synthesis import Mode
 
 from .audio import PCM16_BYTES, pcm16, wav_bytes
-from .engine import AudioUpload, Engine, SynthesisJob
+from .engine import AudioUpload, Engine, SynthesisJob, decode_upload
 from .errors import ApiError, FieldError
 from .metrics import ServerMetrics
 from .proto import cosyvoice_pb2, cosyvoice_pb2_grpc
@@ -101,7 +101,7 @@ def parse_request(data: bytes) -> cosyvoice_pb2.Request | Malformed:
 
 
 def prompt_upload(data: bytes, field: str) -> AudioUpload:
-    """A `prompt_audio` (PCM16 at 16 kHz) as a WAV file, for `Engine.extract` to read like an upload."""
+    """A `prompt_audio` (PCM16 at 16 kHz) read as an uploaded WAV file is (`decode_upload`)."""
     if not data:
         raise FieldError(field, f"{field} is empty; send the prompt recording as 16 kHz mono PCM16 "
                                 "(int16 bytes)")
@@ -111,7 +111,7 @@ def prompt_upload(data: bytes, field: str) -> AudioUpload:
                                 "PCM16 (int16 bytes), as upstream's client does")
     if len(data) % PCM16_BYTES:
         raise FieldError(field, f"{field} has {len(data)} bytes, not a whole number of 16-bit samples")
-    return AudioUpload(wav_bytes(np.frombuffer(data, "<i2"), PROMPT_SAMPLE_RATE), field)
+    return decode_upload(wav_bytes(np.frombuffer(data, "<i2"), PROMPT_SAMPLE_RATE), field)
 
 
 def request_seed(metadata: Iterable[tuple[str, str | bytes]] | None) -> int | None:

@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from cosyvoice_runtime.sampling import MAX_SEED, Sampling
 
 from .audio import check_upload
-from .engine import AudioUpload, SynthesisJob
+from .engine import AudioUpload, SynthesisJob, decode_upload
 from .errors import ApiError, EmptyField, FieldError, StreamCut
 from .formats import ChunkEncoder, PcmEncoder
 from .metrics import ServerMetrics
@@ -74,8 +74,15 @@ def request_sampling(settings: ServerSettings, seed: int | None) -> Sampling:
 
 
 async def read_upload(upload: UploadFile, field: str) -> AudioUpload:
-    """An uploaded prompt recording's bytes, checked for size."""
-    return AudioUpload(check_upload(await upload.read(), field), field)
+    """An uploaded prompt recording, checked for size, then decoded and checked as a prompt
+    (`decoded_upload`)."""
+    return await decoded_upload(check_upload(await upload.read(), field), field)
+
+
+async def decoded_upload(data: bytes, field: str) -> AudioUpload:
+    """`decode_upload` on a worker thread (a large compressed file takes a while to decode): bad audio is a
+    4xx before the request is admitted to a session."""
+    return await run_in_threadpool(decode_upload, data, field)
 
 
 def submit(state: ServerState, work: Callable[[Session], Iterable[T]]) -> SessionStream[T]:

@@ -26,10 +26,10 @@ from cosyvoice_runtime.synthesis import Mode
 
 from .audio import check_upload, decode_base64_audio, wav_bytes
 from .auth import key_matches
-from .engine import AudioUpload, SynthesisJob
+from .engine import SynthesisJob
 from .errors import FieldError, audio_response, error_responses
 from .metrics import CONTENT_TYPE
-from .responses import SYNTHESIS_TAG, Seed, offline_audio, request_sampling, require_text
+from .responses import SYNTHESIS_TAG, Seed, decoded_upload, offline_audio, request_sampling, require_text
 from .settings import MAX_UPLOAD_BYTES
 from .state import State
 
@@ -60,7 +60,7 @@ async def synthesize(body: SynthesizeRequest, request: Request, state: State) ->
     text = require_text(body.text, "text", settings)
     if body.prompt_audio is None or not body.prompt_audio.strip():
         raise FieldError("prompt_audio", MISSING_PROMPT)
-    prompt = AudioUpload(await prompt_audio(body.prompt_audio, settings.prompt_dir), "prompt_audio")
+    prompt = await decoded_upload(await prompt_audio(body.prompt_audio, settings.prompt_dir), "prompt_audio")
     sampling = request_sampling(settings, body.seed)
     if body.prompt_text and body.prompt_text.strip():
         job = SynthesisJob(Mode.ZERO_SHOT, text, prompt, sampling, speed=body.speed,

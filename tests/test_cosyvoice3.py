@@ -189,6 +189,8 @@ def test_bad_input_is_refused_before_synthesis(cosyvoice: CosyVoice3) -> None:
          "zero_shot_spk_id: unknown speaker 'nobody'"),
         (lambda: cosyvoice.inference_cross_lingual(TEXT, (np.zeros(8000, np.float32), 8000)),
          "prompt_wav has sample rate 8000 Hz; the minimum is 16000 Hz"),
+        (lambda: cosyvoice.inference_cross_lingual(TEXT, (np.full(500001, 0.1, np.float32), 500001)),
+         "prompt_wav has sample rate 500001 Hz; the maximum is 384000 Hz"),
         (lambda: cosyvoice.inference_cross_lingual(TEXT, (np.zeros(24000, np.float32), 24000)),
          "prompt_wav is silent or nearly so"),
         (lambda: cosyvoice.inference_cross_lingual("  ", str(PROMPT_WAV)), "tts_text is empty"),

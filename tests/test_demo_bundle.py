@@ -153,12 +153,14 @@ def test_a_tampered_file_is_refused_before_anything_runs(tmp_path: Path) -> None
     (np.full(24000, 2**-11, np.float32), 24000, "is silent or nearly so (RMS level -66.2 dBFS)"),
     (np.full(9000, 0.1, np.float32), 22050, "is too short (0.408 s); a prompt needs at least 0.5 s"),
     (np.full(12000, 0.1, np.float32), 11025, "has sample rate 11025 Hz; the minimum is 16000 Hz"),
+    # a made-up rate sharing no factor with 16 kHz: its resampling kernel alone would take GBs
+    (np.full(3000017, 0.1, np.float32), 3000017, "has sample rate 3000017 Hz; the maximum is 384000 Hz"),
     (np.full(16000 * 31, 0.1, np.float32), 16000, "lasts 31.00 s; the speech tokenizer takes at most 30 s"),
     (np.where(np.arange(24000) % 5000 == 7, np.inf, 0.1).astype(np.float32), 24000,
      "holds 5 sample(s) that are NaN or infinite; expected finite samples"),
     (np.where(np.arange(24000) == 7, np.nan, 0.1).astype(np.float32), 24000,
      "holds 1 sample(s) that are NaN or infinite"),
-], ids=["silent", "near-silent", "short", "11 kHz", "31 s", "infinite", "NaN"])
+], ids=["silent", "near-silent", "short", "11 kHz", "3 MHz", "31 s", "infinite", "NaN"])
 def test_a_bad_prompt_is_one_line_before_the_bundle_opens(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, samples: np.ndarray, rate: int, message: str
 ) -> None:
@@ -172,6 +174,17 @@ def test_a_bad_prompt_is_one_line_before_the_bundle_opens(
     assert result.exit_code == 2 and not out.exists() and opened == []
     assert result.output.startswith(f"error: audio file {prompt} {message}")
     assert result.output.count("\n") == 1
+
+
+@pytest.mark.parametrize("option", ["--prompt-wav", "--out"])
+def test_an_empty_path_is_named_as_one(tmp_path: Path, option: str) -> None:
+    """Not the working folder `Path("")` would be: "--out .: is a folder" named no empty variable."""
+    prompt = DEMO_BUNDLE / "asset" / "zero_shot_prompt.wav"
+    args = {"--model": str(DEMO_BUNDLE), "--text": "Hi.", "--prompt-wav": str(prompt),
+            "--prompt-text": "A transcript.", "--out": str(tmp_path / "o.wav"), option: ""}
+    result = CliRunner().invoke(main, [word for pair in args.items() for word in pair])
+    assert result.exit_code == 2 and not (tmp_path / "o.wav").exists()
+    assert f"Invalid value for '{option}': an empty path; expected the name of a file" in result.output
 
 
 @pytest.mark.usefixtures("no_env")

@@ -58,9 +58,9 @@ from cosyvoice_serve.auth import MISSING_KEY, OPEN_PATHS
 from cosyvoice_serve.engine import (
     WARM_UP_CHUNKS,
     WARM_UP_ROUNDS_REPLAYED,
-    AudioUpload,
     BundlePrompt,
     SynthesisJob,
+    decode_upload,
 )
 from cosyvoice_serve.queue import Session
 from cosyvoice_serve.routes_bridge import MISSING_PROMPT
@@ -384,7 +384,7 @@ def write_upstream_spk2info(path: Path, engine: Engine, prompt: tuple[bytes, str
     and dtypes of `frontend_zero_shot` (the features of the demo prompt, computed by our front end)."""
     import torch
 
-    features = engine.extract(AudioUpload(prompt[0], "prompt_wav"))
+    features = engine.extract(decode_upload(prompt[0], "prompt_wav"))
     text = torch.tensor([engine.voice.tokenizer.encode(zero_shot_prompt(prompt[1]))], dtype=torch.int32)
     tokens = torch.from_numpy(features.speech_tokens).to(torch.int32)
     mel, embedding = torch.from_numpy(features.mel), torch.from_numpy(features.embedding)
@@ -598,15 +598,22 @@ def test_the_queue_is_bounded_and_clients_that_leave_free_their_sessions(
             registration = client.post("/speakers", data={"name": "late", "prompt_text": prompt[1]},
                                        files={"prompt_wav": ("p.wav", prompt[0], "audio/wav")})
             assert registration.status_code == 503  # refused too, but not a synthesis request counted
+            # a recording that cannot prompt is refused for what it is, before it asks for a session
+            unreadable = (b"not audio", prompt[1])
+            bad = client.post("/inference_zero_shot", **form(unreadable))
+            assert bad.status_code == 400 and bad.json()["detail"].startswith("prompt_wav: cannot read")
+            bad = client.post("/speakers", data={"name": "late", "prompt_text": prompt[1]},
+                              files={"prompt_wav": ("p.wav", b"not audio", "audio/wav")})
+            assert bad.status_code == 400 and bad.json()["detail"].startswith("prompt_wav: cannot read")
             with pytest.raises(httpx.ReadTimeout):
                 queued.result()  # that client gives up while queued: its session never runs
             wait_until(client, running=1, waiting=0)
         wait_until(client, running=0, waiting=0)  # closed mid-utterance: the session stops
         assert client.post("/inference_zero_shot", **form(prompt)).status_code == 200
         text = client.get("/metrics").text
-    assert metric(text, "tts_requests_total") == 4
+    assert metric(text, "tts_requests_total") == 5
     assert metric(text, "tts_requests_success") == 1
-    assert metric(text, "tts_requests_error") == 1 and metric(text, "tts_requests_rejected") == 1
+    assert metric(text, "tts_requests_error") == 2 and metric(text, "tts_requests_rejected") == 1
     assert metric(text, "tts_sessions_cancelled") == 2
     assert metric(text, "tts_synthesis_duration_seconds_count") == 1 == metric(text, "tts_rtf_count")
     assert metric(text, "tts_first_chunk_latency_seconds_count") == 2

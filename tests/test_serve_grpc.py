@@ -220,6 +220,10 @@ def test_a_full_queue_answers_resource_exhausted_at_once_and_cancelled_calls_fre
         assert time.monotonic() - start < 2.0  # at once, not after the sessions ahead (seconds)
         assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert busy.value.details().startswith("server busy")
+        with pytest.raises(grpc.RpcError) as silent:  # a prompt that cannot prompt is refused as such
+            list(stub.Inference(upstream_request("zero_shot", SHORT, bytes(32000), prompt_text=prompt[1])))
+        assert silent.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "is silent" in silent.value.details()
         queued.cancel()  # while queued: its session never runs
         wait_for_sessions(service, running=1, waiting=0)
         running.cancel()  # mid-utterance: its session stops

@@ -21,6 +21,11 @@ from ..errors import FrontendError
 MIN_SAMPLE_RATE = 16000
 """Upstream refuses prompt audio below 16 kHz."""
 
+MAX_SAMPLE_RATE = 384000
+"""The highest rate recorders and interfaces offer. Upstream takes any rate, but torchaudio's kernel, and
+ours, grows with a rate that shares few factors with 16 and 24 kHz (about 0.6 GB of memory per MHz): a
+file of a few MB at a made-up rate of MHz would take GBs and seconds of work. Refused above it."""
+
 SPEECH_SAMPLE_RATE = 16000
 """Rate of the audio the speech tokenizer and CAM++ take."""
 
@@ -56,7 +61,8 @@ def read_audio(path: str | Path | BinaryIO) -> tuple[np.ndarray, int]:
     its sample rate.
 
     Channels are averaged in float32, as upstream does before any resampling. Raises `FrontendError`
-    (one line, naming the file) if the file cannot be read or its sample rate is below 16 kHz.
+    (one line, naming the file) if the file cannot be read or its sample rate is below 16 kHz or above
+    384 kHz.
     """
     if not hasattr(path, "read"):  # libsndfile says only "System error." for these
         if not Path(path).exists():
@@ -70,11 +76,18 @@ def read_audio(path: str | Path | BinaryIO) -> tuple[np.ndarray, int]:
         # libsndfile's own words without soundfile's "Error opening <repr of the file>: " prefix
         reason = " ".join(str(getattr(exc, "error_string", None) or exc).split())
         raise FrontendError(f"cannot read audio file {_name(path)}: {reason}") from None
-    if sr < MIN_SAMPLE_RATE:
-        raise FrontendError(f"audio file {_name(path)} has sample rate {sr} Hz; the minimum is "
-                            f"{MIN_SAMPLE_RATE} Hz")
+    check_sample_rate(sr, f"audio file {_name(path)}")
     mono = data[:, 0] if data.shape[1] == 1 else data.mean(axis=1, dtype=np.float32)
     return np.ascontiguousarray(mono, dtype=np.float32), int(sr)
+
+
+def check_sample_rate(sample_rate: int, source: str) -> None:
+    """Raise `FrontendError` (one line naming `source`, e.g. "audio file prompt.wav") for a rate below 16 kHz
+    or above 384 kHz."""
+    if sample_rate < MIN_SAMPLE_RATE:
+        raise FrontendError(f"{source} has sample rate {sample_rate} Hz; the minimum is {MIN_SAMPLE_RATE} Hz")
+    if sample_rate > MAX_SAMPLE_RATE:
+        raise FrontendError(f"{source} has sample rate {sample_rate} Hz; the maximum is {MAX_SAMPLE_RATE} Hz")
 
 
 def read_prompt_audio(path: str | Path | BinaryIO) -> PromptAudio:
