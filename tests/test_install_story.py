@@ -1,17 +1,21 @@
 """What a new user meets when installing: every console script run without the extra it needs says which
 to install in one line (exit 2), `cosyvoice-run --model` on a model bundle included; no install the README,
-pixi or CI uses holds both onnxruntime builds, and onnxruntime's version bound is the one CI tests."""
+pixi or CI uses holds both onnxruntime builds, and onnxruntime's version bound is the one CI tests; pixi
+solves no environment for a platform its wheels lack; the sdist is the package's source and what the README
+points at, without the test suite."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
 import tomllib
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from packaging.requirements import Requirement
@@ -22,6 +26,7 @@ from cosyvoice_runtime.bundle_source import CACHE_DIR_ENV, MODEL_DIR_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+PIXI = tomllib.loads((ROOT / "pixi.toml").read_text(encoding="utf-8"))
 SCRIPTS: dict[str, str] = PYPROJECT["project"]["scripts"]
 OPTIONAL: dict[str, list[str]] = PYPROJECT["project"]["optional-dependencies"]
 PACKAGE = canonicalize_name(PYPROJECT["project"]["name"])
@@ -275,20 +280,24 @@ def test_the_readmes_real_model_commands_run_in_the_venv_the_first_command_made(
     assert scripts == 4
 
 
+def features_of(environment: str) -> list[str]:
+    """The features pixi.toml composes `environment` of (a list, or a table with `features`)."""
+    chosen = PIXI["environments"][environment]
+    return chosen["features"] if isinstance(chosen, dict) else chosen
+
+
 def pixi_installs() -> dict[str, set[str]]:
     """Each pixi environment's extras: those of every feature it holds and of the default feature (the
     union, the most any merging rule could install)."""
-    pixi = tomllib.loads((ROOT / "pixi.toml").read_text(encoding="utf-8"))
 
     def extras_of(table: dict[str, Any]) -> set[str]:
         return set(table.get("pypi-dependencies", {}).get(PYPROJECT["project"]["name"], {}).get("extras", []))
 
     installs = {}
-    for name, features in pixi["environments"].items():
-        features = features["features"] if isinstance(features, dict) else features
-        chosen = extras_of(pixi)
-        for feature in features:
-            chosen |= extras_of(pixi["feature"][feature])
+    for name in PIXI["environments"]:
+        chosen = extras_of(PIXI)
+        for feature in features_of(name):
+            chosen |= extras_of(PIXI["feature"][feature])
         installs[f"pixi {name}"] = chosen
     return installs
 
@@ -308,6 +317,27 @@ INSTALLS = readme_installs() | pixi_installs() | ci_installs()
 @pytest.mark.parametrize("where", sorted(INSTALLS))
 def test_every_documented_install_holds_exactly_one_onnxruntime(where: str) -> None:
     assert len(distributions(INSTALLS[where]) & BUILDS) == 1, (where, distributions(INSTALLS[where]) & BUILDS)
+
+
+WHEEL_PLATFORMS = {"onnxruntime-gpu": {"linux-64"}, "openvino": {"linux-64", "osx-arm64"}}
+"""The pixi platforms where a distribution of the extras has a wheel for Python 3.11 at the releases
+pyproject allows, at the glibc 2.28 pixi assumes for Linux (`pip download --no-deps --only-binary=:all:
+--python-version 3.11 --platform TAG`); the others' wheels cover every platform of the workspace."""
+
+
+@pytest.mark.parametrize("environment", sorted(PIXI["environments"]))
+def test_no_pixi_environment_is_solved_for_a_platform_its_wheels_lack(environment: str) -> None:
+    """An environment is solved for the workspace's platforms that all its features allow; one of them
+    without a wheel of a distribution it installs fails the whole lock."""
+    workspace = set(PIXI["workspace"]["platforms"])
+    platforms = set(workspace)
+    for feature in features_of(environment):
+        allowed = set(PIXI["feature"][feature].get("platforms", workspace))
+        assert allowed <= workspace, (feature, allowed - workspace)
+        platforms &= allowed
+    assert platforms, environment
+    for name in sorted(distributions(pixi_installs()[f"pixi {environment}"]) & set(WHEEL_PLATFORMS)):
+        assert platforms <= WHEEL_PLATFORMS[name], (name, platforms - WHEEL_PLATFORMS[name])
 
 
 def test_the_builds_come_from_the_extras_alone() -> None:
@@ -331,3 +361,95 @@ def test_onnxruntime_is_bounded_below_by_the_release_ci_tests() -> None:
         bounds = [str(Requirement(r).specifier) for extra in OPTIONAL.values() for r in extra
                   if canonicalize_name(Requirement(r).name) == build]
         assert bounds == [f">={pinned}"], (build, bounds)
+
+
+# --- the sdist --------------------------------------------------------------------------------------------
+
+
+LEFT_OUT = {".git", "bundles", "pretrained_models", "build", "dist", "out"}
+"""The repository root's folders that no checkout holds and a build must not read (venvs too)."""
+BUILD_BACKEND = next(Requirement(r) for r in PYPROJECT["build-system"]["requires"]
+                     if canonicalize_name(Requirement(r).name) == "setuptools")
+
+
+def not_in_a_checkout(folder: str, names: list[str]) -> set[str]:
+    """What a fresh checkout lacks. An egg-info above all: setuptools adds every file its SOURCES.txt lists
+    to the sdist, so a stale one from an editable install would decide what ships."""
+    left = {n for n in names if n.endswith(".egg-info") or n == "__pycache__" or n.endswith(".pyc")
+            or (n.startswith(".") and n.endswith("_cache"))}
+    if Path(folder) == ROOT:
+        left |= {n for n in names if n in LEFT_OUT or n.startswith(".venv")}
+    return left
+
+
+class Sdist(NamedTuple):
+    files: set[str]
+    """Relative to the archive's top folder."""
+    pkg_info: str
+    stderr: str
+    """The build's."""
+
+
+@pytest.fixture(scope="module")
+def sdist(tmp_path_factory: pytest.TempPathFactory) -> Sdist:
+    """The sdist setuptools builds from a copy of the working tree, by the backend itself: offline, and
+    without the `build` package."""
+    try:
+        version = metadata.version("setuptools")
+    except metadata.PackageNotFoundError:
+        pytest.skip("setuptools is not installed here")
+    if version not in BUILD_BACKEND.specifier:
+        pytest.skip(f"setuptools {version} is installed here; pyproject's build needs {BUILD_BACKEND}")
+    work = tmp_path_factory.mktemp("sdist")
+    source, out = work / "source", work / "dist"
+    shutil.copytree(ROOT, source, ignore=not_in_a_checkout)
+    build = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
+    done = subprocess.run([sys.executable, "-c", build, str(out)], cwd=source, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    archive = out / done.stdout.strip().splitlines()[-1]
+    with tarfile.open(archive) as tar:
+        top = archive.name.removesuffix(".tar.gz")
+        files = {m.name.removeprefix(f"{top}/") for m in tar.getmembers() if m.isfile()}
+        pkg_info = tar.extractfile(f"{top}/PKG-INFO")
+        assert pkg_info is not None
+        return Sdist(files, pkg_info.read().decode(), done.stderr)
+
+
+def test_the_sdist_holds_no_test_suite_but_what_the_docs_point_at(sdist: Sdist) -> None:
+    """The suite reads files only the repository holds, so it stays there; the README's and the docs'
+    links resolve, and the constraints file docs/install.md installs with is there."""
+    files = sdist.files
+    assert not [f for f in files if f.startswith("tests/")]
+    assert "ci/constraints.txt" in files and "MANIFEST.in" in files
+    pages = ["README.md", *(f for f in files if f.startswith("docs/") and f.endswith(".md"))]
+    for page in pages:
+        text = (ROOT / page).read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)#\s]+)", text):
+            if "://" not in target:
+                linked = os.path.normpath(Path(page).parent / target)
+                assert linked in files, (page, target)
+
+
+def test_the_sdist_holds_the_packages_data(sdist: Sdist) -> None:
+    """Every file a package-data pattern of pyproject matches in the repository is in the sdist: what the
+    runtime loads (the demo bundle, the web page), golden's cases, the proto, the `py.typed` markers."""
+    files = sdist.files
+    setuptools = PYPROJECT["tool"]["setuptools"]
+    folders: dict[str, str] = setuptools["package-dir"]
+    data: dict[str, list[str]] = setuptools["package-data"]
+    for package in setuptools["packages"]:
+        top, *rest = package.split(".")
+        folder = "/".join([folders[top], *rest])
+        for pattern in [*data.get("*", []), *data.get(package, [])]:
+            matched = {p.relative_to(ROOT).as_posix() for p in (ROOT / folder).glob(pattern) if p.is_file()}
+            assert matched <= files, (package, pattern, sorted(matched - files)[:5])
+    assert {"runtime/demo_bundle/manifest.json", "serve/page.html"} <= files
+
+
+def test_the_sdist_declares_its_license_as_an_spdx_expression(sdist: Sdist) -> None:
+    """PEP 639's `License-Expression`, from pyproject's `license` string; setuptools ends its support of
+    the older table form, and of any other deprecated configuration, at a dated release."""
+    headers = [line for line in sdist.pkg_info.splitlines() if line.startswith("License")]
+    assert headers == [f"License-Expression: {PYPROJECT['project']['license']}"]
+    assert "SetuptoolsDeprecationWarning" not in sdist.stderr, sdist.stderr

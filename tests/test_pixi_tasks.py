@@ -1,8 +1,10 @@
-"""pixi.toml's tasks: upstream's task names are there, and each runs a command and subcommand that exist."""
+"""pixi.toml's tasks: upstream's task names are there, and each runs a command and subcommand that exist;
+the dev environment lints and installs as CI does."""
 
 from __future__ import annotations
 
 import importlib
+import re
 import shlex
 import sys
 import tomllib
@@ -12,10 +14,15 @@ import pytest
 
 ROOT = Path(__file__).parent.parent
 PIXI = tomllib.loads((ROOT / "pixi.toml").read_text())
-SCRIPTS: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+SCRIPTS: dict[str, str] = PYPROJECT["project"]["scripts"]
 REQUIRED = {"download-model", "export-onnx", "example", "webui", "serve", "test"}
 """The tasks upstream's users know by name."""
 TEST_COMMAND = "bash ci/test.sh"
+CI = (ROOT / "ci" / "test.sh").read_text(encoding="utf-8")
+CI_VENV = ".venv/bin/"
+"""Where ci/test.sh's main venv, the one with the dev extras, keeps its commands."""
+LINTERS = {"ruff", "mypy"}
 
 
 def _tasks() -> dict[str, list[str]]:
@@ -84,3 +91,26 @@ def test_task_command_parses(task: str, monkeypatch: pytest.MonkeyPatch, capsys:
         pytest.skip(err.strip())  # the script's extra is not installed here
     assert exit.value.code == 0, f"{task}: {err}"
     assert out.startswith(f"Usage: {argv[0]}")
+
+
+def test_the_lint_task_runs_cis_lint() -> None:
+    """`pixi run lint` runs ci/test.sh's ruff and mypy command lines, in its order."""
+    ci = [argv for argv in (shlex.split(line) for line in CI.splitlines() if line.startswith(CI_VENV))
+          if argv[0].removeprefix(CI_VENV) in LINTERS]
+    ci = [[argv[0].removeprefix(CI_VENV), *argv[1:]] for argv in ci]
+    assert {argv[0] for argv in ci} == LINTERS
+    (lint,) = _commands("lint")
+    commands: list[list[str]] = [[]]
+    for token in lint:
+        if token == "&&":
+            commands.append([])
+        else:
+            commands[-1].append(token)
+    assert commands == ci
+
+
+def test_the_dev_environment_installs_cis_extras() -> None:
+    """The dev feature's extras are those ci/test.sh installs its main venv with."""
+    (spec,) = re.findall(rf"^{re.escape(CI_VENV)}pip install .*-e '\.\[([a-z0-9,-]+)\]'", CI, re.MULTILINE)
+    extras = PIXI["feature"]["dev"]["pypi-dependencies"][PYPROJECT["project"]["name"]]["extras"]
+    assert sorted(extras) == sorted(spec.split(",")) and len(set(extras)) == len(extras)
