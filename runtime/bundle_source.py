@@ -46,11 +46,13 @@ class BundleChoice:
     """Chosen without --model (worth telling the user which)."""
 
 
-def choose_bundle(model: Path | None, *, progress: bool = True, precision: str = FP32.name) -> BundleChoice:
+def choose_bundle(model: Path | None, *, progress: bool = True, precision: str = FP32.name,
+                  name: str = "--model") -> BundleChoice:
     """`model` if given, else `$COSYVOICE_MODEL_DIR`, else the demo bundle; model bundles are exported
-    (or their cached export reused) first, in `precision` (`cosyvoice-export all --precision`)."""
+    (or their cached export reused) first, in `precision` (`cosyvoice-export all --precision`). `name` is
+    what errors call `model` (the option or argument it came in)."""
     if model is not None:
-        return _runtime_bundle(model, "--model", progress, precision, default=False)
+        return _runtime_bundle(model, name, progress, precision, default=False)
     env = os.environ.get(MODEL_DIR_ENV, "").strip()
     if env:
         return _runtime_bundle(Path(env), f"${MODEL_DIR_ENV}", progress, precision, default=True)

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from .chunk_policy import ChunkPolicy
-from .runners.ort_settings import usable_cpus
+from .runners.ort_settings import threads_problem
 
 EVERY_BLOCK = "all"
 """`--flow-window`'s value for a window of every block (only the final chunk deviates)."""
@@ -41,18 +41,16 @@ class FlowWindow(click.ParamType):
 
 
 class Threads(click.ParamType):
-    """`--threads`: a count of threads from 1 to the CPUs this process may use (`usable_cpus`, read when the
-    option is given): more only slows every call, onnxruntime's threads spinning for cores they share."""
+    """`--threads`: a count of threads from 1 to the CPUs this process may use (`threads_problem`, read when
+    the option is given)."""
 
     name = "integer"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         count = click.INT.convert(value, param, ctx)
-        cpus = usable_cpus()
-        if count < 1:
-            self.fail(f"{count} is not a count of threads; expected 1 or more", param, ctx)
-        if count > cpus:
-            self.fail(f"{count} is more than the {cpus} CPUs this process may use", param, ctx)
+        problem = threads_problem(count)
+        if problem is not None:
+            self.fail(problem, param, ctx)
         return count
 
 

@@ -27,10 +27,10 @@ Ours beside upstream's: `synthesize_many`, many texts at once, their decodings b
 from __future__ import annotations
 
 import functools
-import math
 import numbers
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -76,10 +76,15 @@ from .synthesis import (
     Mode,
     Synthesizer,
     check_synthesis,
+    check_threads,
     closing_after,
     llm_request,
 )
 from .text_stream import TextStreamDecoding
+
+MIN_SPEED, MAX_SPEED = 0.25, 4.0
+"""The speeds taken: OpenAI's speech API's range, the widest of our front doors (upstream checks none; at
+1000 its flow has no frame left, at 1e-4 it would make hours of audio)."""
 
 PromptWav = str | Path | BinaryIO | tuple[np.ndarray, int] | PromptAudio
 """A prompt recording: a file's path, an open binary file, (samples, sample rate) with samples (N,) or
@@ -162,8 +167,11 @@ class CosyVoice3:
             if value != default:
                 warnings.warn(f"{name}={value!r} ignored: {why}", stacklevel=2)
         self.sampling = Sampling(sampling, seed)
+        check_threads(threads)  # before a model bundle is exported
+        if not isinstance(model_dir, str | Path | RuntimeBundle):
+            raise UserError(f"model_dir is {type(model_dir).__name__}; expected a bundle's path")
         bundle = model_dir if isinstance(model_dir, RuntimeBundle) else RuntimeBundle.open(
-            choose_bundle(Path(model_dir), precision=FP16.name if fp16 else FP32.name).path)
+            choose_bundle(Path(model_dir), precision=FP16.name if fp16 else FP32.name, name="model_dir").path)
         if fp16 and bundle.manifest.precision != FP16.name:
             raise UserError(f"fp16=True: {bundle.root} is a {bundle.manifest.precision} bundle; give its "
                             "model directory (exported in fp16 on first use) or an export with "
@@ -184,9 +192,14 @@ class CosyVoice3:
                                  stack_dit=stack_dit, stack_vocoder=stack_vocoder)
         self.prefix_jobs = PrefixJobs(self.synth.flow, self.synth.live)
         """Speakers' flow prefixes computed in the background (a thread started by the first job)."""
+        # an object never closed stops the jobs' thread once it is collected or at exit: a thread left
+        # inside an onnxruntime call as the interpreter ends aborts the process
+        self._stop_prefix_jobs = weakref.finalize(self, self.prefix_jobs.close)
+        self._closed = False
         self._speakers_dir = speakers_dir
         self._added: dict[str, Speaker] = {}
         """Speakers `add_zero_shot_spk` added and `save_spkinfo` has not written yet."""
+        self._added_lock = threading.Lock()
 
     @property
     def sample_rate(self) -> int:
@@ -203,6 +216,8 @@ class CosyVoice3:
         `tts_text` may be pieces still to come, as upstream's generator (`speak_text_stream`). A stream's
         chunks follow this object's `chunk_policy`."""
         speaker = self._speaker(zero_shot_spk_id)
+        if speaker is None:
+            _check_str(prompt_text, "prompt_text")
         return self._inference(Mode.ZERO_SHOT, tts_text, speaker or prompt_wav, stream, speed, text_frontend,
                                prompt_text=speaker.prompt_text if speaker else prompt_text)
 
@@ -230,6 +245,7 @@ class CosyVoice3:
                           "speaker's transcript in its place", stacklevel=2)
             transcript = speaker.prompt_text
             instruct_text = transcript if ENDOFPROMPT in transcript else zero_shot_prompt(transcript)
+        _check_str(instruct_text, "instruct_text")
         return self._inference(Mode.INSTRUCT2, tts_text, speaker or prompt_wav, stream, speed, text_frontend,
                                instruct=instruct_text)
 
@@ -239,7 +255,8 @@ class CosyVoice3:
         speech tokens (at most 30 s, as upstream asserts) go to the flow with no LLM, after the prompt's
         tokens and mel as extracted (upstream's `frontend_vc` leaves them uncut, unlike the other modes'
         front end). Offline one output; streaming one per chunk, on this object's `chunk_policy`."""
-        speed = _upstream_speed(stream, speed)
+        self._check_open()
+        speed = _upstream_speed(stream, speed, stacklevel=3)
         source = _audio(source_wav, "source_wav", read_source_audio, check_source_audio)
         prompt = _audio(prompt_wav, "prompt_wav", read_prompt_audio, check_prompt_audio)
         campplus, speech_tokenizer = self._prompt_models()
@@ -248,7 +265,7 @@ class CosyVoice3:
         tokens = [int(t) for t in source_speech_tokens(source, speech_tokenizer)[0]]
         chunks = (self.synth.stream_tokens(tokens, features) if stream
                   else self._offline(iter(tokens), features, speed))
-        return ({"tts_speech": chunk.samples[None]} for chunk in chunks)
+        return self._outputs(chunks)
 
     def add_zero_shot_spk(self, prompt_text: str, prompt_wav: PromptWav, zero_shot_spk_id: str, *,
                           precompute: bool = True) -> bool:
@@ -257,15 +274,19 @@ class CosyVoice3:
         that name. `precompute` (ours): queue the speaker's flow prefix as a background job
         (`prefix_jobs`; `wait_prefixes` waits for it), which never delays a synthesis in flight. Returns
         True, as upstream does."""
+        self._check_open()
+        _check_str(zero_shot_spk_id, "zero_shot_spk_id")
         if not zero_shot_spk_id:
             raise UserError("zero_shot_spk_id is empty")
         name = check_name(zero_shot_spk_id)
+        _check_str(prompt_text, "prompt_text")
         features = self.prompt_features(prompt_wav)
-        self._added[name] = Speaker(name, prompt_text, features, created="")
         if precompute:
             self.prefix_jobs.submit(name, features)
         else:
             self.prefix_jobs.cancel(name)  # a replaced speaker's job and prefix
+        with self._added_lock:
+            self._added[name] = Speaker(name, prompt_text, features, created="")
         return True
 
     def wait_prefixes(self, timeout: float | None = None) -> bool:
@@ -276,15 +297,17 @@ class CosyVoice3:
     def save_spkinfo(self) -> None:
         """Write the speakers added since the last save to the speaker registry folder, where a later
         `CosyVoice3` (and `cosyvoice-serve`) finds them."""
-        for speaker in self._added.values():
-            self.speakers.add(speaker.name, speaker.prompt_text, speaker.features)
-        self._added.clear()
+        with self._added_lock:  # a speaker added meanwhile waits, then stays for the next save
+            for speaker in self._added.values():
+                self.speakers.add(speaker.name, speaker.prompt_text, speaker.features)
+            self._added.clear()
 
     def list_available_spks(self) -> list[str]:
         """The speakers of the registry folder (those made with this bundle's front end) and those added
         since, in that order."""
         saved = self.speakers.names()
-        return saved + [name for name in self._added if name not in saved]
+        with self._added_lock:
+            return saved + [name for name in self._added if name not in saved]
 
     @functools.cached_property
     def speakers(self) -> SpeakerRegistry:
@@ -310,6 +333,7 @@ class CosyVoice3:
     def prompt_features(self, prompt_wav: PromptWav) -> PromptFeatures:
         """The prompt recording's speech tokens, prompt mel and x-vector (upstream's front end); the first
         call opens its models."""
+        self._check_open()
         # a bad recording is refused before any model opens
         audio = _audio(prompt_wav, "prompt_wav", read_prompt_audio, check_prompt_audio)
         campplus, speech_tokenizer = self._prompt_models()
@@ -324,6 +348,7 @@ class CosyVoice3:
         these graphs cannot take it), decoded with a fresh sampler of `sampling` (default: this object's).
         `max_tokens` and `ignore_stop` are for benchmarks (`SpeechTokenLM.decode`); `watch` wraps the
         speech-id iterator."""
+        self._check_open()
         _check_speed(stream, speed)
         if stream and policy is not None:  # checked before the LLM runs
             policy = check_policy(policy, self.bundle)
@@ -345,6 +370,7 @@ class CosyVoice3:
         (`max_batch` of them), so that their speech ids decode in one batch while their flow and vocoder
         calls share the cores; each text's audio is what `inference_*` makes of it alone (each segment from
         a fresh sampler of this object's sampling). Every text is checked before any runs."""
+        self._check_open()
         if isinstance(texts, str | bytes) or not isinstance(texts, Sequence):
             raise UserError(f"texts is {type(texts).__name__}; expected a list of str")
         for i, text in enumerate(texts):
@@ -380,6 +406,7 @@ class CosyVoice3:
         policy's schedule (`stream`) or, offline, one final chunk. Zero-shot and instruct2 only: upstream's
         CosyVoice3 needs `<|endofprompt|>` in the prompt text, which cross-lingual has none of (a
         `UserError` here). `max_tokens` bounds the ids sampled (benchmarks); the rest as `speak`."""
+        self._check_open()
         _check_text_stream(mode)
         _check_speed(stream, speed)
         if stream and policy is not None:
@@ -410,8 +437,10 @@ class CosyVoice3:
         return self.synth.chunk_policy
 
     def close(self) -> None:
-        """Cancel the prefix jobs and release the graphs and the front end's models."""
-        self.prefix_jobs.close()
+        """Cancel the prefix jobs and release the graphs and the front end's models; a synthesis asked for
+        afterwards is a `UserError`."""
+        self._closed = True
+        self._stop_prefix_jobs()
         self.synth.close()
         with self._prompt_lock:
             self._prompt_sessions = None
@@ -424,6 +453,16 @@ class CosyVoice3:
         self.close()
 
     # --- internals -----------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UserError("this CosyVoice3 is closed: open the bundle again")
+
+    def _outputs(self, chunks: Iterable[AudioChunk]) -> Iterator[dict[str, np.ndarray]]:
+        """Upstream's outputs of `chunks`; a method's generator, so that it keeps this object (and its
+        background threads) alive while it is iterated."""
+        for chunk in chunks:
+            yield {"tts_speech": chunk.samples[None]}
 
     def _speaker(self, spk_id: str) -> Speaker | None:
         if not spk_id:
@@ -449,6 +488,7 @@ class CosyVoice3:
                    stream: bool,
                    speed: float, text_frontend: bool, *, prompt_text: str = "", instruct: str = ""
                    ) -> Iterator[dict[str, np.ndarray]]:
+        self._check_open()
         if prompt is None:
             raise UserError("prompt_wav is needed unless zero_shot_spk_id names an added speaker")
         speed = _upstream_speed(stream, speed)
@@ -461,7 +501,7 @@ class CosyVoice3:
             features = prompt.features if isinstance(prompt, Speaker) else self.prompt_features(prompt)
             speech = self.speak_text_stream(tts_text, features, mode, prompt_text=prompt_text,
                                             instruct=instruct, stream=stream, speed=speed)
-            return ({"tts_speech": chunk.samples[None]} for chunk in speech)
+            return self._outputs(speech)
         # everything is checked before the first segment runs
         pieces = self.segments(mode, tts_text, prompt_text=prompt_text, instruct=instruct,
                                text_frontend=text_frontend)
@@ -486,20 +526,26 @@ def _check_text_stream(mode: Mode) -> None:
                         "zero-shot or instruct2)")
 
 
-def _upstream_speed(stream: bool, speed: float) -> float:
-    """The speed that upstream's methods apply: none when streaming (a warning says so); checked."""
+def _upstream_speed(stream: bool, speed: float, stacklevel: int = 4) -> float:
+    """The speed that upstream's methods apply: none when streaming (a warning, at the caller of the
+    method `stacklevel` - 1 frames up, says so); checked."""
     if stream and speed != 1.0:
-        warnings.warn(f"speed={speed!r} ignored: upstream applies speed offline only", stacklevel=4)
+        warnings.warn(f"speed={speed!r} ignored: upstream applies speed offline only", stacklevel=stacklevel)
         speed = 1.0
     _check_speed(stream, speed)
     return speed
 
 
 def _check_speed(stream: bool, speed: float) -> None:
-    if not (isinstance(speed, numbers.Real) and math.isfinite(speed) and speed > 0):
-        raise UserError(f"speed is {speed!r}; expected a finite number above 0")
+    if not (isinstance(speed, numbers.Real) and MIN_SPEED <= speed <= MAX_SPEED):  # nan compares false
+        raise UserError(f"speed is {speed!r}; expected a number from {MIN_SPEED:g} to {MAX_SPEED:g}")
     if stream and speed != 1.0:
         raise UserError("speed works offline only (upstream ignores it when streaming)")
+
+
+def _check_str(value: object, name: str) -> None:
+    if not isinstance(value, str):
+        raise UserError(f"{name} is {type(value).__name__}; expected a str")
 
 
 def _audio(wav: PromptWav, name: str, read: Callable[[str | Path | BinaryIO], PromptAudio],
@@ -515,9 +561,13 @@ def _audio(wav: PromptWav, name: str, read: Callable[[str | Path | BinaryIO], Pr
                         "(samples, sample rate) or audio read already")
     if not isinstance(wav, tuple):
         return read(wav)
+    if len(wav) != 2:
+        raise UserError(f"{name} is a tuple of {len(wav)}; expected (samples, sample rate)")
     samples, sample_rate = wav
     data = np.asarray(samples, dtype=np.float32)
-    if data.ndim not in (1, 2) or not isinstance(sample_rate, int | np.integer):
+    # more channels than samples: a (channels, N) array, which would read as a few samples of many channels
+    if data.ndim not in (1, 2) or data.ndim == 2 and data.shape[1] > data.shape[0] \
+            or not isinstance(sample_rate, int | np.integer):
         raise UserError(f"{name} is ({data.shape} array, {sample_rate!r}); expected (samples (N,) or "
                         "(N, channels), sample rate in Hz)")
     check_sample_rate(int(sample_rate), name)

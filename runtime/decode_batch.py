@@ -368,7 +368,7 @@ class DecodeBatcher:
         with self._cond:
             self._closed = True
             self._cond.notify()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():  # a finalizer's
             self._thread.join()
         if self.graphs is not None:
             self.graphs.release()

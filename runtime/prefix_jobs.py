@@ -196,7 +196,7 @@ class PrefixJobs:
             if self._running is not None and self._running.state is JobState.RUNNING:
                 self._finish(self._running, JobState.CANCELLED)
             self._cond.notify_all()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():  # a finalizer's
             self._thread.join()
 
     # --- internals (under `_cond` where noted) ---------------------------------------------------------

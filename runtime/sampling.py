@@ -14,6 +14,7 @@ functions, so a seed gives the same ids in both.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -256,8 +257,9 @@ class Sampling:
     def __post_init__(self) -> None:
         if self.kind not in SAMPLINGS:
             raise UserError(f"sampling is {self.kind!r}; expected one of {', '.join(SAMPLINGS)}")
-        if not 0 <= self.seed <= MAX_SEED:
-            raise UserError(f"seed is {self.seed}; expected an integer from 0 to {MAX_SEED}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) \
+                or not 0 <= self.seed <= MAX_SEED:
+            raise UserError(f"seed is {self.seed!r}; expected an integer from 0 to {MAX_SEED}")
 
     def sampler(self) -> Sampler:
         """A fresh sampler."""

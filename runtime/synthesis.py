@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -58,7 +59,7 @@ from .runners import (
     open_runner,
     prefill_body,
 )
-from .runners.ort_settings import usable_cpus
+from .runners.ort_settings import threads_problem, usable_cpus
 from .sampling import Sampler
 from .token2wav import Flow, FlowStream, Vocoder, VocoderCalls, VocoderStream, change_speed
 
@@ -182,7 +183,8 @@ class Synthesizer:
         streams' schedule (None: upstream's); it, `max_batch`, `chunk_slots`, `cuda_graphs` and `stack_dit`
         are checked before any graph opens (`check_synthesis`)."""
         graphs = check_synthesis(bundle, provider, max_batch=max_batch, chunk_slots=chunk_slots,
-                                 chunk_policy=chunk_policy, cuda_graphs=cuda_graphs, stack_dit=stack_dit)
+                                 chunk_policy=chunk_policy, cuda_graphs=cuda_graphs, stack_dit=stack_dit,
+                                 threads=threads)
         max_batch = default_max_batch(bundle, provider) if max_batch is None else max_batch
         cuda_graphs = uses_cuda_graphs(cuda_graphs, bundle, provider)
         self.chunk_policy = check_policy(chunk_policy, bundle)
@@ -231,6 +233,8 @@ class Synthesizer:
             self.graphs = GraphedSteps(self.lm.in_place)
         self.batcher: DecodeBatcher | None = None
         """Where decodings run when `max_batch` > 1 or with `cuda_graphs`."""
+        self._stop_batch: Callable[[], object] = lambda: None
+        """Closes `batcher`, once."""
         self.turns: ChunkTurns | None = None
         """The order of the batch's sessions' flow and vocoder work (`chunk_turn`)."""
         self.set_max_batch(max_batch, batch_observer, chunk_slots=chunk_slots)
@@ -245,8 +249,7 @@ class Synthesizer:
         graphs cannot batch (`check_max_batch`) or `chunk_slots` is out of range."""
         check_max_batch(max_batch, self.bundle, self.provider)
         check_chunk_slots(chunk_slots)
-        if self.batcher is not None:
-            self.batcher.close()
+        self._stop_batch()
         if max_batch > 1 or self.graphs is not None:
             slots = default_chunk_slots(self.provider, max_batch, self.threads) if chunk_slots is None \
                 else chunk_slots
@@ -256,6 +259,9 @@ class Synthesizer:
             turns.on_done = batcher.wake
             turns.hold_later = chunks_yield_to(batcher, self.provider)
             self.batcher, self.turns = batcher, turns
+            # the batch's thread keeps its batcher, and the graphs with it, alive: it stops once this
+            # object is collected unclosed, or at exit, where a thread inside onnxruntime aborts the process
+            self._stop_batch = weakref.finalize(self, batcher.close)
         else:
             self.batcher, self.turns = None, None
 
@@ -277,9 +283,9 @@ class Synthesizer:
 
     def close(self) -> None:
         """Stop the batch and release every runner."""
-        batcher: DecodeBatcher | None = getattr(self, "batcher", None)  # None too while the runners open
-        if batcher is not None:
-            batcher.close()
+        stop_batch: Callable[[], object] | None = getattr(self, "_stop_batch", None)  # not while runners open
+        if stop_batch is not None:
+            stop_batch()
         dit_graphs: GraphedDit | None = getattr(self, "dit_graphs", None)
         if dit_graphs is not None:
             dit_graphs.release()
@@ -413,12 +419,14 @@ def default_chunk_slots(provider: str, max_batch: int, threads: int | None) -> i
 
 def check_synthesis(bundle: RuntimeBundle, provider: str, *, max_batch: int | None = None,
                     chunk_slots: int | None = None, chunk_policy: ChunkPolicy | None = None,
-                    cuda_graphs: bool | None = None, stack_dit: bool = False) -> list[str]:
+                    cuda_graphs: bool | None = None, stack_dit: bool = False, threads: int | None = None
+                    ) -> list[str]:
     """The graphs a `Synthesizer` of `bundle` on `provider` with these options opens, after every check it
     makes before one opens: a `ProviderError` where `provider` does not run the bundle's pipeline
-    (`check_runs`), a `UserError` for an option the graphs cannot take (both from the manifest alone), then
-    a `ProviderError` where this machine lacks what runs a graph on `provider` (`check_opens`); one line
-    each."""
+    (`check_runs`), a `UserError` for an option the graphs or this machine's CPUs cannot take (both from the
+    manifest alone), then a `ProviderError` where this machine lacks what runs a graph on `provider`
+    (`check_opens`); one line each."""
+    check_threads(threads)
     check_runs(bundle, provider)
     check_max_batch(default_max_batch(bundle, provider) if max_batch is None else max_batch, bundle, provider)
     check_chunk_slots(chunk_slots)
@@ -427,6 +435,14 @@ def check_synthesis(bundle: RuntimeBundle, provider: str, *, max_batch: int | No
         check_stack_dit(bundle)
     check_policy(chunk_policy, bundle)
     return check_opens(bundle, provider)
+
+
+def check_threads(threads: int | None) -> None:
+    """A `UserError` (one line) unless `threads` is None (onnxruntime's default) or a count of threads from
+    1 to the CPUs this process may use (`threads_problem`)."""
+    problem = None if threads is None else threads_problem(threads)
+    if problem is not None:
+        raise UserError(f"threads: {problem}")
 
 
 def check_chunk_slots(chunk_slots: int | None) -> None:

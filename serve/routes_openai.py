@@ -28,6 +28,7 @@ from pydantic_core import PydanticCustomError
 from starlette.concurrency import run_in_threadpool
 
 from cosyvoice_graphs.bundle_layout import MANIFEST
+from cosyvoice_runtime.cosyvoice3 import MAX_SPEED, MIN_SPEED
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.synthesis import Mode
 
@@ -90,8 +91,9 @@ class SpeechRequest(NullIsDefault):
                                      "model's own prompt voice (GET /v1/audio/voices).")
     instructions: str | None = Field(None, description="An instruction: instruct2 instead of zero-shot.")
     response_format: FormatName = "mp3"
-    speed: float = Field(1.0, ge=0.25, le=4.0, description="Speaking rate; other than 1.0, the audio is "
-                                                          "synthesised whole before it is sent.")
+    speed: float = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED,
+                         description="Speaking rate; other than 1.0, the audio is synthesised whole before "
+                                     "it is sent.")
     stream_format: Literal["audio", "sse"] = Field(
         "audio", description="audio: the file's bytes; sse: speech.audio.delta events, speech.audio.done.")
     stream: bool | None = Field(

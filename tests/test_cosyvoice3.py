@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -177,9 +179,24 @@ def test_concurrent_first_prompts_open_the_front_end_once(monkeypatch: pytest.Mo
 def test_bad_input_is_refused_before_synthesis(cosyvoice: CosyVoice3) -> None:
     cases = [
         (lambda: cosyvoice.inference_zero_shot(TEXT, TRANSCRIPT, str(PROMPT_WAV), speed=float("nan")),
-         "speed is nan; expected a finite number above 0"),
+         "speed is nan; expected a number from 0.25 to 4"),
         (lambda: cosyvoice.inference_cross_lingual(TEXT, str(PROMPT_WAV), speed=0),
-         "speed is 0; expected a finite number above 0"),
+         "speed is 0; expected a number from 0.25 to 4"),
+        # no mel frame left for the vocoder (an onnxruntime error), or hours of audio
+        (lambda: cosyvoice.inference_cross_lingual(TEXT, str(PROMPT_WAV), speed=1000), "speed is 1000; "),
+        (lambda: cosyvoice.inference_cross_lingual(TEXT, str(PROMPT_WAV), speed=1e-4), r"speed is 0.0001; "),
+        (lambda: cosyvoice.inference_zero_shot(TEXT, None, str(PROMPT_WAV)),
+         "prompt_text is NoneType; expected a str"),
+        (lambda: cosyvoice.inference_instruct2(TEXT, None, str(PROMPT_WAV)),
+         "instruct_text is NoneType; expected a str"),
+        (lambda: cosyvoice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), 5),
+         "zero_shot_spk_id is int; expected a str"),
+        (lambda: cosyvoice.add_zero_shot_spk(None, str(PROMPT_WAV), "nobody"),
+         "prompt_text is NoneType; expected a str"),
+        (lambda: cosyvoice.inference_cross_lingual(TEXT, (np.zeros(24000, np.float32),)),
+         r"prompt_wav is a tuple of 1; expected \(samples, sample rate\)"),
+        (lambda: cosyvoice.inference_cross_lingual(TEXT, (np.full((2, 48000), 0.1, np.float32), 24000)),
+         r"prompt_wav is \(\(2, 48000\) array, 24000\); expected \(samples \(N,\) or \(N, channels\)"),
         (lambda: cosyvoice.inference_cross_lingual(TEXT, ""),
          "prompt_wav is empty; expected a recording's path"),
         (lambda: cosyvoice.inference_cross_lingual(TEXT, 5), "prompt_wav is int; expected a path"),
@@ -204,8 +221,78 @@ def test_bad_input_is_refused_before_synthesis(cosyvoice: CosyVoice3) -> None:
         with pytest.raises(ValueError, match=message):  # UserError and FrontendError are ValueErrors
             call()
     assert issubclass(UserError, ValueError)
+    assert "nobody" not in cosyvoice.list_available_spks()
     with pytest.raises(UserError, match="sampling is 'beam'"):
         CosyVoice3(DEMO_BUNDLE, sampling="beam")
+    for seed in (1.5, "7", None, True):
+        with pytest.raises(UserError, match=f"seed is {seed!r}; expected an integer from 0 to "):
+            CosyVoice3(DEMO_BUNDLE, seed=seed)
+    cpus = len(os.sched_getaffinity(0))
+    for threads, why in ((0, "0 is not a count"), (1.5, "1.5 is not a count"),
+                         (cpus + 1, f"{cpus + 1} is more than the {cpus} CPUs")):
+        with pytest.raises(UserError, match=f"threads: {why}"):
+            CosyVoice3(DEMO_BUNDLE, threads=threads)
+    with pytest.raises(UserError, match="model_dir is NoneType; expected a bundle's path"):
+        CosyVoice3(None)
+    with pytest.raises(ValueError, match=r"nowhere \(model_dir\): does not exist"):  # not the CLI's --model
+        CosyVoice3("nowhere")
+
+
+def test_a_closed_object_refuses_work_at_the_call(tmp_path: Path) -> None:
+    """Not on iteration after its front end had opened its models again, nor after adding the speaker."""
+    voice = CosyVoice3(DEMO_BUNDLE, speakers_dir=tmp_path)
+    voice.close()
+    calls = [lambda: voice.inference_zero_shot(TEXT, TRANSCRIPT, str(PROMPT_WAV)),
+             lambda: voice.inference_cross_lingual(TEXT, str(PROMPT_WAV), stream=True),
+             lambda: voice.inference_vc(str(PROMPT_WAV), str(PROMPT_WAV)),
+             lambda: voice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "late"),
+             lambda: voice.synthesize_many([TEXT], str(PROMPT_WAV), prompt_text=TRANSCRIPT),
+             lambda: voice.prompt_features(str(PROMPT_WAV))]
+    for call in calls:
+        with pytest.raises(UserError, match="this CosyVoice3 is closed: open the bundle again"):
+            call()
+    assert voice._prompt_sessions is None and voice.list_available_spks() == []
+    voice.close()  # twice is fine
+
+
+def test_an_object_left_open_ends_its_threads_when_collected_and_at_exit(tmp_path: Path) -> None:
+    """Upstream's example never closes its object: a speaker's prefix job still running as the script ended
+    aborted the process (SIGABRT, a thread inside onnxruntime as the interpreter finalised), and an object
+    dropped unclosed kept its graphs for good, the job's thread holding them."""
+    script = textwrap.dedent(f"""
+        from cosyvoice_runtime import AutoModel
+        cosyvoice = AutoModel(model_dir={str(DEMO_BUNDLE)!r}, speakers_dir={str(tmp_path)!r}, threads=1)
+        cosyvoice.add_zero_shot_spk({TRANSCRIPT!r}, {str(PROMPT_WAV)!r}, "my_zero_shot_spk")
+        cosyvoice.save_spkinfo()
+        print("saved", cosyvoice.prefix_jobs.pending)
+    """)
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert (run.returncode, run.stdout[:6]) == (0, "saved "), run.stderr[-2000:]
+    voice = CosyVoice3(DEMO_BUNDLE, speakers_dir=tmp_path)
+    voice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "another")
+    thread, synth = voice.prefix_jobs._thread, weakref.ref(voice.synth)
+    assert thread is not None
+    del voice
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive() and synth() is None
+
+
+def test_speakers_added_while_others_are_saved_are_all_kept(tmp_path: Path) -> None:
+    voice = CosyVoice3(DEMO_BUNDLE, speakers_dir=tmp_path)
+    with voice:
+        features = voice.prompt_features(str(PROMPT_WAV))
+        voice.prompt_features = lambda _: features  # type: ignore[method-assign]  # the adds race the saves
+        names = [f"speaker_{i}" for i in range(40)]
+        with ThreadPoolExecutor(2) as pool:
+            added = pool.submit(lambda: [voice.add_zero_shot_spk(TRANSCRIPT, "x.wav", name, precompute=False)
+                                         for name in names])
+            while not added.done():
+                voice.save_spkinfo()
+            assert added.result() == [True] * len(names)
+        voice.save_spkinfo()
+    assert SpeakerRegistry(tmp_path, frontend_fingerprint(voice.bundle)).names() == sorted(names)
 
 
 def test_streaming_ignores_speed_as_upstream(cosyvoice: CosyVoice3) -> None:

@@ -5,6 +5,7 @@ caches, CUDA's) gives each row its ids alone there too."""
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import threading
@@ -31,7 +32,7 @@ from cosyvoice_runtime.decode_graphs import GraphedSteps
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.llm import LlmRequest
-from cosyvoice_runtime.runners import CPU, CUDA, OPENVINO
+from cosyvoice_runtime.runners import CPU, CUDA, OPENVINO, ort_settings
 from cosyvoice_runtime.sampling import make_sampler
 from cosyvoice_runtime.synthesis import AudioChunk, Mode, Synthesizer, default_chunk_slots, llm_request
 
@@ -438,6 +439,25 @@ def test_many_texts_in_a_batch_are_each_text_alone(fp32_decode_bundle: Path, pro
         assert all(np.array_equal(a, b) for a, b in zip(chunks, wanted, strict=True))
 
 
+def test_a_batch_left_open_stops_once_its_object_is_collected(fp32_decode_bundle: Path, prompt_wav: Path,
+                                                              prompt_text: str) -> None:
+    """The batch's thread holds the graphs: an object dropped unclosed kept them for good. A stream still
+    iterated keeps its object, and the batch with it."""
+    voice = CosyVoice3(fp32_decode_bundle, threads=1, max_batch=2)
+    outputs = voice.inference_zero_shot("Hi.", prompt_text, prompt_wav, stream=True)
+    batcher = voice.synth.batcher
+    assert batcher is not None
+    del voice
+    gc.collect()
+    assert next(outputs)["tts_speech"].size > 0  # its object is alive while it is iterated
+    thread = batcher._thread
+    assert thread is not None and thread.is_alive()
+    del outputs
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive()
+
+
 def test_batching_needs_llm_decode(runtime_bundle: Path) -> None:
     with pytest.raises(UserError, match="max_batch 2: batched decoding runs on llm_decode, on the cpu "):
         CosyVoice3(runtime_bundle, threads=1, max_batch=2)
@@ -453,6 +473,7 @@ def test_the_chunks_slots_follow_the_cores_on_a_cpu_and_the_batch_on_a_gpu(
     where the threads are onnxruntime's default, every core), and every stream's on a GPU; a caller's count
     is kept, and a bad one refused before the batch changes."""
     monkeypatch.setattr(synthesis, "usable_cpus", lambda: 16)
+    monkeypatch.setattr(ort_settings, "usable_cpus", lambda: 16)  # what --threads may take
     assert [default_chunk_slots(CPU, 8, threads) for threads in (None, 1, 2, 3, 16, 32)] == [1, 8, 8, 5, 1, 1]
     assert default_chunk_slots(OPENVINO, 4, 2) == 4 and default_chunk_slots(CUDA, 4, None) == 4
     with CosyVoice3(fp32_decode_bundle, threads=4, max_batch=3) as voice:

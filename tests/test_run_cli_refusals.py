@@ -20,7 +20,6 @@ import pytest
 from click.testing import CliRunner, Result
 
 import cosyvoice_runtime.cli as run_cli
-from cosyvoice_runtime import cli_options
 from cosyvoice_runtime.atomic_files import save_wav
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.cli import main as run_main
@@ -28,6 +27,7 @@ from cosyvoice_runtime.cli_options import Threads
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.extras import run_console_script
+from cosyvoice_runtime.runners import ort_settings
 from cosyvoice_runtime.runners.ort_settings import TUNING_FILE
 from cosyvoice_runtime.segments import MAX_TEXT_CHARS
 
@@ -144,7 +144,7 @@ def test_a_speed_that_is_not_finite_is_refused(speed: str, no_bundle: list[str],
 
 def test_threads_beyond_the_usable_cpus_are_refused(no_bundle: list[str], tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli_options, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(ort_settings, "usable_cpus", lambda: 2)
     out = ["--text", "Hi.", "--out", str(tmp_path / "o.wav")]
     for threads, message in (("3", "3 is more than the 2 CPUs this process may use"),
                              ("0", "0 is not a count of threads; expected 1 or more")):

@@ -10,6 +10,7 @@ be silently slower.
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import platform
 from dataclasses import dataclass
@@ -117,6 +118,17 @@ def usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def threads_problem(threads: object) -> str | None:
+    """Why `threads` is not a count of threads from 1 to the CPUs this process may use (`usable_cpus`), or
+    None: more threads than CPUs only slow every call, onnxruntime's threads spinning for cores they share."""
+    if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or int(threads) < 1:
+        return f"{threads!r} is not a count of threads; expected 1 or more"
+    cpus = usable_cpus()
+    if int(threads) > cpus:
+        return f"{threads} is more than the {cpus} CPUs this process may use"
+    return None
 
 
 def _cpu_model() -> str:
