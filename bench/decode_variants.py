@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -49,10 +48,9 @@ from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.cli_options import NonEmptyPath
 from cosyvoice_runtime.decode_graphs import GraphedSteps
-from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.runners import CPU, CUDA, OrtRunner, decode_body
 
-from .errors import BenchError
+from .errors import BenchError, user_errors
 from .graph_profile import DECODE_PAST
 
 RUNTIME, BOUND_ONCE, CUDA_GRAPH, XQA_ON, XQA_OFF = "runtime", "bound once", "cuda graph", "xqa on", "xqa off"
@@ -239,14 +237,11 @@ def main(model: Path, provider: str, rows_text: str, past: int, steps: int, json
     onnxruntime's XQA kernel on and off, the same steps each; compare each variant's log-probs with the
     runtime's."""
     rows = batch_counts(rows_text, "row", "--rows")
-    try:
+    with user_errors():
         if json_out is not None:
             check_writable(json_out, "--json")
         bundle = RuntimeBundle.open(model)
         runs = [measure(bundle, provider, r, past=past, steps=steps) for r in rows]
-    except (BenchError, *USER_ERRORS) as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
     if json_out is not None:
         write_json_atomic(json_out, {"provider": provider, "onnxruntime": ort.__version__,
                                      "precision": bundle.graph_precision(LLM_DECODE).name, "runs": runs})

@@ -13,7 +13,6 @@ separate then stacked, and each figure is the median over the rounds after a war
 from __future__ import annotations
 
 import statistics
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -27,11 +26,10 @@ from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.cli_options import THREADS, NonEmptyPath
 from cosyvoice_runtime.dit_stack import row_inputs, stacked_feeds
-from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.runners import CPU, CUDA, Feed, OrtRunner, Runner, open_runner
 
 from .decode_variants import batch_counts
-from .errors import BenchError
+from .errors import user_errors
 from .graph_profile import DIT_NEW, DIT_PAST
 from .measure import timed
 
@@ -156,7 +154,7 @@ def main(model: Path, provider: str, streams_text: str, shapes_text: str, rounds
     counts = batch_counts(streams_text, "stream", "--streams")
     shapes = frame_pairs(shapes_text, "NEW:PAST, new frames (at least 1) after cached ones", DEFAULT_SHAPES,
                          "--shapes")
-    try:
+    with user_errors():
         if json_out is not None:
             check_writable(json_out, "--json")
         bundle = RuntimeBundle.open(model)
@@ -167,9 +165,6 @@ def main(model: Path, provider: str, streams_text: str, shapes_text: str, rounds
                     for new, past in shapes for s in counts]
         finally:
             runner.close()
-    except (BenchError, *USER_ERRORS) as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
     if json_out is not None:
         write_json_atomic(json_out, {"provider": provider, "onnxruntime": ort.__version__,
                                      "precision": precision, "runs": runs})

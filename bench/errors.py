@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-import click
+from contextlib import AbstractContextManager
 
 from cosyvoice_export.bundle.errors import BundleError
+from cosyvoice_runtime.cli_options import one_line_errors
 from cosyvoice_runtime.errors import USER_ERRORS
 
 
@@ -20,11 +17,6 @@ BENCH_USER_ERRORS = (BenchError, BundleError, *USER_ERRORS)
 """Bad input or environment: the runtime's user errors, a model directory's (yaml, `--model-dir`), ours."""
 
 
-@contextmanager
-def user_errors() -> Iterator[None]:
+def user_errors() -> AbstractContextManager[None]:
     """Bad input: one line on stderr and exit status 2."""
-    try:
-        yield
-    except BENCH_USER_ERRORS as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
+    return one_line_errors(*BENCH_USER_ERRORS)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
@@ -43,12 +42,11 @@ from cosyvoice_graphs import (
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.cli_options import THREADS, NonEmptyPath
-from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.runners import CPU, CUDA, ORT_PROVIDERS, decode_body
 from cosyvoice_runtime.runners.ort_settings import OPTIMIZATION, settings_for
 from cosyvoice_runtime.synthesis import check_synthesis
 
-from .errors import BenchError
+from .errors import BenchError, user_errors
 from .gpu import device_session
 
 DECODE_PAST = 300
@@ -181,7 +179,7 @@ def main(model: Path, provider: str, calls: int, threads: int | None, decode_row
          json_out: Path | None) -> None:
     """Profile the pipeline's hot graph calls (an LLM decode step, a first chunk's DiT call, the vocoder's
     window) with onnxruntime's profiler: time per provider, host/device copies, top op types."""
-    try:
+    with user_errors():
         if json_out is not None:
             check_writable(json_out, "--json")
         bundle = RuntimeBundle.open(model)
@@ -189,9 +187,6 @@ def main(model: Path, provider: str, calls: int, threads: int | None, decode_row
         calls_of = hot_calls(bundle, provider, decode_rows=decode_rows, decode_past=decode_past)
         rows = [profile_graph(bundle, graph, case, provider, calls=calls, threads=threads)
                 for graph, case in calls_of.items()]
-    except (BenchError, *USER_ERRORS) as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
     if json_out is not None:
         write_json_atomic(json_out, {"provider": provider, "onnxruntime": ort.__version__, "profiles": rows})
     click.echo(render(rows))

@@ -11,7 +11,6 @@ calls alternate, separate then stacked, and each figure is the median over the r
 from __future__ import annotations
 
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +22,12 @@ from cosyvoice_graphs import HIFT_DECODER, HIFT_F0
 from cosyvoice_graphs.bundle_layout import SINE_NOISE
 from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
-from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.runners import open_runner
 from cosyvoice_runtime.token2wav import Vocoder, VocoderJob, VocoderKey
 
 from .decode_variants import batch_counts
 from .dit_stacking import frame_pairs, stacking_command
-from .errors import BenchError
+from .errors import BenchError, user_errors
 from .measure import timed
 
 DEFAULT_WINDOWS = "100:0,50:100"
@@ -96,7 +94,7 @@ def main(model: Path, provider: str, streams_text: str, windows_text: str, round
     counts = batch_counts(streams_text, "stream", "--streams")
     windows = frame_pairs(windows_text, "NEW:BEFORE, new frames (at least 1) after frames pushed before",
                           DEFAULT_WINDOWS, "--windows")
-    try:
+    with user_errors():
         if json_out is not None:
             check_writable(json_out, "--json")
         bundle = RuntimeBundle.open(model)
@@ -113,9 +111,6 @@ def main(model: Path, provider: str, streams_text: str, windows_text: str, round
                               bundle.manifest.model.hift)
             runs = [measure(vocoder, s, new, before, rounds=rounds)
                     for new, before in windows for s in counts]
-    except (BenchError, *USER_ERRORS) as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
     if json_out is not None:
         write_json_atomic(json_out, {"provider": provider, "onnxruntime": ort.__version__,
                                      "precisions": precisions, "runs": runs})

@@ -11,8 +11,8 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,7 @@ from cosyvoice_graphs.precision import FP32
 from cosyvoice_graphs.precision_plan import PrecisionPlan, PrecisionPlanError
 from cosyvoice_runtime.atomic_files import check_writable
 from cosyvoice_runtime.bundle import RuntimeBundle
-from cosyvoice_runtime.cli_options import THREADS, NonEmptyPath
+from cosyvoice_runtime.cli_options import THREADS, NonEmptyPath, one_line_errors
 from cosyvoice_runtime.errors import USER_ERRORS, FeedError, SynthesisError
 from cosyvoice_runtime.extras import install_command
 from cosyvoice_runtime.runners import PROVIDERS, graphs_run, open_runner
@@ -54,14 +54,9 @@ if TYPE_CHECKING:  # update imports torch only when it runs
     from cosyvoice_export.reference.pipeline import ReferencePipeline
 
 
-@contextmanager
-def _user_errors() -> Iterator[None]:
-    """Bad input -> one line on stderr and exit status 2."""
-    try:
-        yield
-    except (GoldenError, PrecisionPlanError, *USER_ERRORS) as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
+def _user_errors() -> AbstractContextManager[None]:
+    """Bad input, the runtime's and ours (cases, precision plans): one line on stderr, exit status 2."""
+    return one_line_errors(GoldenError, PrecisionPlanError, *USER_ERRORS)
 
 
 def _selection(command: Callable[..., Any]) -> Callable[..., Any]:

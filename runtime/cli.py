@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -21,10 +19,17 @@ from .atomic_files import atomic_paths, check_writable, write_json, write_wav
 from .bundle import RuntimeBundle
 from .bundle_source import MODEL_DIR_ENV, choose_bundle, choose_prompt
 from .chunk_policy import ChunkPolicy
-from .cli_options import FLOW_WINDOW_HELP, THREADS, FiniteFloatRange, NonEmptyPath, chunk_policy_options
+from .cli_options import (
+    FLOW_WINDOW_HELP,
+    THREADS,
+    FiniteFloatRange,
+    NonEmptyPath,
+    chunk_policy_options,
+    one_line_errors,
+)
 from .cosyvoice3 import CosyVoice3
 from .demo import DEMO_BUNDLE
-from .errors import USER_ERRORS, UserError
+from .errors import UserError
 from .frontend import PromptFeatures, read_prompt_audio
 from .progress import SynthesisProgress
 from .runners import CPU, PROVIDERS
@@ -33,16 +38,6 @@ from .sampling import SAMPLINGS
 from .segments import MAX_TEXT_CHARS, Segment
 from .synthesis import Mode
 from .tuning import tune
-
-
-@contextmanager
-def _user_errors() -> Iterator[None]:
-    """Turn user errors into one line on stderr and exit status 2."""
-    try:
-        yield
-    except USER_ERRORS as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
 
 
 def _read_text(text: str, stdin: IO[str]) -> str:
@@ -162,7 +157,7 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
     chunk's latency when streaming). Bad input gives one line on stderr, exit status 2 and no output.
     """
     if info and tune:
-        with _user_errors():
+        with one_line_errors():
             raise UserError("--info and --tune: give one")
     if info:
         _print_info(model, verify)
@@ -172,7 +167,7 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
         return
     if text is None or out is None:
         raise click.UsageError(f"Missing option '{'--text' if text is None else '--out'}'.")
-    with _user_errors():
+    with one_line_errors():
         text = _read_text(text, sys.stdin)
         for option, value in (("--prompt-text", prompt_text), ("--instruct", instruct)):
             if value is not None:
@@ -230,7 +225,7 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
 
 def _print_info(model: Path | None, verify: bool) -> None:
     """--info: the chosen bundle's summary on stdout."""
-    with _user_errors():
+    with one_line_errors():
         choice = choose_bundle(model)
         if choice.default:
             click.echo(f"model: {choice.origin}", err=True)
@@ -241,7 +236,7 @@ def _print_info(model: Path | None, verify: bool) -> None:
 
 def _tune(model: Path | None, verify: bool) -> None:
     """--tune: measure and write the chosen bundle's tuning file, a line per graph as it is chosen."""
-    with _user_errors():
+    with one_line_errors():
         choice = choose_bundle(model)
         if choice.path == DEMO_BUNDLE:  # it lives in the installed package
             raise UserError(f"--tune needs --model or ${MODEL_DIR_ENV}; the embedded demo bundle is not "

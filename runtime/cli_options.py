@@ -4,16 +4,31 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import click
 
 from .chunk_policy import ChunkPolicy
+from .errors import USER_ERRORS
 from .runners.ort_settings import threads_problem
 
 EVERY_BLOCK = "all"
 """`--flow-window`'s value for a window of every block (only the final chunk deviates)."""
+
+
+@contextmanager
+def one_line_errors(*errors: type[Exception]) -> Iterator[None]:
+    """Bad input or environment, `errors` (default: the runtime's `USER_ERRORS`), as one line on stderr
+    ("error: ...") and exit status 2."""
+    caught = errors or USER_ERRORS
+    try:
+        yield
+    except caught as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
 
 
 class NonEmptyPath(click.Path):
