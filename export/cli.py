@@ -393,7 +393,7 @@ def demo(text: str, prompt_wav: Path | None, prompt_text: str | None, stream: bo
     from .onnx.bundle_assembly import export_all
 
     check_writable(out, "--out")  # before the minutes of export, not after them
-    env = os.environ.get(MODEL_DIR_ENV)
+    env = os.environ.get(MODEL_DIR_ENV, "").strip()  # blank is unset, as for cosyvoice-run and -serve
     model_dir = Path(env) if env else DEFAULT_DEMO_BUNDLE
     if not env and not model_dir.exists():
         from .bundle.tiny import write_bundle
@@ -425,10 +425,9 @@ def demo(text: str, prompt_wav: Path | None, prompt_text: str | None, stream: bo
 
 @main.command("speakers")
 @click.argument("spk2info", type=NonEmptyPath(dir_okay=False, path_type=Path))
-@click.option("--out", type=NonEmptyPath(file_okay=False, path_type=Path), envvar=SPEAKERS_DIR_ENV,
-              show_envvar=True,
-              help="The speaker registry folder (cosyvoice-serve --speakers, CosyVoice3(speakers_dir=...)) "
-                   "[default: ~/.local/share/cosyvoice/speakers]")
+@click.option("--out", type=NonEmptyPath(file_okay=False, path_type=Path),
+              help=f"The speaker registry folder (cosyvoice-serve --speakers, CosyVoice3(speakers_dir=...)) "
+                   f"[default: ${SPEAKERS_DIR_ENV} (blank: unset), else ~/.local/share/cosyvoice/speakers]")
 @click.option("--model", type=NonEmptyPath(file_okay=False, path_type=Path),
               help=f"The bundle that will use them (cosyvoice-serve --model); default: ${MODEL_DIR_ENV}, "
                    "else the demo bundle, as cosyvoice-serve.")
@@ -446,6 +445,7 @@ def speakers_cmd(spk2info: Path, out: Path | None, model: Path | None) -> None:
     from .speakers import convert_spk2info
 
     out = out or default_speakers_dir()
+    check_writable(out, "--out", directory=True)  # before the bundle and the file are read, not after
     try:
         speakers = convert_spk2info(spk2info, out, model)
     except USER_ERRORS as e:

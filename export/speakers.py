@@ -23,11 +23,15 @@ An entry, as upstream's front end makes it for CosyVoice3, and what it becomes:
 - `prompt_speech_feat` (1, ratio * N, 80) float32: the prompt mel, already cut to the token alignment;
 - `llm_embedding` (1, 192) float32: the x-vector (`flow_embedding` must be equal).
 
-The `*_len` entries repeat the shapes and are not needed.
+The `*_len` entries repeat the shapes and are not needed. Float tensors of any precision are read as float32
+and must be finite; the ids must be the bundle's (text ids below the tokenizer's size, speech tokens below
+the codebook's), so that nothing the registry serves fails or makes noise later.
 """
 
 from __future__ import annotations
 
+import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +50,12 @@ SPK2INFO = "spk2info.pt"
 REQUIRED = ("prompt_text", "llm_prompt_speech_token", "flow_prompt_speech_token", "prompt_speech_feat",
             "llm_embedding", "flow_embedding")
 """The keys a zero-shot speaker's entry must have."""
+ZIP_HEAD = b"PK\x03\x04"
+"""How `torch.save`'s file begins: a zip archive."""
+LEGACY_MAGIC = torch.serialization.MAGIC_NUMBER.to_bytes(10, "little")
+"""What the first pickle of torch's legacy (not zip) format holds, after the pickle's protocol and framing."""
+TORCH_HEAD_BYTES = 32
+"""The bytes of a file's beginning that show it is one of these."""
 
 
 @dataclass(frozen=True)
@@ -60,18 +70,19 @@ class UpstreamSpeaker:
 def read_spk2info(path: Path, tokenizer: TextTokenizer, dims: ModelDims) -> list[UpstreamSpeaker]:
     """Every speaker of upstream's `spk2info.pt` at `path`, checked; `BundleError` (one line naming the file,
     the speaker and the key) for anything that is not a CosyVoice3 zero-shot speaker."""
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise BundleError(f"{path}: no such file") from None
-    except Exception as e:  # torch's unpickling and zip errors have no common type
-        reason = " ".join(str(e).split())[:200]
-        raise BundleError(f"{path}: not a torch file of speakers ({reason})") from None
+    data = _load(path)
     if not isinstance(data, dict) or not data:
         raise BundleError(f"{path}: not upstream's spk2info (a non-empty dict of speaker id -> front-end "
                           f"inputs), got {type(data).__name__}")
-    return [_speaker(f"{path}: speaker {spk_id!r}", spk_id, entry, tokenizer, dims)
-            for spk_id, entry in data.items()]
+    names: dict[str, str] = {}
+    for spk_id in data:
+        name = _name(f"{path}: speaker {spk_id!r}", spk_id)
+        if name in names:  # the registry keeps one of them, yet both would be counted as added
+            raise BundleError(f"{path}: speakers {names[name]!r} and {spk_id!r} are both named {name!r} "
+                              "(names are stripped); rename one")
+        names[name] = spk_id
+    return [_speaker(f"{path}: speaker {spk_id!r}", name, data[spk_id], tokenizer, dims)
+            for name, spk_id in names.items()]
 
 
 def convert_spk2info(spk2info: Path, out: Path, model: Path | None) -> list[UpstreamSpeaker]:
@@ -83,12 +94,52 @@ def convert_spk2info(spk2info: Path, out: Path, model: Path | None) -> list[Upst
     speakers = read_spk2info(spk2info, TextTokenizer(bundle.tokenizer_dir, skip_special_tokens=False),
                              bundle.dims)
     registry = SpeakerRegistry(out, frontend_fingerprint(bundle))
-    for speaker in speakers:
-        registry.add(speaker.name, speaker.prompt_text, speaker.features)
+    for added, speaker in enumerate(speakers):
+        try:
+            registry.add(speaker.name, speaker.prompt_text, speaker.features)
+        except OSError as e:  # each speaker is written whole or not at all, so those before it stay
+            raise BundleError(f"{out}: cannot write in the folder ({e.strerror or e}); {added} of "
+                              f"{len(speakers)} speakers added") from None
     return speakers
 
 
-def _speaker(where: str, spk_id: object, entry: object, tokenizer: TextTokenizer, dims: ModelDims
+def _load(path: Path) -> object:
+    """The object `torch.load` reads from `path`, tensors only (nothing in the file is run)."""
+    try:
+        with path.open("rb") as file:
+            head = file.read(TORCH_HEAD_BYTES)
+    except FileNotFoundError:
+        raise BundleError(f"{path}: no such file") from None
+    except OSError as e:
+        raise BundleError(f"{path}: cannot be read ({e.strerror or e})") from None
+    if not head:
+        raise BundleError(f"{path}: empty file; expected upstream's spk2info.pt")
+    if not head.startswith(ZIP_HEAD) and LEGACY_MAGIC not in head:
+        raise BundleError(f"{path}: not a torch file (neither torch.save's zip archive nor its legacy "
+                          "pickle); expected upstream's spk2info.pt")
+    try:
+        with warnings.catch_warnings():
+            # a legacy file's pickle protocol draws a warning about torch's default, not about the file
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch's unpickling and zip errors have no common type
+        if head.startswith(ZIP_HEAD) and not zipfile.is_zipfile(path):  # torch says only "Invalid argument"
+            reason = "its zip archive is cut short or damaged"
+        else:  # torch's advice around the reason is about its own defaults
+            reason = " ".join(str(e).split("WeightsUnpickler error:")[-1].split())[:200]
+        raise BundleError(f"{path}: a torch file that cannot be read as speakers ({reason})") from None
+
+
+def _name(where: str, spk_id: object) -> str:
+    if not isinstance(spk_id, str):  # upstream's add_zero_shot_spk takes a str
+        raise BundleError(f"{where}: the speaker id is {type(spk_id).__name__}, not str")
+    try:
+        return check_name(spk_id)
+    except SpeakerError as e:
+        raise BundleError(f"{where}: {e}") from None
+
+
+def _speaker(where: str, name: str, entry: object, tokenizer: TextTokenizer, dims: ModelDims
              ) -> UpstreamSpeaker:
     if not isinstance(entry, dict):
         raise BundleError(f"{where}: not a dict of front-end inputs ({type(entry).__name__})")
@@ -100,11 +151,15 @@ def _speaker(where: str, spk_id: object, entry: object, tokenizer: TextTokenizer
     arrays = {key: _array(where, key, entry[key]) for key in REQUIRED}
     text_ids, tokens = arrays["prompt_text"], arrays["llm_prompt_speech_token"]
     mel, embedding = arrays["prompt_speech_feat"], arrays["llm_embedding"]
-    n = tokens.shape[-1]
-    _shape(where, "prompt_text", text_ids, (1, text_ids.shape[-1]), integer=True)
+    n = tokens.shape[-1] if tokens.ndim else 0  # a scalar is refused by its shape, not by an IndexError
+    _shape(where, "prompt_text", text_ids, (1, text_ids.shape[-1] if text_ids.ndim else 0), integer=True)
     _shape(where, "llm_prompt_speech_token", tokens, (1, n), integer=True)
     _shape(where, "prompt_speech_feat", mel, (1, dims.token_mel_ratio * n, dims.mel_bins))
     _shape(where, "llm_embedding", embedding, (1, dims.spk_embed_dim))
+    _ids(where, "prompt_text", text_ids, len(tokenizer), "tokenizer")
+    _ids(where, "llm_prompt_speech_token", tokens, dims.speech_token_size, "speech codebook")
+    _finite(where, "prompt_speech_feat", mel)
+    _finite(where, "llm_embedding", embedding)
     for key, same_as in (("flow_prompt_speech_token", tokens), ("flow_embedding", embedding)):
         if not np.array_equal(arrays[key], same_as):  # zero-shot speakers prompt the LLM and the flow alike
             raise BundleError(f"{where}: {key} differs from its llm_ counterpart; not a zero-shot speaker")
@@ -113,10 +168,6 @@ def _speaker(where: str, spk_id: object, entry: object, tokenizer: TextTokenizer
     if tokenizer.encode(transcript) != ids:
         raise BundleError(f"{where}: prompt_text does not decode to a text that encodes back to its ids "
                           "(made with another tokenizer than the bundle's?)")
-    try:
-        name = check_name(str(spk_id))
-    except SpeakerError as e:
-        raise BundleError(f"{where}: {e}") from None
     features = PromptFeatures(speech_tokens=tokens.astype(np.int64), mel=mel.astype(np.float32),
                               embedding=embedding.astype(np.float32))
     return UpstreamSpeaker(name, transcript, features)
@@ -125,7 +176,11 @@ def _speaker(where: str, spk_id: object, entry: object, tokenizer: TextTokenizer
 def _array(where: str, key: str, value: Any) -> np.ndarray:
     if not isinstance(value, torch.Tensor):
         raise BundleError(f"{where}: {key} is not a tensor ({type(value).__name__})")
-    return value.detach().cpu().numpy()
+    value = value.detach().cpu()
+    try:  # numpy has no bfloat16, and the registry keeps float32 whatever upstream stored
+        return (value.float() if value.is_floating_point() else value).numpy()
+    except TypeError:  # a dtype numpy lacks (complex32, ...)
+        raise BundleError(f"{where}: {key} is {value.dtype}, neither an integer nor a float type") from None
 
 
 def _shape(where: str, key: str, array: np.ndarray, shape: tuple[int, ...], integer: bool = False) -> None:
@@ -133,3 +188,16 @@ def _shape(where: str, key: str, array: np.ndarray, shape: tuple[int, ...], inte
     if array.shape != shape or not kind_ok or 0 in shape:
         raise BundleError(f"{where}: {key} is {array.dtype} {tuple(array.shape)}, expected "
                           f"{'integer' if integer else 'float'} {shape}")
+
+
+def _ids(where: str, key: str, array: np.ndarray, size: int, vocabulary: str) -> None:
+    low, high = int(array.min()), int(array.max())
+    if low < 0 or high >= size:
+        raise BundleError(f"{where}: {key} has ids from {low} to {high}; the bundle's {vocabulary} has 0 to "
+                          f"{size - 1}")
+
+
+def _finite(where: str, key: str, array: np.ndarray) -> None:
+    bad = int(np.count_nonzero(~np.isfinite(array)))
+    if bad:
+        raise BundleError(f"{where}: {key} has {bad} NaN or infinite values of {array.size}")

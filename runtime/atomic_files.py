@@ -80,9 +80,11 @@ def check_writable(path: Path, option: str, *, directory: bool = False) -> None:
         raise UserError(f"{option} {path}: is a folder")
     if not directory:
         refuse_special_file(path, f"{option} {path}")
-    parent = path.absolute().parent
+    # the nearest folder that exists: `path` itself where it is a folder that exists, else the one that
+    # `mkdir(parents=True)` would create the rest in
+    parent = path.absolute() if directory else path.absolute().parent
     while not parent.exists() and parent != parent.parent:
-        parent = parent.parent  # the folder that `mkdir(parents=True)` would create the rest in
+        parent = parent.parent
     if not parent.is_dir():
         raise UserError(f"{option} {path}: {parent} is not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):

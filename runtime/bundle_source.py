@@ -22,7 +22,7 @@ from pathlib import Path
 from cosyvoice_graphs.bundle_layout import GRAPHS_DIR, MANIFEST, MODEL_YAML
 from cosyvoice_graphs.precision import FP32
 
-from .atomic_files import write_json_atomic
+from .atomic_files import check_writable, write_json_atomic
 from .bundle import RuntimeBundle
 from .demo import DEMO_BUNDLE
 from .errors import RuntimeBundleError, UserError
@@ -90,6 +90,8 @@ def cache_root() -> Path:
 
 def _runtime_bundle(path: Path, origin: str, progress: bool, precision: str, *, default: bool
                     ) -> BundleChoice:
+    if path.is_dir() and not os.access(path, os.R_OK | os.X_OK):  # else a PermissionError from what follows
+        raise RuntimeBundleError(f"{path} ({origin}): cannot be read (permission denied)")
     if (path / MANIFEST).is_file():
         return BundleChoice(path, f"{origin} ({path})", default)
     if not path.exists():
@@ -109,6 +111,7 @@ def _runtime_bundle(path: Path, origin: str, progress: bool, precision: str, *, 
     out, stamp = folder / "runtime", _stamp(resolved)
     if _read_json(folder / STAMP) == stamp and _opens(out):
         return BundleChoice(out, f"{origin} ({path}), exported earlier to {out}", default)
+    check_writable(folder, f"the export cache (${CACHE_DIR_ENV})", directory=True)  # before its minutes
     _export(resolved, out, f"{path} ({origin})", progress, precision)
     write_json_atomic(folder / STAMP, stamp)
     return BundleChoice(out, f"{origin} ({path}), exported now to {out}", default)

@@ -39,6 +39,20 @@ from .segments import MAX_TEXT_CHARS, Segment
 from .synthesis import Mode
 from .tuning import tune
 
+ONLY_WITH_INFO = ("model", "verify", "info", "tune")
+"""The parameters `--info` and `--tune` read: every other one given with them would go unused."""
+
+
+def _refuse_unused(ctx: click.Context, flag: str) -> None:
+    """One line and exit status 2 where options that `flag` does not use were given (a `--provider cuda`
+    with `--tune` would tune the CPU unsaid)."""
+    unused = [param.opts[0] for param in ctx.command.params
+              if param.name not in ONLY_WITH_INFO and param.name is not None
+              and ctx.get_parameter_source(param.name) not in (None, click.core.ParameterSource.DEFAULT)]
+    if unused:
+        with one_line_errors():
+            raise UserError(f"{flag} takes only --model and --verify; {', '.join(unused)} would go unused")
+
 
 def _read_text(text: str, stdin: IO[str]) -> str:
     if text == "-":
@@ -159,6 +173,8 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
     if info and tune:
         with one_line_errors():
             raise UserError("--info and --tune: give one")
+    if info or tune:
+        _refuse_unused(click.get_current_context(), "--info" if info else "--tune")
     if info:
         _print_info(model, verify)
         return

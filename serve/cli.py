@@ -4,6 +4,7 @@ runtime."""
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -19,18 +20,20 @@ from cosyvoice_runtime.errors import USER_ERRORS
 from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from cosyvoice_runtime.runners import CPU
 from cosyvoice_runtime.sampling import MAX_SEED, SAMPLINGS
-from cosyvoice_runtime.speakers import SPEAKERS_DIR_ENV, SpeakerError
+from cosyvoice_runtime.speakers import SPEAKERS_DIR_ENV, SpeakerError, default_speakers_dir
 from cosyvoice_runtime.synthesis import GPU_MAX_BATCH
 
 from .ray_options import RayOptions, ray_options
 from .settings import (
     API_KEY_ENV,
+    BLANK_KEY,
     DEFAULT_PORT,
     HOST_ENV,
     MAX_BODY_MIB,
     PORT_ENV,
     SERVER_PROVIDERS,
     ServerSettings,
+    api_key_from_env,
     load_dotenv,
 )
 
@@ -46,11 +49,15 @@ DEFAULTS = ServerSettings()
 
 
 def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | None:
-    """The key without surrounding blanks (as a .env line may leave them); None when unset."""
+    """The key without surrounding blanks (as a .env line may leave them), else `$COSYVOICE_API_KEY`'s; None
+    when neither is set. A blank one is refused, the variable's too (click takes an empty one for unset)."""
     if value is None:
-        return None
+        try:
+            return api_key_from_env()
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
     if not value.strip():
-        raise click.BadParameter("the API key is blank; give a key or leave the option unset")
+        raise click.BadParameter(BLANK_KEY)
     return value.strip()
 
 
@@ -108,15 +115,16 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=DEFAULTS.timeout,
               help="Seconds a request may take from admission to its last sample.")
 @click.option("--speakers", "speakers_dir", type=NonEmptyPath(file_okay=False, path_type=Path),
-              envvar=SPEAKERS_DIR_ENV, show_envvar=True,
-              help=f"Registered speakers' folder [default: {DEFAULTS.speakers_dir}]")
+              help=f"Registered speakers' folder [default: ${SPEAKERS_DIR_ENV} (blank: unset), else "
+                   "~/.local/share/cosyvoice/speakers, as CosyVoice3's]")
 @click.option("--sampling", type=click.Choice(SAMPLINGS), default=DEFAULTS.sampling,
               help="ras: upstream's repetition-aware sampling; greedy: argmax (exact comparisons).")
 @click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None,
               help="Seed of requests that carry none [default: a random seed per request, as upstream].")
-@click.option("--api-key", envvar=API_KEY_ENV, show_envvar=True, callback=_api_key,
+@click.option("--api-key", callback=_api_key,
               help="Require this key on every endpoint but /health and the page (HTTP: 'Authorization: "
-                   "Bearer KEY' or 'X-API-Key: KEY'; gRPC: the same as metadata) [default: none].")
+                   "Bearer KEY' or 'X-API-Key: KEY'; gRPC: the same as metadata) [default: "
+                   f"${API_KEY_ENV}, else none; blank: refused].")
 @click.option("--flow-prefix-cache", "flow_prefix_mib", type=click.IntRange(min=0),
               default=DEFAULT_PREFIX_CACHE_BYTES >> 20,
               help="MiB kept of the streaming flow's per-prompt prefixes (the DiT's caches of a prompt's "
@@ -177,7 +185,7 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
                               queue_depth=queue_depth,
                               stream_idle_timeout=stream_idle, timeout=timeout, max_text_chars=max_text,
                               sampling=sampling, seed=seed,
-                              speakers_dir=speakers_dir or DEFAULTS.speakers_dir, api_key=api_key,
+                              speakers_dir=speakers_dir or default_speakers_dir(), api_key=api_key,
                               max_body_bytes=max_body_mib << 20, cors_origins=cors_origins, docs=docs,
                               prompt_dir=prompt_dir, chunk_policy=chunk_policy, warm_up=warm_up)
     if ray is not None:
@@ -193,6 +201,9 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
         return
     if not grpc_service:  # upstream's gRPC service has no registered speakers
         _create_speakers_folder(settings.speakers_dir)
+    _check_listen(host, port, "--port")
+    if grpc_port is not None:
+        _check_listen(host, grpc_port, "--grpc-port")
     try:
         engine = Engine.open(model, provider=provider, flow_prefix_bytes=flow_prefix_mib << 20,
                              threads=threads, max_batch=max_batch, chunk_slots=chunk_slots,
@@ -242,6 +253,19 @@ def _create_speakers_folder(folder: Path) -> None:
         tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
         _refuse(f"--speakers {folder}: cannot write in the folder ({e.strerror or e})")
+
+
+def _check_listen(host: str, port: int, option: str) -> None:
+    """A refusal where the server could not listen on `host`:`port` now (a name that does not resolve, an
+    address not this machine's, a port taken), before the bundle opens and warms up rather than after."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and grpc bind
+            probe.bind(address)
+    except OSError as e:
+        _refuse(f"cannot listen on {host!r} port {port} (--host or ${HOST_ENV}, {option}): {e.strerror or e}")
 
 
 def _refuse(message: str) -> NoReturn:

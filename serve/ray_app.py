@@ -47,7 +47,7 @@ from .app import create_app
 from .engine import Engine
 from .ray_options import SPEAKER_STORES, RayOptions, ScaleOptions, SpeakerStore
 from .ray_speakers import ActorSpeakers
-from .settings import API_KEY_ENV, SERVER_PROVIDERS, ServerSettings
+from .settings import SERVER_PROVIDERS, ServerSettings, api_key_from_env
 
 APP_NAME = "cosyvoice"
 """The Serve application's name (`serve status`, the replicas' actor names)."""
@@ -175,7 +175,7 @@ def replica_config(args: dict[str, Any]) -> ReplicaConfig:
         settings = TypeAdapter(ServerSettings).validate_python(args)
     except ValidationError as e:
         raise ValueError("; ".join(_message(error) for error in e.errors(include_input=False))) from None
-    key = os.environ.get(API_KEY_ENV, "").strip()
+    key = api_key_from_env()
     if key and settings.api_key is None:
         settings = replace(settings, api_key=key)
     return ReplicaConfig(Path(model) if model else None, provider, flow_prefix_mib << 20, settings, store)

@@ -24,6 +24,7 @@ from cosyvoice_runtime.synthesis import GPU_MAX_BATCH
 HOST_ENV = "COSYVOICE_HOST"
 PORT_ENV = "COSYVOICE_PORT"
 API_KEY_ENV = "COSYVOICE_API_KEY"
+BLANK_KEY = "the API key is blank; give a key, or leave it unset for an open server"
 DEFAULT_PORT = 50000
 """Upstream's FastAPI and gRPC servers listen on 50000."""
 SERVER_PROVIDERS = (*ORT_PROVIDERS, OPENVINO)
@@ -128,6 +129,17 @@ class ServerSettings:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be blank (None: no key)")
+
+
+def api_key_from_env() -> str | None:
+    """`$COSYVOICE_API_KEY` without surrounding blanks, None where it is unset; a `ValueError` where it is set
+    but blank: `COSYVOICE_API_KEY=$KEY` with `KEY` unset would otherwise serve everyone."""
+    value = os.environ.get(API_KEY_ENV)
+    if value is None:
+        return None
+    if not value.strip():
+        raise ValueError(f"${API_KEY_ENV}: {BLANK_KEY}")
+    return value.strip()
 
 
 def read_dotenv(path: Path) -> dict[str, str]:

@@ -282,6 +282,28 @@ def test_a_runtime_bundle_is_named_as_one(tmp_path: Path) -> None:
         assert "prompt" not in err and not (tmp_path / "demo.wav").exists()
 
 
+def test_demo_takes_a_blank_model_dir_variable_for_unset(tiny_bundle: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """As cosyvoice-run and cosyvoice-serve read $COSYVOICE_MODEL_DIR: blank is the default bundle."""
+    import cosyvoice_export.cli as export_cli
+    import cosyvoice_export.onnx.bundle_assembly as bundle_assembly
+    from cosyvoice_export.bundle.errors import BundleError
+
+    exported: list[Path] = []
+
+    def export_all(model_dir: Path, *_: object, **__: object) -> None:
+        exported.append(model_dir)
+        raise BundleError("stopped before the export")
+
+    monkeypatch.setattr(export_cli, "DEFAULT_DEMO_BUNDLE", tiny_bundle)
+    monkeypatch.setattr(bundle_assembly, "export_all", export_all)
+    for blank in ("", "   "):
+        result = CliRunner().invoke(main, ["demo", "--out", str(tmp_path / "demo.wav")],
+                                    env={"COSYVOICE_MODEL_DIR": blank})
+        assert result.exit_code == 2 and result.stderr == "error: stopped before the export\n", result.output
+    assert exported == [tiny_bundle, tiny_bundle]
+
+
 def test_model_dir_is_spelt_either_way(tiny_bundle: Path) -> None:
     """check-bundle and download take MODEL_DIR as an argument or as --model-dir, as `all` names it."""
     for args in ([str(tiny_bundle)], ["--model-dir", str(tiny_bundle)]):

@@ -22,7 +22,7 @@ from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import CACHE_DIR_ENV, MODEL_DIR_ENV, choose_bundle
 from cosyvoice_runtime.cli import main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
-from cosyvoice_runtime.errors import RuntimeBundleError
+from cosyvoice_runtime.errors import RuntimeBundleError, UserError
 
 
 @pytest.mark.torch  # without torch, `runtime_bundle` is the demo bundle itself
@@ -208,6 +208,26 @@ def test_a_folder_that_is_no_bundle_says_what_it_is(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["--model", str(half), "--text", "Hi.", "--out",
                                        str(tmp_path / "o.wav")])
     assert result.exit_code == 2 and result.stderr == f"error: {half} (--model): {expected[half]}\n"
+
+
+@pytest.mark.usefixtures("no_env")
+def test_an_unreadable_bundle_folder_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another user's folder, mode 700, was a PermissionError traceback (faked: root reads any folder)."""
+    monkeypatch.setattr(bundle_source.os, "access", lambda path, mode: Path(path) != tmp_path)
+    with pytest.raises(RuntimeBundleError) as refused:
+        choose_bundle(tmp_path)
+    assert str(refused.value) == f"{tmp_path} (--model): cannot be read (permission denied)"
+
+
+@pytest.mark.usefixtures("no_env")
+def test_an_export_cache_it_cannot_write_is_refused_before_the_export(
+        tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not after the line announcing minutes of export, in the export's own words."""
+    monkeypatch.setattr(bundle_source, "_export", lambda *_, **__: pytest.fail("the export ran"))
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "a-file"))
+    with pytest.raises(UserError, match=r"^the export cache \(\$COSYVOICE_CACHE_DIR\) .*a-file is not a"):
+        choose_bundle(tiny_bundle)
 
 
 @pytest.mark.torch

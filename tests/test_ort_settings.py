@@ -102,6 +102,8 @@ def test_tuning_file_is_applied_and_explicit_arguments_win(copy: Path) -> None:
 @pytest.mark.parametrize(("change", "match"), [
     ("damaged", "not a valid tuning file"),
     ("level", "not a valid tuning file .*'fastest'"),
+    ("threads", r"not a valid tuning file \(hift_f0: threads 1000000 is more than the \d+ CPUs"),
+    ("threads-bool", r"not a valid tuning file \(hift_f0: threads True is not a count of threads"),
     ("cpu", "measured on another machine .*cpu 'Other CPU'"),
     ("graph", r"measured on other graph files than the manifest's \(hift_f0\)"),
 ])
@@ -113,6 +115,9 @@ def test_bad_or_stale_tuning_file_is_refused_in_one_line(copy: Path, change: str
         path.write_text(path.read_text()[:-5])
     elif change == "level":
         data["graphs"]["hift_f0"]["optimization"] = "fastest"
+        path.write_text(json.dumps(data))
+    elif change.startswith("threads"):  # a million threads hung the run; --threads refuses both
+        data["graphs"]["hift_f0"]["threads"] = True if change == "threads-bool" else 10**6
         path.write_text(json.dumps(data))
     elif change == "cpu":
         data["machine"]["cpu"] = "Other CPU"

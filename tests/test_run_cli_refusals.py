@@ -142,6 +142,19 @@ def test_a_speed_that_is_not_finite_is_refused(speed: str, no_bundle: list[str],
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(("flag", "args", "unused"), [
+    ("--tune", ["--provider", "cuda", "--threads", "1"], "--provider, --threads"),
+    ("--tune", ["--text", "Hi.", "--out", "o.wav", "--stream"], "--text, --stream, --out"),
+    ("--info", ["--first-chunk-tokens", "10", "--seed", "5"], "--seed, --first-chunk-tokens"),
+])
+def test_info_and_tune_refuse_options_they_would_leave_unused(no_bundle: list[str], tmp_path: Path, flag: str,
+                                                             args: list[str], unused: str) -> None:
+    """`--tune --provider cuda` tuned the CPU and `--tune --out o.wav` wrote nothing, each exit status 0."""
+    line = refused(run(no_bundle, flag, *args))
+    assert line == f"error: {flag} takes only --model and --verify; {unused} would go unused"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_threads_beyond_the_usable_cpus_are_refused(no_bundle: list[str], tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ort_settings, "usable_cpus", lambda: 2)

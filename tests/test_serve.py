@@ -41,7 +41,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
-from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.bundle import ModelDims, RuntimeBundle
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cli import main as run_main
@@ -49,7 +49,7 @@ from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.dit_graphs import GraphedDit
 from cosyvoice_runtime.frontend import PromptFeatures, zero_shot_prompt
 from cosyvoice_runtime.sampling import Sampling
-from cosyvoice_runtime.speakers import LOCK, REGISTRY, SpeakerRegistry
+from cosyvoice_runtime.speakers import LOCK, REGISTRY, SpeakerRegistry, frontend_fingerprint
 from cosyvoice_runtime.synthesis import Mode
 from cosyvoice_serve import Engine, ServerSettings, create_app
 from cosyvoice_serve import cli as serve_cli
@@ -378,10 +378,11 @@ def test_speakers_serve_v1_audio_speech_and_persist_across_a_restart(
     assert sorted(p.name for p in (tmp_path / "speakers").iterdir()) == [REGISTRY, LOCK]  # no features left
 
 
-def write_upstream_spk2info(path: Path, engine: Engine, prompt: tuple[bytes, str]) -> None:
-    """`spk2info.pt` as upstream's `add_zero_shot_spk("You are a helpful assistant.<|endofprompt|>" +
-    transcript, prompt_wav, "upstream_spk")` and `save_spkinfo` write it for CosyVoice3: the keys, shapes
-    and dtypes of `frontend_zero_shot` (the features of the demo prompt, computed by our front end)."""
+def upstream_spk2info_entry(engine: Engine, prompt: tuple[bytes, str]) -> dict[str, Any]:
+    """An entry of `spk2info.pt` as upstream's `add_zero_shot_spk(prompt_text, prompt_wav, spk_id)` keeps it
+    for CosyVoice3 (prompt_text "You are a helpful assistant.<|endofprompt|>" + transcript) and `save_spkinfo`
+    writes it: the keys, shapes and dtypes of `frontend_zero_shot` (the features of the demo prompt, computed
+    by our front end)."""
     import torch
 
     features = engine.extract(decode_upload(prompt[0], "prompt_wav"))
@@ -399,7 +400,22 @@ def write_upstream_spk2info(path: Path, engine: Engine, prompt: tuple[bytes, str
              "llm_embedding": embedding, "flow_embedding": embedding}
     assert tokens.shape == (1, tokens.shape[1]) and mel.shape == (1, 2 * tokens.shape[1], 80)
     assert embedding.shape == (1, 192) and mel.dtype == embedding.dtype == torch.float32
-    torch.save({"upstream_spk": entry}, path)
+    return entry
+
+
+def export_speakers(spk2info: Path, out: Path, model: Path = DEMO_BUNDLE) -> Any:
+    """`cosyvoice-export speakers SPK2INFO --out OUT --model MODEL`, its result."""
+    from cosyvoice_export.cli import main as export_main
+
+    args = ["speakers", str(spk2info), "--out", str(out), "--model", str(model)]
+    return CliRunner().invoke(export_main, args)
+
+
+def refusal(result: Any) -> str:
+    """The one line of a refused command, exit status 2 and nothing else on stdout or stderr."""
+    assert result.exit_code == 2, result.output
+    assert result.stdout == "" and result.stderr.count("\n") == 1, result.output
+    return str(result.stderr.rstrip("\n"))
 
 
 @pytest.mark.torch
@@ -407,12 +423,9 @@ def test_upstream_spk2info_speakers_are_converted_and_served_from_start(
         engine: Engine, prompt: tuple[bytes, str], cli_stream: np.ndarray, tmp_path: Path) -> None:
     import torch
 
-    from cosyvoice_export.cli import main as export_main
-
     spk2info = tmp_path / "spk2info.pt"
-    write_upstream_spk2info(spk2info, engine, prompt)
-    args = ["speakers", str(spk2info), "--out", str(tmp_path / "speakers"), "--model", str(DEMO_BUNDLE)]
-    converted = CliRunner().invoke(export_main, args)
+    torch.save({"upstream_spk": upstream_spk2info_entry(engine, prompt)}, spk2info)
+    converted = export_speakers(spk2info, tmp_path / "speakers")
     assert converted.exit_code == 0, converted.output
     assert converted.output.endswith(f"1 speakers added to {tmp_path / 'speakers'}\n")
     speech = {"input": SHORT, "voice": "upstream_spk", "response_format": "pcm", "stream": True}
@@ -427,14 +440,158 @@ def test_upstream_spk2info_speakers_are_converted_and_served_from_start(
 
     sft = tmp_path / "sft.pt"  # upstream's built-in voices: an x-vector only, nothing to clone from
     torch.save({"中文女": {"embedding": torch.zeros(1, 192)}}, sft)
-    refused = CliRunner().invoke(export_main, ["speakers", str(sft), "--out", str(tmp_path / "speakers"),
-                                               "--model", str(DEMO_BUNDLE)])
-    assert refused.exit_code == 2
-    assert refused.output.startswith(f"error: {sft}: speaker '中文女': lacks prompt_text, ")
-    assert "(an sft speaker" in refused.output and len(refused.output.splitlines()) == 1
-    not_torch = CliRunner().invoke(export_main, ["speakers", str(tmp_path / "speakers" / REGISTRY),
-                                                 "--model", str(DEMO_BUNDLE), "--out", str(tmp_path)])
-    assert not_torch.exit_code == 2 and "not a torch file of speakers" in not_torch.output
+    refused = refusal(export_speakers(sft, tmp_path / "speakers"))
+    assert refused.startswith(f"error: {sft}: speaker '中文女': lacks prompt_text, ")
+    assert "(an sft speaker" in refused
+
+
+@pytest.mark.torch
+def test_spk2info_in_other_precisions_and_torchs_legacy_format_is_converted_to_float32(
+        engine: Engine, prompt: tuple[bytes, str], tmp_path: Path) -> None:
+    import torch
+
+    entry = upstream_spk2info_entry(engine, prompt)
+    embedding, mel = entry["llm_embedding"].bfloat16(), entry["prompt_speech_feat"].half()
+    spk2info = tmp_path / "spk2info.pt"
+    torch.save({"low": {**entry, "llm_embedding": embedding, "flow_embedding": embedding,
+                        "prompt_speech_feat": mel}}, spk2info)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert export_speakers(spk2info, tmp_path / "speakers").exit_code == 0
+        # the legacy format, pickled with a protocol torch warns about though it reads it
+        torch.save({"legacy": entry}, spk2info, _use_new_zipfile_serialization=False, pickle_protocol=3)
+        caught.clear()
+        converted = export_speakers(spk2info, tmp_path / "speakers")
+    assert converted.exit_code == 0 and converted.stderr == "", converted.output
+    assert [str(w.message) for w in caught] == []
+    registry = SpeakerRegistry(tmp_path / "speakers", frontend_fingerprint(engine.voice.bundle))
+    low = registry.get("low")
+    assert low is not None and low.features.embedding.dtype == low.features.mel.dtype == np.float32
+    assert np.array_equal(low.features.embedding, embedding.float().numpy())
+    assert np.array_equal(low.features.mel, mel.float().numpy())
+    assert registry.names() == ["legacy", "low"]
+
+
+def poked(tensor: Any, value: float) -> Any:
+    """`tensor` with its first element `value`."""
+    flat = tensor.flatten().clone()  # a copy, whatever the strides
+    flat[0] = value
+    return flat.reshape(tensor.shape)
+
+
+def entry_with(entry: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    """`spk2info.pt` of one speaker 's', its `entry` with `changes` (`tokens`, `embedding`: the llm_ and
+    flow_ keys alike)."""
+    for short, keys in (("tokens", ("llm_prompt_speech_token", "flow_prompt_speech_token")),
+                        ("embedding", ("llm_embedding", "flow_embedding"))):
+        if short in changes:
+            changes |= dict.fromkeys(keys, changes.pop(short))
+    return {"s": {**entry, **changes}}
+
+
+Make = Callable[[dict[str, Any], ModelDims], object]
+"""`spk2info.pt`'s contents made from a valid entry, for a bundle of those dims."""
+NAN, INF = float("nan"), float("inf")
+SPK2INFO_REFUSALS = [  # contents that cannot be served, and the start of the refusal after the file's name
+    pytest.param(lambda e, _: entry_with(e, prompt_speech_feat=poked(e["prompt_speech_feat"], NAN)),
+                 "speaker 's': prompt_speech_feat has 1 NaN or infinite values of ", id="mel NaN"),
+    pytest.param(lambda e, _: entry_with(e, prompt_speech_feat=poked(e["prompt_speech_feat"].double(), 1e99)),
+                 "speaker 's': prompt_speech_feat has 1 NaN or infinite ", id="mel float64 beyond float32"),
+    pytest.param(lambda e, _: entry_with(e, embedding=poked(e["llm_embedding"], INF)),
+                 "speaker 's': llm_embedding has 1 NaN or infinite values of 192", id="x-vector inf"),
+    pytest.param(lambda e, _: entry_with(e, flow_embedding=poked(e["llm_embedding"], NAN)),
+                 "speaker 's': flow_embedding differs from its llm_ counterpart", id="flow x-vector NaN"),
+    pytest.param(lambda e, _: entry_with(e, tokens=e["llm_prompt_speech_token"] * 0 + 999999),
+                 "speaker 's': llm_prompt_speech_token has ids from 999999 to 999999; the bundle's speech "
+                 "codebook has 0 to {last_token}", id="speech tokens huge"),
+    pytest.param(lambda e, _: entry_with(e, tokens=poked(e["llm_prompt_speech_token"], -5)),
+                 "speaker 's': llm_prompt_speech_token has ids from -5 to ", id="a speech token negative"),
+    pytest.param(lambda e, d: entry_with(e, tokens=poked(e["llm_prompt_speech_token"], d.speech_token_size)),
+                 "speaker 's': llm_prompt_speech_token has ids from ", id="a speech token a stop id"),
+    pytest.param(lambda e, _: entry_with(e, tokens=e["llm_prompt_speech_token"][0, 0]),
+                 "speaker 's': llm_prompt_speech_token is int32 (), expected integer ",
+                 id="speech tokens a scalar"),
+    pytest.param(lambda e, _: entry_with(e, prompt_text=poked(e["prompt_text"], -1)),
+                 "speaker 's': prompt_text has ids from -1 to ", id="a text id negative"),
+    pytest.param(lambda e, _: entry_with(e, prompt_text=e["prompt_text"] * 0 + 10**9),
+                 "speaker 's': prompt_text has ids from 1000000000 to 1000000000; the bundle's tokenizer has "
+                 "0 to {last_text_id}", id="text ids beyond the vocabulary"),
+    pytest.param(lambda e, _: entry_with(e, prompt_speech_feat=e["prompt_speech_feat"].chalf()),
+                 "speaker 's': prompt_speech_feat is torch.complex32, neither an integer nor a float",
+                 id="mel complex32", marks=pytest.mark.filterwarnings("ignore:ComplexHalf support")),
+    pytest.param(lambda e, _: {"dave": e, " dave": e}, "speakers 'dave' and ' dave' are both named 'dave' "
+                 "(names are stripped); rename one", id="names equal once stripped"),
+    pytest.param(lambda e, _: {5: e}, "speaker 5: the speaker id is int, not str", id="an int id"),
+    pytest.param(lambda e, _: {("a", "b"): e}, "speaker ('a', 'b'): the speaker id is tuple, not str",
+                 id="a tuple id"),
+]
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize(("make", "why"), SPK2INFO_REFUSALS)
+def test_spk2info_that_cannot_be_served_is_one_line_and_nothing_written(
+        engine: Engine, prompt: tuple[bytes, str], tmp_path: Path, make: Make, why: str) -> None:
+    import torch
+
+    spk2info = tmp_path / "spk2info.pt"
+    dims = engine.voice.bundle.dims
+    torch.save(make(upstream_spk2info_entry(engine, prompt), dims), spk2info)
+    last = {"last_token": dims.speech_token_size - 1, "last_text_id": len(engine.voice.tokenizer) - 1}
+    line = refusal(export_speakers(spk2info, tmp_path / "speakers"))
+    assert line.startswith(f"error: {spk2info}: {why.format(**last)}"), line
+    assert list(tmp_path.iterdir()) == [spk2info]
+
+
+@pytest.mark.torch
+def test_a_file_that_is_not_torchs_is_named_as_such(engine: Engine, prompt: tuple[bytes, str], tmp_path: Path
+                                                    ) -> None:
+    import pickle
+
+    import torch
+
+    spk2info = tmp_path / "spk2info.pt"
+    torch.save({"s": upstream_spk2info_entry(engine, prompt)}, spk2info)
+    whole = spk2info.read_bytes()
+    not_torch = "not a torch file (neither torch.save's zip archive nor its legacy pickle); expected "
+    files: dict[bytes, str] = {
+        b"": "empty file; expected upstream's spk2info.pt",
+        b"hello, not a pickle\n": not_torch,
+        b'{"speakers": {}}\n': not_torch,
+        pickle.dumps({"s": {"prompt_text": [1, 2]}}): not_torch,  # a plain pickle: torch warns, then refuses
+        whole[:len(whole) // 2]: "a torch file that cannot be read as speakers (its zip archive is cut short",
+    }
+    for content, why in files.items():
+        spk2info.write_bytes(content)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            line = refusal(export_speakers(spk2info, tmp_path / "speakers"))
+        assert line.startswith(f"error: {spk2info}: {why}"), (content[:20], line)
+        assert [str(w.message) for w in caught] == []
+    assert list(tmp_path.iterdir()) == [spk2info]
+
+
+@pytest.mark.torch
+def test_an_out_folder_that_cannot_be_written_is_one_line_before_the_file_is_read(
+        engine: Engine, prompt: tuple[bytes, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    (tmp_path / "file").write_text("")
+    refusals = {tmp_path / "file" / "speakers": f"{tmp_path / 'file'} is not a folder"}
+    if Path("/proc/self").is_dir():  # procfs: a folder nobody may write in, whoever runs the test
+        refusals[Path("/proc/speakers")] = ""
+    for out, why in refusals.items():  # neither the file nor the bundle exists: --out is judged first
+        line = refusal(export_speakers(tmp_path / "no-such.pt", out, tmp_path / "no-bundle"))
+        assert line.startswith(f"error: --out {out}: {why}"), line
+    spk2info = tmp_path / "spk2info.pt"
+    torch.save({"a": upstream_spk2info_entry(engine, prompt)}, spk2info)
+
+    def full(*_: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(SpeakerRegistry, "add", full)  # a folder that fills up after the check
+    assert refusal(export_speakers(spk2info, tmp_path / "speakers")) == (
+        f"error: {tmp_path / 'speakers'}: cannot write in the folder (No space left on device); 0 of 1 "
+        "speakers added")
 
 
 def test_a_crash_while_registering_leaves_the_registry_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -994,6 +1151,47 @@ def test_port_model_and_api_key_from_flags_then_environment_then_dotenv(
     assert "sessions at once: 1, their speech tokens decoded each on its own\n" in err  # the demo bundle's
     assert "streams: upstream's chunk schedule and flow\n" in err
     assert opened == [(None, str(DEMO_BUNDLE))]  # choose_bundle reads $COSYVOICE_MODEL_DIR, set by .env
+
+
+@pytest.mark.parametrize(("environment", "flags"), [({API_KEY_ENV: ""}, []), ({API_KEY_ENV: "  "}, []),
+                                                    ({}, ["--api-key", " "])])
+def test_a_blank_api_key_is_refused_before_the_bundle_opens(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        environment: dict[str, str], flags: list[str]) -> None:
+    """`COSYVOICE_API_KEY=$KEY` with `KEY` unset served everyone: click takes an empty variable for unset."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(Engine, "open", lambda *_, **__: pytest.fail("the bundle was opened"))
+    monkeypatch.setattr(sys, "argv", ["cosyvoice-serve", "--speakers", str(tmp_path / "speakers"), *flags])
+    with pytest.raises(SystemExit) as exit_:
+        serve_cli.main()
+    assert exit_.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "Invalid value for '--api-key': " in line and "the API key is blank" in line
+
+
+@pytest.mark.parametrize("where", ["taken", "unresolved", "grpc-taken"])
+def test_an_address_the_server_cannot_listen_on_is_refused_before_the_bundle_opens(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    """A port taken or a host that does not resolve failed in uvicorn, after the bundle's load and warm-up."""
+    monkeypatch.setattr(Engine, "open", lambda *_, **__: pytest.fail("the bundle was opened"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy, free = taken.getsockname()[1], free_port()
+        args = {"taken": ["--port", str(busy)], "unresolved": ["--host", "no-such-host.invalid"],
+                "grpc-taken": ["--port", str(free), "--grpc-port", str(busy)]}[where]
+        monkeypatch.setattr(sys, "argv", ["cosyvoice-serve", "--speakers", str(tmp_path / "speakers"), *args])
+        with pytest.raises(SystemExit) as exit_:
+            serve_cli.main()
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot listen on "), lines
+    option = "--grpc-port" if where == "grpc-taken" else "--port"
+    assert f"(--host or $COSYVOICE_HOST, {option}): " in lines[0]
 
 
 def test_the_warm_up_leaves_the_bundle_voice_ready(caplog: pytest.LogCaptureFixture) -> None:

@@ -177,9 +177,12 @@ def read_tuning(root: Path) -> dict[str, OrtSettings]:
                              f"{TUNING_FORMAT!r} v{TUNING_VERSION}")
         tuned = {name: OrtSettings(g["optimization"], g["threads"]) for name, g in data["graphs"].items()}
         for name, s in tuned.items():
-            threads_ok = s.threads is None or (isinstance(s.threads, int) and s.threads > 0)
-            if s.optimization not in OPTIMIZATION or not threads_ok:
-                raise ValueError(f"{name}: {s.optimization!r} with {s.threads!r} threads")
+            if s.optimization not in OPTIMIZATION:
+                raise ValueError(f"{name}: optimization {s.optimization!r}")
+            # as --threads: more than the CPUs this process may use only slows (a million hung the run)
+            problem = None if s.threads is None else threads_problem(s.threads)
+            if problem is not None:
+                raise ValueError(f"{name}: threads {problem}")
         recorded = {name: g["file"] for name, g in data["graphs"].items()}
         here, there = machine(), dict(data["machine"])
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
