@@ -65,6 +65,7 @@ from .frontend import (
     zero_shot_prompt,
 )
 from .frontend.audio import check_sample_rate
+from .frontend.tokenizer import check_unicode
 from .prefix_jobs import PrefixJobs
 from .process_memory import release_free_heap
 from .runners import CPU, TENSORRT
@@ -324,6 +325,8 @@ class CosyVoice3:
         `text_name`) if nothing is left."""
         if not tts_text.strip():
             raise UserError(f"{text_name} is empty")
+        for text, name in ((tts_text, text_name), (prompt_text, "prompt_text"), (instruct, "instruct_text")):
+            check_unicode(text, name)  # before the normaliser, whose grammars would fail on it otherwise
         pieces = segments(tts_text, mode, self.tokenizer, self.frontend if text_frontend else None,
                           prompt_text=prompt_text, instruct=instruct)
         if not pieces:
@@ -427,6 +430,7 @@ class CosyVoice3:
         for piece in pieces:
             if not isinstance(piece, str):
                 raise UserError(f"tts_text: a piece of streamed text is {type(piece).__name__}, not str")
+            check_unicode(piece, "tts_text: a piece of streamed text")
             for i in self.tokenizer.encode(piece):
                 read.append(i)
                 yield i

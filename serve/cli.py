@@ -8,7 +8,7 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
@@ -45,6 +45,10 @@ if TYPE_CHECKING:
     from .queue import SessionQueue
 
 DOTENV = Path(".env")
+UVICORN: dict[str, Any] = {"log_level": "info", "http": "h11"}
+"""uvicorn's settings. h11: it holds at most 16 KiB of a request's head while the head arrives (a 400 past
+it), where httptools, uvicorn's choice where installed, read a header of 256 MiB whole (300 MB of the
+server's memory, kept)."""
 DEFAULTS = ServerSettings()
 
 
@@ -232,9 +236,9 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
         click.echo(f"speakers: {settings.speakers_dir} ({len(app.state.server.speakers.names())} registered)",
                    err=True)
         if grpc_port is None:
-            uvicorn.run(app, host=host, port=port, log_level="info")
+            uvicorn.run(app, host=host, port=port, **UVICORN)
             return
-        http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+        http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, **UVICORN))
         _run_grpc(engine, settings, host, grpc_port, http=http, sessions=app.state.server.sessions,
                   metrics=app.state.server.metrics)
     finally:

@@ -125,11 +125,14 @@ def _empty_form_fields(error: RequestValidationError) -> list[str]:
             and error.body.get(str(item["loc"][1])) == ""]
 
 
-def _json_failure(error: UnicodeDecodeError | RecursionError) -> str:
-    """Why a body that is no JSON syntax error is not JSON either: its bytes or its depth."""
+def _json_failure(error: ValueError | RecursionError) -> str:
+    """Why a body that is no JSON syntax error is not JSON either: its bytes, its depth, or a number Python
+    will not read (an integer of more than 4300 digits)."""
     if isinstance(error, RecursionError):
         return "nested too deeply"
-    return f"not UTF-8: {undecodable(error)}"
+    if isinstance(error, UnicodeDecodeError):
+        return f"not UTF-8: {undecodable(error)}"
+    return " ".join(str(error).split())
 
 
 def _validation_detail(error: RequestValidationError) -> str:
@@ -173,7 +176,7 @@ def install_error_handlers(app: FastAPI) -> None:
         path = request.url.path
         # what json.loads raises besides a syntax error, which FastAPI answers with a bare 400: answered as
         # a syntax error is (422, `_validation_detail`)
-        if isinstance(exc.__cause__, UnicodeDecodeError | RecursionError):
+        if isinstance(exc.__cause__, ValueError | RecursionError):
             return error_response(422, f"body: not valid JSON ({_json_failure(exc.__cause__)})", path=path)
         if isinstance(exc.__context__, FieldNotText):
             return error_response(400, exc.__context__.message, path=path, param=exc.__context__.field)

@@ -15,7 +15,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import numpy as np
 from fastapi import Request, UploadFile
@@ -23,6 +23,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
+from cosyvoice_runtime.errors import FrontendError
+from cosyvoice_runtime.frontend.tokenizer import check_unicode
 from cosyvoice_runtime.sampling import MAX_SEED, Sampling
 
 from .audio import check_upload
@@ -62,6 +64,10 @@ def require_text(value: str, field: str, settings: ServerSettings) -> str:
     if len(value) > settings.max_text_chars:
         raise FieldError(field, f"{field} has {len(value)} characters; the limit is "
                                 f"{settings.max_text_chars}")
+    try:  # a JSON body's "\ud800" escape: a 500 from the tokenizer otherwise
+        check_unicode(value, field)
+    except FrontendError as e:
+        raise FieldError(field, str(e)) from None
     return value
 
 
@@ -105,6 +111,8 @@ async def first_item(state: ServerState, request: Request, stream: SessionStream
         if not item.done():
             item.cancel()
             stream.cancel()
+            # the session may end with an error all the same (its queue held it): nobody reads it now
+            item.add_done_callback(_retrieve)
     if not item.done():
         _mark_cancelled(state, request)
         raise ClientGone
@@ -112,6 +120,12 @@ async def first_item(state: ServerState, request: Request, stream: SessionStream
     if first is None:
         raise ApiError(500, "synthesis ended without audio")
     return first
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Reads a task's outcome, so that asyncio does not log an error nobody was to read."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def offline_audio(state: ServerState, request: Request, job: SynthesisJob) -> np.ndarray:

@@ -25,6 +25,8 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from cosyvoice_runtime.errors import FrontendError
+from cosyvoice_runtime.frontend.tokenizer import check_unicode
 from cosyvoice_runtime.synthesis import Mode
 
 from .engine import SynthesisJob
@@ -128,6 +130,7 @@ async def _serve(socket: WebSocket, state: ServerState) -> None:
     sampling = request_sampling(settings, start.seed)
     instruct = (start.instructions or "").strip()
     _check_length(len(instruct), settings.max_text_chars, "instructions")
+    _check_unicode(instruct, "instructions")
     job = SynthesisJob(Mode.INSTRUCT2 if instruct else Mode.ZERO_SHOT, "", prompt, sampling,
                        prompt_text="" if instruct else prompt_text, instruct=instruct, text_field="text")
     feed = TextFeed()
@@ -195,6 +198,7 @@ async def _read_text(socket: WebSocket, feed: TextFeed, max_chars: int, idle: fl
                                               f"{{\"type\": \"end\"}}, got {_short(message)}")
         chars += len(message["text"])
         _check_length(chars, max_chars, "text")
+        _check_unicode(message["text"], "text")
         spoken = spoken or bool(message["text"].strip())
         feed.put(message["text"])
 
@@ -212,6 +216,8 @@ async def _receive(socket: WebSocket, idle: float) -> dict[str, Any]:
         raise StreamClosed("bad_message", "messages are JSON text frames, not binary")
     try:
         message = json.loads(text)
+    except RecursionError:  # as HTTP's bodies (errors.py)
+        raise StreamClosed("bad_message", "not valid JSON (nested too deeply)") from None
     except ValueError as e:
         raise StreamClosed("bad_message", f"not valid JSON ({e})") from None
     if not isinstance(message, dict):
@@ -234,6 +240,13 @@ def _start(message: dict[str, Any]) -> StartMessage:
 def _check_length(chars: int, limit: int, what: str) -> None:
     if chars > limit:
         raise StreamClosed("too_much_text", f"{what} has {chars} characters; the limit is {limit}")
+
+
+def _check_unicode(text: str, what: str) -> None:
+    try:
+        check_unicode(text, what)
+    except FrontendError as e:
+        raise StreamClosed("bad_message", str(e)) from None
 
 
 def _short(value: object) -> str:

@@ -1020,6 +1020,18 @@ BAD_REQUESTS = [
     ("multipart cut short", "/inference_instruct2",
      multipart(b'--b0\r\nContent-Disposition: form-data; name="tts_text"\r\n\r\nHi.'),
      422, "tts_text: Field required; instruct_text: Field required; prompt_wav: Field required"),
+    # a JSON escape that parses to no Unicode text: the tokenizer's TypeError was a 500
+    ("lone surrogate", "/v1/audio/speech",
+     {"content": b'{"model": "tts-1", "voice": "alloy", "input": "Hi \\ud800."}',
+      "headers": {"content-type": "application/json"}},
+     400, "input is not valid Unicode text: character 4 is a lone surrogate (U+D800)"),
+    ("lone surrogate in the bridge", "/synthesize",
+     {"content": b'{"text": "\\udfff"}', "headers": {"content-type": "application/json"}},
+     400, "text is not valid Unicode text: character 1 is a lone surrogate (U+DFFF)"),
+    ("integer past Python's digits", "/synthesize",
+     {"content": b'{"text": "Hi.", "seed": ' + b"9" * 5000 + b"}",
+      "headers": {"content-type": "application/json"}},
+     422, "body: not valid JSON (Exceeds the limit (4300 digits) for integer string conversion"),
     ("json cut short", "/synthesize",
      {"content": b'{"text": "Hi.", ', "headers": {"content-type": "application/json"}}, 422,
      "body: not valid JSON (Expecting property name enclosed in double quotes at character 16)"),
@@ -1192,6 +1204,22 @@ def test_an_address_the_server_cannot_listen_on_is_refused_before_the_bundle_ope
     assert len(lines) == 1 and lines[0].startswith("error: cannot listen on "), lines
     option = "--grpc-port" if where == "grpc-taken" else "--port"
     assert f"(--host or $COSYVOICE_HOST, {option}): " in lines[0]
+
+
+def test_a_request_head_past_16_kib_is_refused_and_not_kept(tmp_path: Path) -> None:
+    """httptools, uvicorn's choice where installed, read a 256 MiB header whole and kept 300 MB."""
+    port = free_port()
+    with cosyvoice_serve(tmp_path, "--port", str(port), "--no-warm-up"), \
+            httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
+        wait_for_http(client)
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
+            try:  # a head that arrives in pieces: what h11 holds of it unfinished is bounded
+                raw.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n")
+                answer = raw.recv(200)
+            except (BrokenPipeError, ConnectionResetError):  # closed while the rest was still on its way
+                answer = b""
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 400 "), answer
+        assert client.get("/health").status_code == 200
 
 
 def test_the_warm_up_leaves_the_bundle_voice_ready(caplog: pytest.LogCaptureFixture) -> None:

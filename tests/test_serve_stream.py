@@ -93,6 +93,11 @@ def test_text_pieces_in_audio_out(engine: Engine, tmp_path: Path) -> None:
     ([{"type": "start", "voice": 5}], 1008, "start: voice: expected a speaker name (a string) or an object "
                                             "with an id (a string), got a number"),
     (["{not json"], 1008, "not valid JSON"),
+    (["[" * 100000 + "]" * 100000], 1008, "not valid JSON (nested too deeply)"),  # a RecursionError: 1011
+    ([{"type": "start", "voice": "alloy"}, '{"type": "text", "text": "Hi \\ud800"}'], 1008,
+     "text is not valid Unicode text: character 4 is a lone surrogate (U+D800)"),
+    ([{"type": "start", "voice": "alloy", "instructions": "\udc00"}], 1008,
+     "instructions is not valid Unicode text: character 1 is a lone surrogate (U+DC00)"),
     ([b"\x00\x01"], 1008, "messages are JSON text frames, not binary"),
     ([{"type": "start", "voice": "alloy"}, {"type": "txt", "text": "hi"}], 1008, 'expected {"type": "text"'),
     ([{"type": "start", "voice": "alloy"}, {"type": "text", "text": "x" * 30}], 1009,

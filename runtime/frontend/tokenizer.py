@@ -80,6 +80,16 @@ def _add_config_tokens(tokenizer: Tokenizer, config: dict[str, Any], config_path
             tokenizer.add_tokens([AddedToken(content, special=True)])
 
 
+def check_unicode(text: str, name: str) -> None:
+    """A `FrontendError` naming `name` where `text` holds a lone surrogate: JSON's `"\\ud800"` escape
+    parses to one, and no encoder or tokenizer takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise FrontendError(f"{name} is not valid Unicode text: character {e.start + 1} is a lone surrogate "
+                            f"(U+{ord(text[e.start]):04X})") from None
+
+
 class TextTokenizer:
     """Upstream's `CosyVoice3Tokenizer` without transformers: Qwen2 BPE + CosyVoice3 special tokens."""
 
@@ -114,7 +124,9 @@ class TextTokenizer:
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; no BOS/EOS is added (upstream's `encode`)."""
+        """Token ids of `text`; no BOS/EOS is added (upstream's `encode`). A `FrontendError` for a lone
+        surrogate, which is no Unicode text (the tokenizer's own error is a TypeError)."""
+        check_unicode(text, "the text")
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
