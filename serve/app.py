@@ -16,10 +16,10 @@ from . import routes_bridge, routes_openai, routes_page, routes_speakers, routes
 from .auth import RequireApiKey
 from .body_limit import LimitBody
 from .engine import Engine
-from .errors import AnswerUnexpected, install_error_handlers
+from .errors import CANCELLED, OUTCOME, AnswerUnexpected, install_error_handlers
 from .metrics import ServerMetrics
 from .queue import SessionQueue
-from .responses import CANCELLED, OUTCOME, SYNTHESIS_TAG
+from .responses import SYNTHESIS_TAG
 from .settings import ServerSettings
 from .state import ServerState, Speakers
 

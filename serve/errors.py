@@ -23,9 +23,14 @@ from pydantic import BaseModel, Field
 from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .forms import FieldNotText, undecodable
+
+OUTCOME = "synthesis_outcome"
+"""`request.state` key: `CANCELLED` when the client went away (the metrics middleware reads it)."""
+CANCELLED = "cancelled"
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +179,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
         path = request.url.path
+        if isinstance(exc.__cause__, ClientDisconnect):  # gone mid-upload: neither a success nor an error
+            setattr(request.state, OUTCOME, CANCELLED)
         # what json.loads raises besides a syntax error, which FastAPI answers with a bare 400: answered as
         # a syntax error is (422, `_validation_detail`)
         if isinstance(exc.__cause__, ValueError | RecursionError):

@@ -29,7 +29,7 @@ from cosyvoice_runtime.sampling import MAX_SEED, Sampling
 
 from .audio import check_upload
 from .engine import AudioUpload, SynthesisJob, decode_upload
-from .errors import ApiError, EmptyField, FieldError, StreamCut
+from .errors import CANCELLED, OUTCOME, ApiError, EmptyField, FieldError, StreamCut
 from .formats import ChunkEncoder, PcmEncoder
 from .metrics import ServerMetrics
 from .queue import QueueFull, Session, SessionStream
@@ -41,9 +41,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 SYNTHESIS_TAG = "synthesis"
 """The tag of the synthesis routes: the `tts_requests_*` counters count their requests."""
-OUTCOME = "synthesis_outcome"
-"""`request.state` key: "cancelled" when the client went away (the metrics middleware reads it)."""
-CANCELLED = "cancelled"
 SEED_DESCRIPTION = (f"Sampler seed, 0 to {MAX_SEED}; default --seed, else random (ours: upstream and OpenAI "
                     "have none).")
 Seed = Annotated[int | None, Field(ge=0, le=MAX_SEED, description=SEED_DESCRIPTION)]

@@ -1222,6 +1222,26 @@ def test_a_request_head_past_16_kib_is_refused_and_not_kept(tmp_path: Path) -> N
         assert client.get("/health").status_code == 200
 
 
+def test_a_client_that_leaves_mid_upload_is_counted_as_gone_not_as_an_error(tmp_path: Path) -> None:
+    """FastAPI answers the body's ClientDisconnect with a 400, which counted as a request error."""
+    port = free_port()
+    with cosyvoice_serve(tmp_path, "--port", str(port), "--no-warm-up"), \
+            httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
+        wait_for_http(client)
+        for path, kind in (("/inference_cross_lingual", "multipart/form-data; boundary=b0"),
+                           ("/synthesize", "application/json")):
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
+                raw.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {kind}\r\n"
+                            f"Content-Length: {1 << 20}\r\n\r\n".encode() + b"--b0\r\n" + b"x" * 4096)
+                time.sleep(0.3)  # the server is reading the body when the client goes
+        deadline = time.monotonic() + 10
+        while metric(text := client.get("/metrics").text, "tts_requests_total") < 2:
+            assert time.monotonic() < deadline, text
+            time.sleep(0.1)
+    assert metric(text, "tts_requests_total") == 2
+    assert metric(text, "tts_requests_error") == 0 == metric(text, "tts_requests_success")
+
+
 def test_the_warm_up_leaves_the_bundle_voice_ready(caplog: pytest.LogCaptureFixture) -> None:
     """`Engine.warm_up` streams a few chunks in the bundle's own voice and stops: a request in that voice then
     finds its flow prefix made (a hit, not a second miss); a bundle without a prompt of its own skips it."""
