@@ -127,7 +127,7 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
                 check_writable(path, "--plots")
         # a provider that cannot run the bundle, then a damaged graph, is one line here, not a failed run
         check_synthesis(RuntimeBundle.open(model), provider, chunk_slots=chunk_slots, cuda_graphs=cuda_graphs,
-                        stack_dit=stack_dit)
+                        stack_dit=stack_dit, chunk_policy=chunk_policy)
         bundle = RuntimeBundle.open(model, verify=True)
         uses_graphs = uses_cuda_graphs(cuda_graphs, bundle, provider)
         if model_dir is not None:  # fail before the run starts, not when the torch side first loads

@@ -46,9 +46,9 @@ if TYPE_CHECKING:
 
 DOTENV = Path(".env")
 UVICORN: dict[str, Any] = {"log_level": "info", "http": "h11"}
-"""uvicorn's settings. h11: it holds at most 16 KiB of a request's head while the head arrives (a 400 past
-it), where httptools, uvicorn's choice where installed, read a header of 256 MiB whole (300 MB of the
-server's memory, kept)."""
+"""uvicorn's settings. h11: it holds at most 16 KiB of a request's head that has not finished arriving (a
+400 past it), where httptools, uvicorn's choice where installed, read a header of 256 MiB whole (300 MB of
+the server's memory, kept)."""
 DEFAULTS = ServerSettings()
 
 
@@ -200,6 +200,9 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
                                    "many as its --replica-cpus")
         from .ray_app import ReplicaConfig, run_ray  # the ray extra, imported only here
 
+        if ray.address is None:  # a local instance: its replicas keep speakers here, its proxy listens here
+            _create_speakers_folder(settings.speakers_dir)
+            _check_listen(host, port, "--port")
         run_ray(ray, ReplicaConfig(model, provider, flow_prefix_mib << 20, settings, ray.speaker_store),
                 host=host, port=port)
         return

@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 from test_bench import bench_args, check_common
 
+from cosyvoice_bench import cli as bench_cli
 from cosyvoice_bench.bounds import (
     ModelShapes,
     dit_flops_per_step,
@@ -216,8 +217,10 @@ def test_plots_without_matplotlib_refuse_before_measuring(runtime_bundle: Path, 
     (["--plots"], "error: --plots writes its PNGs beside the JSON: give --json FILE too"),
     (["--first-chunk-tokens", "1"], "error: first_chunk_tokens must be >= "),
 ])
-def test_bad_options_are_one_line(runtime_bundle: Path, tmp_path: Path, extra: list[str], message: str
-                                  ) -> None:
+def test_bad_options_are_one_line(runtime_bundle: Path, tmp_path: Path, extra: list[str], message: str,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before anything is measured (a first chunk below the vocoder's look-ahead ran three steps first)."""
+    monkeypatch.setattr(bench_cli, "run", lambda *_, **__: pytest.fail("the run started"))
     args = [*bench_args(runtime_bundle, tmp_path / "x.json"), *extra]
     if extra == ["--plots"]:
         args = [a for a in args if a not in ("--json", str(tmp_path / "x.json"))]

@@ -451,7 +451,8 @@ def test_the_sdist_declares_its_license_as_an_spdx_expression(sdist: Sdist) -> N
     """PEP 639's `License-Expression`, from pyproject's `license` string, and the license's text; setuptools
     ends its support of the older table form, and of any other deprecated configuration, at a dated
     release."""
-    headers = [line for line in sdist.pkg_info.splitlines() if line.startswith("License")]
+    head = sdist.pkg_info.partition("\n\n")[0]  # the headers, not the README after them
+    headers = [line for line in head.splitlines() if line.startswith("License")]
     assert headers == [f"License-Expression: {PYPROJECT['project']['license']}", "License-File: LICENSE"]
     assert "LICENSE" in sdist.files and "Apache License" in (ROOT / "LICENSE").read_text()
     assert "SetuptoolsDeprecationWarning" not in sdist.stderr, sdist.stderr

@@ -225,17 +225,29 @@ def test_tune_refuses_a_bundle_it_cannot_write_before_timing(tmp_path: Path, mon
     assert not (bundle / TUNING_FILE).exists()
 
 
-def test_a_damaged_graph_unverified_is_one_line_naming_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("damage", "reason"), [
+    ("all", "not a graph onnxruntime can load (Protobuf parsing failed)"),
+    # one byte inside a node, or in the metadata: onnxruntime's InvalidArgument and a UnicodeDecodeError were
+    # tracebacks
+    (1000, "not a graph onnxruntime can load (Invalid model. Node input "),
+    (-30, "its metadata is not UTF-8 text"),
+])
+def test_a_damaged_graph_unverified_is_one_line_naming_it(tmp_path: Path, damage: str | int, reason: str
+                                                          ) -> None:
     bundle = shutil.copytree(DEMO_BUNDLE, tmp_path / "bundle")
     graph = bundle / json.loads((bundle / "manifest.json").read_text())["graphs"]["hift_f0"]["file"]
-    graph.write_bytes(np.random.default_rng(0).bytes(graph.stat().st_size))  # the size the manifest says
+    data = bytearray(np.random.default_rng(0).bytes(graph.stat().st_size) if damage == "all"
+                     else graph.read_bytes())  # the size the manifest says
+    if isinstance(damage, int):
+        data[damage] ^= 0xFF
+    graph.write_bytes(bytes(data))
     out = tmp_path / "o.wav"
     result = CliRunner().invoke(run_main, ["--model", str(bundle), "--no-verify", "--text", "Hi.", "--out",
                                            str(out)])
     assert result.exit_code == 2 and not out.exists(), result.output
-    assert result.stderr.splitlines()[-1] == (
-        f"error: {graph}: not a graph onnxruntime can load (Protobuf parsing failed); verifying the bundle's "
-        "sha256s finds a damaged file")
+    line = result.stderr.splitlines()[-1]
+    assert line.startswith(f"error: {graph}: {reason}"), line
+    assert line.endswith("; verifying the bundle's sha256s finds a damaged file")
 
 
 # --- click's usage errors ----------------------------------------------------------------------------------

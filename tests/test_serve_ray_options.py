@@ -86,13 +86,20 @@ def test_without_the_ray_extra_ray_is_one_line_naming_it() -> None:
                                         "pip install 'cosyvoice-onnx[ray]'"]
 
 
-@pytest.mark.parametrize("case", ["manifest", "max-batch", "provider", "speakers"])
+@pytest.mark.parametrize("case", ["manifest", "max-batch", "provider", "speakers", "speakers-folder", "port"])
 def test_on_a_local_instance_what_a_replica_would_refuse_is_refused_before_ray_starts(
         case: str, tmp_path: Path) -> None:
     """The replicas of a local Ray instance open this machine's bundle and speakers: the driver holds them to
     the replica's checks first, one line and exit status 2 in a second, not after Ray started."""
     ray = pytest.importorskip("ray", reason="Ray Serve is not installed (the ray extra)")
     speakers = tmp_path / "speakers"
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = str(free.getsockname()[1])
+    free.close()
     args, message = {
         "manifest": (["--model", str(tmp_path)], f"{tmp_path / 'manifest.json'}: format is None, expected "
                                                  "'cosyvoice3-runtime-bundle'"),
@@ -101,6 +108,9 @@ def test_on_a_local_instance_what_a_replica_would_refuse_is_refused_before_ray_s
                                             "decodes on llm"),
         "provider": (["--provider", CUDA], "provider 'cuda' needs onnxruntime's CUDAExecutionProvider"),
         "speakers": ([], f"{speakers / REGISTRY}: not a readable speaker registry"),
+        # after Ray had started, in a replica's traceback
+        "speakers-folder": (["--speakers", "/proc/none"], "--speakers /proc/none: cannot create the folder"),
+        "port": (["--port", str(taken.getsockname()[1])], "cannot listen on '127.0.0.1' port "),
     }[case]
     if case == "provider" and ORT_PROVIDERS[CUDA] in onnxruntime.get_available_providers():
         pytest.skip("this onnxruntime has the CUDA provider, whose absence the case refuses")
@@ -108,8 +118,9 @@ def test_on_a_local_instance_what_a_replica_would_refuse_is_refused_before_ray_s
     speakers.mkdir()
     (speakers / REGISTRY).write_text("not a registry")
     started = time.monotonic()
-    done = CliRunner().invoke(serve_cli.serve, ["--ray", "--port", "1", "--speakers", str(speakers),
-                                                "--model", str(DEMO_BUNDLE), *args])
+    with taken:
+        done = CliRunner().invoke(serve_cli.serve, ["--ray", "--port", port, "--speakers", str(speakers),
+                                                    "--model", str(DEMO_BUNDLE), *args])
     assert done.exit_code == 2, done.output
     errors = [line for line in done.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], done.output

@@ -11,7 +11,12 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
-from onnxruntime.capi.onnxruntime_pybind11_state import InvalidGraph, InvalidProtobuf, NoSuchFile
+from onnxruntime.capi.onnxruntime_pybind11_state import (
+    InvalidArgument,
+    InvalidGraph,
+    InvalidProtobuf,
+    NoSuchFile,
+)
 
 from cosyvoice_graphs import GraphSpec
 from cosyvoice_graphs.providers import CPU, CUDA, TENSORRT
@@ -38,8 +43,9 @@ SKIP_GRAPH = "-1"
 ORT_PROVIDERS = {CPU: "CPUExecutionProvider", CUDA: "CUDAExecutionProvider",
                  TENSORRT: "TensorrtExecutionProvider"}
 """The providers onnxruntime runs -> its execution provider."""
-LOAD_ERRORS = (InvalidProtobuf, InvalidGraph, NoSuchFile)
-"""onnxruntime's errors for a graph file it cannot read as a model: missing, damaged or not ONNX."""
+LOAD_ERRORS = (InvalidProtobuf, InvalidGraph, InvalidArgument, NoSuchFile)
+"""onnxruntime's errors for a graph file it cannot read as a model: missing, damaged (a flipped byte inside a
+node: InvalidArgument, "Invalid model") or not ONNX."""
 
 
 @functools.cache
@@ -157,6 +163,11 @@ class OrtRunner(RunnerBase):
             self.run_options.add_run_config_entry(GPU_GRAPH_ID, SKIP_GRAPH)
         self.device_type = CPU if provider == CPU else CUDA
         self.device_id = device_id
+        try:  # read once, here: a flipped byte in it is no UTF-8 (where the file's sha256 went unchecked)
+            self._metadata = dict(self.session.get_modelmeta().custom_metadata_map)
+        except UnicodeDecodeError:
+            raise RuntimeBundleError(f"{path}: its metadata is not UTF-8 text; verifying the bundle's "
+                                     "sha256s finds a damaged file") from None
         names = ([i.name for i in self.session.get_inputs()], [o.name for o in self.session.get_outputs()])
         if names != (spec.input_names, spec.output_names):
             raise RuntimeBundleError(f"{path}: inputs {names[0]}, outputs {names[1]}; spec {spec.name} "
@@ -168,7 +179,7 @@ class OrtRunner(RunnerBase):
     @property
     def metadata(self) -> dict[str, str]:
         """The graph's `metadata_props`, as the session read them."""
-        return dict(self.session.get_modelmeta().custom_metadata_map)
+        return dict(self._metadata)
 
     def infer_outputs(self, feeds: Mapping[str, Feed], names: Sequence[str]) -> dict[str, np.ndarray]:
         with on_device(self.device_type):  # the feeds' copies to the host included
