@@ -47,8 +47,8 @@ if TYPE_CHECKING:
 DOTENV = Path(".env")
 UVICORN: dict[str, Any] = {"log_level": "info", "http": "h11"}
 """uvicorn's settings. h11: it holds at most 16 KiB of a request's head that has not finished arriving (a
-400 past it), where httptools, uvicorn's choice where installed, read a header of 256 MiB whole (300 MB of
-the server's memory, kept)."""
+400 past it), where httptools, uvicorn's choice where installed, reads a head whole (a header of 256 MiB:
+300 MB of the server's memory, kept)."""
 DEFAULTS = ServerSettings()
 
 

@@ -219,7 +219,7 @@ def test_plots_without_matplotlib_refuse_before_measuring(runtime_bundle: Path, 
 ])
 def test_bad_options_are_one_line(runtime_bundle: Path, tmp_path: Path, extra: list[str], message: str,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before anything is measured (a first chunk below the vocoder's look-ahead ran three steps first)."""
+    """Before anything is measured: a first chunk below the vocoder's look-ahead is held to the bundle."""
     monkeypatch.setattr(bench_cli, "run", lambda *_, **__: pytest.fail("the run started"))
     args = [*bench_args(runtime_bundle, tmp_path / "x.json"), *extra]
     if extra == ["--plots"]:

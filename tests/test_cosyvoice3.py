@@ -239,7 +239,7 @@ def test_bad_input_is_refused_before_synthesis(cosyvoice: CosyVoice3) -> None:
 
 
 def test_a_closed_object_refuses_work_at_the_call(tmp_path: Path) -> None:
-    """Not on iteration after its front end had opened its models again, nor after adding the speaker."""
+    """At the call, not on iteration: no model opened again, no speaker added."""
     voice = CosyVoice3(DEMO_BUNDLE, speakers_dir=tmp_path)
     voice.close()
     calls = [lambda: voice.inference_zero_shot(TEXT, TRANSCRIPT, str(PROMPT_WAV)),
@@ -256,9 +256,9 @@ def test_a_closed_object_refuses_work_at_the_call(tmp_path: Path) -> None:
 
 
 def test_an_object_left_open_ends_its_threads_when_collected_and_at_exit(tmp_path: Path) -> None:
-    """Upstream's example never closes its object: a speaker's prefix job still running as the script ended
-    aborted the process (SIGABRT, a thread inside onnxruntime as the interpreter finalised), and an object
-    dropped unclosed kept its graphs for good, the job's thread holding them."""
+    """Upstream's example never closes its object: a speaker's prefix job still running as the script ends
+    must not abort the process (SIGABRT, a thread inside onnxruntime as the interpreter finalises), and an
+    object dropped unclosed lets its graphs go, which the job's thread holds."""
     script = textwrap.dedent(f"""
         from cosyvoice_runtime import AutoModel
         cosyvoice = AutoModel(model_dir={str(DEMO_BUNDLE)!r}, speakers_dir={str(tmp_path)!r}, threads=1)

@@ -441,8 +441,8 @@ def test_many_texts_in_a_batch_are_each_text_alone(fp32_decode_bundle: Path, pro
 
 def test_a_batch_left_open_stops_once_its_object_is_collected(fp32_decode_bundle: Path, prompt_wav: Path,
                                                               prompt_text: str) -> None:
-    """The batch's thread holds the graphs: an object dropped unclosed kept them for good. A stream still
-    iterated keeps its object, and the batch with it."""
+    """The batch's thread holds the graphs: an object dropped unclosed lets them go once collected. A stream
+    still iterated keeps its object, and the batch with it."""
     voice = CosyVoice3(fp32_decode_bundle, threads=1, max_batch=2)
     outputs = voice.inference_zero_shot("Hi.", prompt_text, prompt_wav, stream=True)
     batcher = voice.synth.batcher

@@ -178,7 +178,7 @@ def test_a_bad_prompt_is_one_line_before_the_bundle_opens(
 
 @pytest.mark.parametrize("option", ["--prompt-wav", "--out"])
 def test_an_empty_path_is_named_as_one(tmp_path: Path, option: str) -> None:
-    """Not the working folder `Path("")` would be: "--out .: is a folder" named no empty variable."""
+    """Named as empty, not as the working folder `Path("")` is ("--out .: is a folder")."""
     prompt = DEMO_BUNDLE / "asset" / "zero_shot_prompt.wav"
     args = {"--model": str(DEMO_BUNDLE), "--text": "Hi.", "--prompt-wav": str(prompt),
             "--prompt-text": "A transcript.", "--out": str(tmp_path / "o.wav"), option: ""}
@@ -212,7 +212,7 @@ def test_a_folder_that_is_no_bundle_says_what_it_is(tmp_path: Path) -> None:
 
 @pytest.mark.usefixtures("no_env")
 def test_an_unreadable_bundle_folder_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Another user's folder, mode 700, was a PermissionError traceback (faked: root reads any folder)."""
+    """Another user's folder, mode 700: one line, not a PermissionError (faked: root reads any folder)."""
     monkeypatch.setattr(bundle_source.os, "access", lambda path, mode: Path(path) != tmp_path)
     with pytest.raises(RuntimeBundleError) as refused:
         choose_bundle(tmp_path)

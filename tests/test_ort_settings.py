@@ -116,7 +116,7 @@ def test_bad_or_stale_tuning_file_is_refused_in_one_line(copy: Path, change: str
     elif change == "level":
         data["graphs"]["hift_f0"]["optimization"] = "fastest"
         path.write_text(json.dumps(data))
-    elif change.startswith("threads"):  # a million threads hung the run; --threads refuses both
+    elif change.startswith("threads"):  # a million threads would hang the run; --threads refuses both
         data["graphs"]["hift_f0"]["threads"] = True if change == "threads-bool" else 10**6
         path.write_text(json.dumps(data))
     elif change == "cpu":

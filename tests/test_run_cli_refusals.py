@@ -149,7 +149,7 @@ def test_a_speed_that_is_not_finite_is_refused(speed: str, no_bundle: list[str],
 ])
 def test_info_and_tune_refuse_options_they_would_leave_unused(no_bundle: list[str], tmp_path: Path, flag: str,
                                                              args: list[str], unused: str) -> None:
-    """`--tune --provider cuda` tuned the CPU and `--tune --out o.wav` wrote nothing, each exit status 0."""
+    """Refused, not left unused: `--tune --provider cuda` would tune the CPU, `--out o.wav` write nothing."""
     line = refused(run(no_bundle, flag, *args))
     assert line == f"error: {flag} takes only --model and --verify; {unused} would go unused"
     assert list(tmp_path.iterdir()) == []
@@ -227,8 +227,7 @@ def test_tune_refuses_a_bundle_it_cannot_write_before_timing(tmp_path: Path, mon
 
 @pytest.mark.parametrize(("damage", "reason"), [
     ("all", "not a graph onnxruntime can load (Protobuf parsing failed)"),
-    # one byte inside a node, or in the metadata: onnxruntime's InvalidArgument and a UnicodeDecodeError were
-    # tracebacks
+    # one byte inside a node, or in the metadata: onnxruntime's InvalidArgument, a UnicodeDecodeError
     (1000, "not a graph onnxruntime can load (Invalid model. Node input "),
     (-30, "its metadata is not UTF-8 text"),
 ])

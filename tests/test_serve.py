@@ -1020,7 +1020,7 @@ BAD_REQUESTS = [
     ("multipart cut short", "/inference_instruct2",
      multipart(b'--b0\r\nContent-Disposition: form-data; name="tts_text"\r\n\r\nHi.'),
      422, "tts_text: Field required; instruct_text: Field required; prompt_wav: Field required"),
-    # a JSON escape that parses to no Unicode text: the tokenizer's TypeError was a 500
+    # a JSON escape that parses to no Unicode text, on which the tokenizer raises a TypeError
     ("lone surrogate", "/v1/audio/speech",
      {"content": b'{"model": "tts-1", "voice": "alloy", "input": "Hi \\ud800."}',
       "headers": {"content-type": "application/json"}},
@@ -1170,7 +1170,7 @@ def test_port_model_and_api_key_from_flags_then_environment_then_dotenv(
 def test_a_blank_api_key_is_refused_before_the_bundle_opens(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         environment: dict[str, str], flags: list[str]) -> None:
-    """`COSYVOICE_API_KEY=$KEY` with `KEY` unset served everyone: click takes an empty variable for unset."""
+    """`COSYVOICE_API_KEY=$KEY` with `KEY` unset opens no server: click takes an empty variable for unset."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     for key, value in environment.items():
@@ -1188,7 +1188,7 @@ def test_a_blank_api_key_is_refused_before_the_bundle_opens(
 def test_an_address_the_server_cannot_listen_on_is_refused_before_the_bundle_opens(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], where: str
 ) -> None:
-    """A port taken or a host that does not resolve failed in uvicorn, after the bundle's load and warm-up."""
+    """A port taken or a host that does not resolve: before the bundle's load and warm-up, not in uvicorn."""
     monkeypatch.setattr(Engine, "open", lambda *_, **__: pytest.fail("the bundle was opened"))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -1207,7 +1207,7 @@ def test_an_address_the_server_cannot_listen_on_is_refused_before_the_bundle_ope
 
 
 def test_a_request_head_past_16_kib_is_refused_and_not_kept(tmp_path: Path) -> None:
-    """httptools, uvicorn's choice where installed, read a 256 MiB header whole and kept 300 MB."""
+    """httptools, uvicorn's choice where installed, reads a head whole: 256 MiB of header costs 300 MB."""
     port = free_port()
     with cosyvoice_serve(tmp_path, "--port", str(port), "--no-warm-up"), \
             httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
@@ -1223,7 +1223,7 @@ def test_a_request_head_past_16_kib_is_refused_and_not_kept(tmp_path: Path) -> N
 
 
 def test_a_client_that_leaves_mid_upload_is_counted_as_gone_not_as_an_error(tmp_path: Path) -> None:
-    """FastAPI answers the body's ClientDisconnect with a 400, which counted as a request error."""
+    """FastAPI answers the body's ClientDisconnect with a 400: the client's leaving, not a request error."""
     port = free_port()
     with cosyvoice_serve(tmp_path, "--port", str(port), "--no-warm-up"), \
             httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:

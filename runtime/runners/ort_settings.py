@@ -179,7 +179,7 @@ def read_tuning(root: Path) -> dict[str, OrtSettings]:
         for name, s in tuned.items():
             if s.optimization not in OPTIMIZATION:
                 raise ValueError(f"{name}: optimization {s.optimization!r}")
-            # as --threads: more than the CPUs this process may use only slows (a million hung the run)
+            # as --threads: more than the CPUs this process may use only slows (a million would hang the run)
             problem = None if s.threads is None else threads_problem(s.threads)
             if problem is not None:
                 raise ValueError(f"{name}: threads {problem}")
