@@ -50,16 +50,14 @@ class GrpcServer:
     service: CosyVoiceService
     address: str
     """Where it listens: `host:port`, the port the one bound."""
-    owns_sessions: bool
-    """Whether the session queue is the service's own (shut down with it) or shared with HTTP."""
 
     @classmethod
     async def start(cls, engine: Engine, settings: ServerSettings, host: str, port: int,
                     sessions: SessionQueue | None = None, metrics: ServerMetrics | None = None) -> GrpcServer:
         """Serve `engine` on `host:port` (port 0: any free one), on the running event loop; `OSError` if the
-        address cannot be bound. Sessions go to `sessions` (the HTTP app's, whose owner shuts it down), else
-        to a queue of the service's own; calls count in `metrics` (the HTTP app's) where given. With
-        `settings.api_key`, every call must carry the key."""
+        address cannot be bound. Sessions go to `sessions` (the HTTP app's, which stops once both servers
+        have), else to a queue of the service's own; calls count in `metrics` (the HTTP app's) where given.
+        With `settings.api_key`, every call must carry the key."""
         interceptors = [GrpcApiKey(settings.api_key)] if settings.api_key is not None else []
         server = grpc.aio.server(interceptors=interceptors, options=OPTIONS)
         service = CosyVoiceService(engine, settings, sessions, metrics)
@@ -69,14 +67,15 @@ class GrpcServer:
         except RuntimeError as e:  # grpc's "Failed to bind to address"
             raise OSError(f"cannot listen on {grpc_address(host, port)}: {e}") from None
         await server.start()
-        return cls(server, service, grpc_address(host, bound), owns_sessions=sessions is None)
+        if sessions is not None:  # the HTTP app's: it stops once both servers have
+            sessions.share()
+        return cls(server, service, grpc_address(host, bound))
 
     async def stop(self, grace: float | None = GRACE_SECONDS) -> None:
-        """Refuse new RPCs, give those in flight `grace` seconds, then cancel them; drop queued sessions
-        (of a queue of its own)."""
+        """Refuse new RPCs, give those in flight `grace` seconds, then cancel them; then the session queue
+        stops, or, shared with HTTP, once HTTP's has stopped too."""
         await self.server.stop(grace)
-        if self.owns_sessions:
-            self.service.sessions.shutdown()
+        self.service.sessions.shutdown()
 
 
 def run_grpc(engine: Engine, settings: ServerSettings, host: str, port: int,

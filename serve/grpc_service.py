@@ -33,15 +33,17 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from cosyvoice_runtime.errors import FrontendError
+from cosyvoice_runtime.frontend.audio import PromptAudio, check_prompt_audio
 from cosyvoice_runtime.sampling import MAX_SEED
 from cosyvoice_runtime.synthesis import Mode
 
-from .audio import PCM16_BYTES, pcm16, wav_bytes
-from .engine import AudioUpload, Engine, SynthesisJob, decode_upload
+from .audio import PCM16_BYTES, pcm16
+from .engine import AudioUpload, Engine, SynthesisJob
 from .errors import ApiError, FieldError
 from .metrics import ServerMetrics
 from .proto import cosyvoice_pb2, cosyvoice_pb2_grpc
-from .queue import QueueFull, SessionQueue
+from .queue import QueueFull, ServerStopping, SessionQueue
 from .responses import record_session, request_sampling, require_text
 from .settings import ServerSettings
 
@@ -63,7 +65,8 @@ NEEDS_SPK2INFO = {
 }
 STATUS_CODES = {404: grpc.StatusCode.NOT_FOUND, 501: grpc.StatusCode.UNIMPLEMENTED,
                 503: grpc.StatusCode.RESOURCE_EXHAUSTED, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
-"""gRPC codes of the HTTP statuses that have their own; other 4xx are INVALID_ARGUMENT, 5xx INTERNAL."""
+"""gRPC codes of the HTTP statuses that have their own; other 4xx are INVALID_ARGUMENT, 5xx INTERNAL (a
+stopping server, 503 as a full queue, is UNAVAILABLE: try another)."""
 
 
 class Unimplemented(ApiError):
@@ -73,11 +76,13 @@ class Unimplemented(ApiError):
         super().__init__(501, detail)
 
 
-def status_code(status: int) -> grpc.StatusCode:
-    """The gRPC status code of an `ApiError`'s HTTP status."""
-    if status in STATUS_CODES:
-        return STATUS_CODES[status]
-    return grpc.StatusCode.INVALID_ARGUMENT if status < 500 else grpc.StatusCode.INTERNAL
+def status_code(error: ApiError) -> grpc.StatusCode:
+    """The gRPC status code of an `ApiError`."""
+    if isinstance(error, ServerStopping):
+        return grpc.StatusCode.UNAVAILABLE
+    if error.status in STATUS_CODES:
+        return STATUS_CODES[error.status]
+    return grpc.StatusCode.INVALID_ARGUMENT if error.status < 500 else grpc.StatusCode.INTERNAL
 
 
 AUDIO_FILE_MAGIC = {b"RIFF": "a WAV", b"fLaC": "a FLAC", b"OggS": "an Ogg", b"ID3": "an MP3"}
@@ -101,7 +106,8 @@ def parse_request(data: bytes) -> cosyvoice_pb2.Request | Malformed:
 
 
 def prompt_upload(data: bytes, field: str) -> AudioUpload:
-    """A `prompt_audio` (PCM16 at 16 kHz) read as an uploaded WAV file is (`decode_upload`)."""
+    """A `prompt_audio` (PCM16 at 16 kHz) as a prompt recording, checked as an uploaded file is: a
+    `FieldError` naming `field` if it cannot prompt."""
     if not data:
         raise FieldError(field, f"{field} is empty; send the prompt recording as 16 kHz mono PCM16 "
                                 "(int16 bytes)")
@@ -111,7 +117,14 @@ def prompt_upload(data: bytes, field: str) -> AudioUpload:
                                 "PCM16 (int16 bytes), as upstream's client does")
     if len(data) % PCM16_BYTES:
         raise FieldError(field, f"{field} has {len(data)} bytes, not a whole number of 16-bit samples")
-    return decode_upload(wav_bytes(np.frombuffer(data, "<i2"), PROMPT_SAMPLE_RATE), field)
+    # as soundfile reads PCM16: each sample over 2**15, exact in float32
+    samples = np.frombuffer(data, "<i2").astype(np.float32) / np.float32(1 << 15)
+    audio = PromptAudio(samples, PROMPT_SAMPLE_RATE, "the recording")
+    try:
+        check_prompt_audio(audio)
+    except FrontendError as e:
+        raise FieldError(field, str(e)) from None
+    return AudioUpload(audio, field)
 
 
 def request_seed(metadata: Iterable[tuple[str, str | bytes]] | None) -> int | None:
@@ -186,7 +199,9 @@ class CosyVoiceService(cosyvoice_pb2_grpc.CosyVoiceServicer):
         try:
             if isinstance(request, Malformed):
                 raise ApiError(400, f"the call's bytes are not a cosyvoice.Request: {request.reason}")
-            job = synthesis_job(request, self.settings, request_seed(context.invocation_metadata()))
+            # on a worker thread: checking a prompt's samples takes a while, and the loop serves HTTP too
+            job = await asyncio.to_thread(synthesis_job, request, self.settings,
+                                          request_seed(context.invocation_metadata()))
             stream = self.sessions.submit(lambda session: self.engine.stream(job, session))
         except ApiError as e:
             if metrics is not None:
@@ -194,7 +209,7 @@ class CosyVoiceService(cosyvoice_pb2_grpc.CosyVoiceServicer):
                     metrics.requests_rejected.inc()
                 metrics.requests_error.inc()
             log.info("Inference refused: %s", e.detail)
-            await context.abort(status_code(e.status), e.detail)
+            await context.abort(status_code(e), e.detail)
             return
         chunks = samples = 0
         try:
@@ -213,7 +228,7 @@ class CosyVoiceService(cosyvoice_pb2_grpc.CosyVoiceServicer):
             if metrics is not None:
                 metrics.requests_error.inc()
             log.info("Inference failed: %s", e.detail)
-            await context.abort(status_code(e.status), e.detail)
+            await context.abort(status_code(e), e.detail)
         except Exception as e:
             if metrics is not None:
                 metrics.requests_error.inc()

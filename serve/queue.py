@@ -31,6 +31,14 @@ class QueueFull(ApiError):
                               "try again later", headers={"Retry-After": "1"})
 
 
+class ServerStopping(ApiError):
+    """The server is stopping: a session that came after, or waited and was dropped: 503."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "the server is stopping; try again once it is back, or on another",
+                         headers={"Retry-After": "1"})
+
+
 class SessionTimeout(ApiError):
     """The session ran past its deadline: 504."""
 
@@ -63,6 +71,11 @@ class Session:
         self._cancel.set()
         if self.future is not None:
             self.future.cancel()
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether `cancel` was called."""
+        return self._cancel.is_set()
 
     def check(self) -> None:
         """Raise `Cancelled` or `SessionTimeout` if the session must stop."""
@@ -126,7 +139,9 @@ class SessionStream(Generic[T]):
 
 
 class SessionQueue:
-    """At most `concurrency` sessions running and `depth` waiting; the rest refused at once."""
+    """At most `concurrency` sessions running and `depth` waiting; the rest refused at once.
+
+    It stops when each of its servers has called `shutdown` (one, and one more per `share`)."""
 
     def __init__(self, concurrency: int, depth: int, timeout: float) -> None:
         self.concurrency, self.depth, self.timeout = concurrency, depth, timeout
@@ -134,6 +149,7 @@ class SessionQueue:
         self._lock = threading.Lock()
         self._in_flight = 0
         self._running = 0
+        self._servers = 1
 
     @property
     def running(self) -> int:
@@ -149,9 +165,12 @@ class SessionQueue:
     def submit(self, work: Callable[[Session], Iterable[T]]) -> SessionStream[T]:
         """Admit a session that runs `work(session)` on a worker, or raise `QueueFull`.
 
-        Must be called from the event loop's thread: the stream delivers to that loop.
+        Must be called from the event loop's thread: the stream delivers to that loop. `ServerStopping`
+        once the queue has stopped.
         """
         with self._lock:
+            if not self._servers:
+                raise ServerStopping
             if self._in_flight >= self.concurrency + self.depth:
                 raise QueueFull(self._in_flight)
             self._in_flight += 1
@@ -159,10 +178,13 @@ class SessionQueue:
         stream: SessionStream[T] = SessionStream(session, asyncio.get_running_loop())
         try:
             session.future = self._executor.submit(self._run, work, session, stream)
-        except BaseException:
-            self._release(None)
+        except BaseException as e:
+            with self._lock:
+                self._in_flight -= 1
+            if isinstance(e, RuntimeError):  # the executor's refusal: the queue stopped since the check
+                raise ServerStopping from None
             raise
-        session.future.add_done_callback(lambda future: self._release(future, session))
+        session.future.add_done_callback(lambda future: self._release(future, session, stream))
         return stream
 
     def _run(self, work: Callable[[Session], Iterable[T]], session: Session, stream: SessionStream[T]
@@ -186,14 +208,26 @@ class SessionQueue:
             session.released.set()
         stream.put(last)
 
-    def _release(self, future: Future[None] | None, session: Session | None = None) -> None:
-        """Free the slot of a session that never ran (the others free theirs in `_run`)."""
-        if future is None or future.cancelled():
+    def _release(self, future: Future[None], session: Session, stream: SessionStream[T]) -> None:
+        """Free the slot of a session that never ran (the others free theirs in `_run`); one the queue
+        dropped as it stopped, not its client, tells its client so."""
+        if future.cancelled():
             with self._lock:
                 self._in_flight -= 1
-            if session is not None:
-                session.released.set()
+            session.released.set()
+            if not session.cancelled:
+                stream.put(ServerStopping())
+
+    def share(self) -> None:
+        """One more server submits to this queue: it stops once that one has called `shutdown` too."""
+        with self._lock:
+            self._servers += 1
 
     def shutdown(self) -> None:
-        """Drop the waiting sessions and take no new ones; running ones go on to their end."""
+        """A server is done with the queue; once every one is: take no new sessions, drop the waiting ones
+        (their clients get `ServerStopping`), let the running ones go on to their end."""
+        with self._lock:
+            self._servers = max(self._servers - 1, 0)
+            if self._servers:
+                return
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -44,6 +44,7 @@ from cosyvoice_serve.auth import MISSING_KEY
 from cosyvoice_serve.grpc_server import GrpcServer
 from cosyvoice_serve.grpc_service import CosyVoiceService
 from cosyvoice_serve.proto import cosyvoice_pb2, cosyvoice_pb2_grpc
+from cosyvoice_serve.queue import ServerStopping, SessionQueue
 from cosyvoice_serve.settings import API_KEY_ENV
 
 PROMPT_RATE = 16000
@@ -110,12 +111,14 @@ def pcm(responses: Iterator[cosyvoice_pb2.Response]) -> np.ndarray:
 
 
 @contextmanager
-def grpc_server(engine: Engine, **settings: Any) -> Iterator[GrpcServer]:
-    """The gRPC server (greedy sampling) on a free loopback port, its event loop on a thread."""
+def grpc_server(engine: Engine, sessions: SessionQueue | None = None, **settings: Any
+                ) -> Iterator[GrpcServer]:
+    """The gRPC server (greedy sampling) on a free loopback port, its event loop on a thread; its sessions
+    in `sessions` (as HTTP's app shares its queue) where given."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    start = GrpcServer.start(engine, ServerSettings(sampling="greedy", **settings), "127.0.0.1", 0)
+    start = GrpcServer.start(engine, ServerSettings(sampling="greedy", **settings), "127.0.0.1", 0, sessions)
     server = asyncio.run_coroutine_threadsafe(start, loop).result(10)
     try:
         yield server
@@ -235,6 +238,28 @@ def test_a_full_queue_answers_resource_exhausted_at_once_and_cancelled_calls_fre
         assert pcm(stub.Inference(again)).size > 0  # the freed slot serves the next request
 
 
+def test_a_queue_shared_with_http_runs_grpcs_waiting_calls_until_grpc_stops_too(
+        engine: Engine, prompt: tuple[bytes, str, Path], expected: np.ndarray) -> None:
+    """HTTP's app stops first (its lifespan ends when its last request has): the gRPC call waiting behind a
+    running one is still served within gRPC's grace; once gRPC has stopped, the queue takes no more."""
+    sessions = SessionQueue(1, 1, 60.0)
+    with grpc_server(engine, sessions) as server, grpc.insecure_channel(server.address) as channel:
+        stub = cosyvoice_pb2_grpc.CosyVoiceStub(channel)
+        running = stub.Inference(upstream_request("cross_lingual", SHORT, prompt[0]))
+        assert next(running).tts_audio
+        queued = stub.Inference(upstream_request("zero_shot", SHORT, prompt[0], prompt_text=prompt[1]))
+        wait_for_sessions(server.service, running=1, waiting=1)
+        sessions.shutdown()  # as HTTP's lifespan does
+        assert pcm(running).size > 0
+        assert np.array_equal(pcm(queued), expected)
+
+    async def submit() -> None:
+        sessions.submit(lambda session: iter(()))
+
+    with pytest.raises(ServerStopping):
+        asyncio.run(submit())
+
+
 def test_the_servers_timeout_is_deadline_exceeded(engine: Engine, prompt: tuple[bytes, str, Path]) -> None:
     with grpc_serving(engine, timeout=0.3) as (stub, service):
         with pytest.raises(grpc.RpcError) as late:
@@ -272,15 +297,15 @@ BAD_REQUESTS = [
     ("odd bytes", ("cross_lingual", "Hi."), {"prompt_audio": b"\0\0\0"}, INVALID,
      "cross_lingual_request.prompt_audio has 3 bytes, not a whole number of 16-bit samples"),
     ("short prompt", ("instruct2", "Hi."), {"prompt_audio": bytes(200), "instruct_text": "x"}, INVALID,
-     "instruct2_request.prompt_audio: the audio file is too short"),
+     "instruct2_request.prompt_audio: the recording is too short"),
     *[(f"{name} file prompt", ("cross_lingual", "Hi."), {"prompt_audio": magic + bytes(1000)}, INVALID,
        f"cross_lingual_request.prompt_audio holds {name} file; send the recording's samples")
       for magic, name in ((b"RIFF", "a WAV"), (b"fLaC", "a FLAC"), (b"OggS", "an Ogg"), (b"ID3", "an MP3"))],
     ("30 s and a sample", ("cross_lingual", "Hi."), {"prompt_audio": bytes(2 * (30 * PROMPT_RATE + 1))},
-     INVALID, "cross_lingual_request.prompt_audio: the audio file lasts over 30 s; the speech tokenizer "
+     INVALID, "cross_lingual_request.prompt_audio: the recording lasts over 30 s; the speech tokenizer "
               "takes at most 30 s"),
     *[(f"{quality} prompt, {kind}", (kind, "Hi."), {"prompt_audio": audio, **fields}, INVALID,
-       f"{kind}_request.prompt_audio: the audio file is {problem}")
+       f"{kind}_request.prompt_audio: the recording is {problem}")
       for kind, fields in (("zero_shot", {"prompt_text": "x"}), ("cross_lingual", {}),
                            ("instruct2", {"instruct_text": "x"}))
       for quality, audio, problem in (

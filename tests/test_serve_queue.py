@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -15,7 +16,14 @@ import pytest
 pytest.importorskip("fastapi", reason="the serve extra is not installed")
 
 from cosyvoice_serve.errors import ApiError
-from cosyvoice_serve.queue import Cancelled, Session, SessionQueue, SessionStream, SessionTimeout
+from cosyvoice_serve.queue import (
+    Cancelled,
+    ServerStopping,
+    Session,
+    SessionQueue,
+    SessionStream,
+    SessionTimeout,
+)
 from cosyvoice_serve.responses import ClientGone, first_item
 
 TIMEOUT = 0.3
@@ -111,3 +119,39 @@ def test_a_client_gone_before_the_first_item_leaves_no_error_unread() -> None:
 
     asyncio.run(main())
     assert unread == []
+
+
+def test_a_queue_stops_once_each_of_its_servers_has_and_tells_the_waiting_sessions() -> None:
+    """Shared by two servers (gRPC beside HTTP), the queue runs its waiting session on after the first stops;
+    once the second has, a waiting session's client hears `ServerStopping` at once (not at its deadline), a
+    new one is refused so, and the running one goes on to its end."""
+    release = threading.Event()
+
+    def held(session: Session) -> Iterator[int]:
+        release.wait(10)
+        yield 1
+
+    def work(session: Session) -> Iterator[int]:
+        yield 2
+
+    async def main() -> None:
+        queue = SessionQueue(1, 1, 60.0)
+        running = queue.submit(held)
+        waiting = queue.submit(work)
+        while queue.running != 1:  # the held session on its worker: the stop leaves it be
+            await asyncio.sleep(0.01)
+        queue.share()
+        queue.shutdown()  # one server stopped: the queue goes on
+        assert waiting.session.future is not None and not waiting.session.future.cancelled()
+        queue.shutdown()  # the last one
+        start = time.monotonic()
+        with pytest.raises(ServerStopping, match="the server is stopping"):
+            await waiting.next()
+        assert time.monotonic() - start < 1.0
+        assert waiting.session.released.is_set() and queue.waiting == 0
+        with pytest.raises(ServerStopping):
+            queue.submit(work)
+        release.set()
+        assert [await running.next(), await running.next()] == [1, None]
+
+    asyncio.run(main())
