@@ -169,7 +169,7 @@ def _case_golden(cases: Cases, runtime: Runtime, case: GoldenCase, precision: st
     bundle = runtime.bundle(case)
     check_same_model(golden.bundle, bundle, where, runtime.update_command())
     _check_precision(bundle, precision)
-    found = fingerprint(bundle)["precision"]
+    found = _judged_as(bundle)
     if found not in (case.precision, precision):
         raise GoldenError(f"case {case.name} is for {case.precision} graphs; {bundle.root} is {found} (to "
                           f"judge it by tolerance: --precision {found})")
@@ -192,6 +192,13 @@ def _check_precision(bundle: RuntimeBundle, precision: str | None) -> None:
     if precision is not None and precision != found:
         raise GoldenError(f"--precision {precision}: {bundle.root} was exported with --precision {found} "
                           f"(its manifest); give --precision {found}")
+
+
+def _judged_as(bundle: RuntimeBundle) -> str:
+    """The precision that judges `bundle`: the one of all its graphs where they share one (as a list naming
+    graphs in fp32 leaves them), else its manifest's."""
+    graphs = {p.name for p in bundle.graph_precisions.values()}
+    return graphs.pop() if len(graphs) == 1 else fingerprint(bundle)["precision"]
 
 
 def _graphs_run(cases: Cases, runtime: Runtime, graphs: list[str]) -> list[str]:
@@ -224,7 +231,7 @@ def _graph_golden(cases: Cases, runtime: Runtime, graph: str) -> GraphGolden:
 
 def _check_case(cases: Cases, runtime: Runtime, case: GoldenCase, golden: CaseGolden) -> Verdict:
     provider, bundle = runtime.provider_of(case), runtime.bundle(case)
-    precision = fingerprint(bundle)["precision"]
+    precision = _judged_as(bundle)
     moved_draws = None
     if precision != case.precision:
         reduced = sorted({bundle.graph_precision(g).name for g in bundle.specs} - {FP32.name})
@@ -310,7 +317,7 @@ def update(cases_file: Path, case_names: tuple[str, ...], graph_names: tuple[str
                       leave=False) as bar:
                 for case in selected:
                     bar.set_postfix_str(case.name)
-                    precision = fingerprint(runtime.bundle(case))["precision"]
+                    precision = _judged_as(runtime.bundle(case))
                     if precision != case.precision:
                         raise GoldenError(f"case {case.name} is for {case.precision} graphs; "
                                           f"{runtime.bundle(case).root} is {precision}")

@@ -29,6 +29,7 @@ from cosyvoice_graphs.manifest import (
 )
 from cosyvoice_graphs.pipeline import providers_run
 from cosyvoice_graphs.precision import FP32
+from cosyvoice_graphs.precision_plan import PrecisionPlan, PrecisionPlanError
 
 from .errors import RuntimeBundleError
 from .noise import MT19937, UniformNoise
@@ -91,6 +92,11 @@ class RuntimeBundle:
                 raise RuntimeBundleError(
                     f"{where}: graphs.{name} is spec {entry.spec_name!r} version {entry.spec_version!r}, "
                     f"this runtime needs {name!r} version {s.version}")
+        try:  # what judges the bundle (`cosyvoice-golden`) and what `--info` shows
+            PrecisionPlan.parse(manifest.precision)
+        except PrecisionPlanError:
+            raise RuntimeBundleError(f"{where}: precision is {manifest.precision!r}, no precision, profile "
+                                     "or graph=precision list the exporter writes") from None
         bundle = cls(root, manifest, specs)
         # a body's I/O may differ from the spec's in its precision (`GraphSpec.io_at`)
         bundle.specs = {name: s.io_at(bundle.graph_precision(name).name) for name, s in specs.items()}

@@ -69,6 +69,7 @@ from .frontend.tokenizer import check_unicode
 from .prefix_jobs import PrefixJobs
 from .process_memory import release_free_heap
 from .runners import CPU, TENSORRT
+from .runners.ort import LOAD_ERRORS, unloadable
 from .sampling import Sampling
 from .segments import Segment, prompt_ids, segments
 from .speakers import Speaker, SpeakerRegistry, check_name, default_speakers_dir, frontend_fingerprint
@@ -482,8 +483,8 @@ class CosyVoice3:
         is ~1 GB, which a server that speaks only registered speakers would hold for nothing."""
         with self._prompt_lock:  # concurrent first prompts open them once
             if self._prompt_sessions is None:
-                self._prompt_sessions = (open_session(self.bundle.frontend_path("campplus")),
-                                         open_session(self.bundle.frontend_path("speech_tokenizer")))
+                self._prompt_sessions = (_frontend_session(self.bundle, "campplus"),
+                                         _frontend_session(self.bundle, "speech_tokenizer"))
                 # parsing the models left load-time garbage resident in the C heap, as `OrtRunner`'s do
                 release_free_heap()
             return self._prompt_sessions
@@ -521,6 +522,15 @@ class CosyVoice3:
     def _offline(self, tokens: Iterator[int], prompt: PromptFeatures, speed: float) -> Iterator[AudioChunk]:
         """The segment as one final chunk, made when first asked for."""
         yield self.synth.synthesize_tokens(tokens, prompt, speed=speed).as_chunk()
+
+
+def _frontend_session(bundle: RuntimeBundle, name: str) -> onnxruntime.InferenceSession:
+    """The bundle's front-end model `name` opened (`open_session`); a damaged file is one line."""
+    path = bundle.frontend_path(name)
+    try:
+        return open_session(path)
+    except LOAD_ERRORS as e:
+        raise unloadable(path, e) from None
 
 
 def _check_text_stream(mode: Mode) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 
 class RuntimeBundleError(ValueError):
     """A runtime bundle is missing, damaged or incompatible: names the file or key, what was expected
@@ -31,6 +33,14 @@ class SynthesisError(ValueError):
 
 class SpeakerError(ValueError):
     """A speaker registry that cannot be read, or a speaker name that cannot be used."""
+
+
+def require_finite(values: np.ndarray, what: str) -> None:
+    """Raise `RuntimeBundleError` where `values` (a graph's output, or what the runtime made of one) hold a
+    NaN or an infinity: the bundle's doing, never the request's."""
+    if not np.isfinite(values).all():
+        raise RuntimeBundleError(f"{what} holds NaN or infinity: a graph or table of the bundle is damaged "
+                                 "(checking its sha256s finds which) or its precision overflowed")
 
 
 USER_ERRORS = (UserError, RuntimeBundleError, ProviderError, FrontendError, SynthesisError, SpeakerError)

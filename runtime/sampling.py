@@ -21,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .errors import UserError
+from .errors import UserError, require_finite
 
 SILENT_TOKENS: frozenset[int] = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
 """FSQ silence/breath ids that `CosyVoice3Model` rate-limits (`model.py`, `silent_tokens`)."""
@@ -140,8 +140,7 @@ def ras_sample_rows(logp: np.ndarray, histories: Sequence[Sequence[int]], cfg: R
                 for row in range(len(generators))]
     scores = np.asarray(logp, dtype=np.float32)  # (R, V)
     probs = softmax(scores)
-    if np.isnan(probs[:, 0]).any():  # a NaN or +inf score makes its row's every prob NaN
-        raise ValueError("log-probs hold NaN or +inf: no id can be drawn")
+    require_finite(probs[:, 0], "the LLM's log-probs")  # a NaN or +inf score makes its row's every prob NaN
     order = top_orders(probs, cfg.top_k)
     sorted_probs = probs[np.arange(order.shape[0])[:, None], order]  # (R, k)
     n = nucleus_sizes(sorted_probs, cfg.top_p, cfg.top_k)

@@ -56,7 +56,7 @@ from cosyvoice_graphs.hift_layout import HiftLayout
 from .call_stack import CallStack, StackMember
 from .chunk_turns import no_pause
 from .dit_stack import AloneCalls, DitCall, DitCalls, DitStack, Presents, call_alone
-from .errors import SynthesisError
+from .errors import SynthesisError, require_finite
 from .flow_prefix import DEFAULT_PREFIX_CACHE_BYTES, FlowPrefix, FlowPrefixCache
 from .frontend import PromptFeatures
 from .noise import UniformNoise
@@ -619,6 +619,8 @@ class Vocoder:
         measured, stacked at 2 threads on a Zen 4 with AVX-512); the decoder's rows move by its own rounding
         only (3e-6 there)."""
         d, spf = self.dims, self.dims.samples_per_frame
+        for job in jobs:  # a NaN would reach the waveform as a constant, or as silence where it is clipped
+            require_finite(job.mel, "the flow's mel")
         f0 = np.concatenate([self.f0.infer({"mel": np.ascontiguousarray(job.mel, dtype=np.float32)})["f0"]
                              for job in jobs])[:, key.skip:]  # (S, n)
         accs = [accumulate_phase(job.acc, phase_steps(f0[i:i + 1], d.harmonics, d.sample_rate))
@@ -629,6 +631,7 @@ class Vocoder:
         feeds = {"mel": np.ascontiguousarray(mel, dtype=np.float32), "f0": f0,
                  "phase": np.concatenate([wrap_phase(acc, spf) for acc in accs]), "sine_noise": noise}
         wav = self.decoder.infer(feeds)["waveform"]  # (S, U n)
+        require_finite(wav, "the vocoder's waveform")
         return [VocoderOut(wav[i], acc) for i, acc in enumerate(accs)]
 
     def stream(self, margin: int | None = None) -> VocoderStream:

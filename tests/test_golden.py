@@ -274,6 +274,20 @@ def test_a_precision_other_than_the_bundles_is_refused() -> None:
         assert result.output.startswith("error: --precision int8: ")
 
 
+def test_a_bundle_whose_graphs_are_all_fp32_is_judged_as_fp32(tmp_path: Path) -> None:
+    """A list that names graphs in fp32 (`--precision decode=fp32` writes one) makes an fp32 bundle: its cases
+    are judged by their own bounds, with no --precision to give."""
+    from cosyvoice_runtime.demo import DEMO_BUNDLE
+
+    bundle = shutil.copytree(DEMO_BUNDLE, tmp_path / "bundle")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["precision"] = "llm=fp32"
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    result = _golden("check", "--case", SHORT, "--model", str(bundle))
+    assert result.exit_code == 0, result.output
+    assert "1 of 1 passed" in result.output
+
+
 def _failing_synthesis(monkeypatch: pytest.MonkeyPatch, name: str, message: str) -> None:
     """Case `name`'s synthesis on the runtime raises the runtime's `SynthesisError` with `message`."""
     real = Runtime.run

@@ -225,6 +225,22 @@ def test_tune_refuses_a_bundle_it_cannot_write_before_timing(tmp_path: Path, mon
     assert not (bundle / TUNING_FILE).exists()
 
 
+def _demo_copy(tmp_path: Path, section: str, name: str) -> tuple[Path, Path]:
+    """A copy of the demo bundle and the path of its manifest's `section`.`name` file (to damage)."""
+    bundle = shutil.copytree(DEMO_BUNDLE, tmp_path / "bundle")
+    entry = json.loads((bundle / "manifest.json").read_text())[section][name]
+    return bundle, bundle / (entry["file"] if isinstance(entry, dict) else entry)
+
+
+def _refused_unverified(bundle: Path, tmp_path: Path) -> str:
+    """`cosyvoice-run --no-verify` on `bundle`: refused (status 2, no output written); its last line."""
+    out = tmp_path / "o.wav"
+    result = CliRunner().invoke(run_main, ["--model", str(bundle), "--no-verify", "--text", "Hi.", "--out",
+                                           str(out)])
+    assert result.exit_code == 2 and not out.exists(), result.output
+    return result.stderr.splitlines()[-1]
+
+
 @pytest.mark.parametrize(("damage", "reason"), [
     ("all", "not a graph onnxruntime can load (Protobuf parsing failed)"),
     # one byte inside a node, or in the metadata: onnxruntime's InvalidArgument, a UnicodeDecodeError
@@ -233,20 +249,35 @@ def test_tune_refuses_a_bundle_it_cannot_write_before_timing(tmp_path: Path, mon
 ])
 def test_a_damaged_graph_unverified_is_one_line_naming_it(tmp_path: Path, damage: str | int, reason: str
                                                           ) -> None:
-    bundle = shutil.copytree(DEMO_BUNDLE, tmp_path / "bundle")
-    graph = bundle / json.loads((bundle / "manifest.json").read_text())["graphs"]["hift_f0"]["file"]
+    bundle, graph = _demo_copy(tmp_path, "graphs", "hift_f0")
     data = bytearray(np.random.default_rng(0).bytes(graph.stat().st_size) if damage == "all"
                      else graph.read_bytes())  # the size the manifest says
     if isinstance(damage, int):
         data[damage] ^= 0xFF
     graph.write_bytes(bytes(data))
-    out = tmp_path / "o.wav"
-    result = CliRunner().invoke(run_main, ["--model", str(bundle), "--no-verify", "--text", "Hi.", "--out",
-                                           str(out)])
-    assert result.exit_code == 2 and not out.exists(), result.output
-    line = result.stderr.splitlines()[-1]
+    line = _refused_unverified(bundle, tmp_path)
     assert line.startswith(f"error: {graph}: {reason}"), line
     assert line.endswith("; verifying the bundle's sha256s finds a damaged file")
+
+
+def test_a_damaged_front_end_model_unverified_is_one_line_naming_it(tmp_path: Path) -> None:
+    bundle, model = _demo_copy(tmp_path, "frontend", "campplus")
+    data = bytearray(model.read_bytes())
+    data[:4096] = np.random.default_rng(0).bytes(4096)
+    model.write_bytes(bytes(data))
+    line = _refused_unverified(bundle, tmp_path)
+    assert line.startswith(f"error: {model}: not a graph onnxruntime can load ("), line
+
+
+@pytest.mark.parametrize(("table", "what"), [("text_embedding", "the LLM's log-probs"),
+                                             ("flow_noise", "the flow's mel")])
+def test_a_table_of_nans_unverified_is_one_line_and_no_audio(tmp_path: Path, table: str, what: str) -> None:
+    """NaN would reach the file as a constant (the vocoder's clip), or fail deep in the sampler."""
+    bundle, path = _demo_copy(tmp_path, "tables", table)
+    np.save(path, np.full_like(np.load(path), np.nan))  # the size the manifest says
+    line = _refused_unverified(bundle, tmp_path)
+    assert line.startswith(f"error: {what} holds NaN or infinity: a graph or table of the bundle is "
+                           "damaged"), line
 
 
 # --- click's usage errors ----------------------------------------------------------------------------------

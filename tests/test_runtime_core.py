@@ -102,6 +102,12 @@ def test_spec_version_mismatch(runtime_bundle: Path, tmp_path: Path) -> None:
                          r"runtime needs 'flow_estimator_cached' version 5")
 
 
+def test_unknown_bundle_precision(runtime_bundle: Path, tmp_path: Path) -> None:
+    root = clone(runtime_bundle, tmp_path, lambda m: m.update(precision="fp8"))
+    one_line_error(root, r"precision is 'fp8', no precision, profile or graph=precision list the exporter "
+                         r"writes")
+
+
 def test_missing_graph_entry(runtime_bundle: Path, tmp_path: Path) -> None:
     root = clone(runtime_bundle, tmp_path, lambda m: m["graphs"].pop("hift_f0"))
     one_line_error(root, r"graphs are \[.*\], expected \[.*'hift_f0'.*\]")

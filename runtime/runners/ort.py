@@ -48,6 +48,14 @@ LOAD_ERRORS = (InvalidProtobuf, InvalidGraph, InvalidArgument, NoSuchFile)
 node: InvalidArgument, "Invalid model") or not ONNX."""
 
 
+def unloadable(path: str | Path, error: Exception) -> RuntimeBundleError:
+    """The one line for a bundle's ONNX file that onnxruntime cannot load (`LOAD_ERRORS`): reached where the
+    bundle's sha256 check was skipped."""
+    detail = " ".join(str(error).rpartition(" failed:")[2].split()).rstrip(".")
+    return RuntimeBundleError(f"{path}: not a graph onnxruntime can load ({detail}); verifying the bundle's "
+                              "sha256s finds a damaged file")
+
+
 @functools.cache
 def preload_cuda_libraries() -> None:
     """Load the CUDA and cuDNN libraries of NVIDIA's pip packages (the `gpu` extra installs them) before the
@@ -142,10 +150,8 @@ class OrtRunner(RunnerBase):
         with on_device(CPU if provider == CPU else CUDA):
             try:
                 self.session = ort.InferenceSession(str(path), options, providers=providers)
-            except LOAD_ERRORS as e:  # reached where the bundle's sha256 check was skipped
-                detail = " ".join(str(e).rpartition(" failed:")[2].split()).rstrip(".")
-                raise RuntimeBundleError(f"{path}: not a graph onnxruntime can load ({detail}); verifying "
-                                         "the bundle's sha256s finds a damaged file") from None
+            except LOAD_ERRORS as e:
+                raise unloadable(path, e) from None
         used = self.session.get_providers()
         if not used or used[0] != wanted:
             why = "" if provider == CPU else (f"; onnxruntime's log above says why (CUDA 13 and cuDNN 9 "
