@@ -15,9 +15,9 @@ from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cli_options import THREADS, NonEmptyPath, chunk_policy_options
 from cosyvoice_runtime.errors import FrontendError
 from cosyvoice_runtime.frontend import read_prompt_audio
-from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, PROVIDERS
+from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, PROVIDERS, check_runs
 from cosyvoice_runtime.sampling import MAX_SEED
-from cosyvoice_runtime.synthesis import check_synthesis, uses_cuda_graphs
+from cosyvoice_runtime.synthesis import batches, check_synthesis, uses_cuda_graphs
 
 from .cases import LENGTHS, default_long_tokens, make_cases, parse_lengths, parse_levels
 from .errors import BenchError, user_errors
@@ -126,7 +126,15 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
             for path in plot_paths(json_out).values():
                 check_writable(path, "--plots")
         # a provider that cannot run the bundle, then a damaged graph, is one line here, not a failed run
-        check_synthesis(RuntimeBundle.open(model), provider, chunk_slots=chunk_slots, cuda_graphs=cuda_graphs,
+        opened = RuntimeBundle.open(model)
+        check_runs(opened, provider)
+        batched = max(levels) if max(levels) > 1 and batches(opened, provider) else None  # the batched runs'
+        if chunk_slots is not None and batched is None:
+            raise BenchError("--chunk-slots: the slots are the batched runs', and there are none: " + (
+                "--concurrency has no level above 1" if max(levels) == 1 else
+                f"{model} does not decode in batches on {provider} (a bundle with llm_decode does: "
+                "--precision cpu-fast or decode=fp32 on a CPU)"))
+        check_synthesis(opened, provider, max_batch=batched, chunk_slots=chunk_slots, cuda_graphs=cuda_graphs,
                         stack_dit=stack_dit, chunk_policy=chunk_policy)
         bundle = RuntimeBundle.open(model, verify=True)
         uses_graphs = uses_cuda_graphs(cuda_graphs, bundle, provider)

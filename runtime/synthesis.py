@@ -246,9 +246,9 @@ class Synthesizer:
         the batch before is closed, so call it between requests.
         With a batch, `chunk_slots` of its streams' chunks run their flow and vocoder calls at once, first
         chunks first (`ChunkTurns`; None: `default_chunk_slots`). A `UserError` (one line) where these
-        graphs cannot batch (`check_max_batch`) or `chunk_slots` is out of range."""
+        graphs cannot batch (`check_max_batch`), or `chunk_slots` is out of range or given without a batch."""
         check_max_batch(max_batch, self.bundle, self.provider)
-        check_chunk_slots(chunk_slots)
+        check_chunk_slots(chunk_slots, max_batch > 1 or self.graphs is not None)
         self._stop_batch()
         if max_batch > 1 or self.graphs is not None:
             slots = default_chunk_slots(self.provider, max_batch, self.threads) if chunk_slots is None \
@@ -428,9 +428,9 @@ def check_synthesis(bundle: RuntimeBundle, provider: str, *, max_batch: int | No
     (`check_opens`); one line each."""
     check_threads(threads)
     check_runs(bundle, provider)
-    check_max_batch(default_max_batch(bundle, provider) if max_batch is None else max_batch, bundle, provider)
-    check_chunk_slots(chunk_slots)
-    uses_cuda_graphs(cuda_graphs, bundle, provider)
+    batch = default_max_batch(bundle, provider) if max_batch is None else max_batch
+    check_max_batch(batch, bundle, provider)
+    check_chunk_slots(chunk_slots, batch > 1 or uses_cuda_graphs(cuda_graphs, bundle, provider))
     if stack_dit:
         check_stack_dit(bundle)
     check_policy(chunk_policy, bundle)
@@ -445,10 +445,16 @@ def check_threads(threads: int | None) -> None:
         raise UserError(f"threads: {problem}")
 
 
-def check_chunk_slots(chunk_slots: int | None) -> None:
-    """A `UserError` (one line) unless `chunk_slots` is None (the default) or 1 to `MAX_BATCH`."""
-    if chunk_slots is not None and not 1 <= chunk_slots <= MAX_BATCH:
+def check_chunk_slots(chunk_slots: int | None, batched: bool = True) -> None:
+    """A `UserError` (one line) unless `chunk_slots` is None (the default), or 1 to `MAX_BATCH` where the
+    requests decode in a batch (`batched`): the slots are its streams'."""
+    if chunk_slots is None:
+        return
+    if not 1 <= chunk_slots <= MAX_BATCH:
         raise UserError(f"chunk_slots is {chunk_slots}; expected 1 to {MAX_BATCH}")
+    if not batched:
+        raise UserError(f"chunk_slots {chunk_slots}: the slots are a decode batch's, and max_batch is 1 "
+                        "(give max_batch 2 or more)")
 
 
 def batches(bundle: RuntimeBundle, provider: str) -> bool:

@@ -216,6 +216,8 @@ def test_plots_without_matplotlib_refuse_before_measuring(runtime_bundle: Path, 
 @pytest.mark.parametrize(("extra", "message"), [
     (["--plots"], "error: --plots writes its PNGs beside the JSON: give --json FILE too"),
     (["--first-chunk-tokens", "1"], "error: first_chunk_tokens must be >= "),
+    (["--chunk-slots", "2", "--concurrency", "1,2"], "error: --chunk-slots: the slots are the batched runs', "
+                                                    "and there are none: "),  # the bundle has no llm_decode
 ])
 def test_bad_options_are_one_line(runtime_bundle: Path, tmp_path: Path, extra: list[str], message: str,
                                   monkeypatch: pytest.MonkeyPatch) -> None:

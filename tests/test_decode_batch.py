@@ -465,6 +465,8 @@ def test_batching_needs_llm_decode(runtime_bundle: Path) -> None:
         CosyVoice3(runtime_bundle, threads=1, max_batch=17)
     with pytest.raises(UserError, match="chunk_slots is 0; expected 1 to 16"):
         CosyVoice3(runtime_bundle, threads=1, chunk_slots=0)
+    with pytest.raises(UserError, match=r"chunk_slots 2: the slots are a decode batch's, and max_batch is 1"):
+        CosyVoice3(runtime_bundle, threads=1, chunk_slots=2)  # not silently unused
 
 
 def test_the_chunks_slots_follow_the_cores_on_a_cpu_and_the_batch_on_a_gpu(
@@ -485,6 +487,8 @@ def test_the_chunks_slots_follow_the_cores_on_a_cpu_and_the_batch_on_a_gpu(
         with pytest.raises(UserError, match="chunk_slots is 17; expected 1 to 16"):
             synth.set_max_batch(3, chunk_slots=17)
         assert synth.batcher is batcher and synth.turns.slots == 2
+        with pytest.raises(UserError, match="chunk_slots 2: the slots are a decode batch's"):
+            synth.set_max_batch(1, chunk_slots=2)
         synth.set_max_batch(1)
         assert synth.turns is None
 
