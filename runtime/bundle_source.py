@@ -130,14 +130,43 @@ def _export(model_dir: Path, out: Path, what: str, progress: bool, precision: st
     if progress:  # stdout is the command's own output: the export's report goes to stderr with its bar
         print(f"{what} is a model bundle: exporting it once into {out} ({EXPORT_COST}); later runs reuse it",
               file=sys.stderr, flush=True)
-    done = subprocess.run(args, stdout=_stderr_fd() if progress else subprocess.DEVNULL,
-                          stderr=None if progress else subprocess.PIPE, text=True, check=False)
-    if done.returncode != 0:
-        if progress:  # the export's own error line is on stderr already
-            raise RuntimeBundleError(f"exporting {what} failed (exit status {done.returncode}): its error is "
-                                     "above")
-        detail = (done.stderr or "").strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
-        raise RuntimeBundleError(f"exporting {what} failed: {detail[0].removeprefix('error: ')}")
+        status, error = _run_showing_stderr(args)
+    else:
+        done = subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
+        status, error = done.returncode, ((done.stderr or "").strip().splitlines() or [""])[-1]
+    if status != 0:
+        detail = error.removeprefix("error: ") or f"exit status {status}"
+        raise RuntimeBundleError(f"exporting {what} failed: {detail}")
+
+
+def _run_showing_stderr(args: list[str]) -> tuple[int, str]:
+    """Run `args` with its stdout and stderr shown on this process's stderr as they come (its progress bar
+    live), but for its `error: ` lines, which the caller's own one line carries: its exit status and its
+    last such line ("" if none)."""
+    error = b""
+    with subprocess.Popen(args, stdout=_stderr_fd(), stderr=subprocess.PIPE) as child:
+        assert child.stderr is not None
+        pending = b""
+        while chunk := os.read(child.stderr.fileno(), 1 << 16):  # what has come, not a full buffer
+            pending += chunk
+            # a bar redraws its line after each \r: each piece shows once its \r or \n has come
+            while (end := min((i for i in (pending.find(b"\r"), pending.find(b"\n")) if i >= 0),
+                              default=-1)) >= 0:
+                piece, pending = pending[:end + 1], pending[end + 1:]
+                if piece.startswith(b"error: "):
+                    error = piece
+                else:
+                    _show(piece)
+        if pending.startswith(b"error: "):
+            error = pending
+        else:
+            _show(pending)
+    return child.returncode, error.decode(errors="replace").strip()
+
+
+def _show(data: bytes) -> None:
+    sys.stderr.write(data.decode(errors="replace"))
+    sys.stderr.flush()
 
 
 def _stderr_fd() -> int | None:
@@ -156,10 +185,17 @@ def console_script(name: str) -> str | None:
     return str(script) if script.is_file() else shutil.which(name)
 
 
+STAMPED = ("*.pt", "*.yaml", "*.onnx", "CosyVoice-BlankEN/**/*", "asset/**/*")
+"""The files of a model folder an export reads (checkpoints, yaml, ONNX models, the Qwen tokenizer's folder,
+the demo prompt): a change to one of them makes a new export, one to any other file (a git checkout's .git,
+notes beside the model) does not."""
+
+
 def _stamp(model_dir: Path) -> dict[str, list[int]]:
-    """Size and mtime (ns) of every file under `model_dir`, by relative path."""
+    """Size and mtime (ns) of every file of `model_dir` an export reads (`STAMPED`), by relative path."""
     stamp = {}
-    for file in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+    files = {p for pattern in STAMPED for p in model_dir.glob(pattern) if p.is_file()}
+    for file in sorted(files):
         stat = file.stat()
         stamp[file.relative_to(model_dir).as_posix()] = [stat.st_size, stat.st_mtime_ns]
     return stamp

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import numpy as np
 import soundfile as sf
 import torch
 from click.testing import CliRunner
+from safetensors.torch import save_file
 
 from cosyvoice_export.bundle.checkpoint import to_float32
 from cosyvoice_export.bundle.layout import CAMPPLUS, PROMPT_WAV, QWEN_DIR, SPEECH_TOKENIZER, YAML
@@ -54,6 +57,14 @@ def test_tiny_bundle_round_trips_through_check_bundle(tiny_bundle: Path) -> None
     for name in (YAML, "llm.pt", "flow.pt", "hift.pt", CAMPPLUS, SPEECH_TOKENIZER):
         assert f"ok  {name}" in out
     assert out.rstrip().endswith("bundle ok")
+
+
+def test_every_file_of_a_tiny_bundle_has_a_new_files_mode(tiny_bundle: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.relative_to(tiny_bundle).as_posix(): stat.S_IMODE(p.stat().st_mode)
+             for p in tiny_bundle.rglob("*") if p.is_file()}
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask)
 
 
 @pytest.mark.parametrize("network", ["llm", "flow", "hift"])
@@ -218,6 +229,12 @@ CASES: list[tuple[str, Callable[[Path], None], str]] = [
     ("truncated llm", lambda r: _truncate(r / "llm.pt"), "{root}/llm.pt: not a readable PyTorch checkpoint"),
     ("text as checkpoint", lambda r: (r / "flow.pt").write_text("hello"),
      "{root}/flow.pt: not a readable PyTorch checkpoint"),
+    ("empty checkpoint", lambda r: (r / "flow.pt").write_bytes(b""),
+     "{root}/flow.pt: the file is empty; expected a PyTorch checkpoint"),
+    ("safetensors checkpoint", lambda r: save_file({"w": torch.zeros(2)}, r / "hift.pt"),
+     "{root}/hift.pt: a safetensors file; expected a PyTorch checkpoint (torch.save)"),
+    ("folder as checkpoint", lambda r: ((r / "llm.pt").unlink(), (r / "llm.pt").mkdir()),
+     "{root}/llm.pt: not a file"),
     ("list checkpoint", lambda r: torch.save([1, 2], r / "hift.pt"),
      "{root}/hift.pt: expected a dict, found list"),
     ("no flow entry", _break_yaml_flow, "{root}/cosyvoice3.yaml"),
@@ -240,6 +257,14 @@ CASES: list[tuple[str, Callable[[Path], None], str]] = [
     ("silent prompt", lambda r: sf.write(r / PROMPT_WAV, np.zeros(24000), 24000),
      "audio file {root}/asset/zero_shot_prompt.wav is silent or nearly so"),
 ]
+
+
+def test_a_checkpoint_in_torchs_legacy_format_is_read(bundle_copy: Path) -> None:
+    """torch.save's format from before its zip one, which upstream's torch.load reads too."""
+    state = torch.load(bundle_copy / "hift.pt", weights_only=True)
+    torch.save(state, bundle_copy / "hift.pt", _use_new_zipfile_serialization=False)
+    code, _, err = run("check-bundle", str(bundle_copy))
+    assert code == 0, err
 
 
 @pytest.mark.parametrize("breakage,expected", [(c[1], c[2]) for c in CASES], ids=[c[0] for c in CASES])

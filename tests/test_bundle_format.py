@@ -435,6 +435,15 @@ def test_writer_refuses_values_upstream_hard_codes() -> None:
     ("    center: False", "    center: 0", r"key 'feat_extractor\.center' must be true or false"),
     ("llm_input_size: 896", "llm_input_size: 512",
      r"key 'llm\.llm_input_size' is 512 but .*config\.json has hidden_size 896"),
+    # settings the runtime applies as released, its bundles not carrying them: another is refused, not ignored
+    ("        top_k: 25", "        top_k: 1",
+     r"key 'llm\.sampling\.top_k' is 1; the runtime applies the released model's 25 \(its bundles do not "
+     r"carry this setting\), so an export would not honour it"),
+    ("        tau_r: 0.1", "        tau_r: 0.2", r"key 'llm\.sampling\.tau_r' is 0\.2; .* 0\.1 "),
+    ("    mix_ratio: [5, 15]", "    mix_ratio: [3, 9]", r"key 'llm\.mix_ratio' is \(3, 9\); .* \(5, 15\) "),
+    ("inference_cfg_rate: 0.7", "inference_cfg_rate: 0.0",
+     r"key 'flow\.decoder\.cfm_params\.content\.inference_cfg_rate' is 0\.0; .* 0\.7 "),
+    ("t_scheduler: 'cosine'", "t_scheduler: 'linear'", r"t_scheduler' is 'linear'; .* 'cosine' "),
 ])
 def test_config_errors_name_file_and_key(tmp_path: Path, old: str, new: str, message: str) -> None:
     text = model_config_to_yaml(full_size())

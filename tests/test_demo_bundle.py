@@ -119,6 +119,10 @@ def test_model_dir_env_is_exported_once_into_the_cache(
     assert first.path.is_relative_to(tmp_path / "cache") and RuntimeBundle.open(first.path)
     again = choose_bundle(None, progress=False)
     assert again.path == first.path and "exported earlier" in again.origin and len(exports) == 1
+    (model / "NOTES.txt").write_text("mine")  # files no export reads: a git checkout's, notes
+    (model / ".git").mkdir()
+    (model / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    assert "exported earlier" in choose_bundle(None, progress=False).origin and len(exports) == 1
     (model / "flow.pt").touch()  # a changed model file (its mtime) means a new export
     assert bundle_source._stamp(model.resolve())["flow.pt"][1] == (model / "flow.pt").stat().st_mtime_ns
     assert "exported now" in choose_bundle(None, progress=False).origin and len(exports) == 2
@@ -245,6 +249,22 @@ def test_a_model_bundle_is_exported_once_saying_so_first(tiny_bundle: Path, tmp_
                             f"{tmp_path / 'cache'}") and "2.9 GB of disk" in first
     assert "validation" in done.stderr or "graph" in done.stderr  # the export's report
     assert done.stdout.startswith("wrote ") and len(done.stdout.splitlines()) == 1
+
+
+@pytest.mark.torch
+@pytest.mark.usefixtures("no_env")
+def test_a_model_bundle_the_export_refuses_is_one_error_line(tiny_bundle: Path, tmp_path: Path) -> None:
+    """The export's refusal, in the run's one line: not the export's line and then the run's."""
+    model = shutil.copytree(tiny_bundle, tmp_path / "model")
+    (model / "hift.pt").write_bytes(b"")
+    env = {**os.environ, CACHE_DIR_ENV: str(tmp_path / "cache")}
+    command = [sys.executable, "-m", "cosyvoice_runtime", "--model", str(model), "--text", "Hi.", "--out",
+               str(tmp_path / "o.wav")]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 2 and not (tmp_path / "o.wav").exists()
+    assert [line for line in done.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: exporting {model} (--model) failed: {model / 'hift.pt'}: the file is empty; expected a "
+        "PyTorch checkpoint"]
 
 
 def test_an_fp16_export_of_a_model_bundle_has_a_cache_folder_of_its_own(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -17,12 +18,28 @@ ACCEPTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def read_pickled_dict(path: Path) -> dict:
     """`torch.load` a dict from `path` without executing pickled code; one-line `BundleError` otherwise."""
-    if not path.is_file():
+    if not path.exists():
         raise BundleError(f"{path}: file not found")
+    if not path.is_file():
+        raise BundleError(f"{path}: not a file")
+    with path.open("rb") as f:
+        head = f.read(9)
+    if not head:
+        raise BundleError(f"{path}: the file is empty; expected a PyTorch checkpoint")
+    if head[8:9] == b"{":  # 8 bytes of header length, then the header's JSON
+        raise BundleError(f"{path}: a safetensors file; expected a PyTorch checkpoint (torch.save)")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as e:
+        with warnings.catch_warnings():  # torch's about a pickle protocol it may not read: the error says
+            warnings.simplefilter("ignore", UserWarning)
+            # mapped where it can be: torch.save's zip format; the legacy one (upstream's torch.load reads it
+            # too) is read whole
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except Exception as e:  # the unpickler fails on damaged bytes in many ways, each meaning "unreadable"
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if not isinstance(e, RuntimeError | OSError | ValueError | EOFError | pickle.UnpicklingError):
+            reason = f"its bytes do not unpickle: {type(e).__name__}"  # a KeyError's text is a number
+        elif reason.startswith("Weights only load failed"):  # torch's advice to load it unsafely, left out
+            reason = "it holds more than tensors and plain containers, which torch's safe loader refuses"
         raise BundleError(f"{path}: not a readable PyTorch checkpoint ({reason})") from None
     if not isinstance(obj, dict):
         raise BundleError(f"{path}: expected a dict, found {type(obj).__name__}")

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 from tqdm import tqdm
 
 from cosyvoice_runtime.atomic_files import new_sibling
@@ -70,7 +70,9 @@ def _qwen_safetensors(llm_state: dict[str, torch.Tensor], path: Path, tied: bool
                for k, v in llm_state.items() if k.startswith(prefix)}
     if tied:  # HF drops the tied head on save
         tensors.pop("lm_head.weight")
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    # written as bytes: safetensors' save_file makes the file private (0o600), where the bundle's others get
+    # 0o666 less the umask
+    path.write_bytes(save(tensors, metadata={"format": "pt"}))
 
 
 def _write(root: Path, size: str, seed: int, progress: bool) -> None:

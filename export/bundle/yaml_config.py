@@ -14,6 +14,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from cosyvoice_runtime.text_stream import MIX_RATIO
+from cosyvoice_runtime.token2wav import CFG_RATE
+
 from ..config import (
     CFMConfig,
     DiTConfig,
@@ -157,6 +160,14 @@ def _read_qwen_config(path: Path) -> Qwen2Config:
         raise BundleError(f"{path}: a Qwen2 hyperparameter has the wrong type ({e})") from None
 
 
+def _as_released(block: _Block, key: str, found: object, applied: object) -> None:
+    """Refuse a yaml value that differs from the released model's where the runtime applies that one: its
+    bundles do not carry the setting, so an export would silently not honour another."""
+    if found != applied:
+        raise block.error(key, f"is {found!r}; the runtime applies the released model's {applied!r} (its "
+                               "bundles do not carry this setting), so an export would not honour it")
+
+
 def model_config_from_yaml(yaml_path: Path, qwen_config_path: Path) -> ModelConfig:
     """Read a bundle's `cosyvoice3.yaml` and `CosyVoice-BlankEN/config.json` into a `ModelConfig`.
 
@@ -182,6 +193,9 @@ def model_config_from_yaml(yaml_path: Path, qwen_config_path: Path) -> ModelConf
         sampling=RASConfig(top_p=ras.number("top_p"), top_k=ras.integer("top_k"),
                            win_size=ras.integer("win_size"), tau_r=ras.number("tau_r")),
     )
+    for key in ("top_p", "top_k", "win_size", "tau_r"):
+        _as_released(ras, key, getattr(llm_cfg.sampling, key), getattr(RASConfig(), key))
+    _as_released(llm, "mix_ratio", llm.integers("mix_ratio"), MIX_RATIO)
 
     flow = top.call("flow", "new", FLOW_CLASS)
     pll = flow.call("pre_lookahead_layer", "new", PRE_LOOKAHEAD_CLASS)
@@ -203,6 +217,9 @@ def model_config_from_yaml(yaml_path: Path, qwen_config_path: Path) -> ModelConf
         cfm=CFMConfig(inference_cfg_rate=cfm.number("inference_cfg_rate"),
                       t_scheduler=cfm.text("t_scheduler")),
     )
+
+    _as_released(cfm, "inference_cfg_rate", flow_cfg.cfm.inference_cfg_rate, CFG_RATE)
+    _as_released(cfm, "t_scheduler", flow_cfg.cfm.t_scheduler, "cosine")  # the runtime's ode_time_grid
 
     hift = top.call("hift", "new", HIFT_CLASS)
     istft = hift.mapping("istft_params")
