@@ -134,10 +134,11 @@ class CosyVoiceReplica:
 
 
 def replica_chunk_slots(config: ReplicaConfig, threads: int | None) -> int | None:
-    """A replica's `chunk_slots`: the settings' own, else one on a CPU where the replica reserved CPUs for its
-    `threads` (they, not the machine's cores that `default_chunk_slots` counts, are what its chunks share),
-    else the runtime's default."""
-    if config.settings.chunk_slots is None and threads and config.provider in CPU_PROVIDERS:
+    """A replica's `chunk_slots`: the settings' own, else one on a CPU where the replica batches its decodings
+    and reserved CPUs for its `threads` (they, not the machine's cores that `default_chunk_slots` counts, are
+    what its chunks share), else the runtime's default (none without a batch)."""
+    batched = (config.settings.max_batch or 1) > 1  # a CPU's default is no batch
+    if config.settings.chunk_slots is None and threads and config.provider in CPU_PROVIDERS and batched:
         return 1
     return config.settings.chunk_slots
 

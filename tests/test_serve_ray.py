@@ -154,13 +154,16 @@ def test_a_config_files_args_are_the_servers_settings_by_name(monkeypatch: pytes
 
 
 def test_a_cpu_replica_runs_one_chunk_at_a_time_unless_told() -> None:
-    """A replica that reserved CPUs shares them, not the machine's cores, among its chunks: one slot by
-    default on a CPU; a config's `chunk_slots` is kept; on a GPU, or with no CPUs reserved (the graphs take
-    every core), the runtime's default."""
-    cpu = replica_config({})
+    """A replica that reserved CPUs shares them, not the machine's cores, among its batch's chunks: one slot
+    by default on a CPU; a config's `chunk_slots` is kept; on a GPU, with no CPUs reserved (the graphs take
+    every core), or without a batch (a CPU's default, where slots are refused), the runtime's default."""
+    cpu = replica_config({"max_batch": "2"})
     assert replica_chunk_slots(cpu, 2) == 1 and replica_chunk_slots(cpu, None) is None
-    assert replica_chunk_slots(replica_config({"chunk_slots": "3"}), 2) == 3
+    assert replica_chunk_slots(replica_config({"chunk_slots": "3", "max_batch": "4"}), 2) == 3
     assert replica_chunk_slots(replica_config({"provider": "cuda"}), 2) is None
+    assert replica_chunk_slots(replica_config({}), 2) is None
+    # what a default replica that reserved CPUs opens with is taken
+    Engine.check(DEMO_BUNDLE, chunk_slots=replica_chunk_slots(replica_config({}), 2))
 
 
 @pytest.mark.parametrize("name", ["serve-config.yaml", "rayservice.yaml"])
