@@ -220,6 +220,10 @@ class CosyVoice3:
         speaker = self._speaker(zero_shot_spk_id)
         if speaker is None:
             _check_str(prompt_text, "prompt_text")
+        elif not speaker.prompt_text.strip():
+            raise UserError(f"zero_shot_spk_id {zero_shot_spk_id!r} was added without a transcript, which "
+                            "zero-shot needs; speak it with inference_cross_lingual or inference_instruct2, "
+                            "or add it again with its prompt_text")
         return self._inference(Mode.ZERO_SHOT, tts_text, speaker or prompt_wav, stream, speed, text_frontend,
                                prompt_text=speaker.prompt_text if speaker else prompt_text)
 
@@ -427,7 +431,9 @@ class CosyVoice3:
         return SegmentSpeech(closing_after(chunks, decoding.close), decoding.tokens, read)
 
     def _text_ids(self, pieces: Iterable[str], read: list[int]) -> Iterator[int]:
-        """The ids of each piece of text, tokenised as it comes, each also appended to `read`."""
+        """The ids of each piece of text, tokenised as it comes, each also appended to `read`; a `UserError`
+        where the pieces end without one."""
+        before = len(read)
         for piece in pieces:
             if not isinstance(piece, str):
                 raise UserError(f"tts_text: a piece of streamed text is {type(piece).__name__}, not str")
@@ -435,6 +441,8 @@ class CosyVoice3:
             for i in self.tokenizer.encode(piece):
                 read.append(i)
                 yield i
+        if len(read) == before:
+            raise UserError("tts_text: the streamed pieces held no text (none, or only empty ones)")
 
     @property
     def chunk_policy(self) -> ChunkPolicy:
@@ -578,6 +586,9 @@ def _audio(wav: PromptWav, name: str, read: Callable[[str | Path | BinaryIO], Pr
     if len(wav) != 2:
         raise UserError(f"{name} is a tuple of {len(wav)}; expected (samples, sample rate)")
     samples, sample_rate = wav
+    if not np.issubdtype(np.asarray(samples).dtype, np.floating):  # scipy's wavfile reads int16 so
+        raise UserError(f"{name} holds {np.asarray(samples).dtype} samples; expected floats in [-1, 1] "
+                        "(int16 samples over 32768)")
     data = np.asarray(samples, dtype=np.float32)
     # more channels than samples: a (channels, N) array, which would read as a few samples of many channels
     if data.ndim not in (1, 2) or data.ndim == 2 and data.shape[1] > data.shape[0] \

@@ -177,6 +177,9 @@ def test_concurrent_first_prompts_open_the_front_end_once(monkeypatch: pytest.Mo
 
 
 def test_bad_input_is_refused_before_synthesis(cosyvoice: CosyVoice3) -> None:
+    with open(PROMPT_WAV, "rb") as closed:
+        pass
+    text_mode = open(PROMPT_WAV)  # noqa: SIM115  (open for the call below)
     cases = [
         (lambda: cosyvoice.inference_zero_shot(TEXT, TRANSCRIPT, str(PROMPT_WAV), speed=float("nan")),
          "speed is nan; expected a number from 0.25 to 4"),
@@ -197,6 +200,14 @@ def test_bad_input_is_refused_before_synthesis(cosyvoice: CosyVoice3) -> None:
          r"prompt_wav is a tuple of 1; expected \(samples, sample rate\)"),
         (lambda: cosyvoice.inference_cross_lingual(TEXT, (np.full((2, 48000), 0.1, np.float32), 24000)),
          r"prompt_wav is \(\(2, 48000\) array, 24000\); expected \(samples \(N,\) or \(N, channels\)"),
+        (lambda: cosyvoice.inference_cross_lingual(TEXT, (np.full(24000, 3000, np.int16), 24000)),
+         r"prompt_wav holds int16 samples; expected floats in \[-1, 1\]"),  # not samples of 3000
+        (lambda: cosyvoice.inference_vc((np.full(150, 0.1, np.float32), 16000), str(PROMPT_WAV)),
+         "source_wav lasts 9.38 ms; the speech tokenizer needs more than 12.5 ms"),
+        (lambda: list(cosyvoice.inference_zero_shot(iter(["", ""]), TRANSCRIPT, str(PROMPT_WAV))),
+         "tts_text: the streamed pieces held no text"),
+        (lambda: cosyvoice.inference_cross_lingual(TEXT, closed), "the file is closed"),
+        (lambda: cosyvoice.inference_cross_lingual(TEXT, text_mode), "opened in text mode; open it in "),
         (lambda: cosyvoice.inference_cross_lingual(TEXT, ""),
          "prompt_wav is empty; expected a recording's path"),
         (lambda: cosyvoice.inference_cross_lingual(TEXT, 5), "prompt_wav is int; expected a path"),
@@ -220,6 +231,7 @@ def test_bad_input_is_refused_before_synthesis(cosyvoice: CosyVoice3) -> None:
     for call, message in cases:
         with pytest.raises(ValueError, match=message):  # UserError and FrontendError are ValueErrors
             call()
+    text_mode.close()
     assert issubclass(UserError, ValueError)
     assert "nobody" not in cosyvoice.list_available_spks()
     with pytest.raises(UserError, match="sampling is 'beam'"):
@@ -236,6 +248,15 @@ def test_bad_input_is_refused_before_synthesis(cosyvoice: CosyVoice3) -> None:
         CosyVoice3(None)
     with pytest.raises(ValueError, match=r"nowhere \(model_dir\): does not exist"):  # not the CLI's --model
         CosyVoice3("nowhere")
+
+
+def test_a_speaker_added_without_a_transcript_is_refused_zero_shot_saying_why() -> None:
+    """As upstream, it speaks cross-lingual and instruct2; zero-shot needs the transcript it lacks, which a
+    prompt_text given beside the speaker (unused) does not change."""
+    with CosyVoice3(DEMO_BUNDLE) as voice:
+        assert voice.add_zero_shot_spk("", str(PROMPT_WAV), "untranscribed")
+        with pytest.raises(UserError, match="zero_shot_spk_id 'untranscribed' was added without a transcr"):
+            voice.inference_zero_shot(TEXT, TRANSCRIPT, "", zero_shot_spk_id="untranscribed")
 
 
 def test_a_closed_object_refuses_work_at_the_call(tmp_path: Path) -> None:

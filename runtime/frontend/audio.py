@@ -8,6 +8,7 @@ the same output length.
 
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,9 @@ SPEECH_SAMPLE_RATE = 16000
 MAX_PROMPT_SECONDS = 30.0
 """The speech tokenizer takes at most 30 s of audio (upstream asserts it)."""
 
+MIN_TOKENIZER_SAMPLES = 200
+"""The speech tokenizer's Whisper log-mel reflect-pads n_fft / 2 = 200 samples at each end (16 kHz), which
+needs more than that many: a voice conversion's source shorter than 12.5 ms has no tokens to give."""
 MIN_PROMPT_SECONDS = 0.5
 """Shorter recordings hold too little speech to clone a voice from."""
 
@@ -64,7 +68,13 @@ def read_audio(path: str | Path | BinaryIO) -> tuple[np.ndarray, int]:
     (one line, naming the file) if the file cannot be read or its sample rate is below 16 kHz or above
     384 kHz.
     """
-    if not hasattr(path, "read"):  # libsndfile says only "System error." for these
+    if hasattr(path, "read"):  # soundfile's "Format not recognised" (and a cffi traceback) for these
+        if getattr(path, "closed", False):
+            raise FrontendError(f"audio file {_name(path)}: the file is closed")
+        if isinstance(path, io.TextIOBase):
+            raise FrontendError(f"audio file {_name(path)}: opened in text mode; open it in binary mode "
+                                "('rb')")
+    else:  # libsndfile says only "System error." for these
         if not Path(path).exists():
             raise FrontendError(f"audio file {path}: no such file")
         if Path(path).is_dir():
@@ -201,10 +211,14 @@ def load_wav(path: str | Path, target_sr: int) -> np.ndarray:
 
 
 def check_tokenizer_length(seconds: float, source: str) -> None:
-    """Raise `FrontendError` if `seconds` of audio are more than the speech tokenizer takes (30 s).
+    """Raise `FrontendError` if `seconds` of audio are more than the speech tokenizer takes (30 s), or too
+    few for it (`MIN_TOKENIZER_SAMPLES`).
 
     `source` names the audio in the message, e.g. "audio file prompt.wav".
     """
+    if seconds * SPEECH_SAMPLE_RATE <= MIN_TOKENIZER_SAMPLES:
+        raise FrontendError(f"{source} lasts {seconds * 1000:.2f} ms; the speech tokenizer needs more than "
+                            f"{MIN_TOKENIZER_SAMPLES * 1000 / SPEECH_SAMPLE_RATE:g} ms")
     if seconds > MAX_PROMPT_SECONDS:
         limit = f"{MAX_PROMPT_SECONDS:g} s"
         shown = f"{seconds:.2f} s" if round(seconds, 2) > MAX_PROMPT_SECONDS else f"over {limit}"
