@@ -29,6 +29,9 @@ CASES_FILE = Path(__file__).with_name("cases.toml")
 DATA_DIR = "data"
 """Beside a cases file: its golden data (`<case>.json`, `<case>.npz`, `graphs/<graph>.*`)."""
 FORMAT_VERSION = 1
+TOP_LEVEL_KEYS = frozenset({"format_version", "reference", "tolerance", "precision_tolerance", "graphs",
+                            "defaults", "case"})
+"""What a cases file holds at its top level."""
 DEMO = "demo"
 """`bundle = "demo"`: the runtime's embedded demo bundle (`cosyvoice_runtime.demo.DEMO_BUNDLE`)."""
 FROM_BUNDLE = "bundle"
@@ -137,19 +140,20 @@ class Cases:
         return self.path.parent / DATA_DIR
 
     def select(self, names: tuple[str, ...]) -> list[GoldenCase]:
-        """The named cases (all of them for no names); an unknown name is a `GoldenError`."""
+        """The named cases, each once (all of them for no names); an unknown name is a `GoldenError`."""
         for name in names:
             if name not in self.cases:
                 raise GoldenError(f"unknown case {name!r}; {self.path.name} has {', '.join(self.cases)}")
-        return [self.cases[n] for n in names] if names else list(self.cases.values())
+        return [self.cases[n] for n in dict.fromkeys(names)] if names else list(self.cases.values())
 
     def select_graphs(self, names: tuple[str, ...]) -> list[str]:
-        """The named graphs (all of them for no names); a graph without golden cases is a `GoldenError`."""
+        """The named graphs, each once (all of them for no names); a graph without golden cases is a
+        `GoldenError`."""
         for name in names:
             if name not in self.graphs:
                 raise GoldenError(f"unknown graph {name!r}; {self.path.name} has golden bundles for "
                                   f"{', '.join(self.graphs)}")
-        return list(names) if names else list(self.graphs)
+        return list(dict.fromkeys(names)) if names else list(self.graphs)
 
     def resolve(self, value: str) -> Path:
         """A path from the cases file, relative to its folder."""
@@ -175,6 +179,10 @@ def load_cases(path: Path = CASES_FILE) -> Cases:
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise GoldenError(f"{path}: unreadable ({e})") from None
     where = str(path)
+    unknown = sorted(set(data) - TOP_LEVEL_KEYS)
+    if unknown:
+        raise GoldenError(f"{where}: unknown key {unknown[0]!r}; a cases file holds "
+                          f"{', '.join(sorted(TOP_LEVEL_KEYS))}")
     if data.get("format_version") != FORMAT_VERSION:
         raise GoldenError(f"{where}: format_version is {data.get('format_version')!r}, expected "
                           f"{FORMAT_VERSION}")
@@ -254,7 +262,10 @@ def _case(raw: dict[str, Any], default_bounds: Mapping[str, Bounds], where: str)
     for provider, override in v["tolerance"].items():
         _choice(provider, PROVIDERS, f"{where}: tolerance")
         base = asdict(tolerance[provider]) if provider in tolerance else {}
-        tolerance[provider] = _bounds({**base, **override}, f"{where}: tolerance.{provider}")
+        if not isinstance(override, dict):
+            raise GoldenError(f"{where}: tolerance.{provider} is {override!r}, expected a table of bounds")
+        merged = {k: value for k, value in {**base, **override}.items() if value is not None}  # the unset
+        tolerance[provider] = _bounds(merged, f"{where}: tolerance.{provider}")
     return GoldenCase(
         name=v["name"], bundle=v["bundle"], text=v["text"], prompt_wav=v["prompt_wav"],
         prompt_text=v["prompt_text"], instruct=v["instruct"], mode=Mode(v["mode"]), stream=v["stream"],

@@ -198,6 +198,10 @@ def test_a_damaged_npz_is_named(tmp_path: Path) -> None:
     ('name = "zero-shot-en-greedy"', 'name = "zero-shot-en-greedy"\nseed = -1', "seed is -1, expected 0 to"),
     ("threads = 1", "threads = 0", "reference.threads is 0, expected at least 1"),
     ("cpu = { max_abs = 3e-2,", "cpu = { max_abs = -3e-2,", "max_abs is -0.03, expected a finite number"),
+    ("format_version = 1", "format_version = 1\nbogus = 3", "unknown key 'bogus'; a cases file holds "),
+    ('name = "zero-shot-en-greedy"',
+     'name = "zero-shot-en-greedy"\ntolerance = { cpu = { snr_db = -1e999 } }',
+     "tolerance.cpu: snr_db is -inf, expected a finite number"),
 ])
 def test_a_cases_field_out_of_range_is_one_line(tmp_path: Path, old: str, new: str, message: str) -> None:
     """Refused as the cases file is read, before any synthesis (a name with a path would also have written
@@ -208,6 +212,22 @@ def test_a_cases_field_out_of_range_is_one_line(tmp_path: Path, old: str, new: s
     cases_file.write_text(text.replace(old, new))
     for command in ("check", "update"):
         _one_error_line(_golden(command, "--cases", str(cases_file), "--case", SHORT), message)
+
+
+def test_a_cases_own_tolerance_overrides_the_bounds_it_names(tmp_path: Path) -> None:
+    cases_file = _copy(tmp_path, SHORT)
+    text = cases_file.read_text()
+    old = f'name = "{SHORT}"'
+    cases_file.write_text(text.replace(old, f"{old}\ntolerance = {{ cpu = {{ snr_db = 50.0 }} }}", 1))
+    bounds = load_cases(cases_file).cases[SHORT].tolerance["cpu"]  # the rest of [tolerance]'s cpu bounds
+    assert (bounds.snr_db, bounds.max_abs, bounds.l1, bounds.mel_snr_db) == (50.0, 3e-2, 2e-3, None)
+    result = _golden("check", "--cases", str(cases_file), "--case", SHORT)
+    assert result.exit_code == 0, result.output
+
+
+def test_a_case_named_twice_is_judged_once() -> None:
+    result = _golden("check", "--case", SHORT, "--case", SHORT, "--graph", "hift_f0", "--graph", "hift_f0")
+    assert result.exit_code == 0 and "2 of 2 passed" in result.output, result.output
 
 
 @pytest.mark.torch
