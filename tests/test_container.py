@@ -17,6 +17,7 @@ import sys
 import textwrap
 import threading
 import time
+import tomllib
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -206,6 +207,13 @@ def test_the_build_context_holds_what_the_dockerfile_copies_and_nothing_private(
                     "serve/__pycache__/cli.cpython-311.pyc", ".pytest_cache/README.md",
                     "tests/test_serve.py"):
         assert dockerignore_excludes(private), private
+
+
+def test_the_image_builds_the_package_with_its_license_text() -> None:
+    copied = {source for stage in STAGES for args in stage.all("COPY") if not args.startswith("--from")
+              for source in args.split()[:-1]}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert set(project["license-files"]) <= copied
 
 
 # --- the entrypoint and the health check, run against a live server ----------------------------------
