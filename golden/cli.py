@@ -195,8 +195,8 @@ def _check_precision(bundle: RuntimeBundle, precision: str | None) -> None:
 
 
 def _judged_as(bundle: RuntimeBundle) -> str:
-    """The precision that judges `bundle`: the one of all its graphs where they share one (as a list naming
-    graphs in fp32 leaves them), else its manifest's."""
+    """The precision that judges `bundle`: the one its graphs share, where they share one (`--precision
+    decode=fp32` leaves every graph fp32), else its manifest's."""
     graphs = {p.name for p in bundle.graph_precisions.values()}
     return graphs.pop() if len(graphs) == 1 else fingerprint(bundle)["precision"]
 
