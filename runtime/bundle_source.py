@@ -95,7 +95,11 @@ def _runtime_bundle(path: Path, origin: str, progress: bool, precision: str, *, 
     if (path / MANIFEST).is_file():
         return BundleChoice(path, f"{origin} ({path})", default)
     if not path.exists():
-        raise RuntimeBundleError(f"{path} ({origin}): does not exist")
+        # "owner/name" whose owner is no folder here: a model hub's id, as upstream's AutoModel downloads
+        hub = (len(path.parts) == 2 and not path.is_absolute() and not Path(path.parts[0]).exists())
+        raise RuntimeBundleError(f"{path} ({origin}): does not exist" + (
+            "; a model hub id? `cosyvoice-export download` fetches the model into a folder to give here"
+            if hub else ""))
     if not path.is_dir():
         raise RuntimeBundleError(f"{path} ({origin}): is a file; a bundle is a folder")
     if (path / GRAPHS_DIR).is_dir():  # graphs written, the manifest (written last) not

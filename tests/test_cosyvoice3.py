@@ -246,8 +246,11 @@ def test_bad_input_is_refused_before_synthesis(cosyvoice: CosyVoice3) -> None:
             CosyVoice3(DEMO_BUNDLE, threads=threads)
     with pytest.raises(UserError, match="model_dir is NoneType; expected a bundle's path"):
         CosyVoice3(None)
-    with pytest.raises(ValueError, match=r"nowhere \(model_dir\): does not exist"):  # not the CLI's --model
+    with pytest.raises(ValueError, match=r"nowhere \(model_dir\): does not exist$"):  # not the CLI's --model
         CosyVoice3("nowhere")
+    with pytest.raises(ValueError, match=r"\(model_dir\): does not exist; a model hub id\? `cosyvoice-export "
+                                         r"download` fetches"):  # what upstream's AutoModel would download
+        CosyVoice3("FunAudioLLM/Fun-CosyVoice3-0.5B-2512")
 
 
 def test_a_speaker_added_without_a_transcript_is_refused_zero_shot_saying_why() -> None:
