@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from cosyvoice_golden.run import cpu_signature
 from cosyvoice_graphs import ODE_STEPS
 from cosyvoice_runtime import CosyVoice3
 from cosyvoice_runtime.bundle import RuntimeBundle
@@ -38,9 +39,13 @@ TOKENS = 150
 """Greedy speech tokens taken from the demo model: chunks (0, 38), (38, 88), (88, 150) on upstream's
 schedule."""
 FIRST = 10
-UPSTREAM_DIGESTS = ["29489237b32fae6f", "8a363f04d1af9dfa", "c5821f4ac8bfc327"]
+UPSTREAM_DIGESTS = {
+    "avx512f": ["29489237b32fae6f", "8a363f04d1af9dfa", "c5821f4ac8bfc327"],  # Zen 4, Zen 5, AMX Xeon alike
+    "avx2": ["277d743ebba82e03", "2282d59dcf37ba23", "5a3847c15df86f29"],  # an AVX2-only AMD EPYC
+}
 """The chunks' sha256 prefixes on upstream's schedule (flow "cache", vocoder "window"), as made by the
-default path alone (recorded again whenever the demo bundle's graphs change)."""
+default path alone (recorded again whenever the demo bundle's graphs change), per family of onnxruntime's
+float32 CPU kernels: AVX-512's and AVX2's round differently, so each gives its own bits."""
 NEAR = 3
 """Samples either side of a seam where a click would show."""
 AROUND = 480
@@ -71,6 +76,14 @@ def case(voice: CosyVoice3) -> tuple[list[int], PromptFeatures]:
 
 def _digests(chunks: list[AudioChunk]) -> list[str]:
     return [hashlib.sha256(c.samples.tobytes()).hexdigest()[:16] for c in chunks]
+
+
+def _kernel_family() -> str | None:
+    """The family of onnxruntime's float32 CPU kernels this machine runs: the first of `UPSTREAM_DIGESTS`'
+    keys among its CPU features (an AVX-512 CPU has AVX2 too), or None where no digest was recorded for its
+    kind."""
+    features = cpu_signature().split()
+    return next((family for family in UPSTREAM_DIGESTS if family in features), None)
 
 
 def _one_error_line(stderr: str, why: str) -> bool:
@@ -107,9 +120,12 @@ def test_the_default_is_upstreams_schedule_unchanged(voice: CosyVoice3, case: tu
     tokens, prompt = case
     default = list(voice.synth.stream_tokens(tokens, prompt))
     assert [c.token_range for c in default] == [(0, 38), (38, 88), (88, 150)]
-    assert _digests(default) == UPSTREAM_DIGESTS
     off = ChunkPolicy(lookahead=voice.synth.dims.pre_lookahead_len, first_chunk_tokens=None)
-    assert _digests(list(voice.synth.stream_tokens(tokens, prompt, policy=off))) == UPSTREAM_DIGESTS
+    assert _digests(list(voice.synth.stream_tokens(tokens, prompt, policy=off))) == _digests(default)
+    family = _kernel_family()
+    if family is None:  # the golden's streamed cases still judge the default schedule here, within bounds
+        pytest.skip(f"no digests recorded for this CPU's float32 kernels ({cpu_signature()})")
+    assert _digests(default) == UPSTREAM_DIGESTS[family]
 
 
 @pytest.mark.parametrize("flow", ["cache", "rerun", "window"])
