@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import soundfile as sf
 
-from .errors import UserError
+from .errors import UNREACHABLE, UserError
 
 
 def new_sibling(path: Path, suffix: str, *, directory: bool = False) -> Path:
@@ -74,6 +74,13 @@ def check_writable(path: Path, option: str, *, directory: bool = False) -> None:
     writing: the folders missing on the way are created, an empty file is made where the write will make its
     own temporary file, and all of them are removed again, so that a file system that refuses (read-only,
     /proc, full) is found before the work."""
+    try:
+        _check_writable(path, option, directory)
+    except PermissionError:  # a folder on the way it cannot enter (another user's home, mode 700)
+        raise UserError(f"{option} {path}: {UNREACHABLE}") from None
+
+
+def _check_writable(path: Path, option: str, directory: bool) -> None:
     if directory and path.exists() and not path.is_dir():
         raise UserError(f"{option} {path}: is a file, not a folder")
     if not directory and path.is_dir():

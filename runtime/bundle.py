@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
+import os
 import textwrap
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -74,6 +75,9 @@ class RuntimeBundle:
         """
         root = Path(root)
         where = f"{root / MANIFEST}"
+        if not root.exists():  # else its manifest is named missing, as if the folder were there
+            raise RuntimeBundleError(f"{root}: does not exist; a runtime bundle is a folder (make one with "
+                                     "`cosyvoice-export all`)")
         try:
             manifest = Manifest.from_json(_read_manifest(root / MANIFEST), where)
         except ManifestError as e:
@@ -283,11 +287,17 @@ class RuntimeBundle:
 
     def _check_file(self, rel: str, entry: FileEntry, verify: bool) -> None:
         path = self.root / rel
-        if not path.is_file():
-            raise RuntimeBundleError(f"{path}: missing (listed in {MANIFEST})")
-        size = path.stat().st_size
+        unreadable = RuntimeBundleError(f"{path}: cannot be read (permission denied)")
+        try:
+            if not path.is_file():
+                raise RuntimeBundleError(f"{path}: missing (listed in {MANIFEST})")
+            size = path.stat().st_size
+        except PermissionError:  # its folder cannot be entered (exported under umask 077, shared later)
+            raise unreadable from None
         if size != entry.size:
             raise RuntimeBundleError(f"{path}: {size} bytes, the manifest says {entry.size}")
+        if not os.access(path, os.R_OK):
+            raise unreadable
         if verify:
             with open(path, "rb") as f:
                 sha = hashlib.file_digest(f, "sha256").hexdigest()

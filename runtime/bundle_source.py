@@ -25,7 +25,7 @@ from cosyvoice_graphs.precision import FP32
 from .atomic_files import check_writable, write_json_atomic
 from .bundle import RuntimeBundle
 from .demo import DEMO_BUNDLE
-from .errors import RuntimeBundleError, UserError
+from .errors import UNREACHABLE, RuntimeBundleError, UserError
 from .extras import install_command, missing_modules
 
 MODEL_DIR_ENV = "COSYVOICE_MODEL_DIR"
@@ -79,17 +79,25 @@ def choose_prompt(bundle: RuntimeBundle, wav: Path | None, text: str | None) -> 
     return PromptChoice(default[0], default[1] if text is None else text, default=True)
 
 
-def cache_root() -> Path:
-    """Where exports of model bundles are kept."""
+def cache_root() -> tuple[Path, str]:
+    """Where exports of model bundles are kept, and what chose it (for messages)."""
     env = os.environ.get(CACHE_DIR_ENV, "").strip()
     if env:
-        return Path(env)
+        return Path(env), f"${CACHE_DIR_ENV}"
     xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "cosyvoice"
+    if xdg:
+        return Path(xdg) / "cosyvoice", "$XDG_CACHE_HOME"
+    return Path.home() / ".cache" / "cosyvoice", f"~/.cache; ${CACHE_DIR_ENV} sets another"
 
 
 def _runtime_bundle(path: Path, origin: str, progress: bool, precision: str, *, default: bool
                     ) -> BundleChoice:
+    try:
+        path.stat()
+    except PermissionError:  # a folder on the way it cannot enter (another user's home, mode 700)
+        raise RuntimeBundleError(f"{path} ({origin}): {UNREACHABLE}") from None
+    except OSError:  # missing: said below
+        pass
     if path.is_dir() and not os.access(path, os.R_OK | os.X_OK):  # else a PermissionError from what follows
         raise RuntimeBundleError(f"{path} ({origin}): cannot be read (permission denied)")
     if (path / MANIFEST).is_file():
@@ -109,13 +117,14 @@ def _runtime_bundle(path: Path, origin: str, progress: bool, precision: str, *, 
         raise RuntimeBundleError(f"{path} ({origin}): neither a runtime bundle (no {MANIFEST}) nor a model "
                                  f"bundle (no {MODEL_YAML})")
     resolved = path.resolve()
-    folder = cache_root() / f"{resolved.name}-{hashlib.sha256(str(resolved).encode()).hexdigest()[:12]}"
+    root, chosen_by = cache_root()
+    folder = root / f"{resolved.name}-{hashlib.sha256(str(resolved).encode()).hexdigest()[:12]}"
     if precision != FP32.name:
         folder = folder.with_name(f"{folder.name}-{precision}")
     out, stamp = folder / "runtime", _stamp(resolved)
     if _read_json(folder / STAMP) == stamp and _opens(out):
         return BundleChoice(out, f"{origin} ({path}), exported earlier to {out}", default)
-    check_writable(folder, f"the export cache (${CACHE_DIR_ENV})", directory=True)  # before its minutes
+    check_writable(folder, f"the export cache ({chosen_by})", directory=True)  # before its minutes
     _export(resolved, out, f"{path} ({origin})", progress, precision)
     write_json_atomic(folder / STAMP, stamp)
     return BundleChoice(out, f"{origin} ({path}), exported now to {out}", default)

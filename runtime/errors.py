@@ -43,6 +43,9 @@ def require_finite(values: np.ndarray, what: str) -> None:
                                  "(checking its sha256s finds which) or its precision overflowed")
 
 
+UNREACHABLE = "cannot be reached (permission denied on a folder on its way)"
+"""What a path inside a folder this user cannot enter (another user's home, mode 700) is called."""
+
 USER_ERRORS = (UserError, RuntimeBundleError, ProviderError, FrontendError, SynthesisError, SpeakerError)
 """Errors caused by the input or the environment: a command prints the message as one line and exits
 with status 2, a server answers 4xx."""

@@ -152,7 +152,8 @@ def run_console_script(script: str, module: str, extras: tuple[str, ...] = ()) -
     """Run `module`'s `main` as the console script `script`, click's usage errors in one line
     (`one_line_usage_errors`) and an interrupted run exiting 130 (`interrupted_exits_130`); where
     onnxruntime or a module of one of `extras` is missing, when the CLI is imported or later in a command,
-    print one line saying what to install and exit 2."""
+    print one line saying what to install and exit 2; a path it may not read or write, one line naming it,
+    exit 2."""
     try:
         with one_line_usage_errors(), interrupted_exits_130():
             importlib.import_module(module).main()
@@ -161,6 +162,9 @@ def run_console_script(script: str, module: str, extras: tuple[str, ...] = ()) -
         if line is None:
             raise
         print(line, file=sys.stderr)
+        sys.exit(2)
+    except PermissionError as e:  # a path the checks before the work did not name: still one line
+        print(f"error: {e.filename or e}: permission denied", file=sys.stderr)
         sys.exit(2)
 
 

@@ -4,6 +4,7 @@ runtime."""
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 import tempfile
@@ -201,13 +202,13 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
         from .ray_app import ReplicaConfig, run_ray  # the ray extra, imported only here
 
         if ray.address is None:  # a local instance: its replicas keep speakers here, its proxy listens here
-            _create_speakers_folder(settings.speakers_dir)
+            _create_speakers_folder(settings.speakers_dir, given=speakers_dir is not None)
             _check_listen(host, port, "--port")
         run_ray(ray, ReplicaConfig(model, provider, flow_prefix_mib << 20, settings, ray.speaker_store),
                 host=host, port=port)
         return
     if not grpc_service:  # upstream's gRPC service has no registered speakers
-        _create_speakers_folder(settings.speakers_dir)
+        _create_speakers_folder(settings.speakers_dir, given=speakers_dir is not None)
     _check_listen(host, port, "--port")
     if grpc_port is not None:
         _check_listen(host, grpc_port, "--grpc-port")
@@ -248,18 +249,24 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
         engine.close()
 
 
-def _create_speakers_folder(folder: Path) -> None:
+def _create_speakers_folder(folder: Path, *, given: bool) -> None:
     """The folder the server keeps its speakers in, made and written to now, so that one it cannot use is a
     refusal before the bundle opens rather than a traceback after (Ray's replicas make theirs where they
-    run)."""
+    run); named by what chose it (`given`: --speakers)."""
+    if given:
+        what = f"--speakers {folder}"
+    elif os.environ.get(SPEAKERS_DIR_ENV, "").strip():
+        what = f"${SPEAKERS_DIR_ENV} {folder}"
+    else:
+        what = f"the speakers folder {folder} (the default; --speakers sets another)"
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        _refuse(f"--speakers {folder}: cannot create the folder ({e.strerror or e})")
+        _refuse(f"{what}: cannot create the folder ({e.strerror or e})")
     try:
         tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
-        _refuse(f"--speakers {folder}: cannot write in the folder ({e.strerror or e})")
+        _refuse(f"{what}: cannot write in the folder ({e.strerror or e})")
 
 
 def _check_listen(host: str, port: int, option: str) -> None:

@@ -285,7 +285,7 @@ def test_bad_input_is_one_line(runtime_bundle: Path, tmp_path: Path, extra: list
 def test_missing_bundle_is_one_line(tmp_path: Path) -> None:
     done = CliRunner().invoke(main, bench_args(tmp_path / "nothing", tmp_path / "x.json"))
     assert done.exit_code == 2 and done.stderr.count("\n") == 1
-    assert done.stderr.startswith(f"error: {tmp_path / 'nothing' / 'manifest.json'}: missing")
+    assert done.stderr.startswith(f"error: {tmp_path / 'nothing'}: does not exist")
 
 
 def test_an_unusable_prompt_is_refused_before_the_bundle_opens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import CACHE_DIR_ENV, MODEL_DIR_ENV, choose_bundle
 from cosyvoice_runtime.cli import main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
-from cosyvoice_runtime.errors import RuntimeBundleError, UserError
+from cosyvoice_runtime.errors import UNREACHABLE, RuntimeBundleError, UserError
 
 
 @pytest.mark.torch  # without torch, `runtime_bundle` is the demo bundle itself
@@ -221,6 +222,42 @@ def test_an_unreadable_bundle_folder_is_one_line(tmp_path: Path, monkeypatch: py
     with pytest.raises(RuntimeBundleError) as refused:
         choose_bundle(tmp_path)
     assert str(refused.value) == f"{tmp_path} (--model): cannot be read (permission denied)"
+
+
+@pytest.mark.usefixtures("no_env")
+def test_a_bundle_under_a_folder_it_cannot_enter_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """A path inside another user's home (mode 700): Python 3.11's `Path.is_dir` raises there (faked: root
+    enters any folder)."""
+    hidden = tmp_path / "home" / "bundle"
+    stat = Path.stat
+
+    def denied(path: Path, **kwargs: Any) -> os.stat_result:
+        if path == hidden:
+            raise PermissionError(13, "Permission denied", str(path))
+        return stat(path, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", denied)
+    with pytest.raises(RuntimeBundleError) as refused:
+        choose_bundle(hidden)
+    assert str(refused.value) == f"{hidden} (--model): {UNREACHABLE}"
+
+
+@pytest.mark.usefixtures("no_env")
+@pytest.mark.parametrize("xdg", [True, False])
+def test_the_export_cache_is_named_by_what_chose_it(tiny_bundle: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch, xdg: bool) -> None:
+    monkeypatch.setattr(bundle_source, "_export", lambda *_, **__: pytest.fail("the export ran"))
+    monkeypatch.delenv(CACHE_DIR_ENV, raising=False)
+    (tmp_path / "a-file").write_text("x")
+    if xdg:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file"))
+    else:
+        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+        monkeypatch.setenv("HOME", str(tmp_path / "a-file"))
+    label = "$XDG_CACHE_HOME" if xdg else "~/.cache; $COSYVOICE_CACHE_DIR sets another"
+    with pytest.raises(UserError, match=rf"^the export cache \({re.escape(label)}\) .*a-file is not a"):
+        choose_bundle(tiny_bundle)
 
 
 @pytest.mark.usefixtures("no_env")

@@ -24,6 +24,7 @@ from cosyvoice_runtime import CosyVoice3
 from cosyvoice_runtime.atomic_files import new_sibling
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.errors import UNREACHABLE
 from cosyvoice_runtime.runners import CUDA, ORT_PROVIDERS
 from cosyvoice_runtime.segments import MAX_TEXT_CHARS
 from cosyvoice_runtime.synthesis import Mode
@@ -73,6 +74,24 @@ def test_run_refuses_an_output_under_a_file_before_the_bundle_opens(option: str,
                                            "--stream", *args])
     assert refused(result) == f"error: {option} {bad}: {a_file} is not a folder"
     assert sorted(p.name for p in tmp_path.iterdir()) == [a_file.name]
+
+
+def test_run_refuses_an_output_under_a_folder_it_cannot_enter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """Another user's home (mode 700), where Python 3.11's `Path.is_dir` raises (faked: root enters any
+    folder): one line before the work, not a traceback."""
+    home = tmp_path / "home"
+    out = home / "out.wav"
+    stat = Path.stat
+
+    def denied(path: Path, **kwargs: object) -> os.stat_result:
+        if path.is_relative_to(home) and path != home:
+            raise PermissionError(13, "Permission denied", str(path))
+        return stat(path, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "stat", denied)
+    assert refused(run("--text", "Hi.", "--out", str(out))) == (
+        f"error: --out {out}: {UNREACHABLE}")
 
 
 @pytest.mark.skipif(AS_ROOT, reason="root may write into a folder whatever its permission bits")

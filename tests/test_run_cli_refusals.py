@@ -304,6 +304,21 @@ def test_every_console_script_reports_a_usage_error_in_one_line(
     assert click.UsageError.show is show  # click's own again once the script is done
 
 
+def test_a_path_it_may_not_use_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Where no check before the work named it (a prompt inside another user's home): one line, not a
+    traceback."""
+    hidden = "/home/someone/prompt.wav"
+
+    def denied() -> None:
+        raise PermissionError(13, "Permission denied", hidden)
+
+    monkeypatch.setattr(run_cli, "main", denied)
+    with pytest.raises(SystemExit) as exit:
+        run_console_script("cosyvoice-run", "cosyvoice_runtime.cli")
+    assert exit.value.code == 2 and capsys.readouterr().err == f"error: {hidden}: permission denied\n"
+
+
 def test_cosyvoice_runs_option_errors_are_one_line(monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     nan = "error: Invalid value for '--speed': 'nan' is not a finite number"

@@ -77,6 +77,9 @@ def test_open_and_verify(runtime_bundle: Path) -> None:
 
 def test_no_manifest(tmp_path: Path) -> None:
     one_line_error(tmp_path, "manifest.json: missing; not a runtime bundle")
+    # no folder at all is named as that, not as a manifest missing from it
+    error = one_line_error(tmp_path / "nowhere", "nowhere: does not exist; a runtime bundle is a folder")
+    assert MANIFEST not in str(error)
 
 
 def test_corrupted_manifest(runtime_bundle: Path, tmp_path: Path) -> None:
@@ -122,6 +125,25 @@ def test_missing_file(runtime_bundle: Path, tmp_path: Path) -> None:
     root = clone(runtime_bundle, tmp_path)
     (root / "graphs" / "hift_f0.onnx").unlink()
     one_line_error(root, r"graphs/hift_f0.onnx: missing \(listed in manifest.json\)")
+
+
+def test_unreadable_file(runtime_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bundle exported under umask 077 and shared: a file mode 600, a folder mode 700 (faked: root reads
+    anything)."""
+    root = clone(runtime_bundle, tmp_path)
+    llm, graphs = root / "graphs" / "llm.onnx", root / "graphs"
+    access, is_file = os.access, Path.is_file
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != llm and access(path, mode, **kw))
+    one_line_error(root, r"graphs/llm.onnx: cannot be read \(permission denied\)$")
+    monkeypatch.setattr(os, "access", access)
+
+    def denied(path: Path) -> bool:
+        if path.parent == graphs:
+            raise PermissionError(13, "Permission denied", str(path))
+        return is_file(path)
+
+    monkeypatch.setattr(Path, "is_file", denied)
+    one_line_error(root, r"graphs/\w+.onnx: cannot be read \(permission denied\)")
 
 
 def test_unlisted_file(runtime_bundle: Path, tmp_path: Path) -> None:

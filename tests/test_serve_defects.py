@@ -56,7 +56,7 @@ from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import SpeakerError
 from cosyvoice_runtime.sampling import MAX_SEED, Sampling
-from cosyvoice_runtime.speakers import check_name
+from cosyvoice_runtime.speakers import SPEAKERS_DIR_ENV, check_name
 from cosyvoice_serve import Engine, ServerSettings, create_app
 from cosyvoice_serve import cli as serve_cli
 from cosyvoice_serve.errors import UNFINISHED
@@ -502,6 +502,18 @@ def test_a_speakers_folder_the_server_cannot_use_is_one_line_before_the_bundle_o
         assert result.exit_code == 2, result.output
         assert result.stderr.startswith(f"error: --speakers {folder}: {why}")
         assert result.stderr.count("\n") == 1
+    # not given: named by what chose it, not as an option the user did not give
+    monkeypatch.setenv("HOME", str(tmp_path / "file"))
+    monkeypatch.delenv(SPEAKERS_DIR_ENV, raising=False)
+    monkeypatch.delenv("XDG_DATA_HOME", raising=False)
+    default = tmp_path / "file" / ".local" / "share" / "cosyvoice" / "speakers"
+    result = CliRunner().invoke(serve_cli.serve, ["--no-warm-up"])
+    assert result.exit_code == 2 and result.stderr.startswith(
+        f"error: the speakers folder {default} (the default; --speakers sets another): cannot create")
+    monkeypatch.setenv(SPEAKERS_DIR_ENV, str(tmp_path / "file"))
+    result = CliRunner().invoke(serve_cli.serve, ["--no-warm-up"])
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"error: ${SPEAKERS_DIR_ENV} {tmp_path / 'file'}: cannot create")
     assert opened == []
 
 
