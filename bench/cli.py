@@ -8,7 +8,7 @@ import click
 
 from cosyvoice_graphs import MAX_BATCH
 from cosyvoice_graphs.bundle_layout import FLOW_NOISE
-from cosyvoice_runtime.atomic_files import check_writable, write_json_atomic
+from cosyvoice_runtime.atomic_files import check_writable, refuse_overwriting_inputs, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import choose_prompt
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
@@ -118,12 +118,15 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
                 raise BenchError("--prompt-wav needs --prompt-text, its transcript: the cases run zero-shot")
         if plots and json_out is None:
             raise BenchError("--plots writes its PNGs beside the JSON: give --json FILE too")
+        inputs = {"--model": model, "--prompt-wav": prompt_wav, "--model-dir": model_dir}
         if json_out is not None:
+            refuse_overwriting_inputs(json_out, "--json", inputs)
             check_writable(json_out, "--json")
         if plots:
             require_matplotlib()
             assert json_out is not None
             for path in plot_paths(json_out).values():
+                refuse_overwriting_inputs(path, "--plots", inputs)
                 check_writable(path, "--plots")
         # a provider that cannot run the bundle, then a damaged graph, is one line here, not a failed run
         opened = RuntimeBundle.open(model)

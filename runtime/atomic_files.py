@@ -8,7 +8,7 @@ import json
 import os
 import secrets
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -78,6 +78,33 @@ def check_writable(path: Path, option: str, *, directory: bool = False) -> None:
         _check_writable(path, option, directory)
     except PermissionError:  # a folder on the way it cannot enter (another user's home, mode 700)
         raise UserError(f"{option} {path}: {UNREACHABLE}") from None
+    except OSError as e:  # a name too long, a symlink loop: Python 3.11's `Path.exists` raises on them
+        raise UserError(f"{option} {path}: {e.strerror or e}") from None
+
+
+def resolved(path: Path, option: str) -> Path:
+    """`path` with its symlinks followed, made absolute; a loop of them refused in one line naming
+    `option`."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError):  # Python 3.11 raises RuntimeError on a loop
+        raise UserError(f"{option} {path}: a loop of symbolic links") from None
+
+
+def refuse_overwriting_inputs(path: Path, option: str, inputs: Mapping[str, Path | None]) -> None:
+    """Refuse an output that is one of the run's `inputs` (option: file or folder) or a file inside one of
+    its folders: written, it would destroy what the run, or a later one, reads (a prompt, a bundle's
+    manifest). A new file beside a bundle's is no harm."""
+    target = resolved(path, option)
+    for name, source in inputs.items():
+        if source is None:
+            continue
+        where = resolved(source, name)
+        if target == where:
+            raise UserError(f"{option} {path}: would overwrite {name} ({source}); write it elsewhere")
+        if target.is_relative_to(where) and where.is_dir() and target.exists():
+            raise UserError(f"{option} {path}: would overwrite a file of {name} ({source}); write it "
+                            "elsewhere")
 
 
 def _check_writable(path: Path, option: str, directory: bool) -> None:
@@ -103,7 +130,9 @@ def _check_writable(path: Path, option: str, directory: bool) -> None:
         for d in reversed(missing):
             d.mkdir()
             made.append(d)
-        new_sibling(folder / "probe", ".probe").unlink()
+        # for a file, the name its write will use: a name within the limit may not be with the temporary
+        # file's additions
+        new_sibling(folder / "probe" if directory else path.absolute(), ".tmp").unlink()
     except OSError as e:
         raise UserError(f"{option} {path}: cannot be written there ({e.strerror or e})") from None
     finally:

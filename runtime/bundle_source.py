@@ -46,18 +46,32 @@ class BundleChoice:
     """Chosen without --model (worth telling the user which)."""
 
 
+DEMO_ORIGIN = "the embedded demo bundle"
+
+
 def choose_bundle(model: Path | None, *, progress: bool = True, precision: str = FP32.name,
                   name: str = "--model") -> BundleChoice:
     """`model` if given, else `$COSYVOICE_MODEL_DIR`, else the demo bundle; model bundles are exported
     (or their cached export reused) first, in `precision` (`cosyvoice-export all --precision`). `name` is
     what errors call `model` (the option or argument it came in)."""
+    path, origin = requested_bundle(model, name)
+    if path == DEMO_BUNDLE and model is None:
+        return BundleChoice(DEMO_BUNDLE, f"{DEMO_ORIGIN} (tiny, random weights: noise, not speech)",
+                            default=True)
+    return _runtime_bundle(path, origin, progress, precision, default=model is None)
+
+
+
+def requested_bundle(model: Path | None, name: str = "--model") -> tuple[Path, str]:
+    """The folder `choose_bundle` opens (or exports) for `model`, and what named it, without looking at it:
+    `model` (`name`), else `$COSYVOICE_MODEL_DIR` (a leading ~ expanded, as a shell would have), else the
+    demo bundle."""
     if model is not None:
-        return _runtime_bundle(model, name, progress, precision, default=False)
+        return model, name
     env = os.environ.get(MODEL_DIR_ENV, "").strip()
     if env:
-        return _runtime_bundle(Path(env), f"${MODEL_DIR_ENV}", progress, precision, default=True)
-    return BundleChoice(DEMO_BUNDLE, "the embedded demo bundle (tiny, random weights: noise, not speech)",
-                        default=True)
+        return Path(env).expanduser(), f"${MODEL_DIR_ENV}"
+    return DEMO_BUNDLE, DEMO_ORIGIN
 
 
 @dataclass(frozen=True)
@@ -82,11 +96,11 @@ def choose_prompt(bundle: RuntimeBundle, wav: Path | None, text: str | None) -> 
 def cache_root() -> tuple[Path, str]:
     """Where exports of model bundles are kept, and what chose it (for messages)."""
     env = os.environ.get(CACHE_DIR_ENV, "").strip()
-    if env:
-        return Path(env), f"${CACHE_DIR_ENV}"
+    if env:  # a leading ~ expanded, as a shell would have (a .env file's value is not)
+        return Path(env).expanduser(), f"${CACHE_DIR_ENV}"
     xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
     if xdg:
-        return Path(xdg) / "cosyvoice", "$XDG_CACHE_HOME"
+        return Path(xdg).expanduser() / "cosyvoice", "$XDG_CACHE_HOME"
     return Path.home() / ".cache" / "cosyvoice", f"~/.cache; ${CACHE_DIR_ENV} sets another"
 
 
@@ -96,8 +110,10 @@ def _runtime_bundle(path: Path, origin: str, progress: bool, precision: str, *, 
         path.stat()
     except PermissionError:  # a folder on the way it cannot enter (another user's home, mode 700)
         raise RuntimeBundleError(f"{path} ({origin}): {UNREACHABLE}") from None
-    except OSError:  # missing: said below
+    except FileNotFoundError:  # said below
         pass
+    except OSError as e:  # a name too long, a symlink loop: Python 3.11's `Path.exists` raises on them
+        raise RuntimeBundleError(f"{path} ({origin}): {e.strerror or e}") from None
     if path.is_dir() and not os.access(path, os.R_OK | os.X_OK):  # else a PermissionError from what follows
         raise RuntimeBundleError(f"{path} ({origin}): cannot be read (permission denied)")
     if (path / MANIFEST).is_file():
@@ -105,9 +121,14 @@ def _runtime_bundle(path: Path, origin: str, progress: bool, precision: str, *, 
     if not path.exists():
         # "owner/name" whose owner is no folder here: a model hub's id, as upstream's AutoModel downloads
         hub = (len(path.parts) == 2 and not path.is_absolute() and not Path(path.parts[0]).exists())
-        raise RuntimeBundleError(f"{path} ({origin}): does not exist" + (
-            "; a model hub id? `cosyvoice-export download` fetches the model into a folder to give here"
-            if hub else ""))
+        if str(path).startswith("~"):
+            hint = "; a leading ~ is not expanded within quotes: give the home folder's path"
+        elif hub:
+            hint = ("; a model hub id? `cosyvoice-export download` fetches the model into a folder to give "
+                    "here")
+        else:
+            hint = ""
+        raise RuntimeBundleError(f"{path} ({origin}): does not exist{hint}")
     if not path.is_dir():
         raise RuntimeBundleError(f"{path} ({origin}): is a file; a bundle is a folder")
     if (path / GRAPHS_DIR).is_dir():  # graphs written, the manifest (written last) not

@@ -15,9 +15,16 @@ from typing import IO, Any
 import click
 import numpy as np
 
-from .atomic_files import atomic_paths, check_writable, write_json, write_wav
+from .atomic_files import (
+    atomic_paths,
+    check_writable,
+    refuse_overwriting_inputs,
+    resolved,
+    write_json,
+    write_wav,
+)
 from .bundle import RuntimeBundle
-from .bundle_source import MODEL_DIR_ENV, choose_bundle, choose_prompt
+from .bundle_source import MODEL_DIR_ENV, choose_bundle, choose_prompt, requested_bundle
 from .chunk_policy import ChunkPolicy
 from .cli_options import (
     FLOW_WINDOW_HELP,
@@ -94,15 +101,19 @@ def _check_mode(mode: Mode, prompt_wav: Path | None, prompt_text: str | None, in
         raise UserError("instruct2 needs --instruct")
 
 
-def _check_outputs(outputs: dict[str, Path | None]) -> None:
-    """Refuse outputs that could not be written, or two options naming the same file (one would be lost)."""
+def _check_outputs(outputs: dict[str, Path | None], inputs: dict[str, Path | None]) -> None:
+    """Refuse outputs that could not be written, two options naming the same file (one would be lost), and
+    an output that is one of `inputs` or inside it."""
     given = {option: path for option, path in outputs.items() if path is not None}
     seen: dict[Path, str] = {}
     for option, path in given.items():
-        other = seen.setdefault(path.resolve(), option)
+        if str(path) == "-":  # `--text -` reads stdin; the outputs are files
+            raise UserError(f"{option} -: the outputs are files, not stdout; give a file name")
+        other = seen.setdefault(resolved(path, option), option)
         if other != option:
             raise UserError(f"{other} and {option} name the same file {path}; give each its own")
     for option, path in given.items():
+        refuse_overwriting_inputs(path, option, inputs)
         check_writable(path, option)
 
 
@@ -197,7 +208,9 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
             given = "--first-chunk-tokens" if chunk_policy.first_chunk_tokens is not None else "--flow-window"
             raise UserError(f"{given} needs --stream")
         # refused now, not after the synthesis with some outputs written
-        _check_outputs({"--out": out, "--tokens-out": tokens_out, "--chunks-out": chunks_out})
+        bundle, named = requested_bundle(model)
+        _check_outputs({"--out": out, "--tokens-out": tokens_out, "--chunks-out": chunks_out},
+                       {"--prompt-wav": prompt_wav, named: bundle})
         start = time.perf_counter()
         # a bad recording is refused before the bundle's hashes are checked and its graphs opened
         given_audio = read_prompt_audio(prompt_wav) if prompt_wav is not None else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,11 +34,16 @@ def one_line_errors(*errors: type[Exception]) -> Iterator[None]:
 
 class NonEmptyPath(click.Path):
     """`click.Path` that refuses an empty value, which it would take as the working folder (`Path("")` is
-    `Path(".")`): an empty value is an unset variable in a script, not a path."""
+    `Path(".")`): an empty value is an unset variable in a script, not a path; and, where it takes files
+    only, a name ending in a slash."""
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, str | bytes) and not value:
             self.fail("an empty path; expected the name of a file or folder", param, ctx)
+        # a folder's name (pathlib would drop the slash and take it as the file's)
+        if not self.dir_okay and isinstance(value, str) and value.endswith(os.sep):
+            self.fail(f"{value!r} ends with {os.sep!r}, as a folder's name does; expected a file's", param,
+                      ctx)
         return super().convert(value, param, ctx)
 
 

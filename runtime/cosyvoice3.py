@@ -285,6 +285,9 @@ class CosyVoice3:
         if not zero_shot_spk_id:
             raise UserError("zero_shot_spk_id is empty")
         name = check_name(zero_shot_spk_id)
+        if name != zero_shot_spk_id:  # stored stripped, it would be unknown under the name given
+            raise UserError(f"zero_shot_spk_id: a speaker name has no leading or trailing blanks; got "
+                            f"{zero_shot_spk_id!r}")
         _check_str(prompt_text, "prompt_text")
         features = self.prompt_features(prompt_wav)
         if precompute:

@@ -13,6 +13,7 @@ missing.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import sys
 from collections.abc import Iterator
@@ -152,8 +153,8 @@ def run_console_script(script: str, module: str, extras: tuple[str, ...] = ()) -
     """Run `module`'s `main` as the console script `script`, click's usage errors in one line
     (`one_line_usage_errors`) and an interrupted run exiting 130 (`interrupted_exits_130`); where
     onnxruntime or a module of one of `extras` is missing, when the CLI is imported or later in a command,
-    print one line saying what to install and exit 2; a path it may not read or write, one line naming it,
-    exit 2."""
+    print one line saying what to install and exit 2; a path it may not use (`PATH_ERRNOS`), one line naming
+    it, exit 2."""
     try:
         with one_line_usage_errors(), interrupted_exits_130():
             importlib.import_module(module).main()
@@ -163,9 +164,17 @@ def run_console_script(script: str, module: str, extras: tuple[str, ...] = ()) -
             raise
         print(line, file=sys.stderr)
         sys.exit(2)
-    except PermissionError as e:  # a path the checks before the work did not name: still one line
-        print(f"error: {e.filename or e}: permission denied", file=sys.stderr)
+    except OSError as e:
+        if e.errno not in PATH_ERRNOS or e.filename is None:
+            raise
+        # a path the checks before the work did not name: still one line
+        print(f"error: {e.filename}: {e.strerror}", file=sys.stderr)
         sys.exit(2)
+
+
+PATH_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.ENAMETOOLONG, errno.ELOOP})
+"""Errors of a path given (one it may not use, a name too long, a loop of symbolic links): on Python 3.11
+even `Path.exists` raises them."""
 
 
 def _provides(module: str, name: str) -> bool:

@@ -58,10 +58,10 @@ def default_speakers_dir() -> Path:
     """`$COSYVOICE_SPEAKERS_DIR`, else `$XDG_DATA_HOME/cosyvoice/speakers`, default
     `~/.local/share/cosyvoice/speakers`."""
     env = os.environ.get(SPEAKERS_DIR_ENV, "").strip()
-    if env:
-        return Path(env)
+    if env:  # a leading ~ expanded, as a shell would have (a .env file's value is not)
+        return Path(env).expanduser()
     xdg = os.environ.get("XDG_DATA_HOME", "").strip()
-    return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "cosyvoice" / "speakers"
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".local" / "share") / "cosyvoice" / "speakers"
 
 
 @dataclass(frozen=True)
@@ -100,11 +100,11 @@ NAME_DOT_SEGMENTS = (".", "..")
 def check_name(name: str) -> str:
     """`name` stripped, if it is a usable speaker name: 1 to 64 printable characters (any script), none of
     `NAME_RESERVED`, and not `.` or `..`."""
-    name = name.strip()
+    given, name = name, name.strip()
     if (not name or len(name) > MAX_NAME_CHARS or not name.isprintable() or name in NAME_DOT_SEGMENTS
             or any(c in NAME_RESERVED for c in name)):
         raise SpeakerError(f"a speaker name is 1 to {MAX_NAME_CHARS} printable characters, none of "
-                           f"{' '.join(NAME_RESERVED)}, and not . or ..; got {name!r}")
+                           f"{' '.join(NAME_RESERVED)}, and not . or ..; got {given!r}")
     return name
 
 

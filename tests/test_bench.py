@@ -282,6 +282,19 @@ def test_bad_input_is_one_line(runtime_bundle: Path, tmp_path: Path, extra: list
     assert not (tmp_path / "x.json").exists()
 
 
+def test_a_json_inside_the_bundle_is_refused_before_it_opens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """Written there, it would replace a file the bundle lists (its manifest): the next run refuses it."""
+    monkeypatch.setattr(RuntimeBundle, "open", lambda *_, **__: pytest.fail("the bundle was opened"))
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "manifest.json").write_text("{}")
+    done = CliRunner().invoke(main, bench_args(bundle, bundle / "manifest.json"))
+    assert done.exit_code == 2 and done.stderr == (
+        f"error: --json {bundle / 'manifest.json'}: would overwrite a file of --model ({bundle}); write it "
+        "elsewhere\n")
+
+
 def test_missing_bundle_is_one_line(tmp_path: Path) -> None:
     done = CliRunner().invoke(main, bench_args(tmp_path / "nothing", tmp_path / "x.json"))
     assert done.exit_code == 2 and done.stderr.count("\n") == 1

@@ -196,6 +196,9 @@ def test_bad_input_is_refused_before_synthesis(cosyvoice: CosyVoice3) -> None:
          "zero_shot_spk_id is int; expected a str"),
         (lambda: cosyvoice.add_zero_shot_spk(None, str(PROMPT_WAV), "nobody"),
          "prompt_text is NoneType; expected a str"),
+        # stored stripped, it would be unknown under the name given
+        (lambda: cosyvoice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), " alice "),
+         "zero_shot_spk_id: a speaker name has no leading or trailing blanks; got ' alice '"),
         (lambda: cosyvoice.inference_cross_lingual(TEXT, (np.zeros(24000, np.float32),)),
          r"prompt_wav is a tuple of 1; expected \(samples, sample rate\)"),
         (lambda: cosyvoice.inference_cross_lingual(TEXT, (np.full((2, 48000), 0.1, np.float32), 24000)),

@@ -243,6 +243,21 @@ def test_a_bundle_under_a_folder_it_cannot_enter_is_one_line(tmp_path: Path, mon
     assert str(refused.value) == f"{hidden} (--model): {UNREACHABLE}"
 
 
+def test_a_tilde_in_a_variable_is_the_home_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A .env file's value is not expanded by a shell; given as an option, quoted, it says so."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv(MODEL_DIR_ENV, "~/nowhere")
+    with pytest.raises(RuntimeBundleError) as missing:
+        choose_bundle(None)
+    assert str(missing.value) == f"{tmp_path / 'nowhere'} ($COSYVOICE_MODEL_DIR): does not exist"
+    monkeypatch.setenv(CACHE_DIR_ENV, "~/cache")
+    assert bundle_source.cache_root() == (tmp_path / "cache", "$COSYVOICE_CACHE_DIR")
+    with pytest.raises(RuntimeBundleError) as refused:
+        choose_bundle(Path("~/bundle"))
+    assert str(refused.value) == ("~/bundle (--model): does not exist; a leading ~ is not expanded within "
+                                  "quotes: give the home folder's path")
+
+
 @pytest.mark.usefixtures("no_env")
 @pytest.mark.parametrize("xdg", [True, False])
 def test_the_export_cache_is_named_by_what_chose_it(tiny_bundle: Path, tmp_path: Path,

@@ -22,6 +22,7 @@ from cosyvoice_bench.cli import main as bench_main
 from cosyvoice_golden.cli import main as golden_main
 from cosyvoice_runtime import CosyVoice3
 from cosyvoice_runtime.atomic_files import new_sibling
+from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import UNREACHABLE
@@ -92,6 +93,55 @@ def test_run_refuses_an_output_under_a_folder_it_cannot_enter(tmp_path: Path, mo
     monkeypatch.setattr(Path, "stat", denied)
     assert refused(run("--text", "Hi.", "--out", str(out))) == (
         f"error: --out {out}: {UNREACHABLE}")
+
+
+def test_run_refuses_an_output_that_would_overwrite_an_input(tmp_path: Path) -> None:
+    """The prompt, or a file in the bundle (the next run would refuse the bundle as damaged): before the
+    work, nothing written. A new file in the bundle's folder is written."""
+    bundle = tmp_path / "bundle"
+    shutil.copytree(DEMO_BUNDLE, bundle)
+    prompt = tmp_path / "voice.wav"
+    shutil.copy(bundle / "asset" / "zero_shot_prompt.wav", prompt)
+    before = prompt.read_bytes()
+    result = CliRunner().invoke(run_main, ["--model", str(bundle), "--text", "Hi.", "--prompt-wav",
+                                           str(prompt), "--prompt-text", "Hi.", "--out",
+                                           str(tmp_path / "o.wav"), "--tokens-out", str(prompt)])
+    assert refused(result) == (f"error: --tokens-out {prompt}: would overwrite --prompt-wav ({prompt}); "
+                               "write it elsewhere")
+    inside = bundle / "asset" / "zero_shot_prompt.wav"
+    result = CliRunner().invoke(run_main, ["--model", str(bundle), "--text", "Hi.", "--out", str(inside)])
+    assert refused(result) == (f"error: --out {inside}: would overwrite a file of --model ({bundle}); write "
+                               "it elsewhere")
+    assert prompt.read_bytes() == before and not (tmp_path / "o.wav").exists()
+    RuntimeBundle.open(bundle, verify=True)  # intact
+    result = CliRunner().invoke(run_main, ["--model", str(bundle), "--text", "Hi.", "--out",
+                                           str(bundle / "o.wav"), "--sampling", "greedy"])
+    assert result.exit_code == 0, result.output
+    RuntimeBundle.open(bundle, verify=True)
+
+
+@pytest.mark.parametrize(("name", "why"), [
+    ("-", "the outputs are files, not stdout; give a file name"),
+    ("a" * 300 + ".wav", "File name too long"),
+    ("a" * 251 + ".wav", "cannot be written there (File name too long)"),  # its temporary file's name is not
+])
+def test_run_refuses_an_output_name_it_could_not_write_before_the_work(
+        name: str, why: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert refused(run("--text", "Hi.", "--out", name)) == f"error: --out {name}: {why}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_run_refuses_a_loop_of_links_and_a_folders_name_as_an_output(tmp_path: Path) -> None:
+    (tmp_path / "one").symlink_to(tmp_path / "two")
+    (tmp_path / "two").symlink_to(tmp_path / "one")
+    loop = tmp_path / "one"
+    assert refused(run("--text", "Hi.", "--out", str(loop))) == (
+        f"error: --out {loop}: a loop of symbolic links")
+    result = run("--text", "Hi.", "--out", f"{tmp_path}/x.wav/")  # a usage error: one line from the command
+    assert result.exit_code == 2
+    assert "ends with '/', as a folder's name does; expected a file's" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
 
 
 @pytest.mark.skipif(AS_ROOT, reason="root may write into a folder whatever its permission bits")

@@ -306,8 +306,8 @@ def test_every_console_script_reports_a_usage_error_in_one_line(
 
 def test_a_path_it_may_not_use_is_one_line(monkeypatch: pytest.MonkeyPatch,
                                            capsys: pytest.CaptureFixture[str]) -> None:
-    """Where no check before the work named it (a prompt inside another user's home): one line, not a
-    traceback."""
+    """Where no check before the work named it (a prompt inside another user's home, a name too long): one
+    line, not a traceback."""
     hidden = "/home/someone/prompt.wav"
 
     def denied() -> None:
@@ -316,7 +316,7 @@ def test_a_path_it_may_not_use_is_one_line(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(run_cli, "main", denied)
     with pytest.raises(SystemExit) as exit:
         run_console_script("cosyvoice-run", "cosyvoice_runtime.cli")
-    assert exit.value.code == 2 and capsys.readouterr().err == f"error: {hidden}: permission denied\n"
+    assert exit.value.code == 2 and capsys.readouterr().err == f"error: {hidden}: Permission denied\n"
 
 
 def test_cosyvoice_runs_option_errors_are_one_line(monkeypatch: pytest.MonkeyPatch,
