@@ -87,8 +87,10 @@ def resolved(path: Path, option: str) -> Path:
     `option`."""
     try:
         return path.resolve()
-    except (RuntimeError, OSError):  # Python 3.11 raises RuntimeError on a loop
+    except RuntimeError:  # Python 3.11's word for a loop
         raise UserError(f"{option} {path}: a loop of symbolic links") from None
+    except OSError as e:
+        raise UserError(f"{option} {path}: {e.strerror or e}") from None
 
 
 def refuse_overwriting_inputs(path: Path, option: str, inputs: Mapping[str, Path | None]) -> None:

@@ -61,7 +61,6 @@ def choose_bundle(model: Path | None, *, progress: bool = True, precision: str =
     return _runtime_bundle(path, origin, progress, precision, default=model is None)
 
 
-
 def requested_bundle(model: Path | None, name: str = "--model") -> tuple[Path, str]:
     """The folder `choose_bundle` opens (or exports) for `model`, and what named it, without looking at it:
     `model` (`name`), else `$COSYVOICE_MODEL_DIR` (a leading ~ expanded, as a shell would have), else the

@@ -103,7 +103,7 @@ def _check_mode(mode: Mode, prompt_wav: Path | None, prompt_text: str | None, in
 
 def _check_outputs(outputs: dict[str, Path | None], inputs: dict[str, Path | None]) -> None:
     """Refuse outputs that could not be written, two options naming the same file (one would be lost), and
-    an output that is one of `inputs` or inside it."""
+    an output that would overwrite one of `inputs` or a file of one of its folders."""
     given = {option: path for option, path in outputs.items() if path is not None}
     seen: dict[Path, str] = {}
     for option, path in given.items():
