@@ -54,8 +54,9 @@ def check_upload(data: bytes, field: str) -> bytes:
     return data
 
 
-def decode_base64_audio(value: str, field: str) -> bytes:
-    """The bytes of an audio file sent as base64 (standard or URL-safe alphabet, `data:` URL allowed)."""
+def decode_base64_audio(value: str, field: str, *, else_: str = "server paths are not read") -> bytes:
+    """The bytes of an audio file sent as base64 (standard or URL-safe alphabet, `data:` URL allowed);
+    `else_` says, where it is not, what else the field may hold."""
     text = value.strip()
     if text.startswith("data:"):
         text = text.partition(",")[2]
@@ -65,5 +66,5 @@ def decode_base64_audio(value: str, field: str) -> bytes:
                                 validate=True)
     except (binascii.Error, ValueError):
         raise FieldError(field, f"{field} is not base64: send the audio file's bytes base64-encoded "
-                                "(server paths are not read)") from None
+                                f"({else_})") from None
     return check_upload(data, field)

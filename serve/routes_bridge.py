@@ -81,8 +81,10 @@ async def prompt_audio(value: str, folder: Path | None) -> bytes:
     """The bytes of the prompt `value` sends: decoded from base64, or read from `folder` if it names a file
     there (`folder` None: paths are refused)."""
     text = value.strip()
-    if folder is None or text.startswith("data:") or "." not in text:
-        return decode_base64_audio(value, "prompt_audio")
+    if folder is None or text.startswith("data:") or "." not in text:  # base64 never holds a "."
+        paths = ("server paths are not read" if folder is None else
+                 "or the name of a file in the server's prompt folder, with its extension")
+        return decode_base64_audio(value, "prompt_audio", else_=paths)
     return await run_in_threadpool(read_prompt_file, text, folder)
 
 

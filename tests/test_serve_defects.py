@@ -459,7 +459,7 @@ def test_prompt_paths_are_read_inside_prompt_dir_only(engine: Engine, prompt: tu
         answers = {name: client.post("/synthesize", json=body(name)).json()["detail"] for name in [
             str(folder / "quiet.wav"), "dir.wav/../quiet.wav", "../outside/secret.wav",
             str(outside / "secret.wav"),
-            "link.wav", "missing.wav", "dir.wav", "/etc/ssl/openssl.cnf", "a\0b.wav"]}
+            "link.wav", "missing.wav", "dir.wav", "/etc/ssl/openssl.cnf", "a\0b.wav", "voice"]}
     assert by_name.status_code == 200 and by_name.content == by_value.content  # the same prompt, read there
     quiet = "prompt_audio: the audio file is silent"
     assert answers[str(folder / "quiet.wav")].startswith(quiet)
@@ -469,6 +469,9 @@ def test_prompt_paths_are_read_inside_prompt_dir_only(engine: Engine, prompt: tu
         assert answers[name] == f"prompt_audio: {name!r} is outside the server's prompt folder", name
     for name in ("missing.wav", "dir.wav", "a\0b.wav"):
         assert answers[name] == f"prompt_audio: no readable file {name!r} in the server's prompt folder", name
+    # no extension: read as base64, and the answer says what a path needs
+    assert answers["voice"] == ("prompt_audio is not base64: send the audio file's bytes base64-encoded (or "
+                                "the name of a file in the server's prompt folder, with its extension)")
 
 
 # --- the options --------------------------------------------------------------------------------------------
