@@ -778,7 +778,8 @@ def test_the_queue_is_bounded_and_clients_that_leave_free_their_sessions(
     prefixes = engine.synth.flow.prefixes  # one prompt here; the engine is shared with other tests
     assert metric(text, "tts_flow_prefix_cache_bytes") == prefixes.nbytes > 0
     assert metric(text, "tts_flow_prefix_cache_hits") == prefixes.hits >= 1
-    assert metric(text, "tts_flow_prefix_cache_misses") == prefixes.misses >= 1
+    # its prompt's prefix may have been made for a test run before this one (then no miss here)
+    assert metric(text, "tts_flow_prefix_cache_misses") == prefixes.misses
     assert metric(text, "tts_flow_prefix_cache_prompts") == len(prefixes) >= 1
     assert "# TYPE tts_flow_prefix_cache_hits counter" in text
     assert "# TYPE tts_flow_prefix_cache_bytes gauge" in text
