@@ -6,6 +6,7 @@ click's own usage errors in the same one line."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -308,15 +309,17 @@ def test_a_path_it_may_not_use_is_one_line(monkeypatch: pytest.MonkeyPatch,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     """Where no check before the work named it (a prompt inside another user's home, a name too long): one
     line, not a traceback."""
-    hidden = "/home/someone/prompt.wav"
+    for error in (PermissionError(errno.EACCES, "Permission denied", "/home/someone/prompt.wav"),
+                  OSError(errno.ENAMETOOLONG, "File name too long", "p" * 300 + ".wav")):
 
-    def denied() -> None:
-        raise PermissionError(13, "Permission denied", hidden)
+        def fails(error: OSError = error) -> None:
+            raise error
 
-    monkeypatch.setattr(run_cli, "main", denied)
-    with pytest.raises(SystemExit) as exit:
-        run_console_script("cosyvoice-run", "cosyvoice_runtime.cli")
-    assert exit.value.code == 2 and capsys.readouterr().err == f"error: {hidden}: Permission denied\n"
+        monkeypatch.setattr(run_cli, "main", fails)
+        with pytest.raises(SystemExit) as exit:
+            run_console_script("cosyvoice-run", "cosyvoice_runtime.cli")
+        assert exit.value.code == 2
+        assert capsys.readouterr().err == f"error: {error.filename}: {error.strerror}\n"
 
 
 def test_cosyvoice_runs_option_errors_are_one_line(monkeypatch: pytest.MonkeyPatch,
