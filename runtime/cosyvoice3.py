@@ -72,7 +72,14 @@ from .runners import CPU, TENSORRT
 from .runners.ort import LOAD_ERRORS, unloadable
 from .sampling import Sampling
 from .segments import Segment, prompt_ids, segments
-from .speakers import Speaker, SpeakerRegistry, check_name, default_speakers_dir, frontend_fingerprint
+from .speakers import (
+    Speaker,
+    SpeakerRegistry,
+    check_name,
+    default_speakers_dir,
+    frontend_fingerprint,
+    shown_name,
+)
 from .synthesis import (
     AudioChunk,
     Mode,
@@ -486,7 +493,7 @@ class CosyVoice3:
         speaker = self._added.get(spk_id) or self.speakers.get(spk_id)
         if speaker is None:
             known = ", ".join(self.list_available_spks()) or "none"
-            raise UserError(f"zero_shot_spk_id: unknown speaker {spk_id!r} (available: {known})")
+            raise UserError(f"zero_shot_spk_id: unknown speaker {shown_name(spk_id)} (available: {known})")
         return speaker
 
     def _prompt_models(self) -> tuple[onnxruntime.InferenceSession, onnxruntime.InferenceSession]:

@@ -97,6 +97,14 @@ NAME_DOT_SEGMENTS = (".", "..")
 """Names that clients and proxies fold away as path segments (`/speakers/..` is `/`)."""
 
 
+def shown_name(name: str) -> str:
+    """`name` quoted for a message; one longer than any speaker name can be is cut there and its length said,
+    so a client's long string is not echoed whole."""
+    if len(name) <= MAX_NAME_CHARS:
+        return repr(name)
+    return f"{name[:MAX_NAME_CHARS]!r}... ({len(name)} characters)"
+
+
 def check_name(name: str) -> str:
     """`name` stripped, if it is a usable speaker name: 1 to 64 printable characters (any script), none of
     `NAME_RESERVED`, and not `.` or `..`."""
@@ -104,7 +112,7 @@ def check_name(name: str) -> str:
     if (not name or len(name) > MAX_NAME_CHARS or not name.isprintable() or name in NAME_DOT_SEGMENTS
             or any(c in NAME_RESERVED for c in name)):
         raise SpeakerError(f"a speaker name is 1 to {MAX_NAME_CHARS} printable characters, none of "
-                           f"{' '.join(NAME_RESERVED)}, and not . or ..; got {given!r}")
+                           f"{' '.join(NAME_RESERVED)}, and not . or ..; got {shown_name(given)}")
     return name
 
 

@@ -30,6 +30,7 @@ from starlette.concurrency import run_in_threadpool
 from cosyvoice_graphs.bundle_layout import MANIFEST
 from cosyvoice_runtime.cosyvoice3 import MAX_SPEED, MIN_SPEED
 from cosyvoice_runtime.frontend import PromptFeatures
+from cosyvoice_runtime.speakers import shown_name
 from cosyvoice_runtime.synthesis import Mode
 
 from .engine import BundlePrompt, SynthesisJob
@@ -151,7 +152,7 @@ def find_voice(state: ServerState, name: str) -> tuple[PromptFeatures | BundlePr
         return BundlePrompt.DEFAULT, default[1]
     standard = (f"; or a standard voice ({', '.join(STANDARD_VOICES)})" if default is not None else
                 "; this model carries no prompt voice of its own for the standard voice names")
-    raise FieldError("voice", f"voice: unknown speaker {name!r}; registered: "
+    raise FieldError("voice", f"voice: unknown speaker {shown_name(name)}; registered: "
                               f"{', '.join(state.speakers.names()) or 'none'} (POST /speakers adds one)"
                               f"{standard}")
 

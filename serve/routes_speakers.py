@@ -13,7 +13,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, File, Form, Request, Response, UploadFile
 from starlette.concurrency import run_in_threadpool
 
-from cosyvoice_runtime.speakers import SpeakerError, check_name
+from cosyvoice_runtime.speakers import SpeakerError, check_name, shown_name
 
 from .errors import ApiError, EmptyField, FieldError, error_responses
 from .forms import FormRoute
@@ -53,7 +53,7 @@ async def register_speaker(request: Request, state: State,
         raise EmptyField("name")
     # check_name strips a name: one sent with blanks around it would register (or replace) another name
     if name != name.strip():
-        raise FieldError("name", f"a speaker name has no leading or trailing blanks; got {name!r}")
+        raise FieldError("name", f"a speaker name has no leading or trailing blanks; got {shown_name(name)}")
     try:
         check_name(name)
     except SpeakerError as e:
@@ -76,7 +76,7 @@ async def get_speaker(name: str, state: State) -> dict[str, Any]:
     """A registered speaker's transcript, size and time of registration."""
     speaker = state.speakers.get(name)
     if speaker is None:
-        raise FieldError("name", f"unknown speaker {name!r}", status=404)
+        raise FieldError("name", f"unknown speaker {shown_name(name)}", status=404)
     return speaker.describe()
 
 
@@ -88,6 +88,6 @@ async def delete_speaker(name: str, state: State) -> Response:
     except OSError as e:
         raise folder_error(e) from None
     if not removed:
-        raise FieldError("name", f"unknown speaker {name!r}", status=404)
+        raise FieldError("name", f"unknown speaker {shown_name(name)}", status=404)
     state.engine.voice.prefix_jobs.cancel(name)
     return Response(status_code=204)

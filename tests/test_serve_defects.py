@@ -221,6 +221,20 @@ def test_a_speaker_name_that_is_not_one_url_segment_is_refused(name: str) -> Non
         check_name(name)
 
 
+def test_a_long_name_is_not_echoed_whole(engine: Engine, tmp_path: Path) -> None:
+    name = "x" * 3000
+    cut = f"{'x' * 64!r}... (3000 characters)"
+    with pytest.raises(SpeakerError, match=re.escape(f"got {cut}")):
+        check_name(name)
+    with TestClient(make_app(engine, tmp_path)) as client:
+        answers = [client.get(f"/speakers/{name}"), client.delete(f"/speakers/{name}"),
+                   client.post("/v1/audio/speech", json={"model": "tts-1", "input": "hi", "voice": name})]
+    assert [r.status_code for r in answers] == [404, 404, 400]
+    for answer in answers:
+        message = answer.json()["detail"] if "detail" in answer.json() else answer.json()["error"]["message"]
+        assert f"unknown speaker {cut}" in message and len(message) < 400
+
+
 def test_any_other_printable_name_registers_and_is_fetched_and_deleted_by_its_url(
         engine: Engine, prompt: tuple[bytes, str], tmp_path: Path) -> None:
     name = "中文 女:1"
