@@ -32,7 +32,7 @@ from cosyvoice_graphs.pipeline import providers_run
 from cosyvoice_graphs.precision import FP32
 from cosyvoice_graphs.precision_plan import PrecisionPlan, PrecisionPlanError
 
-from .errors import RuntimeBundleError
+from .errors import RuntimeBundleError, path_problem
 from .noise import MT19937, UniformNoise
 
 __all__ = ["FRONTEND_MODELS", "RuntimeBundle", "TrtPlan", "read_onnx_metadata"]
@@ -75,6 +75,9 @@ class RuntimeBundle:
         """
         root = Path(root)
         where = f"{root / MANIFEST}"
+        problem = path_problem(root)
+        if problem is not None:
+            raise RuntimeBundleError(f"{root}: {problem}")
         if not root.exists():  # else its manifest is named missing, as if the folder were there
             raise RuntimeBundleError(f"{root}: does not exist; a runtime bundle is a folder (make one with "
                                      "`cosyvoice-export all`)")

@@ -25,7 +25,7 @@ from cosyvoice_graphs.precision import FP32
 from .atomic_files import check_writable, write_json_atomic
 from .bundle import RuntimeBundle
 from .demo import DEMO_BUNDLE
-from .errors import UNREACHABLE, RuntimeBundleError, UserError
+from .errors import RuntimeBundleError, UserError, path_problem
 from .extras import install_command, missing_modules
 
 MODEL_DIR_ENV = "COSYVOICE_MODEL_DIR"
@@ -105,14 +105,9 @@ def cache_root() -> tuple[Path, str]:
 
 def _runtime_bundle(path: Path, origin: str, progress: bool, precision: str, *, default: bool
                     ) -> BundleChoice:
-    try:
-        path.stat()
-    except PermissionError:  # a folder on the way it cannot enter (another user's home, mode 700)
-        raise RuntimeBundleError(f"{path} ({origin}): {UNREACHABLE}") from None
-    except FileNotFoundError:  # said below
-        pass
-    except OSError as e:  # a name too long, a symlink loop: Python 3.11's `Path.exists` raises on them
-        raise RuntimeBundleError(f"{path} ({origin}): {e.strerror or e}") from None
+    problem = path_problem(path)  # one not there is said below
+    if problem is not None:
+        raise RuntimeBundleError(f"{path} ({origin}): {problem}")
     if path.is_dir() and not os.access(path, os.R_OK | os.X_OK):  # else a PermissionError from what follows
         raise RuntimeBundleError(f"{path} ({origin}): cannot be read (permission denied)")
     if (path / MANIFEST).is_file():

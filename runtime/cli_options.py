@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from .chunk_policy import ChunkPolicy
-from .errors import USER_ERRORS
+from .errors import USER_ERRORS, path_problem
 from .runners.ort_settings import threads_problem
 
 EVERY_BLOCK = "all"
@@ -34,8 +34,9 @@ def one_line_errors(*errors: type[Exception]) -> Iterator[None]:
 
 class NonEmptyPath(click.Path):
     """`click.Path` that refuses an empty value, which it would take as the working folder (`Path("")` is
-    `Path(".")`): an empty value is an unset variable in a script, not a path; and, where it takes files
-    only, a name ending in a slash."""
+    `Path(".")`): an empty value is an unset variable in a script, not a path; where it takes files only, a
+    name ending in a slash; and, where the path must exist, says why one it cannot look at is refused
+    (click calls every such path missing)."""
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, str | bytes) and not value:
@@ -44,6 +45,9 @@ class NonEmptyPath(click.Path):
         if not self.dir_okay and isinstance(value, str) and value.endswith(os.sep):
             self.fail(f"{value!r} ends with {os.sep!r}, as a folder's name does; expected a file's", param,
                       ctx)
+        problem = path_problem(value) if self.exists and isinstance(value, str) else None
+        if problem is not None:
+            self.fail(f"{value!r}: {problem}", param, ctx)
         return super().convert(value, param, ctx)
 
 

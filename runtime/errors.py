@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+
 import numpy as np
 
 
@@ -45,6 +48,21 @@ def require_finite(values: np.ndarray, what: str) -> None:
 
 UNREACHABLE = "cannot be reached (permission denied on a folder on its way)"
 """What a path inside a folder this user cannot enter (another user's home, mode 700) is called."""
+
+
+def path_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why `path` cannot be looked at: `UNREACHABLE`, a loop of symbolic links, a name too long; None
+    where it can, or where it is simply not there (`Path.exists` says False to all of these alike)."""
+    try:
+        os.stat(path)
+    except PermissionError:
+        return UNREACHABLE
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a loop of symbolic links"
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR):
+            return e.strerror or str(e)
+    return None
 
 USER_ERRORS = (UserError, RuntimeBundleError, ProviderError, FrontendError, SynthesisError, SpeakerError)
 """Errors caused by the input or the environment: a command prints the message as one line and exits

@@ -230,14 +230,14 @@ def test_a_bundle_under_a_folder_it_cannot_enter_is_one_line(tmp_path: Path, mon
     """A path inside another user's home (mode 700): Python 3.11's `Path.is_dir` raises there (faked: root
     enters any folder)."""
     hidden = tmp_path / "home" / "bundle"
-    stat = Path.stat
+    stat = os.stat
 
-    def denied(path: Path, **kwargs: Any) -> os.stat_result:
-        if path == hidden:
+    def denied(path: str | os.PathLike[str], *args: Any, **kwargs: Any) -> os.stat_result:
+        if os.fspath(path) == str(hidden):
             raise PermissionError(13, "Permission denied", str(path))
-        return stat(path, **kwargs)
+        return stat(path, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "stat", denied)
+    monkeypatch.setattr(os, "stat", denied)
     with pytest.raises(RuntimeBundleError) as refused:
         choose_bundle(hidden)
     assert str(refused.value) == f"{hidden} (--model): {UNREACHABLE}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import stat
 import sys
@@ -24,9 +25,9 @@ import cosyvoice_runtime.cli as run_cli
 from cosyvoice_runtime.atomic_files import save_wav
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.cli import main as run_main
-from cosyvoice_runtime.cli_options import Threads
+from cosyvoice_runtime.cli_options import NonEmptyPath, Threads
 from cosyvoice_runtime.demo import DEMO_BUNDLE
-from cosyvoice_runtime.errors import UserError
+from cosyvoice_runtime.errors import UNREACHABLE, RuntimeBundleError, UserError
 from cosyvoice_runtime.extras import run_console_script
 from cosyvoice_runtime.runners import ort_settings
 from cosyvoice_runtime.runners.ort_settings import TUNING_FILE
@@ -180,6 +181,38 @@ def _threads_options() -> dict[str, click.Command]:
 
         commands["cosyvoice-serve"] = serve
     return commands
+
+
+def test_a_path_that_must_exist_but_cannot_be_looked_at_says_why(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    @click.command()
+    @click.option("--prompt-dir", type=NonEmptyPath(exists=True, file_okay=False, path_type=Path))
+    def command(prompt_dir: Path) -> None:
+        click.echo(f"ok {prompt_dir.name}")
+
+    loop = tmp_path / "loop"
+    loop.symlink_to(tmp_path / "back")
+    (tmp_path / "back").symlink_to(loop)
+    private = tmp_path / "private" / "prompts"
+    stat = os.stat
+
+    def denied(path: str | os.PathLike[str], *args: object, **kwargs: object) -> os.stat_result:
+        if str(path) == str(private):  # what a folder of mode 700 does to another user
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return stat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "stat", denied)
+    answers = {name: CliRunner().invoke(command, ["--prompt-dir", str(path)])
+               for name, path in {"loop": loop, "private": private, "missing": tmp_path / "none",
+                                  "present": tmp_path}.items()}
+    assert {name: result.exit_code for name, result in answers.items()} == {
+        "loop": 2, "private": 2, "missing": 2, "present": 0}
+    assert f"'{loop}': a loop of symbolic links" in answers["loop"].output
+    assert f"'{private}': {UNREACHABLE}" in answers["private"].output
+    assert "does not exist" in answers["missing"].output
+    for bundle, problem in ((loop, "a loop of symbolic links"), (private, UNREACHABLE)):
+        with pytest.raises(RuntimeBundleError, match=f"^{re.escape(f'{bundle}: {problem}')}$"):
+            RuntimeBundle.open(bundle)
 
 
 def test_every_commands_threads_is_the_shared_option() -> None:
