@@ -53,11 +53,19 @@ def refuse_special_file(path: Path, name: str) -> None:
         raise UserError(f"{name}: is {kind}, not a regular file (writing the output would replace it)")
 
 
+def link_target(path: Path) -> Path:
+    """Where an output `path` is written: the file it links to where it is a symbolic link (followed to
+    the end, as a shell's `>` follows it), which the link stays pointing at; else `path`."""
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
 @contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
-    """A temporary path beside `path`, renamed onto it if the block succeeds and removed otherwise; a
-    `UserError` where `path` is a device, FIFO or socket, which the rename would replace."""
+    """A temporary path beside `path` (beside its target where it is a symbolic link), renamed onto that if
+    the block succeeds and removed otherwise; a `UserError` where `path` is a device, FIFO or socket, which
+    the rename would replace."""
     refuse_special_file(path, str(path))
+    path = link_target(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = new_sibling(path, ".tmp")
     try:
@@ -116,16 +124,17 @@ def _check_writable(path: Path, option: str, directory: bool) -> None:
         raise UserError(f"{option} {path}: is a folder")
     if not directory:
         refuse_special_file(path, f"{option} {path}")
+    target = path.absolute() if directory else link_target(path).absolute()
     # the nearest folder that exists: `path` itself where it is a folder that exists, else the one that
     # `mkdir(parents=True)` would create the rest in
-    parent = path.absolute() if directory else path.absolute().parent
+    parent = target if directory else target.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
         raise UserError(f"{option} {path}: {parent} is not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"{option} {path}: {parent} is not writable")
-    folder = path.absolute() if directory else path.absolute().parent
+    folder = target if directory else target.parent
     missing = [d for d in (folder, *folder.parents) if not d.exists()]
     made: list[Path] = []
     try:
@@ -134,7 +143,7 @@ def _check_writable(path: Path, option: str, directory: bool) -> None:
             made.append(d)
         # for a file, the name its write will use: a name within the limit may not be with the temporary
         # file's additions
-        new_sibling(folder / "probe" if directory else path.absolute(), ".tmp").unlink()
+        new_sibling(folder / "probe" if directory else target, ".tmp").unlink()
     except OSError as e:
         raise UserError(f"{option} {path}: cannot be written there ({e.strerror or e})") from None
     finally:

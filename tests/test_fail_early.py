@@ -308,6 +308,21 @@ def test_outputs_get_the_mode_of_a_new_file(tmp_path: Path, umask_022: None) -> 
     assert sf.info(outs["--out"]).samplerate == 24000
 
 
+def test_an_output_that_is_a_link_is_written_where_it_points(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "old.wav").write_bytes(b"old")
+    out, tokens = tmp_path / "out.wav", tmp_path / "tokens.json"
+    out.symlink_to(elsewhere / "old.wav")
+    tokens.symlink_to(Path("elsewhere") / "new.json")  # relative, and nothing there yet
+    result = run("--text", "Hi.", "--out", str(out), "--tokens-out", str(tokens))
+    assert result.exit_code == 0, result.output
+    assert out.is_symlink() and tokens.is_symlink()
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["new.json", "old.wav"]
+    assert sf.info(elsewhere / "old.wav").samplerate == 24000
+    assert json.loads((elsewhere / "new.json").read_text())
+
+
 def test_new_siblings_follow_the_umask(tmp_path: Path) -> None:
     old = os.umask(0o027)
     try:
