@@ -164,11 +164,17 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
             stack_dit=stack_dit, stack_vocoder=stack_vocoder,
             thread_scaling=thread_scaling if thread_scaling is not None else threads >= 2 and not quick)
         result = run(settings, progress=progress)
-        written = write_plots(result, json_out) if plots and json_out is not None else []
+        written = list(plot_paths(json_out).values()) if plots and json_out is not None else []
         result["plots"] = [str(p) for p in written]
+        click.echo(render(result))  # before the files: a disk that fills loses none of the figures
         if json_out is not None:
-            write_json_atomic(json_out, result)
-    click.echo(render(result))
+            try:
+                if written:
+                    write_plots(result, json_out)
+                write_json_atomic(json_out, result)
+            except OSError as e:
+                raise BenchError(f"{e.filename or json_out}: cannot be written ({e.strerror or e}); the "
+                                 "figures are in the table above") from None
     if json_out is not None:
         click.echo(f"\nwrote {json_out}")
     for path in written:

@@ -282,6 +282,11 @@ def all_cmd(model_dir: Path, out: Path, trt: bool, llm: str, force: bool, reuse_
     except ExportError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
+    except OSError as e:  # a full disk, a file-size limit: the files being written are removed again
+        # numpy's short write has neither an errno nor a file name
+        reason = e.strerror or f"a write stopped short ({e}): a full disk or a file-size limit (ulimit -f)"
+        click.echo(f"error: {e.filename or out}: {reason}", err=True)
+        sys.exit(2)
     click.echo(report.table())
     if memory is not None:
         click.echo(memory.table())

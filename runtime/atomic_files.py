@@ -4,6 +4,7 @@ check that an output path can be written, made before the work that fills it."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import secrets
@@ -152,9 +153,18 @@ def _check_writable(path: Path, option: str, directory: bool) -> None:
                 d.rmdir()
 
 
+def wav_bytes(samples: np.ndarray, sample_rate: int, subtype: str = "PCM_16") -> bytes:
+    """A complete WAV file of `samples` ((frames,) or (frames, channels)) in `subtype`."""
+    buffer = io.BytesIO()
+    sf.write(buffer, samples, sample_rate, subtype=subtype, format="WAV")
+    return buffer.getvalue()
+
+
 def write_wav(path: Path, audio: np.ndarray, sample_rate: int) -> None:
-    """Write mono 16-bit PCM WAV to `path`."""
-    sf.write(path, audio, sample_rate, subtype="PCM_16", format="WAV")
+    """Write mono 16-bit PCM WAV to `path`. Made in memory first: libsndfile calls a failed write (a full
+    disk, a file-size limit) "System error", where Python's write names it; and it takes no file name
+    that is not UTF-8."""
+    path.write_bytes(wav_bytes(audio, sample_rate))
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -182,8 +192,9 @@ def save_wav(path: str | Path, tts_speech: np.ndarray, sample_rate: int) -> None
     if samples.ndim not in (1, 2):
         raise ValueError(f"tts_speech has shape {samples.shape}; expected (channels, frames) or (frames,)")
     frames = samples if samples.ndim == 1 else samples.T  # soundfile takes (frames, channels)
+    data = wav_bytes(frames, sample_rate, subtype="FLOAT")
     with atomic_path(Path(path)) as tmp:
-        sf.write(tmp, frames, sample_rate, subtype="FLOAT", format="WAV")
+        tmp.write_bytes(data)
 
 
 @contextmanager

@@ -78,6 +78,12 @@ class RuntimeBundle:
         problem = path_problem(root)
         if problem is not None:
             raise RuntimeBundleError(f"{root}: {problem}")
+        try:
+            str(root).encode("utf-8")
+        except UnicodeEncodeError:
+            raise RuntimeBundleError(f"{root}: its name holds bytes that are not UTF-8, and onnxruntime and "
+                                     "the tokenizer open files by UTF-8 names only; rename it, or give a "
+                                     "link to it with a UTF-8 name") from None
         if not root.exists():  # else its manifest is named missing, as if the folder were there
             raise RuntimeBundleError(f"{root}: does not exist; a runtime bundle is a folder (make one with "
                                      "`cosyvoice-export all`)")

@@ -61,10 +61,10 @@ def _refuse_unused(ctx: click.Context, flag: str) -> None:
             raise UserError(f"{flag} takes only --model and --verify; {', '.join(unused)} would go unused")
 
 
-def _read_text(text: str, stdin: IO[str]) -> str:
-    if text == "-":
+def _read_text(text: str, stdin: IO[bytes]) -> str:
+    if text == "-":  # UTF-8 in any locale, read as a text file is: a byte-order mark dropped, "\n" ends lines
         try:
-            text = stdin.read()
+            text = stdin.read().decode("utf-8-sig").replace("\r\n", "\n").replace("\r", "\n")
         except UnicodeDecodeError as e:
             raise UserError(f"--text - (stdin) is not valid UTF-8: byte 0x{e.object[e.start]:02x} cannot be "
                             "decoded") from None
@@ -122,8 +122,8 @@ def _check_outputs(outputs: dict[str, Path | None], inputs: dict[str, Path | Non
               help=f"Runtime bundle (cosyvoice-export all), or a model bundle to export on first use "
                    f"(needs the export extra). Default: ${MODEL_DIR_ENV}, else the embedded demo bundle.")
 @click.option("--text",
-              help=f"Text to speak; '-' reads stdin. Long text is split into sentences; at most "
-                   f"{MAX_TEXT_CHARS} characters. Required, as --out is, unless --info.")
+              help=f"Text to speak; '-' reads stdin (UTF-8, whatever the locale). Long text is split into "
+                   f"sentences; at most {MAX_TEXT_CHARS} characters. Required, as --out is, unless --info.")
 @click.option("--prompt-wav", type=NonEmptyPath(dir_okay=False, path_type=Path),
               help="Prompt recording (any soundfile format, >= 16 kHz, 0.5-30 s of speech). "
                    "Default: the bundle's own prompt, if it has one (the demo bundle does).")
@@ -195,7 +195,7 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
     if text is None or out is None:
         raise click.UsageError(f"Missing option '{'--text' if text is None else '--out'}'.")
     with one_line_errors():
-        text = _read_text(text, sys.stdin)
+        text = _read_text(text, sys.stdin.buffer)
         for option, value in (("--prompt-text", prompt_text), ("--instruct", instruct)):
             if value is not None:
                 _checked_text(value, option)

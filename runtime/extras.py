@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import importlib
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -153,8 +154,15 @@ def run_console_script(script: str, module: str, extras: tuple[str, ...] = ()) -
     """Run `module`'s `main` as the console script `script`, click's usage errors in one line
     (`one_line_usage_errors`) and an interrupted run exiting 130 (`interrupted_exits_130`); where
     onnxruntime or a module of one of `extras` is missing, when the CLI is imported or later in a command,
-    print one line saying what to install and exit 2; a path it may not use (`PATH_ERRNOS`), one line naming
-    it, exit 2."""
+    print one line saying what to install and exit 2; a path it may not use (`PATH_ERRNOS`) or a file
+    system that refuses a write (`WRITE_ERRNOS`), one line naming it, exit 2; the memory running out, one
+    line, exit 1."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:  # relative paths, and modules that ask for it as they import, would fail
+        print("error: the current folder no longer exists; change to another and run the command again",
+              file=sys.stderr)
+        sys.exit(2)
     try:
         with one_line_usage_errors(), interrupted_exits_130():
             importlib.import_module(module).main()
@@ -165,16 +173,41 @@ def run_console_script(script: str, module: str, extras: tuple[str, ...] = ()) -
         print(line, file=sys.stderr)
         sys.exit(2)
     except OSError as e:
-        if e.errno not in PATH_ERRNOS or e.filename is None:
+        if e.errno in WRITE_ERRNOS or (e.errno in PATH_ERRNOS and e.filename is not None):
+            # what the checks before the work could not see coming: still one line
+            where = f"{e.filename}: " if e.filename is not None else ""
+            print(f"error: {where}{e.strerror}", file=sys.stderr)
+            sys.exit(2)
+        raise
+    except MemoryError as e:  # numpy's says what it could not allocate
+        print(f"error: out of memory{f' ({e})' if str(e) else ''}", file=sys.stderr)
+        sys.exit(1)
+    except Exception as e:
+        line = _onnxruntime_out_of_memory(e)
+        if line is None:
             raise
-        # a path the checks before the work did not name: still one line
-        print(f"error: {e.filename}: {e.strerror}", file=sys.stderr)
-        sys.exit(2)
+        print(f"error: out of memory ({line})", file=sys.stderr)
+        sys.exit(1)
 
 
 PATH_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.ENAMETOOLONG, errno.ELOOP})
 """Errors of a path given (one it may not use, a name too long, a loop of symbolic links): on Python 3.11
 even `Path.exists` raises them."""
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO})
+"""A file system refusing a write: full, over a quota or the file-size limit (`ulimit -f`), read-only, or
+failing."""
+ORT_ALLOCATION_FAILURES = ("bad_alloc", "Failed to allocate memory")
+"""What onnxruntime's errors say where the memory ran out (loading a graph, or its arena)."""
+
+
+def _onnxruntime_out_of_memory(error: Exception) -> str | None:
+    """The gist of an onnxruntime error that says the memory ran out (its "[ONNXRuntimeError] : 1 : FAIL :"
+    prefix left out), else None."""
+    message = str(error).strip()
+    if not type(error).__module__.startswith(ONNXRUNTIME) or not any(
+            failure in message for failure in ORT_ALLOCATION_FAILURES):
+        return None
+    return message.splitlines()[0].rsplit(" : ", 1)[-1].strip()
 
 
 def _provides(module: str, name: str) -> bool:

@@ -28,13 +28,6 @@ def pcm16(samples: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def wav_bytes(samples: np.ndarray, sample_rate: int) -> bytes:
-    """A complete mono PCM16 WAV file."""
-    buffer = io.BytesIO()
-    sf.write(buffer, samples, sample_rate, format="WAV", subtype="PCM_16")
-    return buffer.getvalue()
-
-
 def streaming_wav_header(sample_rate: int) -> bytes:
     """A mono PCM16 WAV header for a stream of unknown length: RIFF and data sizes 0xFFFFFFFF, as
     streaming TTS services send (decoders read to the end of the stream)."""

@@ -24,7 +24,9 @@ from typing import Literal, Protocol
 import av
 import numpy as np
 
-from .audio import pcm16, streaming_wav_header, wav_bytes
+from cosyvoice_runtime.atomic_files import wav_bytes
+
+from .audio import pcm16, streaming_wav_header
 from .engine import TokenUsage
 
 FormatName = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]

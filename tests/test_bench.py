@@ -337,6 +337,25 @@ def test_an_interrupted_run_exits_130(runtime_bundle: Path, tmp_path: Path, monk
     assert click.Command.invoke is invoke  # click's own again once the script is done
 
 
+def test_a_json_the_disk_cannot_take_after_the_run_keeps_the_table(runtime_bundle: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The minutes of figures are printed before the file is written, so a disk that filled meanwhile loses
+    none of them; its refusal is one line naming the file."""
+    from cosyvoice_bench import cli
+
+    def full_disk(path: Path, data: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cli, "run", lambda *_, **__: {"figures": "measured"})
+    monkeypatch.setattr(cli, "render", lambda result: f"the table of {result['figures']}")
+    monkeypatch.setattr(cli, "write_json_atomic", full_disk)
+    out = tmp_path / "x.json"
+    done = CliRunner().invoke(main, bench_args(runtime_bundle, out))
+    assert (done.exit_code, done.stdout, done.stderr) == (
+        2, "the table of measured\n",
+        f"error: {out}: cannot be written (No space left on device); the figures are in the table above\n")
+
+
 # --- peak RSS in a fresh process ------------------------------------------------------------------------
 
 

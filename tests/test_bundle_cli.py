@@ -329,6 +329,25 @@ def test_demo_takes_a_blank_model_dir_variable_for_unset(tiny_bundle: Path, tmp_
     assert exported == [tiny_bundle, tiny_bundle]
 
 
+def test_a_write_that_fails_midway_through_an_export_is_one_line(tiny_bundle: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk, a file-size limit: onnx's writes name no file, numpy's say neither file nor cause."""
+    import cosyvoice_export.onnx.bundle_assembly as bundle_assembly
+
+    out = tmp_path / "out"
+    for error, line in ((OSError(28, "No space left on device"), f"error: {out}: No space left on device"),
+                        (OSError("432704 requested and 255968 written"),
+                         f"error: {out}: a write stopped short (432704 requested and 255968 written): a full "
+                         "disk or a file-size limit (ulimit -f)")):
+
+        def export_all(*_: object, error: OSError = error, **__: object) -> None:
+            raise error
+
+        monkeypatch.setattr(bundle_assembly, "export_all", export_all)
+        result = CliRunner().invoke(main, ["all", "--model-dir", str(tiny_bundle), "--out", str(out)])
+        assert (result.exit_code, result.stderr) == (2, f"{line}\n"), result.output
+
+
 def test_model_dir_is_spelt_either_way(tiny_bundle: Path) -> None:
     """check-bundle and download take MODEL_DIR as an argument or as --model-dir, as `all` names it."""
     for args in ([str(tiny_bundle)], ["--model-dir", str(tiny_bundle)]):

@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
+import signal
 import stat
+import subprocess
+import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -25,7 +30,7 @@ from cosyvoice_runtime.atomic_files import new_sibling
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
-from cosyvoice_runtime.errors import UNREACHABLE
+from cosyvoice_runtime.errors import UNREACHABLE, RuntimeBundleError
 from cosyvoice_runtime.runners import CUDA, ORT_PROVIDERS
 from cosyvoice_runtime.segments import MAX_TEXT_CHARS
 from cosyvoice_runtime.synthesis import Mode
@@ -181,6 +186,57 @@ def test_outputs_are_written_together_or_not_at_all(tmp_path: Path, monkeypatch:
     assert line.startswith("error: writing ") and line.endswith(": No space left on device; no output was "
                                                                  "written")
     assert list(tmp_path.iterdir()) == []
+
+
+@contextmanager
+def file_size_limit(limit: int) -> Iterator[None]:
+    """`ulimit -f`: a write past `limit` bytes fails with EFBIG (SIGXFSZ, which would end the process, is
+    ignored as a shell's `trap '' XFSZ` would)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_a_wav_the_file_system_cuts_short_is_one_line_and_no_file(tmp_path: Path) -> None:
+    """libsndfile calls a failed write "System error": the file is made in memory and written by Python."""
+    out = tmp_path / "out.wav"
+    with file_size_limit(20_000):  # "Hi." is ~115 kB of PCM16
+        result = run("--text", "Hi.", "--out", str(out))
+    assert refused_after_progress(result) == f"error: writing {out}: File too large; no output was written"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_paths_that_are_not_utf8_are_read_and_written(tmp_path: Path) -> None:
+    """A name's bytes as they are (Python holds them as surrogates), which libsndfile's strict encoding
+    refused; the console script as a terminal runs it (click's test runner prints such names strictly)."""
+    folder = tmp_path / os.fsdecode(b"caf\xe9")
+    folder.mkdir()
+    prompt = folder / "prompt.wav"
+    shutil.copy(DEMO_BUNDLE / "asset" / "zero_shot_prompt.wav", prompt)
+    result = subprocess.run([sys.executable, "-m", "cosyvoice_runtime", "--model", str(DEMO_BUNDLE), "--text",
+                             "Hi.", "--prompt-wav", str(prompt), "--prompt-text", "Hello.", "--out",
+                             str(folder / "out.wav")], capture_output=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert sf.info(os.fsencode(folder / "out.wav")).samplerate == 24000
+    bundle = folder / "bundle"
+    with pytest.raises(RuntimeBundleError, match="its name holds bytes that are not UTF-8"):
+        RuntimeBundle.open(bundle)
+
+
+def test_stdin_is_read_as_a_utf8_text_file(tmp_path: Path) -> None:
+    """Whatever the locale: a byte-order mark (Notepad's) is no text to speak, and a line ends in "\n"."""
+    tokens = tmp_path / "tokens.json"
+    result = CliRunner().invoke(run_main, ["--model", str(DEMO_BUNDLE), "--sampling", "greedy", "--text", "-",
+                                           "--out", str(tmp_path / "o.wav"), "--tokens-out", str(tokens)],
+                                input="\ufeff你好。\r\nHello there.\r\n".encode())
+    assert result.exit_code == 0, result.output
+    texts = [piece["text"] for piece in json.loads(tokens.read_text())]
+    assert "".join(texts).startswith("你好") and not any("\ufeff" in t or "\r" in t for t in texts), texts
 
 
 def test_demo_refuses_an_unwritable_out_before_exporting(tmp_path: Path) -> None:

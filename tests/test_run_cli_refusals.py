@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import stat
+import subprocess
 import sys
 from importlib.util import find_spec
 from pathlib import Path
@@ -353,6 +354,46 @@ def test_a_path_it_may_not_use_is_one_line(monkeypatch: pytest.MonkeyPatch,
             run_console_script("cosyvoice-run", "cosyvoice_runtime.cli")
         assert exit.value.code == 2
         assert capsys.readouterr().err == f"error: {error.filename}: {error.strerror}\n"
+
+
+def test_a_write_the_file_system_refuses_and_the_memory_running_out_are_one_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A full disk, a file-size limit, too little memory: what no check before the work can see coming."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail
+
+    with pytest.raises(MemoryError) as numpy_error:
+        np.empty(1 << 48, np.float32)  # a PiB: more than any address space holds
+    load = "Load model from /b/graphs/flow_encoder.onnx failed:std::bad_alloc"
+    cases = [(OSError(errno.ENOSPC, "No space left on device", "/data/out.wav"), 2,
+              "error: /data/out.wav: No space left on device"),
+             (OSError(errno.EFBIG, "File too large"), 2, "error: File too large"),
+             (numpy_error.value, 1, f"error: out of memory ({numpy_error.value})"),
+             (Fail(f"[ONNXRuntimeError] : 1 : FAIL : {load}"), 1, f"error: out of memory ({load})")]
+    for error, status, line in cases:
+
+        def fails(error: Exception = error) -> None:
+            raise error
+
+        monkeypatch.setattr(run_cli, "main", fails)
+        with pytest.raises(SystemExit) as exit:
+            run_console_script("cosyvoice-run", "cosyvoice_runtime.cli")
+        assert (exit.value.code, capsys.readouterr().err) == (status, f"{line}\n")
+    other = Fail("[ONNXRuntimeError] : 1 : FAIL : something else")
+    monkeypatch.setattr(run_cli, "main", lambda: (_ for _ in ()).throw(other))
+    with pytest.raises(Fail):  # not the memory's: the traceback a bug deserves
+        run_console_script("cosyvoice-run", "cosyvoice_runtime.cli")
+
+
+def test_a_current_folder_that_was_removed_is_one_line(tmp_path: Path) -> None:
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    script = "import os, sys; os.chdir(sys.argv[1]); os.rmdir(sys.argv[1]); " \
+             "from cosyvoice_runtime.extras import run_console_script; " \
+             "run_console_script('cosyvoice-export', 'cosyvoice_export.cli')"
+    result = subprocess.run([sys.executable, "-c", script, str(gone)], capture_output=True, text=True,
+                            check=False)
+    assert (result.returncode, result.stderr) == (
+        2, "error: the current folder no longer exists; change to another and run the command again\n")
 
 
 def test_cosyvoice_runs_option_errors_are_one_line(monkeypatch: pytest.MonkeyPatch,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -80,7 +81,7 @@ def read_audio(path: str | Path | BinaryIO) -> tuple[np.ndarray, int]:
         if Path(path).is_dir():
             raise FrontendError(f"audio file {path}: is a folder")
     try:
-        source = path if hasattr(path, "read") else str(path)
+        source = path if hasattr(path, "read") else os.fsencode(path)  # a name's bytes, UTF-8 or not
         data, sr = sf.read(source, dtype="float32", always_2d=True)  # (frames, channels)
     except Exception as exc:  # libsndfile and OS errors come in several types; all mean "unreadable"
         # libsndfile's own words without soundfile's "Error opening <repr of the file>: " prefix
