@@ -25,7 +25,7 @@ from cosyvoice_graphs.precision import FP32
 from .atomic_files import check_writable, write_json_atomic
 from .bundle import RuntimeBundle
 from .demo import DEMO_BUNDLE
-from .errors import RuntimeBundleError, UserError, path_problem
+from .errors import RuntimeBundleError, UserError, home_folder, path_problem
 from .extras import install_command, missing_modules
 
 MODEL_DIR_ENV = "COSYVOICE_MODEL_DIR"
@@ -100,7 +100,8 @@ def cache_root() -> tuple[Path, str]:
     xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
     if xdg:
         return Path(xdg).expanduser() / "cosyvoice", "$XDG_CACHE_HOME"
-    return Path.home() / ".cache" / "cosyvoice", f"~/.cache; ${CACHE_DIR_ENV} sets another"
+    home = home_folder("the export cache", f"set ${CACHE_DIR_ENV} to a folder for it")
+    return home / ".cache" / "cosyvoice", f"~/.cache; ${CACHE_DIR_ENV} sets another"
 
 
 def _runtime_bundle(path: Path, origin: str, progress: bool, precision: str, *, default: bool

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+from pathlib import Path
 
 import numpy as np
 
@@ -48,6 +49,17 @@ def require_finite(values: np.ndarray, what: str) -> None:
 
 UNREACHABLE = "cannot be reached (permission denied on a folder on its way)"
 """What a path inside a folder this user cannot enter (another user's home, mode 700) is called."""
+
+
+def home_folder(needed_for: str, instead: str) -> Path:
+    """This user's home folder (`$HOME`, else the passwd database's); a `UserError` naming `needed_for` and
+    `instead` (what sets another place) where there is none: a container run as a user id of no passwd
+    entry, without `$HOME`."""
+    try:
+        return Path.home()
+    except RuntimeError:  # Python's "Could not determine home directory."
+        raise UserError(f"{needed_for}: no home folder (HOME is unset, and user {os.getuid()} has no entry "
+                        f"in the passwd database); {instead}") from None
 
 
 def path_problem(path: str | os.PathLike[str]) -> str | None:

@@ -39,7 +39,7 @@ import numpy as np
 
 from .atomic_files import atomic_path
 from .bundle import FRONTEND_MODELS, RuntimeBundle
-from .errors import SpeakerError
+from .errors import SpeakerError, home_folder
 from .frontend import PromptFeatures, PromptMelConfig
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,9 @@ def default_speakers_dir() -> Path:
     if env:  # a leading ~ expanded, as a shell would have (a .env file's value is not)
         return Path(env).expanduser()
     xdg = os.environ.get("XDG_DATA_HOME", "").strip()
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".local" / "share") / "cosyvoice" / "speakers"
+    data = Path(xdg).expanduser() if xdg else home_folder(
+        "the speakers folder", f"give one with --speakers or ${SPEAKERS_DIR_ENV}") / ".local" / "share"
+    return data / "cosyvoice" / "speakers"
 
 
 @dataclass(frozen=True)

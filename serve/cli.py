@@ -50,7 +50,6 @@ UVICORN: dict[str, Any] = {"log_level": "info", "http": "h11"}
 """uvicorn's settings. h11: it holds at most 16 KiB of a request's head that has not finished arriving (a
 400 past it), where httptools, uvicorn's choice where installed, reads a head whole (a header of 256 MiB:
 300 MB of the server's memory, kept)."""
-DEFAULTS = ServerSettings()
 
 
 def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | None:
@@ -85,10 +84,10 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
 @click.option("--threads", type=THREADS, default=None,
               help="onnxruntime's intra-op threads per graph [default: the bundle's tuning file, else the "
                    "measured setting, else one per core].")
-@click.option("--max-conc", type=click.IntRange(min=1), default=DEFAULTS.max_concurrency,
+@click.option("--max-conc", type=click.IntRange(min=1), default=ServerSettings.max_concurrency,
               help="Sessions synthesising at once (one on the CPU: each graph call uses every core; "
                    "--max-batch runs more).")
-@click.option("--max-batch", type=click.IntRange(1, MAX_BATCH), default=DEFAULTS.max_batch,
+@click.option("--max-batch", type=click.IntRange(1, MAX_BATCH), default=ServerSettings.max_batch,
               help="Sessions whose speech tokens one LLM call decodes together (continuous batching; that "
                    "many run at once, --max-conc or more). Needs a bundle with llm_decode: on the cpu "
                    "provider (export --precision cpu-fast, or decode=fp32 for float32), or on cuda in fp16 "
@@ -110,19 +109,19 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
 @click.option("--stack-vocoder", is_flag=True,
               help="Run concurrent sessions' vocoder windows over the same frames as one hift_decoder "
                    "call (as --stack-dit does the DiT's).")
-@click.option("--queue", "queue_depth", type=click.IntRange(min=0), default=DEFAULTS.queue_depth,
+@click.option("--queue", "queue_depth", type=click.IntRange(min=0), default=ServerSettings.queue_depth,
               help="Sessions waiting for a slot; beyond them the server answers 503 (gRPC: "
                    "RESOURCE_EXHAUSTED) at once.")
 @click.option("--stream-idle", "stream_idle", type=click.FloatRange(min=0, min_open=True),
-              default=DEFAULTS.stream_idle_timeout,
+              default=ServerSettings.stream_idle_timeout,
               help="Seconds a text-streaming WebSocket session (/v1/audio/speech/stream) may go without a "
                    "message before its end.")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=DEFAULTS.timeout,
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=ServerSettings.timeout,
               help="Seconds a request may take from admission to its last sample.")
 @click.option("--speakers", "speakers_dir", type=NonEmptyPath(file_okay=False, path_type=Path),
               help=f"Registered speakers' folder [default: ${SPEAKERS_DIR_ENV} (blank: unset), else "
                    "~/.local/share/cosyvoice/speakers, as CosyVoice3's]")
-@click.option("--sampling", type=click.Choice(SAMPLINGS), default=DEFAULTS.sampling,
+@click.option("--sampling", type=click.Choice(SAMPLINGS), default=ServerSettings.sampling,
               help="ras: upstream's repetition-aware sampling; greedy: argmax (exact comparisons).")
 @click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None,
               help="Seed of requests that carry none [default: a random seed per request, as upstream].")
@@ -135,7 +134,7 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
               help="MiB kept of the streaming flow's per-prompt prefixes (the DiT's caches of a prompt's "
                    "leading blocks, about 3.6 MB per prompt frame at full size), so that a speaker's next "
                    "stream starts after them; 0 keeps none.")
-@click.option("--max-text", type=click.IntRange(min=1), default=DEFAULTS.max_text_chars,
+@click.option("--max-text", type=click.IntRange(min=1), default=ServerSettings.max_text_chars,
               help="Longest text accepted (characters).")
 @click.option("--max-body-mib", type=click.IntRange(min=1), default=MAX_BODY_MIB,
               help="Largest HTTP request body (MiB); a larger one is refused with 413 before it is read "
@@ -150,7 +149,7 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
 @click.option("--prompt-dir", type=NonEmptyPath(exists=True, file_okay=False, path_type=Path),
               help="Let /synthesize's prompt_audio name a file in this folder by path, as the bridge server "
                    "took it (paths leading out of it are refused) [default: paths refused, base64 only].")
-@click.option("--warm-up/--no-warm-up", default=DEFAULTS.warm_up,
+@click.option("--warm-up/--no-warm-up", default=ServerSettings.warm_up,
               help="Before serving, stream a few chunks in the bundle's own voice, so that the first request "
                    "does not pay for the first synthesis (the text normaliser's grammars, the prompt's "
                    "features, every graph's first calls: a few seconds at start-up on a CPU).")
@@ -185,12 +184,16 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
     from .engine import Engine
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
+    try:
+        speakers_folder = speakers_dir or default_speakers_dir()
+    except USER_ERRORS as e:
+        _refuse(str(e))
     settings = ServerSettings(max_concurrency=max_conc, max_batch=max_batch, chunk_slots=chunk_slots,
                               cuda_graphs=cuda_graphs, stack_dit=stack_dit, stack_vocoder=stack_vocoder,
                               queue_depth=queue_depth,
                               stream_idle_timeout=stream_idle, timeout=timeout, max_text_chars=max_text,
                               sampling=sampling, seed=seed,
-                              speakers_dir=speakers_dir or default_speakers_dir(), api_key=api_key,
+                              speakers_dir=speakers_folder, api_key=api_key,
                               max_body_bytes=max_body_mib << 20, cors_origins=cors_origins, docs=docs,
                               prompt_dir=prompt_dir, chunk_policy=chunk_policy, warm_up=warm_up)
     if ray is not None:

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +257,38 @@ def test_a_tilde_in_a_variable_is_the_home_folder(tmp_path: Path, monkeypatch: p
         choose_bundle(Path("~/bundle"))
     assert str(refused.value) == ("~/bundle (--model): does not exist; a leading ~ is not expanded within "
                                   "quotes: give the home folder's path")
+
+
+NO_HOME = "import pathlib\ndef home(): raise RuntimeError('Could not determine home directory.')\n" \
+          "pathlib.Path.home = staticmethod(home)\n"
+"""What Python does without $HOME for a user id the passwd database lacks (a container's `--user 12345`),
+for a process of its own."""
+
+
+def test_without_a_home_folder_the_default_places_say_what_sets_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cosyvoice_runtime.speakers import SPEAKERS_DIR_ENV, default_speakers_dir
+
+    for variable in (CACHE_DIR_ENV, SPEAKERS_DIR_ENV, "XDG_CACHE_HOME", "XDG_DATA_HOME"):
+        monkeypatch.delenv(variable, raising=False)
+    def home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(home))
+    no_home = f"no home folder (HOME is unset, and user {os.getuid()} has no entry in the passwd database)"
+    with pytest.raises(UserError) as cache:
+        bundle_source.cache_root()
+    assert str(cache.value) == f"the export cache: {no_home}; set $COSYVOICE_CACHE_DIR to a folder for it"
+    with pytest.raises(UserError) as speakers:
+        default_speakers_dir()
+    assert str(speakers.value) == (f"the speakers folder: {no_home}; give one with --speakers or "
+                                   "$COSYVOICE_SPEAKERS_DIR")
+
+
+@pytest.mark.skipif(find_spec("fastapi") is None, reason="needs the serve extra")
+def test_the_servers_help_needs_no_home_folder() -> None:
+    script = NO_HOME + "from cosyvoice_serve.cli import serve\nserve(['--help'])"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and done.stdout.startswith("Usage: "), done.stderr
 
 
 @pytest.mark.usefixtures("no_env")
