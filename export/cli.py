@@ -19,6 +19,7 @@ from cosyvoice_runtime.atomic_files import check_writable
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV, console_script
 from cosyvoice_runtime.cli_options import FiniteFloatRange, NonEmptyPath
 from cosyvoice_runtime.errors import UserError
+from cosyvoice_runtime.extras import Terminated
 from cosyvoice_runtime.sampling import MAX_SEED
 from cosyvoice_runtime.speakers import SPEAKERS_DIR_ENV
 from cosyvoice_runtime.synthesis import Mode
@@ -403,8 +404,11 @@ def demo(text: str, prompt_wav: Path | None, prompt_text: str | None, stream: bo
     if not env and not model_dir.exists():
         from .bundle.tiny import write_bundle
 
-        write_bundle(model_dir, size="tiny", seed=0, force=False, progress=True)
-        click.echo(f"wrote tiny bundle to {model_dir}")
+        try:
+            write_bundle(model_dir, size="tiny", seed=0, force=False, progress=True)
+            click.echo(f"wrote tiny bundle to {model_dir}")
+        except FileExistsError:  # another demo wrote it meanwhile: the same seed, the same bundle
+            pass
     if env:
         from .bundle.model_dir import ModelBundle
 
@@ -414,7 +418,7 @@ def demo(text: str, prompt_wav: Path | None, prompt_text: str | None, stream: bo
             raise BundleError(f"${MODEL_DIR_ENV}: {e}") from None
     prompt_wav, prompt_text = _default_prompt(model_dir, prompt_wav, prompt_text)
     runtime_dir = DEFAULT_DEMO_BUNDLE.parent / f"{model_dir.resolve().name}-runtime"
-    report = export_all(model_dir, runtime_dir, progress=True)
+    report = export_all(model_dir, runtime_dir, progress=True, wait=True)  # another demo's export: its result
     click.echo(report.table())
     if not report.passed:
         for failure in report.failures:
@@ -425,7 +429,14 @@ def demo(text: str, prompt_wav: Path | None, prompt_text: str | None, stream: bo
         raise BundleError("cosyvoice-run is not installed in this environment (pip install -e .)")
     run = [command, "--model", str(runtime_dir), "--text", text, "--prompt-wav", str(prompt_wav),
            "--prompt-text", prompt_text or "", "--out", str(out), *(["--stream"] if stream else [])]
-    sys.exit(subprocess.run(run, check=False).returncode)  # the runtime as its users run it
+    with subprocess.Popen(run) as child:  # the runtime as its users run it
+        try:
+            status = child.wait()
+        except Terminated:  # it would run on alone
+            child.terminate()
+            child.wait()
+            raise
+    sys.exit(status)
 
 
 @main.command("speakers")

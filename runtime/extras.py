@@ -16,9 +16,10 @@ from __future__ import annotations
 import errno
 import importlib
 import os
+import signal
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from importlib import metadata
 from importlib.util import find_spec
 from typing import IO, Any
@@ -150,13 +151,62 @@ def interrupted_exits_130() -> Iterator[None]:
         click.Command.invoke = invoke  # type: ignore[method-assign]
 
 
-def run_console_script(script: str, module: str, extras: tuple[str, ...] = ()) -> None:
+def open_standard_streams() -> None:
+    """Put the null device where stdin, stdout or stderr is closed (`2>&-`, a daemon's closed descriptors):
+    Python leaves such a stream None, and the first progress line or log record would fail on it; what
+    would have gone there is dropped, as a shell's `>/dev/null` drops it."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, mode, closefd=False, errors="backslashreplace"))
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread (`sigterm_unwinds`). Not an `Exception`, so that no handler of
+    errors takes it for one; `finally` blocks and `except BaseException` cleanups run."""
+
+
+@contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """Within it, SIGTERM (`kill`, `docker stop`, systemd) unwinds the command as Ctrl-C does, so that its
+    cleanups run (temporary files, staging folders, a child process), where the default action would end
+    the process on the spot; then the process ends by the signal as it would have (status 143 to a shell),
+    or, where the signal cannot end it (a container's PID 1), exits 143."""
+    def terminate(signum: int, frame: object) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    except Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+        sys.exit(TERMINATED)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+TERMINATED = 128 + signal.SIGTERM
+"""The status a shell gives a process SIGTERM ended."""
+
+
+def run_console_script(script: str, module: str, extras: tuple[str, ...] = (), *,
+                       unwind_on_sigterm: bool = True) -> None:
     """Run `module`'s `main` as the console script `script`, click's usage errors in one line
-    (`one_line_usage_errors`) and an interrupted run exiting 130 (`interrupted_exits_130`); where
+    (`one_line_usage_errors`), an interrupted run exiting 130 (`interrupted_exits_130`) and, unless
+    `unwind_on_sigterm` is False (a command that takes SIGTERM as its own signal to stop), a terminated
+    one unwinding first (`sigterm_unwinds`); where
     onnxruntime or a module of one of `extras` is missing, when the CLI is imported or later in a command,
     print one line saying what to install and exit 2; a path it may not use (`PATH_ERRNOS`) or a file
     system that refuses a write (`WRITE_ERRNOS`), one line naming it, exit 2; the memory running out, one
     line, exit 1."""
+    open_standard_streams()
     try:
         os.getcwd()
     except FileNotFoundError:  # relative paths, and modules that ask for it as they import, would fail
@@ -164,7 +214,8 @@ def run_console_script(script: str, module: str, extras: tuple[str, ...] = ()) -
               file=sys.stderr)
         sys.exit(2)
     try:
-        with one_line_usage_errors(), interrupted_exits_130():
+        with (sigterm_unwinds() if unwind_on_sigterm else nullcontext(), one_line_usage_errors(),
+              interrupted_exits_130()):
             importlib.import_module(module).main()
     except ModuleNotFoundError as e:
         line = missing_extra_line(script, e, extras)

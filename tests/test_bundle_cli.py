@@ -114,6 +114,26 @@ def test_existing_output_needs_force(tiny_bundle: Path, tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["b"]
 
 
+def test_a_bundle_another_process_wrote_meanwhile_stays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """Two writers at once (two first demos): the second's bundle does not replace the first's, which that
+    one may be exporting from already."""
+    import cosyvoice_export.bundle.tiny as tiny
+
+    out = tmp_path / "b"
+    write = tiny._write
+
+    def meanwhile(tmp: Path, *args: object) -> None:
+        out.mkdir()
+        (out / "theirs").write_text("finished")
+        write(tmp, *args)
+
+    monkeypatch.setattr(tiny, "_write", meanwhile)
+    with pytest.raises(FileExistsError, match="already exists \\(written while this one was\\)"):
+        write_bundle(out)
+    assert [p.name for p in tmp_path.iterdir()] == ["b"] and [p.name for p in out.iterdir()] == ["theirs"]
+
+
 def test_force_replaces_only_a_model_bundle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--force never deletes a folder it did not write: a folder of other files, a stray file in a bundle,
     the working folder (or one holding it) are refused in one line, untouched; a bundle it wrote, or an empty

@@ -11,15 +11,19 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import textwrap
+import time
 from importlib.util import find_spec
 from pathlib import Path
 
 import click
 import numpy as np
 import pytest
+import soundfile as sf
 from click.testing import CliRunner, Result
 
 import cosyvoice_runtime.cli as run_cli
@@ -394,6 +398,94 @@ def test_a_current_folder_that_was_removed_is_one_line(tmp_path: Path) -> None:
                             check=False)
     assert (result.returncode, result.stderr) == (
         2, "error: the current folder no longer exists; change to another and run the command again\n")
+
+
+def started(process: subprocess.Popen[str], marker: Path) -> None:
+    """Wait until `process` has written `marker` (fails if it ends first)."""
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "the command did not start"
+        time.sleep(0.02)
+
+
+def test_a_command_runs_with_its_standard_streams_closed(tmp_path: Path) -> None:
+    """`cosyvoice-run ... <&- >&- 2>&-` (a daemon's closed descriptors): the output is written, and what
+    would have been printed is dropped; `--text -` reads nothing."""
+    def close_all() -> None:
+        for fd in (0, 1, 2):
+            os.close(fd)
+
+    run = [sys.executable, "-m", "cosyvoice_runtime", "--model", str(DEMO_BUNDLE), "--sampling", "greedy"]
+    done = subprocess.run([*run, "--text", "Hi.", "--out", str(tmp_path / "o.wav")], preexec_fn=close_all,
+                          check=False)
+    assert done.returncode == 0 and sf.info(tmp_path / "o.wav").samplerate == 24000
+    nothing = subprocess.run([*run, "--text", "-", "--out", str(tmp_path / "p.wav")], capture_output=True,
+                             text=True, preexec_fn=lambda: os.close(0), check=False)
+    assert (nothing.returncode, nothing.stderr) == (2, "error: --text is empty\n")
+
+
+def test_sigterm_unwinds_a_command_so_that_its_cleanups_run(tmp_path: Path) -> None:
+    """`docker stop`, `kill`: the temporary file is removed as for Ctrl-C, then the process ends by the
+    signal, as it would have without the handler."""
+    (tmp_path / "slow_command.py").write_text(textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+
+        def main():
+            partial = Path({str(tmp_path / "partial")!r})
+            partial.write_text("half")
+            try:
+                time.sleep(60)
+            finally:
+                partial.unlink()
+    """))
+    script = "import sys; from cosyvoice_runtime.extras import run_console_script; " \
+             "sys.path.insert(0, sys.argv[1]); run_console_script('slow', 'slow_command')"
+    with subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stderr=subprocess.PIPE,
+                          text=True) as command:
+        started(command, tmp_path / "partial")
+        command.send_signal(signal.SIGTERM)
+        assert command.wait(10) == -signal.SIGTERM and command.stderr is not None
+        assert command.stderr.read() == ""
+    assert not (tmp_path / "partial").exists()
+
+
+def test_a_terminated_demo_stops_its_synthesis_too(tiny_bundle: Path, tmp_path: Path) -> None:
+    """The demo runs cosyvoice-run as a process of its own: SIGTERM to the demo alone (a supervisor's, or
+    `docker stop`'s) does not leave it running on."""
+    child_pid = tmp_path / "child.pid"
+    (tmp_path / "cosyvoice-run").write_text(
+        f"#!{sys.executable}\nimport os, time\nopen({str(child_pid)!r}, 'w').write(str(os.getpid()))\n"
+        "time.sleep(60)\n")
+    (tmp_path / "cosyvoice-run").chmod(0o755)
+    script = textwrap.dedent("""
+        import sys
+        import cosyvoice_export.cli as cli
+        import cosyvoice_export.onnx.bundle_assembly as assembly
+        from cosyvoice_runtime.extras import run_console_script
+
+        class Passed:
+            passed, failures = True, []
+            def table(self):
+                return "exported"
+
+        assembly.export_all = lambda *args, **kwargs: Passed()
+        run, out = sys.argv[1:]
+        cli.console_script = lambda name: run
+        sys.argv = ["cosyvoice-export", "demo", "--out", out]
+        run_console_script("cosyvoice-export", "cosyvoice_export.cli")
+    """)
+    env = {**os.environ, "COSYVOICE_MODEL_DIR": str(tiny_bundle)}
+    with subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "cosyvoice-run"),
+                           str(tmp_path / "demo.wav")], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                          text=True) as demo:
+        started(demo, child_pid)
+        pid = int(child_pid.read_text())
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(10) == -signal.SIGTERM
+    with pytest.raises(ProcessLookupError):  # ended, and reaped by the demo
+        os.kill(pid, 0)
 
 
 def test_cosyvoice_runs_option_errors_are_one_line(monkeypatch: pytest.MonkeyPatch,

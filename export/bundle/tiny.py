@@ -151,6 +151,9 @@ def write_bundle(out: Path, *, size: str = "tiny", seed: int = 0, force: bool = 
     tmp = new_sibling(out, ".partial", directory=True)
     try:
         _write(tmp, size, seed, progress)
+        if out.exists() and not force:  # written meanwhile, by another process: theirs stays
+            raise FileExistsError(f"{out}: already exists (written while this one was); pass --force to "
+                                  "replace it")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
