@@ -9,7 +9,7 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
@@ -46,10 +46,6 @@ if TYPE_CHECKING:
     from .queue import SessionQueue
 
 DOTENV = Path(".env")
-UVICORN: dict[str, Any] = {"log_level": "info", "http": "h11"}
-"""uvicorn's settings. h11: it holds at most 16 KiB of a request's head that has not finished arriving (a
-400 past it), where httptools, uvicorn's choice where installed, reads a head whole (a header of 256 MiB:
-300 MB of the server's memory, kept)."""
 
 
 def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | None:
@@ -118,6 +114,9 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
                    "message before its end.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=ServerSettings.timeout,
               help="Seconds a request may take from admission to its last sample.")
+@click.option("--shutdown-grace", type=click.IntRange(min=0), default=ServerSettings.shutdown_grace,
+              help="On SIGINT or SIGTERM, seconds the running sessions get to finish; the waiting ones are "
+                   "refused at once (503; gRPC: UNAVAILABLE), and the rest are cut after it.")
 @click.option("--speakers", "speakers_dir", type=NonEmptyPath(file_okay=False, path_type=Path),
               help=f"Registered speakers' folder [default: ${SPEAKERS_DIR_ENV} (blank: unset), else "
                    "~/.local/share/cosyvoice/speakers, as CosyVoice3's]")
@@ -161,7 +160,7 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
           threads: int | None, max_conc: int, max_batch: int | None, chunk_slots: int | None,
           cuda_graphs: bool | None,
           stack_dit: bool, stack_vocoder: bool, queue_depth: int,
-          stream_idle: float, timeout: float,
+          stream_idle: float, timeout: float, shutdown_grace: int,
           speakers_dir: Path | None, sampling: str, seed: int | None,
           flow_prefix_mib: int, max_text: int, api_key: str | None, max_body_mib: int,
           cors_origins: tuple[str, ...], docs: bool, prompt_dir: Path | None, warm_up: bool,
@@ -178,10 +177,9 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
         raise click.UsageError("--grpc-port serves gRPC beside HTTP on another port than --port; --grpc "
                                "serves gRPC alone on --port")
     # the serve extra, imported here so that --help needs none of it (a missing module is one line: __main__)
-    import uvicorn
-
     from .app import create_app
     from .engine import Engine
+    from .http_server import http_server
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
     try:
@@ -191,7 +189,8 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
     settings = ServerSettings(max_concurrency=max_conc, max_batch=max_batch, chunk_slots=chunk_slots,
                               cuda_graphs=cuda_graphs, stack_dit=stack_dit, stack_vocoder=stack_vocoder,
                               queue_depth=queue_depth,
-                              stream_idle_timeout=stream_idle, timeout=timeout, max_text_chars=max_text,
+                              stream_idle_timeout=stream_idle, timeout=timeout, shutdown_grace=shutdown_grace,
+                              max_text_chars=max_text,
                               sampling=sampling, seed=seed,
                               speakers_dir=speakers_folder, api_key=api_key,
                               max_body_bytes=max_body_mib << 20, cors_origins=cors_origins, docs=docs,
@@ -242,10 +241,12 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
             sys.exit(2)
         click.echo(f"speakers: {settings.speakers_dir} ({len(app.state.server.speakers.names())} registered)",
                    err=True)
+        http = http_server(app, settings, host, port)
         if grpc_port is None:
-            uvicorn.run(app, host=host, port=port, **UVICORN)
+            http.run()
+            if not http.started:  # uvicorn said why (the port taken since the check, say)
+                sys.exit(1)
             return
-        http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, **UVICORN))
         _run_grpc(engine, settings, host, grpc_port, http=http, sessions=app.state.server.sessions,
                   metrics=app.state.server.metrics)
     finally:

@@ -32,8 +32,6 @@ from .metrics import ServerMetrics
 from .queue import SessionQueue
 from .settings import ServerSettings
 
-GRACE_SECONDS = 5.0
-"""On stop, streams in flight get this long to finish; then they are cancelled (and their sessions)."""
 OPTIONS = (("grpc.so_reuseport", 0),)
 
 
@@ -71,7 +69,7 @@ class GrpcServer:
             sessions.share()
         return cls(server, service, grpc_address(host, bound))
 
-    async def stop(self, grace: float | None = GRACE_SECONDS) -> None:
+    async def stop(self, grace: float | None) -> None:
         """Refuse new RPCs, give those in flight `grace` seconds, then cancel them; then the session queue
         stops, or, shared with HTTP, once HTTP's has stopped too."""
         await self.server.stop(grace)
@@ -103,8 +101,9 @@ def run_grpc(engine: Engine, settings: ServerSettings, host: str, port: int,
             await asyncio.wait([stopped, *serving], return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopped.cancel()
+            server.service.sessions.stop()  # the calls still waiting are refused now, not run
             if http is not None:
                 http.should_exit = True  # uvicorn's graceful shutdown, beside gRPC's
-            await asyncio.gather(server.stop(), *serving)
+            await asyncio.gather(server.stop(settings.shutdown_grace), *serving)
 
     asyncio.run(serve())

@@ -224,10 +224,16 @@ class SessionQueue:
             self._servers += 1
 
     def shutdown(self) -> None:
-        """A server is done with the queue; once every one is: take no new sessions, drop the waiting ones
-        (their clients get `ServerStopping`), let the running ones go on to their end."""
+        """A server is done with the queue; once every one is, `stop`."""
         with self._lock:
             self._servers = max(self._servers - 1, 0)
             if self._servers:
                 return
+        self.stop()
+
+    def stop(self) -> None:
+        """Take no new sessions and drop the waiting ones (their clients get `ServerStopping`), whichever
+        servers share the queue (the process is stopping); the running ones go on to their end."""
+        with self._lock:
+            self._servers = 0
         self._executor.shutdown(wait=False, cancel_futures=True)

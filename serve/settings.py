@@ -65,6 +65,9 @@ class ServerSettings:
     its `end`; past it the session is closed (4408) and its slot freed."""
     timeout: float = 300.0
     """Seconds from admission to the last sample; a session past it is stopped (504, or a cut stream)."""
+    shutdown_grace: int = 5
+    """On SIGINT or SIGTERM, the seconds running sessions get to finish (the waiting ones are refused at once:
+    503, gRPC UNAVAILABLE); then they are cut and the process ends, well within `docker stop`'s 10 s."""
     max_text_chars: int = MAX_TEXT_CHARS
     """Longest text accepted (characters), so that one request cannot hold a slot for hours."""
     sampling: str = "ras"

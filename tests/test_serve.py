@@ -14,6 +14,7 @@ import os
 import queue
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -62,7 +63,8 @@ from cosyvoice_serve.engine import (
     SynthesisJob,
     decode_upload,
 )
-from cosyvoice_serve.queue import Session
+from cosyvoice_serve.http_server import HttpServer
+from cosyvoice_serve.queue import ServerStopping, Session
 from cosyvoice_serve.routes_bridge import MISSING_PROMPT
 from cosyvoice_serve.settings import API_KEY_ENV, PORT_ENV, read_dotenv
 
@@ -919,6 +921,48 @@ def test_16_streams_at_concurrency_4_complete_or_get_a_prompt_503_and_memory_ret
     assert after - baseline < RSS_SLACK_MIB, f"RSS {baseline:.0f} MiB -> {after:.0f} MiB"
 
 
+def test_a_signal_refuses_the_waiting_sessions_and_gives_the_running_one_the_grace(
+        prompt: tuple[bytes, str], tmp_path: Path) -> None:
+    """`docker stop`: SIGTERM, then SIGKILL 10 s later. The sessions queued behind a stream are answered
+    503 at once instead of running first, and the stream gets --shutdown-grace, then is cut."""
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    args = ("--port", str(port), "--max-conc", "1", "--queue", "2", "--shutdown-grace", "1", "--no-warm-up")
+
+    def stream(start: threading.Event | None = None) -> tuple[int, bytes]:
+        with httpx.Client(base_url=base_url, timeout=60) as own, \
+                own.stream("POST", "/inference_zero_shot", **form(prompt, " ".join([LONG] * 8))) as response:
+            body = b""
+            try:
+                for chunk in response.iter_bytes():
+                    body += chunk
+                    if start is not None:
+                        start.set()
+            except httpx.RemoteProtocolError:  # cut: the chunked body never ended
+                return response.status_code, b"cut"
+            return response.status_code, body
+
+    with cosyvoice_serve(tmp_path, *args) as (server, lines), \
+            httpx.Client(base_url=base_url, timeout=60) as client, ThreadPoolExecutor(3) as pool:
+        wait_for_http(client)
+        streaming = threading.Event()
+        running = pool.submit(stream, streaming)
+        assert streaming.wait(30)
+        waiting = [pool.submit(stream) for _ in range(2)]
+        wait_until(client, running=1, waiting=2)
+        server.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        refused = [future.result(timeout=10) for future in waiting]
+        assert time.monotonic() - signalled < 1
+        server.wait(10)
+        stopped = time.monotonic() - signalled
+        log = "".join(iter(lines.get, ""))
+    assert [(status, json.loads(body)["detail"]) for status, body in refused] == [
+        (503, ServerStopping().detail)] * 2
+    assert running.result(timeout=1) == (200, b"cut") and stopped < 4, (stopped, log)
+    assert "Traceback" not in log
+
+
 # --- bad input -----------------------------------------------------------------------------------------
 
 
@@ -1149,11 +1193,13 @@ def test_port_model_and_api_key_from_flags_then_environment_then_dotenv(
 
     served: list[tuple[str, int, str | None]] = []
 
-    def run(app: FastAPI, host: str, port: int, **_: Any) -> None:
-        served.append((host, port, app.state.server.settings.api_key))
+    def run(server: HttpServer, sockets: object = None) -> None:
+        config = server.config
+        served.append((config.host, config.port, config.app.state.server.settings.api_key))
+        server.started = True
 
     monkeypatch.setattr(Engine, "open", open_engine)
-    monkeypatch.setattr(uvicorn, "run", run)
+    monkeypatch.setattr(HttpServer, "run", run)
     monkeypatch.setattr(sys, "argv", ["cosyvoice-serve", "--speakers", str(tmp_path / "speakers"), *flags])
     with pytest.raises(SystemExit) as exit_:
         serve_cli.main()
@@ -1305,7 +1351,12 @@ def test_the_server_warms_up_before_serving_unless_told_not_to(engine: Engine, t
     calls: list[str] = []
     monkeypatch.setattr(Engine, "open", lambda *_, **__: _Unclosable(engine))
     monkeypatch.setattr(Engine, "warm_up", lambda self: calls.append("warm-up"))
-    monkeypatch.setattr(uvicorn, "run", lambda *_, **__: calls.append("serve"))
+
+    def serve(server: HttpServer, sockets: object = None) -> None:
+        calls.append("serve")
+        server.started = True
+
+    monkeypatch.setattr(HttpServer, "run", serve)
     result = CliRunner().invoke(serve_cli.serve, ["--speakers", str(tmp_path / "speakers"), *flags])
     assert result.exit_code == 0, result.output
     assert calls == ["warm-up"] * warmed + ["serve"]

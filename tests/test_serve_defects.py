@@ -26,7 +26,6 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed")
 
 import httpx
 import numpy as np
-import uvicorn
 from click.testing import CliRunner
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -61,6 +60,7 @@ from cosyvoice_serve import Engine, ServerSettings, create_app
 from cosyvoice_serve import cli as serve_cli
 from cosyvoice_serve.errors import UNFINISHED
 from cosyvoice_serve.grpc_service import request_seed
+from cosyvoice_serve.http_server import HttpServer
 
 __all__ = ["prompt"]  # the module-scoped fixture, shared with test_serve
 
@@ -543,8 +543,12 @@ def test_the_options_reach_the_settings(engine: Engine, tmp_path: Path, monkeypa
         opened.append(options)
         return _Unclosable(engine)
 
+    def run(server: HttpServer, sockets: object = None) -> None:
+        served.append(server.config.app)
+        server.started = True
+
     monkeypatch.setattr(Engine, "open", open_engine)
-    monkeypatch.setattr(uvicorn, "run", lambda app, **_: served.append(app))
+    monkeypatch.setattr(HttpServer, "run", run)
     args = ["--speakers", str(tmp_path / "speakers"), "--max-body-mib", "3", "--cors-origin", ORIGIN,
             "--cors-origin", "http://localhost:8080", "--docs", "--prompt-dir", str(tmp_path),
             "--threads", "2", "--chunk-slots", "2", "--cuda-graphs", "--stack-dit", "--stack-vocoder"]
