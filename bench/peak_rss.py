@@ -101,6 +101,9 @@ class FreshPeak:
     """VmHWM: the process's peak, interpreter and libraries included."""
     rss_before_open_mib: float
     """The interpreter and the backend's libraries (torch for the reference), before the pipeline opened."""
+    rss_after_mib: float
+    """VmRSS once the case ended, the pipeline still open: what a server keeps resident between requests
+    (the model, and whatever the request's work left behind)."""
     open_s: float
     prompt_s: float
     synthesis_s: float
@@ -149,10 +152,10 @@ def measure_here(job: PeakJob, case: Case) -> FreshPeak:
     try:
         open_s = time.perf_counter() - start
         run = cold_run(backend, case, job.prompt_wav)
-        peak = peak_rss_bytes()
+        peak, after = peak_rss_bytes(), rss_bytes() or 0
     finally:
         backend.close()
-    return FreshPeak(peak / MIB, before / MIB, open_s, run.prompt_s, run.synthesis_s)
+    return FreshPeak(peak / MIB, before / MIB, after / MIB, open_s, run.prompt_s, run.synthesis_s)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -71,6 +71,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure("load_s", "open (cold)", "s", "lower"),
     Figure("peak_rss_mib", "peak RSS (fresh process)", "MiB", "lower"),
     Figure("rss_baseline_mib", "fresh process's RSS before opening", "MiB", None),
+    Figure("rss_after_mib", "fresh process's RSS after the case", "MiB", "lower"),
     Figure("gpu_memory_peak_mib", "GPU memory peak", "MiB", "lower"),
     Figure("gpu_utilization_mean_pct", "GPU utilisation mean", "%", None),
 )

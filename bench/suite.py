@@ -261,10 +261,12 @@ def _first_use(factory: Callable[[], Backend], case: Case, wav: Path) -> dict[st
 
 
 def _peak(job: PeakJob, case: Case, step: Step) -> Figures:
-    """The peak RSS of `case`'s cold run in a fresh process, and that process's RSS before it opened."""
+    """The peak RSS of `case`'s cold run in a fresh process, and that process's RSS before it opened and
+    after the case."""
     peak = fresh_peak(job, case)
     step(f"{job.backend} peak RSS {case.name}")
-    return {"peak_rss_mib": peak.peak_rss_mib, "rss_baseline_mib": peak.rss_before_open_mib}
+    return {"peak_rss_mib": peak.peak_rss_mib, "rss_baseline_mib": peak.rss_before_open_mib,
+            "rss_after_mib": peak.rss_after_mib}
 
 
 def _cold(factory: Callable[[], Backend], case: Case, wav: Path, step: Step) -> Figures:
@@ -431,7 +433,8 @@ def _notes(s: Settings, gpu: GpuSampler | None) -> dict[str, str]:
                     "that opened the pipeline, extracted the prompt and synthesised the case cold (streamed "
                     "where the backend can), nothing else loaded: the interpreter and the backend's "
                     "libraries included (torch for the reference), nothing the benchmark's process holds; "
-                    "rss_baseline: that process's RSS before the pipeline opened",
+                    "rss_baseline: that process's RSS before the pipeline opened; rss_after: its RSS once "
+                    "the case ended, the pipeline still open (what a server holds between requests)",
         "bounds": "of bound = bound / measured (1 = at the hardware bound), for this CPU (cpu_class) and "
                   "the precision each graph ran at; LLM: weights (the exported graph's, from the bundle's "
                   "dims, at its precision's bytes per weight) plus the KV cache at the mean decode "

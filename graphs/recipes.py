@@ -83,6 +83,12 @@ class GraphRecipe:
     workers still spinning after one session's call take them from the next one's. The decode bodies
     (`llm`, `llm_decode`) are the exception: called back to back with a little sampling in between, they
     would pay for waking their workers every step (docs/runtime.md, "Measured defaults")."""
+    ort_arena_shrink: bool = False
+    """Whether its onnxruntime session on the CPU gives back, after every call, what the call grew the
+    session's memory arena by (onnxruntime's arena shrinkage). For the graphs whose working memory follows the
+    request's frames: an arena never shrinks on its own, so one long prompt's or text's calls would stay
+    resident for the life of the process (1.6 GB after one full-size request with a 12 s prompt; the cost
+    was not measurable, docs/performance.md, "Memory across requests")."""
     float32_cuda_form: bool = False
     """Whether its export written for onnxruntime alone (`Precision.onnxruntime_only`) uses only operators
     that onnxruntime's CUDA provider computes in float32: the DiT's `MultiHeadAttention` and `RotaryEmbedding`
@@ -118,14 +124,14 @@ RECIPES: dict[str, GraphRecipe] = {r.name: r for r in (
     GraphRecipe(DIT, aliases=("dit",),
                 fp16_fp32_scopes=(ROOT_SCOPE, r"norm", r"/proj_out/", r"/rotary_embed/"),
                 quantization={INT8.name: QuantScheme(DYNAMIC, _DIT_FP32)}, float32_cuda_form=True,
-                noise_tables={FLOW_NOISE: "new_frames"}),
+                noise_tables={FLOW_NOISE: "new_frames"}, ort_arena_shrink=True),
     # no fp16 body: upstream runs the F0 predictor in float64, so it stays float32 entirely
-    GraphRecipe(HIFT_F0, aliases=("hift",)),
+    GraphRecipe(HIFT_F0, aliases=("hift",), ort_arena_shrink=True),
     # fp16: Snake activations, the source merge (F0 path), the output conv; the source/STFT/iSTFT are
     # ROOT_SCOPE
     GraphRecipe(HIFT_DECODER, aliases=("hift",),
                 fp16_fp32_scopes=(ROOT_SCOPE, r"/activations", r"/l_linear/", r"/conv_post/"),
-                noise_tables={SINE_NOISE: "samples"}),
+                noise_tables={SINE_NOISE: "samples"}, ort_arena_shrink=True),
     # no float32 body: it exists only to be faster than `llm` (int8)
     GraphRecipe(LLM_PREFILL, aliases=("prefill",), quantization={INT8.name: QuantScheme(DYNAMIC, _LLM_FP32)}),
     # a float32 body: it batches decodings, which `llm` cannot, so `decode=fp32` batches them exactly

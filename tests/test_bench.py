@@ -111,7 +111,8 @@ def check_figures(figures: dict[str, Any], pinned: int, *, torch_side: bool, pol
     stages = sum(figures[f"first_chunk_{stage}_s"] for stage in ("llm", "flow", "vocoder"))
     assert stages <= figures["first_chunk_warm_cached_s"]  # the front end and chunking are the rest
     assert figures["audio_s"] == pytest.approx(figures["speech_tokens"] * 2 * 480 / 24000)
-    assert figures["peak_rss_mib"] > figures["rss_baseline_mib"]  # the fresh process's, both
+    # the fresh process's, all three
+    assert figures["rss_baseline_mib"] < figures["rss_after_mib"] <= figures["peak_rss_mib"]
 
 
 def check_common(result: dict[str, Any], lengths: list[str], levels: list[int], *, threads: int = 1,
@@ -369,7 +370,7 @@ def test_peak_rss_is_that_of_a_fresh_process(runtime_bundle: Path) -> None:
     held = np.ones(400 * 2**20 // 8)  # this process holds 400 MiB more than any fresh one
     case = make_cases(["medium"], 50)[0]
     peak = fresh_peak(peak_job(runtime_bundle), case)
-    assert 0 < peak.rss_before_open_mib < peak.peak_rss_mib
+    assert 0 < peak.rss_before_open_mib < peak.rss_after_mib <= peak.peak_rss_mib
     assert peak.rss_before_open_mib < (rss_bytes() or 0) / 2**20 - 300  # not this process's
     assert peak.open_s > 0 and peak.prompt_s > 0 and peak.synthesis_s > 0
     del held

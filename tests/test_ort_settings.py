@@ -8,10 +8,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from cosyvoice_graphs import HIFT_DECODER, LLM, LLM_DECODE, OPTIONAL_SPECS, SPECS
+from cosyvoice_graphs import DIT, HIFT_DECODER, HIFT_F0, LLM, LLM_DECODE, OPTIONAL_SPECS, SPECS
 from cosyvoice_graphs.bundle_layout import MANIFEST
 from cosyvoice_graphs.recipes import RECIPES
 from cosyvoice_runtime import tuning
@@ -20,8 +21,10 @@ from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
 from cosyvoice_runtime.cli import main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import RuntimeBundleError
+from cosyvoice_runtime.process_memory import release_free_heap, rss_bytes
 from cosyvoice_runtime.runners import OPTIMIZATION, OrtRunner, Runner, open_runner
 from cosyvoice_runtime.runners.ort_settings import (
+    ARENA_SHRINKAGE,
     FALLBACK,
     FORCE_SPINNING_STOP,
     TUNING_FILE,
@@ -32,6 +35,7 @@ from cosyvoice_runtime.runners.ort_settings import (
     keeps_spinning,
     machine,
     read_tuning,
+    shrinks_arena,
 )
 
 LEVEL_NAMES = {level: name for name, level in OPTIMIZATION.items()}
@@ -74,7 +78,39 @@ def test_every_graph_has_a_measured_default(runtime_bundle: Path) -> None:
             # the sessions of a pipeline take turns on the cores: only the decode body, called back to back,
             # keeps its workers spinning after a call
             assert _config(runner, FORCE_SPINNING_STOP) == (None if keeps_spinning(graph) else "1"), graph
+            # the graphs whose working memory follows the request's frames give it back after every call
+            assert isinstance(runner, OrtRunner)
+            shrink = runner.run_options.get_run_config_entry(ARENA_SHRINKAGE) if runner.run_options else None
+            assert shrink == ("cpu:0" if shrinks_arena(graph) else None), graph
     assert {g for g in (*SPECS, *OPTIONAL_SPECS) if keeps_spinning(g)} == {LLM, LLM_DECODE}
+    assert {g for g in (*SPECS, *OPTIONAL_SPECS) if shrinks_arena(g)} == {DIT, HIFT_F0, HIFT_DECODER}
+
+
+@pytest.mark.skipif(rss_bytes() is None, reason="reads /proc/self/status (Linux)")
+def test_a_long_dit_call_leaves_no_memory_resident(runtime_bundle: Path) -> None:
+    """A 2,000-frame call of the tiny DiT takes ~300 MB of working memory (its attention scores alone are
+    2 rows x 4 heads x 2,000^2 float32, 128 MB); the session's arena would keep all of it."""
+    if not release_free_heap():
+        pytest.skip("the C library has no malloc_trim (not glibc): freed heap pages stay resident anyway")
+    bundle = RuntimeBundle.open(runtime_bundle)
+    with open_runner(bundle, DIT) as runner:
+        assert isinstance(runner, OrtRunner)
+        runner.infer(_dit_feeds(runner, 50))
+        release_free_heap()
+        before = rss_bytes() or 0
+        runner.infer(_dit_feeds(runner, 2000))
+        release_free_heap()
+        assert (rss_bytes() or 0) - before < 100 * 2**20
+
+
+def _dit_feeds(runner: OrtRunner, frames: int) -> dict[str, np.ndarray]:
+    """Feeds of the cached DiT for `frames` new frames, both CFG rows, nothing cached before them."""
+    fixed = {"positions": np.arange(frames, dtype=np.int64), "ode_step": np.zeros(1, dtype=np.int64),
+             "attention_mask": np.ones((frames, frames), dtype=bool)}
+    sizes = {"rows": 2, "new_frames": frames, "past_frames": 0}
+    return {v.name: fixed[v.name] if v.name in fixed else np.zeros([sizes.get(d, d) for d in v.shape],
+                                                                   dtype=np.float32)
+            for v in runner.session.get_inputs()}
 
 
 def _config(runner: Runner, key: str) -> str | None:

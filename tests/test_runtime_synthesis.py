@@ -14,6 +14,7 @@ import pytest
 import soundfile as sf
 from click.testing import CliRunner
 
+from cosyvoice_runtime import synthesis
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cli import main
@@ -29,7 +30,7 @@ from cosyvoice_runtime.sampling import (
     ras_sample,
     softmax,
 )
-from cosyvoice_runtime.synthesis import Mode, Synthesizer, llm_request
+from cosyvoice_runtime.synthesis import Mode, Synthesizer, closing_after, llm_request
 
 # --- sampling ---------------------------------------------------------------------------------------
 
@@ -265,3 +266,21 @@ def test_cli_user_errors_exit_2_with_one_line(runtime_bundle: Path, prompt_wav: 
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
     assert not (tmp_path / "o.wav").exists()
+
+
+@pytest.mark.parametrize("ends", ["exhausted", "dropped"])
+def test_a_segment_gives_the_c_heap_back_after_its_decoding_closes(monkeypatch: pytest.MonkeyPatch,
+                                                                   ends: str) -> None:
+    events: list[str] = []
+    def release() -> bool:
+        events.append("released")
+        return True
+
+    monkeypatch.setattr(synthesis, "release_free_heap", release)
+    chunks = closing_after(iter(["first", "last"]), lambda: events.append("closed"))
+    assert next(chunks) == "first" and events == []  # nothing given back while the segment runs
+    if ends == "exhausted":
+        assert list(chunks) == ["last"]
+    else:
+        chunks.close()
+    assert events == ["closed", "released"]

@@ -27,6 +27,7 @@ from ..process_memory import release_free_heap
 from .base import BufferView, Feed, RunnerBase
 from .capture_gate import on_device
 from .ort_settings import (
+    ARENA_SHRINKAGE,
     CONV_ALGO_SEARCH,
     FALLBACK,
     FORCE_SPINNING_STOP,
@@ -34,6 +35,7 @@ from .ort_settings import (
     cuda_options,
     keeps_spinning,
     settings_for,
+    shrinks_arena,
 )
 
 GPU_GRAPH_ID = "gpu_graph_id"
@@ -161,12 +163,18 @@ class OrtRunner(RunnerBase):
         self.provider = provider
         self.run_options: ort.RunOptions | None = None
         """What the runner's own calls run with: with CUDA graphs, outside them (graphs are captured and
-        replayed through bindings of their own, `decode_graphs.GraphedSteps`)."""
+        replayed through bindings of their own, `decode_graphs.GraphedSteps`); on the CPU, for a graph whose
+        recipe asks (`shrinks_arena`), the session's arena shrunk back when the call ends. On a GPU the host
+        arena holds only the few host-side tensors, so it is left as it is."""
         self.cuda_graph = cuda_graph
         """Whether the session captures calls into CUDA graphs (through bindings of their own)."""
-        if cuda_graph:
+        entries = {GPU_GRAPH_ID: SKIP_GRAPH} if cuda_graph else {}
+        if provider == CPU and shrinks_arena(spec.name):
+            entries[ARENA_SHRINKAGE] = "cpu:0"
+        if entries:
             self.run_options = ort.RunOptions()
-            self.run_options.add_run_config_entry(GPU_GRAPH_ID, SKIP_GRAPH)
+            for key, value in entries.items():
+                self.run_options.add_run_config_entry(key, value)
         self.device_type = CPU if provider == CPU else CUDA
         self.device_id = device_id
         try:  # read once, here: a flipped byte in it is no UTF-8 (where the file's sha256 went unchecked)

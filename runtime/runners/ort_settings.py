@@ -50,6 +50,9 @@ class OrtSettings:
 
 FORCE_SPINNING_STOP = "session.force_spinning_stop"
 """onnxruntime's session option that puts the intra-op workers to sleep when a call ends."""
+ARENA_SHRINKAGE = "memory.enable_memory_arena_shrinkage"
+"""onnxruntime's run option naming the devices whose memory arenas give back, when the call ends, what they
+grew by."""
 FALLBACK = OrtSettings("all")
 """For a graph without a recipe, and for the GPU providers."""
 CONV_ALGO_SEARCHES = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
@@ -89,6 +92,13 @@ def keeps_spinning(graph: str) -> bool:
     it says why); every other graph's session stops them (`FORCE_SPINNING_STOP`)."""
     recipe = RECIPES.get(graph)
     return recipe is not None and recipe.ort_keep_spinning
+
+
+def shrinks_arena(graph: str) -> bool:
+    """Whether `graph`'s calls on the CPU shrink its session's memory arena when they end
+    (`GraphRecipe.ort_arena_shrink`, where it says why)."""
+    recipe = RECIPES.get(graph)
+    return recipe is not None and recipe.ort_arena_shrink
 
 
 def cuda_options(device_id: int, *, tf32: bool, conv_algo_search: str = CONV_ALGO_SEARCH,
