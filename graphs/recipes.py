@@ -87,9 +87,9 @@ class GraphRecipe:
     """Whether its onnxruntime session on the CPU gives back, after every call, what the call grew the
     session's memory arena by (onnxruntime's arena shrinkage). For the graphs whose working memory follows the
     request's frames: an arena never shrinks on its own, so one long prompt's or text's calls would stay
-    resident for the life of the process (1.6 GB after one full-size request with a 12 s prompt). A streamed
-    request pays nothing measurable for it, an offline one 2-3 % (docs/performance.md, "Memory across
-    requests")."""
+    resident for the life of the process (1.6 GB after one full-size request with a 12 s prompt, on an AMD
+    EPYC Zen 4). A streamed request pays nothing measurable for it there, an offline one 2-3 %
+    (docs/performance.md, "Memory across requests")."""
     float32_cuda_form: bool = False
     """Whether its export written for onnxruntime alone (`Precision.onnxruntime_only`) uses only operators
     that onnxruntime's CUDA provider computes in float32: the DiT's `MultiHeadAttention` and `RotaryEmbedding`

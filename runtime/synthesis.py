@@ -562,7 +562,8 @@ def closing_after(chunks: Iterator[AudioChunk], close: Callable[[], None]
     """`chunks`, then `close` (a decoding's), however the stream ends (exhausted, failed, or dropped by its
     consumer): a batched decoding's row is freed then, a text stream's source no longer read. Then the C
     heap's free pages go back to the OS: the segment's caches (hundreds of MB at full size) would otherwise
-    stay resident in it after every request, 0.8 GB and more."""
+    stay resident in it after every request, 0.8 GB and more (docs/performance.md, "Memory across
+    requests")."""
     try:
         yield from chunks
     finally:

@@ -8,11 +8,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from cosyvoice_graphs import DIT, HIFT_DECODER, HIFT_F0, LLM, LLM_DECODE, OPTIONAL_SPECS, SPECS
+from cosyvoice_graphs import DIT, HIFT_DECODER, HIFT_F0, LLM, LLM_DECODE, OPTIONAL_SPECS, SPECS, dit_call_case
 from cosyvoice_graphs.bundle_layout import MANIFEST
 from cosyvoice_graphs.recipes import RECIPES
 from cosyvoice_runtime import tuning
@@ -95,22 +94,12 @@ def test_a_long_dit_call_leaves_no_memory_resident(runtime_bundle: Path) -> None
     bundle = RuntimeBundle.open(runtime_bundle)
     with open_runner(bundle, DIT) as runner:
         assert isinstance(runner, OrtRunner)
-        runner.infer(_dit_feeds(runner, 50))
+        runner.infer(runner.spec.sample_inputs(dit_call_case(50, 0, 0, 50), seed=0))
         release_free_heap()
         before = rss_bytes() or 0
-        runner.infer(_dit_feeds(runner, 2000))
+        runner.infer(runner.spec.sample_inputs(dit_call_case(2000, 0, 0, 2000), seed=0))
         release_free_heap()
         assert (rss_bytes() or 0) - before < 100 * 2**20
-
-
-def _dit_feeds(runner: OrtRunner, frames: int) -> dict[str, np.ndarray]:
-    """Feeds of the cached DiT for `frames` new frames, both CFG rows, nothing cached before them."""
-    fixed = {"positions": np.arange(frames, dtype=np.int64), "ode_step": np.zeros(1, dtype=np.int64),
-             "attention_mask": np.ones((frames, frames), dtype=bool)}
-    sizes = {"rows": 2, "new_frames": frames, "past_frames": 0}
-    return {v.name: fixed[v.name] if v.name in fixed else np.zeros([sizes.get(d, d) for d in v.shape],
-                                                                   dtype=np.float32)
-            for v in runner.session.get_inputs()}
 
 
 def _config(runner: Runner, key: str) -> str | None:
