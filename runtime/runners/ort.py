@@ -164,8 +164,8 @@ class OrtRunner(RunnerBase):
         self.run_options: ort.RunOptions | None = None
         """What the runner's own calls run with: with CUDA graphs, outside them (graphs are captured and
         replayed through bindings of their own, `decode_graphs.GraphedSteps`); on the CPU, for a graph whose
-        recipe asks (`shrinks_arena`), the session's arena shrunk back when the call ends. On a GPU the host
-        arena holds only the few host-side tensors, so it is left as it is."""
+        recipe asks (`shrinks_arena`), the session's arena shrunk back when the call ends. A GPU session's
+        host arena is left as it is: its growth was not measured on a GPU."""
         self.cuda_graph = cuda_graph
         """Whether the session captures calls into CUDA graphs (through bindings of their own)."""
         entries = {GPU_GRAPH_ID: SKIP_GRAPH} if cuda_graph else {}
