@@ -597,29 +597,47 @@ class _Stream:
         """The chunks of the ids from `source`; `decoding` is the decoding they come from (`source` itself,
         or what it wraps): a batch's is told when this stream's first audio is due and when it is out."""
         batched = decoding if isinstance(decoding, BatchedDecoding) else None
-        with self.synth.live.held():  # from the first step to the end, however the stream ends
-            if batched is not None:
-                batched.mark_streamed()
-            hops = self.policy.hops(self.prompt.speech_tokens.shape[1])
-            hop = next(hops)
-            llm_s = 0.0
-            while True:
-                before = time.perf_counter()
-                token = next(source, None)
-                llm_s += time.perf_counter() - before
-                if token is None:
-                    break
-                self.tokens.append(token)
-                if len(self.tokens) - self.offset >= hop + self.policy.lookahead:
-                    chunk = self._chunk(self.tokens[: self.offset + hop + self.policy.lookahead], hop, llm_s,
-                                        final=False)
-                    if batched is not None:  # its later ids wait for others' first audio
-                        batched.sent_audio = True
-                    yield chunk
-                    hop, llm_s = next(hops), 0.0
-            if not self.tokens:
-                raise SynthesisError("the LLM produced no speech tokens; nothing to vocode")
-            yield self._chunk(self.tokens, len(self.tokens) - self.offset, llm_s, final=True)
+        try:
+            with self.synth.live.held():  # from the first step to the end, however the stream ends
+                if batched is not None:
+                    batched.mark_streamed()
+                hops = self.policy.hops(self.prompt.speech_tokens.shape[1])
+                hop = next(hops)
+                llm_s = 0.0
+                while True:
+                    before = time.perf_counter()
+                    token = next(source, None)
+                    llm_s += time.perf_counter() - before
+                    if token is None:
+                        break
+                    self.tokens.append(token)
+                    if len(self.tokens) - self.offset >= hop + self.policy.lookahead:
+                        chunk = self._chunk(self.tokens[: self.offset + hop + self.policy.lookahead], hop,
+                                            llm_s, final=False)
+                        if batched is not None:  # its later ids wait for others' first audio
+                            batched.sent_audio = True
+                        yield chunk
+                        hop, llm_s = next(hops), 0.0
+                if not self.tokens:
+                    raise SynthesisError("the LLM produced no speech tokens; nothing to vocode")
+                yield self._chunk(self.tokens, len(self.tokens) - self.offset, llm_s, final=True)
+        except BaseException:  # closed by its consumer or stopped by an error (a server's cancellation)
+            self._drop_caches()
+            raise
+
+    def _drop_caches(self) -> None:
+        """Drop the flow stream's DiT caches, where it ended before its final chunk, and, where no other
+        synthesis is in flight (whose DiT calls would), have the DiT's arena give back the memory they held
+        (`Flow.give_back_arena`)."""
+        stream = self.flow_stream
+        if stream is None or not stream.caches:
+            return
+        stream.caches = []
+        if self.synth.live.count == 0:
+            try:
+                self.synth.flow.give_back_arena()
+            except Exception:  # what ended the stream is what its consumer sees; the DiT's next call shrinks
+                log.warning("the DiT's arena was not shrunk after a stream ended early", exc_info=True)
 
     def _mid_block(self, end: int) -> bool:
         """Whether a non-final chunk ending after `end` generated tokens cuts a DiT block (only a first

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -30,6 +31,7 @@ from cosyvoice_runtime.cli_options import chunk_policy
 from cosyvoice_runtime.flow_prefix import FlowPrefixCache
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.synthesis import AudioChunk, Synthesizer
+from cosyvoice_runtime.token2wav import FlowStream
 
 MEL_MAX = 1e-5  # cache vs re-run, measured ~3e-6: the graphs' float rounding on other shapes
 AUDIO_MEAN = 2e-3  # hift_decoder's tolerance; measured ~2e-5 (an ulp of mel can move f0: vocoder tests)
@@ -178,6 +180,68 @@ def test_streams_share_a_prompts_prefix_through_the_bounded_cache(runtime_bundle
         assert (s.flow.prefixes.misses, len(s.flow.prefixes)) == (1, 0)
     with pytest.raises(ValueError, match="budget must be >= 0"):
         FlowPrefixCache(-1)
+
+
+class _Stopped(Exception):
+    """What stops a stream's ids in the test below (a server's cancellation, between two LLM steps)."""
+
+
+def _stopping(ids: list[int], after: int) -> Iterator[int]:
+    yield from ids[:after]
+    raise _Stopped
+
+
+@pytest.mark.parametrize("ends", ["closed", "closed beside another", "stopped", "closed, the call failing",
+                                  "exhausted"])
+def test_a_stream_ended_early_drops_its_caches_and_gives_their_memory_back(
+        synth: Synthesizer, prompt: PromptFeatures, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture, ends: str) -> None:
+    """A stream's caches are outputs of the DiT's calls, held in its arena's regions, which onnxruntime gives
+    back only as a call ends: a stream that ends before its final chunk, closed by its consumer or stopped by
+    an error, drops them and, unless another synthesis is in flight (whose next DiT call does it), makes the
+    DiT's smallest call; where that call fails, the stream ends as it would have."""
+    streams: list[FlowStream] = []
+    gave_back: list[int] = []
+    flow_stream, give_back = synth.flow.stream, synth.flow.give_back_arena
+
+    def stream(*args: Any, **kwargs: Any) -> FlowStream:
+        streams.append(flow_stream(*args, **kwargs))
+        return streams[-1]
+
+    def give_back_arena() -> None:
+        gave_back.append(streams[0].cache_bytes)
+        if ends == "closed, the call failing":
+            raise ort.capi.onnxruntime_pybind11_state.RuntimeException("out of memory")
+        give_back()
+
+    monkeypatch.setattr(synth.flow, "stream", stream)
+    monkeypatch.setattr(synth.flow, "give_back_arena", give_back_arena)
+    chunks = synth.stream_tokens(_stopping(_tokens(120), 60) if ends == "stopped" else _tokens(120), prompt)
+    first = next(chunks)
+    assert not first.is_final and streams[0].cached_frames > 0
+    if ends == "exhausted":
+        assert list(chunks)[-1].is_final
+    elif ends == "stopped":
+        with pytest.raises(_Stopped):
+            list(chunks)
+    elif ends == "closed beside another":
+        with synth.live.held():
+            chunks.close()
+    else:
+        chunks.close()
+    assert streams[0].caches == []
+    assert gave_back == ([] if ends in ("exhausted", "closed beside another") else [0])
+    assert ("arena was not shrunk" in caplog.text) == (ends == "closed, the call failing")
+
+
+def test_a_stream_closed_after_its_runtime_makes_no_call(runtime_bundle: Path, prompt: PromptFeatures,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A stream left open until after its graphs closed (collected at exit) has no arena to shrink."""
+    with Synthesizer(RuntimeBundle.open(runtime_bundle), threads=1) as s:
+        chunks = s.stream_tokens(_tokens(120), prompt)
+        next(chunks)
+    chunks.close()
+    assert "arena" not in caplog.text
 
 
 def test_streams_check_their_inputs(synth: Synthesizer, prompt: PromptFeatures) -> None:

@@ -180,6 +180,11 @@ class RunnerBase(ABC):
         """The graph's spec: what `infer` takes and returns."""
         return self._spec
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called: every call raises then."""
+        return self._closed
+
     def infer(self, feeds: Mapping[str, Feed]) -> dict[str, np.ndarray]:
         """Run the graph on `feeds` (every spec input, by name); returns every spec output, by name.
 

@@ -168,8 +168,11 @@ class OrtRunner(RunnerBase):
         host arena is left as it is: its growth was not measured on a GPU."""
         self.cuda_graph = cuda_graph
         """Whether the session captures calls into CUDA graphs (through bindings of their own)."""
+        self.shrinks_arena = provider == CPU and shrinks_arena(spec.name)
+        """Whether every call of the runner gives back, when it ends, the arena's regions that no tensor holds
+        (`run_options`): onnxruntime shrinks an arena at no other time."""
         entries = {GPU_GRAPH_ID: SKIP_GRAPH} if cuda_graph else {}
-        if provider == CPU and shrinks_arena(spec.name):
+        if self.shrinks_arena:
             entries[ARENA_SHRINKAGE] = "cpu:0"
         if entries:
             self.run_options = ort.RunOptions()
