@@ -54,8 +54,12 @@ def prompt_key(prompt: PromptFeatures) -> str:
 
 
 class FlowPrefixCache:
-    """Prefixes by prompt content, the least recently used dropped past `max_bytes`; thread-safe.
+    """Prefixes by prompt content, dropped past `max_bytes` least recently used first, but those of prompts
+    that a speaker holds (`hold`) only once no other is left; thread-safe.
 
+    A server's registered speakers are asked for again and again, while an uploaded prompt is often used
+    once: at full size two prefixes fill the default budget, so without the hold every two uploads would
+    drop the speakers' prefixes, and each speaker's next stream would compute its own again.
     Two streams that miss on the same prompt at once both compute it (the same values); one is kept.
     """
 
@@ -65,6 +69,8 @@ class FlowPrefixCache:
         self.max_bytes = max_bytes
         self.hits = self.misses = 0
         self._entries: OrderedDict[str, FlowPrefix] = OrderedDict()
+        self._held: set[str] = set()
+        """The `prompt_key`s of the prompts that speakers hold (`hold`), kept or not."""
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -95,8 +101,9 @@ class FlowPrefixCache:
         return prefix
 
     def put(self, key: str, prefix: FlowPrefix) -> bool:
-        """Keep `prefix` as that of the prompt whose `prompt_key` is `key`, the least recently used
-        dropped past the budget; False if it alone exceeds the budget (not kept)."""
+        """Keep `prefix` as that of the prompt whose `prompt_key` is `key`, others dropped past the budget
+        (the class's order); False if it is not kept: it alone exceeds the budget, or, not held, it would
+        drop a held one."""
         for step in prefix.caches:
             for a in step.values():
                 if isinstance(a, np.ndarray):  # an OrtValue is only ever a graph's input, never written
@@ -106,10 +113,22 @@ class FlowPrefixCache:
         with self._lock:
             self._entries[key] = prefix
             self._entries.move_to_end(key)
-            held = sum(p.nbytes for p in self._entries.values())
-            while held > self.max_bytes:
-                held -= self._entries.popitem(last=False)[1].nbytes
-        return True
+            size = sum(p.nbytes for p in self._entries.values())
+            while size > self.max_bytes:
+                drop = next((k for k in self._entries if k not in self._held), next(iter(self._entries)))
+                size -= self._entries.pop(drop).nbytes
+            return key in self._entries
+
+    def hold(self, key: str) -> None:
+        """Keep the prefix of the prompt whose `prompt_key` is `key` ahead of every prompt not held, from
+        now until `let_go`, whether it is kept now or later: a registered speaker's."""
+        with self._lock:
+            self._held.add(key)
+
+    def let_go(self, key: str) -> None:
+        """End `hold` of `key`: its prefix, if kept, is dropped in the order of those not held."""
+        with self._lock:
+            self._held.discard(key)
 
     def discard(self, key: str) -> None:
         """Drop the prefix of the prompt whose `prompt_key` is `key`, if kept."""

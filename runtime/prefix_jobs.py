@@ -146,6 +146,7 @@ class PrefixJobs:
             if self._names.get(name) != key:
                 self._cancel(name)
             self._names[name] = key
+            self.flow.prefixes.hold(key)
             job = self._queue.get(key) or (self._running if self._running and self._running.key == key
                                             else None)
             if job is not None:
@@ -208,6 +209,7 @@ class PrefixJobs:
             return False
         if key in self._names.values():  # another speaker's prompt too
             return True
+        self.flow.prefixes.let_go(key)
         job = self._queue.pop(key, None)
         if job is None and self._running is not None and self._running.key == key:
             job = self._running  # the thread stops at its next graph call, seeing the state

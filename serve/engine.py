@@ -41,7 +41,7 @@ from cosyvoice_runtime.bundle_source import choose_bundle
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cosyvoice3 import SegmentSpeech
 from cosyvoice_runtime.errors import FrontendError, SynthesisError, UserError
-from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
+from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES, prompt_key
 from cosyvoice_runtime.frontend import PromptAudio, PromptFeatures, read_prompt_audio
 from cosyvoice_runtime.progress import SynthesisProgress
 from cosyvoice_runtime.runners import CPU
@@ -236,12 +236,14 @@ class Engine:
 
     def default_features(self) -> PromptFeatures:
         """The features of the bundle's own prompt, extracted on first use and kept (a server that never
-        uses them never pays for them)."""
+        uses them never pays for them); the voice of every request without a prompt of its own, so its flow
+        prefix is held in the cache as a registered speaker's is."""
         if self.default_prompt is None:
             raise ValueError(f"{self.bundle.root} carries no prompt of its own")
         with self._default_lock:
             if self._default_features is None:
                 self._default_features = self.voice.prompt_features(self.default_prompt[0])
+                self.synth.flow.prefixes.hold(prompt_key(self._default_features))
             return self._default_features
 
     def warm_up(self) -> float | None:

@@ -28,7 +28,7 @@ from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.cli_options import chunk_policy
-from cosyvoice_runtime.flow_prefix import FlowPrefixCache
+from cosyvoice_runtime.flow_prefix import FlowPrefix, FlowPrefixCache
 from cosyvoice_runtime.frontend import PromptFeatures
 from cosyvoice_runtime.synthesis import AudioChunk, Synthesizer
 from cosyvoice_runtime.token2wav import FlowStream
@@ -242,6 +242,26 @@ def test_a_stream_closed_after_its_runtime_makes_no_call(runtime_bundle: Path, p
         next(chunks)
     chunks.close()
     assert "arena" not in caplog.text
+
+
+def test_held_prefixes_are_dropped_after_every_other() -> None:
+    """Past the budget the least recently used prefix not held goes first; a held one only where every
+    prefix kept is held, and a prefix not held is not kept where it would drop a held one."""
+    def prefix() -> FlowPrefix:
+        return FlowPrefix(50, ({"past": np.zeros(256, np.float32)},))  # 1 KiB
+
+    cache = FlowPrefixCache(3 << 10)
+    cache.hold("a")
+    assert all(cache.put(key, prefix()) for key in "abc")
+    assert cache.put("d", prefix()) and [k for k in "abcd" if k in cache] == ["a", "c", "d"]  # not a
+    cache.hold("c")
+    cache.hold("d")
+    assert not cache.put("e", prefix()) and "e" not in cache  # it would drop a held one
+    cache.let_go("a")
+    assert cache.put("e", prefix()) and [k for k in "acde" if k in cache] == ["c", "d", "e"]
+    cache.hold("e")
+    cache.hold("f")
+    assert cache.put("f", prefix()) and [k for k in "cdef" if k in cache] == ["d", "e", "f"]  # all held
 
 
 def test_streams_check_their_inputs(synth: Synthesizer, prompt: PromptFeatures) -> None:

@@ -187,6 +187,28 @@ def test_a_stream_needing_a_paused_jobs_prefix_computes_it_and_the_job_stops(voi
     assert jobs.counts[JobState.CACHED] == 1
 
 
+def test_a_registered_speakers_prefix_outlasts_uploaded_prompts(voice: CosyVoice3) -> None:
+    """With room for one prefix, an uploaded prompt's stream leaves the speaker's kept and keeps none of its
+    own (it would have dropped the speaker's); once the speaker is deleted, uploads are kept again."""
+    cache = voice.synth.flow.prefixes
+    voice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "ivan")
+    assert voice.wait_prefixes(WAIT)
+    speaker = prompt_key(voice._added["ivan"].features)
+    cache.max_bytes = cache.nbytes * 3 // 2
+    upload = _shorter_prompt()
+    uploaded = prompt_key(voice.prompt_features(upload))
+    for _ in range(2):
+        list(voice.inference_zero_shot(TEXT, TRANSCRIPT, upload, stream=True))
+        assert speaker in cache and uploaded not in cache
+    assert (cache.hits, cache.misses) == (0, 2)
+    _stream(voice, "ivan")
+    assert cache.hits == 1
+
+    voice.prefix_jobs.cancel("ivan")
+    list(voice.inference_zero_shot(TEXT, TRANSCRIPT, upload, stream=True))
+    assert speaker not in cache and uploaded in cache
+
+
 def test_a_prefix_beyond_the_cache_budget_is_not_queued(tmp_path: Path) -> None:
     with CosyVoice3(DEMO_BUNDLE, threads=1, speakers_dir=tmp_path, flow_prefix_bytes=0) as voice:
         voice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "gina")

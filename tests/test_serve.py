@@ -48,6 +48,7 @@ from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.dit_graphs import GraphedDit
+from cosyvoice_runtime.flow_prefix import prompt_key
 from cosyvoice_runtime.frontend import PromptFeatures, zero_shot_prompt
 from cosyvoice_runtime.sampling import Sampling
 from cosyvoice_runtime.speakers import LOCK, REGISTRY, SpeakerRegistry, frontend_fingerprint
@@ -1308,6 +1309,13 @@ def test_the_warm_up_leaves_the_bundle_voice_ready(caplog: pytest.LogCaptureFixt
         assert len(next(chunks)) > 0
         chunks.close()
         assert (prefixes.misses, prefixes.hits) == (1, 1)
+
+        # the voice of every request without a prompt: held, as a registered speaker's, ahead of uploads
+        samples, rate = sf.read(warm.default_prompt[0], dtype="float32")
+        upload = warm.voice.prompt_features((samples[: len(samples) * 4 // 5], int(rate)))
+        prefixes.max_bytes = prefixes.nbytes * 3 // 2  # room for one prefix
+        warm.synth.flow.prefix(upload)
+        assert prompt_key(upload) not in prefixes and prompt_key(warm.default_features()) in prefixes
         warm.default_prompt = None
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="cosyvoice_serve.engine"):
