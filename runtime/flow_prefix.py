@@ -102,8 +102,8 @@ class FlowPrefixCache:
 
     def put(self, key: str, prefix: FlowPrefix) -> bool:
         """Keep `prefix` as that of the prompt whose `prompt_key` is `key`, others dropped past the budget
-        (the class's order); False if it is not kept: it alone exceeds the budget, or, not held, it would
-        drop a held one."""
+        (the class's order); False, nothing dropped, if it is not kept: it alone exceeds the budget, or, not
+        held, it does not fit beside the held ones."""
         for step in prefix.caches:
             for a in step.values():
                 if isinstance(a, np.ndarray):  # an OrtValue is only ever a graph's input, never written
@@ -111,13 +111,16 @@ class FlowPrefixCache:
         if prefix.nbytes > self.max_bytes:
             return False
         with self._lock:
+            held = sum(p.nbytes for k, p in self._entries.items() if k in self._held and k != key)
+            if key not in self._held and prefix.nbytes + held > self.max_bytes:
+                return False  # before it drops any other
             self._entries[key] = prefix
             self._entries.move_to_end(key)
             size = sum(p.nbytes for p in self._entries.values())
             while size > self.max_bytes:
                 drop = next((k for k in self._entries if k not in self._held), next(iter(self._entries)))
                 size -= self._entries.pop(drop).nbytes
-            return key in self._entries
+        return True
 
     def hold(self, key: str) -> None:
         """Keep the prefix of the prompt whose `prompt_key` is `key` ahead of every prompt not held, from

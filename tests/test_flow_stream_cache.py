@@ -247,11 +247,14 @@ def test_a_stream_closed_after_its_runtime_makes_no_call(runtime_bundle: Path, p
 def test_held_prefixes_are_dropped_after_every_other() -> None:
     """Past the budget the least recently used prefix not held goes first; a held one only where every
     prefix kept is held, and a prefix not held is not kept where it would drop a held one."""
-    def prefix() -> FlowPrefix:
-        return FlowPrefix(50, ({"past": np.zeros(256, np.float32)},))  # 1 KiB
+    def prefix(kib: int = 1) -> FlowPrefix:
+        return FlowPrefix(50, ({"past": np.zeros(256 * kib, np.float32)},))
 
     cache = FlowPrefixCache(3 << 10)
     cache.hold("a")
+    assert cache.put("a", prefix(2)) and cache.put("b", prefix())
+    assert not cache.put("c", prefix(2)) and "b" in cache  # it would not fit beside "a": it drops nothing
+    cache.clear()
     assert all(cache.put(key, prefix()) for key in "abc")
     assert cache.put("d", prefix()) and [k for k in "abcd" if k in cache] == ["a", "c", "d"]  # not a
     cache.hold("c")
