@@ -132,7 +132,8 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
               default=DEFAULT_PREFIX_CACHE_BYTES >> 20,
               help="MiB kept of the streaming flow's per-prompt prefixes (the DiT's caches of a prompt's "
                    "leading blocks, about 3.6 MB per prompt frame at full size), so that a speaker's next "
-                   "stream starts after them; 0 keeps none.")
+                   "stream starts after them, registered speakers' and the bundle voice's ahead of uploaded "
+                   "prompts'; 0 keeps none.")
 @click.option("--max-text", type=click.IntRange(min=1), default=ServerSettings.max_text_chars,
               help="Longest text accepted (characters).")
 @click.option("--max-body-mib", type=click.IntRange(min=1), default=MAX_BODY_MIB,
