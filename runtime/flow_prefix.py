@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -69,8 +69,8 @@ class FlowPrefixCache:
         self.max_bytes = max_bytes
         self.hits = self.misses = 0
         self._entries: OrderedDict[str, FlowPrefix] = OrderedDict()
-        self._held: set[str] = set()
-        """The `prompt_key`s of the prompts that speakers hold (`hold`), kept or not."""
+        self._held: Counter[str] = Counter()
+        """The `prompt_key`s of the prompts held (`hold`), kept or not, and how many times each."""
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -124,14 +124,18 @@ class FlowPrefixCache:
 
     def hold(self, key: str) -> None:
         """Keep the prefix of the prompt whose `prompt_key` is `key` ahead of every prompt not held, from
-        now until `let_go`, whether it is kept now or later: a registered speaker's."""
+        now until a `let_go` for each `hold`, whether it is kept now or later: a registered speaker's, a
+        server's own voice's (one recording can be both)."""
         with self._lock:
-            self._held.add(key)
+            self._held[key] += 1
 
     def let_go(self, key: str) -> None:
-        """End `hold` of `key`: its prefix, if kept, is dropped in the order of those not held."""
+        """End one `hold` of `key`; after the last its prefix, if kept, is dropped in the order of those not
+        held."""
         with self._lock:
-            self._held.discard(key)
+            self._held[key] -= 1
+            if self._held[key] <= 0:
+                del self._held[key]
 
     def discard(self, key: str) -> None:
         """Drop the prefix of the prompt whose `prompt_key` is `key`, if kept."""

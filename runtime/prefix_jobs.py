@@ -145,8 +145,9 @@ class PrefixJobs:
                 raise RuntimeError("the prefix jobs are closed")
             if self._names.get(name) != key:
                 self._cancel(name)
-            self._names[name] = key
-            self.flow.prefixes.hold(key)
+                if key not in self._names.values():  # one hold per prompt, let go with its last speaker
+                    self.flow.prefixes.hold(key)
+                self._names[name] = key
             job = self._queue.get(key) or (self._running if self._running and self._running.key == key
                                             else None)
             if job is not None:

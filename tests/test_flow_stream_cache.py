@@ -266,6 +266,12 @@ def test_held_prefixes_are_dropped_after_every_other() -> None:
     cache.hold("f")
     assert cache.put("f", prefix()) and [k for k in "cdef" if k in cache] == ["d", "e", "f"]  # all held
 
+    cache.clear()
+    cache.hold("g")  # held twice (a speaker's recording and a server's own voice): let go once, still held
+    cache.hold("g")
+    cache.let_go("g")
+    assert cache.put("g", prefix(2)) and not cache.put("h", prefix(2)) and "g" in cache
+
 
 def test_streams_check_their_inputs(synth: Synthesizer, prompt: PromptFeatures) -> None:
     stream = synth.flow.stream(prompt)

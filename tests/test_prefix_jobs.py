@@ -209,6 +209,23 @@ def test_a_registered_speakers_prefix_outlasts_uploaded_prompts(voice: CosyVoice
     assert speaker not in cache and uploaded in cache
 
 
+def test_a_prompt_is_held_while_any_speaker_of_it_is(voice: CosyVoice3) -> None:
+    """Speakers of one recording hold it once, whatever they are submitted again; the last one deleted
+    lets it go, and a hold of its own (a server's voice) outlasts them all."""
+    cache, jobs = voice.synth.flow.prefixes, voice.prefix_jobs
+    for name in ("jack", "jack", "kate"):
+        voice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), name)
+    key = jobs._names["jack"]
+    assert cache._held[key] == 1
+    jobs.cancel("jack")
+    assert cache._held[key] == 1
+    cache.hold(key)
+    jobs.cancel("kate")
+    assert cache._held[key] == 1
+    cache.let_go(key)
+    assert key not in cache._held
+
+
 def test_a_prefix_beyond_the_cache_budget_is_not_queued(tmp_path: Path) -> None:
     with CosyVoice3(DEMO_BUNDLE, threads=1, speakers_dir=tmp_path, flow_prefix_bytes=0) as voice:
         voice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "gina")
