@@ -297,11 +297,11 @@ class CosyVoice3:
                             f"{zero_shot_spk_id!r}")
         _check_str(prompt_text, "prompt_text")
         features = self.prompt_features(prompt_wav)
-        if precompute:
-            self.prefix_jobs.submit(name, features)
-        else:
-            self.prefix_jobs.cancel(name)  # a replaced speaker's job and prefix
-        with self._added_lock:
+        with self._added_lock:  # two threads adding one name leave the job of the speaker kept
+            if precompute:
+                self.prefix_jobs.submit(name, features)
+            else:
+                self.prefix_jobs.cancel(name)  # a replaced speaker's job and prefix
             self._added[name] = Speaker(name, prompt_text, features, created="")
         return True
 

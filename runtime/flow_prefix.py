@@ -129,18 +129,15 @@ class FlowPrefixCache:
         with self._lock:
             self._held[key] += 1
 
-    def let_go(self, key: str) -> None:
+    def let_go(self, key: str, *, discard: bool = False) -> None:
         """End one `hold` of `key`; after the last its prefix, if kept, is dropped in the order of those not
-        held."""
+        held, or at once with `discard` (while another hold is left it stays)."""
         with self._lock:
             self._held[key] -= 1
             if self._held[key] <= 0:
                 del self._held[key]
-
-    def discard(self, key: str) -> None:
-        """Drop the prefix of the prompt whose `prompt_key` is `key`, if kept."""
-        with self._lock:
-            self._entries.pop(key, None)
+                if discard:
+                    self._entries.pop(key, None)
 
     def clear(self) -> None:
         """Drop every prefix (the counters stay)."""

@@ -14,8 +14,9 @@ A stream that needs the prefix while its job is queued or paused computes the pr
 without jobs: it never waits for a job. The job, resumed, sees the prefix kept and stops (`CACHED`); it
 cannot be computing at that time, since the stream is live work. Deleting or replacing a speaker cancels
 its job (a running one stops at its next graph call) and drops the prefix its job computed from the cache,
-unless another speaker of this runtime has the same prompt. A prefix the speaker found kept (the bundle's
-own prompt voice, an upload of the same recording) stays: streams that are no speaker's use it.
+unless another speaker of this runtime has the same prompt or the cache holds it besides (a server's own
+voice). A prefix the speaker found kept (the bundle's own prompt voice, an upload of the same recording)
+stays: streams that are no speaker's use it.
 """
 
 from __future__ import annotations
@@ -177,8 +178,8 @@ class PrefixJobs:
 
     def cancel(self, name: str) -> bool:
         """Speaker `name` was deleted: cancel its prompt's job and drop the prefix a job computed for it,
-        unless another speaker has the same prompt. False if `name` was never submitted (or is cancelled
-        already)."""
+        unless another speaker has the same prompt or the cache holds it besides. False if `name` was never
+        submitted (or is cancelled already)."""
         with self._cond:
             return self._cancel(name)
 
@@ -210,15 +211,14 @@ class PrefixJobs:
             return False
         if key in self._names.values():  # another speaker's prompt too
             return True
-        self.flow.prefixes.let_go(key)
         job = self._queue.pop(key, None)
         if job is None and self._running is not None and self._running.key == key:
             job = self._running  # the thread stops at its next graph call, seeing the state
         if job is not None and job.state not in FINISHED:
             self._finish(job, JobState.CANCELLED)
-        if key in self._computed:
-            self._computed.discard(key)
-            self.flow.prefixes.discard(key)
+        # what a job computed goes with the speaker, unless the prompt is held besides (a server's own voice)
+        self.flow.prefixes.let_go(key, discard=key in self._computed)
+        self._computed.discard(key)
         self._cond.notify_all()
         return True
 

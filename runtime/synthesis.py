@@ -630,7 +630,7 @@ class _Stream:
         synthesis is in flight (whose DiT calls would), have the DiT's arena give back the memory they held
         (`Flow.give_back_arena`)."""
         stream = self.flow_stream
-        if stream is None or not stream.caches:
+        if stream is None or stream.cached_frames == 0:  # before its first chunk, or its final one begun
             return
         stream.caches = []
         if self.synth.live.count == 0:

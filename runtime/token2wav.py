@@ -207,10 +207,15 @@ class Flow:
         call (one frame, nothing cached) so that the regions held by outputs of earlier calls, which a stream
         kept as its caches and has dropped, go back to the OS now: onnxruntime shrinks an arena only as one of
         its session's calls ends, and a stream closed early leaves 1.6 GB so at full size (cpu-fast, AMD EPYC
-        Zen 4) until the next one. The call takes ~20 ms there. A closed runner has no arena left."""
+        Zen 4) until the next one. The call takes ~20 ms there. A closed runner, or one closed during the
+        call, has no arena left."""
         estimator = self.estimator
         if isinstance(estimator, OrtRunner) and estimator.shrinks_arena and not estimator.closed:
-            estimator.infer_outputs(estimator.spec.sample_inputs(dit_call_case(1, 0, 0, 1)), ["velocity"])
+            try:
+                estimator.infer_outputs(estimator.spec.sample_inputs(dit_call_case(1, 0, 0, 1)), ["velocity"])
+            except Exception:
+                if not estimator.closed:
+                    raise
 
     def max_tokens(self, prompt: PromptFeatures) -> int:
         """Generated tokens the noise table holds frames for after `prompt`'s tokens (more fail in

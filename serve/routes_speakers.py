@@ -63,11 +63,12 @@ async def register_speaker(request: Request, state: State,
     # a session of the queue (503 when it is full), not a synthesis: the requests' counters leave it out
     stream = state.sessions.submit(lambda _: [state.engine.extract(upload)])
     features = await first_item(state, request, stream)
-    try:
-        speaker = await run_in_threadpool(state.speakers.add, name, prompt_text, features)
-    except OSError as e:
-        raise folder_error(e) from None
-    state.engine.voice.prefix_jobs.submit(speaker.name, features)
+    async with state.speaker_changes:
+        try:
+            speaker = await run_in_threadpool(state.speakers.add, name, prompt_text, features)
+        except OSError as e:
+            raise folder_error(e) from None
+        state.engine.voice.prefix_jobs.submit(speaker.name, features)
     return speaker.describe()
 
 
@@ -83,11 +84,12 @@ async def get_speaker(name: str, state: State) -> dict[str, Any]:
 @router.delete("/speakers/{name}", status_code=204, responses=error_responses(401, 404, 422, 500, 507))
 async def delete_speaker(name: str, state: State) -> Response:
     """Forget a speaker (its features file too, and its flow prefix)."""
-    try:
-        removed = await run_in_threadpool(state.speakers.remove, name)
-    except OSError as e:
-        raise folder_error(e) from None
-    if not removed:
-        raise FieldError("name", f"unknown speaker {shown_name(name)}", status=404)
-    state.engine.voice.prefix_jobs.cancel(name)
+    async with state.speaker_changes:
+        try:
+            removed = await run_in_threadpool(state.speakers.remove, name)
+        except OSError as e:
+            raise folder_error(e) from None
+        if not removed:
+            raise FieldError("name", f"unknown speaker {shown_name(name)}", status=404)
+        state.engine.voice.prefix_jobs.cancel(name)
     return Response(status_code=204)

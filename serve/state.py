@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 from typing import Annotated, Protocol
 
 from fastapi import Depends, Request
@@ -38,6 +39,9 @@ class ServerState:
     sessions: SessionQueue
     speakers: Speakers
     metrics: ServerMetrics
+    speaker_changes: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Held from a speaker's write to its prefix job's submission or cancellation, so that a deletion and a
+    registration of one name that overlap leave the job of the speaker that is registered, or none."""
 
 
 def server_state(request: Request) -> ServerState:

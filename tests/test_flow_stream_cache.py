@@ -30,6 +30,7 @@ from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.cli_options import chunk_policy
 from cosyvoice_runtime.flow_prefix import FlowPrefix, FlowPrefixCache
 from cosyvoice_runtime.frontend import PromptFeatures
+from cosyvoice_runtime.runners import OrtRunner
 from cosyvoice_runtime.synthesis import AudioChunk, Synthesizer
 from cosyvoice_runtime.token2wav import FlowStream
 
@@ -232,6 +233,40 @@ def test_a_stream_ended_early_drops_its_caches_and_gives_their_memory_back(
     assert streams[0].caches == []
     assert gave_back == ([] if ends in ("exhausted", "closed beside another") else [0])
     assert ("arena was not shrunk" in caplog.text) == (ends == "closed, the call failing")
+
+
+def test_a_stream_stopped_before_its_first_chunk_makes_no_call(synth: Synthesizer, prompt: PromptFeatures,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before its first chunk a stream's caches hold nothing of a DiT call's: nothing to give back."""
+    calls: list[str] = []
+    monkeypatch.setattr(synth.flow, "give_back_arena", lambda: calls.append("give back"))
+    with pytest.raises(_Stopped):
+        list(synth.stream_tokens(_stopping(_tokens(120), 5), prompt))
+    assert calls == []
+
+
+def test_a_runtime_closed_during_the_give_back_call_has_nothing_to_give_back(
+        runtime_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runtime closed between the call's check and its run (a stream ended while the server shuts down):
+    its arena is gone, so the failed call is no failure; one failing on an open runner is."""
+    with Synthesizer(RuntimeBundle.open(runtime_bundle), threads=1) as s:
+        estimator = s.flow.estimator
+        assert isinstance(estimator, OrtRunner) and estimator.shrinks_arena
+
+        def failing(feeds: Any, names: Any) -> dict[str, np.ndarray]:
+            raise RuntimeError("the session went")
+
+        monkeypatch.setattr(estimator, "infer_outputs", failing)
+        with pytest.raises(RuntimeError, match="session went"):
+            s.flow.give_back_arena()
+
+        def closing(feeds: Any, names: Any) -> dict[str, np.ndarray]:
+            estimator.close()
+            raise RuntimeError("the session went")
+
+        monkeypatch.setattr(estimator, "infer_outputs", closing)
+        s.flow.give_back_arena()
+        assert estimator.closed
 
 
 def test_a_stream_closed_after_its_runtime_makes_no_call(runtime_bundle: Path, prompt: PromptFeatures,

@@ -226,6 +226,22 @@ def test_a_prompt_is_held_while_any_speaker_of_it_is(voice: CosyVoice3) -> None:
     assert key not in cache._held
 
 
+@pytest.mark.parametrize("held_besides", [True, False])
+def test_a_deleted_speakers_prefix_stays_where_the_cache_holds_it_besides(voice: CosyVoice3,
+                                                                          held_besides: bool) -> None:
+    """A server holds its own voice's prompt: a speaker of that recording, deleted, takes the prefix its job
+    computed with it only where no such hold is left."""
+    cache, jobs = voice.synth.flow.prefixes, voice.prefix_jobs
+    key = prompt_key(voice.prompt_features(str(PROMPT_WAV)))
+    if held_besides:
+        cache.hold(key)
+    voice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "lena")
+    assert voice.wait_prefixes(WAIT) and jobs.counts[JobState.DONE] == 1 and key in cache
+    jobs.cancel("lena")
+    assert (key in cache) is held_besides
+    assert (key in cache._held) is held_besides
+
+
 def test_a_prefix_beyond_the_cache_budget_is_not_queued(tmp_path: Path) -> None:
     with CosyVoice3(DEMO_BUNDLE, threads=1, speakers_dir=tmp_path, flow_prefix_bytes=0) as voice:
         voice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "gina")
@@ -295,3 +311,54 @@ def test_the_server_queues_a_registered_speakers_prefix_and_cancels_it_on_delete
             assert len(restarted.synth.flow.prefixes) == 1
     finally:
         restarted.close()
+
+
+def test_a_speaker_deleted_while_it_registers_leaves_no_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """A DELETE that arrives while its speaker's registration writes waits for the registration's job to be
+    queued, then cancels it: neither job nor hold outlives the speaker."""
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    pytest.importorskip("httpx", reason="httpx, the test client's transport, is not installed")
+    from fastapi.testclient import TestClient
+
+    from cosyvoice_serve import Engine, ServerSettings, create_app
+
+    audio = io.BytesIO()
+    sf.write(audio, *_shorter_prompt(), format="WAV")
+    settings = ServerSettings(speakers_dir=tmp_path / "speakers", sampling="greedy")
+    engine = Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle", threads=1)
+    try:
+        jobs, app = engine.voice.prefix_jobs, create_app(engine, settings)
+        with TestClient(app) as client:
+            speakers = app.state.server.speakers
+            writing, cancelled = threading.Event(), threading.Event()
+            add, cancel = speakers.add, jobs.cancel
+
+            def slow_add(*args: Any) -> Any:
+                """Written, then slow to return: until the DELETE's cancellation (or for 2 s, where it waits
+                for this registration to end)."""
+                speaker = add(*args)
+                writing.set()
+                cancelled.wait(2.0)
+                return speaker
+
+            def cancelling(name: str) -> bool:
+                cancelled.set()
+                return cancel(name)
+
+            monkeypatch.setattr(speakers, "add", slow_add)
+            monkeypatch.setattr(jobs, "cancel", cancelling)
+            statuses: list[int] = []
+            post = threading.Thread(target=lambda: statuses.append(client.post(
+                "/speakers", data={"name": "carol", "prompt_text": TRANSCRIPT},
+                files={"prompt_wav": ("prompt.wav", audio.getvalue(), "audio/wav")}).status_code))
+            post.start()
+            assert writing.wait(WAIT)
+            assert client.delete("/speakers/carol").status_code == 204
+            post.join()
+            assert statuses == [201] and speakers.get("carol") is None
+            assert "carol" not in jobs._names
+            key = prompt_key(engine.voice.prompt_features(_shorter_prompt()))
+            assert key not in engine.synth.flow.prefixes._held
+    finally:
+        engine.close()
