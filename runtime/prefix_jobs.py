@@ -132,6 +132,11 @@ class PrefixJobs:
         with self._cond:
             return len(self._queue) + (self._running is not None)
 
+    def speakers(self) -> dict[str, str]:
+        """Each speaker submitted and not cancelled, with its prompt's `prompt_key`."""
+        with self._cond:
+            return dict(self._names)
+
     def submit(self, name: str, prompt: PromptFeatures) -> PrefixJob | None:
         """Queue the prefix of speaker `name`'s prompt (replacing a speaker of that name: its job is
         cancelled and its prefix dropped). The job of the same prompt if one is queued or running; a

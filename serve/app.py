@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -21,6 +22,7 @@ from .metrics import ServerMetrics
 from .queue import SessionQueue
 from .responses import SYNTHESIS_TAG
 from .settings import ServerSettings
+from .speaker_sync import keep_following
 from .state import ServerState, Speakers
 
 ROUTERS = tuple(module.router for module in (routes_upstream, routes_bridge, routes_openai, routes_stream,
@@ -34,11 +36,13 @@ CORS_EXPOSED = ("X-Seed", "X-Sample-Rate", "X-Audio-Duration")
 
 def create_app(engine: Engine, settings: ServerSettings | None = None, speakers: Speakers | None = None
                ) -> FastAPI:
-    """An app serving `engine` (which the caller opens and closes; several apps may share one).
+    """An app serving `engine` (which the caller opens and closes; several apps may share one, and then
+    share its speakers' prefix jobs: give them one speakers store).
 
     Speakers are `speakers`, else those of `settings.speakers_dir`; their flow prefixes are queued as
     background jobs (`cosyvoice_runtime.prefix_jobs`) in name order while they fit the prefix cache's
-    budget. The session workers stop with the app. With `settings.api_key`, every request but `/health`
+    budget, and follow the store's changes while the app runs (`speaker_sync`). The session workers stop
+    with the app. With `settings.api_key`, every request but `/health`
     and the page must carry the key (`serve/auth.py`).
     Bodies are bounded by `settings.max_body_bytes`; `settings.cors_origins` lets those origins' pages call
     the API; `settings.docs` serves FastAPI's /docs and /redoc.
@@ -62,7 +66,13 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, speakers:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        sync = (None if settings.speakers_sync is None
+                else asyncio.create_task(keep_following(state, settings.speakers_sync), name="speakers-sync"))
         yield
+        if sync is not None:
+            sync.cancel()
+            with suppress(asyncio.CancelledError):
+                await sync
         sessions.shutdown()
 
     docs = settings.docs  # off by default: their pages load Swagger UI and ReDoc from a CDN

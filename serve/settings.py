@@ -77,6 +77,9 @@ class ServerSettings:
     upstream)."""
     speakers_dir: Path = field(default_factory=default_speakers_dir)
     """Where registered speakers are kept (`SpeakerRegistry`)."""
+    speakers_sync: float | None = 30.0
+    """Seconds between two comparisons of the speakers whose flow prefixes the engine keeps (`PrefixJobs`)
+    with the speakers store, which other servers sharing it may have changed (`speaker_sync`); None: never."""
     api_key: str | None = field(default=None, repr=False)
     """The key every endpoint but `/health` and the page requires (`serve/auth.py`); None: no key.
     Left out of the repr so that logging the settings never logs it."""
@@ -120,6 +123,8 @@ class ServerSettings:
             raise ValueError(f"queue_depth must be >= 0, got {self.queue_depth}")
         if self.stream_idle_timeout <= 0:
             raise ValueError(f"stream_idle_timeout must be > 0, got {self.stream_idle_timeout}")
+        if self.speakers_sync is not None and not self.speakers_sync > 0:
+            raise ValueError(f"speakers_sync must be > 0 (None: never), got {self.speakers_sync}")
         if self.timeout <= 0:
             raise ValueError(f"timeout must be > 0, got {self.timeout}")
         if self.sampling not in SAMPLINGS:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -360,5 +361,108 @@ def test_a_speaker_deleted_while_it_registers_leaves_no_job(tmp_path: Path, monk
             assert "carol" not in jobs._names
             key = prompt_key(engine.voice.prompt_features(_shorter_prompt()))
             assert key not in engine.synth.flow.prefixes._held
+    finally:
+        engine.close()
+
+
+def test_a_server_follows_speakers_deleted_or_replaced_through_another(tmp_path: Path) -> None:
+    """Two servers over one speakers folder (replicas): a speaker replaced through one is computed again
+    with its new prompt by the other, and one deleted through one is let go by the other, its hold and job
+    with it, within the period of `ServerSettings.speakers_sync`."""
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    pytest.importorskip("httpx", reason="httpx, the test client's transport, is not installed")
+    from fastapi.testclient import TestClient
+
+    from cosyvoice_runtime.speakers import SpeakerRegistry
+    from cosyvoice_serve import Engine, ServerSettings, create_app
+
+    samples, rate = sf.read(PROMPT_WAV, dtype="float32")
+    first, second = samples[: len(samples) * 4 // 5], samples[: len(samples) * 3 // 5]
+    settings = ServerSettings(speakers_dir=tmp_path / "speakers", sampling="greedy", speakers_sync=0.05)
+    here, there = (Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle", threads=1) for _ in range(2))
+    try:
+        registry = SpeakerRegistry(settings.speakers_dir, here.frontend_fingerprint)
+        registry.add("carol", TRANSCRIPT, here.voice.prompt_features((first, rate)))
+        keys = [prompt_key(here.voice.prompt_features((prompt, rate))) for prompt in (first, second)]
+        jobs, held = here.voice.prefix_jobs, here.synth.flow.prefixes._held
+        with TestClient(create_app(here, settings)), TestClient(create_app(there, settings)) as client:
+            assert jobs.speakers() == {"carol": keys[0]} and keys[0] in held  # queued at the start
+
+            def until(check: Any) -> None:
+                deadline = time.monotonic() + WAIT
+                while not check():
+                    assert time.monotonic() < deadline, "the server did not follow the other's change"
+                    time.sleep(0.02)
+
+            audio = io.BytesIO()
+            sf.write(audio, second, rate, format="WAV")
+            assert client.post("/speakers", data={"name": "carol", "prompt_text": TRANSCRIPT},
+                               files={"prompt_wav": ("prompt.wav", audio.getvalue(), "audio/wav")}
+                               ).status_code == 201
+            until(lambda: jobs.speakers() == {"carol": keys[1]})
+            assert keys[1] in held and keys[0] not in held
+            assert client.delete("/speakers/carol").status_code == 204
+            until(lambda: not jobs.speakers())
+            assert keys[1] not in held
+            assert jobs.wait(WAIT) and keys[1] not in here.synth.flow.prefixes  # computed by its job, dropped
+    finally:
+        here.close()
+        there.close()
+
+
+def test_a_store_that_cannot_be_read_for_a_while_is_followed_again_after(tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture
+                                                                        ) -> None:
+    """A speakers store that fails (its folder's disk, the store actor restarting) is logged as a warning, and
+    followed again once it answers: a speaker removed from the folder meanwhile is let go."""
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    pytest.importorskip("httpx", reason="httpx, the test client's transport, is not installed")
+    from fastapi.testclient import TestClient
+
+    from cosyvoice_runtime.speakers import Speaker, SpeakerRegistry
+    from cosyvoice_serve import Engine, ServerSettings, create_app
+
+    class Failing:
+        """The folder's registry, whose reads fail with `OSError` while `failing` is set."""
+
+        def __init__(self, registry: SpeakerRegistry) -> None:
+            self.registry, self.failing, self.failures = registry, threading.Event(), 0
+
+        def names(self) -> list[str]:
+            return self.registry.names()
+
+        def get(self, name: str) -> Speaker | None:
+            if self.failing.is_set():
+                self.failures += 1
+                raise OSError(5, "Input/output error")
+            return self.registry.get(name)
+
+        def add(self, name: str, prompt_text: str, features: Any) -> Speaker:
+            return self.registry.add(name, prompt_text, features)
+
+        def remove(self, name: str) -> bool:
+            return self.registry.remove(name)
+
+    settings = ServerSettings(speakers_dir=tmp_path / "speakers", sampling="greedy", speakers_sync=0.05)
+    engine = Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle", threads=1)
+    try:
+        registry = SpeakerRegistry(settings.speakers_dir, engine.frontend_fingerprint)
+        registry.add("carol", TRANSCRIPT, engine.voice.prompt_features(_shorter_prompt()))
+        store = Failing(registry)
+        jobs = engine.voice.prefix_jobs
+        with TestClient(create_app(engine, settings, store)):
+            assert list(jobs.speakers()) == ["carol"]
+            store.failing.set()
+            deadline = time.monotonic() + WAIT
+            while store.failures < 2:  # the loop went on after the first
+                assert time.monotonic() < deadline, "the store was not read again"
+                time.sleep(0.02)
+            SpeakerRegistry(settings.speakers_dir, engine.frontend_fingerprint).remove("carol")  # elsewhere
+            store.failing.clear()
+            while jobs.speakers():
+                assert time.monotonic() < deadline, "the server did not let the speaker go"
+                time.sleep(0.02)
+        assert "the speakers store could not be read to follow its changes: OSError: [Errno 5] " \
+               "Input/output error" in caplog.text
     finally:
         engine.close()

@@ -145,9 +145,12 @@ def test_a_config_files_args_are_the_servers_settings_by_name(monkeypatch: pytes
         with pytest.raises(ValueError, match=f"^flow_prefix_mib must be a whole number >= 0, got {value!r}$"):
             replica_config({"flow_prefix_mib": value})
     assert replica_config({"flow_prefix_mib": "64"}).flow_prefix_bytes == 64 << 20
+    assert replica_config({"speakers_sync": "5"}).settings.speakers_sync == 5.0
+    assert replica_config({"speakers_sync": None}).settings.speakers_sync is None
     # one line per wrong value, never the environment's key (pydantic's own message repeats the input)
     for args, message in (({"max_concurrency": 0}, "max_concurrency must be >= 1, got 0"),
-                          ({"timeout": "x"}, "timeout: Input should be a valid number")):
+                          ({"timeout": "x"}, "timeout: Input should be a valid number"),
+                          ({"speakers_sync": "0"}, "speakers_sync must be > 0 (None: never), got 0.0")):
         with pytest.raises(ValueError) as refused:
             replica_config(args)
         assert str(refused.value).startswith(message) and "key" not in str(refused.value)
