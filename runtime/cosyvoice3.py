@@ -285,8 +285,9 @@ class CosyVoice3:
         """Keep `prompt_wav`'s features and transcript as speaker `zero_shot_spk_id` (in this object until
         `save_spkinfo`) for the `zero_shot_spk_id` argument of the inference methods, replacing one of
         that name. `precompute` (ours): queue the speaker's flow prefix as a background job
-        (`prefix_jobs`; `wait_prefixes` waits for it), which never delays a synthesis in flight. Returns
-        True, as upstream does."""
+        (`prefix_jobs`; `wait_prefixes` waits for it), which never delays a synthesis in flight; without
+        it the speaker's first stream computes the prefix. Either way the prefix is held as a speaker's,
+        ahead of uploaded prompts'. Returns True, as upstream does."""
         self._check_open()
         _check_str(zero_shot_spk_id, "zero_shot_spk_id")
         if not zero_shot_spk_id:
@@ -298,10 +299,7 @@ class CosyVoice3:
         _check_str(prompt_text, "prompt_text")
         features = self.prompt_features(prompt_wav)
         with self._added_lock:  # two threads adding one name leave the job of the speaker kept
-            if precompute:
-                self.prefix_jobs.submit(name, features)
-            else:
-                self.prefix_jobs.cancel(name)  # a replaced speaker's job and prefix
+            self.prefix_jobs.submit(name, features, compute=precompute)
             self._added[name] = Speaker(name, prompt_text, features, created="")
         return True
 

@@ -137,11 +137,12 @@ class PrefixJobs:
         with self._cond:
             return dict(self._names)
 
-    def submit(self, name: str, prompt: PromptFeatures) -> PrefixJob | None:
+    def submit(self, name: str, prompt: PromptFeatures, *, compute: bool = True) -> PrefixJob | None:
         """Queue the prefix of speaker `name`'s prompt (replacing a speaker of that name: its job is
         cancelled and its prefix dropped). The job of the same prompt if one is queued or running; a
         `CACHED` job if the prefix is kept already; None if the prefix would not fit the cache's budget
-        (it would be computed for nothing)."""
+        (it would be computed for nothing). Without `compute`, the prefix is held as a speaker's but
+        left to its first stream to compute: no job, None."""
         key = prompt_key(prompt)
         if self.flow.prefix_nbytes(prompt.speech_tokens.shape[1]) > self.flow.prefixes.max_bytes:
             self.cancel(name)
@@ -154,6 +155,8 @@ class PrefixJobs:
                 if key not in self._names.values():  # one hold per prompt, let go with its last speaker
                     self.flow.prefixes.hold(key)
                 self._names[name] = key
+            if not compute:
+                return None
             job = self._queue.get(key) or (self._running if self._running and self._running.key == key
                                             else None)
             if job is not None:

@@ -157,6 +157,20 @@ def test_deleting_a_speaker_keeps_a_prefix_it_found_kept(voice: CosyVoice3) -> N
     assert (cache.hits, cache.misses) == (1, 1)
 
 
+def test_a_speaker_added_without_a_job_has_its_prefix_held_all_the_same(voice: CosyVoice3) -> None:
+    """`precompute=False` queues nothing, but the prefix the speaker's first stream computes is held as a
+    speaker's (ahead of uploads'), and let go when the speaker is replaced."""
+    cache, jobs = voice.synth.flow.prefixes, voice.prefix_jobs
+    voice.add_zero_shot_spk(TRANSCRIPT, _shorter_prompt(), "frank", precompute=False)
+    key = jobs.speakers()["frank"]
+    assert jobs.counts[JobState.QUEUED] == 0 and jobs.pending == 0 and key not in cache and key in cache._held
+    assert len(_stream(voice, "frank")) > 1 and key in cache and cache.misses == 1
+    voice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "frank", precompute=False)
+    assert key not in cache._held and jobs.speakers()["frank"] in cache._held
+    assert key in cache  # computed by a stream, not by a job: it stays for uploads of that recording
+    assert jobs.counts[JobState.QUEUED] == 0
+
+
 def test_a_live_stream_goes_first(voice: CosyVoice3, monkeypatch: pytest.MonkeyPatch) -> None:
     """A job queued while a stream is in flight makes no graph call until the stream has ended."""
     voice.add_zero_shot_spk(TRANSCRIPT, str(PROMPT_WAV), "dave", precompute=False)
