@@ -4,16 +4,21 @@ Only the files our exporter and runtime read are fetched: not the training-time 
 not upstream's TensorRT source ONNX, and not `CosyVoice-BlankEN/model.safetensors` (upstream's yaml builds
 the Qwen2 backbone from it and `llm.pt` then overwrites every weight; we read `llm.pt` alone). Downloads go
 through each hub's own client, which resumes an interrupted file and skips files already present; a file
-appears under its name only once it is complete.
+appears under its name only once it is complete. Where Hugging Face cannot be reached, a release in its
+cache is placed from there.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
+
+from cosyvoice_runtime.atomic_files import atomic_path
 
 from .bundle.layout import CAMPPLUS, LLM_VARIANTS, QWEN_DIR, QWEN_WEIGHTS, SPEECH_TOKENIZER, YAML
 from .bundle.tokenizer_files import TOKENIZER_FILES
@@ -142,11 +147,55 @@ def _fetch_huggingface(model_dir: Path, revision: str | None, llm: str, warn: Ca
             raise DownloadError(f"{e.filename or model_dir}: cannot be written ({e.strerror or e})") from None
         return url
 
-    if missing_files(model_dir, llm):
-        raise DownloadError(f"{unreachable}, and {model_dir} does not hold the release yet; "
-                            f"{by_hand(model_dir, llm, url)}")
-    warn(f"warning: {unreachable}; checking the files already in {model_dir}")
+    missing = missing_files(model_dir, llm)
+    cached = _cached_release(revision, llm) if missing else None
+    if cached is not None:
+        warn(f"warning: {unreachable}; placing the release's files from the Hugging Face cache ({cached}) "
+             f"in {model_dir}")
+        _place(cached, model_dir, llm)
+    elif missing:
+        raise DownloadError(f"{unreachable}, and {model_dir} does not hold the release yet (nor does the "
+                            f"Hugging Face cache); {by_hand(model_dir, llm, url)}")
+    else:
+        warn(f"warning: {unreachable}; checking the files already in {model_dir}")
     return url
+
+
+def _cached_release(revision: str, llm: str) -> Path | None:
+    """The release at `revision` (a branch, tag or commit) in the Hugging Face cache ($HF_HUB_CACHE), where
+    a download without a folder of its own (`hf download`, upstream's `snapshot_download` without
+    `local_dir`) left every file a download for `llm` must; else None."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        folder = Path(snapshot_download(REPO_ID, revision=revision, local_files_only=True))
+    except LocalEntryNotFoundError:
+        return None
+    return None if missing_files(folder, llm) else folder
+
+
+def _place(cached: Path, model_dir: Path, llm: str) -> None:
+    """The files of the cached release a download for `llm` fetches (`file_patterns`) that `model_dir` lacks,
+    from the cache: each a hard link to the cache's file where both are on one filesystem (no second copy of
+    3.4 GB), else a copy, and each complete or not there at all."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    allow, ignore = file_patterns(llm)
+    present = (path.relative_to(cached).as_posix() for path in sorted(cached.rglob("*")) if path.is_file())
+    for name in filter_repo_objects(present, allow_patterns=allow, ignore_patterns=ignore):
+        if (model_dir / name).is_file():
+            continue
+        source, target = (cached / name).resolve(), model_dir / name  # the cache's names link to its blobs
+        try:
+            with atomic_path(target) as tmp:
+                tmp.unlink()
+                try:
+                    os.link(source, tmp)
+                except OSError:  # another filesystem, or one without hard links
+                    shutil.copyfile(source, tmp)
+        except OSError as e:
+            raise DownloadError(f"{e.filename or target}: cannot be written ({e.strerror or e})") from None
 
 
 def _quietly(fetch: Callable[[], T]) -> T:
