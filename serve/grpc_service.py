@@ -12,7 +12,8 @@ the samples of `cosyvoice-run --stream` for the same input.
 
 Statuses: bad input is INVALID_ARGUMENT with a one-line message naming the field as the .proto does
 (`zero_shot_request.tts_text is empty`), bytes that are no `cosyvoice.Request` too (`parse_request`:
-protobuf's error raised in grpc's deserializer would be UNKNOWN, with a traceback in the log); a full
+protobuf's error raised in grpc's deserializer would be UNKNOWN, with a traceback in the log; a text field
+that is not UTF-8 is named, where protobuf names none); a full
 queue RESOURCE_EXHAUSTED at once; the server's timeout DEADLINE_EXCEEDED. A client that cancels,
 disconnects or passes its own deadline has its handler cancelled by grpc, which cancels its session,
 queued or running. An error after some audio ends the stream with its
@@ -31,7 +32,9 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
-from google.protobuf.message import DecodeError
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import DecodeError, Message
 
 from cosyvoice_runtime.errors import FrontendError
 from cosyvoice_runtime.frontend.audio import PromptAudio, check_prompt_audio
@@ -41,6 +44,7 @@ from cosyvoice_runtime.synthesis import Mode
 from .audio import PCM16_BYTES, pcm16
 from .engine import AudioUpload, Engine, SynthesisJob
 from .errors import ApiError, FieldError
+from .forms import undecodable
 from .metrics import ServerMetrics
 from .proto import cosyvoice_pb2, cosyvoice_pb2_grpc
 from .queue import QueueFull, ServerStopping, SessionQueue
@@ -98,11 +102,49 @@ class Malformed:
 
 
 def parse_request(data: bytes) -> cosyvoice_pb2.Request | Malformed:
-    """The service's request deserializer: the request, or `Malformed`, which `Inference` refuses."""
+    """The service's request deserializer: the request, or `Malformed`, which `Inference` refuses (naming a
+    text field whose bytes are not UTF-8, where protobuf's parser names none)."""
     try:
         return cosyvoice_pb2.Request.FromString(data)
     except DecodeError as e:
-        return Malformed(str(e))
+        try:
+            named = not_utf8(REQUEST_TEXT_AS_BYTES.FromString(data), cosyvoice_pb2.Request.DESCRIPTOR)
+        except DecodeError:
+            named = None
+        return Malformed(named or str(e))
+
+
+def text_as_bytes(descriptor: Descriptor) -> type[Message]:
+    """The message of `descriptor` with every string field of its file read as bytes, in a descriptor pool
+    of its own: bytes that fail only protobuf's UTF-8 check parse as it, so that the field can be named."""
+    proto = descriptor_pb2.FileDescriptorProto()
+    descriptor.file.CopyToProto(proto)
+    for message in proto.message_type:  # cosyvoice.proto nests no message in another's declaration
+        for field in message.field:
+            if field.type == field.TYPE_STRING:
+                field.type = field.TYPE_BYTES
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(descriptor.full_name))
+
+
+REQUEST_TEXT_AS_BYTES = text_as_bytes(cosyvoice_pb2.Request.DESCRIPTOR)
+
+
+def not_utf8(message: Message, declared: Descriptor, path: str = "") -> str | None:
+    """The first field declared a string (in `declared`) whose bytes in `message` (`text_as_bytes`'s) are
+    not UTF-8, named as the .proto does, with where its bytes fail; None where every text decodes."""
+    for field, value in message.ListFields():  # cosyvoice.proto has no repeated fields
+        name, own = f"{path}{field.name}", declared.fields_by_name[field.name]
+        if own.message_type is not None:
+            if (found := not_utf8(value, own.message_type, f"{name}.")) is not None:
+                return found
+        elif own.type == FieldDescriptor.TYPE_STRING:
+            try:
+                value.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return f"{name}: not UTF-8 text ({undecodable(e)})"
+    return None
 
 
 def prompt_upload(data: bytes, field: str) -> AudioUpload:

@@ -352,6 +352,9 @@ def test_bytes_that_are_no_request_are_invalid_argument_and_log_no_traceback(
     line, not grpc's UNKNOWN with the parser's traceback logged; without the key, UNAUTHENTICATED."""
     text = b"\x0a\x02\xff\xfe"  # cross_lingual_request.tts_text, two bytes that are no UTF-8
     bodies = {"garbage": b"\xff\xff\xff", "not UTF-8": b"\x1a" + bytes([len(text)]) + text}
+    reasons = {"garbage": "Error parsing message with type 'cosyvoice.Request'",  # protobuf's own words
+               "not UTF-8": "cross_lingual_request.tts_text: not UTF-8 text (byte 0xff at offset 0: invalid "
+                            "start byte)"}  # the field named as the .proto names it
     for settings, code in (({}, INVALID), ({"api_key": API_KEY}, grpc.StatusCode.UNAUTHENTICATED)):
         with grpc_server(engine, **settings) as server, grpc.insecure_channel(server.address) as channel:
             call = channel.unary_stream("/cosyvoice.CosyVoice/Inference")  # the bytes as they are
@@ -360,7 +363,8 @@ def test_bytes_that_are_no_request_are_invalid_argument_and_log_no_traceback(
                     list(call(body, timeout=10))
                 assert refused.value.code() == code, name
                 if code == INVALID:
-                    assert refused.value.details().startswith("the call's bytes are not a cosyvoice.Request:")
+                    assert refused.value.details().startswith("the call's bytes are not a cosyvoice.Request: "
+                                                              + reasons[name])
     assert "Traceback" not in caplog.text + capfd.readouterr().err
 
 
