@@ -895,7 +895,9 @@ def test_16_streams_at_concurrency_4_complete_or_get_a_prompt_503_and_memory_ret
             futures = [pool.submit(stream, start) for _ in range(n)]
             return [future.result(timeout=180) for future in futures]  # none hangs
 
-    with cosyvoice_serve(tmp_path, *args) as (server, _), \
+    # One malloc arena: glibc's per-thread arenas keep tens of MiB that depend on which thread ran what, up
+    # and down from one load to the next, which would hide a leak or fail without one.
+    with cosyvoice_serve(tmp_path, *args, env={"MALLOC_ARENA_MAX": "1"}) as (server, _), \
             httpx.Client(base_url=base_url, timeout=60) as client:
         wait_for_http(client)
         # Warm-up: the same load twice, so that the allocators have grown to what it needs.
