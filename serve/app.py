@@ -60,14 +60,16 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, speakers:
         speakers = registry
     # so that the first stream of each registered speaker is fast too; in the background, yielding to
     # sessions, and only as many as the prefix cache keeps (the rest compute theirs on first use)
+    names = speakers.names()
     engine.voice.prefix_jobs.submit_within_budget(
-        (name, speaker.features) for name in speakers.names() if (speaker := speakers.get(name)) is not None)
+        (name, speaker.features) for name in names if (speaker := speakers.get(name)) is not None)
     state = ServerState(engine, settings, sessions, speakers, metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         sync = (None if settings.speakers_sync is None
-                else asyncio.create_task(keep_following(state, settings.speakers_sync), name="speakers-sync"))
+                else asyncio.create_task(keep_following(state, settings.speakers_sync, set(names)),
+                                         name="speakers-sync"))
         yield
         if sync is not None:
             sync.cancel()

@@ -379,10 +379,11 @@ def test_a_speaker_deleted_while_it_registers_leaves_no_job(tmp_path: Path, monk
         engine.close()
 
 
-def test_a_server_follows_speakers_deleted_or_replaced_through_another(tmp_path: Path) -> None:
+def test_a_server_follows_speakers_added_deleted_or_replaced_through_another(tmp_path: Path) -> None:
     """Two servers over one speakers folder (replicas): a speaker replaced through one is computed again
-    with its new prompt by the other, and one deleted through one is let go by the other, its hold and job
-    with it, within the period of `ServerSettings.speakers_sync`."""
+    with its new prompt by the other, one deleted through one is let go by the other, its hold and job
+    with it, and one registered through one is computed and held by the other, within the period of
+    `ServerSettings.speakers_sync`."""
     pytest.importorskip("fastapi", reason="the serve extra is not installed")
     pytest.importorskip("httpx", reason="httpx, the test client's transport, is not installed")
     from fastapi.testclient import TestClient
@@ -419,6 +420,12 @@ def test_a_server_follows_speakers_deleted_or_replaced_through_another(tmp_path:
             until(lambda: not jobs.speakers())
             assert keys[1] not in held
             assert jobs.wait(WAIT) and keys[1] not in here.synth.flow.prefixes  # computed by its job, dropped
+            sf.write(audio := io.BytesIO(), first, rate, format="WAV")
+            assert client.post("/speakers", data={"name": "dave", "prompt_text": TRANSCRIPT},
+                               files={"prompt_wav": ("prompt.wav", audio.getvalue(), "audio/wav")}
+                               ).status_code == 201
+            until(lambda: jobs.speakers() == {"dave": keys[0]})
+            assert keys[0] in held and jobs.wait(WAIT) and keys[0] in here.synth.flow.prefixes
     finally:
         here.close()
         there.close()
