@@ -133,8 +133,9 @@ def download_cmd(model_dir: Path | None, model_dir_option: Path | None, source: 
     model.safetensors (llm.pt carries those weights), and asset/. An interrupted download resumes when run
     again (Ctrl-C stops it at once); files already fetched are skipped. With --llm rl alone, export with
     `all --llm rl` (upstream's loader reads llm.pt only). A hub that asks for a token reads $HF_TOKEN (or
-    `huggingface-cli login`'s). Where Hugging Face cannot be reached (or $HF_HUB_OFFLINE is set), a release
-    in its cache (`hf download`'s) is placed from there. A hub that cannot be reached without such a cache,
+    `huggingface-cli login`'s). A release in the Hugging Face cache (`hf download`'s) is placed from there
+    instead of fetched again: at the hub's commit, or where Hugging Face cannot be reached (or
+    $HF_HUB_OFFLINE is set) at --revision. A hub that cannot be reached without such a cache,
     or a missing repository or revision, is one line on stderr saying how to place the files by hand, and
     exit status 2.
     """

@@ -4,8 +4,8 @@ Only the files our exporter and runtime read are fetched: not the training-time 
 not upstream's TensorRT source ONNX, and not `CosyVoice-BlankEN/model.safetensors` (upstream's yaml builds
 the Qwen2 backbone from it and `llm.pt` then overwrites every weight; we read `llm.pt` alone). Downloads go
 through each hub's own client, which resumes an interrupted file and skips files already present; a file
-appears under its name only once it is complete. Where Hugging Face cannot be reached, a release in its
-cache is placed from there.
+appears under its name only once it is complete. A release the Hugging Face cache holds (at the commit the
+hub names, or at the revision asked for where the hub cannot be reached) is placed from there instead.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def download(model_dir: Path, *, source: str = "huggingface", revision: str | No
     """Fetch the release's files for `llm` (a key of `LLM_VARIANTS`) from `source` into `model_dir`.
 
     `revision` is a branch, tag or commit (default: the hub's default branch). Where the hub cannot be
-    reached but `model_dir` already holds every required file, `warn` is told so and nothing is fetched.
+    reached but `model_dir` already holds every required file, `warn` is told so and nothing is fetched;
+    where files are placed from the Hugging Face cache, `warn` is told that too.
     Raises `DownloadError` when the files are not all there afterwards; returns `model_dir`.
     """
     if llm not in LLM_VARIANTS:
@@ -135,6 +136,11 @@ def _fetch_huggingface(model_dir: Path, revision: str | None, llm: str, warn: Ca
             absent = [name for name in required_files(llm) if name not in listed]
             if absent:
                 raise DownloadError(f"{REPO_ID}@{revision}: the repository has no {absent[0]}")
+        cached = _cached_release(info.sha, llm) if info.sha and missing_files(model_dir, llm) else None
+        if cached is not None:  # an earlier download of this very commit: not a second 3.4 GB
+            warn(f"placing the release's files from the Hugging Face cache ({cached}) in {model_dir}")
+            _place(cached, model_dir, llm)
+            return url
         allow, ignore = file_patterns(llm)
         try:
             # the commit, not the branch: files already fetched from it are skipped without a request

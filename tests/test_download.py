@@ -367,10 +367,11 @@ def test_offline_without_files_is_one_line(tmp_path: Path) -> None:
     assert "llm.rl.pt" in line and "check-bundle" in line and "--llm rl" in line
 
 
-def test_a_release_in_the_hugging_face_cache_is_placed_from_there_offline(hub: Hub, tmp_path: Path) -> None:
+def test_a_release_in_the_hugging_face_cache_is_placed_from_there(hub: Hub, tmp_path: Path) -> None:
     """A release an earlier download left in the Hugging Face cache (`hf download`, upstream's
-    `snapshot_download` without a folder) is placed in the model directory, without the hub, where it
-    cannot be reached: offline, or the hub down; its files are checked as a download's are."""
+    `snapshot_download` without a folder) is placed in the model directory instead of fetched again: with
+    the hub asked for its commit only, or without the hub where it cannot be reached (offline, or the hub
+    down); its files are checked as a download's are."""
     cache_it = ("from huggingface_hub import snapshot_download; "
                 f"snapshot_download({REPO_ID!r}, ignore_patterns=['llm.rl.pt'])")
     env = download_env(hub.endpoint, tmp_path)
@@ -378,20 +379,27 @@ def test_a_release_in_the_hugging_face_cache_is_placed_from_there_offline(hub: H
                          timeout=300, check=False)
     assert run.returncode == 0, run.stderr
     want = {name for name in hub.files if name not in UNUSED and name != "llm.rl.pt"}
-    for model_dir, endpoint, offline in ((tmp_path / "offline", hub.endpoint, True),
+    for model_dir, endpoint, offline in ((tmp_path / "online", hub.endpoint, False),
+                                         (tmp_path / "offline", hub.endpoint, True),
                                          (tmp_path / "down", f"http://127.0.0.1:{closed_port()}", False)):
         before = len(hub.requests)
         placed = download(endpoint, tmp_path, str(model_dir), offline=offline)
         assert placed.returncode == 0, placed.stderr
         assert "placing the release's files from the Hugging Face cache" in placed.stderr
         assert placed.stdout.rstrip().endswith(f"{model_dir}: bundle ok")
-        assert len(hub.requests) == before
+        asked = [path for _, path, _ in hub.requests[before:]]
+        assert asked == ([f"/api/models/{REPO_ID}/revision/main"] if model_dir.name == "online" else [])
         assert fetched(model_dir) == want
         assert all((model_dir / name).read_bytes() == hub.files[name] for name in want)
         assert not any(path.is_symlink() for path in model_dir.rglob("*"))  # files of its own, not links
 
-    # a cache without the chosen checkpoint (that download left `llm.rl.pt` out) does not hold the release
-    line = one_error_line(download(hub.endpoint, tmp_path, str(tmp_path / "rl"), "--llm", "rl", offline=True))
+    # a cache without the chosen checkpoint (that download left `llm.rl.pt` out) does not hold the release:
+    # fetched from the hub where it answers
+    before = len(hub.requests)
+    assert download(hub.endpoint, tmp_path, str(tmp_path / "rl"), "--llm", "rl").returncode == 0
+    assert "llm.rl.pt" in hub.gets(since=before)
+    line = one_error_line(download(hub.endpoint, tmp_path, str(tmp_path / "rl-offline"), "--llm", "rl",
+                                   offline=True))
     assert "does not hold the release yet (nor does the Hugging Face cache)" in line
 
 
