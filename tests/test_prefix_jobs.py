@@ -431,6 +431,39 @@ def test_a_server_follows_speakers_added_deleted_or_replaced_through_another(tmp
         there.close()
 
 
+def test_a_speaker_left_out_for_the_budget_at_the_start_is_not_new_to_the_sync(tmp_path: Path) -> None:
+    """The speakers a server left out at its start, their prefixes beyond the cache's budget, stay out when
+    it follows the store (their first streams compute them); only a name the store did not have at the last
+    comparison is submitted as registered elsewhere."""
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    import asyncio
+
+    from cosyvoice_runtime.speakers import SpeakerRegistry
+    from cosyvoice_serve import Engine, ServerSettings, create_app
+    from cosyvoice_serve.speaker_sync import follow_store
+
+    samples, rate = sf.read(PROMPT_WAV, dtype="float32")
+    settings = ServerSettings(speakers_dir=tmp_path / "speakers", sampling="greedy", speakers_sync=None)
+    engine = Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle", threads=1)
+    try:
+        registry = SpeakerRegistry(settings.speakers_dir, engine.frontend_fingerprint)
+        prompts = {name: engine.voice.prompt_features((samples[: len(samples) * n // 5], rate))
+                   for name, n in (("amy", 4), ("bob", 3))}
+        for name, features in prompts.items():
+            registry.add(name, TRANSCRIPT, features)
+        flow = engine.synth.flow
+        flow.prefixes.max_bytes = flow.prefix_nbytes(prompts["amy"].speech_tokens.shape[1])  # amy's alone
+        jobs = engine.voice.prefix_jobs
+        state = create_app(engine, settings).state.server
+        assert list(jobs.speakers()) == ["amy"]
+        assert asyncio.run(follow_store(state, {"amy", "bob"})) == {"amy", "bob"}
+        assert list(jobs.speakers()) == ["amy"]
+        asyncio.run(follow_store(state, {"amy"}))  # bob new since the last comparison
+        assert jobs.speakers() == {name: prompt_key(features) for name, features in prompts.items()}
+    finally:
+        engine.close()
+
+
 def test_a_store_that_cannot_be_read_for_a_while_is_followed_again_after(tmp_path: Path,
                                                                         caplog: pytest.LogCaptureFixture
                                                                         ) -> None:
