@@ -5,7 +5,10 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import stat
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -174,6 +177,50 @@ def test_failed_write_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.
     with pytest.raises(RuntimeError, match="disk full"):
         write_bundle(tmp_path / "b")
     assert list(tmp_path.iterdir()) == []
+
+
+KILLED_WRITE = """
+import os, signal, sys
+from pathlib import Path
+import cosyvoice_export.bundle.tiny as tiny
+
+def killed(tmp, *args):
+    (tmp / "llm.pt").write_bytes(bytes(1 << 20))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+tiny._write = killed
+tiny.write_bundle(Path(sys.argv[1]))
+"""
+HELD_WRITE = """
+import sys
+from pathlib import Path
+import cosyvoice_export.bundle.tiny as tiny
+
+with tiny._working_folder(Path(sys.argv[1])) as tmp:
+    print(tmp.name, flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_a_write_killed_outright_leaves_a_folder_the_next_write_removes(tmp_path: Path) -> None:
+    """kill -9 in the middle of a write leaves its hidden working folder (a full bundle's is 4.2 GB); the
+    next write into the same OUT says so and removes it, and leaves the folder of a write still at work."""
+    out = tmp_path / "b"
+    killed = subprocess.run([sys.executable, "-c", KILLED_WRITE, str(out)], capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    (left,) = tmp_path.iterdir()
+    assert left.name.startswith(".b.") and left.name.endswith(".partial") and (left / "llm.pt").is_file()
+
+    with subprocess.Popen([sys.executable, "-c", HELD_WRITE, str(out)], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as working:
+        assert working.stdout is not None and working.stdin is not None
+        held = tmp_path / working.stdout.readline().strip()
+        code, _, err = run("tiny-bundle", str(out))
+        assert code == 0, err
+        assert f"removing {left}: an unfinished bundle of a write that was killed\n" in err
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["b", held.name])
+        working.stdin.close()
+    assert working.returncode == 0
 
 
 @pytest.fixture

@@ -7,10 +7,14 @@ weights: it costs what the real model costs, for benchmarks. Same seed, same byt
 
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import shutil
+import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -131,7 +135,8 @@ def check_replaceable(out: Path) -> None:
 
 def write_bundle(out: Path, *, size: str = "tiny", seed: int = 0, force: bool = False, progress: bool = False
                  ) -> Path:
-    """Write a random-weight bundle to `out`, atomically: into a sibling temp dir, then renamed.
+    """Write a random-weight bundle to `out`, atomically: into a sibling temp dir, then renamed; first
+    removing the temp dirs of writes into `out` that were killed.
 
     Raises `FileExistsError` if `out` exists and `force` is not set, and `BundleError` if `force` would
     replace something this function does not write (`check_replaceable`) or `out` holds the working
@@ -148,16 +153,62 @@ def write_bundle(out: Path, *, size: str = "tiny", seed: int = 0, force: bool = 
     if out.exists():
         check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = new_sibling(out, ".partial", directory=True)
-    try:
-        _write(tmp, size, seed, progress)
-        if out.exists() and not force:  # written meanwhile, by another process: theirs stays
-            raise FileExistsError(f"{out}: already exists (written while this one was); pass --force to "
-                                  "replace it")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _remove_abandoned(out, progress)
+    with _working_folder(out) as tmp:
+        try:
+            _write(tmp, size, seed, progress)
+            if out.exists() and not force:  # written meanwhile, by another process: theirs stays
+                raise FileExistsError(f"{out}: already exists (written while this one was); pass --force to "
+                                      "replace it")
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return out
+
+
+PARTIAL = ".partial"
+CLAIM = ".claim"
+
+
+@contextmanager
+def _working_folder(out: Path) -> Iterator[Path]:
+    """A new folder beside `out` (`.NAME.<random>.partial`) to write the bundle in, locked (flock) while
+    the block runs. The kernel drops the lock of a process that dies, so a folder of that name which no one
+    holds was left by a write that was killed (`_remove_abandoned`). It is made under another name and
+    renamed once locked: a writer's folder is never unlocked under the name looked for."""
+    claim = new_sibling(out, CLAIM, directory=True)
+    fd = os.open(claim, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        tmp = claim.with_name(claim.name.removesuffix(CLAIM) + PARTIAL)
+        os.rename(claim, tmp)
+        yield tmp
+    finally:
+        os.close(fd)
+
+
+def _remove_abandoned(out: Path, progress: bool) -> None:
+    """Delete the working folders beside `out` that no writer holds: a write killed outright (kill -9,
+    the out-of-memory killer) cannot remove its own, and a full bundle's is up to 4.2 GB."""
+    name = re.compile(rf"\.{re.escape(out.name)}\.[0-9a-f]{{8}}{re.escape(PARTIAL)}")
+    for folder in out.parent.iterdir():
+        if not name.fullmatch(folder.name) or folder.is_symlink() or not folder.is_dir():
+            continue
+        try:
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:  # removed meanwhile by another writer
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a writer at work
+            continue
+        else:
+            if progress:
+                print(f"removing {folder}: an unfinished bundle of a write that was killed", file=sys.stderr,
+                      flush=True)
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            os.close(fd)
