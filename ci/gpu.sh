@@ -42,7 +42,9 @@
 #                the GPU's default, every stream's chunks at once
 # (P in a step's or a file's name with its = and , as -)
 #
-# PROVIDER=cpu SIZE=tiny runs the same steps on a CPU: that is how the script is tested.
+# PROVIDER=cpu SIZE=tiny runs the same steps on a CPU: that is how the script is tested, with SCRIPT_CHECK=1:
+# the tests step collects its tests without running them (the suite runs them on the CPU) and the stacking
+# steps time 2 rounds, not 10.
 set -uo pipefail
 OUT=${1:?usage: ci/gpu.sh OUT}
 PROVIDER=${PROVIDER:-cuda}
@@ -52,6 +54,9 @@ PRECISIONS=${PRECISIONS:-"decode=fp16 gpu-fp16 fp32"}
 STREAMS=${STREAMS:-16}
 DEADLINE=${DEADLINE:-540}
 WORK=${WORK:-/tmp/gpu-work}
+SCRIPT_CHECK=${SCRIPT_CHECK:-0}
+ROUNDS=10 TESTS_RUN=()
+((SCRIPT_CHECK)) && ROUNDS=2 TESTS_RUN=(--collect-only)
 read -ra SELECTED <<<"${STEPS:-*}"  # read -a: the globs stay patterns, not file names
 PY=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
@@ -121,7 +126,7 @@ step gpu 30 bash -c 'nvidia-smi || echo "no nvidia-smi"'
 exports=$!
 step golden 120 "$PY" -m cosyvoice_golden check --provider "$PROVIDER"
 # --failures-at-once: a CUDA error can end the process before pytest's summary
-step tests 300 "$PY" -m pytest -q -p no:cacheprovider -rs --failures-at-once tests/test_bench_gpu.py \
+step tests 300 "$PY" -m pytest -q -p no:cacheprovider -rs --failures-at-once "${TESTS_RUN[@]}" tests/test_bench_gpu.py \
     tests/test_precision.py tests/test_capture_gate.py \
     tests/test_runtime_core.py tests/test_llm_decode.py::test_the_fp16_body_decodes_in_place_close_to_llm \
     tests/test_decode_batch.py::test_batched_rows_follow_their_runs_alone tests/test_decode_variants.py \
@@ -157,9 +162,9 @@ measure() {
             echo "nographs-$tag: skipped, CUDA graphs are the cuda provider's" >>"$OUT/summary.txt"
         fi ;;
     stacking) step "stacking-$tag" 120 "$PY" -m cosyvoice_bench.dit_stacking --model "$bundle" \
-        --provider "$PROVIDER" --streams 1,4,16 --json "$OUT/stacking-$tag.json" ;;
+        --provider "$PROVIDER" --streams 1,4,16 --rounds $ROUNDS --json "$OUT/stacking-$tag.json" ;;
     vocstacking) step "vocstacking-$tag" 120 "$PY" -m cosyvoice_bench.vocoder_stacking --model "$bundle" \
-        --provider "$PROVIDER" --streams 1,4,16 --json "$OUT/vocstacking-$tag.json" ;;
+        --provider "$PROVIDER" --streams 1,4,16 --rounds $ROUNDS --json "$OUT/vocstacking-$tag.json" ;;
     streams) ((batches)) && step "streams$STREAMS-$tag" 360 "$PY" -m cosyvoice_bench --model "$bundle" \
         --provider "$PROVIDER" --lengths long --concurrency "$STREAMS" --quick --tokens 125 --flow-window all \
         --no-progress --json "$OUT/streams$STREAMS-$tag.json" ;;

@@ -1,7 +1,7 @@
 """ci/gpu.sh, the script a session with a lent GPU runs in one call, run here on the CPU provider at the tiny
-size (what its PROVIDER and SIZE are for): every step passes, the exports beside the checks, the deadline
-skips what would start too late, a second call reuses what the first exported, and STEPS selects the steps
-that run."""
+size (what its PROVIDER and SIZE are for; SCRIPT_CHECK: its tests collected, not run again): every step
+passes, the exports beside the checks, the deadline skips what would start too late, a second call reuses
+what the first exported, and STEPS selects the steps that run."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(out: Path, work: Path, **env: str) -> list[str]:
-    settings = {"PROVIDER": "cpu", "SIZE": "tiny", "GATES": "tf32 decode=fp16",
+    settings = {"PROVIDER": "cpu", "SIZE": "tiny", "SCRIPT_CHECK": "1", "GATES": "tf32 decode=fp16",
                 "PRECISIONS": "fp32 decode=fp16", "STREAMS": "3", "WORK": str(work),
                 "PYTHON": sys.executable, **env}
     done = subprocess.run(["bash", str(ROOT / "ci" / "gpu.sh"), str(out)], capture_output=True, text=True,
@@ -48,6 +48,8 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
                          "slots1-streams3-decode-fp16"]
     assert "nographs-decode-fp16: skipped, CUDA graphs are the cuda provider's" in lines
     assert all(": exit 0 after " in line for line in lines[:-1] if not line.startswith("nographs-")), lines
+    # the tests step's tests exist (the suite runs them on the CPU; the script runs them where CUDA is)
+    assert re.search(r"^\d\d+ tests collected in ", (tmp_path / "out" / "tests.log").read_text(), re.M)
     rows = json.loads((tmp_path / "out" / "rows4-decode-fp16.json").read_text())["profiles"][0]
     assert rows["graph"] == "llm_decode" and rows["precision"] == "fp16" and rows["shape"]["batch"] == 4
     variants = json.loads((tmp_path / "out" / "variants-decode-fp16.json").read_text())
