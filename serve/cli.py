@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -24,6 +24,7 @@ from cosyvoice_runtime.sampling import MAX_SEED, SAMPLINGS
 from cosyvoice_runtime.speakers import SPEAKERS_DIR_ENV, SpeakerError, default_speakers_dir
 from cosyvoice_runtime.synthesis import GPU_MAX_BATCH
 
+from .listen_check import grpc_binds, ray_proxy_binds, uvicorn_binds
 from .ray_options import RayOptions, ray_options
 from .settings import (
     API_KEY_ENV,
@@ -206,15 +207,15 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
 
         if ray.address is None:  # a local instance: its replicas keep speakers here, its proxy listens here
             _create_speakers_folder(settings.speakers_dir, given=speakers_dir is not None)
-            _check_listen(host, port, "--port")
+            _check_listen(host, port, "--port", ray_proxy_binds)
         run_ray(ray, ReplicaConfig(model, provider, flow_prefix_mib << 20, settings, ray.speaker_store),
                 host=host, port=port)
         return
     if not grpc_service:  # upstream's gRPC service has no registered speakers
         _create_speakers_folder(settings.speakers_dir, given=speakers_dir is not None)
-    _check_listen(host, port, "--port")
+    _check_listen(host, port, "--port", grpc_binds if grpc_service else uvicorn_binds)
     if grpc_port is not None:
-        _check_listen(host, grpc_port, "--grpc-port")
+        _check_listen(host, grpc_port, "--grpc-port", grpc_binds)
     try:
         engine = Engine.open(model, provider=provider, flow_prefix_bytes=flow_prefix_mib << 20,
                              threads=threads, max_batch=max_batch, chunk_slots=chunk_slots,
@@ -274,15 +275,12 @@ def _create_speakers_folder(folder: Path, *, given: bool) -> None:
         _refuse(f"{what}: cannot write in the folder ({e.strerror or e})")
 
 
-def _check_listen(host: str, port: int, option: str) -> None:
+def _check_listen(host: str, port: int, option: str, binds: Callable[[str, int], None]) -> None:
     """A refusal where the server could not listen on `host`:`port` now (a name that does not resolve, an
-    address not this machine's, a port taken), before the bundle opens and warms up rather than after."""
+    address not this machine's, a port taken), asked as that server `binds` (`listen_check`), before the
+    bundle opens and warms up rather than after."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and grpc bind
-            probe.bind(address)
+        binds(host, port)
     except OSError as e:
         _refuse(f"cannot listen on {host!r} port {port} (--host or ${HOST_ENV}, {option}): {e.strerror or e}")
 
