@@ -15,7 +15,7 @@ import click
 from cosyvoice_graphs.pipeline import PipelineError
 from cosyvoice_graphs.precision_plan import GRAPH_ALIASES, PROFILES, PrecisionPlanError
 from cosyvoice_graphs.providers import PROVIDERS
-from cosyvoice_runtime.atomic_files import check_writable
+from cosyvoice_runtime.atomic_files import AUDIO_OUT_HELP, audio_format, check_writable, write_audio_atomic
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV, console_script
 from cosyvoice_runtime.cli_options import FiniteFloatRange, NonEmptyPath
 from cosyvoice_runtime.errors import UserError
@@ -319,12 +319,11 @@ def _synthesize(model_dir: Path, text: str, prompt_wav: Path | None, prompt_text
                 instruct: str, sampling: str, seed: int, speed: float, out: Path) -> None:
     import numpy as np
 
-    from cosyvoice_runtime.atomic_files import write_wav_atomic
-
     from .bundle.model_dir import ModelBundle
     from .reference.llm_decode import TorchGreedySampler, TorchRasSampler
     from .reference.pipeline import ReferencePipeline
 
+    out_format = audio_format(out, "--out")
     check_writable(out, "--out")
     if not text.strip():
         raise UserError("--text: nothing to speak")
@@ -341,7 +340,7 @@ def _synthesize(model_dir: Path, text: str, prompt_wav: Path | None, prompt_text
                else TorchRasSampler(bundle.config.llm.sampling, generator))
     result = pipe.synthesize(Mode(mode), text, prompt, sampler, prompt_text=prompt_text or "",
                              instruct_text=instruct, speed=speed)
-    write_wav_atomic(out, result.audio, result.sample_rate)
+    write_audio_atomic(out, result.audio, result.sample_rate, out_format)
     seconds = len(result.audio) / result.sample_rate
     click.echo(f"wrote {out}: {seconds:.2f} s at {result.sample_rate} Hz from {len(result.speech_tokens)} "
                f"speech tokens ({mode}, {sampling} sampling, seed {seed})")
@@ -364,7 +363,7 @@ _SYNTH_OPTIONS = [
     click.option("--speed", type=FiniteFloatRange(min=0.5, max=2.0), default=1.0, show_default=True,
                  help="Speech rate, offline (the range cosyvoice-run takes)."),
     click.option("--out", type=NonEmptyPath(dir_okay=False, path_type=Path), required=True,
-                 help="Output WAV (24 kHz PCM16)."),
+                 help=AUDIO_OUT_HELP),
 ]
 
 
@@ -390,7 +389,7 @@ def synth(model_dir: Path, **kwargs: Any) -> None:
 @click.option("--prompt-text", help="Its transcript. Default: the bundle's demo transcript.")
 @click.option("--stream", is_flag=True, help="Synthesise in streaming chunks.")
 @click.option("--out", type=NonEmptyPath(dir_okay=False, path_type=Path), default=Path("demo.wav"),
-              show_default=True, help="Output WAV (24 kHz PCM16).")
+              show_default=True, help=AUDIO_OUT_HELP)
 def demo(text: str, prompt_wav: Path | None, prompt_text: str | None, stream: bool, out: Path) -> None:
     """The main job end to end: model bundle -> runtime bundle -> torch-free synthesis.
 
@@ -401,7 +400,8 @@ def demo(text: str, prompt_wav: Path | None, prompt_text: str | None, stream: bo
     """
     from .onnx.bundle_assembly import export_all
 
-    check_writable(out, "--out")  # before the minutes of export, not after them
+    audio_format(out, "--out")  # the name's format, and the folder's writable: before the minutes of export
+    check_writable(out, "--out")
     env = os.environ.get(MODEL_DIR_ENV, "").strip()  # blank is unset, as for cosyvoice-run and -serve
     model_dir = Path(env) if env else DEFAULT_DEMO_BUNDLE
     if not env and not model_dir.exists():

@@ -1,4 +1,5 @@
-"""`cosyvoice-run`: text + prompt recording -> 24 kHz WAV, offline or streamed, without torch.
+"""`cosyvoice-run`: text + prompt recording -> 24 kHz audio (WAV, FLAC, MP3, Ogg), offline or streamed,
+without torch.
 
 A thin layer over `CosyVoice3`: its front end normalises and splits the text, each segment is formatted
 for the mode, tokenised and synthesised in turn, and the segments' audio is concatenated.
@@ -16,12 +17,14 @@ import click
 import numpy as np
 
 from .atomic_files import (
+    AUDIO_OUT_HELP,
     atomic_paths,
+    audio_bytes,
+    audio_format,
     check_writable,
     refuse_overwriting_inputs,
     resolved,
     write_json,
-    write_wav,
 )
 from .bundle import RuntimeBundle
 from .bundle_source import MODEL_DIR_ENV, choose_bundle, choose_prompt, requested_bundle
@@ -161,7 +164,7 @@ def _check_outputs(outputs: dict[str, Path | None], inputs: dict[str, Path | Non
               help="Check every bundle file's sha256 against the manifest before running "
                    "(about a second per GB); sizes are always checked.")
 @click.option("--out", type=NonEmptyPath(dir_okay=False, path_type=Path),
-              help="Output WAV (24 kHz mono PCM16), written atomically.")
+              help=AUDIO_OUT_HELP)
 @click.option("--info", is_flag=True,
               help="Print the bundle's summary (where it is, format version, model dims, sample rate, each "
                    "graph's precision, the LLM checkpoint, TensorRT plans) and exit; needs no --text or "
@@ -209,6 +212,7 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
             raise UserError(f"{given} needs --stream")
         # refused now, not after the synthesis with some outputs written
         bundle, named = requested_bundle(model)
+        out_format = audio_format(out, "--out")
         _check_outputs({"--out": out, "--tokens-out": tokens_out, "--chunks-out": chunks_out},
                        {"--prompt-wav": prompt_wav, named: bundle})
         start = time.perf_counter()
@@ -237,8 +241,9 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
                                                                                strict=True)]),
             (chunks_out, result.chunks)) if path is not None}
         try:
-            with atomic_paths([out, *sides]) as (wav, *side_files):  # every output, or none of them
-                write_wav(wav, audio, sample_rate)
+            encoded = audio_bytes(audio, sample_rate, out_format)
+            with atomic_paths([out, *sides]) as (file, *side_files):  # every output, or none of them
+                file.write_bytes(encoded)
                 for tmp, data in zip(side_files, sides.values(), strict=True):
                     write_json(tmp, data)
         except OSError as e:

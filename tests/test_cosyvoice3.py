@@ -24,7 +24,7 @@ from click.testing import CliRunner
 
 import cosyvoice_runtime.cosyvoice3
 from cosyvoice_runtime import AutoModel, CosyVoice3, save_wav
-from cosyvoice_runtime.atomic_files import write_wav_atomic
+from cosyvoice_runtime.atomic_files import WAV, write_audio_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
@@ -53,7 +53,7 @@ def cosyvoice(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CosyVoice3]:
 
 def _pcm16(samples: np.ndarray, rate: int, folder: Path) -> np.ndarray:
     """`samples` as `cosyvoice-run` stores them (16-bit PCM WAV)."""
-    write_wav_atomic(folder / "object.wav", samples, rate)
+    write_audio_atomic(folder / "object.wav", samples, rate, WAV)
     return sf.read(folder / "object.wav", dtype="int16")[0]
 
 

@@ -71,7 +71,7 @@ def a_file(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("option", ["--out", "--tokens-out", "--chunks-out"])
 def test_run_refuses_an_output_under_a_file_before_the_bundle_opens(option: str, a_file: Path,
                                                                     tmp_path: Path) -> None:
-    bad = a_file / "sub" / "x.json"
+    bad = a_file / "sub" / ("x.wav" if option == "--out" else "x.json")
     outputs = {"--out": tmp_path / "out.wav", "--tokens-out": tmp_path / "tokens.json",
                "--chunks-out": tmp_path / "chunks.json", option: bad}
     args = [arg for name, path in outputs.items() for arg in (name, str(path))]
@@ -134,6 +134,26 @@ def test_run_refuses_an_output_name_it_could_not_write_before_the_work(
         name: str, why: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert refused(run("--text", "Hi.", "--out", name)) == f"error: --out {name}: {why}"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["run", "synth", "demo"])
+def test_an_audio_output_named_for_a_format_not_written_is_refused_before_the_work(
+        command: str, tmp_path: Path) -> None:
+    """A file named .m4a that held WAV would mislead whatever opens it (`tests/test_audio_formats.py`)."""
+    out = tmp_path / "speech.M4A"
+    if command == "run":  # a bundle that is not there: the name is checked first
+        result = CliRunner().invoke(run_main, ["--model", str(tmp_path / "no-bundle"), "--text", "Hi.",
+                                               "--out", str(out)])
+    else:
+        pytest.importorskip("torch", reason="needs torch (the export extra)")
+        from cosyvoice_export.cli import main as export_main
+
+        args = ["--model-dir", str(tmp_path / "no-model"), "--text", "Hi."] if command == "synth" else []
+        result = CliRunner().invoke(export_main, [command, *args, "--out", str(out)],
+                                    env={"COSYVOICE_MODEL_DIR": str(tmp_path / "no-model")})
+    assert refused(result) == (f"error: --out {out}: .M4A is not an audio format written here; expected a "
+                               "name ending .wav, .flac, .mp3, .ogg or .opus")
     assert list(tmp_path.iterdir()) == []
 
 
