@@ -15,7 +15,8 @@ import click
 from cosyvoice_graphs.pipeline import PipelineError
 from cosyvoice_graphs.precision_plan import GRAPH_ALIASES, PROFILES, PrecisionPlanError
 from cosyvoice_graphs.providers import PROVIDERS
-from cosyvoice_runtime.atomic_files import AUDIO_OUT_HELP, audio_format, check_writable, write_audio_atomic
+from cosyvoice_runtime.atomic_files import check_writable
+from cosyvoice_runtime.audio_files import AUDIO_OUT_HELP, audio_format, write_audio_atomic
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV, console_script
 from cosyvoice_runtime.cli_options import FiniteFloatRange, NonEmptyPath
 from cosyvoice_runtime.errors import UserError

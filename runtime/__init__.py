@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .atomic_files import save_wav
+    from .audio_files import save_wav
     from .cosyvoice3 import CosyVoice3
 
     AutoModel = CosyVoice3
@@ -32,7 +32,7 @@ def __getattr__(name: str) -> Any:
             raise ModuleNotFoundError(line.removeprefix("error: "), name=e.name) from None
         return CosyVoice3
     if name == "save_wav":  # torchaudio.save's stand-in for upstream's example
-        from .atomic_files import save_wav
+        from .audio_files import save_wav
 
         return save_wav
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

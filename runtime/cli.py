@@ -16,16 +16,8 @@ from typing import IO, Any
 import click
 import numpy as np
 
-from .atomic_files import (
-    AUDIO_OUT_HELP,
-    atomic_paths,
-    audio_bytes,
-    audio_format,
-    check_writable,
-    refuse_overwriting_inputs,
-    resolved,
-    write_json,
-)
+from .atomic_files import atomic_paths, check_writable, refuse_overwriting_inputs, resolved, write_json
+from .audio_files import AUDIO_OUT_HELP, audio_bytes, audio_format
 from .bundle import RuntimeBundle
 from .bundle_source import MODEL_DIR_ENV, choose_bundle, choose_prompt, requested_bundle
 from .chunk_policy import ChunkPolicy

@@ -1,41 +1,13 @@
-"""Audio on the wire: PCM16 bytes, WAV files, a streaming WAV header, base64 uploads.
-
-Float samples become 16-bit integers by libsndfile's conversion, the one `cosyvoice-run` writes its
-WAV files with, so a stream's PCM equals the samples of the CLI's WAV for the same request. (Upstream's
-server truncates `x * 2**15` instead; the two differ by at most one step.)
-"""
+"""Audio that comes in over the wire: upload sizes and base64 uploads (what goes out is
+`cosyvoice_runtime.audio_files`'s)."""
 
 from __future__ import annotations
 
 import base64
 import binascii
-import io
-import struct
-
-import numpy as np
-import soundfile as sf
 
 from .errors import FieldError
 from .settings import MAX_UPLOAD_BYTES
-
-PCM16_BYTES = 2
-
-
-def pcm16(samples: np.ndarray) -> bytes:
-    """Mono float32 samples in [-1, 1] as raw little-endian PCM16."""
-    buffer = io.BytesIO()
-    sf.write(buffer, samples, 1, format="RAW", subtype="PCM_16", endian="LITTLE")
-    return buffer.getvalue()
-
-
-def streaming_wav_header(sample_rate: int) -> bytes:
-    """A mono PCM16 WAV header for a stream of unknown length: RIFF and data sizes 0xFFFFFFFF, as
-    streaming TTS services send (decoders read to the end of the stream)."""
-    unknown = 0xFFFFFFFF
-    return (b"RIFF" + struct.pack("<I", unknown) + b"WAVE"
-            + b"fmt " + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * PCM16_BYTES,
-                                    PCM16_BYTES, 8 * PCM16_BYTES)
-            + b"data" + struct.pack("<I", unknown))
 
 
 def check_upload(data: bytes, field: str) -> bytes:

@@ -24,9 +24,8 @@ from typing import Literal, Protocol
 import av
 import numpy as np
 
-from cosyvoice_runtime.atomic_files import wav_bytes
+from cosyvoice_runtime.audio_files import pcm16, streaming_wav_header, wav_bytes
 
-from .audio import pcm16, streaming_wav_header
 from .engine import TokenUsage
 
 FormatName = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]

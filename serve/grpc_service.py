@@ -36,12 +36,12 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
+from cosyvoice_runtime.audio_files import PCM16_BYTES, pcm16
 from cosyvoice_runtime.errors import FrontendError
 from cosyvoice_runtime.frontend.audio import PromptAudio, check_prompt_audio
 from cosyvoice_runtime.sampling import MAX_SEED
 from cosyvoice_runtime.synthesis import Mode
 
-from .audio import PCM16_BYTES, pcm16
 from .engine import AudioUpload, Engine, SynthesisJob
 from .errors import ApiError, FieldError
 from .forms import undecodable

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from cosyvoice_runtime.atomic_files import wav_bytes
+from cosyvoice_runtime.audio_files import wav_bytes
 from cosyvoice_runtime.synthesis import Mode
 
 from .audio import check_upload, decode_base64_audio

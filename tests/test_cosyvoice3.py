@@ -24,7 +24,7 @@ from click.testing import CliRunner
 
 import cosyvoice_runtime.cosyvoice3
 from cosyvoice_runtime import AutoModel, CosyVoice3, save_wav
-from cosyvoice_runtime.atomic_files import WAV, write_audio_atomic
+from cosyvoice_runtime.audio_files import WAV, write_audio_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE

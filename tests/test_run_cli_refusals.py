@@ -27,7 +27,7 @@ import soundfile as sf
 from click.testing import CliRunner, Result
 
 import cosyvoice_runtime.cli as run_cli
-from cosyvoice_runtime.atomic_files import save_wav
+from cosyvoice_runtime.audio_files import save_wav
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.cli_options import NonEmptyPath, Threads

@@ -21,10 +21,10 @@ import numpy as np
 from test_serve import API_KEY, make_app, metric, serving
 from websockets.sync.client import ClientConnection, connect
 
+from cosyvoice_runtime.audio_files import pcm16
 from cosyvoice_runtime.sampling import Sampling
 from cosyvoice_runtime.synthesis import Mode
 from cosyvoice_serve import Engine
-from cosyvoice_serve.formats import pcm16
 from cosyvoice_serve.queue import Cancelled
 
 PIECES = ["Hello ", "there, ", "this text ", "comes in ", "while it ", "is spoken."]
