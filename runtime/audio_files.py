@@ -44,7 +44,10 @@ AUDIO_OUT_HELP = ("Output audio, written atomically: 24 kHz mono, in the format 
 
 def audio_format(path: Path, option: str) -> AudioFormat:
     """The format `path`'s suffix names (`AUDIO_FORMATS`; none: WAV); any other suffix is refused, so that
-    a file is never named for one format and written in another."""
+    a file is never named for one format and written in another, and so is `-` (`cosyvoice-run` alone
+    writes to standard output, and takes `-` before asking)."""
+    if str(path) == "-":
+        raise UserError(f"{option} -: this command writes a file, not standard output; give a file name")
     suffix = path.suffix.lower()
     if not suffix:
         return WAV

@@ -7,8 +7,12 @@ for the mode, tokenised and synthesised in turn, and the segments' audio is conc
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -17,7 +21,7 @@ import click
 import numpy as np
 
 from .atomic_files import atomic_paths, check_writable, refuse_overwriting_inputs, resolved, write_json
-from .audio_files import AUDIO_OUT_HELP, audio_bytes, audio_format
+from .audio_files import AUDIO_OUT_HELP, WAV, audio_bytes, audio_format, pcm16, streaming_wav_header
 from .bundle import RuntimeBundle
 from .bundle_source import MODEL_DIR_ENV, choose_bundle, choose_prompt, requested_bundle
 from .chunk_policy import ChunkPolicy
@@ -102,8 +106,8 @@ def _check_outputs(outputs: dict[str, Path | None], inputs: dict[str, Path | Non
     given = {option: path for option, path in outputs.items() if path is not None}
     seen: dict[Path, str] = {}
     for option, path in given.items():
-        if str(path) == "-":  # `--text -` reads stdin; the outputs are files
-            raise UserError(f"{option} -: the outputs are files, not stdout; give a file name")
+        if str(path) == "-":  # `--text -` reads stdin; the side outputs are files
+            raise UserError(f"{option} -: only --out writes to standard output; give a file name")
         other = seen.setdefault(resolved(path, option), option)
         if other != option:
             raise UserError(f"{other} and {option} name the same file {path}; give each its own")
@@ -156,7 +160,8 @@ def _check_outputs(outputs: dict[str, Path | None], inputs: dict[str, Path | Non
               help="Check every bundle file's sha256 against the manifest before running "
                    "(about a second per GB); sizes are always checked.")
 @click.option("--out", type=NonEmptyPath(dir_okay=False, path_type=Path),
-              help=AUDIO_OUT_HELP)
+              help=f"{AUDIO_OUT_HELP} '-': WAV on standard output, for a player (`| aplay`), each chunk as "
+                   "it is made with --stream.")
 @click.option("--info", is_flag=True,
               help="Print the bundle's summary (where it is, format version, model dims, sample rate, each "
                    "graph's precision, the LLM checkpoint, TensorRT plans) and exit; needs no --text or "
@@ -204,9 +209,14 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
             raise UserError(f"{given} needs --stream")
         # refused now, not after the synthesis with some outputs written
         bundle, named = requested_bundle(model)
-        out_format = audio_format(out, "--out")
-        _check_outputs({"--out": out, "--tokens-out": tokens_out, "--chunks-out": chunks_out},
-                       {"--prompt-wav": prompt_wav, named: bundle})
+        to_stdout = str(out) == "-"
+        stdout = sys.stdout.buffer
+        if to_stdout and stdout.isatty():
+            raise UserError("--out -: standard output is a terminal; pipe it into a player (`| aplay`) or "
+                            "give a file name")
+        out_format = WAV if to_stdout else audio_format(out, "--out")
+        _check_outputs({"--out": None if to_stdout else out, "--tokens-out": tokens_out,
+                        "--chunks-out": chunks_out}, {"--prompt-wav": prompt_wav, named: bundle})
         start = time.perf_counter()
         # a bad recording is refused before the bundle's hashes are checked and its graphs opened
         given_audio = read_prompt_audio(prompt_wav) if prompt_wav is not None else None
@@ -225,28 +235,35 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
                                     text_name="--text")
             prompt = voice.prompt_features(given_audio if given_audio is not None else chosen.wav)
             ready = time.perf_counter()
-            result = _run(voice, pieces, prompt, Mode(mode), speed, stream)
+            with _reader_may_leave():
+                streamed = _stream_wav(stdout, voice.sample_rate) if to_stdout and stream else None
+                result = _run(voice, pieces, prompt, Mode(mode), speed, stream, streamed)
             sample_rate = voice.sample_rate
         audio = np.concatenate(result.audio) if result.audio else np.zeros(0, np.float32)
         sides = {path: data for path, data in (
             (tokens_out, [{"text": p.text, "speech_tokens": t} for p, t in zip(pieces, result.tokens,
                                                                                strict=True)]),
             (chunks_out, result.chunks)) if path is not None}
+        encoded = audio_bytes(audio, sample_rate, out_format)
         try:
-            encoded = audio_bytes(audio, sample_rate, out_format)
-            with atomic_paths([out, *sides]) as (file, *side_files):  # every output, or none of them
-                file.write_bytes(encoded)
-                for tmp, data in zip(side_files, sides.values(), strict=True):
+            with atomic_paths([*([] if to_stdout else [out]), *sides]) as written:  # every file, or none
+                if not to_stdout:
+                    written.pop(0).write_bytes(encoded)
+                for tmp, data in zip(written, sides.values(), strict=True):
                     write_json(tmp, data)
         except OSError as e:
-            raise UserError(f"writing {e.filename or out}: {e.strerror or e}; no output was "
-                            "written") from None
+            raise UserError(f"writing {e.filename or out}: {e.strerror or e}; no "
+                            f"{'file' if to_stdout else 'output'} was written") from None
+        if to_stdout and not stream:
+            with _reader_may_leave():
+                _write_all(stdout, encoded)
     seconds = len(audio) / sample_rate
     work = time.perf_counter() - ready
     latency = f", first chunk after {result.first_chunk:.3f} s" if result.first_chunk is not None else ""
-    click.echo(f"wrote {out}: {seconds:.2f} s at {sample_rate} Hz, {len(pieces)} segment(s), "
-               f"{sum(len(t) for t in result.tokens)} speech tokens ({mode}, {sampling}, seed {seed}); "
-               f"RTF {work / max(seconds, 1e-9):.3f}{latency}; load {ready - start:.2f} s")
+    click.echo(f"wrote {'standard output' if to_stdout else out}: {seconds:.2f} s at {sample_rate} Hz, "
+               f"{len(pieces)} segment(s), {sum(len(t) for t in result.tokens)} speech tokens ({mode}, "
+               f"{sampling}, seed {seed}); RTF {work / max(seconds, 1e-9):.3f}{latency}; load "
+               f"{ready - start:.2f} s", err=to_stdout)
 
 
 def _print_info(model: Path | None, verify: bool) -> None:
@@ -288,8 +305,9 @@ class _Result:
 
 
 def _run(voice: CosyVoice3, pieces: list[Segment], prompt: PromptFeatures, mode: Mode, speed: float,
-         stream: bool) -> _Result:
-    """Each segment in turn (each with a fresh sampler from the seed, as a fresh upstream request)."""
+         stream: bool, streamed: Callable[[np.ndarray], None] | None = None) -> _Result:
+    """Each segment in turn (each with a fresh sampler from the seed, as a fresh upstream request); each
+    streamed chunk's samples also to `streamed`, as the chunk is made."""
     result = _Result([], [], [], None)
     start = time.perf_counter()
     with SynthesisProgress(pieces) as progress:
@@ -301,5 +319,36 @@ def _run(voice: CosyVoice3, pieces: list[Segment], prompt: PromptFeatures, mode:
                     if result.first_chunk is None:
                         result.first_chunk = time.perf_counter() - start
                     result.chunks.append(chunk.record(i))
+                    if streamed is not None:
+                        streamed(chunk.samples)
             result.tokens.append(list(speech.speech_tokens))
     return result
+
+
+def _stream_wav(stdout: IO[bytes], sample_rate: int) -> Callable[[np.ndarray], None]:
+    """`--out -` with `--stream`: a WAV whose header, sizes unknown, leaves at once, then each chunk's
+    samples as the chunk is made, so that a player starts on the first chunk."""
+    _write_all(stdout, streaming_wav_header(sample_rate))
+    return lambda samples: _write_all(stdout, pcm16(samples))
+
+
+def _write_all(stream: IO[bytes], data: bytes) -> None:
+    """`data` whole, then flushed: a buffered write may take a part (of a pipe whose reader left midway,
+    without an error) and the next one raises."""
+    view = memoryview(data)
+    while view:
+        view = view[stream.write(view):]
+    stream.flush()
+
+
+@contextlib.contextmanager
+def _reader_may_leave() -> Iterator[None]:
+    """`--out -` whose reader closed the pipe (a player quit): the synthesis stops; one line, exit 1."""
+    try:
+        yield
+    except BrokenPipeError:
+        # what is still buffered for the pipe would fail again as Python exits (no file descriptor: nothing)
+        with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        click.echo("error: --out -: its reader closed standard output before the audio's end", err=True)
+        sys.exit(1)

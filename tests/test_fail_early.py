@@ -125,15 +125,17 @@ def test_run_refuses_an_output_that_would_overwrite_an_input(tmp_path: Path) -> 
     RuntimeBundle.open(bundle, verify=True)
 
 
-@pytest.mark.parametrize(("name", "why"), [
-    ("-", "the outputs are files, not stdout; give a file name"),
-    ("a" * 300 + ".wav", "File name too long"),
-    ("a" * 251 + ".wav", "cannot be written there (File name too long)"),  # its temporary file's name is not
+@pytest.mark.parametrize(("option", "name", "why"), [
+    ("--tokens-out", "-", "only --out writes to standard output; give a file name"),
+    ("--out", "a" * 300 + ".wav", "File name too long"),
+    # a name within the limit whose temporary file's name is not
+    ("--out", "a" * 251 + ".wav", "cannot be written there (File name too long)"),
 ])
 def test_run_refuses_an_output_name_it_could_not_write_before_the_work(
-        name: str, why: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        option: str, name: str, why: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert refused(run("--text", "Hi.", "--out", name)) == f"error: --out {name}: {why}"
+    args = ["--out", "out.wav"] if option != "--out" else []
+    assert refused(run("--text", "Hi.", option, name, *args)) == f"error: {option} {name}: {why}"
     assert list(tmp_path.iterdir()) == []
 
 
@@ -154,6 +156,22 @@ def test_an_audio_output_named_for_a_format_not_written_is_refused_before_the_wo
                                     env={"COSYVOICE_MODEL_DIR": str(tmp_path / "no-model")})
     assert refused(result) == (f"error: --out {out}: .M4A is not an audio format written here; expected a "
                                "name ending .wav, .flac, .mp3, .ogg or .opus")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["synth", "demo"])
+def test_the_exports_audio_outputs_are_files(command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                              ) -> None:
+    """`-` is a file's name to them: `cosyvoice-run --out -` alone writes to standard output."""
+    pytest.importorskip("torch", reason="needs torch (the export extra)")
+    from cosyvoice_export.cli import main as export_main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["--model-dir", str(tmp_path / "no-model"), "--text", "Hi."] if command == "synth" else []
+    result = CliRunner().invoke(export_main, [command, *args, "--out", "-"],
+                                env={"COSYVOICE_MODEL_DIR": str(tmp_path / "no-model")})
+    assert refused(result) == ("error: --out -: this command writes a file, not standard output; give a file "
+                               "name")
     assert list(tmp_path.iterdir()) == []
 
 
