@@ -38,7 +38,8 @@ def ray_proxy_binds(host: str, port: int) -> None:
 
 def grpc_binds(host: str, port: int) -> None:
     """grpc's, as near as Python's resolver gets it: grpc resolves `host` with its own resolver and listens
-    where any of its addresses binds; the first address Python resolves is the one both agree on."""
+    where any of its addresses binds; this binds the first address Python's resolver gives (grpc's may
+    find more: its localhost is ::1 and 127.0.0.1 where /etc/hosts names 127.0.0.1 alone)."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                          flags=socket.AI_PASSIVE)[0]
     with socket.socket(family, kind, proto) as probe:

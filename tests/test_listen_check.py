@@ -1,4 +1,5 @@
-"""`cosyvoice_serve.listen_check`: each server's start-up probe says what that server's own bind then does."""
+"""`cosyvoice_serve.listen_check`: the start-up probes for uvicorn and Ray Serve's proxy say what their own
+binds then do (grpc's, the first address, is `tests/test_serve.py`'s)."""
 
 from __future__ import annotations
 
