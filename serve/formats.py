@@ -1,12 +1,12 @@
 """The response formats of `/v1/audio/speech`, each written chunk by chunk as the audio is synthesised.
 
-`pcm` and `wav` are the PCM16 of `audio.pcm16` (a stream's WAV header gives its sizes as unknown); `mp3`,
-`opus` (in Ogg), `aac` (in ADTS) and `flac` are encoded by FFmpeg through PyAV from that same PCM16, so
-FLAC holds exactly the WAV's samples. A stream's container is written to a sink that cannot seek, which
-every one of these muxers supports: what it cannot go back to fill in (MP3's Xing/LAME header with the
-encoder's delay and padding, FLAC's total length and MD5) is left out, as in any live stream. A whole file
-(`encode_whole`) is written to memory that can seek, so it has them. Ogg pages are flushed every 20 ms
-of audio instead of every second, so an Opus stream leaves with each chunk.
+`pcm` and `wav` are the PCM16 of `cosyvoice_runtime.audio_files.pcm16` (a stream's WAV header gives its
+sizes as unknown); `mp3`, `opus` (in Ogg), `aac` (in ADTS) and `flac` are encoded by FFmpeg through PyAV
+from that same PCM16, so FLAC holds exactly the WAV's samples. A stream's container is written to a sink
+that cannot seek, which every one of these muxers supports: what it cannot go back to fill in (MP3's
+Xing/LAME header with the encoder's delay and padding, FLAC's total length and MD5) is left out, as in any
+live stream. A whole file (`encode_whole`) is written to memory that can seek, so it has them. Ogg pages
+are flushed every 20 ms of audio instead of every second, so an Opus stream leaves with each chunk.
 
 `sse` wraps any of them in OpenAI's server-sent events: `speech.audio.delta` with the base64 of the bytes
 a chunk added, then `speech.audio.done` with the tokens the LLM read and generated.
