@@ -53,12 +53,12 @@ def test_streamed_it_is_a_header_then_the_streamed_files_samples(tmp_path: Path)
 
 
 def test_a_streamed_chunk_leaves_while_the_rest_is_made() -> None:
-    run = run_process("--stream", "--text", LONG, "--out", "-", stdout=subprocess.PIPE)
-    assert run.stdout is not None
-    first = run.stdout.read(len(streaming_wav_header(24000)) + 2 * 24000 // 2)  # the header and 0.5 s
-    still_running = run.poll() is None
-    rest = run.stdout.read()
-    assert run.wait(timeout=300) == 0
+    process = run_process("--stream", "--text", LONG, "--out", "-", stdout=subprocess.PIPE)
+    assert process.stdout is not None
+    first = process.stdout.read(len(streaming_wav_header(24000)) + 2 * 24000 // 2)  # the header and 0.5 s
+    still_running = process.poll() is None
+    rest = process.stdout.read()
+    assert process.wait(timeout=300) == 0
     assert still_running, "the first half second came only once the run had ended"
     assert len(first) + len(rest) > 2 * 24000 * 60  # over a minute of audio in all
 
@@ -66,23 +66,23 @@ def test_a_streamed_chunk_leaves_while_the_rest_is_made() -> None:
 def test_a_terminal_is_refused_before_the_work() -> None:
     terminal, other = pty.openpty()
     try:
-        run = run_process("--text", TEXT, "--out", "-", stdout=other)
-        _, said = run.communicate(timeout=120)
+        process = run_process("--text", TEXT, "--out", "-", stdout=other)
+        _, said = process.communicate(timeout=120)
     finally:
         os.close(terminal)
         os.close(other)
-    assert run.returncode == 2
+    assert process.returncode == 2
     assert said.decode().splitlines() == ["error: --out -: standard output is a terminal; pipe it into a "
                                           "player (`| aplay`) or give a file name"]
 
 
 def test_a_reader_that_leaves_stops_the_run_in_one_line() -> None:
-    run = run_process("--stream", "--text", LONG, "--out", "-", stdout=subprocess.PIPE)
-    assert run.stdout is not None
-    run.stdout.read(100)
-    run.stdout.close()  # a player that quit
-    _, said = run.communicate(timeout=300)
-    assert run.returncode == 1
+    process = run_process("--stream", "--text", LONG, "--out", "-", stdout=subprocess.PIPE)
+    assert process.stdout is not None
+    process.stdout.read(100)
+    process.stdout.close()  # a player that quit
+    _, said = process.communicate(timeout=300)
+    assert process.returncode == 1
     lines = said.decode().splitlines()
     assert lines[-1] == "error: --out -: its reader closed standard output before the audio's end", lines
     assert not any(line.startswith("wrote ") for line in lines)
