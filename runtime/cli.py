@@ -244,19 +244,19 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
             (tokens_out, [{"text": p.text, "speech_tokens": t} for p, t in zip(pieces, result.tokens,
                                                                                strict=True)]),
             (chunks_out, result.chunks)) if path is not None}
-        encoded = audio_bytes(audio, sample_rate, out_format)
+        encoded = None if to_stdout else audio_bytes(audio, sample_rate, out_format)
         try:
-            with atomic_paths([*([] if to_stdout else [out]), *sides]) as written:  # every file, or none
-                if not to_stdout:
+            with atomic_paths([*([] if encoded is None else [out]), *sides]) as written:  # all files or none
+                if encoded is not None:
                     written.pop(0).write_bytes(encoded)
                 for tmp, data in zip(written, sides.values(), strict=True):
                     write_json(tmp, data)
         except OSError as e:
             raise UserError(f"writing {e.filename or out}: {e.strerror or e}; no "
                             f"{'file' if to_stdout else 'output'} was written") from None
-        if to_stdout and not stream:
+        if to_stdout and not stream:  # a streamed run's chunks have gone out already
             with _reader_may_leave():
-                _write_all(stdout, encoded)
+                _write_all(stdout, audio_bytes(audio, sample_rate, out_format))
     seconds = len(audio) / sample_rate
     work = time.perf_counter() - ready
     latency = f", first chunk after {result.first_chunk:.3f} s" if result.first_chunk is not None else ""
