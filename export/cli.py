@@ -110,9 +110,12 @@ def check_bundle_cmd(model_dir: Path | None, model_dir_option: Path | None, llm:
     Prints one line per file that passed; on the first problem prints one line naming the file
     (and key) with what was expected and found, and exits with status 2.
     """
-    from .bundle.check import check_bundle
+    from .bundle.model_dir import ModelBundle
 
     model_dir = one_model_dir(model_dir, model_dir_option, None)
+    ModelBundle.open(model_dir)  # the folder is judged before the checks' libraries (torch, onnx) load
+    from .bundle.check import check_bundle
+
     check_bundle(model_dir, report=click.echo, llm_checkpoints=LLM_VARIANTS[llm])
     click.echo(f"{model_dir}: bundle ok")
 
@@ -140,7 +143,6 @@ def download_cmd(model_dir: Path | None, model_dir_option: Path | None, source: 
     or a missing repository or revision, is one line on stderr saying how to place the files by hand, and
     exit status 2.
     """
-    from .bundle.check import check_bundle
     from .download import DownloadError, download
 
     model_dir = one_model_dir(model_dir, model_dir_option, DEFAULT_DIR)
@@ -156,6 +158,8 @@ def download_cmd(model_dir: Path | None, model_dir_option: Path | None, source: 
         click.echo("\ninterrupted: run the same command again to resume the download", err=True)
         sys.stdout.flush()
         os._exit(130)  # the hub client's threads would finish their files first
+    from .bundle.check import check_bundle  # torch and onnx: not for a hub that cannot be reached
+
     try:
         check_bundle(model_dir, report=click.echo, llm_checkpoints=LLM_VARIANTS[llm])
     except BundleError as e:
@@ -272,15 +276,21 @@ def all_cmd(model_dir: Path, out: Path, trt: bool, llm: str, force: bool, reuse_
     """
     from .memory import monitor_memory
     from .onnx.bf16 import Bf16Unavailable
-    from .onnx.bundle_assembly import export_all
-    from .onnx.trace import ExportError
+    from .onnx.errors import ExportError
+    from .onnx.export_plan import plan_export
+    from .onnx.output_dir import locked
     from .onnx.trt import TrtUnavailable
 
     try:
-        # the monitor restarts the kernel's peak-RSS mark at every stage: only when asked to
-        with monitor_memory() if report_memory else nullcontext() as memory:
-            report = export_all(model_dir, out, llm=llm, force=force, trt=trt, precision=precision, wait=wait,
-                                progress=True, reuse_from=reuse_from, providers=providers)
+        # export_all's two halves: what cannot run is refused before torch and onnx load
+        job = plan_export(model_dir, out, llm=llm, trt=trt, precision=precision, reuse_from=reuse_from,
+                          providers=providers)
+        with locked(job.out, wait):
+            from .onnx.bundle_assembly import assemble
+
+            # the monitor restarts the kernel's peak-RSS mark at every stage: only when asked to
+            with monitor_memory() if report_memory else nullcontext() as memory:
+                report = assemble(job, force, progress=True)
     except (TrtUnavailable, Bf16Unavailable, PrecisionPlanError, PipelineError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
@@ -321,8 +331,6 @@ def _synthesize(model_dir: Path, text: str, prompt_wav: Path | None, prompt_text
     import numpy as np
 
     from .bundle.model_dir import ModelBundle
-    from .reference.llm_decode import TorchGreedySampler, TorchRasSampler
-    from .reference.pipeline import ReferencePipeline
 
     out_format = audio_format(out, "--out")
     check_writable(out, "--out")
@@ -334,6 +342,9 @@ def _synthesize(model_dir: Path, text: str, prompt_wav: Path | None, prompt_text
     prompt_wav, prompt_text = _default_prompt(model_dir, prompt_wav, prompt_text)
     if mode == Mode.ZERO_SHOT.value and not (prompt_text or "").strip():
         raise UserError(f"--mode {Mode.ZERO_SHOT.value} needs --prompt-text, the recording's transcript")
+    from .reference.llm_decode import TorchGreedySampler, TorchRasSampler  # torch: once the input is good
+    from .reference.pipeline import ReferencePipeline
+
     pipe = ReferencePipeline(bundle)
     prompt = pipe.prompt_features(prompt_wav)
     generator = np.random.Generator(np.random.PCG64(seed))
@@ -399,8 +410,6 @@ def demo(text: str, prompt_wav: Path | None, prompt_text: str | None, stream: bo
     are reused on later runs) and the `cosyvoice-run` command synthesises TEXT from it. Random
     weights make noise, not speech: the point is that every stage runs.
     """
-    from .onnx.bundle_assembly import export_all
-
     audio_format(out, "--out")  # the name's format, and the folder's writable: before the minutes of export
     check_writable(out, "--out")
     env = os.environ.get(MODEL_DIR_ENV, "").strip()  # blank is unset, as for cosyvoice-run and -serve
@@ -421,6 +430,8 @@ def demo(text: str, prompt_wav: Path | None, prompt_text: str | None, stream: bo
         except BundleError as e:
             raise BundleError(f"${MODEL_DIR_ENV}: {e}") from None
     prompt_wav, prompt_text = _default_prompt(model_dir, prompt_wav, prompt_text)
+    from .onnx.bundle_assembly import export_all  # torch and onnx: once the input is good
+
     runtime_dir = DEFAULT_DEMO_BUNDLE.parent / f"{model_dir.resolve().name}-runtime"
     report = export_all(model_dir, runtime_dir, progress=True, wait=True)  # another demo's export: its result
     click.echo(report.table())

@@ -407,10 +407,10 @@ def test_a_write_that_fails_midway_through_an_export_is_one_line(tiny_bundle: Pa
                          f"error: {out}: a write stopped short (432704 requested and 255968 written): a full "
                          "disk or a file-size limit (ulimit -f)")):
 
-        def export_all(*_: object, error: OSError = error, **__: object) -> None:
+        def assemble(*_: object, error: OSError = error, **__: object) -> None:
             raise error
 
-        monkeypatch.setattr(bundle_assembly, "export_all", export_all)
+        monkeypatch.setattr(bundle_assembly, "assemble", assemble)
         result = CliRunner().invoke(main, ["all", "--model-dir", str(tiny_bundle), "--out", str(out)])
         assert (result.exit_code, result.stderr) == (2, f"{line}\n"), result.output
 

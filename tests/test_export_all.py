@@ -32,19 +32,14 @@ from cosyvoice_export.bundle.model_dir import ModelBundle
 from cosyvoice_export.bundle.tiny import write_bundle
 from cosyvoice_export.cli import main
 from cosyvoice_export.onnx import bundle_assembly, graph_export, output_dir, trace, trt
-from cosyvoice_export.onnx.bundle_assembly import as_recorded, export_all
+from cosyvoice_export.onnx.bundle_assembly import export_all
 from cosyvoice_export.onnx.dims import model_dims
+from cosyvoice_export.onnx.errors import ExportError
+from cosyvoice_export.onnx.export_plan import as_recorded
 from cosyvoice_export.onnx.export_report import Report
 from cosyvoice_export.onnx.graphs import EXPORT_RECIPES, Networks
-from cosyvoice_export.onnx.output_dir import OutputDirError
-from cosyvoice_export.onnx.trace import (
-    EXPORTER_VERSION,
-    PARTIAL,
-    ExportError,
-    GraphContractError,
-    check_contract,
-    export_graph,
-)
+from cosyvoice_export.onnx.output_dir import PARTIAL, OutputDirError, file_sha256
+from cosyvoice_export.onnx.trace import EXPORTER_VERSION, GraphContractError, check_contract, export_graph
 from cosyvoice_export.onnx.validate import (
     GraphValidation,
     TorchReference,
@@ -247,7 +242,7 @@ def test_all_writes_a_complete_validated_runtime_bundle(exported: tuple[Path, st
     for rel, entry in manifest["files"].items():
         path = out / rel
         assert path.is_file(), rel
-        assert path.stat().st_size == entry["size"] and trace.file_sha256(path) == entry["sha256"], rel
+        assert path.stat().st_size == entry["size"] and file_sha256(path) == entry["sha256"], rel
     on_disk = {str(p.relative_to(out)) for p in out.rglob("*")
                if p.is_file() and p.name != MANIFEST and not p.relative_to(out).parts[0].startswith(".")}
     assert on_disk == set(manifest["files"])
@@ -603,7 +598,7 @@ def test_llm_rl_exports_the_rl_checkpoint_and_records_it(exported: tuple[Path, s
     rows = {name: next(line for line in stdout.splitlines() if line.split()[0] == name) for name in SPECS}
     assert "exported" in rows["llm"] and all("reused" in rows[n] for n in SPECS if n != "llm")
     base, rl = RuntimeBundle.open(exported[0]), RuntimeBundle.open(out, verify=True)
-    sha = trace.file_sha256(model / "llm.rl.pt")
+    sha = file_sha256(model / "llm.rl.pt")
     assert (base.manifest.llm_checkpoint, rl.manifest.llm_checkpoint) == ("llm.pt", "llm.rl.pt")
     assert rl.manifest.llm_source.sha256 == sha and "llm.pt" not in rl.manifest.sources
     assert rl.manifest.graphs["llm"].sources["llm.rl.pt"] == sha

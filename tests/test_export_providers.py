@@ -16,8 +16,8 @@ from click.testing import CliRunner, Result
 
 from cosyvoice_export.bundle.tiny import config_for_size
 from cosyvoice_export.cli import main
-from cosyvoice_export.onnx.bundle_assembly import bundle_graphs
 from cosyvoice_export.onnx.dims import model_dims
+from cosyvoice_export.onnx.export_plan import bundle_graphs
 from cosyvoice_export.onnx.output_dir import graph_record_file
 from cosyvoice_graphs import LLM, spec
 from cosyvoice_graphs.bundle_layout import MANIFEST

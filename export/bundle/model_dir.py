@@ -7,20 +7,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-
 from cosyvoice_graphs.bundle_layout import MANIFEST
 
 from ..config import ModelConfig
-from ..manifest import build_network, expected_entries
-from ..nets.hift import normalize_hift_state_dict
-from .checkpoint import check_state_dict, read_state_dict, to_float32
 from .errors import BundleError
 from .layout import LLM_CHECKPOINTS, QWEN_DIR, YAML
 from .yaml_config import model_config_from_yaml
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from cosyvoice_runtime.bundle import RuntimeBundle
 
 
@@ -85,6 +82,12 @@ class ModelBundle:
     def read_checked_state(self, name: str, path: Path | None = None) -> dict[str, torch.Tensor]:
         """The state dict of network `name`'s checkpoint (or of `path`) in our key layout, checked key for
         key against our network `name`."""
+        # torch loads with the weights, not with this module: opening a model directory takes none, so
+        # the commands refuse a wrong one at once
+        from ..manifest import expected_entries
+        from ..nets.hift import normalize_hift_state_dict
+        from .checkpoint import check_state_dict, read_state_dict
+
         path = path or self.checkpoint(name)
         state = read_state_dict(path)
         if name == "hift":
@@ -94,6 +97,9 @@ class ModelBundle:
 
     def load_network(self, name: str) -> nn.Module:
         """Build network `name` (`llm`, `flow`, `hift`) and load its checkpoint strictly, in eval mode."""
+        from ..manifest import build_network
+        from .checkpoint import to_float32
+
         state = to_float32(self.read_checked_state(name))
         net = build_network(self.config, name, random_init=False)  # every weight is loaded next
         net.load_state_dict(state, strict=True)

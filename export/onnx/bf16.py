@@ -13,7 +13,7 @@ from __future__ import annotations
 from cosyvoice_graphs import Precision
 from cosyvoice_runtime.runners.openvino import import_openvino, unsupported_reason
 
-from .trace import ExportError
+from .errors import ExportError
 
 BF16_REVISION = 1
 """Bump when what a bf16 graph is changes (it forces bf16 graphs to be exported again)."""

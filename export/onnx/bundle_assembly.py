@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from cosyvoice_graphs import PRECISIONS, GraphSpec, ModelDims, spec
+from cosyvoice_graphs import ModelDims, spec
 from cosyvoice_graphs.bundle_layout import (
     FRONTEND_DIR,
     MANIFEST,
@@ -40,22 +40,19 @@ from cosyvoice_graphs.manifest import (
     Tokenizer,
     TrtPlanEntry,
 )
-from cosyvoice_graphs.pipeline import PipelineError, check_runs
 from cosyvoice_graphs.precision import FP32
-from cosyvoice_graphs.precision_plan import PrecisionPlan, PrecisionPlanError
-from cosyvoice_graphs.providers import OPENVINO
 
 from ..bundle.check import check_bundle
 from ..bundle.errors import BundleError
-from ..bundle.layout import CAMPPLUS, LLM_CHECKPOINTS, QWEN_DIR, SPEECH_TOKENIZER, YAML
+from ..bundle.layout import CAMPPLUS, QWEN_DIR, SPEECH_TOKENIZER, YAML
 from ..bundle.model_dir import ModelBundle
 from ..bundle.tokenizer_files import ENDOFPROMPT, TOKENIZER_FILES, load_cosyvoice3_tokenizer
 from ..manifest import NETWORKS
 from ..memory import stage
 from ..nets.hift import hift_layout
-from .bf16 import require_openvino
 from .bundle_tables import write_tables
 from .dims import model_dims
+from .export_plan import ExportJob, builds_plan, plan_export
 from .export_report import Report
 from .graph_export import (
     CONFIG_SOURCES,
@@ -70,17 +67,15 @@ from .graph_export import (
 from .lazy_networks import LazyNetworks
 from .output_dir import (
     OutputDirError,
-    check_out,
-    check_reuse_source,
     drop_graphs,
     file_entry,
+    file_sha256,
     install,
     locked,
     prepare_out,
-    recorded_precision,
     write_json,
 )
-from .trace import EXPORTER_VERSION, file_sha256
+from .trace import EXPORTER_VERSION
 
 if TYPE_CHECKING:
     from .trt import TrtEnv
@@ -128,98 +123,30 @@ def export_all(model_dir: Path | str, out: Path | str, *, llm: str = "base", for
     One export writes into `out` at a time: each holds `lock_path(out)` while it runs. When another export
     holds it, this one raises `OutputDirError` before reading anything, or with `wait` says so on stderr and
     waits for it to end (then reuses the graphs it exported).
+
+    `plan_export` settles all of that before torch loads; `assemble` does the work, under OUT's lock.
     """
-    plan = PrecisionPlan.parse(precision)
-    if llm not in LLM_CHECKPOINTS:
-        raise ValueError(f"unknown llm {llm!r}; expected one of {', '.join(LLM_CHECKPOINTS)}")
-    for source in reuse_from:
-        check_reuse_source(Path(source))
-    start = time.perf_counter()
-    trt_env = None
-    if trt:
-        from .trt import TrtUnavailable, require_trt
-
-        for record in plan.named:
-            if not record.trt_plans:
-                planned = [name for name, p in PRECISIONS.items() if p.trt_plans]
-                raise TrtUnavailable(f"--trt with --precision {plan.name}: {record.name} graphs run on "
-                                     f"{record.runs_on}, not as TensorRT plans; --trt takes --precision "
-                                     f"{' or '.join(planned)}")
-        trt_env = require_trt()
-    for record in plan.named:
-        if record.cpu_provider == OPENVINO:
-            require_openvino(record)
-    bundle = ModelBundle.open(model_dir, LLM_CHECKPOINTS[llm])
-    specs = {name: spec(name, model_dims(bundle.config)) for name in plan.graph_names}
-    plan.check(specs)
-    graphs = bundle_graphs(plan, specs, providers, trt)
-    if not bundle.checkpoint("llm").is_file():
-        raise BundleError(f"{bundle.checkpoint('llm')}: file not found; --llm {llm} exports it "
-                          f"(`cosyvoice-export download --llm {llm}` fetches it)")
-    out = Path(out)
-    plan = as_recorded(plan, out, specs)
-    check_out(out, plan.name)  # before its lock is made beside it
-    with locked(out, wait):
-        return _assemble(bundle, out, force, plan, graphs, trt_env, progress, start,
-                         [Path(d) for d in reuse_from])
+    job = plan_export(model_dir, out, llm=llm, trt=trt, precision=precision, reuse_from=reuse_from,
+                      providers=providers)
+    with locked(job.out, wait):
+        return assemble(job, force, progress)
 
 
-def as_recorded(plan: PrecisionPlan, out: Path, specs: Mapping[str, GraphSpec]) -> PrecisionPlan:
-    """`plan` under the name OUT's export records, where that plan gives every graph (`specs`: the plan's)
-    the same precision (a profile spelt as its graphs, `llm=fp32` for fp32): the same bundle, kept under
-    its name; else `plan`."""
-    found = recorded_precision(out)
-    if found is None or found == plan.name:
-        return plan
-    try:
-        recorded = PrecisionPlan.parse(found)
-    except PrecisionPlanError:
-        return plan
-    same = recorded.graph_names == plan.graph_names and all(
-        recorded.precision_of(specs[g]) == plan.precision_of(specs[g]) for g in plan.graph_names)
-    return recorded if same else plan
-
-
-def bundle_graphs(plan: PrecisionPlan, specs: Mapping[str, GraphSpec], providers: Sequence[str] | None,
-                  trt: bool) -> list[str]:
-    """The graphs of `plan` (`specs`: each one's spec) to export: every one, or, for `providers`, those
-    the pipelines on them open (`cosyvoice_graphs.pipeline.check_runs`, which refuses in one line a
-    provider that would not run the bundle), in pipeline order."""
-    if providers is None:
-        return list(plan.graph_names)
-    precisions = {name: PRECISIONS[plan.precision_of(s)] for name, s in specs.items()}
-    planned = [name for name, s in specs.items() if trt and builds_plan(s)]
-    opened: set[str] = set()
-    for provider in providers:
-        try:
-            opened.update(check_runs(precisions, provider, planned))
-        except PipelineError as e:
-            built = f"a --precision {plan.name} bundle{' with --trt' * trt}"
-            raise PipelineError(f"--providers {provider}: {built} cannot run there: {e}") from None
-    return [name for name in plan.graph_names if name in opened]
-
-
-def builds_plan(s: GraphSpec) -> bool:
-    """Whether `--trt` builds a TensorRT plan of graph `s`: not of a graph of onnxruntime's own operators
-    (`llm_decode`), which TensorRT cannot parse and the runtime runs on onnxruntime alone."""
-    return not s.custom_opsets
-
-
-def _assemble(bundle: ModelBundle, out: Path, force: bool, plan: PrecisionPlan, graphs: Sequence[str],
-              trt_env: TrtEnv | None, progress: bool, start: float, reuse_from: list[Path]) -> Report:
-    """The work of `export_all`, under `out`'s lock: the graphs named by `graphs` (`bundle_graphs`)."""
+def assemble(job: ExportJob, force: bool, progress: bool) -> Report:
+    """The work of `export_all`, under `job.out`'s lock (`output_dir.locked`): `job`'s graphs."""
+    bundle, out, plan, trt_env, start = job.bundle, job.out, job.plan, job.trt_env, job.start
     stage("check bundle")
     check_bundle(bundle.root, report=lambda line: None, llm_checkpoints=(bundle.llm_checkpoint,))
     stage("hash sources")
     source_sha = _hash_sources(_source_files(bundle), progress)
-    for source in reuse_from:  # before OUT changes
+    for source in job.reuse_from:  # before OUT changes
         if not shares_sources(source, source_sha):
             raise OutputDirError(f"--reuse-from {source}: exported from another model (none of its graphs "
                                  f"was made from {bundle.root}'s files); name an export of this model")
     prepare_out(out, plan.name)
-    drop_graphs(out, (*RETIRED_GRAPHS, *(name for name in plan.graph_names if name not in graphs)))
+    drop_graphs(out, (*RETIRED_GRAPHS, *(name for name in plan.graph_names if name not in job.graphs)))
     dims = model_dims(bundle.config)
-    specs = {name: spec(name, dims) for name in graphs}
+    specs = {name: spec(name, dims) for name in job.graphs}
     nets = LazyNetworks(bundle)
 
     trt = trt_env is not None  # plans to build: graphs in the operators TensorRT parses
@@ -232,7 +159,7 @@ def _assemble(bundle: ModelBundle, out: Path, force: bool, plan: PrecisionPlan, 
                 nets.next_task()
                 p = plan.precision_of(s)
                 reused = None if force else reuse_graph(out, s, source_sha, p, trt) or next(
-                    (g for d in reuse_from if (g := adopt_graph(d, out, s, source_sha, p, trt))), None)
+                    (g for d in job.reuse_from if (g := adopt_graph(d, out, s, source_sha, p, trt))), None)
                 results.append(reused or export_and_validate(out, s, dims, nets, source_sha, bar, p, trt))
         with _step(bar, "frontend, tokenizer"):
             copied = _copy_files(out, bundle, source_sha)

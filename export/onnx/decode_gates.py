@@ -27,8 +27,8 @@ from cosyvoice_graphs import (
     empty_caches,
 )
 
+from .errors import ExportError
 from .graphs import DecodeSequence
-from .trace import ExportError
 from .validate import Figure, cpu_graph, gate_figures, run_torch
 
 

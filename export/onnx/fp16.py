@@ -24,7 +24,8 @@ from cosyvoice_graphs import GraphSpec
 from cosyvoice_graphs.precision import FP16
 from cosyvoice_graphs.recipes import RECIPES
 
-from .trace import ExportError, replace_graph
+from .errors import ExportError
+from .trace import replace_graph
 
 FP16_REVISION = 1
 """Bump when the conversion changes (it forces fp16 graphs to be exported again)."""

@@ -11,6 +11,7 @@ not complete. An export holds OUT.lock, beside OUT, while it runs: two exports n
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -27,11 +28,14 @@ from cosyvoice_graphs.manifest import FileEntry
 from cosyvoice_graphs.precision import FP32
 
 from ..bundle.errors import BundleError
-from .trace import PARTIAL, file_sha256
 
 STATE_DIR = ".export"
 PRECISION_FILE = "precision"
 """In STATE_DIR: the precision plan OUT was exported with (`PrecisionPlan.name`); one OUT holds one."""
+
+
+PARTIAL = ".partial"
+"""Suffix of every temporary name the exporters write; a later export removes leftovers of a killed one."""
 
 
 class OutputDirError(BundleError):
@@ -205,3 +209,14 @@ def write_json(out: Path, rel: str, data: Mapping[str, Any]) -> FileEntry:
     """Write `data` to `out/rel` as indented UTF-8 JSON, through `install`."""
     text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
     return install(out, rel, lambda f: f.write(text.encode()))
+
+
+def file_sha256(path: Path, progress: Callable[[int], object] | None = None) -> str:
+    """sha256 (hex) of a file, read in 16 MiB chunks; `progress` gets each chunk's size."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
+    return h.hexdigest()

@@ -37,9 +37,10 @@ import onnx
 from cosyvoice_graphs import GraphSpec
 from cosyvoice_graphs.recipes import ACCURACY_LEVEL, DYNAMIC, NBITS, RECIPES, QuantScheme
 
+from .errors import ExportError
 from .flash_attention import flash_when_unmasked
-from .output_dir import link_or_copy
-from .trace import PARTIAL, ExportError, replace_graph
+from .output_dir import PARTIAL, link_or_copy
+from .trace import replace_graph
 
 REVISIONS = {"int8": 2, "int4": 1}
 """Precision -> its quantization's revision: bump one when its quantization changes (it forces its graphs to

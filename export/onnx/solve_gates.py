@@ -22,8 +22,8 @@ from torch import Tensor, nn
 from cosyvoice_graphs import GraphSpec, dit_attention, empty_caches, euler_steps
 
 from ..nets.flow import CausalMaskedDiffWithDiT
+from .errors import ExportError
 from .graphs import NetworkSource
-from .trace import ExportError
 from .validate import Figure, GraphCall, cpu_graph, gate_figures
 
 SEED = 0

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import chdir, contextmanager
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -28,6 +28,8 @@ from torch import nn
 from cosyvoice_graphs import GraphSpec, ModelDims, TensorSpec, metadata
 
 from ..memory import free_memory, stage
+from .errors import ExportError
+from .output_dir import PARTIAL
 
 EXPORT_REVISION = 12
 """Bump when what is written for an unchanged spec changes (this module, a wrapper or a network's traced
@@ -45,8 +47,6 @@ EXPORTER_VERSION = (
 """Stored in every graph; part of what decides whether a graph must be exported again."""
 MAX_IR_VERSION = 10
 """onnx >= 1.23 writes IR 14 by default, which onnxruntime 1.31 refuses to load."""
-PARTIAL = ".partial"
-"""Suffix of every temporary name the exporters write; a later export removes leftovers of a killed one."""
 EXTERNAL_DATA_BYTES = 1_500_000_000
 """Graphs larger than this keep their weights in `<name>.onnx.data` (protobuf stops at 2 GiB)."""
 MOVED_WEIGHT_BYTES = 1 << 20
@@ -61,10 +61,6 @@ ONNX_DTYPES: dict[str, int] = {
     "int32": onnx.TensorProto.INT32,
     "bool": onnx.TensorProto.BOOL,
 }
-
-
-class ExportError(RuntimeError):
-    """An exported graph is not what its spec says, or failed its checks; the message is one line."""
 
 
 class GraphContractError(ExportError):
@@ -385,17 +381,6 @@ def replace_graph(path: Path, model: onnx.ModelProto, spec: GraphSpec, props: Ma
         tmp.unlink(missing_ok=True)
     path.with_name(path.name + ".data").unlink(missing_ok=True)  # the fp32 graph's weights, if large
     return path
-
-
-def file_sha256(path: Path, progress: Callable[[int], object] | None = None) -> str:
-    """sha256 (hex) of a file, read in 16 MiB chunks; `progress` gets each chunk's size."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-            if progress is not None:
-                progress(len(chunk))
-    return h.hexdigest()
 
 
 def read_metadata(path: Path) -> dict[str, str]:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,8 +21,10 @@ from cosyvoice_graphs import GraphSpec
 from cosyvoice_runtime.cuda_device import cuda_device_name
 from cosyvoice_runtime.extras import gpu_install_command
 
-from .trace import PARTIAL, file_sha256
-from .validate import CPU, GraphValidation, compare_outputs, ort_session, run_ort, validation_cases
+from .output_dir import PARTIAL, file_sha256
+
+if TYPE_CHECKING:
+    from .validate import GraphValidation
 
 Shape = tuple[int, ...]
 PLAN_SUFFIX = ".plan"
@@ -125,6 +127,9 @@ def _run_plan(runner: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray
 def validate_plan(plan_path: Path, onnx_path: Path, spec: GraphSpec) -> GraphValidation:
     """Compare the plan with onnxruntime (CPU) on the same graph at every validation case."""
     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+
+    # here, not above: `require_trt` refuses a machine without TensorRT before torch loads
+    from .validate import CPU, GraphValidation, compare_outputs, ort_session, run_ort, validation_cases
 
     session = ort_session(onnx_path, CPU)
     figures = []

@@ -23,7 +23,8 @@ from cosyvoice_graphs.precision import FP32
 from cosyvoice_graphs.providers import OPENVINO
 from cosyvoice_runtime.runners import OpenVinoRunner
 
-from .trace import ExportError, torch_inputs
+from .errors import ExportError
+from .trace import torch_inputs
 
 CPU = "CPUExecutionProvider"
 
