@@ -17,6 +17,7 @@ import errno
 import importlib
 import os
 import signal
+import stat
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -168,40 +169,71 @@ def open_standard_streams() -> None:
 
 
 class Terminated(BaseException):
-    """SIGTERM, raised in the main thread (`sigterm_unwinds`). Not an `Exception`, so that no handler of
-    errors takes it for one; `finally` blocks and `except BaseException` cleanups run."""
+    """SIGTERM or SIGHUP, raised in the main thread (`termination_unwinds`). Not an `Exception`, so that no
+    handler of errors takes it for one; `finally` blocks and `except BaseException` cleanups run."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+UNWOUND_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""The signals whose default action, ending the process on the spot, becomes an unwinding: SIGTERM (`kill`,
+`docker stop`, systemd) and SIGHUP (the terminal or ssh session closed)."""
 
 
 @contextmanager
-def sigterm_unwinds() -> Iterator[None]:
-    """Within it, SIGTERM (`kill`, `docker stop`, systemd) unwinds the command as Ctrl-C does, so that its
-    cleanups run (temporary files, staging folders, a child process), where the default action would end
-    the process on the spot; then the process ends by the signal as it would have (status 143 to a shell),
-    or, where the signal cannot end it (a container's PID 1), exits 143."""
+def termination_unwinds() -> Iterator[None]:
+    """Within it, `UNWOUND_SIGNALS` unwind the command as Ctrl-C does, so that its cleanups run (temporary
+    files, staging folders, a child process), where the default action would end the process on the spot;
+    then the process ends by the signal as it would have (128 + the signal to a shell), or, where the signal
+    cannot end it (a container's PID 1), exits so. A signal not at its default action (SIGHUP under nohup:
+    ignored) is left as it is. After a SIGHUP the terminal is gone: what the cleanups write to it goes to
+    /dev/null, as a write there would fail (EIO) and stop them."""
     def terminate(signum: int, frame: object) -> None:
-        raise Terminated
+        if signum == signal.SIGHUP:
+            _detach_terminal()
+        raise Terminated(signum)
 
-    previous = signal.signal(signal.SIGTERM, terminate)
+    taken = [signum for signum in UNWOUND_SIGNALS if signal.getsignal(signum) == signal.SIG_DFL]
+    for signum in taken:
+        signal.signal(signum, terminate)
     try:
         yield
-    except Terminated:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.raise_signal(signal.SIGTERM)
-        sys.exit(TERMINATED)
+    except Terminated as e:
+        signal.signal(e.signum, signal.SIG_DFL)
+        signal.raise_signal(e.signum)
+        sys.exit(128 + e.signum)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum in taken:
+            signal.signal(signum, signal.SIG_DFL)
 
 
-TERMINATED = 128 + signal.SIGTERM
-"""The status a shell gives a process SIGTERM ended."""
+def _detach_terminal() -> None:
+    """Point the standard streams on a character device at /dev/null: a terminal, which once hung up no
+    longer answers as one (`isatty` is False), and /dev/null itself."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # the terminal gone, or the stream closed
+            pass
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        try:
+            on_device = stat.S_ISCHR(os.fstat(fd).st_mode)
+        except OSError:  # closed
+            continue
+        if on_device:
+            os.dup2(null, fd)
+    os.close(null)
 
 
 def run_console_script(script: str, module: str, extras: tuple[str, ...] = (), *,
-                       unwind_on_sigterm: bool = True) -> None:
+                       unwind_on_signals: bool = True) -> None:
     """Run `module`'s `main` as the console script `script`, click's usage errors in one line
     (`one_line_usage_errors`), an interrupted run exiting 130 (`interrupted_exits_130`) and, unless
-    `unwind_on_sigterm` is False (a command that takes SIGTERM as its own signal to stop), a terminated
-    one unwinding first (`sigterm_unwinds`); where
+    `unwind_on_signals` is False (a command that takes SIGTERM as its own signal to stop), a terminated or
+    hung-up one unwinding first (`termination_unwinds`); where
     onnxruntime or a module of one of `extras` is missing, when the CLI is imported or later in a command,
     print one line saying what to install and exit 2; a path it may not use (`PATH_ERRNOS`) or a file
     system that refuses a write (`WRITE_ERRNOS`), one line naming it, exit 2; the memory running out, one
@@ -214,7 +246,7 @@ def run_console_script(script: str, module: str, extras: tuple[str, ...] = (), *
               file=sys.stderr)
         sys.exit(2)
     try:
-        with (sigterm_unwinds() if unwind_on_sigterm else nullcontext(), one_line_usage_errors(),
+        with (termination_unwinds() if unwind_on_signals else nullcontext(), one_line_usage_errors(),
               interrupted_exits_130()):
             importlib.import_module(module).main()
     except ModuleNotFoundError as e:

@@ -7,14 +7,17 @@ click's own usage errors in the same one line."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
+import pty
 import re
 import shutil
 import signal
 import stat
 import subprocess
 import sys
+import termios
 import textwrap
 import time
 from importlib.util import find_spec
@@ -448,6 +451,60 @@ def test_sigterm_unwinds_a_command_so_that_its_cleanups_run(tmp_path: Path) -> N
         command.send_signal(signal.SIGTERM)
         assert command.wait(10) == -signal.SIGTERM and command.stderr is not None
         assert command.stderr.read() == ""
+    assert not (tmp_path / "partial").exists()
+
+
+SLOW_COMMAND = """
+import sys, time
+from pathlib import Path
+
+def main():
+    partial = Path(sys.argv[1]) / "partial"
+    partial.write_text("half")
+    try:
+        for _ in range(600):  # a progress bar's writes
+            print("working", file=sys.stderr, flush=True)
+            time.sleep(0.1)
+    finally:
+        print("removing the partial file", file=sys.stderr, flush=True)
+        partial.unlink()
+"""
+"""A command that holds a temporary file and writes on stderr until it is stopped."""
+RUN_SLOW = ("import sys; from cosyvoice_runtime.extras import run_console_script; "
+            "sys.path.insert(0, sys.argv[1]); run_console_script('slow', 'slow_command')")
+
+
+def test_a_closed_terminal_unwinds_a_command_so_that_its_cleanups_run(tmp_path: Path) -> None:
+    """An ssh session or terminal window closed under a command: the kernel sends SIGHUP, and the terminal
+    takes no more writes (EIO). The command unwinds as for SIGTERM, its cleanups writing nowhere, and ends by
+    the signal."""
+    (tmp_path / "slow_command.py").write_text(SLOW_COMMAND)
+    terminal, attached = pty.openpty()
+
+    def own_terminal() -> None:  # a login shell's child: the pty is its session's controlling terminal
+        os.setsid()
+        fcntl.ioctl(attached, termios.TIOCSCTTY, 0)
+
+    with subprocess.Popen([sys.executable, "-c", RUN_SLOW, str(tmp_path)], stdin=attached, stdout=attached,
+                          stderr=attached, preexec_fn=own_terminal) as command:
+        os.close(attached)
+        started(command, tmp_path / "partial")
+        os.close(terminal)  # the hang-up
+        assert command.wait(10) == -signal.SIGHUP
+    assert not (tmp_path / "partial").exists()
+
+
+def test_nohup_keeps_a_command_running_through_a_hang_up(tmp_path: Path) -> None:
+    """Under nohup (SIGHUP ignored) a command goes on through a SIGHUP; SIGTERM still unwinds it."""
+    (tmp_path / "slow_command.py").write_text(SLOW_COMMAND)
+    with subprocess.Popen([sys.executable, "-c", RUN_SLOW, str(tmp_path)], stderr=subprocess.DEVNULL,
+                          preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) as command:
+        started(command, tmp_path / "partial")
+        command.send_signal(signal.SIGHUP)
+        with pytest.raises(subprocess.TimeoutExpired):
+            command.wait(1)
+        command.send_signal(signal.SIGTERM)
+        assert command.wait(10) == -signal.SIGTERM
     assert not (tmp_path / "partial").exists()
 
 
