@@ -144,6 +144,8 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
         if model_dir is not None:  # fail before the run starts, not when the torch side first loads
             from cosyvoice_export.bundle.model_dir import ModelBundle
 
+            from .torch_runs import TorchBackend  # noqa: F401  (without torch: one line naming the extra)
+
             # another model's reference would be measured in full and then disagree on every token
             ModelBundle.open_exported_from(model_dir, bundle)
         chosen = choose_prompt(bundle, prompt_wav, prompt_text)

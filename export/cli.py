@@ -20,7 +20,7 @@ from cosyvoice_runtime.audio_files import AUDIO_OUT_HELP, audio_format, write_au
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV, console_script
 from cosyvoice_runtime.cli_options import FiniteFloatRange, NonEmptyPath
 from cosyvoice_runtime.errors import UserError
-from cosyvoice_runtime.extras import Terminated
+from cosyvoice_runtime.extras import Terminated, require_extra
 from cosyvoice_runtime.sampling import MAX_SEED
 from cosyvoice_runtime.speakers import SPEAKERS_DIR_ENV
 from cosyvoice_runtime.synthesis import Mode
@@ -112,6 +112,7 @@ def check_bundle_cmd(model_dir: Path | None, model_dir_option: Path | None, llm:
     """
     from .bundle.model_dir import ModelBundle
 
+    require_extra("export")
     model_dir = one_model_dir(model_dir, model_dir_option, None)
     ModelBundle.open(model_dir)  # the folder is judged before the checks' libraries (torch, onnx) load
     from .bundle.check import check_bundle
@@ -145,6 +146,7 @@ def download_cmd(model_dir: Path | None, model_dir_option: Path | None, source: 
     """
     from .download import DownloadError, download
 
+    require_extra("export")  # the check after the download needs it
     model_dir = one_model_dir(model_dir, model_dir_option, DEFAULT_DIR)
     check_writable(model_dir, "MODEL_DIR", directory=True)
     try:
@@ -281,6 +283,7 @@ def all_cmd(model_dir: Path, out: Path, trt: bool, llm: str, force: bool, reuse_
     from .onnx.output_dir import locked
     from .onnx.trt import TrtUnavailable
 
+    require_extra("export")
     try:
         # export_all's two halves: what cannot run is refused before torch and onnx load
         job = plan_export(model_dir, out, llm=llm, trt=trt, precision=precision, reuse_from=reuse_from,
@@ -332,6 +335,7 @@ def _synthesize(model_dir: Path, text: str, prompt_wav: Path | None, prompt_text
 
     from .bundle.model_dir import ModelBundle
 
+    require_extra("export")
     out_format = audio_format(out, "--out")
     check_writable(out, "--out")
     if not text.strip():
@@ -410,6 +414,7 @@ def demo(text: str, prompt_wav: Path | None, prompt_text: str | None, stream: bo
     are reused on later runs) and the `cosyvoice-run` command synthesises TEXT from it. Random
     weights make noise, not speech: the point is that every stage runs.
     """
+    require_extra("export")
     audio_format(out, "--out")  # the name's format, and the folder's writable: before the minutes of export
     check_writable(out, "--out")
     env = os.environ.get(MODEL_DIR_ENV, "").strip()  # blank is unset, as for cosyvoice-run and -serve

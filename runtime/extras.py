@@ -54,6 +54,15 @@ def missing_modules(extra: str) -> list[str]:
     return [name for name in EXTRA_MODULES[extra] if not _findable(name)]
 
 
+def require_extra(extra: str) -> None:
+    """Raise the `ModuleNotFoundError` importing `extra`'s first missing module would raise (which
+    `run_console_script` turns into one line naming the extra), without importing any: for a command that
+    judges its input before it imports them."""
+    missing = missing_modules(extra)
+    if missing:
+        raise ModuleNotFoundError(f"No module named {missing[0]!r}", name=missing[0])
+
+
 def install_command(extra: str) -> str:
     """The pip command that adds `extra` to this environment without a second onnxruntime: where
     onnxruntime-gpu is installed, the export extra is `export-gpu`."""

@@ -65,6 +65,13 @@ def one_line(done: subprocess.CompletedProcess[str]) -> str:
     ("cosyvoice-serve", ("--model", "x"), "fastapi", "serve"),
     ("cosyvoice-serve", ("--model", "x"), "grpc", "serve"),
     ("cosyvoice-export", ("tiny-bundle", "out"), "torch", "export"),
+    # before the input is judged (those commands judge it before they import torch)
+    ("cosyvoice-export", ("all", "--model-dir", "none", "--out", "out"), "torch", "export"),
+    ("cosyvoice-export", ("check-bundle", "none"), "torch", "export"),
+    ("cosyvoice-export", ("synth", "--model-dir", "none", "--text", "Hi.", "--out", "o.wav"), "torch",
+     "export"),
+    ("cosyvoice-export", ("demo",), "onnxslim", "export"),
+    ("cosyvoice-export", ("download", "none"), "torch", "export"),
 ])
 def test_a_missing_extra_is_one_line_naming_it_and_the_pip_command(script: str, args: tuple[str, ...],
                                                                    blocked: str, extra: str,
