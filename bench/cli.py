@@ -14,6 +14,7 @@ from cosyvoice_runtime.bundle_source import choose_prompt
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cli_options import THREADS, NonEmptyPath, chunk_policy_options
 from cosyvoice_runtime.errors import FrontendError
+from cosyvoice_runtime.extras import require_extra
 from cosyvoice_runtime.frontend import read_prompt_audio
 from cosyvoice_runtime.runners import CPU, CPU_PROVIDERS, PROVIDERS, check_runs
 from cosyvoice_runtime.sampling import MAX_SEED
@@ -107,6 +108,8 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
         if vs_torch != (model_dir is not None):
             raise BenchError("--vs-torch and --model-dir go together (the torch reference loads "
                              "--model-dir)")
+        if vs_torch:
+            require_extra("export")  # the torch reference's, named before any input is judged
         if provider not in CPU_PROVIDERS:
             if thread_scaling:
                 raise BenchError(f"--thread-scaling measures CPU threads; it does not apply to --provider "
@@ -143,8 +146,6 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
         uses_graphs = uses_cuda_graphs(cuda_graphs, bundle, provider)
         if model_dir is not None:  # fail before the run starts, not when the torch side first loads
             from cosyvoice_export.bundle.model_dir import ModelBundle
-
-            from .torch_runs import TorchBackend  # noqa: F401  (without torch: one line naming the extra)
 
             # another model's reference would be measured in full and then disagree on every token
             ModelBundle.open_exported_from(model_dir, bundle)

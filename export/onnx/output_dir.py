@@ -32,8 +32,6 @@ from ..bundle.errors import BundleError
 STATE_DIR = ".export"
 PRECISION_FILE = "precision"
 """In STATE_DIR: the precision plan OUT was exported with (`PrecisionPlan.name`); one OUT holds one."""
-
-
 PARTIAL = ".partial"
 """Suffix of every temporary name the exporters write; a later export removes leftovers of a killed one."""
 
