@@ -484,6 +484,7 @@ def test_a_closed_terminal_unwinds_a_command_so_that_its_cleanups_run(tmp_path: 
     def own_terminal() -> None:  # a login shell's child: the pty is its session's controlling terminal
         os.setsid()
         fcntl.ioctl(attached, termios.TIOCSCTTY, 0)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # not a test runner's nohup, inherited
 
     with subprocess.Popen([sys.executable, "-c", RUN_SLOW, str(tmp_path)], stdin=attached, stdout=attached,
                           stderr=attached, preexec_fn=own_terminal) as command:
