@@ -196,15 +196,17 @@ def termination_unwinds() -> Iterator[None]:
     """Within it, `UNWOUND_SIGNALS` unwind the command as Ctrl-C does, so that its cleanups run (temporary
     files, staging folders, a child process), where the default action would end the process on the spot;
     then the process ends by the signal as it would have (128 + the signal to a shell), or, where the signal
-    cannot end it (a container's PID 1), exits so. A signal not at its default action (SIGHUP under nohup:
-    ignored) is left as it is. After a SIGHUP the terminal is gone: what the cleanups write to it goes to
-    /dev/null, as a write there would fail (EIO) and stop them."""
+    cannot end it (a container's PID 1), exits so. A SIGHUP that is ignored (nohup's request to run on) is
+    left so. After a SIGHUP the terminal is gone: what the cleanups write to it goes to /dev/null, as a write
+    there would fail (EIO) and stop them."""
     def terminate(signum: int, frame: object) -> None:
         if signum == signal.SIGHUP:
             _detach_terminal()
         raise Terminated(signum)
 
-    taken = [signum for signum in UNWOUND_SIGNALS if signal.getsignal(signum) == signal.SIG_DFL]
+    previous = {signum: signal.getsignal(signum) for signum in UNWOUND_SIGNALS}
+    taken = [signum for signum in UNWOUND_SIGNALS
+             if signum != signal.SIGHUP or previous[signum] == signal.SIG_DFL]
     for signum in taken:
         signal.signal(signum, terminate)
     try:
@@ -215,7 +217,7 @@ def termination_unwinds() -> Iterator[None]:
         sys.exit(128 + e.signum)
     finally:
         for signum in taken:
-            signal.signal(signum, signal.SIG_DFL)
+            signal.signal(signum, previous[signum])
 
 
 def _detach_terminal() -> None:
