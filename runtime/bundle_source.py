@@ -104,15 +104,25 @@ def cache_root() -> tuple[Path, str]:
     return home / ".cache" / "cosyvoice", f"~/.cache; ${CACHE_DIR_ENV} sets another"
 
 
-def _runtime_bundle(path: Path, origin: str, progress: bool, precision: str, *, default: bool
-                    ) -> BundleChoice:
+def check_requested_bundle(model: Path | None, name: str = "--model") -> None:
+    """What `choose_bundle` would refuse about the folder it is asked for (not there, a file, neither kind of
+    bundle), without exporting or opening anything: for a command to refuse a wrong folder before its
+    imports and its other checks. A `RuntimeBundleError`."""
+    path, origin = requested_bundle(model, name)
+    if path != DEMO_BUNDLE or model is not None:
+        _is_runtime_bundle(path, origin)
+
+
+def _is_runtime_bundle(path: Path, origin: str) -> bool:
+    """Whether `path` (named by `origin`) is a runtime bundle (else a model bundle); a
+    `RuntimeBundleError` where it is neither."""
     problem = path_problem(path)  # one not there is said below
     if problem is not None:
         raise RuntimeBundleError(f"{path} ({origin}): {problem}")
     if path.is_dir() and not os.access(path, os.R_OK | os.X_OK):  # else a PermissionError from what follows
         raise RuntimeBundleError(f"{path} ({origin}): cannot be read (permission denied)")
     if (path / MANIFEST).is_file():
-        return BundleChoice(path, f"{origin} ({path})", default)
+        return True
     if not path.exists():
         # "owner/name" whose owner is no folder here: a model hub's id, as upstream's AutoModel downloads
         hub = (len(path.parts) == 2 and not path.is_absolute() and not Path(path.parts[0]).exists())
@@ -132,6 +142,13 @@ def _runtime_bundle(path: Path, origin: str, progress: bool, precision: str, *, 
     if not (path / MODEL_YAML).is_file():
         raise RuntimeBundleError(f"{path} ({origin}): neither a runtime bundle (no {MANIFEST}) nor a model "
                                  f"bundle (no {MODEL_YAML})")
+    return False
+
+
+def _runtime_bundle(path: Path, origin: str, progress: bool, precision: str, *, default: bool
+                    ) -> BundleChoice:
+    if _is_runtime_bundle(path, origin):
+        return BundleChoice(path, f"{origin} ({path})", default)
     resolved = path.resolve()
     root, chosen_by = cache_root()
     folder = root / f"{resolved.name}-{hashlib.sha256(str(resolved).encode()).hexdigest()[:12]}"

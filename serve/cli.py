@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, NoReturn
 import click
 
 from cosyvoice_graphs import MAX_BATCH
-from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
+from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV, check_requested_bundle
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cli_options import FLOW_WINDOW_HELP, THREADS, NonEmptyPath, chunk_policy_options
 from cosyvoice_runtime.errors import USER_ERRORS
+from cosyvoice_runtime.extras import require_extra
 from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES
 from cosyvoice_runtime.runners import CPU
 from cosyvoice_runtime.sampling import MAX_SEED, SAMPLINGS
@@ -178,11 +179,12 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
     if grpc_port is not None and (grpc_service or grpc_port == port):
         raise click.UsageError("--grpc-port serves gRPC beside HTTP on another port than --port; --grpc "
                                "serves gRPC alone on --port")
-    # the serve extra, imported here so that --help needs none of it (a missing module is one line: __main__)
-    from .app import create_app
-    from .engine import Engine
-    from .http_server import http_server
-
+    require_extra("serve")  # named before the input is judged, as importing it would (one line: __main__)
+    if ray is None or ray.address is None:  # a cluster's replicas find the model where they run
+        try:
+            check_requested_bundle(model)
+        except USER_ERRORS as e:
+            _refuse(str(e))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
     try:
         speakers_folder = speakers_dir or default_speakers_dir()
@@ -216,6 +218,11 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
     _check_listen(host, port, "--port", grpc_binds if grpc_service else uvicorn_binds)
     if grpc_port is not None:
         _check_listen(host, grpc_port, "--grpc-port", grpc_binds)
+    # the serve extra's heavy part (FastAPI, onnxruntime), imported once the input has passed
+    from .app import create_app
+    from .engine import Engine
+    from .http_server import http_server
+
     try:
         engine = Engine.open(model, provider=provider, flow_prefix_bytes=flow_prefix_mib << 20,
                              threads=threads, max_batch=max_batch, chunk_slots=chunk_slots,

@@ -10,6 +10,7 @@ import asyncio
 import base64
 import json
 import logging
+import os
 import re
 import shutil
 import socket
@@ -52,6 +53,7 @@ from test_serve import (
 
 from cosyvoice_graphs import DIT
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import SpeakerError
 from cosyvoice_runtime.sampling import MAX_SEED, Sampling
@@ -532,6 +534,30 @@ def test_a_speakers_folder_the_server_cannot_use_is_one_line_before_the_bundle_o
     assert result.exit_code == 2
     assert result.stderr.startswith(f"error: ${SPEAKERS_DIR_ENV} {tmp_path / 'file'}: cannot create")
     assert opened == []
+
+
+SERVE_PROBE = ("import atexit, sys\n"
+               "atexit.register(lambda: print('fastapi loaded:', 'fastapi' in sys.modules))\n"
+               "sys.argv[0] = 'cosyvoice-serve'\n"
+               "from cosyvoice_serve.cli import main\n"
+               "main()\n")
+"""`cosyvoice-serve ARGS`, then whether it imported FastAPI, on stdout."""
+
+
+def test_a_wrong_model_folder_is_one_line_before_fastapi_loads_and_the_speakers_folder_is_made(
+        tmp_path: Path) -> None:
+    none, empty, speakers = tmp_path / "none", tmp_path / "empty", tmp_path / "speakers"
+    empty.mkdir()
+    cases = [(["--model", str(none)], {}, f"{none} (--model): does not exist"),
+             (["--model", str(empty)], {}, f"{empty} (--model): neither a runtime bundle (no manifest.json) "
+              "nor a model bundle (no cosyvoice3.yaml)"),
+             ([], {MODEL_DIR_ENV: str(none)}, f"{none} (${MODEL_DIR_ENV}): does not exist")]
+    for args, env, says in cases:
+        done = subprocess.run([sys.executable, "-c", SERVE_PROBE, *args, "--speakers", str(speakers)],
+                              capture_output=True, text=True, timeout=60, check=False, env=os.environ | env)
+        assert (done.returncode, done.stderr) == (2, f"error: {says}\n")
+        assert done.stdout == "fastapi loaded: False\n"
+    assert not speakers.exists()
 
 
 def test_the_options_reach_the_settings(engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
