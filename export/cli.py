@@ -475,6 +475,7 @@ def speakers_cmd(spk2info: Path, out: Path | None, model: Path | None) -> None:
     CosyVoice3.list_available_spks() lists them and cosyvoice-serve serves them. Everything is checked
     before anything is written; a problem is one line naming the file, speaker and key, and exit status 2.
     """
+    require_extra("export")
     from cosyvoice_runtime.errors import USER_ERRORS
     from cosyvoice_runtime.speakers import default_speakers_dir
 

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from cosyvoice_runtime.bundle import ModelDims, RuntimeBundle
 from cosyvoice_runtime.bundle_source import choose_bundle
@@ -52,8 +51,9 @@ REQUIRED = ("prompt_text", "llm_prompt_speech_token", "flow_prompt_speech_token"
 """The keys a zero-shot speaker's entry must have."""
 ZIP_HEAD = b"PK\x03\x04"
 """How `torch.save`'s file begins: a zip archive."""
-LEGACY_MAGIC = torch.serialization.MAGIC_NUMBER.to_bytes(10, "little")
-"""What the first pickle of torch's legacy (not zip) format holds, after the pickle's protocol and framing."""
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C.to_bytes(10, "little")
+"""What the first pickle of torch's legacy (not zip) format holds, after the pickle's protocol and framing
+(`torch.serialization.MAGIC_NUMBER`, here so that a file is judged before torch loads)."""
 TORCH_HEAD_BYTES = 32
 """The bytes of a file's beginning that show it is one of these."""
 
@@ -89,7 +89,9 @@ def convert_spk2info(spk2info: Path, out: Path, model: Path | None) -> list[Upst
     """Add the speakers of `spk2info` to the registry in `out` for the bundle `cosyvoice-serve --model
     model` serves (the same default), replacing speakers of the same names; returns them.
 
-    Every speaker is checked before the first is written."""
+    Every speaker is checked before the first is written; a file that is no torch file is refused before
+    the bundle is looked at and torch loads."""
+    check_torch_file(spk2info)
     bundle = RuntimeBundle.open(choose_bundle(model).path)
     speakers = read_spk2info(spk2info, TextTokenizer(bundle.tokenizer_dir, skip_special_tokens=False),
                              bundle.dims)
@@ -103,8 +105,8 @@ def convert_spk2info(spk2info: Path, out: Path, model: Path | None) -> list[Upst
     return speakers
 
 
-def _load(path: Path) -> object:
-    """The object `torch.load` reads from `path`, tensors only (nothing in the file is run)."""
+def check_torch_file(path: Path) -> bytes:
+    """The beginning of `path`, a `BundleError` where it shows no file `torch.save` wrote."""
     try:
         with path.open("rb") as file:
             head = file.read(TORCH_HEAD_BYTES)
@@ -117,6 +119,14 @@ def _load(path: Path) -> object:
     if not head.startswith(ZIP_HEAD) and LEGACY_MAGIC not in head:
         raise BundleError(f"{path}: not a torch file (neither torch.save's zip archive nor its legacy "
                           "pickle); expected upstream's spk2info.pt")
+    return head
+
+
+def _load(path: Path) -> object:
+    """The object `torch.load` reads from `path`, tensors only (nothing in the file is run)."""
+    head = check_torch_file(path)
+    import torch
+
     try:
         with warnings.catch_warnings():
             # a legacy file's pickle protocol draws a warning about torch's default, not about the file
@@ -174,6 +184,8 @@ def _speaker(where: str, name: str, entry: object, tokenizer: TextTokenizer, dim
 
 
 def _array(where: str, key: str, value: Any) -> np.ndarray:
+    import torch
+
     if not isinstance(value, torch.Tensor):
         raise BundleError(f"{where}: {key} is not a tensor ({type(value).__name__})")
     value = value.detach().cpu()

@@ -88,3 +88,23 @@ def test_download_that_cannot_reach_the_hub_says_so_before_torch_loads(tmp_path:
     line, loaded = refusal("download", str(tmp_path / "model"), env=hub)
     assert "offline mode is on (HF_HUB_OFFLINE)" in line
     assert loaded == "loaded:"
+
+
+def test_speakers_judges_its_file_and_model_before_torch_loads(tmp_path: Path) -> None:
+    import torch
+
+    from cosyvoice_export.speakers import LEGACY_MAGIC, ZIP_HEAD
+
+    assert LEGACY_MAGIC == torch.serialization.MAGIC_NUMBER.to_bytes(10, "little")
+    names = ("notes.pt", "empty.pt", "spk2info.pt", "none")
+    not_torch, empty, zipped, none = (tmp_path / name for name in names)
+    not_torch.write_text("hello, not a pickle\n")
+    empty.write_bytes(b"")
+    zipped.write_bytes(ZIP_HEAD + bytes(28))  # looks like torch.save's file: the model is judged next
+    cases = {(str(not_torch),): f"{not_torch}: not a torch file (neither torch.save's zip archive nor its "
+                                "legacy pickle); expected upstream's spk2info.pt",
+             (str(empty),): f"{empty}: empty file; expected upstream's spk2info.pt",
+             (str(zipped), "--model", str(none)): f"{none} (--model): does not exist"}
+    for args, says in cases.items():
+        line, loaded = refusal("speakers", *args, "--out", str(tmp_path / "speakers"))
+        assert (line, loaded) == (f"error: {says}", "loaded:")
