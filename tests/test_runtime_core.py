@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -187,6 +188,22 @@ def test_sha_mismatch_needs_verify(runtime_bundle: Path, tmp_path: Path) -> None
     config.write_bytes(bytes(data))
     RuntimeBundle.open(root)  # sizes only
     one_line_error(root, r"tokenizer/config.json: sha256 [0-9a-f]{16}…, the manifest says", verify=True)
+
+
+def test_of_two_damaged_files_verify_names_the_first_listed(runtime_bundle: Path, tmp_path: Path) -> None:
+    """Files are hashed several at a time, largest first; the one named is the manifest's first, as hashing
+    one after another would name it."""
+    root = clone(runtime_bundle, tmp_path)
+    files = json.loads((root / MANIFEST).read_text())["files"]
+    by_size = sorted(files, key=lambda rel: files[rel]["size"])
+    first_listed, largest = next(iter(files)), by_size[-1]
+    assert first_listed != largest
+    for rel in (first_listed, largest):
+        data = bytearray((root / rel).read_bytes())
+        data[len(data) // 2] ^= 1
+        (root / rel).unlink()
+        (root / rel).write_bytes(bytes(data))
+    one_line_error(root, rf"^{re.escape(str(root / first_listed))}: sha256 [0-9a-f]{{16}}…", verify=True)
 
 
 def test_size_mismatch(runtime_bundle: Path, tmp_path: Path) -> None:
