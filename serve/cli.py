@@ -218,7 +218,7 @@ def serve(host: str, port: int, grpc_service: bool, grpc_port: int | None, model
     _check_listen(host, port, "--port", grpc_binds if grpc_service else uvicorn_binds)
     if grpc_port is not None:
         _check_listen(host, grpc_port, "--grpc-port", grpc_binds)
-    # the serve extra's heavy part (FastAPI, onnxruntime), imported once the input has passed
+    # the serve extra's heavy part (FastAPI, uvicorn), imported once the input has passed
     from .app import create_app
     from .engine import Engine
     from .http_server import http_server
