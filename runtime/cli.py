@@ -158,7 +158,7 @@ def _check_outputs(outputs: dict[str, Path | None], inputs: dict[str, Path | Non
               help="Also write every streamed chunk's ranges, sha256 and timings as JSON (--stream).")
 @click.option("--verify/--no-verify", default=True, show_default=True,
               help="Check every bundle file's sha256 against the manifest before running "
-                   "(several files at once: 0.4 s per GB on 2 cores); sizes are always checked.")
+                   "(several files at once, under a second per GB); sizes are always checked.")
 @click.option("--out", type=NonEmptyPath(dir_okay=False, path_type=Path),
               help=f"{AUDIO_OUT_HELP} '-': WAV on standard output, for a player (`| aplay`), each chunk as "
                    "it is made with --stream.")
