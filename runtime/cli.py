@@ -23,7 +23,7 @@ import numpy as np
 from .atomic_files import atomic_paths, check_writable, refuse_overwriting_inputs, resolved, write_json
 from .audio_files import AUDIO_OUT_HELP, WAV, audio_bytes, audio_format, pcm16, streaming_wav_header
 from .bundle import RuntimeBundle
-from .bundle_source import MODEL_DIR_ENV, choose_bundle, choose_prompt, requested_bundle
+from .bundle_source import MODEL_DIR_ENV, PromptChoice, choose_bundle, choose_prompt, requested_bundle
 from .chunk_policy import ChunkPolicy
 from .cli_options import (
     FLOW_WINDOW_HELP,
@@ -36,12 +36,12 @@ from .cli_options import (
 from .cosyvoice3 import CosyVoice3
 from .demo import DEMO_BUNDLE
 from .errors import UserError
-from .frontend import PromptFeatures, read_prompt_audio
+from .frontend import PromptFeatures, TextFrontend, TextTokenizer, read_prompt_audio
 from .progress import SynthesisProgress
 from .runners import CPU, PROVIDERS
 from .runners.ort_settings import TUNING_FILE, read_tuning
 from .sampling import SAMPLINGS
-from .segments import MAX_TEXT_CHARS, Segment
+from .segments import MAX_TEXT_CHARS, Segment, checked_segments
 from .synthesis import Mode
 from .tuning import tune
 
@@ -218,21 +218,18 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
         _check_outputs({"--out": None if to_stdout else out, "--tokens-out": tokens_out,
                         "--chunks-out": chunks_out}, {"--prompt-wav": prompt_wav, named: bundle})
         start = time.perf_counter()
-        # a bad recording is refused before the bundle's hashes are checked and its graphs opened
+        # a bad recording, prompt or text is refused before the bundle's hashes are checked and its graphs
+        # opened: the prompt and the text front end need its manifest only
         given_audio = read_prompt_audio(prompt_wav) if prompt_wav is not None else None
         choice = choose_bundle(model)
         if choice.default:
             click.echo(f"model: {choice.origin}", err=True)
+        pieces, chosen = _pieces(RuntimeBundle.open(choice.path), Mode(mode), text, prompt_wav, prompt_text,
+                                 instruct)
         with CosyVoice3(choice.path, provider=provider, threads=threads, sampling=sampling, seed=seed,
                         verify=verify, chunk_policy=chunk_policy, cuda_graphs=cuda_graphs) as voice:
-            chosen = choose_prompt(voice.bundle, prompt_wav, prompt_text)
             if chosen.default:
                 click.echo(f"prompt: the bundle's {chosen.wav.name} ({chosen.text!r})", err=True)
-            if Mode(mode) is Mode.ZERO_SHOT and not chosen.text.strip():
-                raise UserError(f"zero-shot needs --prompt-text: the bundle's prompt {chosen.wav.name} has "
-                                "no transcript")
-            pieces = voice.segments(Mode(mode), text, prompt_text=chosen.text, instruct=instruct or "",
-                                    text_name="--text")
             prompt = voice.prompt_features(given_audio if given_audio is not None else chosen.wav)
             ready = time.perf_counter()
             with _reader_may_leave():
@@ -264,6 +261,20 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
                f"{len(pieces)} segment(s), {sum(len(t) for t in result.tokens)} speech tokens ({mode}, "
                f"{sampling}, seed {seed}); RTF {work / max(seconds, 1e-9):.3f}{latency}; load "
                f"{ready - start:.2f} s", err=to_stdout)
+
+
+def _pieces(bundle: RuntimeBundle, mode: Mode, text: str, prompt_wav: Path | None, prompt_text: str | None,
+            instruct: str | None) -> tuple[list[Segment], PromptChoice]:
+    """The segments of `text` and the prompt they are spoken in (the bundle's own where `prompt_wav` is not
+    given); a `UserError` where either is missing."""
+    chosen = choose_prompt(bundle, prompt_wav, prompt_text)
+    if mode is Mode.ZERO_SHOT and not chosen.text.strip():
+        raise UserError(f"zero-shot needs --prompt-text: the bundle's prompt {chosen.wav.name} has no "
+                        "transcript")
+    tokenizer = TextTokenizer(bundle.tokenizer_dir)
+    pieces = checked_segments(text, mode, tokenizer, TextFrontend(tokenizer), prompt_text=chosen.text,
+                              instruct=instruct or "", text_name="--text")
+    return pieces, chosen
 
 
 def _print_info(model: Path | None, verify: bool) -> None:

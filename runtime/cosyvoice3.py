@@ -71,7 +71,7 @@ from .process_memory import release_free_heap
 from .runners import CPU, TENSORRT
 from .runners.ort import LOAD_ERRORS, unloadable
 from .sampling import Sampling
-from .segments import Segment, prompt_ids, segments
+from .segments import Segment, checked_segments, prompt_ids
 from .speakers import (
     Speaker,
     SpeakerRegistry,
@@ -336,15 +336,8 @@ class CosyVoice3:
         """`tts_text` normalised and split as upstream does (`text_frontend=False`: one segment, as
         given), each piece formatted for `mode` and tokenised; a `UserError` (naming the text
         `text_name`) if nothing is left."""
-        if not tts_text.strip():
-            raise UserError(f"{text_name} is empty")
-        for text, name in ((tts_text, text_name), (prompt_text, "prompt_text"), (instruct, "instruct_text")):
-            check_unicode(text, name)  # before the normaliser, whose grammars would fail on it otherwise
-        pieces = segments(tts_text, mode, self.tokenizer, self.frontend if text_frontend else None,
-                          prompt_text=prompt_text, instruct=instruct)
-        if not pieces:
-            raise UserError(f"{text_name} has nothing to speak after normalisation")
-        return pieces
+        return checked_segments(tts_text, mode, self.tokenizer, self.frontend if text_frontend else None,
+                                prompt_text=prompt_text, instruct=instruct, text_name=text_name)
 
     def prompt_features(self, prompt_wav: PromptWav) -> PromptFeatures:
         """The prompt recording's speech tokens, prompt mel and x-vector (upstream's front end); the first

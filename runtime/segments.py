@@ -14,6 +14,7 @@ from .frontend import (
     instruct_prompt,
     zero_shot_prompt,
 )
+from .frontend.tokenizer import check_unicode
 from .synthesis import Mode
 
 MAX_TEXT_CHARS = 2000
@@ -43,6 +44,20 @@ def segments(text: str, mode: Mode, tokenizer: TextTokenizer, frontend: TextFron
             piece = cross_lingual_text(piece)
         out.append(Segment(piece, tokenizer.encode(piece), prompt))
     return out
+
+
+def checked_segments(text: str, mode: Mode, tokenizer: TextTokenizer, frontend: TextFrontend | None, *,
+                     prompt_text: str = "", instruct: str = "", text_name: str = "tts_text") -> list[Segment]:
+    """`segments`, with a `UserError` (naming the text `text_name`) where `text` is empty, where a text holds
+    no Unicode (before the normaliser, whose grammars would fail on it) or where nothing is left to speak."""
+    if not text.strip():
+        raise UserError(f"{text_name} is empty")
+    for value, name in ((text, text_name), (prompt_text, "prompt_text"), (instruct, "instruct_text")):
+        check_unicode(value, name)
+    pieces = segments(text, mode, tokenizer, frontend, prompt_text=prompt_text, instruct=instruct)
+    if not pieces:
+        raise UserError(f"{text_name} has nothing to speak after normalisation")
+    return pieces
 
 
 def prompt_ids(mode: Mode, tokenizer: TextTokenizer, *, prompt_text: str = "", instruct: str = ""

@@ -90,19 +90,6 @@ def test_info_prints_the_bundles_summary_without_text_or_out() -> None:
     assert missing.exit_code == 2 and "Missing option '--text'" in missing.output
 
 
-@pytest.mark.usefixtures("no_env")
-def test_a_bundle_without_a_prompt_needs_prompt_wav(tmp_path: Path) -> None:
-    bundle = shutil.copytree(DEMO_BUNDLE, tmp_path / "bundle")
-    manifest = json.loads((bundle / MANIFEST).read_text())
-    manifest["prompt"] = None
-    (bundle / MANIFEST).write_text(json.dumps(manifest))
-    args = ["--model", str(bundle), "--text", "Hi.", "--out", str(tmp_path / "o.wav")]
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code == 2
-    assert result.output.strip() == f"error: --prompt-wav is needed: {bundle} carries no prompt of its own"
-    assert not (tmp_path / "o.wav").exists()
-
-
 def test_model_dir_env_is_exported_once_into_the_cache(
         tiny_bundle: Path, runtime_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A model bundle in $COSYVOICE_MODEL_DIR is exported on first use and reused while unchanged."""

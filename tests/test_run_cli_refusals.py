@@ -1,7 +1,8 @@
 """`cosyvoice-run` refuses options it cannot use in one line with exit status 2, before the bundle is
 opened where the check needs no bundle, and writes nothing: outputs that are no regular file or that clash,
 text that is not UTF-8 or too long, a speed that is not finite, threads beyond the usable CPUs, a
-transcript or instruction the mode does not take, a damaged graph; and every console script reports
+transcript or instruction the mode does not take, a prompt or text the bundle cannot speak (before its
+files are hashed and its graphs open), a damaged graph; and every console script reports
 click's own usage errors in the same one line."""
 
 from __future__ import annotations
@@ -134,12 +135,38 @@ def test_prompt_text_and_instruct_have_texts_limit(option: str, no_bundle: list[
         f"error: {option} is {MAX_TEXT_CHARS + 1} characters; the limit is {MAX_TEXT_CHARS}")
 
 
-def test_text_with_nothing_to_speak_names_the_option(tmp_path: Path) -> None:
-    result = CliRunner().invoke(run_main, ["--model", str(DEMO_BUNDLE), "--text", "。。。", "--out",
-                                           str(tmp_path / "o.wav")])
-    assert result.exit_code == 2 and result.stderr.splitlines()[-1] == (
-        "error: --text has nothing to speak after normalisation")
-    assert list(tmp_path.iterdir()) == []
+def _demo_with_prompt(tmp_path: Path, prompt: str) -> Path:
+    """The demo bundle ("own"), or a copy of it without a prompt ("none") or with a blank transcript
+    ("blank")."""
+    if prompt == "own":
+        return DEMO_BUNDLE
+    bundle = shutil.copytree(DEMO_BUNDLE, tmp_path / "bundle")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    if prompt == "none":
+        manifest["prompt"] = None
+    else:
+        text = bundle / manifest["prompt"]["text"]
+        text.write_text(" ")
+        manifest["files"][manifest["prompt"]["text"]]["size"] = text.stat().st_size
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    return bundle
+
+
+@pytest.mark.parametrize(("text", "prompt", "line"), [
+    ("。。。", "own", "error: --text has nothing to speak after normalisation"),
+    ("Hi.", "none", "error: --prompt-wav is needed: {bundle} carries no prompt of its own"),
+    ("Hi.", "blank", "error: zero-shot needs --prompt-text: the bundle's prompt zero_shot_prompt.wav has no "
+                     "transcript"),
+])
+def test_the_prompt_and_the_text_are_refused_before_the_bundle_is_hashed_or_its_graphs_open(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, prompt: str, line: str) -> None:
+    bundle = _demo_with_prompt(tmp_path, prompt)
+    monkeypatch.setattr(RuntimeBundle, "_check_hashes", lambda _: pytest.fail("the bundle was hashed"))
+    monkeypatch.setattr(run_cli, "CosyVoice3", lambda *_, **__: pytest.fail("the graphs were opened"))
+    out = tmp_path / "out" / "o.wav"
+    result = CliRunner().invoke(run_main, ["--model", str(bundle), "--text", text, "--out", str(out)])
+    assert refused(result) == line.format(bundle=bundle)
+    assert not out.parent.exists()
 
 
 # --- options -----------------------------------------------------------------------------------------------
