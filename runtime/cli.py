@@ -266,7 +266,7 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
 def _pieces(bundle: RuntimeBundle, mode: Mode, text: str, prompt_wav: Path | None, prompt_text: str | None,
             instruct: str | None) -> tuple[list[Segment], PromptChoice]:
     """The segments of `text` and the prompt they are spoken in (the bundle's own where `prompt_wav` is not
-    given); a `UserError` where either is missing."""
+    given); a `UserError` where there is no prompt, no transcript zero-shot needs, or nothing to speak."""
     chosen = choose_prompt(bundle, prompt_wav, prompt_text)
     if mode is Mode.ZERO_SHOT and not chosen.text.strip():
         raise UserError(f"zero-shot needs --prompt-text: the bundle's prompt {chosen.wav.name} has no "
