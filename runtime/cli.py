@@ -219,7 +219,7 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
                         "--chunks-out": chunks_out}, {"--prompt-wav": prompt_wav, named: bundle})
         start = time.perf_counter()
         # a bad recording, prompt or text is refused before the bundle's hashes are checked and its graphs
-        # opened: the prompt and the text front end need its manifest only
+        # opened: the prompt and the text front end need its manifest and tokenizer only
         given_audio = read_prompt_audio(prompt_wav) if prompt_wav is not None else None
         choice = choose_bundle(model)
         if choice.default:
