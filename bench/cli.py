@@ -10,7 +10,7 @@ from cosyvoice_graphs import MAX_BATCH
 from cosyvoice_graphs.bundle_layout import FLOW_NOISE
 from cosyvoice_runtime.atomic_files import check_writable, refuse_overwriting_inputs, write_json_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
-from cosyvoice_runtime.bundle_source import choose_prompt
+from cosyvoice_runtime.bundle_source import BundleFront, choose_prompt
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cli_options import THREADS, NonEmptyPath, chunk_policy_options
 from cosyvoice_runtime.errors import FrontendError
@@ -149,7 +149,7 @@ def main(model: Path, prompt_wav: Path | None, prompt_text: str | None, vs_torch
 
             # another model's reference would be measured in full and then disagree on every token
             ModelBundle.open_exported_from(model_dir, bundle)
-        chosen = choose_prompt(bundle, prompt_wav, prompt_text)
+        chosen = choose_prompt(BundleFront.of(bundle), prompt_wav, prompt_text)
         prompt_wav, prompt_text = chosen.wav, chosen.text
         if chosen.default:
             _check_prompt(prompt_wav, f"the prompt of {model}")

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cosyvoice_graphs.bundle_layout import GRAPHS_DIR, MANIFEST, MODEL_YAML
+from cosyvoice_graphs.bundle_layout import GRAPHS_DIR, MANIFEST, MODEL_YAML, PROMPT_TEXT, PROMPT_WAV, QWEN_DIR
 from cosyvoice_graphs.precision import FP32
 
 from .atomic_files import check_writable, write_json_atomic
@@ -74,6 +74,33 @@ def requested_bundle(model: Path | None, name: str = "--model") -> tuple[Path, s
 
 
 @dataclass(frozen=True)
+class BundleFront:
+    """What a run's prompt and text are checked against before its bundle is exported or its graphs open:
+    the bundle's tokenizer files and its own prompt. A model bundle's are the files its export copies."""
+
+    root: Path
+    """The folder given: a runtime bundle, or a model bundle not yet exported."""
+    tokenizer_dir: Path
+    prompt: tuple[Path, str] | None
+    """The bundle's own prompt recording and transcript, or None (exports of upstream's release)."""
+
+    @classmethod
+    def of(cls, bundle: RuntimeBundle) -> BundleFront:
+        return cls(bundle.root, bundle.tokenizer_dir, bundle.default_prompt())
+
+
+def bundle_front(model: Path | None, name: str = "--model") -> BundleFront:
+    """The front of the bundle `choose_bundle` would run for `model`, read without exporting a model bundle
+    (minutes) or hashing a runtime bundle's files; a `RuntimeBundleError` for a folder that is neither."""
+    path, origin = requested_bundle(model, name)
+    if (path == DEMO_BUNDLE and model is None) or _is_runtime_bundle(path, origin):
+        return BundleFront.of(RuntimeBundle.open(path))
+    wav, text = path / PROMPT_WAV, path / PROMPT_TEXT
+    prompt = (wav, text.read_text(encoding="utf-8").strip()) if wav.is_file() and text.is_file() else None
+    return BundleFront(path, path / QWEN_DIR, prompt)
+
+
+@dataclass(frozen=True)
 class PromptChoice:
     wav: Path
     text: str
@@ -82,13 +109,13 @@ class PromptChoice:
     """The bundle's own prompt (worth telling the user)."""
 
 
-def choose_prompt(bundle: RuntimeBundle, wav: Path | None, text: str | None) -> PromptChoice:
+def choose_prompt(front: BundleFront, wav: Path | None, text: str | None) -> PromptChoice:
     """The given prompt, else the bundle's own with its transcript (unless `text` is given)."""
     if wav is not None:
         return PromptChoice(wav, text or "", default=False)
-    default = bundle.default_prompt()
+    default = front.prompt
     if default is None:
-        raise UserError(f"--prompt-wav is needed: {bundle.root} carries no prompt of its own")
+        raise UserError(f"--prompt-wav is needed: {front.root} carries no prompt of its own")
     return PromptChoice(default[0], default[1] if text is None else text, default=True)
 
 

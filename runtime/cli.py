@@ -23,7 +23,15 @@ import numpy as np
 from .atomic_files import atomic_paths, check_writable, refuse_overwriting_inputs, resolved, write_json
 from .audio_files import AUDIO_OUT_HELP, WAV, audio_bytes, audio_format, pcm16, streaming_wav_header
 from .bundle import RuntimeBundle
-from .bundle_source import MODEL_DIR_ENV, PromptChoice, choose_bundle, choose_prompt, requested_bundle
+from .bundle_source import (
+    MODEL_DIR_ENV,
+    BundleFront,
+    PromptChoice,
+    bundle_front,
+    choose_bundle,
+    choose_prompt,
+    requested_bundle,
+)
 from .chunk_policy import ChunkPolicy
 from .cli_options import (
     FLOW_WINDOW_HELP,
@@ -218,14 +226,14 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
         _check_outputs({"--out": None if to_stdout else out, "--tokens-out": tokens_out,
                         "--chunks-out": chunks_out}, {"--prompt-wav": prompt_wav, named: bundle})
         start = time.perf_counter()
-        # a bad recording, prompt or text is refused before the bundle's hashes are checked and its graphs
-        # opened: the prompt and the text front end need its manifest and tokenizer only
+        # a bad recording, prompt or text is refused before a model bundle is exported, or a runtime
+        # bundle's hashes checked and its graphs opened: the prompt and the text front end need the
+        # bundle's tokenizer and own prompt only
         given_audio = read_prompt_audio(prompt_wav) if prompt_wav is not None else None
+        pieces, chosen = _pieces(bundle_front(model), Mode(mode), text, prompt_wav, prompt_text, instruct)
         choice = choose_bundle(model)
         if choice.default:
             click.echo(f"model: {choice.origin}", err=True)
-        pieces, chosen = _pieces(RuntimeBundle.open(choice.path), Mode(mode), text, prompt_wav, prompt_text,
-                                 instruct)
         with CosyVoice3(choice.path, provider=provider, threads=threads, sampling=sampling, seed=seed,
                         verify=verify, chunk_policy=chunk_policy, cuda_graphs=cuda_graphs) as voice:
             if chosen.default:
@@ -263,15 +271,15 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
                f"{ready - start:.2f} s", err=to_stdout)
 
 
-def _pieces(bundle: RuntimeBundle, mode: Mode, text: str, prompt_wav: Path | None, prompt_text: str | None,
+def _pieces(front: BundleFront, mode: Mode, text: str, prompt_wav: Path | None, prompt_text: str | None,
             instruct: str | None) -> tuple[list[Segment], PromptChoice]:
     """The segments of `text` and the prompt they are spoken in (the bundle's own where `prompt_wav` is not
     given); a `UserError` where there is no prompt, no transcript zero-shot needs, or nothing to speak."""
-    chosen = choose_prompt(bundle, prompt_wav, prompt_text)
+    chosen = choose_prompt(front, prompt_wav, prompt_text)
     if mode is Mode.ZERO_SHOT and not chosen.text.strip():
         raise UserError(f"zero-shot needs --prompt-text: the bundle's prompt {chosen.wav.name} has no "
                         "transcript")
-    tokenizer = TextTokenizer(bundle.tokenizer_dir)
+    tokenizer = TextTokenizer(front.tokenizer_dir)
     pieces = checked_segments(text, mode, tokenizer, TextFrontend(tokenizer), prompt_text=chosen.text,
                               instruct=instruct or "", text_name="--text")
     return pieces, chosen

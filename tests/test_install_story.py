@@ -142,11 +142,17 @@ def test_bench_vs_torch_without_torch_is_one_line(tmp_path: Path) -> None:
 
 
 def test_run_on_a_model_bundle_without_the_export_extra_says_so_and_exports_nothing(tmp_path: Path) -> None:
+    from cosyvoice_runtime.bundle import RuntimeBundle
+    from cosyvoice_runtime.demo import DEMO_BUNDLE
+
     model = tmp_path / "Fun-CosyVoice3-0.5B"
-    model.mkdir()
-    (model / "cosyvoice3.yaml").write_text("")  # what makes a folder a model bundle to `--model`
+    # what a run reads of a model bundle before exporting it: its tokenizer (the demo bundle's copy of one);
+    # the yaml makes the folder a model bundle to `--model`
+    shutil.copytree(RuntimeBundle.open(DEMO_BUNDLE).tokenizer_dir, model / "CosyVoice-BlankEN")
+    (model / "cosyvoice3.yaml").write_text("")
     cache = tmp_path / "cache"
-    done = run_script("cosyvoice-run", "--model", str(model), "--text", "Hi.", "--out",
+    done = run_script("cosyvoice-run", "--model", str(model), "--text", "Hi.", "--prompt-wav",
+                      str(DEMO_BUNDLE / "asset" / "zero_shot_prompt.wav"), "--prompt-text", "Hello.", "--out",
                       str(tmp_path / "out.wav"), unimportable=("torch",), env={CACHE_DIR_ENV: str(cache)})
     assert one_line(done) == (f"error: {model} (--model) is a model bundle; exporting it needs the export "
                               "extra (pip install 'cosyvoice-onnx[export]'), which provides cosyvoice-export")

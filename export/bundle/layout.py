@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 # The yaml, and our bundles' demo prompt and transcript (upstream's repository keeps its example prompt
-# under the same name): the runtime bundle carries them at the same paths, so they are named once, there.
+# under the same name): the runtime bundle carries them at the same paths, so they are named once, there;
+# the Qwen2 folder too, whose tokenizer the runtime reads before it exports a model bundle.
 from cosyvoice_graphs.bundle_layout import MODEL_YAML as YAML
-from cosyvoice_graphs.bundle_layout import PROMPT_TEXT, PROMPT_WAV
+from cosyvoice_graphs.bundle_layout import PROMPT_TEXT, PROMPT_WAV, QWEN_DIR
 
 __all__ = ["CAMPPLUS", "LLM_CHECKPOINTS", "LLM_VARIANTS", "PROMPT_TEXT", "PROMPT_WAV", "QWEN_DIR",
            "QWEN_WEIGHTS", "SPEECH_TOKENIZER", "SPK2INFO", "YAML"]
 
-QWEN_DIR = "CosyVoice-BlankEN"
 CAMPPLUS = "campplus.onnx"
 SPEECH_TOKENIZER = "speech_tokenizer_v3.onnx"
 SPK2INFO = "spk2info.pt"
