@@ -50,15 +50,16 @@ DEMO_ORIGIN = "the embedded demo bundle"
 
 
 def choose_bundle(model: Path | None, *, progress: bool = True, precision: str = FP32.name,
-                  name: str = "--model") -> BundleChoice:
+                  name: str = "--model", provider: str | None = None) -> BundleChoice:
     """`model` if given, else `$COSYVOICE_MODEL_DIR`, else the demo bundle; model bundles are exported
     (or their cached export reused) first, in `precision` (`cosyvoice-export all --precision`). `name` is
-    what errors call `model` (the option or argument it came in)."""
+    what errors call `model` (the option or argument it came in); `provider`, where given, is what will run
+    the bundle: an export is refused before it starts where nothing that runs graphs on it is installed."""
     path, origin = requested_bundle(model, name)
     if path == DEMO_BUNDLE and model is None:
         return BundleChoice(DEMO_BUNDLE, f"{DEMO_ORIGIN} (tiny, random weights: noise, not speech)",
                             default=True)
-    return _runtime_bundle(path, origin, progress, precision, default=model is None)
+    return _runtime_bundle(path, origin, progress, precision, provider, default=model is None)
 
 
 def requested_bundle(model: Path | None, name: str = "--model") -> tuple[Path, str]:
@@ -172,8 +173,8 @@ def _is_runtime_bundle(path: Path, origin: str) -> bool:
     return False
 
 
-def _runtime_bundle(path: Path, origin: str, progress: bool, precision: str, *, default: bool
-                    ) -> BundleChoice:
+def _runtime_bundle(path: Path, origin: str, progress: bool, precision: str, provider: str | None, *,
+                    default: bool) -> BundleChoice:
     if _is_runtime_bundle(path, origin):
         return BundleChoice(path, f"{origin} ({path})", default)
     resolved = path.resolve()
@@ -184,6 +185,10 @@ def _runtime_bundle(path: Path, origin: str, progress: bool, precision: str, *, 
     out, stamp = folder / "runtime", _stamp(resolved)
     if _read_json(folder / STAMP) == stamp and _opens(out):
         return BundleChoice(out, f"{origin} ({path}), exported earlier to {out}", default)
+    if provider is not None:  # before the export's minutes; onnxruntime is imported only here
+        from .runners import check_provider_installed
+
+        check_provider_installed(provider)
     check_writable(folder, f"the export cache ({chosen_by})", directory=True)  # before its minutes
     _export(resolved, out, f"{path} ({origin})", progress, precision)
     write_json_atomic(folder / STAMP, stamp)

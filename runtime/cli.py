@@ -231,7 +231,7 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
         # bundle's tokenizer and own prompt only
         given_audio = read_prompt_audio(prompt_wav) if prompt_wav is not None else None
         pieces, chosen = _pieces(bundle_front(model), Mode(mode), text, prompt_wav, prompt_text, instruct)
-        choice = choose_bundle(model)
+        choice = choose_bundle(model, provider=provider)
         if choice.default:
             click.echo(f"model: {choice.origin}", err=True)
         with CosyVoice3(choice.path, provider=provider, threads=threads, sampling=sampling, seed=seed,

@@ -180,7 +180,8 @@ class CosyVoice3:
         if not isinstance(model_dir, str | Path | RuntimeBundle):
             raise UserError(f"model_dir is {type(model_dir).__name__}; expected a bundle's path")
         bundle = model_dir if isinstance(model_dir, RuntimeBundle) else RuntimeBundle.open(
-            choose_bundle(Path(model_dir), precision=FP16.name if fp16 else FP32.name, name="model_dir").path)
+            choose_bundle(Path(model_dir), precision=FP16.name if fp16 else FP32.name, name="model_dir",
+                          provider=provider).path)
         if fp16 and bundle.manifest.precision != FP16.name:
             raise UserError(f"fp16=True: {bundle.root} is a {bundle.manifest.precision} bundle; give its "
                             "model directory (exported in fp16 on first use) or an export with "

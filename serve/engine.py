@@ -190,7 +190,7 @@ class Engine:
              chunk_policy: ChunkPolicy | None = None, cuda_graphs: bool | None = None,
              stack_dit: bool = False, stack_vocoder: bool = False) -> Engine:
         """The bundle `cosyvoice-run` would use for `--model model` (verified), opened for serving."""
-        choice = choose_bundle(model)
+        choice = choose_bundle(model, provider=provider)
         return cls(RuntimeBundle.open(choice.path, verify=True), choice.origin, provider=provider,
                    flow_prefix_bytes=flow_prefix_bytes, threads=threads, max_batch=max_batch,
                    chunk_slots=chunk_slots, chunk_policy=chunk_policy, cuda_graphs=cuda_graphs,
@@ -204,7 +204,7 @@ class Engine:
         against the options as `open` holds it before any graph opens (`check_synthesis`): one of
         `USER_ERRORS` where `open` would refuse them."""
         _check_provider(provider)
-        bundle = RuntimeBundle.open(choose_bundle(model).path)
+        bundle = RuntimeBundle.open(choose_bundle(model, provider=provider).path)
         check_synthesis(bundle, provider, max_batch=max_batch, chunk_slots=chunk_slots,
                         chunk_policy=chunk_policy, cuda_graphs=cuda_graphs, stack_dit=stack_dit)
         return bundle

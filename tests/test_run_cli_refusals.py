@@ -26,6 +26,7 @@ from pathlib import Path
 
 import click
 import numpy as np
+import onnxruntime as ort
 import pytest
 import soundfile as sf
 from click.testing import CliRunner, Result
@@ -35,10 +36,12 @@ from cosyvoice_graphs.bundle_layout import MODEL_YAML, PROMPT_TEXT, PROMPT_WAV, 
 from cosyvoice_runtime import bundle_source
 from cosyvoice_runtime.audio_files import save_wav
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.bundle_source import CACHE_DIR_ENV
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.cli_options import NonEmptyPath, Threads
+from cosyvoice_runtime.cosyvoice3 import CosyVoice3
 from cosyvoice_runtime.demo import DEMO_BUNDLE
-from cosyvoice_runtime.errors import UNREACHABLE, RuntimeBundleError, UserError
+from cosyvoice_runtime.errors import UNREACHABLE, ProviderError, RuntimeBundleError, UserError
 from cosyvoice_runtime.extras import run_console_script
 from cosyvoice_runtime.runners import ort_settings
 from cosyvoice_runtime.runners.ort_settings import TUNING_FILE
@@ -187,6 +190,23 @@ def test_the_prompt_and_the_text_are_refused_before_the_bundle_is_exported_hashe
     result = CliRunner().invoke(run_main, ["--model", str(bundle), "--text", text, "--out", str(out)])
     assert refused(result) == line.format(bundle=bundle)
     assert not out.parent.exists()
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" in ort.get_available_providers(),
+                    reason="this onnxruntime has CUDA: there is no missing provider to refuse")
+def test_a_provider_not_installed_is_refused_before_a_model_bundle_is_exported(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The export takes minutes, and its bundle could not run."""
+    model, cache = _model_bundle(tmp_path, "own"), tmp_path / "cache"
+    monkeypatch.setenv(CACHE_DIR_ENV, str(cache))
+    monkeypatch.setattr(bundle_source, "_export", lambda *_, **__: pytest.fail("the bundle was exported"))
+    line = "provider 'cuda' needs onnxruntime's CUDAExecutionProvider; this onnxruntime"
+    result = CliRunner().invoke(run_main, ["--model", str(model), "--provider", "cuda", "--text", "Hi.",
+                                           "--out", str(tmp_path / "o.wav")])
+    assert refused(result).startswith(f"error: {line}")
+    with pytest.raises(ProviderError, match=re.escape(line)):
+        CosyVoice3(model, provider="cuda")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
 # --- options -----------------------------------------------------------------------------------------------

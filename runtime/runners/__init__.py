@@ -17,7 +17,7 @@ from cosyvoice_graphs.providers import CPU, CPU_PROVIDERS, CUDA, OPENVINO, PROVI
 from ..bundle import RuntimeBundle
 from ..errors import ProviderError
 from .base import BufferView, Feed, Runner, RunnerBase, check_feeds, feed_nbytes, feed_shape, to_host
-from .openvino import OpenVinoRunner, check_openvino_runs
+from .openvino import OpenVinoRunner, check_openvino_runs, import_openvino
 from .ort import OPTIMIZATION, ORT_PROVIDERS, OrtRunner, check_installed, provider_chain
 from .ort_settings import shape_sessions
 from .shape_pool import ShapePool
@@ -25,9 +25,9 @@ from .trt import TrtRunner, import_trt
 
 __all__ = ["CPU", "CPU_PROVIDERS", "CUDA", "OPENVINO", "OPTIMIZATION", "ORT_PROVIDERS", "PROVIDERS",
            "TENSORRT", "TRT", "BufferView", "Feed", "OpenVinoRunner", "OrtRunner", "Runner", "RunnerBase",
-           "ShapePool", "TrtRunner", "check_feeds", "check_opens", "check_runs", "decode_body", "feed_nbytes",
-           "feed_shape", "graphs_run", "on_openvino", "open_runner", "prefill_body", "provider_chain",
-           "to_host"]
+           "ShapePool", "TrtRunner", "check_feeds", "check_opens", "check_provider_installed", "check_runs",
+           "decode_body", "feed_nbytes", "feed_shape", "graphs_run", "on_openvino", "open_runner",
+           "prefill_body", "provider_chain", "to_host"]
 
 T = TypeVar("T")
 
@@ -76,6 +76,19 @@ def check_opens(bundle: RuntimeBundle, provider: str) -> list[str]:
         else:
             check_installed(provider)
     return graphs
+
+
+def check_provider_installed(provider: str) -> None:
+    """What runs graphs on `provider` is installed here (onnxruntime's provider, OpenVINO, TensorRT), as far
+    as that holds for any bundle: a `ProviderError` in one line (`check_opens` checks a bundle's graphs)."""
+    if provider not in PROVIDERS:
+        raise ProviderError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
+    if provider == OPENVINO:
+        import_openvino()
+    elif provider == TRT:
+        import_trt()
+    else:
+        check_installed(provider)
 
 
 def _pipeline(bundle: RuntimeBundle, rule: Callable[[Mapping[str, Precision], str, Collection[str]], T],
