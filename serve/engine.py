@@ -16,19 +16,22 @@ synthesises. A test runs two sessions at once and gets
 `cosyvoice-run`'s samples from both. The one exception is TensorRT: a `TrtRunner` reuses one execution
 context and its device buffers per call, so the server offers the onnxruntime providers and OpenVINO
 (`cpu`, `cuda`, `tensorrt`, `openvino`). The text front end is used under a lock: the wetext grammars load
-on first use and their thread-safety is not documented; it is cheap next to synthesis. Prompt extraction
+on first use and their thread-safety is not documented; it is cheap next to synthesis. A request's text is
+normalised before it waits for a session, on a thread of its own (`text_segments`). Prompt extraction
 uses two onnxruntime sessions of its own, safe the same way, on an upload decoded before its request waits
 for a session (`decode_upload`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
 import itertools
 import logging
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -180,6 +183,7 @@ class Engine:
         self.default_prompt = bundle.default_prompt()
         """The bundle's own prompt recording and its transcript, or None (exports of upstream's)."""
         self._text_lock = threading.Lock()
+        self._text_thread = ThreadPoolExecutor(1, thread_name_prefix="cosyvoice-text")
         self._default_lock = threading.Lock()
         self._default_features: PromptFeatures | None = None
 
@@ -226,7 +230,24 @@ class Engine:
 
     def close(self) -> None:
         """Release the graphs."""
+        self._text_thread.shutdown(wait=False, cancel_futures=True)
         self.voice.close()
+
+    def segments(self, job: SynthesisJob) -> list[Segment]:
+        """The job's text's segments (upstream's normalisation, split and prompt formats); a `FieldError`
+        naming its field where there is nothing to speak."""
+        with self._text_lock:
+            try:
+                return self.voice.segments(job.mode, job.text, prompt_text=job.prompt_text,
+                                           instruct=job.instruct, text_name=job.text_field)
+            except (FrontendError, UserError) as e:
+                raise FieldError(job.text_field, str(e)) from None
+
+    async def text_segments(self, job: SynthesisJob) -> list[Segment]:
+        """`segments` for the event loop, before the job waits for a session: text with nothing to speak is
+        a 4xx at once, not after the queue's wait. On one thread of the engine's, so that requests that come
+        together take their turns there, not the event loop's worker threads (which encode the streams)."""
+        return await asyncio.get_running_loop().run_in_executor(self._text_thread, self.segments, job)
 
     # --- work run on a session's worker -----------------------------------------------------------------
 
@@ -274,13 +295,14 @@ class Engine:
                  f", {rounds} times (the DiT's graphs)" if rounds > 1 else "", seconds)
         return seconds
 
-    def stream(self, job: SynthesisJob, session: Session) -> Iterator[np.ndarray]:
-        """The job's audio as the runtime streams it: each chunk's new samples, segment after segment."""
-        yield from self._speak(job, session, stream=True)
+    def stream(self, job: SynthesisJob, pieces: list[Segment], session: Session) -> Iterator[np.ndarray]:
+        """The job's audio as the runtime streams it: each chunk's new samples, segment after segment
+        (`pieces`: its `segments`)."""
+        yield from self._speak(job, pieces, session, stream=True)
 
-    def synthesize(self, job: SynthesisJob, session: Session) -> Iterator[np.ndarray]:
+    def synthesize(self, job: SynthesisJob, pieces: list[Segment], session: Session) -> Iterator[np.ndarray]:
         """The job's audio offline (upstream's non-streaming path, `speed` applied): one array."""
-        yield np.concatenate(list(self._speak(job, session, stream=False)))
+        yield np.concatenate(list(self._speak(job, pieces, session, stream=False)))
 
     def stream_text(self, job: SynthesisJob, pieces: Iterable[str], session: Session) -> Iterator[np.ndarray]:
         """The job's audio while its text comes in `pieces` (upstream's bistream, `speak_text_stream`;
@@ -298,11 +320,12 @@ class Engine:
             yield audio
         self._log_done(request, start, samples, job)
 
-    def _speak(self, job: SynthesisJob, session: Session, *, stream: bool) -> Iterator[np.ndarray]:
+    def _speak(self, job: SynthesisJob, pieces: list[Segment], session: Session, *, stream: bool
+               ) -> Iterator[np.ndarray]:
         """The job's chunks; its stages go to the log: what it is, the speech tokens every few seconds
         (`SynthesisProgress`), its first audio and its end."""
         request, start = next(_REQUESTS), time.monotonic()
-        pieces, prompt = self._prepare(job)
+        prompt = self._prompt(job)
         log.info("request %d: %s, %s, %d segment(s), %d characters; %.2f s in the queue", request, job.mode,
                  "streamed" if stream else "offline", len(pieces), len(job.text), start - session.admitted)
         samples = 0
@@ -336,16 +359,6 @@ class Engine:
     def _log_done(self, request: int, start: float, samples: int, job: SynthesisJob) -> None:
         log.info("request %d: done, %.2f s of audio (%d speech tokens) in %.2f s", request,
                  samples / self.sample_rate, job.usage.speech_tokens, time.monotonic() - start)
-
-    def _prepare(self, job: SynthesisJob) -> tuple[list[Segment], PromptFeatures]:
-        """The text's segments (upstream's normalisation, split and prompt formats) and the prompt."""
-        with self._text_lock:
-            try:
-                pieces = self.voice.segments(job.mode, job.text, prompt_text=job.prompt_text,
-                                             instruct=job.instruct, text_name=job.text_field)
-            except (FrontendError, UserError) as e:
-                raise FieldError(job.text_field, str(e)) from None
-        return pieces, self._prompt(job)
 
     def _prompt(self, job: SynthesisJob) -> PromptFeatures:
         """The job's prompt features: a speaker's, an upload's (extracted now) or the bundle's own."""

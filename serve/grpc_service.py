@@ -244,7 +244,10 @@ class CosyVoiceService(cosyvoice_pb2_grpc.CosyVoiceServicer):
             # on a worker thread: checking a prompt's samples takes a while, and the loop serves HTTP too
             job = await asyncio.to_thread(synthesis_job, request, self.settings,
                                           request_seed(context.invocation_metadata()))
-            stream = self.sessions.submit(lambda session: self.engine.stream(job, session))
+            start = time.monotonic()
+            self.sessions.check_room()  # before the text is normalised, as HTTP's `responses.submit`
+            pieces = await self.engine.text_segments(job)
+            stream = self.sessions.submit(lambda session: self.engine.stream(job, pieces, session))
         except ApiError as e:
             if metrics is not None:
                 if isinstance(e, QueueFull):
@@ -259,7 +262,7 @@ class CosyVoiceService(cosyvoice_pb2_grpc.CosyVoiceServicer):
                                                  ("x-sample-rate", str(self.engine.sample_rate))))
             while (chunk := await stream.next()) is not None:
                 if chunks == 0 and metrics is not None:
-                    metrics.first_chunk_seconds.observe(time.monotonic() - stream.session.admitted)
+                    metrics.first_chunk_seconds.observe(time.monotonic() - start)
                 chunks, samples = chunks + 1, samples + len(chunk)
                 await context.write(cosyvoice_pb2.Response(tts_audio=pcm16(chunk)))
         except asyncio.CancelledError:  # the client went away: neither a success nor an error

@@ -157,8 +157,9 @@ class ServerMetrics:
                                            "synthesising (queue wait excluded).", SECONDS_BUCKETS)
         self.rtf = Histogram("tts_rtf", "Real-time factor: synthesis seconds per second of audio.",
                              RTF_BUCKETS)
-        self.first_chunk_seconds = Histogram("tts_first_chunk_latency_seconds", "Seconds from admission to "
-                                             "the first audio (queue wait included).", SECONDS_BUCKETS)
+        self.first_chunk_seconds = Histogram("tts_first_chunk_latency_seconds", "Seconds from a request's "
+                                             "admission to its first audio (its text's normalisation and its "
+                                             "wait in the queue included).", SECONDS_BUCKETS)
         self.queue_depth = Gauge("tts_queue_depth", "Sessions admitted and waiting for a worker.", waiting)
         self.active_sessions = Gauge("tts_active_sessions", "Sessions synthesising now.", running)
         self.prefix_cache = [

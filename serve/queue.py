@@ -162,6 +162,18 @@ class SessionQueue:
         with self._lock:
             return self._in_flight - self._running
 
+    def check_room(self) -> None:
+        """`ServerStopping` or `QueueFull` where `submit` would refuse a session now: for the work a request
+        does before it is admitted (its text normalised) to be refused first, not done for nothing."""
+        with self._lock:
+            self._check_room()
+
+    def _check_room(self) -> None:
+        if not self._servers:
+            raise ServerStopping
+        if self._in_flight >= self.concurrency + self.depth:
+            raise QueueFull(self._in_flight)
+
     def submit(self, work: Callable[[Session], Iterable[T]]) -> SessionStream[T]:
         """Admit a session that runs `work(session)` on a worker, or raise `QueueFull`.
 
@@ -169,10 +181,7 @@ class SessionQueue:
         once the queue has stopped.
         """
         with self._lock:
-            if not self._servers:
-                raise ServerStopping
-            if self._in_flight >= self.concurrency + self.depth:
-                raise QueueFull(self._in_flight)
+            self._check_room()
             self._in_flight += 1
         session = Session(self.timeout)
         stream: SessionStream[T] = SessionStream(session, asyncio.get_running_loop())

@@ -26,6 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from cosyvoice_runtime.errors import FrontendError
 from cosyvoice_runtime.frontend.tokenizer import check_unicode
 from cosyvoice_runtime.sampling import MAX_SEED, Sampling
+from cosyvoice_runtime.segments import Segment
 
 from .audio import check_upload
 from .engine import AudioUpload, SynthesisJob, decode_upload
@@ -88,10 +89,14 @@ async def decoded_upload(data: bytes, field: str) -> AudioUpload:
     return await run_in_threadpool(decode_upload, data, field)
 
 
-def submit(state: ServerState, work: Callable[[Session], Iterable[T]]) -> SessionStream[T]:
-    """Admit `work` to the session queue (503 when full, counted)."""
+async def submit(state: ServerState, job: SynthesisJob,
+                 work: Callable[[SynthesisJob, list[Segment], Session], Iterable[T]]) -> SessionStream[T]:
+    """Admit `work` on the job's segments to the session queue (503 when full, counted), its text normalised
+    first (`Engine.text_segments`): text with nothing to speak is a 400 before any wait in the queue."""
     try:
-        return state.sessions.submit(work)
+        state.sessions.check_room()
+        pieces = await state.engine.text_segments(job)
+        return state.sessions.submit(lambda session: work(job, pieces, session))
     except QueueFull:
         state.metrics.requests_rejected.inc()
         raise
@@ -127,7 +132,7 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
 
 async def offline_audio(state: ServerState, request: Request, job: SynthesisJob) -> np.ndarray:
     """The job synthesised offline (`Engine.synthesize`): all of its samples."""
-    stream = submit(state, lambda session: state.engine.synthesize(job, session))
+    stream = await submit(state, job, state.engine.synthesize)
     audio = await first_item(state, request, stream)
     await stream.next()  # the end: it comes once the worker has marked the session finished, for its timing
     record_session(state.metrics, stream.session, len(audio), state.engine.sample_rate)
@@ -141,9 +146,10 @@ async def stream_response(state: ServerState, request: Request, job: SynthesisJo
     chunks; `offline` synthesises on upstream's offline path instead (one chunk, `speed` applied)."""
     encode = encoder or PcmEncoder()
     work = state.engine.synthesize if offline else state.engine.stream
-    stream = submit(state, lambda session: work(job, session))
+    start = time.monotonic()
+    stream = await submit(state, job, work)
     first = await first_item(state, request, stream)
-    state.metrics.first_chunk_seconds.observe(time.monotonic() - stream.session.admitted)
+    state.metrics.first_chunk_seconds.observe(time.monotonic() - start)
 
     async def body() -> AsyncIterator[bytes]:
         samples = len(first)

@@ -51,6 +51,7 @@ from cosyvoice_runtime.dit_graphs import GraphedDit
 from cosyvoice_runtime.flow_prefix import prompt_key
 from cosyvoice_runtime.frontend import PromptFeatures, zero_shot_prompt
 from cosyvoice_runtime.sampling import Sampling
+from cosyvoice_runtime.segments import Segment
 from cosyvoice_runtime.speakers import LOCK, REGISTRY, SpeakerRegistry, frontend_fingerprint
 from cosyvoice_runtime.synthesis import Mode
 from cosyvoice_serve import Engine, ServerSettings, create_app
@@ -748,6 +749,12 @@ def test_the_queue_is_bounded_and_clients_that_leave_free_their_sessions(
             assert running.status_code == 200
             chunks = running.iter_raw()
             assert next(chunks)  # the first chunk is here, the session goes on
+            # text with nothing to speak is refused for what it is, before it waits for the session ahead
+            start = time.monotonic()
+            silent = client.post("/inference_zero_shot", **form(prompt, "😀。"), timeout=5)
+            assert time.monotonic() - start < 2.0
+            assert silent.status_code == 400
+            assert silent.json()["detail"] == "tts_text has nothing to speak after normalisation"
             queued = pool.submit(client.post, "/inference_zero_shot", **form(prompt), timeout=1.5)
             wait_until(client, running=1, waiting=1)
             start = time.monotonic()
@@ -771,9 +778,9 @@ def test_the_queue_is_bounded_and_clients_that_leave_free_their_sessions(
         wait_until(client, running=0, waiting=0)  # closed mid-utterance: the session stops
         assert client.post("/inference_zero_shot", **form(prompt)).status_code == 200
         text = client.get("/metrics").text
-    assert metric(text, "tts_requests_total") == 5
+    assert metric(text, "tts_requests_total") == 6
     assert metric(text, "tts_requests_success") == 1
-    assert metric(text, "tts_requests_error") == 2 and metric(text, "tts_requests_rejected") == 1
+    assert metric(text, "tts_requests_error") == 3 and metric(text, "tts_requests_rejected") == 1
     assert metric(text, "tts_sessions_cancelled") == 2
     assert metric(text, "tts_synthesis_duration_seconds_count") == 1 == metric(text, "tts_rtf_count")
     assert metric(text, "tts_first_chunk_latency_seconds_count") == 2
@@ -822,8 +829,8 @@ class MidStreamFaults:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def stream(self, job: SynthesisJob, session: Session) -> Iterator[np.ndarray]:
-        chunks = self._engine.stream(job, session)
+    def stream(self, job: SynthesisJob, pieces: list[Segment], session: Session) -> Iterator[np.ndarray]:
+        chunks = self._engine.stream(job, pieces, session)
         yield next(chunks)
         if job.text == FAIL:
             raise RuntimeError("injected: synthesis failed mid-stream")
@@ -1307,7 +1314,7 @@ def test_the_warm_up_leaves_the_bundle_voice_ready(caplog: pytest.LogCaptureFixt
         assert warm.default_prompt is not None
         job = SynthesisJob(Mode.ZERO_SHOT, SHORT, BundlePrompt.DEFAULT, Sampling(),
                            prompt_text=warm.default_prompt[1])
-        chunks = warm.stream(job, Session(60))
+        chunks = warm.stream(job, warm.segments(job), Session(60))
         assert len(next(chunks)) > 0
         chunks.close()
         assert (prefixes.misses, prefixes.hits) == (1, 1)
@@ -1346,7 +1353,7 @@ def test_where_the_dit_replays_the_warm_up_binds_its_shapes(caplog: pytest.LogCa
         bound = graphed.bound_calls
         job = SynthesisJob(Mode.ZERO_SHOT, SHORT, BundlePrompt.DEFAULT, Sampling(),
                            prompt_text=warm.default_prompt[1])
-        chunks = warm.stream(job, Session(60))
+        chunks = warm.stream(job, warm.segments(job), Session(60))
         assert len(next(chunks)) > 0
         chunks.close()
         assert graphed.bound_calls > bound  # the first chunk in a binding

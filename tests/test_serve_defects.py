@@ -367,7 +367,7 @@ def test_a_stream_cut_by_the_timeout_is_one_warning_line_and_ends_unfinished(
 class FailsBeforeAudio(MidStreamFaults):
     """The engine, except that synthesis fails at once (a bug, not bad input)."""
 
-    def stream(self, job: Any, session: Any) -> Any:
+    def stream(self, job: Any, pieces: Any, session: Any) -> Any:
         raise RuntimeError("injected: synthesis failed")
 
 

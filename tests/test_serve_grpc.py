@@ -312,6 +312,8 @@ BAD_REQUESTS = [
           ("silent", bytes(2 * PROMPT_RATE), "silent or nearly so (RMS level -inf dBFS)"),
           ("0.2 s", (0.3 * 2**15 * np.sin(np.arange(PROMPT_RATE // 5) * 0.2)).astype("<i2").tobytes(),
            "too short (0.200 s)"))],
+    ("nothing to speak", ("cross_lingual", "😀。"), {}, INVALID,
+     "cross_lingual_request.tts_text has nothing to speak after normalisation"),
     ("no kind", ("none", "Hi."), {}, INVALID, "RequestPayload is empty"),
     ("sft", ("sft", "Hi."), {"spk_id": "中文女"}, UNIMPLEMENTED, "sft_request needs a built-in speaker"),
     ("instruct", ("instruct", "Hi."), {"spk_id": "中文女", "instruct_text": "x"}, UNIMPLEMENTED,
