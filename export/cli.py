@@ -17,8 +17,10 @@ from cosyvoice_graphs.precision_plan import GRAPH_ALIASES, PROFILES, PrecisionPl
 from cosyvoice_graphs.providers import PROVIDERS
 from cosyvoice_runtime.atomic_files import check_writable
 from cosyvoice_runtime.audio_files import AUDIO_OUT_HELP, audio_format, write_audio_atomic
+from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV, console_script
 from cosyvoice_runtime.cli_options import FiniteFloatRange, NonEmptyPath
+from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.extras import Terminated, require_extra
 from cosyvoice_runtime.sampling import MAX_SEED
@@ -26,7 +28,7 @@ from cosyvoice_runtime.speakers import SPEAKERS_DIR_ENV
 from cosyvoice_runtime.synthesis import Mode
 
 from .bundle.errors import BundleError
-from .bundle.layout import LLM_CHECKPOINTS, LLM_VARIANTS
+from .bundle.layout import LLM_CHECKPOINTS, LLM_VARIANTS, PROMPT_WAV
 from .download import DEFAULT_DIR, SOURCES
 
 SIZES = click.Choice(["tiny", "full"])
@@ -329,6 +331,27 @@ def _default_prompt(model_dir: Path, prompt_wav: Path | None, prompt_text: str |
     return prompt_wav, prompt_text
 
 
+def _demo_prompt(model_dir: Path, prompt_wav: Path | None, prompt_text: str | None
+                 ) -> tuple[Path, str, Mode, str | None]:
+    """The demo's prompt recording, transcript and mode, and a line for the user where the choice is not
+    the obvious one: the given recording, else the model's own, else the embedded demo bundle's synthetic
+    one (a model may carry none, upstream's release among them, and the demo is to run every stage all the
+    same); cross-lingual where no transcript goes with the recording (zero-shot needs one)."""
+    if prompt_wav is None and not (model_dir / PROMPT_WAV).is_file():
+        if prompt_text is not None:
+            raise UserError(f"--prompt-text without --prompt-wav: {model_dir} carries no prompt recording "
+                            "for it to transcribe")
+        demo = RuntimeBundle.open(DEMO_BUNDLE).default_prompt()
+        assert demo is not None  # the embedded bundle carries its prompt (test_demo_bundle)
+        return (*demo, Mode.ZERO_SHOT, f"prompt: {model_dir} carries none of its own: the embedded demo "
+                "bundle's synthetic recording, which is not speech (--prompt-wav gives a voice)")
+    wav, text = _default_prompt(model_dir, prompt_wav, prompt_text)
+    if not (text or "").strip():
+        return wav, "", Mode.CROSS_LINGUAL, (f"prompt: {wav} has no transcript: speaking cross-lingual "
+                                             "(--prompt-text gives zero-shot)")
+    return wav, text or "", Mode.ZERO_SHOT, None
+
+
 def _synthesize(model_dir: Path, text: str, prompt_wav: Path | None, prompt_text: str | None, mode: str,
                 instruct: str, sampling: str, seed: int, speed: float, out: Path) -> None:
     import numpy as np
@@ -401,8 +424,10 @@ def synth(model_dir: Path, **kwargs: Any) -> None:
 @main.command()
 @click.option("--text", default="Hello from CosyVoice three.", show_default=True, help="Text to speak.")
 @click.option("--prompt-wav", type=NonEmptyPath(exists=True, dir_okay=False, path_type=Path),
-              help="Prompt recording. Default: the bundle's demo prompt.")
-@click.option("--prompt-text", help="Its transcript. Default: the bundle's demo transcript.")
+              help="Prompt recording. Default: the model's own (asset/zero_shot_prompt.wav), else the "
+                   "embedded demo bundle's synthetic one.")
+@click.option("--prompt-text", help="Its transcript. Default: the model's (asset/zero_shot_prompt.txt); "
+                                    "without one the demo speaks cross-lingual.")
 @click.option("--stream", is_flag=True, help="Synthesise in streaming chunks.")
 @click.option("--out", type=NonEmptyPath(dir_okay=False, path_type=Path), default=Path("demo.wav"),
               show_default=True, help=AUDIO_OUT_HELP)
@@ -412,7 +437,9 @@ def demo(text: str, prompt_wav: Path | None, prompt_text: str | None, stream: bo
     The model bundle is $COSYVOICE_MODEL_DIR, else a tiny random bundle at bundles/tiny (written
     first if missing, seed 0). It is exported to bundles/<name>-runtime (`all`; unchanged graphs
     are reused on later runs) and the `cosyvoice-run` command synthesises TEXT from it. Random
-    weights make noise, not speech: the point is that every stage runs.
+    weights make noise, not speech: the point is that every stage runs. A model without a prompt
+    recording of its own (upstream's release may carry none) is prompted by the embedded demo
+    bundle's, and a recording without a transcript is spoken cross-lingual; the command says so.
     """
     require_extra("export")
     audio_format(out, "--out")  # the name's format, and the folder's writable: before the minutes of export
@@ -434,7 +461,9 @@ def demo(text: str, prompt_wav: Path | None, prompt_text: str | None, stream: bo
             ModelBundle.open(model_dir)  # the folder itself is judged before the prompt it should hold
         except BundleError as e:
             raise BundleError(f"${MODEL_DIR_ENV}: {e}") from None
-    prompt_wav, prompt_text = _default_prompt(model_dir, prompt_wav, prompt_text)
+    prompt_wav, prompt_text, mode, note = _demo_prompt(model_dir, prompt_wav, prompt_text)
+    if note is not None:
+        click.echo(note, err=True)
     from .onnx.bundle_assembly import export_all  # torch and onnx: once the input is good
 
     runtime_dir = DEFAULT_DEMO_BUNDLE.parent / f"{model_dir.resolve().name}-runtime"
@@ -447,8 +476,9 @@ def demo(text: str, prompt_wav: Path | None, prompt_text: str | None, stream: bo
     command = console_script("cosyvoice-run")
     if command is None:
         raise BundleError("cosyvoice-run is not installed in this environment (pip install -e .)")
-    run = [command, "--model", str(runtime_dir), "--text", text, "--prompt-wav", str(prompt_wav),
-           "--prompt-text", prompt_text or "", "--out", str(out), *(["--stream"] if stream else [])]
+    run = [command, "--model", str(runtime_dir), "--text", text, "--prompt-wav", str(prompt_wav), "--mode",
+           mode.value, *(["--prompt-text", prompt_text] if mode is Mode.ZERO_SHOT else []), "--out", str(out),
+           *(["--stream"] if stream else [])]
     with subprocess.Popen(run) as child:  # the runtime as its users run it
         try:
             status = child.wait()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,29 @@ def test_demo_uses_model_dir_env(tiny_bundle: Path, tmp_path: Path, monkeypatch:
     assert (tmp_path / "demo.wav").is_file()
     assert (tmp_path / "bundles" / "tiny-runtime" / "manifest.json").is_file()  # exported, then run
     assert not (tmp_path / "bundles" / "tiny").exists()  # the env's bundle was used, none written
+
+
+@pytest.mark.parametrize(("removed", "note", "mode"), [
+    (PROMPT_TEXT, "prompt: {model}/asset/zero_shot_prompt.wav has no transcript: speaking cross-lingual "
+                  "(--prompt-text gives zero-shot)", "cross-lingual"),
+    ("asset", "prompt: {model} carries none of its own: the embedded demo bundle's synthetic recording, "
+              "which is not speech (--prompt-wav gives a voice)", "zero-shot"),
+])
+def test_demo_speaks_on_a_model_without_a_prompt_or_its_transcript(
+        tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],
+        removed: str, note: str, mode: str) -> None:
+    """Upstream's release may carry no prompt, or a recording without its transcript: the README's first
+    command runs on it all the same, and says how."""
+    model = shutil.copytree(tiny_bundle, tmp_path / "release")
+    gone = model / removed
+    shutil.rmtree(gone) if gone.is_dir() else gone.unlink()
+    monkeypatch.setenv("COSYVOICE_MODEL_DIR", str(model))
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["demo", "--text", "Hi.", "--out", "demo.wav"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines()[0] == note.format(model=model)
+    assert f"speech tokens ({mode}, ras, seed 0)" in capfd.readouterr().out  # cosyvoice-run's last line
+    assert sf.info(str(tmp_path / "demo.wav")).frames > 0
 
 
 def test_synth_on_a_missing_bundle_is_one_line(tmp_path: Path) -> None:
