@@ -45,10 +45,12 @@ def decode_body(precisions: Mapping[str, Precision], provider: str, trt_plans: C
     if provider in (CUDA, TENSORRT) and precisions[LLM] == FP16 and LLM not in trt_plans:
         # onnxruntime 1.31's CUDA GroupQueryAttention may write its present cache over its past one, which
         # fails when the cache grows ("Shape mismatch attempting to re-use buffer", on an H200)
+        # the TensorRT provider runs `llm` only: an fp16 `llm_decode` is no way out there
+        hint = ("export the decode steps on an fp16 llm_decode (--precision gpu-fp16, or decode=fp16 "
+                "beside a list)" if provider == CUDA else "export it with --trt, in the standard operators "
+                "TensorRT parses, or keep the llm in fp32")
         raise PipelineError("its fp16 llm attends with onnxruntime's GroupQueryAttention over growing "
-                            f"caches, which onnxruntime's CUDA kernel fails; on {provider!r} export the "
-                            "decode steps on an fp16 llm_decode (--precision gpu-fp16, or decode=fp16 beside "
-                            "a list)")
+                            f"caches, which onnxruntime's CUDA kernel fails; on {provider!r} {hint}")
     return LLM
 
 

@@ -206,9 +206,12 @@ def test_an_fp16_llm_written_for_onnxruntime_is_refused_on_cuda(tmp_path: Path) 
         manifest["graphs"]["llm"]["precision"] = FP16.name
 
     bundle = RuntimeBundle.open(clone(DEMO_BUNDLE, tmp_path, fp16_llm))
-    for provider in (CUDA, TENSORRT):
+    for provider, hint in ((CUDA, r"export the decode steps on an fp16 llm_decode \(--precision gpu-fp16, or "
+                                  r"decode=fp16 beside a list\)"),
+                           (TENSORRT, "export it with --trt, in the standard operators TensorRT parses, or "
+                                      "keep the llm in fp32")):
         with pytest.raises(ProviderError, match=r"its fp16 llm attends with onnxruntime's "
-                           r"GroupQueryAttention .* \(--precision gpu-fp16, or decode=fp16 beside a list\)"):
+                           rf"GroupQueryAttention .* on '{provider}' {hint}"):
             decode_body(bundle, provider)
     assert decode_body(bundle, CPU) == LLM
     assert decode_body(RuntimeBundle.open(DEMO_BUNDLE), CUDA) == LLM  # fp32: CUDA decodes on llm
