@@ -117,6 +117,12 @@ class PrecisionPlan:
             return s.precision_in(self.bundle)
         return self.graphs.get(s.name, FP32.name)
 
+    def precisions(self, specs: Mapping[str, GraphSpec]) -> dict[str, Precision]:
+        """Each graph of a bundle of this plan (`graph_names`, `specs` holding each one's spec) -> its
+        precision, in pipeline order: what `cosyvoice_graphs.pipeline` reads. It follows the specs' bounds
+        (`precision_of`), which a model's size does not change."""
+        return {name: PRECISIONS[self.precision_of(specs[name])] for name in self.graph_names}
+
     def check(self, specs: Mapping[str, GraphSpec]) -> None:
         """Refuse (one line) a graph given a precision its spec does not bound (an optional graph has a
         float32 body only where its recipe says so: `GraphRecipe.float32_optional`)."""

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -36,7 +37,7 @@ from cosyvoice_graphs.precision_plan import PrecisionPlan, PrecisionPlanError
 from .errors import RuntimeBundleError, path_problem
 from .noise import MT19937, UniformNoise
 
-__all__ = ["FRONTEND_MODELS", "RuntimeBundle", "TrtPlan", "read_onnx_metadata"]
+__all__ = ["FRONTEND_MODELS", "BundleGraphs", "RuntimeBundle", "TrtPlan", "read_onnx_metadata"]
 
 VERIFY_THREADS = 4
 """Files hashed at once by `RuntimeBundle.open(verify=True)`: as fast as two on 2 cores, faster with more."""
@@ -49,6 +50,26 @@ class TrtPlan:
     path: Path
     tensorrt: str
     gpu: str
+
+
+class BundleGraphs(Protocol):
+    """What the checks made before any graph opens read of a bundle: its precision, each graph's, and which
+    graphs have TensorRT plans. A `RuntimeBundle`, or the export a model bundle will get
+    (`bundle_source.PlannedExport`)."""
+
+    @property
+    def root(self) -> Path: ...
+
+    @property
+    def precision(self) -> str:
+        """The bundle's precision as `--precision` named it (a precision, a profile or a list)."""
+        ...
+
+    @property
+    def graph_precisions(self) -> dict[str, Precision]: ...
+
+    @property
+    def trt_planned(self) -> list[str]: ...
 
 
 class RuntimeBundle:
@@ -230,6 +251,11 @@ class RuntimeBundle:
             return Precision.named(self._graph_entry(name).precision)
         except ValueError as e:
             raise RuntimeBundleError(f"{self.root / MANIFEST}: graphs.{name}.precision: {e}") from None
+
+    @property
+    def precision(self) -> str:
+        """The precision the bundle was exported in, as the manifest records it."""
+        return self.manifest.precision
 
     @property
     def graph_precisions(self) -> dict[str, Precision]:

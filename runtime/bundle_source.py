@@ -16,14 +16,16 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from cosyvoice_graphs import Precision, spec
 from cosyvoice_graphs.bundle_layout import GRAPHS_DIR, MANIFEST, MODEL_YAML, PROMPT_TEXT, PROMPT_WAV, QWEN_DIR
 from cosyvoice_graphs.precision import FP32
+from cosyvoice_graphs.precision_plan import PrecisionPlan
 
 from .atomic_files import check_writable, write_json_atomic
-from .bundle import RuntimeBundle
+from .bundle import BundleGraphs, RuntimeBundle
 from .demo import DEMO_BUNDLE
 from .errors import RuntimeBundleError, UserError, home_folder, path_problem
 from .extras import install_command, missing_modules
@@ -93,12 +95,47 @@ class BundleFront:
 def bundle_front(model: Path | None, name: str = "--model") -> BundleFront:
     """The front of the bundle `choose_bundle` would run for `model`, read without exporting a model bundle
     (minutes) or hashing a runtime bundle's files; a `RuntimeBundleError` for a folder that is neither."""
-    path, origin = requested_bundle(model, name)
-    if (path == DEMO_BUNDLE and model is None) or _is_runtime_bundle(path, origin):
+    path, runtime = _asked_bundle(model, name)
+    if runtime:
         return BundleFront.of(RuntimeBundle.open(path))
     wav, text = path / PROMPT_WAV, path / PROMPT_TEXT
     prompt = (wav, text.read_text(encoding="utf-8").strip()) if wav.is_file() and text.is_file() else None
     return BundleFront(path, path / QWEN_DIR, prompt)
+
+
+@dataclass(frozen=True)
+class PlannedExport:
+    """The graphs a model bundle's export (`choose_bundle`'s, without TensorRT plans) will have, known before
+    it starts: what the options of a run are checked against there (`BundleGraphs`)."""
+
+    root: Path
+    """The model bundle."""
+    precision: str
+    graph_precisions: dict[str, Precision]
+    trt_planned: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, model_dir: Path, precision: str) -> PlannedExport:
+        plan = PrecisionPlan.parse(precision)
+        # a graph's precision under a plan follows its spec's bounds, the same at every model size: the
+        # embedded bundle's model constants build the specs
+        dims = RuntimeBundle.open(DEMO_BUNDLE).dims
+        return cls(model_dir, plan.name, plan.precisions({g: spec(g, dims) for g in plan.graph_names}))
+
+
+def bundle_graphs(model: Path | None, name: str = "--model", precision: str = FP32.name) -> BundleGraphs:
+    """The graphs `choose_bundle(model, precision=precision)` would run: a runtime bundle's (its manifest
+    read, no file hashed), or those a model bundle's export will have, before it is made (minutes); a
+    `RuntimeBundleError` for a folder that is neither."""
+    path, runtime = _asked_bundle(model, name)
+    return RuntimeBundle.open(path) if runtime else PlannedExport.of(path, precision)
+
+
+def _asked_bundle(model: Path | None, name: str) -> tuple[Path, bool]:
+    """The folder `choose_bundle` would run or export for `model`, and whether it is a runtime bundle (else
+    a model bundle); a `RuntimeBundleError` for a folder that is neither."""
+    path, origin = requested_bundle(model, name)
+    return path, (path == DEMO_BUNDLE and model is None) or _is_runtime_bundle(path, origin)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from .bundle_source import (
     BundleFront,
     PromptChoice,
     bundle_front,
+    bundle_graphs,
     choose_bundle,
     choose_prompt,
     requested_bundle,
@@ -50,7 +51,7 @@ from .runners import CPU, PROVIDERS
 from .runners.ort_settings import TUNING_FILE, read_tuning
 from .sampling import SAMPLINGS
 from .segments import MAX_TEXT_CHARS, Segment, checked_segments
-from .synthesis import Mode
+from .synthesis import Mode, check_options
 from .tuning import tune
 
 ONLY_WITH_INFO = ("model", "verify", "info", "tune")
@@ -231,6 +232,7 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
         # bundle's tokenizer and own prompt only
         given_audio = read_prompt_audio(prompt_wav) if prompt_wav is not None else None
         pieces, chosen = _pieces(bundle_front(model), Mode(mode), text, prompt_wav, prompt_text, instruct)
+        check_options(bundle_graphs(model), provider, cuda_graphs=cuda_graphs, threads=threads)
         choice = choose_bundle(model, provider=provider)
         if choice.default:
             click.echo(f"model: {choice.origin}", err=True)

@@ -44,7 +44,7 @@ import onnxruntime
 from cosyvoice_graphs.precision import FP16, FP32
 
 from .bundle import RuntimeBundle
-from .bundle_source import choose_bundle
+from .bundle_source import bundle_graphs, choose_bundle
 from .chunk_policy import ChunkPolicy, check_policy
 from .decode_batch import BatchObserver
 from .errors import UserError
@@ -84,8 +84,8 @@ from .synthesis import (
     AudioChunk,
     Mode,
     Synthesizer,
+    check_options,
     check_synthesis,
-    check_threads,
     closing_after,
     llm_request,
 )
@@ -176,18 +176,24 @@ class CosyVoice3:
             if value != default:
                 warnings.warn(f"{name}={value!r} ignored: {why}", stacklevel=2)
         self.sampling = Sampling(sampling, seed)
-        check_threads(threads)  # before a model bundle is exported
         if not isinstance(model_dir, str | Path | RuntimeBundle):
             raise UserError(f"model_dir is {type(model_dir).__name__}; expected a bundle's path")
-        bundle = model_dir if isinstance(model_dir, RuntimeBundle) else RuntimeBundle.open(
-            choose_bundle(Path(model_dir), precision=FP16.name if fp16 else FP32.name, name="model_dir",
-                          provider=provider).path)
-        if fp16 and bundle.manifest.precision != FP16.name:
-            raise UserError(f"fp16=True: {bundle.root} is a {bundle.manifest.precision} bundle; give its "
-                            "model directory (exported in fp16 on first use) or an export with "
-                            "cosyvoice-export all --precision fp16")
+        if isinstance(model_dir, RuntimeBundle):
+            bundle = model_dir
+        else:  # a model bundle's options are held against its export before it is made (minutes)
+            precision = FP16.name if fp16 else FP32.name
+            planned = bundle_graphs(Path(model_dir), "model_dir", precision)
+            check_options(planned, provider, max_batch=max_batch, chunk_slots=chunk_slots,
+                          cuda_graphs=cuda_graphs, stack_dit=stack_dit, threads=threads)
+            chosen = choose_bundle(Path(model_dir), precision=precision, name="model_dir", provider=provider)
+            bundle = RuntimeBundle.open(chosen.path)
+        if fp16 and bundle.precision != FP16.name:
+            raise UserError(f"fp16=True: {bundle.root} is a {bundle.precision} bundle; give its model "
+                            "directory (exported in fp16 on first use) or an export with cosyvoice-export "
+                            "all --precision fp16")
         check_synthesis(bundle, provider, max_batch=max_batch, chunk_slots=chunk_slots,
-                        chunk_policy=chunk_policy, cuda_graphs=cuda_graphs, stack_dit=stack_dit)
+                        chunk_policy=chunk_policy, cuda_graphs=cuda_graphs, stack_dit=stack_dit,
+                        threads=threads)
         if verify and bundle is not model_dir:  # hashed once it is known to be the bundle asked for
             bundle = RuntimeBundle.open(bundle.root, verify=True)
         self.bundle = bundle

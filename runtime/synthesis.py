@@ -34,7 +34,7 @@ from cosyvoice_graphs.bundle_layout import FLOW_NOISE, SINE_NOISE, SPEECH_EMBEDD
 from cosyvoice_graphs.precision import FP16, TF32
 from cosyvoice_graphs.recipes import RECIPES
 
-from .bundle import RuntimeBundle
+from .bundle import BundleGraphs, RuntimeBundle
 from .chunk_policy import ChunkPolicy, check_policy
 from .chunk_turns import ChunkTurns, no_pause
 from .decode_batch import BatchedDecoding, BatchObserver, DecodeBatcher
@@ -423,19 +423,29 @@ def check_synthesis(bundle: RuntimeBundle, provider: str, *, max_batch: int | No
                     cuda_graphs: bool | None = None, stack_dit: bool = False, threads: int | None = None
                     ) -> list[str]:
     """The graphs a `Synthesizer` of `bundle` on `provider` with these options opens, after every check it
-    makes before one opens: a `ProviderError` where `provider` does not run the bundle's pipeline
-    (`check_runs`), a `UserError` for an option the graphs or this machine's CPUs cannot take (both from the
-    manifest alone), then a `ProviderError` where this machine lacks what runs a graph on `provider`
-    (`check_opens`); one line each."""
-    check_threads(threads)
-    check_runs(bundle, provider)
-    batch = default_max_batch(bundle, provider) if max_batch is None else max_batch
-    check_max_batch(batch, bundle, provider)
-    check_chunk_slots(chunk_slots, batch > 1 or uses_cuda_graphs(cuda_graphs, bundle, provider))
-    if stack_dit:
-        check_stack_dit(bundle)
+    makes before one opens: those of `check_options`, a `UserError` for a chunk policy the graphs cannot
+    stream on (from the manifest alone), then a `ProviderError` where this machine lacks what runs a graph
+    on `provider` (`check_opens`); one line each."""
+    check_options(bundle, provider, max_batch=max_batch, chunk_slots=chunk_slots, cuda_graphs=cuda_graphs,
+                  stack_dit=stack_dit, threads=threads)
     check_policy(chunk_policy, bundle)
     return check_opens(bundle, provider)
+
+
+def check_options(graphs: BundleGraphs, provider: str, *, max_batch: int | None = None,
+                  chunk_slots: int | None = None, cuda_graphs: bool | None = None, stack_dit: bool = False,
+                  threads: int | None = None) -> None:
+    """The checks of `check_synthesis` that read no more than the graphs' precisions, so that a model
+    bundle's options are held against its export before it is made (`bundle_source.bundle_graphs`): a
+    `ProviderError` where `provider` does not run the pipeline (`check_runs`), a `UserError` for an option
+    the graphs or this machine's CPUs cannot take; one line each."""
+    check_threads(threads)
+    check_runs(graphs, provider)
+    batch = default_max_batch(graphs, provider) if max_batch is None else max_batch
+    check_max_batch(batch, graphs, provider)
+    check_chunk_slots(chunk_slots, batch > 1 or uses_cuda_graphs(cuda_graphs, graphs, provider))
+    if stack_dit:
+        check_stack_dit(graphs)
 
 
 def check_threads(threads: int | None) -> None:
@@ -458,7 +468,7 @@ def check_chunk_slots(chunk_slots: int | None, batched: bool = True) -> None:
                         "(give max_batch 2 or more)")
 
 
-def batches(bundle: RuntimeBundle, provider: str) -> bool:
+def batches(bundle: BundleGraphs, provider: str) -> bool:
     """Whether `bundle` on `provider` decodes requests in a batch (`max_batch` > 1): where its decode steps
     run on `llm_decode` (`decode_body`: on onnxruntime's CPU, and on CUDA in fp16)."""
     return decode_body(bundle, provider) == LLM_DECODE
@@ -470,7 +480,7 @@ decode batch made 17.3 s of audio per s against 8.15 for one alone (`decode=fp16
 faster than real time; 16 made 14.1 s (`decode=fp16`), each stream slower than real time."""
 
 
-def default_max_batch(bundle: RuntimeBundle, provider: str) -> int:
+def default_max_batch(bundle: BundleGraphs, provider: str) -> int:
     """The decode batch where none is given (`Synthesizer`, `CosyVoice3`, the server's `--max-batch`):
     `GPU_MAX_BATCH` on cuda where `bundle` batches (`batches`: an fp16 `llm_decode`), else 1. On cuda a lone
     request decodes in a batch either way where its steps replay from CUDA graphs (the default:
@@ -481,7 +491,7 @@ def default_max_batch(bundle: RuntimeBundle, provider: str) -> int:
     return GPU_MAX_BATCH if provider == CUDA and batches(bundle, provider) else 1
 
 
-def check_max_batch(max_batch: int, bundle: RuntimeBundle, provider: str) -> None:
+def check_max_batch(max_batch: int, bundle: BundleGraphs, provider: str) -> None:
     """A `UserError` (one line) unless `bundle` on `provider` decodes in batches of `max_batch`: 1 always,
     up to `MAX_BATCH` where it `batches`."""
     if not 1 <= max_batch <= MAX_BATCH:
@@ -489,12 +499,12 @@ def check_max_batch(max_batch: int, bundle: RuntimeBundle, provider: str) -> Non
     if max_batch > 1 and not batches(bundle, provider):
         body = decode_body(bundle, provider)
         raise UserError(f"max_batch {max_batch}: batched decoding runs on llm_decode, on the cpu provider or "
-                        f"in fp16 on cuda; {bundle.root} ({bundle.manifest.precision}) on {provider!r} "
+                        f"in fp16 on cuda; {bundle.root} ({bundle.precision}) on {provider!r} "
                         f"decodes on {body} (export --precision cpu-fast, or decode=fp32 for float32, for "
                         "the cpu; decode=fp16 for cuda)")
 
 
-def uses_cuda_graphs(asked: bool | None, bundle: RuntimeBundle, provider: str) -> bool:
+def uses_cuda_graphs(asked: bool | None, bundle: BundleGraphs, provider: str) -> bool:
     """Whether `bundle`'s decode steps replay from CUDA graphs on `provider`: as `asked` (True checked by
     `check_cuda_graphs`), or where None wherever they can, on cuda with the decode steps on `llm_decode`: a
     step took 1.50 ms replayed against 5.09 ms launched node by node on an H200 (docs/gpu.md). Without a
@@ -531,7 +541,7 @@ def open_replayed_dit(bundle: RuntimeBundle, provider: str, threads: int | None)
     return open_runner(bundle, DIT, provider, threads=threads)
 
 
-def check_cuda_graphs(bundle: RuntimeBundle, provider: str) -> None:
+def check_cuda_graphs(bundle: BundleGraphs, provider: str) -> None:
     """A `UserError` (one line) unless `bundle`'s decode steps can replay from CUDA graphs on `provider`:
     on cuda, where they run on `llm_decode`."""
     if provider != CUDA:
@@ -539,16 +549,16 @@ def check_cuda_graphs(bundle: RuntimeBundle, provider: str) -> None:
     body = decode_body(bundle, provider)
     if body != LLM_DECODE:
         raise UserError(f"cuda graphs: the decode steps replay from CUDA graphs on llm_decode; {bundle.root} "
-                        f"({bundle.manifest.precision}) decodes on {body} on cuda (export --precision "
+                        f"({bundle.precision}) decodes on {body} on cuda (export --precision "
                         "decode=fp16 or gpu-fp16)")
 
 
-def check_stack_dit(bundle: RuntimeBundle) -> None:
+def check_stack_dit(bundle: BundleGraphs) -> None:
     """A `UserError` (one line) unless `bundle`'s DiT gives each stream of a stacked call what its call alone
     gives: not where its activations are quantized per tensor, one scale over every stream's rows (the int8
     DiT's: a stream's velocity 9e-2 from its call alone at full size, performance-log.md, "streams' DiT
     calls stacked in the runtime")."""
-    precision = bundle.graph_precision(DIT)
+    precision = bundle.graph_precisions[DIT]
     scheme = RECIPES[DIT].quantization.get(precision.name)
     if scheme is not None and scheme.rows_share_scales:
         raise UserError(f"stack_dit: {bundle.root}'s {DIT} is {precision.name}, its activations quantized "

@@ -40,7 +40,7 @@ import numpy as np
 
 from cosyvoice_runtime import CosyVoice3
 from cosyvoice_runtime.bundle import RuntimeBundle
-from cosyvoice_runtime.bundle_source import choose_bundle
+from cosyvoice_runtime.bundle_source import bundle_graphs, choose_bundle
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cosyvoice3 import SegmentSpeech
 from cosyvoice_runtime.errors import FrontendError, SynthesisError, UserError
@@ -54,6 +54,7 @@ from cosyvoice_runtime.speakers import frontend_fingerprint
 from cosyvoice_runtime.synthesis import (
     Mode,
     Synthesizer,
+    check_options,
     check_synthesis,
     default_max_batch,
     uses_cuda_graphs,
@@ -193,7 +194,11 @@ class Engine:
              max_batch: int | None = None, chunk_slots: int | None = None,
              chunk_policy: ChunkPolicy | None = None, cuda_graphs: bool | None = None,
              stack_dit: bool = False, stack_vocoder: bool = False) -> Engine:
-        """The bundle `cosyvoice-run` would use for `--model model` (verified), opened for serving."""
+        """The bundle `cosyvoice-run` would use for `--model model` (verified), opened for serving; a model
+        bundle's export refused before it is made where it could not take these options."""
+        _check_provider(provider)
+        check_options(bundle_graphs(model), provider, max_batch=max_batch, chunk_slots=chunk_slots,
+                      cuda_graphs=cuda_graphs, stack_dit=stack_dit, threads=threads)
         choice = choose_bundle(model, provider=provider)
         return cls(RuntimeBundle.open(choice.path, verify=True), choice.origin, provider=provider,
                    flow_prefix_bytes=flow_prefix_bytes, threads=threads, max_batch=max_batch,
@@ -206,8 +211,10 @@ class Engine:
               cuda_graphs: bool | None = None, stack_dit: bool = False) -> RuntimeBundle:
         """The bundle `open` would serve for `model` (a model bundle exported first; no file hashed), held
         against the options as `open` holds it before any graph opens (`check_synthesis`): one of
-        `USER_ERRORS` where `open` would refuse them."""
+        `USER_ERRORS` where `open` would refuse them (a model bundle's options before its export)."""
         _check_provider(provider)
+        check_options(bundle_graphs(model), provider, max_batch=max_batch, chunk_slots=chunk_slots,
+                      cuda_graphs=cuda_graphs, stack_dit=stack_dit)
         bundle = RuntimeBundle.open(choose_bundle(model, provider=provider).path)
         check_synthesis(bundle, provider, max_batch=max_batch, chunk_slots=chunk_slots,
                         chunk_policy=chunk_policy, cuda_graphs=cuda_graphs, stack_dit=stack_dit)

@@ -3,11 +3,16 @@ graph, each graph's precision under it, and the one-line refusals of what is unk
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from cosyvoice_export.config import full_size
+from cosyvoice_export.onnx.dims import model_dims
 from cosyvoice_graphs import PRECISIONS, SPECS, ModelDims, spec
 from cosyvoice_graphs.precision_plan import GRAPH_ALIASES, PROFILES, PrecisionPlan, PrecisionPlanError
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.bundle_source import PlannedExport
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 
 DIT = "flow_estimator_cached"
@@ -24,7 +29,28 @@ def _of(plan: PrecisionPlan, dims: ModelDims) -> dict[str, str]:
     """Each graph of a bundle of `plan` -> its precision."""
     specs = {name: spec(name, dims) for name in plan.graph_names}
     plan.check(specs)
-    return {name: plan.precision_of(s) for name, s in specs.items()}
+    return {name: precision.name for name, precision in plan.precisions(specs).items()}
+
+
+def test_a_plans_precisions_are_the_same_at_every_model_size(dims: ModelDims) -> None:
+    """A model bundle's options are held against its export before it is made (`PlannedExport`), on
+    specs built from the embedded bundle's model constants: what the export of the released model's size
+    gets."""
+    full = model_dims(full_size())
+    assert full != dims
+    for text in (*PRECISIONS, *PROFILES, "decode=fp16,prefill=int8,dit=tf32"):
+        plan = PrecisionPlan.parse(text)
+        precisions = [plan.precisions({g: spec(g, d) for g in plan.graph_names}) for d in (full, dims)]
+        assert precisions[0] == precisions[1], text
+
+
+def test_a_planned_export_has_the_precisions_of_the_export(tiny_bundle: Path, fp16_decode_bundle: Path,
+                                                           fp32_decode_bundle: Path) -> None:
+    for exported in (fp16_decode_bundle, fp32_decode_bundle):
+        bundle = RuntimeBundle.open(exported)
+        planned = PlannedExport.of(tiny_bundle, bundle.precision)
+        assert (planned.precision, planned.graph_precisions) == (bundle.precision, bundle.graph_precisions)
+        assert planned.trt_planned == bundle.trt_planned == []
 
 
 def test_a_precision_for_the_bundle_goes_to_every_graph_that_bounds_it(dims: ModelDims) -> None:

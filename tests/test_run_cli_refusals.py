@@ -209,6 +209,31 @@ def test_a_provider_not_installed_is_refused_before_a_model_bundle_is_exported(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
+def test_options_its_export_could_not_take_are_refused_before_a_model_bundle_is_exported(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model bundle's export (fp32: no TensorRT plans, no `llm_decode`) takes minutes; what it could not
+    run is known from its precision plan (`PlannedExport`)."""
+    model = _model_bundle(tmp_path, "own")
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(bundle_source, "_export", lambda *_, **__: pytest.fail("the bundle was exported"))
+    for args, line in (
+            (["--provider", "trt"], f"{model}: its llm has no TensorRT plan, which 'trt' runs (export with "
+                                    "--trt on the GPU that will run it)"),
+            (["--cuda-graphs"], "cuda graphs are the cuda provider's, not 'cpu''s")):
+        result = CliRunner().invoke(run_main, ["--model", str(model), "--text", "Hi.", "--out",
+                                               str(tmp_path / "o.wav"), *args])
+        assert refused(result) == f"error: {line}"
+    with pytest.raises(UserError, match=re.escape(
+            "max_batch 2: batched decoding runs on llm_decode, on the cpu provider or in fp16 on cuda; "
+            f"{model} (fp32) on 'cpu' decodes on llm")):
+        CosyVoice3(model, max_batch=2)
+    # upstream's fp16 with its TensorRT: an fp16 llm exported for onnxruntime does not run on its TensorRT
+    with pytest.raises(ProviderError, match=re.escape(
+            f"{model}: its fp16 llm attends with onnxruntime's GroupQueryAttention over growing caches")):
+        CosyVoice3(model, load_trt=True, fp16=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
 # --- options -----------------------------------------------------------------------------------------------
 
 

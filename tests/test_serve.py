@@ -42,12 +42,15 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
+from cosyvoice_graphs.bundle_layout import MODEL_YAML
+from cosyvoice_runtime import bundle_source
 from cosyvoice_runtime.bundle import ModelDims, RuntimeBundle
-from cosyvoice_runtime.bundle_source import MODEL_DIR_ENV
+from cosyvoice_runtime.bundle_source import CACHE_DIR_ENV, MODEL_DIR_ENV
 from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.dit_graphs import GraphedDit
+from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.flow_prefix import prompt_key
 from cosyvoice_runtime.frontend import PromptFeatures, zero_shot_prompt
 from cosyvoice_runtime.sampling import Sampling
@@ -1116,6 +1119,23 @@ def test_metrics_count_bad_requests_as_errors(client: TestClient) -> None:
     assert metric(after, "tts_requests_total") == metric(before, "tts_requests_total") + 1
     assert metric(after, "tts_requests_error") == metric(before, "tts_requests_error") + 1
     assert after.startswith("# HELP tts_requests_total")
+
+
+def test_a_model_bundle_is_held_against_the_engines_options_before_its_export(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cosyvoice-serve --model` on upstream's model directory exports it in fp32 (minutes), which decodes
+    on `llm`: a decode batch is refused before that export."""
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(DEMO_BUNDLE / MODEL_YAML, model / MODEL_YAML)  # all a model bundle's planned export reads
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(bundle_source, "_export", lambda *_, **__: pytest.fail("the bundle was exported"))
+    line = re.escape("max_batch 2: batched decoding runs on llm_decode, on the cpu provider or in fp16 on "
+                     f"cuda; {model} (fp32) on 'cpu' decodes on llm")
+    for call in (Engine.check, Engine.open):
+        with pytest.raises(UserError, match=line):
+            call(model, max_batch=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
 # --- torch-free ----------------------------------------------------------------------------------------

@@ -102,7 +102,7 @@ def bundle_graphs(plan: PrecisionPlan, specs: Mapping[str, GraphSpec], providers
     provider that would not run the bundle), in pipeline order."""
     if providers is None:
         return list(plan.graph_names)
-    precisions = {name: PRECISIONS[plan.precision_of(s)] for name, s in specs.items()}
+    precisions = plan.precisions(specs)
     planned = [name for name, s in specs.items() if trt and builds_plan(s)]
     opened: set[str] = set()
     for provider in providers:

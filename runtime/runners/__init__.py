@@ -14,7 +14,7 @@ from typing import TypeVar
 from cosyvoice_graphs import Precision, pipeline, precisions_on
 from cosyvoice_graphs.providers import CPU, CPU_PROVIDERS, CUDA, OPENVINO, PROVIDERS, TENSORRT, TRT
 
-from ..bundle import RuntimeBundle
+from ..bundle import BundleGraphs, RuntimeBundle
 from ..errors import ProviderError
 from .base import BufferView, Feed, Runner, RunnerBase, check_feeds, feed_nbytes, feed_shape, to_host
 from .openvino import OpenVinoRunner, check_openvino_runs, import_openvino
@@ -37,26 +37,26 @@ def on_openvino(bundle: RuntimeBundle, graph: str, provider: str) -> bool:
     return pipeline.on_openvino(bundle.graph_precision(graph), provider)
 
 
-def decode_body(bundle: RuntimeBundle, provider: str) -> str:
+def decode_body(bundle: BundleGraphs, provider: str) -> str:
     """The graph the LLM's decode steps run on with `provider` (`cosyvoice_graphs.pipeline.decode_body`):
     `llm_decode` on onnxruntime's CPU, and on CUDA in fp16, where the bundle has it, else `llm`; a
     `ProviderError` before anything opens where `provider` cannot decode on the bundle's graphs."""
     return _pipeline(bundle, pipeline.decode_body, provider)
 
 
-def prefill_body(bundle: RuntimeBundle, provider: str) -> str | None:
+def prefill_body(bundle: BundleGraphs, provider: str) -> str | None:
     """The graph a request's prefill runs on where it is not the decode body
     (`cosyvoice_graphs.pipeline.prefill_body`); None where there is none."""
     return _pipeline(bundle, pipeline.prefill_body, provider)
 
 
-def graphs_run(bundle: RuntimeBundle, provider: str) -> list[str]:
+def graphs_run(bundle: BundleGraphs, provider: str) -> list[str]:
     """The graphs of `bundle` a pipeline on `provider` runs (`cosyvoice_graphs.pipeline.graphs_run`): all of
     them but the LLM's bodies it does not run."""
     return _pipeline(bundle, pipeline.graphs_run, provider)
 
 
-def check_runs(bundle: RuntimeBundle, provider: str) -> list[str]:
+def check_runs(bundle: BundleGraphs, provider: str) -> list[str]:
     """`graphs_run`, each of which `provider` runs at its precision (and under `trt` as a plan of the
     bundle's): a `ProviderError` naming the first it does not, before anything opens
     (`cosyvoice_graphs.pipeline.check_runs`)."""
@@ -91,7 +91,7 @@ def check_provider_installed(provider: str) -> None:
         check_installed(provider)
 
 
-def _pipeline(bundle: RuntimeBundle, rule: Callable[[Mapping[str, Precision], str, Collection[str]], T],
+def _pipeline(bundle: BundleGraphs, rule: Callable[[Mapping[str, Precision], str, Collection[str]], T],
               provider: str) -> T:
     """`rule` applied to `bundle`'s graphs; its `PipelineError` as a `ProviderError` naming the bundle."""
     try:
