@@ -30,6 +30,9 @@ GRAPH_ALIASES: dict[str, tuple[str, ...]] = {
 """Short names of graphs in `graph=precision` (`GraphRecipe.aliases`) -> the graphs each names, in pipeline
 order (an alias may name several graphs: each takes the precision)."""
 
+GPU_FP16 = "gpu-fp16"
+"""The profile of onnxruntime's CUDA provider in float16 (`PROFILES`)."""
+
 _CPU_FAST = {LLM: INT4.name, LLM_PREFILL: INT8.name, LLM_DECODE: INT4.name, DIT: INT8.name}
 PROFILES: dict[str, dict[str, str]] = {
     # the fastest gated CPU bodies measured on the full-size random bundle (docs/performance-log.md)
@@ -39,8 +42,8 @@ PROFILES: dict[str, dict[str, str]] = {
     "cpu-fast-bf16": {**_CPU_FAST, HIFT_DECODER: BF16.name},
     # every graph with an fp16 body in fp16, and the decode steps on an fp16 llm_decode: the CUDA provider
     # decodes there (an fp16 llm's growing caches fail in onnxruntime's CUDA GroupQueryAttention)
-    "gpu-fp16": {LLM: FP16.name, LLM_DECODE: FP16.name, FLOW_ENCODER: FP16.name, DIT: FP16.name,
-                 HIFT_DECODER: FP16.name},
+    GPU_FP16: {LLM: FP16.name, LLM_DECODE: FP16.name, FLOW_ENCODER: FP16.name, DIT: FP16.name,
+               HIFT_DECODER: FP16.name},
 }
 """Named precisions per graph (graphs not named are fp32)."""
 

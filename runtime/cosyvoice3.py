@@ -42,6 +42,7 @@ import numpy as np
 import onnxruntime
 
 from cosyvoice_graphs.precision import FP16, FP32
+from cosyvoice_graphs.precision_plan import GPU_FP16
 
 from .bundle import RuntimeBundle
 from .bundle_source import bundle_graphs, choose_bundle
@@ -68,7 +69,7 @@ from .frontend.audio import check_sample_rate
 from .frontend.tokenizer import check_unicode
 from .prefix_jobs import PrefixJobs
 from .process_memory import release_free_heap
-from .runners import CPU, TENSORRT
+from .runners import CPU, CPU_PROVIDERS, CUDA, TENSORRT
 from .runners.ort import LOAD_ERRORS, unloadable
 from .sampling import Sampling
 from .segments import Segment, checked_segments, prompt_ids
@@ -103,6 +104,20 @@ TtsText = str | Iterable[str]
 """A text, or its pieces as they come (upstream takes a generator: its bistream)."""
 TokenWatch = Callable[[Iterator[int]], Iterator[int]]
 """Wraps a segment's speech-id iterator, e.g. to stop it between LLM steps (a server's cancellation)."""
+
+
+def _upstream_precision(fp16: bool, provider: str) -> str | None:
+    """The precision upstream's `fp16=True` asks of a bundle on `provider` (None: the bundle's own): on
+    cuda `GPU_FP16`, every graph with an fp16 body in fp16 and the decode steps on an fp16 `llm_decode`
+    (onnxruntime's CUDA provider cannot decode on an fp16 `llm`), on tensorrt fp16. On a CPU's provider
+    none, with a warning, as upstream takes fp16=True for False without a CUDA device."""
+    if not fp16:
+        return None
+    if provider in CPU_PROVIDERS:
+        warnings.warn(f"fp16=True ignored on the {provider} provider: upstream runs in float32 without a "
+                      "CUDA device", stacklevel=3)
+        return None
+    return GPU_FP16 if provider == CUDA else FP16.name
 
 
 def _upstream_provider(load_trt: bool, provider: str) -> str:
@@ -167,8 +182,10 @@ class CosyVoice3:
 
         Upstream's own keywords are taken for what they mean here: `load_trt` runs the graphs on
         onnxruntime's TensorRT provider (upstream's DiT runs as a TensorRT plan it builds on first use);
-        `fp16` asks for an fp16 bundle (a model bundle is exported in fp16, a runtime bundle must be one);
-        `load_vllm` and `trt_concurrent` have nothing to choose here and are ignored, with a warning."""
+        `fp16` asks a GPU's provider for a float16 bundle (a model bundle is exported in it, a runtime
+        bundle must be one: `_upstream_precision`) and is ignored on a CPU's, with a warning, as upstream
+        ignores it without CUDA; `load_vllm` and `trt_concurrent` have nothing to choose here and are
+        ignored, with a warning."""
         provider = _upstream_provider(load_trt, provider)
         for name, value, default, why in (
                 ("load_vllm", load_vllm, False, "the LLM runs on onnxruntime"),
@@ -178,19 +195,20 @@ class CosyVoice3:
         self.sampling = Sampling(sampling, seed)
         if not isinstance(model_dir, str | Path | RuntimeBundle):
             raise UserError(f"model_dir is {type(model_dir).__name__}; expected a bundle's path")
+        asked = _upstream_precision(fp16, provider)
         if isinstance(model_dir, RuntimeBundle):
             bundle = model_dir
         else:  # a model bundle's options are held against its export before it is made (minutes)
-            precision = FP16.name if fp16 else FP32.name
+            precision = asked or FP32.name
             planned = bundle_graphs(Path(model_dir), "model_dir", precision)
             check_options(planned, provider, max_batch=max_batch, chunk_slots=chunk_slots,
                           cuda_graphs=cuda_graphs, stack_dit=stack_dit, threads=threads)
             chosen = choose_bundle(Path(model_dir), precision=precision, name="model_dir", provider=provider)
             bundle = RuntimeBundle.open(chosen.path)
-        if fp16 and bundle.precision != FP16.name:
-            raise UserError(f"fp16=True: {bundle.root} is a {bundle.precision} bundle; give its model "
-                            "directory (exported in fp16 on first use) or an export with cosyvoice-export "
-                            "all --precision fp16")
+        if asked is not None and bundle.precision != asked:
+            raise UserError(f"fp16=True: {bundle.root} is exported in {bundle.precision}; on {provider!r} "
+                            f"give its model directory (exported in {asked} on first use), an export with "
+                            f"cosyvoice-export all --precision {asked}, or fp16=False to run it as it is")
         check_synthesis(bundle, provider, max_batch=max_batch, chunk_slots=chunk_slots,
                         chunk_policy=chunk_policy, cuda_graphs=cuda_graphs, stack_dit=stack_dit,
                         threads=threads)

@@ -23,9 +23,11 @@ import soundfile as sf
 from click.testing import CliRunner
 
 import cosyvoice_runtime.cosyvoice3
-from cosyvoice_runtime import AutoModel, CosyVoice3, save_wav
+from cosyvoice_graphs.bundle_layout import MODEL_YAML
+from cosyvoice_runtime import AutoModel, CosyVoice3, bundle_source, runners, save_wav
 from cosyvoice_runtime.audio_files import WAV, write_audio_atomic
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.bundle_source import CACHE_DIR_ENV
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import ProviderError, UserError
@@ -489,13 +491,11 @@ def test_upstreams_constructor_keywords_are_taken(recwarn: pytest.WarningsRecord
     tampered = shutil.copytree(DEMO_BUNDLE, tmp_path / "bundle")
     wav = tampered / "asset" / "zero_shot_prompt.wav"
     wav.write_bytes(bytes(b ^ 1 for b in wav.read_bytes()))  # same size, other bytes: verify would refuse it
-    with pytest.raises(UserError, match="fp16=True: .* is a fp32 bundle"):
-        CosyVoice3(tampered, fp16=True)  # refused before its files are hashed
     with pytest.raises(UserError) as fp16:
-        CosyVoice3(DEMO_BUNDLE, fp16=True)
-    assert str(fp16.value) == (f"fp16=True: {DEMO_BUNDLE} is a fp32 bundle; give its model directory "
-                               "(exported in fp16 on first use) or an export with cosyvoice-export all "
-                               "--precision fp16")
+        CosyVoice3(tampered, fp16=True, provider="cuda")  # refused before its files are hashed
+    assert str(fp16.value) == (f"fp16=True: {tampered} is exported in fp32; on 'cuda' give its model "
+                               "directory (exported in gpu-fp16 on first use), an export with "
+                               "cosyvoice-export all --precision gpu-fp16, or fp16=False to run it as it is")
     with pytest.raises(UserError, match=r"load_trt=True asks for TensorRT; provider='cuda' for something "
                                         "else"):
         CosyVoice3(DEMO_BUNDLE, load_trt=True, provider="cuda")
@@ -503,6 +503,31 @@ def test_upstreams_constructor_keywords_are_taken(recwarn: pytest.WarningsRecord
         with pytest.raises(ProviderError, match="provider 'tensorrt' needs onnxruntime's "
                                                 "TensorrtExecutionProvider"):
             CosyVoice3(DEMO_BUNDLE, load_trt=True)
+
+
+def test_upstreams_fp16_is_float32_on_a_cpu_and_gpu_fp16_on_cuda(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Upstream takes fp16=True for False without a CUDA device; on cuda, a model bundle is exported in the
+    float16 profile whose decode steps onnxruntime's CUDA provider runs (an fp16 `llm_decode`)."""
+    with pytest.warns(UserWarning, match="^fp16=True ignored on the cpu provider: upstream runs in float32 "
+                                         "without a CUDA device$"):
+        with CosyVoice3(DEMO_BUNDLE, fp16=True) as tts:
+            assert tts.bundle.precision == "fp32"
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(DEMO_BUNDLE / MODEL_YAML, model / MODEL_YAML)  # all a model bundle's planned export reads
+    exported: list[str] = []
+
+    def export(model_dir: Path, out: Path, what: str, progress: bool, precision: str) -> None:
+        exported.append(precision)
+        raise UserError("the export is not run here")
+
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(bundle_source, "_export", export)
+    monkeypatch.setattr(runners, "check_provider_installed", lambda provider: None)  # CUDA is not needed here
+    with pytest.raises(UserError, match="the export is not run here"):
+        CosyVoice3(model, fp16=True, provider="cuda")
+    assert exported == ["gpu-fp16"]
 
 
 def test_save_wav_takes_what_torchaudio_save_takes(tmp_path: Path) -> None:

@@ -341,8 +341,8 @@ def test_a_model_bundle_the_export_refuses_is_one_error_line(tiny_bundle: Path, 
 
 def test_an_fp16_export_of_a_model_bundle_has_a_cache_folder_of_its_own(
         tiny_bundle: Path, runtime_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`AutoModel(model_dir, fp16=True)` on a model bundle: exported with --precision fp16, beside (not over)
-    its fp32 export."""
+    """`AutoModel(model_dir, fp16=True)` on a GPU's provider: the model bundle is exported in a float16
+    precision (fp16 under tensorrt), beside (not over) its fp32 export."""
     asked: list[tuple[Path, str]] = []
 
     def fake_export(model_dir: Path, out: Path, what: str, progress: bool, precision: str) -> None:
