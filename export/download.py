@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from cosyvoice_runtime.atomic_files import atomic_path
+from cosyvoice_runtime.atomic_files import TMP, atomic_path, siblings_made
 
 from .bundle.layout import CAMPPLUS, LLM_VARIANTS, QWEN_DIR, QWEN_WEIGHTS, SPEECH_TOKENIZER, YAML
 from .bundle.tokenizer_files import TOKENIZER_FILES
@@ -181,27 +181,43 @@ def _cached_release(revision: str, llm: str) -> Path | None:
     return None if missing_files(folder, llm) else folder
 
 
+PLACE_LOCK = Path(".cache") / "cosyvoice-place.lock"
+"""Held in the model folder while files are placed there from the Hugging Face cache (`.cache` is where
+`snapshot_download` keeps its own records of a download into a folder)."""
+
+
 def _place(cached: Path, model_dir: Path, llm: str) -> None:
     """The files of the cached release a download for `llm` fetches (`file_patterns`) that `model_dir` lacks,
     from the cache: each a hard link to the cache's file where both are on one filesystem (no second copy of
-    3.4 GB), else a copy, and each complete or not there at all."""
+    3.4 GB), else a copy, and each complete or not there at all. One placement into `model_dir` at a time
+    (`PLACE_LOCK`), so that the temporary copies it finds were left by one killed outright, and removed."""
+    from filelock import FileLock
     from huggingface_hub.utils import filter_repo_objects
 
     allow, ignore = file_patterns(llm)
     present = (path.relative_to(cached).as_posix() for path in sorted(cached.rglob("*")) if path.is_file())
-    for name in filter_repo_objects(present, allow_patterns=allow, ignore_patterns=ignore):
-        if (model_dir / name).is_file():
-            continue
-        source, target = (cached / name).resolve(), model_dir / name  # the cache's names link to its blobs
+    names = list(filter_repo_objects(present, allow_patterns=allow, ignore_patterns=ignore))
+    try:
+        (model_dir / PLACE_LOCK).parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(model_dir / PLACE_LOCK):
+            for name in names:
+                target = model_dir / name
+                for abandoned in siblings_made(target, TMP):  # a copy of GBs, hidden by its leading dot
+                    abandoned.unlink(missing_ok=True)
+                if not target.is_file():  # the cache's names link to its blobs
+                    _place_file((cached / name).resolve(), target)
+    except OSError as e:
+        raise DownloadError(f"{e.filename or model_dir}: cannot be written ({e.strerror or e})") from None
+
+
+def _place_file(source: Path, target: Path) -> None:
+    """`target` made a hard link to `source`, or a copy of it where no link can be made."""
+    with atomic_path(target) as tmp:
+        tmp.unlink()
         try:
-            with atomic_path(target) as tmp:
-                tmp.unlink()
-                try:
-                    os.link(source, tmp)
-                except OSError:  # another filesystem, or one without hard links
-                    shutil.copyfile(source, tmp)
-        except OSError as e:
-            raise DownloadError(f"{e.filename or target}: cannot be written ({e.strerror or e})") from None
+            os.link(source, tmp)
+        except OSError:  # another filesystem, or one without hard links
+            shutil.copyfile(source, tmp)
 
 
 def _quietly(fetch: Callable[[], T]) -> T:

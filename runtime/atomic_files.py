@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import stat
 from collections.abc import Iterator, Mapping, Sequence
@@ -14,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UNREACHABLE, UserError
+
+TMP = ".tmp"
+"""The suffix of `atomic_path`'s temporary files."""
 
 
 def new_sibling(path: Path, suffix: str, *, directory: bool = False) -> Path:
@@ -30,6 +34,13 @@ def new_sibling(path: Path, suffix: str, *, directory: bool = False) -> Path:
         except FileExistsError:
             continue
         return candidate
+
+
+def siblings_made(path: Path, suffix: str) -> list[Path]:
+    """What `new_sibling(path, suffix)` made beside `path` and is still there (a process killed outright
+    leaves its own), sorted by name."""
+    name = re.compile(rf"\.{re.escape(path.name)}\.[0-9a-f]{{8}}{re.escape(suffix)}")
+    return sorted(p for p in path.parent.iterdir() if name.fullmatch(p.name)) if path.parent.is_dir() else []
 
 
 SPECIAL_FILES = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
@@ -64,7 +75,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
     refuse_special_file(path, str(path))
     path = link_target(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = new_sibling(path, ".tmp")
+    tmp = new_sibling(path, TMP)
     try:
         yield tmp
         os.replace(tmp, path)
@@ -140,7 +151,7 @@ def _check_writable(path: Path, option: str, directory: bool) -> None:
             made.append(d)
         # for a file, the name its write will use: a name within the limit may not be with the temporary
         # file's additions
-        new_sibling(folder / "probe" if directory else target, ".tmp").unlink()
+        new_sibling(folder / "probe" if directory else target, TMP).unlink()
     except OSError as e:
         raise UserError(f"{option} {path}: cannot be written there ({e.strerror or e})") from None
     finally:

@@ -36,6 +36,7 @@ from click.testing import CliRunner
 
 from cosyvoice_export.cli import main
 from cosyvoice_export.download import REPO_ID
+from cosyvoice_graphs.bundle_layout import QWEN_DIR
 from cosyvoice_runtime.bundle_source import console_script
 
 COMMIT = "5f1c0ffee5f1c0ffee5f1c0ffee5f1c0ffee5f1c"
@@ -401,6 +402,31 @@ def test_a_release_in_the_hugging_face_cache_is_placed_from_there(hub: Hub, tmp_
     line = one_error_line(download(hub.endpoint, tmp_path, str(tmp_path / "rl-offline"), "--llm", "rl",
                                    offline=True))
     assert "does not hold the release yet (nor does the Hugging Face cache)" in line
+
+
+def test_the_copies_of_a_placement_killed_outright_are_removed(hub: Hub, tmp_path: Path) -> None:
+    """A placement from the Hugging Face cache copies where it cannot link (the cache on another
+    filesystem): one killed outright (kill -9, the out-of-memory killer) leaves its temporary copy, GBs
+    hidden by a leading dot, which the next placement removes, whether its file was placed or not."""
+    cache_it = ("from huggingface_hub import snapshot_download; "
+                f"snapshot_download({REPO_ID!r}, ignore_patterns=['llm.rl.pt'])")
+    run = subprocess.run([sys.executable, "-c", cache_it], env=download_env(hub.endpoint, tmp_path),
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr
+    model_dir = tmp_path / "model"
+    (model_dir / QWEN_DIR).mkdir(parents=True)
+    (model_dir / "flow.pt").write_bytes(hub.files["flow.pt"])  # placed before the kill
+    left = [model_dir / ".llm.pt.0123abcd.tmp", model_dir / ".flow.pt.89abcdef.tmp",
+            model_dir / QWEN_DIR / ".vocab.json.00ff00ff.tmp"]
+    for path in left:
+        path.write_bytes(b"part of a copy")
+    kept = model_dir / ".llm.pt.notours.tmp"
+    kept.write_bytes(b"")
+    placed = download(hub.endpoint, tmp_path, str(model_dir), offline=True)
+    assert placed.returncode == 0, placed.stderr
+    assert not any(path.exists() for path in left) and kept.exists()
+    kept.unlink()
+    assert fetched(model_dir) == {name for name in hub.files if name not in UNUSED and name != "llm.rl.pt"}
 
 
 def test_missing_repository_and_revision_are_one_line(hub: Hub, tmp_path: Path) -> None:

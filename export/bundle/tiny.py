@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -21,7 +20,7 @@ import torch
 from safetensors.torch import save
 from tqdm import tqdm
 
-from cosyvoice_runtime.atomic_files import new_sibling
+from cosyvoice_runtime.atomic_files import new_sibling, siblings_made
 
 from ..config import ModelConfig, full_size, tiny
 from ..manifest import NETWORKS, build_network
@@ -193,9 +192,8 @@ def _working_folder(out: Path) -> Iterator[Path]:
 def _remove_abandoned(out: Path, progress: bool) -> None:
     """Delete the working folders beside `out` that no writer holds: a write killed outright (kill -9,
     the out-of-memory killer) cannot remove its own, and a full bundle's is up to 4.2 GB."""
-    name = re.compile(rf"\.{re.escape(out.name)}\.[0-9a-f]{{8}}{re.escape(PARTIAL)}")
-    for folder in out.parent.iterdir():
-        if not name.fullmatch(folder.name) or folder.is_symlink() or not folder.is_dir():
+    for folder in siblings_made(out, PARTIAL):
+        if folder.is_symlink() or not folder.is_dir():
             continue
         try:
             fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
