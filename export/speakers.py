@@ -38,12 +38,15 @@ from typing import Any
 
 import numpy as np
 
+from cosyvoice_graphs.bundle_layout import MANIFEST
 from cosyvoice_runtime.bundle import ModelDims, RuntimeBundle
-from cosyvoice_runtime.bundle_source import choose_bundle
+from cosyvoice_runtime.bundle_source import bundle_front, choose_bundle
 from cosyvoice_runtime.frontend import PromptFeatures, TextTokenizer
 from cosyvoice_runtime.speakers import SpeakerError, SpeakerRegistry, check_name, frontend_fingerprint
 
 from .bundle.errors import BundleError
+from .bundle.model_dir import ModelBundle
+from .onnx.dims import model_dims
 
 SPK2INFO = "spk2info.pt"
 REQUIRED = ("prompt_text", "llm_prompt_speech_token", "flow_prompt_speech_token", "prompt_speech_feat",
@@ -89,12 +92,15 @@ def convert_spk2info(spk2info: Path, out: Path, model: Path | None) -> list[Upst
     """Add the speakers of `spk2info` to the registry in `out` for the bundle `cosyvoice-serve --model
     model` serves (the same default), replacing speakers of the same names; returns them.
 
-    Every speaker is checked before the first is written; a file that is no torch file is refused before
-    the bundle is looked at and torch loads."""
+    Every speaker is checked before the first is written, and before a model bundle is exported (minutes);
+    a file that is no torch file is refused before the bundle is looked at and torch loads."""
     check_torch_file(spk2info)
+    front = bundle_front(model)
+    # a model bundle's export copies its tokenizer files and records the model constants its yaml gives
+    dims = (RuntimeBundle.open(front.root).dims if (front.root / MANIFEST).is_file()
+            else model_dims(ModelBundle.open(front.root).config))
+    speakers = read_spk2info(spk2info, TextTokenizer(front.tokenizer_dir, skip_special_tokens=False), dims)
     bundle = RuntimeBundle.open(choose_bundle(model).path)
-    speakers = read_spk2info(spk2info, TextTokenizer(bundle.tokenizer_dir, skip_special_tokens=False),
-                             bundle.dims)
     registry = SpeakerRegistry(out, frontend_fingerprint(bundle))
     for added, speaker in enumerate(speakers):
         try:

@@ -452,6 +452,21 @@ def test_upstream_spk2info_speakers_are_converted_and_served_from_start(
     assert "(an sft speaker" in refused
 
 
+def test_spk2info_is_checked_before_a_model_bundle_is_exported(tiny_bundle: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against the tokenizer and model constants the export will have: a model bundle's export takes
+    minutes."""
+    import torch
+
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(bundle_source, "_export", lambda *_, **__: pytest.fail("the bundle was exported"))
+    sft = tmp_path / "sft.pt"
+    torch.save({"中文女": {"embedding": torch.zeros(1, 192)}}, sft)
+    assert refusal(export_speakers(sft, tmp_path / "speakers", tiny_bundle)).startswith(
+        f"error: {sft}: speaker '中文女': lacks prompt_text, ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sft.pt"]
+
+
 @pytest.mark.torch
 def test_spk2info_in_other_precisions_and_torchs_legacy_format_is_converted_to_float32(
         engine: Engine, prompt: tuple[bytes, str], tmp_path: Path) -> None:
