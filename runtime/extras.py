@@ -19,9 +19,11 @@ import os
 import signal
 import stat
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from importlib import metadata
+from importlib.machinery import ExtensionFileLoader, ModuleSpec
 from importlib.util import find_spec
 from typing import IO, Any
 
@@ -139,8 +141,9 @@ an outcome of its own (1 is a failed check or validation, 2 bad input)."""
 
 @contextmanager
 def interrupted_exits_130() -> Iterator[None]:
-    """Within it, a KeyboardInterrupt that ends a click command prints click's "Aborted!" and exits with
-    `INTERRUPTED`, where click's standalone mode would exit 1, the status of a failure. Click's
+    """Within it, a KeyboardInterrupt that ends a click command, or the block before the command starts (its
+    modules importing), prints click's "Aborted!" and exits with `INTERRUPTED`, where click's standalone
+    mode would exit 1, the status of a failure, and Python would print a traceback. Click's
     `Command.invoke` (which a group's subcommands run through too) is what changes, and only for the
     block."""
     import click  # a base dependency, imported here so that this module imports the standard library only
@@ -157,6 +160,9 @@ def interrupted_exits_130() -> Iterator[None]:
     click.Command.invoke = interruptible  # type: ignore[method-assign]
     try:
         yield
+    except KeyboardInterrupt:
+        click.echo("\nAborted!", err=True)
+        sys.exit(INTERRUPTED)
     finally:
         click.Command.invoke = invoke  # type: ignore[method-assign]
 
@@ -220,6 +226,79 @@ def termination_unwinds() -> Iterator[None]:
             signal.signal(signum, previous[signum])
 
 
+HELD_SIGNALS = (signal.SIGINT, *UNWOUND_SIGNALS)
+"""The signals whose handlers raise in the main thread (Ctrl-C's KeyboardInterrupt, `Terminated`)."""
+
+
+class _InitHold:
+    """The main thread's `HELD_SIGNALS` held from an extension module's creation to the end of its execution
+    (`extension_inits_hold_signals`)."""
+
+    def __init__(self) -> None:
+        self.module: str | None = None
+        """The module whose initialisation holds them; None: none does."""
+        self.calls = 0
+        """Loader calls under way: one that another starts (a module its initialisation imports) is within
+        the hold of the first."""
+        self._came: list[int] = []
+        self._handlers: dict[signal.Signals, Any] = {}
+
+    def start(self, module: str) -> None:
+        self.module, self._came = module, []
+        self._handlers = {n: h for n in HELD_SIGNALS if callable(h := signal.getsignal(n))}
+        for signum in self._handlers:
+            signal.signal(signum, lambda number, frame: self._came.append(number))
+
+    def end(self) -> None:
+        """Restore the handlers and raise again what came, where the module is whole."""
+        for signum, handler in self._handlers.items():
+            signal.signal(signum, handler)
+        self.module, self._handlers = None, {}
+        for number in dict.fromkeys(self._came):
+            signal.raise_signal(number)
+
+
+@contextmanager
+def extension_inits_hold_signals() -> Iterator[None]:
+    """Within it, a `HELD_SIGNALS` signal that comes while the main thread initialises an extension module
+    (from its creation to the end of its execution) is held until the initialisation has ended, then raised
+    again. Its handler's exception would be raised in the Python code the module's C++ initialisation runs,
+    which does not unwind from it: onnx's (nanobind) aborted the process or crashed it (SIGSEGV, also when
+    raised between the module's creation and its execution), onnxruntime's (pybind11) failed with
+    "ImportError: initialization failed", where the command should unwind and exit 130."""
+    create, execute = ExtensionFileLoader.create_module, ExtensionFileLoader.exec_module
+    hold = _InitHold()
+
+    def held(init: Any, done_at_return: bool) -> Any:
+        def call(self: ExtensionFileLoader, arg: Any) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                return init(self, arg)
+            name = arg.name if isinstance(arg, ModuleSpec) else arg.__name__
+            if hold.module not in (None, name) and hold.calls == 0:
+                hold.end()  # a module created and never executed (`module_from_spec` alone)
+            if hold.module is None:
+                hold.start(name)
+            hold.calls += 1
+            ended = True
+            try:
+                value = init(self, arg)
+                ended = done_at_return
+                return value
+            finally:
+                hold.calls -= 1
+                if hold.calls == 0 and hold.module == name and ended:
+                    hold.end()
+        return call
+
+    ExtensionFileLoader.create_module = held(create, False)  # type: ignore[method-assign]
+    ExtensionFileLoader.exec_module = held(execute, True)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ExtensionFileLoader.create_module = create  # type: ignore[method-assign]
+        ExtensionFileLoader.exec_module = execute  # type: ignore[method-assign]
+
+
 def _detach_terminal() -> None:
     """Point the standard streams on a character device at /dev/null: a terminal, which once hung up no
     longer answers as one (`isatty` is False), and /dev/null itself."""
@@ -242,13 +321,13 @@ def _detach_terminal() -> None:
 def run_console_script(script: str, module: str, extras: tuple[str, ...] = (), *,
                        unwind_on_signals: bool = True) -> None:
     """Run `module`'s `main` as the console script `script`, click's usage errors in one line
-    (`one_line_usage_errors`), an interrupted run exiting 130 (`interrupted_exits_130`) and, unless
-    `unwind_on_signals` is False (a command that takes SIGTERM as its own signal to stop), a terminated or
-    hung-up one unwinding first (`termination_unwinds`); where
-    onnxruntime or a module of one of `extras` is missing, when the CLI is imported or later in a command,
-    print one line saying what to install and exit 2; a path it may not use (`PATH_ERRNOS`) or a file
-    system that refuses a write (`WRITE_ERRNOS`), one line naming it, exit 2; the memory running out, one
-    line, exit 1."""
+    (`one_line_usage_errors`), an interrupted run exiting 130 (`interrupted_exits_130`), even while a module
+    initialises (`extension_inits_hold_signals`), and, unless `unwind_on_signals` is False (a command that
+    takes SIGTERM as its own signal to stop), a terminated or hung-up one unwinding first
+    (`termination_unwinds`); where onnxruntime or a module of one of `extras` is missing, when the CLI is
+    imported or later in a command, print one line saying what to install and exit 2; a path it may not use
+    (`PATH_ERRNOS`) or a file system that refuses a write (`WRITE_ERRNOS`), one line naming it, exit 2; the
+    memory running out, one line, exit 1."""
     open_standard_streams()
     try:
         os.getcwd()
@@ -258,7 +337,7 @@ def run_console_script(script: str, module: str, extras: tuple[str, ...] = (), *
         sys.exit(2)
     try:
         with (termination_unwinds() if unwind_on_signals else nullcontext(), one_line_usage_errors(),
-              interrupted_exits_130()):
+              interrupted_exits_130(), extension_inits_hold_signals()):
             importlib.import_module(module).main()
     except ModuleNotFoundError as e:
         line = missing_extra_line(script, e, extras)

@@ -601,6 +601,66 @@ def test_nohup_keeps_a_command_running_through_a_hang_up(tmp_path: Path) -> None
     assert not (tmp_path / "partial").exists()
 
 
+def interruptible() -> None:  # a process a background shell starts inherits SIGINT ignored
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+INTERRUPTED_IMPORT = """
+import _imp, importlib, os, signal, sys
+from importlib.machinery import ExtensionFileLoader
+from importlib.util import find_spec
+import click
+
+real = _imp.create_dynamic
+
+def create_dynamic(spec, *args):  # the signal comes while an extension module initialises
+    if spec.name == initialising:
+        signal.raise_signal(getattr(signal, os.environ["SIGNAL"]))  # runs its handler at once
+        print("initialised", spec.name, file=sys.stderr, flush=True)
+    return real(spec, *args)
+
+@click.command()
+def main():
+    global initialising
+    candidates = ("_zoneinfo", "mmap", "_sqlite3", "_curses", "_dbm", "readline")  # not imported yet
+    loaders = {n: getattr(find_spec(n), "loader", None) for n in candidates if n not in sys.modules}
+    initialising = os.environ.get("EXTENSION") or next(
+        n for n, loader in loaders.items() if isinstance(loader, ExtensionFileLoader))
+    _imp.create_dynamic = create_dynamic
+    try:
+        importlib.import_module(os.environ.get("PACKAGE") or initialising)
+    finally:
+        print("unwound", file=sys.stderr, flush=True)
+"""
+
+
+@pytest.mark.parametrize(("signum", "package", "extension"), [
+    (signal.SIGINT, "", ""), (signal.SIGTERM, "", ""),
+    pytest.param(signal.SIGINT, "onnx", "onnx.onnx_cpp2py_export", marks=pytest.mark.skipif(
+        find_spec("onnx") is None, reason="onnx is not installed (the export extra)"))])
+def test_a_signal_during_an_extension_modules_initialisation_waits_for_its_end(
+        tmp_path: Path, signum: signal.Signals, package: str, extension: str) -> None:
+    """Ctrl-C or SIGTERM while a module of C++ initialises (onnx's crashed the process, also when the signal
+    was raised once the module was created and before it was executed; onnxruntime's failed to import): the
+    command unwinds and exits as ever, once the initialisation has ended."""
+    (tmp_path / "slow_command.py").write_text(INTERRUPTED_IMPORT)
+    script = RUN_SLOW.replace("sys.argv[1]", "sys.argv.pop(1)")  # the command's arguments: none
+    env = os.environ | {"SIGNAL": signum.name, "PACKAGE": package, "EXTENSION": extension}
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                          timeout=60, preexec_fn=interruptible, env=env)
+    status, end = (130, "\nAborted!\n") if signum == signal.SIGINT else (-signal.SIGTERM, "")
+    assert done.returncode == status
+    assert re.fullmatch(f"initialised [a-z_.0-9]+\nunwound\n{end}", done.stderr), done.stderr
+
+
+def test_ctrl_c_while_a_command_imports_is_aborted_and_130(tmp_path: Path) -> None:
+    """Ctrl-C before the command has started (its modules importing): click's line and 130, no traceback."""
+    (tmp_path / "slow_command.py").write_text("import signal\nsignal.raise_signal(signal.SIGINT)\n")
+    done = subprocess.run([sys.executable, "-c", RUN_SLOW, str(tmp_path)], capture_output=True, text=True,
+                          timeout=60, preexec_fn=interruptible)
+    assert (done.returncode, done.stderr) == (130, "\nAborted!\n")
+
+
 def test_a_terminated_demo_stops_its_synthesis_too(tiny_bundle: Path, tmp_path: Path) -> None:
     """The demo runs cosyvoice-run as a process of its own: SIGTERM to the demo alone (a supervisor's, or
     `docker stop`'s) does not leave it running on."""
