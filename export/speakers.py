@@ -38,7 +38,6 @@ from typing import Any
 
 import numpy as np
 
-from cosyvoice_graphs.bundle_layout import MANIFEST
 from cosyvoice_runtime.bundle import ModelDims, RuntimeBundle
 from cosyvoice_runtime.bundle_source import bundle_front, choose_bundle
 from cosyvoice_runtime.frontend import PromptFeatures, TextTokenizer
@@ -97,8 +96,7 @@ def convert_spk2info(spk2info: Path, out: Path, model: Path | None) -> list[Upst
     check_torch_file(spk2info)
     front = bundle_front(model)
     # a model bundle's export copies its tokenizer files and records the model constants its yaml gives
-    dims = (RuntimeBundle.open(front.root).dims if (front.root / MANIFEST).is_file()
-            else model_dims(ModelBundle.open(front.root).config))
+    dims = front.dims or model_dims(ModelBundle.open(front.root).config)
     speakers = read_spk2info(spk2info, TextTokenizer(front.tokenizer_dir, skip_special_tokens=False), dims)
     bundle = RuntimeBundle.open(choose_bundle(model).path)
     registry = SpeakerRegistry(out, frontend_fingerprint(bundle))

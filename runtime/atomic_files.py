@@ -18,6 +18,8 @@ from .errors import UNREACHABLE, UserError
 
 TMP = ".tmp"
 """The suffix of `atomic_path`'s temporary files."""
+_TAG_BYTES = 4
+"""Random bytes in a `new_sibling` name, in hex."""
 
 
 def new_sibling(path: Path, suffix: str, *, directory: bool = False) -> Path:
@@ -25,7 +27,7 @@ def new_sibling(path: Path, suffix: str, *, directory: bool = False) -> Path:
     (folder) gets: 0o666 (0o777) less the umask, which the kernel applies as it creates it. tempfile's
     `mkstemp`/`mkdtemp` make theirs private (0o600, 0o700), and the rename would keep that."""
     while True:
-        candidate = path.with_name(f".{path.name}.{secrets.token_hex(4)}{suffix}")
+        candidate = path.with_name(f".{path.name}.{secrets.token_hex(_TAG_BYTES)}{suffix}")
         try:
             if directory:
                 os.mkdir(candidate, 0o777)
@@ -39,7 +41,7 @@ def new_sibling(path: Path, suffix: str, *, directory: bool = False) -> Path:
 def siblings_made(path: Path, suffix: str) -> list[Path]:
     """What `new_sibling(path, suffix)` made beside `path` and is still there (a process killed outright
     leaves its own), sorted by name."""
-    name = re.compile(rf"\.{re.escape(path.name)}\.[0-9a-f]{{8}}{re.escape(suffix)}")
+    name = re.compile(rf"\.{re.escape(path.name)}\.[0-9a-f]{{{2 * _TAG_BYTES}}}{re.escape(suffix)}")
     return sorted(p for p in path.parent.iterdir() if name.fullmatch(p.name)) if path.parent.is_dir() else []
 
 

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cosyvoice_graphs import Precision, spec
+from cosyvoice_graphs import ModelDims, Precision, spec
 from cosyvoice_graphs.bundle_layout import GRAPHS_DIR, MANIFEST, MODEL_YAML, PROMPT_TEXT, PROMPT_WAV, QWEN_DIR
 from cosyvoice_graphs.precision import FP32
 from cosyvoice_graphs.precision_plan import PrecisionPlan
@@ -86,10 +86,12 @@ class BundleFront:
     tokenizer_dir: Path
     prompt: tuple[Path, str] | None
     """The bundle's own prompt recording and transcript, or None (exports of upstream's release)."""
+    dims: ModelDims | None
+    """A runtime bundle's model constants; None for a model bundle, whose yaml gives them to its export."""
 
     @classmethod
     def of(cls, bundle: RuntimeBundle) -> BundleFront:
-        return cls(bundle.root, bundle.tokenizer_dir, bundle.default_prompt())
+        return cls(bundle.root, bundle.tokenizer_dir, bundle.default_prompt(), bundle.dims)
 
 
 def bundle_front(model: Path | None, name: str = "--model") -> BundleFront:
@@ -100,7 +102,7 @@ def bundle_front(model: Path | None, name: str = "--model") -> BundleFront:
         return BundleFront.of(RuntimeBundle.open(path))
     wav, text = path / PROMPT_WAV, path / PROMPT_TEXT
     prompt = (wav, text.read_text(encoding="utf-8").strip()) if wav.is_file() and text.is_file() else None
-    return BundleFront(path, path / QWEN_DIR, prompt)
+    return BundleFront(path, path / QWEN_DIR, prompt, None)
 
 
 @dataclass(frozen=True)
