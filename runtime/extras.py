@@ -231,63 +231,63 @@ HELD_SIGNALS = (signal.SIGINT, *UNWOUND_SIGNALS)
 
 
 class _InitHold:
-    """The main thread's `HELD_SIGNALS` held from an extension module's creation to the end of its execution
+    """The `HELD_SIGNALS` that came while the main thread initialised an extension module
     (`extension_inits_hold_signals`)."""
 
     def __init__(self) -> None:
+        self.holding = False
+        """Within a loader call: one that it starts (a module its initialisation imports) is within it."""
         self.module: str | None = None
-        """The module whose initialisation holds them; None: none does."""
-        self.calls = 0
-        """Loader calls under way: one that another starts (a module its initialisation imports) is within
-        the hold of the first."""
-        self._came: list[int] = []
+        """The module that `came` came during."""
+        self.came: list[int] = []
         self._handlers: dict[signal.Signals, Any] = {}
 
-    def start(self, module: str) -> None:
-        self.module, self._came = module, []
+    def take(self, module: str) -> None:
+        if self.came and module != self.module:
+            self.deliver()  # they came as a module was created that was never executed (`module_from_spec`)
+        self.holding, self.module = True, module
         self._handlers = {n: h for n in HELD_SIGNALS if callable(h := signal.getsignal(n))}
         for signum in self._handlers:
-            signal.signal(signum, lambda number, frame: self._came.append(number))
+            signal.signal(signum, lambda number, frame: self.came.append(number))
 
-    def end(self) -> None:
-        """Restore the handlers and raise again what came, where the module is whole."""
+    def release(self) -> None:
         for signum, handler in self._handlers.items():
             signal.signal(signum, handler)
-        self.module, self._handlers = None, {}
-        for number in dict.fromkeys(self._came):
+        self.holding, self._handlers = False, {}
+
+    def deliver(self) -> None:
+        """Raise again what came, to the handlers they were held from."""
+        came, self.came = dict.fromkeys(self.came), []
+        for number in came:
             signal.raise_signal(number)
 
 
 @contextmanager
 def extension_inits_hold_signals() -> Iterator[None]:
-    """Within it, a `HELD_SIGNALS` signal that comes while the main thread initialises an extension module
-    (from its creation to the end of its execution) is held until the initialisation has ended, then raised
-    again. Its handler's exception would be raised in the Python code the module's C++ initialisation runs,
-    which does not unwind from it: onnx's (nanobind) aborted the process or crashed it (SIGSEGV, also when
-    raised between the module's creation and its execution), onnxruntime's (pybind11) failed with
-    "ImportError: initialization failed", where the command should unwind and exit 130."""
+    """Within it, a `HELD_SIGNALS` signal that comes while the main thread creates or executes an extension
+    module is held, and raised again once the module is whole (its execution has ended, or its creation
+    failed). Its handler's exception would be raised in the Python code the module's C++ initialisation
+    runs, which does not unwind from it: onnx's (nanobind) aborted the process or crashed it (SIGSEGV, also
+    when raised between the module's creation and its execution), onnxruntime's (pybind11) failed with
+    "ImportError: initialization failed", where the command should unwind and exit 130. Between the two
+    calls the handlers are the command's own: a module created and never executed holds nothing."""
     create, execute = ExtensionFileLoader.create_module, ExtensionFileLoader.exec_module
     hold = _InitHold()
 
-    def held(init: Any, done_at_return: bool) -> Any:
+    def held(init: Any, whole_at_return: bool) -> Any:
         def call(self: ExtensionFileLoader, arg: Any) -> Any:
-            if threading.current_thread() is not threading.main_thread():
+            if hold.holding or threading.current_thread() is not threading.main_thread():
                 return init(self, arg)
-            name = arg.name if isinstance(arg, ModuleSpec) else arg.__name__
-            if hold.module not in (None, name) and hold.calls == 0:
-                hold.end()  # a module created and never executed (`module_from_spec` alone)
-            if hold.module is None:
-                hold.start(name)
-            hold.calls += 1
-            ended = True
+            hold.take(arg.name if isinstance(arg, ModuleSpec) else arg.__name__)
+            whole = True
             try:
                 value = init(self, arg)
-                ended = done_at_return
+                whole = whole_at_return
                 return value
             finally:
-                hold.calls -= 1
-                if hold.calls == 0 and hold.module == name and ended:
-                    hold.end()
+                hold.release()
+                if whole:
+                    hold.deliver()
         return call
 
     ExtensionFileLoader.create_module = held(create, False)  # type: ignore[method-assign]

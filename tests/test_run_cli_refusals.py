@@ -653,6 +653,37 @@ def test_a_signal_during_an_extension_modules_initialisation_waits_for_its_end(
     assert re.fullmatch(f"initialised [a-z_.0-9]+\nunwound\n{end}", done.stderr), done.stderr
 
 
+def test_a_module_created_and_never_executed_holds_no_signal(tmp_path: Path) -> None:
+    """`module_from_spec` alone creates an extension module without executing it: Ctrl-C after it is
+    Ctrl-C, not held for an execution that never comes."""
+    script = """
+import _imp, importlib.util, signal, sys
+from importlib.machinery import ExtensionFileLoader
+from cosyvoice_runtime.extras import extension_inits_hold_signals
+
+real = _imp.create_dynamic
+
+def create_dynamic(spec, *args):
+    signal.raise_signal(signal.SIGINT)
+    return real(spec, *args)
+
+candidates = ("_zoneinfo", "mmap", "_sqlite3", "_curses", "_dbm", "readline")
+specs = [s for n in candidates if n not in sys.modules and (s := importlib.util.find_spec(n)) is not None]
+spec = next(s for s in specs if isinstance(s.loader, ExtensionFileLoader))
+with extension_inits_hold_signals():
+    _imp.create_dynamic = create_dynamic
+    importlib.util.module_from_spec(spec)
+    _imp.create_dynamic = real
+    try:
+        signal.raise_signal(signal.SIGINT)
+    except KeyboardInterrupt:
+        print("interrupted")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          preexec_fn=interruptible)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "interrupted\n", "")
+
+
 def test_ctrl_c_while_a_command_imports_is_aborted_and_130(tmp_path: Path) -> None:
     """Ctrl-C before the command has started (its modules importing): click's line and 130, no traceback."""
     (tmp_path / "slow_command.py").write_text("import signal\nsignal.raise_signal(signal.SIGINT)\n")
