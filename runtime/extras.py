@@ -248,11 +248,15 @@ class _InitHold:
         self.holding, self.module = True, module
         self._handlers = {n: h for n in HELD_SIGNALS if callable(h := signal.getsignal(n))}
         for signum in self._handlers:
-            signal.signal(signum, lambda number, frame: self.came.append(number))
+            signal.signal(signum, self._record)
+
+    def _record(self, signum: int, frame: object) -> None:
+        self.came.append(signum)
 
     def release(self) -> None:
         for signum, handler in self._handlers.items():
-            signal.signal(signum, handler)
+            if signal.getsignal(signum) == self._record:  # else the module set a handler of its own: kept
+                signal.signal(signum, handler)
         self.holding, self._handlers = False, {}
 
     def deliver(self) -> None:
