@@ -66,6 +66,8 @@ from .frontend import (
     zero_shot_prompt,
 )
 from .frontend.audio import check_sample_rate
+from .frontend.grammar_process import GrammarProcess
+from .frontend.text import checked_wetext_normalize
 from .frontend.tokenizer import check_unicode
 from .prefix_jobs import PrefixJobs
 from .process_memory import release_free_heap
@@ -157,8 +159,8 @@ class CosyVoice3:
                  speakers_dir: str | Path | None = None, flow_prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
                  max_batch: int | None = None, batch_observer: BatchObserver | None = None,
                  chunk_policy: ChunkPolicy | None = None, chunk_slots: int | None = None,
-                 cuda_graphs: bool | None = None, stack_dit: bool = False, stack_vocoder: bool = False
-                 ) -> None:
+                 cuda_graphs: bool | None = None, stack_dit: bool = False, stack_vocoder: bool = False,
+                 normalizer_process: bool = False) -> None:
         """Open `model_dir`: a runtime bundle, a model bundle exported on first use as `cosyvoice-run
         --model` does, or a bundle opened already. `provider` and `threads` place the graphs
         (`cosyvoice_runtime.runners.PROVIDERS`); `sampling` is upstream's repetition-aware sampling
@@ -178,7 +180,9 @@ class CosyVoice3:
         None: wherever they can), in the decode batch even of one, and the DiT's calls where its graph allows
         (`synthesis.dit_replays`, `dit_graphs`); `stack_dit` runs concurrent streams' DiT calls at the same
         ODE step and frames as one call (`dit_stack`), `stack_vocoder` their vocoder calls over the same
-        frames (`Vocoder.stack_calls`).
+        frames (`Vocoder.stack_calls`); `normalizer_process` runs the text normaliser's grammars in a child
+        process (`GrammarProcess`), where a text with a digit no longer stops the other threads (a
+        server's streams) for its normalisation (seconds for a long English text).
 
         Upstream's own keywords are taken for what they mean here: `load_trt` runs the graphs on
         onnxruntime's TensorRT provider (upstream's DiT runs as a TensorRT plan it builds on first use);
@@ -216,7 +220,9 @@ class CosyVoice3:
             bundle = RuntimeBundle.open(bundle.root, verify=True)
         self.bundle = bundle
         self.tokenizer = TextTokenizer(self.bundle.tokenizer_dir)
-        self.frontend = TextFrontend(self.tokenizer)
+        self._grammar_process = GrammarProcess() if normalizer_process else None
+        self.frontend = TextFrontend(self.tokenizer,
+                                     grammar=self._grammar_process or checked_wetext_normalize)
         self._prompt_lock = threading.Lock()
         self._prompt_sessions: tuple[onnxruntime.InferenceSession, onnxruntime.InferenceSession] | None = None
         """CAM++ and the speech tokenizer once a prompt needed them (`_prompt_models`)."""
@@ -481,6 +487,8 @@ class CosyVoice3:
         self._closed = True
         self._stop_prefix_jobs()
         self.synth.close()
+        if self._grammar_process is not None:
+            self._grammar_process.close()
         with self._prompt_lock:
             self._prompt_sessions = None
 

@@ -180,7 +180,7 @@ class Engine:
                                 flow_prefix_bytes=flow_prefix_bytes, max_batch=max_batch,
                                 batch_observer=self.batch_metrics, chunk_policy=chunk_policy,
                                 chunk_slots=chunk_slots, cuda_graphs=cuda_graphs, stack_dit=stack_dit,
-                                stack_vocoder=stack_vocoder)
+                                stack_vocoder=stack_vocoder, normalizer_process=True)
         self.default_prompt = bundle.default_prompt()
         """The bundle's own prompt recording and its transcript, or None (exports of upstream's)."""
         self._text_lock = threading.Lock()

@@ -12,6 +12,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +31,7 @@ from cosyvoice_runtime import CosyVoice3, cli
 from cosyvoice_runtime import frontend as rt
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.frontend import text as rt_text
+from cosyvoice_runtime.frontend.grammar_process import GrammarProcess
 
 ORACLE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "frontend-oracle"
 KEPT = Path(__file__).resolve().parent / "data" / "frontend_oracle"
@@ -109,6 +117,100 @@ def test_wetext_output_equals_upstreams_on_every_text(text_oracle: list[dict[str
                  if got[case["id"]] != case["upstream"]]
     assert differing == []
     assert len(text_oracle) == 50
+
+
+@pytest.fixture(scope="module")
+def grammar_process() -> Iterator[GrammarProcess]:
+    process = GrammarProcess()
+    yield process
+    process.close()
+
+
+def grammar_children(parent: int) -> list[int]:
+    """The grammar processes `parent` runs."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            command = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError):  # ended meanwhile
+            continue
+        if ppid == parent and b"cosyvoice_runtime.frontend.grammar_process" in command:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_the_grammar_process_normalises_every_text_as_upstream(text_oracle: list[dict[str, Any]],
+                                                               grammar_process: GrammarProcess) -> None:
+    """The grammars in a child process: the same outputs, and the same one-line error where a grammar finds
+    no parse."""
+    got = {case["id"]: grammar_process(case["input"]) for case in text_oracle}
+    assert [case["id"] for case in text_oracle if got[case["id"]] != case["upstream"]] == []
+    with pytest.raises(rt.FrontendError) as in_process:
+        rt_text.checked_wetext_normalize("\tA5")
+    assert str(in_process.value).startswith("wetext (en) cannot normalise '\\tA5' (AssertionError); ")
+    with pytest.raises(rt.FrontendError) as in_child:
+        grammar_process("\tA5")
+    assert str(in_child.value) == str(in_process.value)
+
+
+def test_other_threads_run_while_the_grammar_process_normalises(grammar_process: GrammarProcess) -> None:
+    """kaldifst holds the GIL through a text; in the child it does not hold this process's: a thread that
+    ticks every millisecond goes on ticking through the call (in this process it stops for all of it)."""
+    text = ("On Jan. 5, 2024 at 3:30 pm, 12 people paid $45.50 each for 3 kg of apples. " * 8)[:600]
+    expected = rt_text.wetext_normalize(text)
+    ticks: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        start = time.perf_counter()
+        assert grammar_process(text) == expected
+        end = time.perf_counter()
+    finally:
+        done.set()
+        ticker.join()
+    middle = [t for t in ticks if start + (end - start) / 4 < t < end - (end - start) / 4]
+    assert len(middle) >= 10, (end - start, len(middle))
+
+
+def test_a_killed_grammar_process_is_replaced() -> None:
+    """The child killed (the kernel's out-of-memory killer): the next text starts another and is
+    normalised."""
+    others = set(grammar_children(os.getpid()))  # a server engine's, where a test made one
+    process = GrammarProcess()
+    try:
+        assert process("Room 12.") == rt_text.wetext_normalize("Room 12.")
+        [child] = set(grammar_children(os.getpid())) - others
+        os.kill(child, signal.SIGKILL)
+        assert process("Room 13.") == rt_text.wetext_normalize("Room 13.")
+        assert len(replaced := set(grammar_children(os.getpid())) - others) == 1 and replaced != {child}
+    finally:
+        process.close()
+
+
+def test_a_grammar_process_ends_with_its_parent() -> None:
+    """A process killed outright (SIGKILL) leaves no grammar process behind holding its stderr: reading
+    that to its end ends."""
+    script = ("import time; from cosyvoice_runtime.frontend.grammar_process import GrammarProcess; "
+              "grammar = GrammarProcess(); grammar('Room 1.'); print('ready', flush=True); time.sleep(600)")
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as parent:
+        assert parent.stdout is not None and parent.stdout.readline() == "ready\n"
+        [child] = grammar_children(parent.pid)
+        parent.kill()
+        assert parent.communicate(timeout=30) == ("", "")
+    command = Path(f"/proc/{child}/cmdline")
+    deadline = time.monotonic() + 10
+    while command.exists() and command.read_bytes() and time.monotonic() < deadline:  # a zombie's is empty
+        time.sleep(0.05)
+    assert not command.exists() or command.read_bytes() == b""
 
 
 def test_no_escape_reaches_the_llm(text_oracle: list[dict[str, Any]]) -> None:

@@ -237,6 +237,12 @@ def _wetext_grammar(lang: Literal["zh", "en"]) -> _WetextGrammar:
     return _WetextGrammar(lang)
 
 
+def load_grammars() -> None:
+    """Load both grammars now, not on their first texts (`GrammarProcess`'s child)."""
+    for lang in ("zh", "en"):
+        _wetext_grammar(lang)
+
+
 def wetext_normalize(text: str) -> str:
     """What upstream's wetext normaliser (`Normalizer(remove_erhua=False).normalize`, wetext 0.0.4 with
     the pinned FSTs) returns for `text`: `text` itself unless it has a digit, else the zh grammar's output
@@ -245,6 +251,19 @@ def wetext_normalize(text: str) -> str:
     if not _DIGIT.search(text):
         return text
     return _wetext_grammar("zh" if contains_chinese(text) else "en")(text)
+
+
+def checked_wetext_normalize(text: str) -> str:
+    """`wetext_normalize`, where a grammar finds no parse a `FrontendError` in one line."""
+    try:
+        return wetext_normalize(text)
+    except FrontendError:
+        raise
+    except Exception as exc:  # wetext asserts when its grammar finds no parse
+        lang = "zh" if contains_chinese(text) else "en"
+        shown = text if len(text) <= 60 else text[:57] + "..."
+        raise FrontendError(f"wetext ({lang}) cannot normalise {shown!r} ({type(exc).__name__}); "
+                            f"rephrase it or turn text normalisation off") from None
 
 
 @functools.cache
@@ -272,15 +291,19 @@ class TokenEncoder(Protocol):
 class TextFrontend:
     """Upstream's `text_normalize` for CosyVoice3: wetext normalisation and sentence splitting."""
 
-    def __init__(self, tokenizer: TokenEncoder, use_wetext: bool = True) -> None:
+    def __init__(self, tokenizer: TokenEncoder, use_wetext: bool = True,
+                 grammar: Callable[[str], str] = checked_wetext_normalize) -> None:
         """`tokenizer` counts tokens for English splitting.
 
         `use_wetext=False` skips the wetext step only, like upstream without a normaliser installed; the
         clean-ups, number spelling and splitting still run. With `use_wetext=True`, a missing wetext or
         an FST that is not the pinned one raises `FrontendError` here; each grammar loads on first use.
+        `grammar` runs the wetext step: `checked_wetext_normalize`, or the same in a process of its own
+        (`GrammarProcess`).
         """
         self._tokenizer = tokenizer
         self._use_wetext = use_wetext
+        self._grammar = grammar
         if use_wetext:
             _wetext_fsts()
 
@@ -312,17 +335,7 @@ class TextFrontend:
         return "en", spell_out_numbers(self._wetext(text), _number_to_words)
 
     def _wetext(self, text: str) -> str:
-        if not self._use_wetext:
-            return text
-        try:
-            return wetext_normalize(text)
-        except FrontendError:
-            raise
-        except Exception as exc:  # wetext asserts when its grammar finds no parse
-            lang = "zh" if contains_chinese(text) else "en"
-            shown = text if len(text) <= 60 else text[:57] + "..."
-            raise FrontendError(f"wetext ({lang}) cannot normalise {shown!r} ({type(exc).__name__}); "
-                                f"rephrase it or turn text normalisation off") from None
+        return self._grammar(text) if self._use_wetext else text
 
 
 def _is_markup(text: str) -> bool:
