@@ -181,14 +181,16 @@ def test_other_threads_run_while_the_grammar_process_normalises(grammar_process:
 
 
 def test_a_killed_grammar_process_is_replaced() -> None:
-    """The child killed (the kernel's out-of-memory killer): the next text starts another and is
-    normalised."""
+    """The child killed (the kernel's out-of-memory killer): the next text with a digit starts another and
+    is normalised; one without needs none."""
     others = set(grammar_children(os.getpid()))  # a server engine's, where a test made one
     process = GrammarProcess()
     try:
         assert process("Room 12.") == rt_text.wetext_normalize("Room 12.")
         [child] = set(grammar_children(os.getpid())) - others
         os.kill(child, signal.SIGKILL)
+        assert process("Room twelve.") == "Room twelve."  # no grammar reads it: not sent
+        assert set(grammar_children(os.getpid())) - others - {child} == set()
         assert process("Room 13.") == rt_text.wetext_normalize("Room 13.")
         assert len(replaced := set(grammar_children(os.getpid())) - others) == 1 and replaced != {child}
     finally:

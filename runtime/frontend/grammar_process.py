@@ -22,15 +22,15 @@ import threading
 from typing import IO
 
 from ..errors import FrontendError
-from .text import checked_wetext_normalize, load_grammars
+from .text import checked_wetext_normalize, load_grammars, needs_grammar
 
 
 class GrammarProcess:
     """`checked_wetext_normalize` run in a child process, started at once and loading both grammars (0.5 s
     and 107 MB on an AMD EPYC; kaldifst's lattices for a 2,000-character English text take it to 529 MB at
     their peak, memory the calling process would have taken otherwise), so that the first text with a digit
-    does not wait for it. Texts that come together take their turns. A child that died (killed for memory)
-    is started again for the next text."""
+    does not wait for it. Texts that come together take their turns; one without a digit, which no grammar
+    reads, does not go there. A child that died (killed for memory) is started again for the next text."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -43,6 +43,8 @@ class GrammarProcess:
 
     def __call__(self, text: str) -> str:
         """What `checked_wetext_normalize(text)` returns, or raises."""
+        if not needs_grammar(text):
+            return text
         with self._lock:
             try:
                 reply = self._ask(text)

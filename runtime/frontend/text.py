@@ -248,9 +248,14 @@ def wetext_normalize(text: str) -> str:
     the pinned FSTs) returns for `text`: `text` itself unless it has a digit, else the zh grammar's output
     if it holds a CJK ideograph, the en grammar's otherwise, unstripped. Raises what the grammar raises
     when it finds no parse."""
-    if not _DIGIT.search(text):
+    if not needs_grammar(text):
         return text
     return _wetext_grammar("zh" if contains_chinese(text) else "en")(text)
+
+
+def needs_grammar(text: str) -> bool:
+    """Whether wetext 0.0.4 runs a grammar over `text`: only over text with a digit."""
+    return _DIGIT.search(text) is not None
 
 
 def checked_wetext_normalize(text: str) -> str:
