@@ -653,7 +653,7 @@ def test_a_signal_during_an_extension_modules_initialisation_waits_for_its_end(
     assert re.fullmatch(f"initialised [a-z_.0-9]+\nunwound\n{end}", done.stderr), done.stderr
 
 
-def test_a_module_created_and_never_executed_holds_no_signal(tmp_path: Path) -> None:
+def test_a_module_created_and_never_executed_holds_no_signal() -> None:
     """`module_from_spec` alone creates an extension module without executing it: Ctrl-C after it is
     Ctrl-C, not held for an execution that never comes; a handler a module sets as it initialises stays."""
     script = """
