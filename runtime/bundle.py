@@ -37,7 +37,8 @@ from cosyvoice_graphs.precision_plan import PrecisionPlan, PrecisionPlanError
 from .errors import RuntimeBundleError, path_problem
 from .noise import MT19937, UniformNoise
 
-__all__ = ["FRONTEND_MODELS", "BundleGraphs", "RuntimeBundle", "TrtPlan", "read_onnx_metadata"]
+__all__ = ["FRONTEND_MODELS", "BundleGraphs", "RuntimeBundle", "StreamConstants", "TrtPlan",
+           "read_onnx_metadata"]
 
 VERIFY_THREADS = 4
 """Files hashed at once by `RuntimeBundle.open(verify=True)`: as fast as two on 2 cores, faster with more."""
@@ -52,10 +53,30 @@ class TrtPlan:
     gpu: str
 
 
+@dataclass(frozen=True)
+class StreamConstants:
+    """The model constants a chunk policy is held against (`chunk_policy.check_policy`)."""
+
+    lookahead: int
+    """Tokens after a chunk that the flow's pre-lookahead layer reads (`pre_lookahead_len`)."""
+    block_frames: int
+    """Mel frames per block of the DiT's block-causal mask."""
+    token_mel_ratio: int
+    vocoder_held: int
+    """Mel frames at the end of a non-final vocoder call whose samples are not final yet
+    (`HiftLayout.final_lookahead`)."""
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> StreamConstants:
+        dims = manifest.model.dims
+        return cls(dims.pre_lookahead_len, dims.dit_block_frames, dims.token_mel_ratio,
+                   manifest.model.hift.final_lookahead)
+
+
 class BundleGraphs(Protocol):
-    """What the checks made before any graph opens read of a bundle: its precision, each graph's, and which
-    graphs have TensorRT plans. A `RuntimeBundle`, or the export a model bundle will get
-    (`bundle_source.PlannedExport`)."""
+    """What the checks made before any graph opens read of a bundle: its precision, each graph's, which
+    graphs have TensorRT plans, and its streaming constants. A `RuntimeBundle`, or the export a model bundle
+    will get (`bundle_source.PlannedExport`)."""
 
     @property
     def root(self) -> Path: ...
@@ -70,6 +91,9 @@ class BundleGraphs(Protocol):
 
     @property
     def trt_planned(self) -> list[str]: ...
+
+    @property
+    def stream_constants(self) -> StreamConstants: ...
 
 
 class RuntimeBundle:
@@ -266,6 +290,10 @@ class RuntimeBundle:
     def trt_planned(self) -> list[str]:
         """The graphs with TensorRT plans (`has_trt_plan`)."""
         return [name for name in self.specs if self.has_trt_plan(name)]
+
+    @property
+    def stream_constants(self) -> StreamConstants:
+        return StreamConstants.of(self.manifest)
 
     def graph_metadata(self, name: str) -> dict[str, str]:
         """Graph `name`'s ONNX `metadata_props` (read without loading its weights), checked by

@@ -25,7 +25,7 @@ from cosyvoice_graphs.precision import FP32
 from cosyvoice_graphs.precision_plan import PrecisionPlan
 
 from .atomic_files import check_writable, write_json_atomic
-from .bundle import BundleGraphs, RuntimeBundle
+from .bundle import BundleGraphs, RuntimeBundle, StreamConstants
 from .demo import DEMO_BUNDLE
 from .errors import RuntimeBundleError, UserError, home_folder, path_problem
 from .extras import install_command, missing_modules
@@ -114,15 +114,18 @@ class PlannedExport:
     """The model bundle."""
     precision: str
     graph_precisions: dict[str, Precision]
+    stream_constants: StreamConstants
     trt_planned: list[str] = field(default_factory=list)
 
     @classmethod
     def of(cls, model_dir: Path, precision: str) -> PlannedExport:
         plan = PrecisionPlan.parse(precision)
-        # a graph's precision under a plan follows its spec's bounds, the same at every model size: the
-        # embedded bundle's model constants build the specs
-        dims = RuntimeBundle.open(DEMO_BUNDLE).dims
-        return cls(model_dir, plan.name, plan.precisions({g: spec(g, dims) for g in plan.graph_names}))
+        # a graph's precision under a plan follows its spec's bounds, and the streaming constants are
+        # upstream's yaml values: the same at every model size, so the embedded bundle's stand in (the
+        # export's own are held against the options again once it is made)
+        demo = RuntimeBundle.open(DEMO_BUNDLE)
+        return cls(model_dir, plan.name, plan.precisions({g: spec(g, demo.dims) for g in plan.graph_names}),
+                   demo.stream_constants)
 
 
 def bundle_graphs(model: Path | None, name: str = "--model", precision: str = FP32.name) -> BundleGraphs:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from .bundle import RuntimeBundle
+from .bundle import BundleGraphs
 from .errors import UserError
 
 
@@ -112,20 +112,20 @@ class ChunkPolicy:
             yield hop
 
 
-def check_policy(policy: ChunkPolicy | None, bundle: RuntimeBundle) -> ChunkPolicy:
-    """`policy` (None: upstream's schedule with the flow's look-ahead) if `bundle`'s graphs can stream on it,
-    else a `UserError` saying why in one line. Reads the manifest only, so it runs before any graph opens."""
-    dims = bundle.dims
-    policy = policy or ChunkPolicy(lookahead=dims.pre_lookahead_len)
-    if policy.lookahead != dims.pre_lookahead_len:
-        raise UserError(f"chunk policy lookahead {policy.lookahead} is not the flow's "
-                        f"{dims.pre_lookahead_len}")
-    block, ratio = dims.dit_block_frames, dims.token_mel_ratio
+def check_policy(policy: ChunkPolicy | None, graphs: BundleGraphs) -> ChunkPolicy:
+    """`policy` (None: upstream's schedule with the flow's look-ahead) if `graphs` can stream on it, else a
+    `UserError` saying why in one line. Reads their streaming constants only, so it runs before any graph
+    opens, and before a model bundle is exported (`bundle_source.PlannedExport`)."""
+    model = graphs.stream_constants
+    policy = policy or ChunkPolicy(lookahead=model.lookahead)
+    if policy.lookahead != model.lookahead:
+        raise UserError(f"chunk policy lookahead {policy.lookahead} is not the flow's {model.lookahead}")
+    block, ratio = model.block_frames, model.token_mel_ratio
     if policy.flow != "rerun" and (policy.token_hop * ratio % block or policy.max_hop * ratio % block):
         raise UserError(f"chunk policy flow={policy.flow!r} needs hops of whole {block}-frame DiT blocks; "
                         f"token_hop {policy.token_hop} and max_hop {policy.max_hop} are not")
     # a non-final vocoder call holds back its look-ahead frames, so the first chunk must exceed them
-    held = bundle.manifest.model.hift.final_lookahead
+    held = model.vocoder_held
     fewest = held // ratio + 1
     if policy.first_chunk_tokens is not None and policy.first_chunk_tokens < fewest:
         raise UserError(f"first_chunk_tokens must be >= {fewest} (the vocoder holds back {held} mel frames), "

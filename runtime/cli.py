@@ -232,7 +232,8 @@ def main(model: Path | None, text: str | None, prompt_wav: Path | None, prompt_t
         # bundle's tokenizer and own prompt only
         given_audio = read_prompt_audio(prompt_wav) if prompt_wav is not None else None
         pieces, chosen = _pieces(bundle_front(model), Mode(mode), text, prompt_wav, prompt_text, instruct)
-        check_options(bundle_graphs(model), provider, cuda_graphs=cuda_graphs, threads=threads)
+        check_options(bundle_graphs(model), provider, chunk_policy=chunk_policy, cuda_graphs=cuda_graphs,
+                      threads=threads)
         choice = choose_bundle(model, provider=provider)
         if choice.default:
             click.echo(f"model: {choice.origin}", err=True)

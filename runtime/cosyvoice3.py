@@ -206,7 +206,8 @@ class CosyVoice3:
             precision = asked or FP32.name
             planned = bundle_graphs(Path(model_dir), "model_dir", precision)
             check_options(planned, provider, max_batch=max_batch, chunk_slots=chunk_slots,
-                          cuda_graphs=cuda_graphs, stack_dit=stack_dit, threads=threads)
+                          chunk_policy=chunk_policy, cuda_graphs=cuda_graphs, stack_dit=stack_dit,
+                          threads=threads)
             chosen = choose_bundle(Path(model_dir), precision=precision, name="model_dir", provider=provider)
             bundle = RuntimeBundle.open(chosen.path)
         if asked is not None and bundle.precision != asked:

@@ -423,22 +423,22 @@ def check_synthesis(bundle: RuntimeBundle, provider: str, *, max_batch: int | No
                     cuda_graphs: bool | None = None, stack_dit: bool = False, threads: int | None = None
                     ) -> list[str]:
     """The graphs a `Synthesizer` of `bundle` on `provider` with these options opens, after every check it
-    makes before one opens: those of `check_options`, a `UserError` for a chunk policy the graphs cannot
-    stream on (from the manifest alone), then a `ProviderError` where this machine lacks what runs a graph
-    on `provider` (`check_opens`); one line each."""
-    check_options(bundle, provider, max_batch=max_batch, chunk_slots=chunk_slots, cuda_graphs=cuda_graphs,
-                  stack_dit=stack_dit, threads=threads)
-    check_policy(chunk_policy, bundle)
+    makes before one opens: those of `check_options`, then a `ProviderError` where this machine lacks what
+    runs a graph on `provider` (`check_opens`); one line each."""
+    check_options(bundle, provider, max_batch=max_batch, chunk_slots=chunk_slots, chunk_policy=chunk_policy,
+                  cuda_graphs=cuda_graphs, stack_dit=stack_dit, threads=threads)
     return check_opens(bundle, provider)
 
 
 def check_options(graphs: BundleGraphs, provider: str, *, max_batch: int | None = None,
-                  chunk_slots: int | None = None, cuda_graphs: bool | None = None, stack_dit: bool = False,
-                  threads: int | None = None) -> None:
-    """The checks of `check_synthesis` that read no more than the graphs' precisions, so that a model
-    bundle's options are held against its export before it is made (`bundle_source.bundle_graphs`): a
-    `ProviderError` where `provider` does not run the pipeline (`check_runs`), a `UserError` for an option
-    the graphs or this machine's CPUs cannot take; one line each."""
+                  chunk_slots: int | None = None, chunk_policy: ChunkPolicy | None = None,
+                  cuda_graphs: bool | None = None, stack_dit: bool = False, threads: int | None = None
+                  ) -> None:
+    """The checks of `check_synthesis` that read no more than the graphs' precisions and streaming constants,
+    so that a model bundle's options are held against its export before it is made
+    (`bundle_source.bundle_graphs`): a `ProviderError` where `provider` does not run the pipeline
+    (`check_runs`), a `UserError` for an option the graphs or this machine's CPUs cannot take, or a chunk
+    policy they cannot stream on (`check_policy`); one line each."""
     check_threads(threads)
     check_runs(graphs, provider)
     batch = default_max_batch(graphs, provider) if max_batch is None else max_batch
@@ -446,6 +446,7 @@ def check_options(graphs: BundleGraphs, provider: str, *, max_batch: int | None 
     check_chunk_slots(chunk_slots, batch > 1 or uses_cuda_graphs(cuda_graphs, graphs, provider))
     if stack_dit:
         check_stack_dit(graphs)
+    check_policy(chunk_policy, graphs)
 
 
 def check_threads(threads: int | None) -> None:

@@ -198,7 +198,8 @@ class Engine:
         bundle's export refused before it is made where it could not take these options."""
         _check_provider(provider)
         check_options(bundle_graphs(model), provider, max_batch=max_batch, chunk_slots=chunk_slots,
-                      cuda_graphs=cuda_graphs, stack_dit=stack_dit, threads=threads)
+                      chunk_policy=chunk_policy, cuda_graphs=cuda_graphs, stack_dit=stack_dit,
+                      threads=threads)
         choice = choose_bundle(model, provider=provider)
         return cls(RuntimeBundle.open(choice.path, verify=True), choice.origin, provider=provider,
                    flow_prefix_bytes=flow_prefix_bytes, threads=threads, max_batch=max_batch,
@@ -214,7 +215,7 @@ class Engine:
         `USER_ERRORS` where `open` would refuse them (a model bundle's options before its export)."""
         _check_provider(provider)
         check_options(bundle_graphs(model), provider, max_batch=max_batch, chunk_slots=chunk_slots,
-                      cuda_graphs=cuda_graphs, stack_dit=stack_dit)
+                      chunk_policy=chunk_policy, cuda_graphs=cuda_graphs, stack_dit=stack_dit)
         bundle = RuntimeBundle.open(choose_bundle(model, provider=provider).path)
         check_synthesis(bundle, provider, max_batch=max_batch, chunk_slots=chunk_slots,
                         chunk_policy=chunk_policy, cuda_graphs=cuda_graphs, stack_dit=stack_dit)

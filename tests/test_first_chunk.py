@@ -21,10 +21,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from cosyvoice_export.config import full_size
+from cosyvoice_export.nets.hift import hift_layout
+from cosyvoice_export.onnx.dims import model_dims
 from cosyvoice_golden.run import cpu_signature
 from cosyvoice_graphs import ODE_STEPS
 from cosyvoice_runtime import CosyVoice3
-from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.bundle import RuntimeBundle, StreamConstants
+from cosyvoice_runtime.bundle_source import PlannedExport
 from cosyvoice_runtime.chunk_policy import ChunkPolicy, check_policy
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.demo import DEMO_BUNDLE
@@ -197,6 +201,17 @@ def test_a_first_chunk_the_graphs_cannot_make_is_refused_in_one_line(voice: Cosy
     prompt = voice.prompt_features(default[0])
     with pytest.raises(UserError, match="first_chunk_tokens must be >= 5"):  # before the LLM runs
         voice.speak(piece, prompt, Mode.ZERO_SHOT, stream=True, policy=ChunkPolicy(first_chunk_tokens=2))
+
+
+def test_a_model_bundle_is_held_against_the_released_models_streaming_constants() -> None:
+    """Before a model bundle is exported, a policy is held against the embedded bundle's streaming
+    constants (`PlannedExport`): those of the released model's size, which its export records."""
+    full = full_size()
+    dims = model_dims(full)
+    released = StreamConstants(dims.pre_lookahead_len, dims.dit_block_frames, dims.token_mel_ratio,
+                               hift_layout(full.hift).final_lookahead)
+    assert released == StreamConstants(3, 50, 2, 8)
+    assert PlannedExport.of(DEMO_BUNDLE, "fp32").stream_constants == released
 
 
 def test_upstreams_methods_stream_on_the_voices_policy_with_upstreams_signatures(voice: CosyVoice3) -> None:

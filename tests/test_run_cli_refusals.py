@@ -37,6 +37,7 @@ from cosyvoice_runtime import bundle_source
 from cosyvoice_runtime.audio_files import save_wav
 from cosyvoice_runtime.bundle import RuntimeBundle
 from cosyvoice_runtime.bundle_source import CACHE_DIR_ENV
+from cosyvoice_runtime.chunk_policy import ChunkPolicy
 from cosyvoice_runtime.cli import main as run_main
 from cosyvoice_runtime.cli_options import NonEmptyPath, Threads
 from cosyvoice_runtime.cosyvoice3 import CosyVoice3
@@ -212,14 +213,16 @@ def test_a_provider_not_installed_is_refused_before_a_model_bundle_is_exported(
 def test_options_its_export_could_not_take_are_refused_before_a_model_bundle_is_exported(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A model bundle's export (fp32: no TensorRT plans, no `llm_decode`) takes minutes; what it could not
-    run is known from its precision plan (`PlannedExport`)."""
+    run is known from its precision plan and upstream's streaming constants (`PlannedExport`)."""
     model = _model_bundle(tmp_path, "own")
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
     monkeypatch.setattr(bundle_source, "_export", lambda *_, **__: pytest.fail("the bundle was exported"))
+    short = "first_chunk_tokens must be >= 5 (the vocoder holds back 8 mel frames), got 4"
     for args, line in (
             (["--provider", "trt"], f"{model}: its llm has no TensorRT plan, which 'trt' runs (export with "
                                     "--trt on the GPU that will run it)"),
-            (["--cuda-graphs"], "cuda graphs are the cuda provider's, not 'cpu''s")):
+            (["--cuda-graphs"], "cuda graphs are the cuda provider's, not 'cpu''s"),
+            (["--stream", "--first-chunk-tokens", "4"], short)):
         result = CliRunner().invoke(run_main, ["--model", str(model), "--text", "Hi.", "--out",
                                                str(tmp_path / "o.wav"), *args])
         assert refused(result) == f"error: {line}"
@@ -227,6 +230,8 @@ def test_options_its_export_could_not_take_are_refused_before_a_model_bundle_is_
             "max_batch 2: batched decoding runs on llm_decode, on the cpu provider or in fp16 on cuda; "
             f"{model} (fp32) on 'cpu' decodes on llm")):
         CosyVoice3(model, max_batch=2)
+    with pytest.raises(UserError, match=re.escape(short)):
+        CosyVoice3(model, chunk_policy=ChunkPolicy(first_chunk_tokens=4))
     # upstream's fp16 with its TensorRT: an fp16 llm exported for onnxruntime does not run on its TensorRT
     with pytest.raises(ProviderError, match=re.escape(
             f"{model}: its fp16 llm attends with onnxruntime's GroupQueryAttention over growing caches")):

@@ -1139,7 +1139,8 @@ def test_metrics_count_bad_requests_as_errors(client: TestClient) -> None:
 def test_a_model_bundle_is_held_against_the_engines_options_before_its_export(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`cosyvoice-serve --model` on upstream's model directory exports it in fp32 (minutes), which decodes
-    on `llm`: a decode batch is refused before that export."""
+    on `llm`: a decode batch is refused before that export, as is a first chunk shorter than the vocoder's
+    look-ahead."""
     model = tmp_path / "model"
     model.mkdir()
     shutil.copy(DEMO_BUNDLE / MODEL_YAML, model / MODEL_YAML)  # all a model bundle's planned export reads
@@ -1147,9 +1148,12 @@ def test_a_model_bundle_is_held_against_the_engines_options_before_its_export(
     monkeypatch.setattr(bundle_source, "_export", lambda *_, **__: pytest.fail("the bundle was exported"))
     line = re.escape("max_batch 2: batched decoding runs on llm_decode, on the cpu provider or in fp16 on "
                      f"cuda; {model} (fp32) on 'cpu' decodes on llm")
+    short = re.escape("first_chunk_tokens must be >= 5 (the vocoder holds back 8 mel frames), got 4")
     for call in (Engine.check, Engine.open):
         with pytest.raises(UserError, match=line):
             call(model, max_batch=2)
+        with pytest.raises(UserError, match=short):
+            call(model, chunk_policy=ChunkPolicy(first_chunk_tokens=4))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
