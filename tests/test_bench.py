@@ -411,26 +411,28 @@ def test_a_killed_fresh_process_is_one_line(runtime_bundle: Path, tmp_path: Path
     job = peak_job(runtime_bundle, prompt_wav=wav)
     with ThreadPoolExecutor(1) as pool:
         measured = pool.submit(fresh_peak, job, case)
-        child = _child_of_this_process()
+        child = _child_of_this_process("cosyvoice_bench.peak_rss")
         os.kill(child, signal.SIGKILL)
         with pytest.raises(BenchError, match=r"^runtime short: the fresh process measuring peak RSS was "
                                              r"killed by SIGKILL \(out of memory\?\)$"):
             measured.result(timeout=60)
 
 
-def _child_of_this_process() -> int:
-    """The pid of this process's (only) child, once it has started."""
+def _child_of_this_process(module: str) -> int:
+    """The pid of this process's child running `python -m module`, once it has started: other children (a
+    serve test's engine, alive for the session, has its text normaliser's) are left alone."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
                 ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                args = (stat.parent / "cmdline").read_bytes().split(b"\0")
             except (OSError, IndexError, ValueError):
                 continue  # gone meanwhile
-            if ppid == os.getpid():
+            if ppid == os.getpid() and module.encode() in args:
                 return int(stat.parent.name)
         time.sleep(0.05)
-    raise AssertionError("no child process started")
+    raise AssertionError(f"no child process runs {module}")
 
 
 @pytest.mark.parametrize(("args", "message"), [
