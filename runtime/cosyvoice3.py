@@ -160,7 +160,7 @@ class CosyVoice3:
                  max_batch: int | None = None, batch_observer: BatchObserver | None = None,
                  chunk_policy: ChunkPolicy | None = None, chunk_slots: int | None = None,
                  cuda_graphs: bool | None = None, stack_dit: bool = False, stack_vocoder: bool = False,
-                 normalizer_process: bool = False) -> None:
+                 normalizer_processes: int = 0) -> None:
         """Open `model_dir`: a runtime bundle, a model bundle exported on first use as `cosyvoice-run
         --model` does, or a bundle opened already. `provider` and `threads` place the graphs
         (`cosyvoice_runtime.runners.PROVIDERS`); `sampling` is upstream's repetition-aware sampling
@@ -180,9 +180,10 @@ class CosyVoice3:
         None: wherever they can), in the decode batch even of one, and the DiT's calls where its graph allows
         (`synthesis.dit_replays`, `dit_graphs`); `stack_dit` runs concurrent streams' DiT calls at the same
         ODE step and frames as one call (`dit_stack`), `stack_vocoder` their vocoder calls over the same
-        frames (`Vocoder.stack_calls`); `normalizer_process` runs the text normaliser's grammars in a child
-        process (`GrammarProcess`), where a text with a digit no longer stops the other threads (a
-        server's streams) for its normalisation (seconds for a long English text).
+        frames (`Vocoder.stack_calls`); `normalizer_processes` > 0 runs the text normaliser's grammars in up
+        to that many child processes, a text in each (`GrammarProcess`), where a text with a digit no longer
+        stops the other threads (a server's streams) for its normalisation (seconds for a long English text),
+        and as many threads normalise at once.
 
         Upstream's own keywords are taken for what they mean here: `load_trt` runs the graphs on
         onnxruntime's TensorRT provider (upstream's DiT runs as a TensorRT plan it builds on first use);
@@ -199,6 +200,9 @@ class CosyVoice3:
         self.sampling = Sampling(sampling, seed)
         if not isinstance(model_dir, str | Path | RuntimeBundle):
             raise UserError(f"model_dir is {type(model_dir).__name__}; expected a bundle's path")
+        if normalizer_processes < 0:  # before the bundle opens
+            raise UserError(f"normalizer_processes is {normalizer_processes}; expected 0 (in this process) "
+                            f"or more")
         asked = _upstream_precision(fp16, provider)
         if isinstance(model_dir, RuntimeBundle):
             bundle = model_dir
@@ -221,7 +225,7 @@ class CosyVoice3:
             bundle = RuntimeBundle.open(bundle.root, verify=True)
         self.bundle = bundle
         self.tokenizer = TextTokenizer(self.bundle.tokenizer_dir)
-        self._grammar_process = GrammarProcess() if normalizer_process else None
+        self._grammar_process = GrammarProcess(normalizer_processes) if normalizer_processes else None
         self.frontend = TextFrontend(self.tokenizer,
                                      grammar=self._grammar_process or checked_wetext_normalize)
         self._prompt_lock = threading.Lock()

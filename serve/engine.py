@@ -105,6 +105,9 @@ def decode_upload(data: bytes, field: str) -> AudioUpload:
         raise FieldError(field, str(e).replace(f"audio file {field}", "the audio file")) from None
 
 
+TEXT_THREADS = 4
+"""Requests' texts normalised and split at once (`Engine.text_segments`), each text's grammar in a process of
+its own (`GrammarProcess`): a short text does not wait behind a long one."""
 WARM_UP_CHUNKS = 2
 """Chunks `Engine.warm_up` streams: a first chunk's shapes and a later chunk's."""
 WARM_UP_ROUNDS_REPLAYED = 2
@@ -180,11 +183,10 @@ class Engine:
                                 flow_prefix_bytes=flow_prefix_bytes, max_batch=max_batch,
                                 batch_observer=self.batch_metrics, chunk_policy=chunk_policy,
                                 chunk_slots=chunk_slots, cuda_graphs=cuda_graphs, stack_dit=stack_dit,
-                                stack_vocoder=stack_vocoder, normalizer_process=True)
+                                stack_vocoder=stack_vocoder, normalizer_processes=TEXT_THREADS)
         self.default_prompt = bundle.default_prompt()
         """The bundle's own prompt recording and its transcript, or None (exports of upstream's)."""
-        self._text_lock = threading.Lock()
-        self._text_thread = ThreadPoolExecutor(1, thread_name_prefix="cosyvoice-text")
+        self._text_threads = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="cosyvoice-text")
         self._default_lock = threading.Lock()
         self._default_features: PromptFeatures | None = None
 
@@ -238,24 +240,23 @@ class Engine:
 
     def close(self) -> None:
         """Release the graphs."""
-        self._text_thread.shutdown(wait=False, cancel_futures=True)
+        self._text_threads.shutdown(wait=False, cancel_futures=True)
         self.voice.close()
 
     def segments(self, job: SynthesisJob) -> list[Segment]:
         """The job's text's segments (upstream's normalisation, split and prompt formats); a `FieldError`
         naming its field where there is nothing to speak."""
-        with self._text_lock:
-            try:
-                return self.voice.segments(job.mode, job.text, prompt_text=job.prompt_text,
-                                           instruct=job.instruct, text_name=job.text_field)
-            except (FrontendError, UserError) as e:
-                raise FieldError(job.text_field, str(e)) from None
+        try:
+            return self.voice.segments(job.mode, job.text, prompt_text=job.prompt_text, instruct=job.instruct,
+                                       text_name=job.text_field)
+        except (FrontendError, UserError) as e:
+            raise FieldError(job.text_field, str(e)) from None
 
     async def text_segments(self, job: SynthesisJob) -> list[Segment]:
         """`segments` for the event loop, before the job waits for a session: text with nothing to speak is
-        a 4xx at once, not after the queue's wait. On one thread of the engine's, so that requests that come
-        together take their turns there, not the event loop's worker threads (which encode the streams)."""
-        return await asyncio.get_running_loop().run_in_executor(self._text_thread, self.segments, job)
+        a 4xx at once, not after the queue's wait. On the engine's own `TEXT_THREADS`, not the event loop's
+        worker threads (which encode the streams)."""
+        return await asyncio.get_running_loop().run_in_executor(self._text_threads, self.segments, job)
 
     # --- work run on a session's worker -----------------------------------------------------------------
 
@@ -288,8 +289,7 @@ class Engine:
         start = time.monotonic()
         text = self.default_prompt[1]
         prompt = self.default_features()
-        with self._text_lock:
-            pieces = self.voice.segments(Mode.ZERO_SHOT, text, prompt_text=text)
+        pieces = self.voice.segments(Mode.ZERO_SHOT, text, prompt_text=text)
         rounds = WARM_UP_ROUNDS_REPLAYED if self.synth.dit_graphs is not None else 1
         for _ in range(rounds):
             speech = self.voice.speak(pieces[0], prompt, Mode.ZERO_SHOT, stream=True)

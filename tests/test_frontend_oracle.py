@@ -13,12 +13,14 @@ import importlib.util
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,8 @@ from click.testing import CliRunner
 from cosyvoice_runtime import CosyVoice3, cli
 from cosyvoice_runtime import frontend as rt
 from cosyvoice_runtime.demo import DEMO_BUNDLE
+from cosyvoice_runtime.errors import UserError
+from cosyvoice_runtime.frontend import grammar_process as grammar_process_module
 from cosyvoice_runtime.frontend import text as rt_text
 from cosyvoice_runtime.frontend.grammar_process import GrammarProcess
 
@@ -195,6 +199,70 @@ def test_a_killed_grammar_process_is_replaced() -> None:
         assert len(replaced := set(grammar_children(os.getpid())) - others) == 1 and replaced != {child}
     finally:
         process.close()
+
+
+LONG_EN = ("On Jan. 5, 2024 at 3:30 pm, 12 people paid $45.50 each for 3 kg of apples. " * 30)[:2000]
+"""An English text whose normalisation takes seconds."""
+
+
+@pytest.mark.parametrize("most", [1, 2])
+def test_a_short_text_waits_behind_a_long_one_only_where_no_other_child_may_start(
+        monkeypatch: pytest.MonkeyPatch, most: int) -> None:
+    """A short text with a digit sent while a long one is normalised: with room for a second child it gets
+    one and is done first; without, it waits for the long one."""
+    asked = threading.Event()
+    ask = grammar_process_module._ask
+
+    def noting_the_long_text(child: subprocess.Popen[bytes], text: str) -> dict[str, str]:
+        if text == LONG_EN:
+            asked.set()
+        return ask(child, text)
+
+    monkeypatch.setattr(grammar_process_module, "_ask", noting_the_long_text)
+    others = set(grammar_children(os.getpid()))
+    process = GrammarProcess(most)
+    ended: dict[str, float] = {}
+
+    def normalise(name: str, text: str) -> None:
+        assert process(text) == rt_text.wetext_normalize(text)
+        ended[name] = time.perf_counter()
+
+    try:
+        long = threading.Thread(target=normalise, args=("long", LONG_EN))
+        long.start()
+        assert asked.wait(30)
+        normalise("short", "Room 12.")
+        long.join()
+        assert len(set(grammar_children(os.getpid())) - others) == most
+    finally:
+        process.close()
+    assert (ended["short"] < ended["long"]) == (most == 2)
+    assert set(grammar_children(os.getpid())) == others
+
+
+def test_a_negative_count_of_normaliser_processes_is_refused_before_the_bundle_opens(tmp_path: Path) -> None:
+    line = "normalizer_processes is -1; expected 0 (in this process) or more"
+    with pytest.raises(UserError, match=f"^{re.escape(line)}$"):
+        CosyVoice3(tmp_path / "not-a-bundle", normalizer_processes=-1)
+
+
+def test_numbers_are_spelt_out_alike_from_threads_at_once() -> None:
+    """inflect's engine keeps a call's state on itself: calls from threads at once gave other numbers' words
+    ("eleven quadrillion" for 11,234,567,890) or raised out of range, unless they take turns."""
+    frontend = rt.TextFrontend(rt.TextTokenizer(DEMO_BUNDLE / "tokenizer"), use_wetext=False)
+    texts = [f"Order {10 ** k + 123456789 * k} now." for k in range(6, 30)]
+    want = [frontend.normalize(t) for t in texts]
+    def twenty_rounds(_: int) -> list[str]:
+        return [frontend.normalize(t) for _ in range(20) for t in texts]
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch within a call
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(twenty_rounds, range(4)))
+    finally:
+        sys.setswitchinterval(interval)
+    assert got == [want * 20] * 4
 
 
 def test_a_grammar_process_ends_with_its_parent() -> None:

@@ -1,4 +1,4 @@
-"""wetext's grammars in a process of their own: `GrammarProcess`, and that process (`python -m
+"""wetext's grammars in processes of their own: `GrammarProcess`, and such a process (`python -m
 cosyvoice_runtime.frontend.grammar_process`).
 
 kaldifst's normaliser holds the GIL through a whole text: 3-4 s for 2,000 English characters with a digit
@@ -26,15 +26,22 @@ from .text import checked_wetext_normalize, load_grammars, needs_grammar
 
 
 class GrammarProcess:
-    """`checked_wetext_normalize` run in a child process, started at once and loading both grammars (0.5 s
-    and 107 MB on an AMD EPYC; kaldifst's lattices for a 2,000-character English text take it to 529 MB at
-    their peak, memory the calling process would have taken otherwise), so that the first text with a digit
-    does not wait for it. Texts that come together take their turns; one without a digit, which no grammar
-    reads, does not go there. A child that died (killed for memory) is started again for the next text."""
+    """`checked_wetext_normalize` run in child processes: up to `most` texts at once, one per child, so that a
+    short text need not wait behind a long one (seconds). The first child starts at once and loads both
+    grammars (0.5 s and 107 MB on an AMD EPYC; kaldifst's lattices for a 2,000-character English text take it
+    to 529 MB at their peak, memory the calling process would have taken otherwise), so that the first text
+    with a digit does not wait for it; another starts when a text finds every child busy, and stays. A text
+    without a digit, which no grammar reads, goes to none. A child that died (killed for memory) is started
+    again for the next text."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._child = self._start()
+    def __init__(self, most: int = 1) -> None:
+        if most < 1:
+            raise ValueError(f"most must be >= 1, got {most}")
+        self._most = most
+        self._changed = threading.Condition()
+        self._idle = [self._start()]
+        self._started = 1
+        self._closed = False
 
     @staticmethod
     def _start() -> subprocess.Popen[bytes]:
@@ -45,37 +52,64 @@ class GrammarProcess:
         """What `checked_wetext_normalize(text)` returns, or raises."""
         if not needs_grammar(text):
             return text
-        with self._lock:
+        child = self._take()
+        try:
             try:
-                reply = self._ask(text)
+                reply = _ask(child, text)
             except (BrokenPipeError, EOFError):
-                self._child.wait()
-                self._child = self._start()
+                child.wait()
+                child = self._start()
                 try:
-                    reply = self._ask(text)
+                    reply = _ask(child, text)
                 except (BrokenPipeError, EOFError):
                     raise FrontendError(f"the text normaliser's process ended on this text (exit status "
-                                        f"{self._child.wait()}); shorten or rephrase it") from None
+                                        f"{child.wait()}); shorten or rephrase it") from None
+        finally:
+            self._give_back(child)
         if "error" in reply:
             raise FrontendError(reply["error"])
         return str(reply["text"])
 
-    def _ask(self, text: str) -> dict[str, str]:
-        stdin, stdout = self._child.stdin, self._child.stdout
-        assert stdin is not None and stdout is not None
-        stdin.write(json.dumps(text).encode() + b"\n")
-        stdin.flush()
-        line = stdout.readline()
-        if not line:
-            raise EOFError
-        return dict(json.loads(line))
+    def _take(self) -> subprocess.Popen[bytes]:
+        """An idle child; a new one where every child is busy and fewer than `most` run; else the first to be
+        given back."""
+        with self._changed:
+            while True:
+                if self._closed:
+                    raise FrontendError("the text normaliser is closed")
+                if self._idle:
+                    return self._idle.pop()
+                if self._started < self._most:
+                    child = self._start()
+                    self._started += 1
+                    return child
+                self._changed.wait()
+
+    def _give_back(self, child: subprocess.Popen[bytes]) -> None:
+        with self._changed:
+            self._idle.append(child)
+            self._changed.notify_all()
 
     def close(self) -> None:
-        """End the child once the text it works on, if any, is done."""
-        with self._lock:
-            if self._child.stdin is not None:
-                self._child.stdin.close()
-            self._child.wait()
+        """End the children once the texts they work on, if any, are done."""
+        with self._changed:
+            self._closed = True
+            self._changed.wait_for(lambda: len(self._idle) == self._started)
+            for child in self._idle:
+                if child.stdin is not None:
+                    child.stdin.close()
+                child.wait()
+
+
+def _ask(child: subprocess.Popen[bytes], text: str) -> dict[str, str]:
+    stdin, stdout = child.stdin, child.stdout
+    assert stdin is not None and stdout is not None
+    stdin.write(json.dumps(text).encode() + b"\n")
+    stdin.flush()
+    line = stdout.readline()
+    if not line:
+        raise EOFError
+    return dict(json.loads(line))
 
 
 def serve(texts: IO[bytes], replies: IO[str]) -> None:

@@ -25,6 +25,7 @@ import functools
 import hashlib
 import importlib.metadata
 import re
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -278,11 +279,16 @@ def _inflect_engine() -> Any:
     return inflect.engine()  # seconds to build: only texts with digits pay for it
 
 
+_INFLECT_LOCK = threading.Lock()
+"""inflect's engine keeps a call's state on itself (`mill_count`): one call at a time."""
+
+
 def _number_to_words(digits: str) -> str:
     import inflect
 
     try:
-        return str(_inflect_engine().number_to_words(digits))
+        with _INFLECT_LOCK:
+            return str(_inflect_engine().number_to_words(digits))
     except inflect.NumOutOfRangeError:  # upstream's text_normalize fails on it too
         raise FrontendError(f"a number of {len(digits)} digits: more than inflect can spell out") from None
 
