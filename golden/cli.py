@@ -24,6 +24,7 @@ from cosyvoice_graphs.precision import FP32
 from cosyvoice_graphs.precision_plan import PrecisionPlan, PrecisionPlanError
 from cosyvoice_runtime.atomic_files import check_writable
 from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.bundle_source import bundle_front
 from cosyvoice_runtime.cli_options import THREADS, NonEmptyPath, one_line_errors
 from cosyvoice_runtime.errors import USER_ERRORS, FeedError, SynthesisError
 from cosyvoice_runtime.extras import install_command
@@ -39,6 +40,7 @@ from .store import (
     CaseGolden,
     GraphGolden,
     case_paths,
+    check_model_files,
     check_same_model,
     fingerprint,
     graph_paths,
@@ -130,6 +132,8 @@ def check(cases_file: Path, case_names: tuple[str, ...], graph_names: tuple[str,
         selected, graphs = _select(cases, case_names, graph_names)
         threads = threads or cases.reference.threads
         with Runtime(cases, model=model, provider=provider, threads=threads) as runtime:
+            if model is not None:
+                _check_model_files(cases, runtime, model, selected, graphs)
             # every golden is read and matched to its bundle before anything runs
             goldens = [(case, _case_golden(cases, runtime, case, precision)) for case in selected]
             graphs = _graphs_run(cases, runtime, graphs)
@@ -159,6 +163,21 @@ def _report(bar: tqdm, verdict: Verdict) -> None:
     with bar.external_write_mode():
         click.echo(verdict.line())
     bar.update()
+
+
+def _check_model_files(cases: Cases, runtime: Runtime, model: Path, selected: list[GoldenCase],
+                       graphs: list[str]) -> None:
+    """Where `model` is a model bundle, whose export takes minutes, a `GoldenError` before it unless it holds
+    the source files the selected goldens were recorded from (`check_model_files`); after the export,
+    `check_same_model` holds the goldens against it as against a runtime bundle."""
+    if bundle_front(model).dims is not None:  # a runtime bundle: its manifest tells at once
+        return
+    update = runtime.update_command()
+    recorded = {str(case_paths(cases.data_dir, c.name)[0]): read_case(cases.data_dir, c.name, update).bundle
+                for c in selected}
+    recorded |= {str(graph_paths(cases.data_dir, g)[0]): read_graph(cases.data_dir, g, update).bundle
+                 for g in graphs}
+    check_model_files(recorded, model, update)
 
 
 def _case_golden(cases: Cases, runtime: Runtime, case: GoldenCase, precision: str | None) -> CaseGolden:

@@ -76,6 +76,30 @@ def check_same_model(recorded: Mapping[str, Any], bundle: RuntimeBundle, where: 
                 f"(record goldens for this model with `{update}`)")
 
 
+def check_model_files(recorded: Mapping[str, Mapping[str, Any]], model_dir: Path, update: str = UPDATE
+                      ) -> None:
+    """`check_same_model`'s verdict on the sources of a model bundle not yet exported (minutes): `recorded`
+    maps each golden's path to what it records of its bundle, whose source files `model_dir` must hold,
+    sha256 for sha256. Each file is hashed once, the smallest first, so that another model's yaml tells."""
+    wanted = [(where, name, sha) for where, bundle in recorded.items()
+              for name, sha in bundle.get("sources", {}).items()]
+    paths = {name: model_dir / name for _, name, _ in wanted}
+    sizes = {name: path.stat().st_size if path.is_file() else -1 for name, path in paths.items()}
+    digests: dict[str, str | None] = {}
+    for where, name, sha in sorted(wanted, key=lambda w: (sizes[w[1]], w[1])):
+        if name not in digests:
+            digests[name] = _file_sha256(paths[name]) if sizes[name] >= 0 else None
+        if digests[name] != sha:
+            raise GoldenError(
+                f"{where} was recorded from another model than {model_dir}: sources {name} is {_short(sha)} "
+                f"there and {_short(digests[name])} here (record goldens for this model with `{update}`)")
+
+
+def _file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def export_difference(recorded: Mapping[str, Any], bundle: RuntimeBundle) -> str | None:
     """Why `bundle` is not the export the golden was recorded on (None if it is): only there are the PCM16
     hashes and graph statistics expected bit for bit. Files the bundle has gained (a new graph) do not

@@ -20,7 +20,10 @@ from cosyvoice_golden.cli import main
 from cosyvoice_golden.run import CaseRun, Runtime, cpu_signature
 from cosyvoice_golden.store import case_paths, graph_paths, read_case, read_graph, write_case
 from cosyvoice_graphs import SPECS
-from cosyvoice_runtime.errors import SynthesisError
+from cosyvoice_graphs.bundle_layout import MODEL_YAML
+from cosyvoice_runtime import bundle_source
+from cosyvoice_runtime.bundle_source import CACHE_DIR_ENV
+from cosyvoice_runtime.errors import RuntimeBundleError, SynthesisError
 from cosyvoice_runtime.frontend import contains_chinese
 from cosyvoice_runtime.synthesis import Mode
 
@@ -292,6 +295,28 @@ def test_a_precision_other_than_the_bundles_is_refused() -> None:
         result = _golden("check", *selection, "--precision", "int8")
         _one_error_line(result, "was exported with --precision fp32 (its manifest); give --precision fp32")
         assert result.output.startswith("error: --precision int8: ")
+
+
+def test_a_model_bundle_of_another_model_is_refused_before_its_export(
+        tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--model` on a model bundle exports it (minutes) before the goldens are held against its manifest: one
+    whose source files are not those the goldens were recorded from is refused before that, by its yaml
+    (hashed first, the smallest), where the model they were recorded from goes on to its export."""
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+
+    def export(*_: object, **__: object) -> None:
+        raise RuntimeBundleError("the export is not run here")
+
+    monkeypatch.setattr(bundle_source, "_export", export)
+    result = _golden("check", "--case", SHORT, "--graph", "hift_f0", "--model", str(tiny_bundle))
+    _one_error_line(result, "the export is not run here")
+    other = shutil.copytree(tiny_bundle, tmp_path / "other")
+    with open(other / MODEL_YAML, "a", encoding="utf-8") as yaml:
+        yaml.write("# another model\n")
+    result = _golden("check", "--case", SHORT, "--model", str(other))
+    golden = case_paths(CASES_FILE.parent / DATA_DIR, SHORT)[0]
+    _one_error_line(result, f"{golden} was recorded from another model than {other}: sources {MODEL_YAML} ")
+    assert not (tmp_path / "cache").exists()
 
 
 def test_a_bundle_whose_graphs_are_all_fp32_is_judged_as_fp32(tmp_path: Path) -> None:
