@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import subprocess
+import threading
 from collections.abc import Generator, Iterator
 from importlib.util import find_spec
 from pathlib import Path
@@ -137,6 +139,25 @@ def engine() -> Iterator[Engine]:
     engine = Engine(RuntimeBundle.open(DEMO_BUNDLE), "the demo bundle")
     yield engine
     engine.close()
+
+
+@pytest.fixture
+def long_text_asked(monkeypatch: pytest.MonkeyPatch) -> tuple[str, threading.Event]:
+    """A 2,000-character English text with digits, whose normalisation takes seconds, and an event set once a
+    grammar process (`GrammarProcess`) is asked to normalise it."""
+    from cosyvoice_runtime.frontend import grammar_process
+
+    text = ("On Jan. 5, 2024 at 3:30 pm, 12 people paid $45.50 each for 3 kg of apples. " * 30)[:1999]
+    asked = threading.Event()
+    ask = grammar_process._ask
+
+    def noting_the_text(child: subprocess.Popen[bytes], asked_text: str) -> dict[str, str]:
+        if asked_text == text:
+            asked.set()
+        return ask(child, asked_text)
+
+    monkeypatch.setattr(grammar_process, "_ask", noting_the_text)
+    return text, asked
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -33,7 +33,6 @@ from cosyvoice_runtime import CosyVoice3, cli
 from cosyvoice_runtime import frontend as rt
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import UserError
-from cosyvoice_runtime.frontend import grammar_process as grammar_process_module
 from cosyvoice_runtime.frontend import text as rt_text
 from cosyvoice_runtime.frontend.grammar_process import GrammarProcess
 
@@ -201,24 +200,12 @@ def test_a_killed_grammar_process_is_replaced() -> None:
         process.close()
 
 
-LONG_EN = ("On Jan. 5, 2024 at 3:30 pm, 12 people paid $45.50 each for 3 kg of apples. " * 30)[:2000]
-"""An English text whose normalisation takes seconds."""
-
-
 @pytest.mark.parametrize("most", [1, 2])
 def test_a_short_text_waits_behind_a_long_one_only_where_no_other_child_may_start(
-        monkeypatch: pytest.MonkeyPatch, most: int) -> None:
+        long_text_asked: tuple[str, threading.Event], most: int) -> None:
     """A short text with a digit sent while a long one is normalised: with room for a second child it gets
     one and is done first; without, it waits for the long one."""
-    asked = threading.Event()
-    ask = grammar_process_module._ask
-
-    def noting_the_long_text(child: subprocess.Popen[bytes], text: str) -> dict[str, str]:
-        if text == LONG_EN:
-            asked.set()
-        return ask(child, text)
-
-    monkeypatch.setattr(grammar_process_module, "_ask", noting_the_long_text)
+    long_text, asked = long_text_asked
     others = set(grammar_children(os.getpid()))
     process = GrammarProcess(most)
     ended: dict[str, float] = {}
@@ -228,7 +215,7 @@ def test_a_short_text_waits_behind_a_long_one_only_where_no_other_child_may_star
         ended[name] = time.perf_counter()
 
     try:
-        long = threading.Thread(target=normalise, args=("long", LONG_EN))
+        long = threading.Thread(target=normalise, args=("long", long_text))
         long.start()
         assert asked.wait(30)
         normalise("short", "Room 12.")

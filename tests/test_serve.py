@@ -54,7 +54,6 @@ from cosyvoice_runtime.dit_graphs import GraphedDit
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.flow_prefix import prompt_key
 from cosyvoice_runtime.frontend import PromptFeatures, zero_shot_prompt
-from cosyvoice_runtime.frontend import grammar_process as grammar_process_module
 from cosyvoice_runtime.sampling import Sampling
 from cosyvoice_runtime.segments import Segment
 from cosyvoice_runtime.speakers import LOCK, REGISTRY, SpeakerRegistry, frontend_fingerprint
@@ -1340,20 +1339,12 @@ def test_a_client_that_leaves_mid_upload_is_counted_as_gone_not_as_an_error(tmp_
     assert metric(text, "tts_requests_error") == 0 == metric(text, "tts_requests_success")
 
 
-def test_texts_are_normalised_at_once_not_in_turns(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_texts_are_normalised_at_once_not_in_turns(engine: Engine,
+                                                   long_text_asked: tuple[str, threading.Event]) -> None:
     """A request's text is normalised and split on one of the engine's `TEXT_THREADS` before it waits for a
     session, a text with a digit in a grammar process of its own: short texts sent while a long English
     text with digits is normalised (seconds) are ready before it, with a digit or without."""
-    long_text = ("On Jan. 5, 2024 at 3:30 pm, 12 people paid $45.50 each for 3 kg of apples. " * 30)[:1999]
-    asked = threading.Event()
-    ask = grammar_process_module._ask
-
-    def noting_the_long_text(child: subprocess.Popen[bytes], text: str) -> dict[str, str]:
-        if text == long_text:
-            asked.set()
-        return ask(child, text)
-
-    monkeypatch.setattr(grammar_process_module, "_ask", noting_the_long_text)
+    long_text, asked = long_text_asked
 
     async def in_turn_of_readiness() -> list[str]:
         ready: list[str] = []
