@@ -116,16 +116,16 @@ def check_policy(policy: ChunkPolicy | None, graphs: BundleGraphs) -> ChunkPolic
     """`policy` (None: upstream's schedule with the flow's look-ahead) if `graphs` can stream on it, else a
     `UserError` saying why in one line. Reads their streaming constants only, so it runs before any graph
     opens, and before a model bundle is exported (`bundle_source.PlannedExport`)."""
-    model = graphs.stream_constants
-    policy = policy or ChunkPolicy(lookahead=model.lookahead)
-    if policy.lookahead != model.lookahead:
-        raise UserError(f"chunk policy lookahead {policy.lookahead} is not the flow's {model.lookahead}")
-    block, ratio = model.block_frames, model.token_mel_ratio
+    constants = graphs.stream_constants
+    policy = policy or ChunkPolicy(lookahead=constants.lookahead)
+    if policy.lookahead != constants.lookahead:
+        raise UserError(f"chunk policy lookahead {policy.lookahead} is not the flow's {constants.lookahead}")
+    block, ratio = constants.block_frames, constants.token_mel_ratio
     if policy.flow != "rerun" and (policy.token_hop * ratio % block or policy.max_hop * ratio % block):
         raise UserError(f"chunk policy flow={policy.flow!r} needs hops of whole {block}-frame DiT blocks; "
                         f"token_hop {policy.token_hop} and max_hop {policy.max_hop} are not")
     # a non-final vocoder call holds back its look-ahead frames, so the first chunk must exceed them
-    held = model.vocoder_held
+    held = constants.vocoder_held
     fewest = held // ratio + 1
     if policy.first_chunk_tokens is not None and policy.first_chunk_tokens < fewest:
         raise UserError(f"first_chunk_tokens must be >= {fewest} (the vocoder holds back {held} mel frames), "

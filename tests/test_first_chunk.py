@@ -21,9 +21,6 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from cosyvoice_export.config import full_size
-from cosyvoice_export.nets.hift import hift_layout
-from cosyvoice_export.onnx.dims import model_dims
 from cosyvoice_golden.run import cpu_signature
 from cosyvoice_graphs import ODE_STEPS
 from cosyvoice_runtime import CosyVoice3
@@ -203,9 +200,15 @@ def test_a_first_chunk_the_graphs_cannot_make_is_refused_in_one_line(voice: Cosy
         voice.speak(piece, prompt, Mode.ZERO_SHOT, stream=True, policy=ChunkPolicy(first_chunk_tokens=2))
 
 
+@pytest.mark.torch
 def test_a_model_bundle_is_held_against_the_released_models_streaming_constants() -> None:
     """Before a model bundle is exported, a policy is held against the embedded bundle's streaming
     constants (`PlannedExport`): those of the released model's size, which its export records."""
+    pytest.importorskip("torch", reason="needs torch (the export extra): the vocoder's layout is its net's")
+    from cosyvoice_export.config import full_size
+    from cosyvoice_export.nets.hift import hift_layout
+    from cosyvoice_export.onnx.dims import model_dims
+
     full = full_size()
     dims = model_dims(full)
     released = StreamConstants(dims.pre_lookahead_len, dims.dit_block_frames, dims.token_mel_ratio,
