@@ -27,7 +27,7 @@ import numpy as np
 
 from cosyvoice_graphs.bundle_layout import TRT_DIR
 from cosyvoice_runtime.atomic_files import atomic_path, write_json_atomic
-from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.bundle import RuntimeBundle, file_sha256
 
 from .errors import GoldenError
 
@@ -88,16 +88,11 @@ def check_model_files(recorded: Mapping[str, Mapping[str, Any]], model_dir: Path
     digests: dict[str, str | None] = {}
     for where, name, sha in sorted(wanted, key=lambda w: (sizes[w[1]], w[1])):
         if name not in digests:
-            digests[name] = _file_sha256(paths[name]) if sizes[name] >= 0 else None
+            digests[name] = file_sha256(paths[name]) if sizes[name] >= 0 else None
         if digests[name] != sha:
             raise GoldenError(
                 f"{where} was recorded from another model than {model_dir}: sources {name} is {_short(sha)} "
                 f"there and {_short(digests[name])} here (record goldens for this model with `{update}`)")
-
-
-def _file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def export_difference(recorded: Mapping[str, Any], bundle: RuntimeBundle) -> str | None:

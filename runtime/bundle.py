@@ -38,7 +38,7 @@ from .errors import RuntimeBundleError, path_problem
 from .noise import MT19937, UniformNoise
 
 __all__ = ["FRONTEND_MODELS", "BundleGraphs", "RuntimeBundle", "StreamConstants", "TrtPlan",
-           "read_onnx_metadata"]
+           "file_sha256", "read_onnx_metadata"]
 
 VERIFY_THREADS = 4
 """Files hashed at once by `RuntimeBundle.open(verify=True)`: as fast as two on 2 cores, faster with more."""
@@ -375,7 +375,7 @@ class RuntimeBundle:
         files = self.manifest.files
         largest_first = sorted(files, key=lambda rel: -files[rel].size)
         with ThreadPoolExecutor(VERIFY_THREADS) as pool:
-            hashing = {rel: pool.submit(_sha256, self.root / rel) for rel in largest_first}
+            hashing = {rel: pool.submit(file_sha256, self.root / rel) for rel in largest_first}
         for rel, entry in files.items():
             sha = hashing[rel].result()
             if sha != entry.sha256:
@@ -383,7 +383,7 @@ class RuntimeBundle:
                                          f"{entry.sha256[:16]}…")
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 

@@ -181,8 +181,8 @@ class CosyVoice3:
         (`synthesis.dit_replays`, `dit_graphs`); `stack_dit` runs concurrent streams' DiT calls at the same
         ODE step and frames as one call (`dit_stack`), `stack_vocoder` their vocoder calls over the same
         frames (`Vocoder.stack_calls`); `normalizer_processes` > 0 runs the text normaliser's grammars in up
-        to that many child processes, a text in each (`GrammarProcess`), where a text with a digit no longer
-        stops the other threads (a server's streams) for its normalisation (seconds for a long English text),
+        to that many child processes, a text in each (`GrammarProcess`), where a text with a digit does not
+        stop the other threads (a server's streams) for its normalisation (seconds for a long English text),
         and as many threads normalise at once.
 
         Upstream's own keywords are taken for what they mean here: `load_trt` runs the graphs on
