@@ -22,7 +22,7 @@ import numpy as np
 import soundfile as sf
 
 from cosyvoice_runtime import CosyVoice3
-from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.bundle import RuntimeBundle, file_sha256
 from cosyvoice_runtime.bundle_source import choose_bundle
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import UserError
@@ -116,8 +116,7 @@ class Prompt:
     @property
     def wav_sha256(self) -> str:
         """The recording's sha256: a golden is stale once its prompt changed."""
-        with open(self.wav, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
+        return file_sha256(self.wav)
 
 
 class Runtime:

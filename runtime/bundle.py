@@ -12,7 +12,7 @@ import json
 import mmap
 import os
 import textwrap
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -383,9 +383,15 @@ class RuntimeBundle:
                                          f"{entry.sha256[:16]}…")
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path: Path, progress: Callable[[int], object] | None = None) -> str:
+    """sha256 (hex) of a file, read in 1 MiB chunks; `progress` gets each chunk's size."""
+    h = hashlib.sha256()
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
+    return h.hexdigest()
 
 
 def _read_manifest(path: Path) -> object:

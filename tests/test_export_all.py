@@ -38,7 +38,7 @@ from cosyvoice_export.onnx.errors import ExportError
 from cosyvoice_export.onnx.export_plan import as_recorded
 from cosyvoice_export.onnx.export_report import Report
 from cosyvoice_export.onnx.graphs import EXPORT_RECIPES, Networks
-from cosyvoice_export.onnx.output_dir import PARTIAL, OutputDirError, file_sha256
+from cosyvoice_export.onnx.output_dir import PARTIAL, OutputDirError
 from cosyvoice_export.onnx.trace import EXPORTER_VERSION, GraphContractError, check_contract, export_graph
 from cosyvoice_export.onnx.validate import (
     GraphValidation,
@@ -64,7 +64,7 @@ from cosyvoice_graphs import (
 from cosyvoice_graphs.bundle_layout import MANIFEST, PROMPT_TEXT, PROMPT_WAV
 from cosyvoice_graphs.manifest import GraphRecord
 from cosyvoice_graphs.precision_plan import PrecisionPlan
-from cosyvoice_runtime.bundle import RuntimeBundle
+from cosyvoice_runtime.bundle import RuntimeBundle, file_sha256
 from cosyvoice_runtime.cli import main as run_main
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cosyvoice_graphs.bundle_layout import MANIFEST
+from cosyvoice_runtime.bundle import file_sha256
 
 from ..config import ModelConfig
 from .errors import BundleError
@@ -58,8 +58,7 @@ class ModelBundle:
         for name, entry in bundle.manifest.sources.items():
             path = root / name
             try:
-                with open(path, "rb") as f:
-                    sha = hashlib.file_digest(f, "sha256").hexdigest()
+                sha = file_sha256(path)
             except OSError as e:
                 raise BundleError(f"{path}: unreadable ({e.strerror}); --model-dir must be the model "
                                   f"{bundle.root} was exported from") from None

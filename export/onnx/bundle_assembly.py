@@ -41,6 +41,7 @@ from cosyvoice_graphs.manifest import (
     TrtPlanEntry,
 )
 from cosyvoice_graphs.precision import FP32
+from cosyvoice_runtime.bundle import file_sha256
 
 from ..bundle.check import check_bundle
 from ..bundle.errors import BundleError
@@ -69,7 +70,6 @@ from .output_dir import (
     OutputDirError,
     drop_graphs,
     file_entry,
-    file_sha256,
     install,
     locked,
     prepare_out,

@@ -24,6 +24,7 @@ from cosyvoice_graphs.manifest import (
     Validation,
 )
 from cosyvoice_graphs.recipes import RECIPES
+from cosyvoice_runtime.bundle import file_sha256
 
 from ..bundle.layout import QWEN_DIR, YAML
 from ..memory import stage
@@ -32,7 +33,7 @@ from .decode_gates import decode_figures, decode_reference
 from .errors import ExportError
 from .graphs import EXPORT_RECIPES
 from .lazy_networks import LazyNetworks, checkpoints_of
-from .output_dir import STATE_DIR, file_entry, file_sha256, graph_record_file, link_into, write_json
+from .output_dir import STATE_DIR, file_entry, graph_record_file, link_into, write_json
 from .solve_gates import validate_solve
 from .trace import EXPORTER_VERSION, traced
 from .validate import Figure, GraphValidation, torch_reference, validate_against

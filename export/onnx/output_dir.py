@@ -11,7 +11,6 @@ not complete. An export holds OUT.lock, beside OUT, while it runs: two exports n
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -26,6 +25,7 @@ from filelock import FileLock, Timeout
 from cosyvoice_graphs.bundle_layout import GRAPHS_DIR, MANIFEST, TRT_DIR
 from cosyvoice_graphs.manifest import FileEntry
 from cosyvoice_graphs.precision import FP32
+from cosyvoice_runtime.bundle import file_sha256
 
 from ..bundle.errors import BundleError
 
@@ -209,12 +209,3 @@ def write_json(out: Path, rel: str, data: Mapping[str, Any]) -> FileEntry:
     return install(out, rel, lambda f: f.write(text.encode()))
 
 
-def file_sha256(path: Path, progress: Callable[[int], object] | None = None) -> str:
-    """sha256 (hex) of a file, read in 16 MiB chunks; `progress` gets each chunk's size."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-            if progress is not None:
-                progress(len(chunk))
-    return h.hexdigest()

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cosyvoice_graphs import GraphSpec
+from cosyvoice_runtime.bundle import file_sha256
 from cosyvoice_runtime.cuda_device import cuda_device_name
 from cosyvoice_runtime.extras import gpu_install_command
 
-from .output_dir import PARTIAL, file_sha256
+from .output_dir import PARTIAL
 
 if TYPE_CHECKING:
     from .validate import GraphValidation
