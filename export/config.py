@@ -9,7 +9,7 @@ the yaml are defaults here, with the upstream location named.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -228,9 +228,6 @@ class ModelConfig:
     flow: FlowConfig
     hift: HiFTConfig
     feat: MelConfig
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 FULL_QWEN = Qwen2Config(

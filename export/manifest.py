@@ -82,16 +82,3 @@ def expected_entries(cfg: ModelConfig, name: str) -> list[Entry]:
 def manifest_tsv(cfg: ModelConfig, name: str) -> str:
     """The manifest of network `name` as TSV text (trailing newline included)."""
     return "".join(e.tsv() + "\n" for e in expected_entries(cfg, name))
-
-
-def parse_manifest_tsv(text: str) -> list[Entry]:
-    """Read a manifest TSV (ours or upstream's) back into entries."""
-    entries = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        parts = line.split("\t")
-        if len(parts) != 3:
-            raise ValueError(f"line {lineno}: expected 3 tab-separated fields, found {len(parts)}")
-        entries.append(Entry(parts[0], tuple(json.loads(parts[1])), parts[2]))
-    return entries

@@ -381,10 +381,3 @@ def replace_graph(path: Path, model: onnx.ModelProto, spec: GraphSpec, props: Ma
         tmp.unlink(missing_ok=True)
     path.with_name(path.name + ".data").unlink(missing_ok=True)  # the fp32 graph's weights, if large
     return path
-
-
-def read_metadata(path: Path) -> dict[str, str]:
-    """A graph's `metadata_props` (weights are not loaded)."""
-    model = onnx.load(str(path), load_external_data=False)
-    return {p.key: p.value for p in model.metadata_props}
-
