@@ -24,6 +24,7 @@ from .responses import SYNTHESIS_TAG
 from .settings import ServerSettings
 from .speaker_sync import keep_following
 from .state import ServerState, Speakers
+from .ws_origin import SameOriginWebSockets
 
 ROUTERS = tuple(module.router for module in (routes_upstream, routes_bridge, routes_openai, routes_stream,
                                              routes_speakers, routes_page))
@@ -45,7 +46,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, speakers:
     with the app. With `settings.api_key`, every request but `/health`
     and the page must carry the key (`serve/auth.py`).
     Bodies are bounded by `settings.max_body_bytes`; `settings.cors_origins` lets those origins' pages call
-    the API; `settings.docs` serves FastAPI's /docs and /redoc.
+    the API and open its WebSocket (`serve/ws_origin.py`); `settings.docs` serves FastAPI's /docs and /redoc.
     """
     settings = settings or ServerSettings()
     sessions = SessionQueue(settings.sessions_at_once(engine.max_batch), settings.queue_depth,
@@ -92,6 +93,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, speakers:
     app.add_middleware(AnswerUnexpected)  # outside the counter, which must see a failure to count it
     if settings.api_key is not None:  # outside the counter: a refused request is not counted
         app.add_middleware(RequireApiKey, key=settings.api_key)
+    app.add_middleware(SameOriginWebSockets, allowed=settings.cors_origins)
     if settings.cors_origins:  # outermost: a browser's preflight carries no API key
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
                            allow_methods=["GET", "POST", "DELETE"], allow_headers=list(CORS_HEADERS),

@@ -143,8 +143,8 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
                    "(the default holds the largest prompt upload, 32 MiB, base64-encoded in JSON).")
 @click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
               help="Let web pages from ORIGIN (e.g. https://app.example.com; '*' for any) call the HTTP API "
-                   "from a browser (CORS); repeatable [default: none, same-origin only; upstream's server "
-                   "allows every origin].")
+                   "from a browser (CORS) and open its WebSocket; repeatable [default: none, same-origin "
+                   "only; upstream's server allows every origin].")
 @click.option("--docs", is_flag=True,
               help="Serve FastAPI's /docs and /redoc, whose pages load Swagger UI and ReDoc from a CDN "
                    "(cdn.jsdelivr.net) [default: off; /openapi.json is served either way].")

@@ -86,7 +86,8 @@ class ServerSettings:
     max_body_bytes: int = MAX_BODY_MIB << 20
     """Largest request body accepted; a larger one is refused with 413 before more of it is read."""
     cors_origins: tuple[str, ...] = ()
-    """Origins whose web pages a browser lets call the API (CORS; "*": any); none: same-origin only."""
+    """Origins whose web pages a browser lets call the API (CORS; "*": any) and whose pages may open its
+    WebSocket (`serve/ws_origin.py`); none: same-origin only."""
     docs: bool = False
     """Serve FastAPI's /docs and /redoc pages, which load their scripts and styles from a CDN."""
     prompt_dir: Path | None = None

@@ -26,6 +26,7 @@ from cosyvoice_runtime.sampling import Sampling
 from cosyvoice_runtime.synthesis import Mode
 from cosyvoice_serve import Engine
 from cosyvoice_serve.queue import Cancelled
+from cosyvoice_serve.ws_origin import origin_allowed, refusal
 
 PIECES = ["Hello ", "there, ", "this text ", "comes in ", "while it ", "is spoken."]
 
@@ -209,3 +210,27 @@ def test_the_api_key_guards_the_handshake(engine: Engine, tmp_path: Path) -> Non
         with open_socket(additional_headers={"X-API-Key": API_KEY}) as ws:
             assert converse(ws, [{"type": "start", "voice": "alloy"}, {"type": "text", "text": "Hello."},
                                  {"type": "end"}])[2] == 1000
+
+
+def test_a_page_of_another_origin_is_refused_at_the_handshake(engine: Engine, tmp_path: Path) -> None:
+    listed = "https://app.example"
+    with socket_to(engine, tmp_path, cors_origins=(listed,)) as (open_socket, client):
+        with pytest.raises(websockets.exceptions.InvalidStatus) as refused:
+            open_socket(origin="https://elsewhere.example")
+        assert refused.value.response.status_code == 403
+        for origin in (f"http://127.0.0.1:{client.base_url.port}", listed, None):  # its own page, a listed
+            with open_socket(origin=origin) as ws:                                 # one, no browser
+                ws.send(json.dumps({"type": "start", "voice": "alloy"}))
+                assert json.loads(ws.recv(timeout=60))["type"] == "started", origin
+
+
+def test_which_origins_may_open_a_websocket() -> None:
+    assert origin_allowed(None, "127.0.0.1:50000", ())
+    assert origin_allowed("http://127.0.0.1:50000", "127.0.0.1:50000", ())
+    assert origin_allowed("https://TTS.example", "tts.example", ())  # behind a proxy ending TLS
+    assert not origin_allowed("http://127.0.0.1:8080", "127.0.0.1:50000", ())
+    assert not origin_allowed("null", "127.0.0.1:50000", ())  # a sandboxed frame or a local file
+    assert not origin_allowed("https://app.example", None, ())
+    assert origin_allowed("https://app.example", "127.0.0.1:50000", ("https://app.example",))
+    assert origin_allowed("https://anywhere.example", "127.0.0.1:50000", ("*",))
+    assert len(refusal("https://" + "é" * 200).encode()) <= 123  # a close frame's reason
