@@ -1,30 +1,30 @@
 """The model side of the server: one `CosyVoice3` shared by every session, its errors as the API's.
 
 Why one `CosyVoice3` (its `Synthesizer`) may serve concurrent sessions: every graph call goes through an
-`OrtRunner`, whose `infer` checks the feeds and calls `InferenceSession.run`, which onnxruntime documents
-as thread-safe, or an `OpenVinoRunner` (the `openvino` provider, and bf16 graphs), which shares its
-compiled model and gives each thread an infer request of its own, as OpenVINO requires. The Python objects
-around the runners keep no per-call state: `SpeechTokenLM.decode` returns a `Decoding` that owns its KV
-cache and history, `Synthesizer.stream_tokens` keeps an utterance's state (its mel, flow and vocoder
-streams) in a `_Stream` of its own, `Flow` and `Vocoder` only read their tables, and the per-prompt flow
-prefixes (`FlowPrefixCache`, read-only arrays) and the lazily drawn sine-noise table (`UniformNoise`) take
-a lock. With `max_batch` > 1 the sessions' decodings run in one `DecodeBatcher` (`decode_batch`): a thread
-of its own that alone touches the batch's caches and takes decodings through a lock (prefilled on the
-CPU; on a GPU it prefills them). The registered speakers' prefixes are computed by
-`CosyVoice3.prefix_jobs` on a thread of its own, one graph call at a time, none while any session
-synthesises. A test runs two sessions at once and gets
-`cosyvoice-run`'s samples from both. The one exception is TensorRT: a `TrtRunner` reuses one execution
-context and its device buffers per call, so the server offers the onnxruntime providers and OpenVINO
-(`cpu`, `cuda`, `tensorrt`, `openvino`). The text front end is used under a lock: the wetext grammars load
-on first use and their thread-safety is not documented; it is cheap next to synthesis. A request's text is
-normalised before it waits for a session, on a thread of its own (`text_segments`). Prompt extraction
-uses two onnxruntime sessions of its own, safe the same way, on an upload decoded before its request waits
-for a session (`decode_upload`).
+`OrtRunner`, whose `infer` checks the feeds and calls `InferenceSession.run`, which onnxruntime documents as
+thread-safe, or an `OpenVinoRunner` (the `openvino` provider, and bf16 graphs), which shares its compiled
+model and gives each thread an infer request of its own, as OpenVINO requires. The Python objects around the
+runners keep no per-call state: `SpeechTokenLM.decode` returns a `Decoding` that owns its KV cache and
+history, `Synthesizer.stream_tokens` keeps an utterance's state (its mel, flow and vocoder streams) in a
+`_Stream` of its own, `Flow` and `Vocoder` only read their tables, and the per-prompt flow prefixes
+(`FlowPrefixCache`, read-only arrays) and the lazily drawn sine-noise table (`UniformNoise`) take a lock.
+With `max_batch` > 1 the sessions' decodings run in one `DecodeBatcher` (`decode_batch`): a thread of its
+own that alone touches the batch's caches and takes decodings through a lock (prefilled on the CPU; on a GPU
+it prefills them). The registered speakers' prefixes are computed by `CosyVoice3.prefix_jobs` on a thread of
+its own, one graph call at a time, none while any session synthesises. A test runs two sessions at once and
+gets `cosyvoice-run`'s samples from both. The one exception is TensorRT: a `TrtRunner` reuses one execution
+context and its device buffers per call, so the server offers the onnxruntime providers and OpenVINO (`cpu`,
+`cuda`, `tensorrt`, `openvino`). A request's text is normalised before it waits for a session,
+`TEXT_THREADS` at once, each text's grammar in a process of its own (`GrammarProcess`, whose children hold
+the wetext grammars; inflect's speller takes turns behind a lock), which a client that leaves ends
+(`text_segments`). Prompt extraction uses two onnxruntime sessions of its own, safe the same way, on an
+upload decoded before its request waits for a session (`decode_upload`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import io
 import itertools
 import logging
@@ -46,6 +46,7 @@ from cosyvoice_runtime.cosyvoice3 import SegmentSpeech
 from cosyvoice_runtime.errors import FrontendError, SynthesisError, UserError
 from cosyvoice_runtime.flow_prefix import DEFAULT_PREFIX_CACHE_BYTES, prompt_key
 from cosyvoice_runtime.frontend import PromptAudio, PromptFeatures, read_prompt_audio
+from cosyvoice_runtime.frontend.grammar_process import INTERRUPTION, Interruption
 from cosyvoice_runtime.progress import SynthesisProgress
 from cosyvoice_runtime.runners import CPU
 from cosyvoice_runtime.sampling import Sampling
@@ -255,8 +256,17 @@ class Engine:
     async def text_segments(self, job: SynthesisJob) -> list[Segment]:
         """`segments` for the event loop, before the job waits for a session: text with nothing to speak is
         a 4xx at once, not after the queue's wait. On the engine's own `TEXT_THREADS`, not the event loop's
-        worker threads (which encode the streams)."""
-        return await asyncio.get_running_loop().run_in_executor(self._text_threads, self.segments, job)
+        worker threads (which encode the streams). Cancelled (its client left), it ends the grammar's
+        process working on the text (`Interruption`), which would work on for seconds otherwise."""
+        interruption = Interruption()
+        context = contextvars.copy_context()
+        context.run(INTERRUPTION.set, interruption)
+        work = asyncio.get_running_loop().run_in_executor(self._text_threads, context.run, self.segments, job)
+        try:
+            return await work
+        except asyncio.CancelledError:
+            interruption.interrupt()
+            raise
 
     # --- work run on a session's worker -----------------------------------------------------------------
 

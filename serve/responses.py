@@ -3,7 +3,8 @@
 Every synthesis route builds a `SynthesisJob` and hands it to `stream_response` or `offline_audio`.
 Both wait for the job's first audio before answering, so an error found before any audio (bad text or
 prompt, a timeout in the queue) is a proper 4xx/5xx rather than a cut stream; while they wait they watch
-the connection, and a client that goes away cancels its session, queued or running. During a stream,
+the connection, and a client that goes away ends its text's normalisation or cancels its session, queued
+or running. During a stream,
 Starlette cancels the response when the client disconnects; the session is cancelled with it and its
 worker stops within one LLM step or one chunk's flow and vocoder call.
 """
@@ -14,7 +15,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from typing import Annotated, Any, TypeVar
 
 import numpy as np
@@ -89,13 +90,14 @@ async def decoded_upload(data: bytes, field: str) -> AudioUpload:
     return await run_in_threadpool(decode_upload, data, field)
 
 
-async def submit(state: ServerState, job: SynthesisJob,
+async def submit(state: ServerState, request: Request, job: SynthesisJob,
                  work: Callable[[SynthesisJob, list[Segment], Session], Iterable[T]]) -> SessionStream[T]:
     """Admit `work` on the job's segments to the session queue (503 when full, counted), its text normalised
-    first (`Engine.text_segments`): text with nothing to speak is a 400 before any wait in the queue."""
+    first (`Engine.text_segments`): text with nothing to speak is a 400 before any wait in the queue, and a
+    client that leaves meanwhile ends the normalisation and is never admitted (`ClientGone`)."""
     try:
         state.sessions.check_room()
-        pieces = await state.engine.text_segments(job)
+        pieces = await _while_connected(state, request, state.engine.text_segments(job))
         return state.sessions.submit(lambda session: work(job, pieces, session))
     except QueueFull:
         state.metrics.requests_rejected.inc()
@@ -104,24 +106,31 @@ async def submit(state: ServerState, job: SynthesisJob,
 
 async def first_item(state: ServerState, request: Request, stream: SessionStream[T]) -> T:
     """The session's first item, waiting for it while watching the connection (`ClientGone`)."""
-    item = asyncio.ensure_future(stream.next())
-    gone = asyncio.ensure_future(_disconnect(request))
     try:
-        await asyncio.wait({item, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not item.done():
-            item.cancel()
-            stream.cancel()
-            # the session may end with an error all the same (its queue held it): nobody reads it now
-            item.add_done_callback(_retrieve)
-    if not item.done():
-        _mark_cancelled(state, request)
-        raise ClientGone
-    first = item.result()
+        first = await _while_connected(state, request, stream.next())
+    except (ClientGone, asyncio.CancelledError):
+        stream.cancel()
+        raise
     if first is None:
         raise ApiError(500, "synthesis ended without audio")
     return first
+
+
+async def _while_connected(state: ServerState, request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """`work`'s result, or `ClientGone` (counted) where the client disconnects first: `work` is cancelled."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            task.add_done_callback(_retrieve)  # it may end with an error all the same: nobody reads it now
+    if task not in done:
+        _mark_cancelled(state, request)
+        raise ClientGone
+    return task.result()
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:
@@ -132,7 +141,7 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
 
 async def offline_audio(state: ServerState, request: Request, job: SynthesisJob) -> np.ndarray:
     """The job synthesised offline (`Engine.synthesize`): all of its samples."""
-    stream = await submit(state, job, state.engine.synthesize)
+    stream = await submit(state, request, job, state.engine.synthesize)
     audio = await first_item(state, request, stream)
     await stream.next()  # the end: it comes once the worker has marked the session finished, for its timing
     record_session(state.metrics, stream.session, len(audio), state.engine.sample_rate)
@@ -147,7 +156,7 @@ async def stream_response(state: ServerState, request: Request, job: SynthesisJo
     encode = encoder or PcmEncoder()
     work = state.engine.synthesize if offline else state.engine.stream
     start = time.monotonic()
-    stream = await submit(state, job, work)
+    stream = await submit(state, request, job, work)
     first = await first_item(state, request, stream)
     state.metrics.first_chunk_seconds.observe(time.monotonic() - start)
 

@@ -9,6 +9,7 @@ check that copy against it.
 
 from __future__ import annotations
 
+import contextvars
 import importlib.util
 import json
 import math
@@ -34,7 +35,12 @@ from cosyvoice_runtime import frontend as rt
 from cosyvoice_runtime.demo import DEMO_BUNDLE
 from cosyvoice_runtime.errors import UserError
 from cosyvoice_runtime.frontend import text as rt_text
-from cosyvoice_runtime.frontend.grammar_process import GrammarProcess
+from cosyvoice_runtime.frontend.grammar_process import (
+    INTERRUPTION,
+    GrammarProcess,
+    Interruption,
+    TextInterrupted,
+)
 
 ORACLE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "frontend-oracle"
 KEPT = Path(__file__).resolve().parent / "data" / "frontend_oracle"
@@ -224,6 +230,51 @@ def test_a_short_text_waits_behind_a_long_one_only_where_no_other_child_may_star
     finally:
         process.close()
     assert (ended["short"] < ended["long"]) == (most == 2)
+    assert set(grammar_children(os.getpid())) == others
+
+
+def test_an_interruption_ends_its_text_and_the_child_working_on_it(
+        long_text_asked: tuple[str, threading.Event]) -> None:
+    """A caller whose client left ends the normalisation of its text (seconds) from another thread: the call
+    raises `TextInterrupted` rather than return the text, its child is ended and another takes the next
+    text; interrupted before a grammar is asked, it raises at once and ends no child."""
+    long_text, asked = long_text_asked
+    others = set(grammar_children(os.getpid()))
+    process = GrammarProcess()
+
+    def interruptible() -> tuple[Interruption, contextvars.Context]:
+        interruption, context = Interruption(), contextvars.copy_context()
+        context.run(INTERRUPTION.set, interruption)
+        return interruption, context
+
+    outcome: list[str | BaseException] = []
+
+    def normalise(context: contextvars.Context) -> None:
+        try:
+            outcome.append(context.run(process, long_text))
+        except TextInterrupted as e:
+            outcome.append(e)
+
+    try:
+        [first] = set(grammar_children(os.getpid())) - others
+        interruption, context = interruptible()
+        thread = threading.Thread(target=normalise, args=(context,))
+        thread.start()
+        assert asked.wait(30)
+        interruption.interrupt()
+        thread.join(30)
+        assert len(outcome) == 1 and isinstance(outcome[0], TextInterrupted)
+        assert process("Room 12.") == rt_text.wetext_normalize("Room 12.")
+        [second] = set(grammar_children(os.getpid())) - others
+        assert second != first
+        early, context = interruptible()
+        early.interrupt()
+        with pytest.raises(TextInterrupted):
+            context.run(process, "Room 13.")
+        assert set(grammar_children(os.getpid())) - others == {second}
+        assert process("Room 14.") == rt_text.wetext_normalize("Room 14.")
+    finally:
+        process.close()
     assert set(grammar_children(os.getpid())) == others
 
 

@@ -107,6 +107,15 @@ def metric(text: str, name: str) -> float:
     return float(match.group(1))
 
 
+def metrics_once(client: httpx.Client, name: str, value: float) -> str:
+    """The server's /metrics once `name` has reached `value` (within 10 s)."""
+    deadline = time.monotonic() + 10
+    while metric(text := client.get("/metrics").text, name) < value:
+        assert time.monotonic() < deadline, text
+        time.sleep(0.05)
+    return text
+
+
 @contextmanager
 def serving(app: FastAPI) -> Iterator[httpx.Client]:
     """`app` on uvicorn on a free loopback port (a real socket, for streaming and disconnects)."""
@@ -1331,10 +1340,7 @@ def test_a_client_that_leaves_mid_upload_is_counted_as_gone_not_as_an_error(tmp_
                 raw.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {kind}\r\n"
                             f"Content-Length: {1 << 20}\r\n\r\n".encode() + b"--b0\r\n" + b"x" * 4096)
                 time.sleep(0.3)  # the server is reading the body when the client goes
-        deadline = time.monotonic() + 10
-        while metric(text := client.get("/metrics").text, "tts_requests_total") < 2:
-            assert time.monotonic() < deadline, text
-            time.sleep(0.1)
+        text = metrics_once(client, "tts_requests_total", 2)
     assert metric(text, "tts_requests_total") == 2
     assert metric(text, "tts_requests_error") == 0 == metric(text, "tts_requests_success")
 
@@ -1362,6 +1368,38 @@ def test_texts_are_normalised_at_once_not_in_turns(engine: Engine,
         return ready
 
     assert asyncio.run(in_turn_of_readiness()) == ["digit", "plain", "long"]
+
+
+def test_a_client_that_leaves_while_its_text_is_normalised_ends_it_and_is_never_admitted(
+        engine: Engine, tmp_path: Path, long_text_asked: tuple[str, threading.Event],
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The grammar process working on a long text (seconds) is ended when its client leaves, and the request
+    never takes a session: it would otherwise work on, then synthesise for nobody."""
+    from cosyvoice_runtime.frontend import grammar_process
+
+    long_text, asked = long_text_asked
+    working: list[subprocess.Popen[bytes]] = []
+    ask = grammar_process._ask
+
+    def noting_the_child(child: subprocess.Popen[bytes], text: str) -> dict[str, str]:
+        if text == long_text:
+            working.append(child)
+        return ask(child, text)
+
+    monkeypatch.setattr(grammar_process, "_ask", noting_the_child)
+    body = json.dumps({"input": long_text, "voice": "alloy", "response_format": "pcm"}).encode()
+    with serving(make_app(engine, tmp_path)) as client, caplog.at_level(logging.INFO):
+        with socket.create_connection(("127.0.0.1", client.base_url.port), timeout=30) as raw:
+            raw.sendall(f"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            assert asked.wait(30)
+        [child] = working
+        assert child.wait(timeout=30) == -signal.SIGKILL
+        text = metrics_once(client, "tts_sessions_cancelled", 1)
+    assert metric(text, "tts_requests_total") == 1
+    assert metric(text, "tts_requests_error") == 0 == metric(text, "tts_requests_success")
+    engine_lines = [r.getMessage() for r in caplog.records if r.name == "cosyvoice_serve.engine"]
+    assert not [line for line in engine_lines if "in the queue" in line]  # no session began
 
 
 def test_the_warm_up_leaves_the_bundle_voice_ready(caplog: pytest.LogCaptureFixture) -> None:

@@ -10,6 +10,10 @@ A command of its own, not a `multiprocessing` worker: a spawned worker imports t
 again (a script without a `__main__` guard, or read from stdin, cannot start one), and a forked one copies a
 process whose other threads may hold locks. The pipe speaks JSON lines: a text in, {"text": ...} or
 {"error": ...} out. The child ends when its stdin closes, so a parent killed outright leaves none behind.
+
+A text's grammar can take seconds (a long run of digits: tens of seconds), so a caller whose client has left
+ends it: an `Interruption` set in `INTERRUPTION` for the call kills the child working on its text (another is
+started in its place) and the call raises `TextInterrupted`.
 """
 
 from __future__ import annotations
@@ -19,10 +23,49 @@ import os
 import subprocess
 import sys
 import threading
+from contextlib import suppress
+from contextvars import ContextVar
 from typing import IO
 
 from ..errors import FrontendError
 from .text import checked_wetext_normalize, load_grammars, needs_grammar
+
+
+class TextInterrupted(Exception):
+    """A text's normalisation ended by its `Interruption`."""
+
+
+class Interruption:
+    """Ends, from another thread, the normalisation of the call in whose context it is set
+    (`INTERRUPTION`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._child: subprocess.Popen[bytes] | None = None
+        self.interrupted = False
+
+    def interrupt(self) -> None:
+        """Kill the child working on the call's text, if any; the call raises `TextInterrupted`, now or
+        when it reaches a grammar."""
+        with self._lock:
+            self.interrupted = True
+            if self._child is not None:
+                self._child.kill()
+
+    def _attach(self, child: subprocess.Popen[bytes] | None) -> None:
+        """`child` works on the call's text from now (None: none does); `TextInterrupted` if interrupted."""
+        with self._lock:
+            if self.interrupted:
+                raise TextInterrupted
+            self._child = child
+
+    def _detach(self) -> None:
+        with self._lock:
+            self._child = None
+
+
+INTERRUPTION: ContextVar[Interruption | None] = ContextVar("INTERRUPTION", default=None)
+"""The running call's `Interruption`, where its caller gave one (`contextvars.Context.run`)."""
 
 
 class GrammarProcess:
@@ -31,8 +74,8 @@ class GrammarProcess:
     grammars (0.5 s and 107 MB on an AMD EPYC; kaldifst's lattices for a 2,000-character English text take it
     to 529 MB at their peak, memory the calling process would have taken otherwise), so that the first text
     with a digit does not wait for it; another starts when a text finds every child busy, and stays. A text
-    without a digit, which no grammar reads, goes to none. A child that died (killed for memory) is started
-    again for the next text."""
+    without a digit, which no grammar reads, goes to none. A child that died (killed for memory, or by an
+    `Interruption`) is started again."""
 
     def __init__(self, most: int = 1) -> None:
         if most < 1:
@@ -52,19 +95,24 @@ class GrammarProcess:
         """What `checked_wetext_normalize(text)` returns, or raises."""
         if not needs_grammar(text):
             return text
+        interruption = INTERRUPTION.get() or Interruption()
         child = self._take()
         try:
+            interruption._attach(child)
             try:
                 reply = _ask(child, text)
             except (BrokenPipeError, EOFError):
                 child.wait()
+                interruption._attach(None)  # killed by it: `TextInterrupted`, not a retry
                 child = self._start()
+                interruption._attach(child)
                 try:
                     reply = _ask(child, text)
                 except (BrokenPipeError, EOFError):
                     raise FrontendError(f"the text normaliser's process ended on this text (exit status "
                                         f"{child.wait()}); shorten or rephrase it") from None
         finally:
+            interruption._detach()
             self._give_back(child)
         if "error" in reply:
             raise FrontendError(reply["error"])
@@ -86,6 +134,12 @@ class GrammarProcess:
                 self._changed.wait()
 
     def _give_back(self, child: subprocess.Popen[bytes]) -> None:
+        if child.poll() is not None:  # another in its place, loading its grammars before the next text
+            for pipe in (child.stdin, child.stdout):
+                if pipe is not None:
+                    with suppress(OSError):
+                        pipe.close()
+            child = self._start()
         with self._changed:
             self._idle.append(child)
             self._changed.notify_all()
