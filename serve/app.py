@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager, suppress
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.routing import APIRoute
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cosyvoice_runtime.speakers import SpeakerRegistry
@@ -85,11 +86,15 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, speakers:
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
-    paths = frozenset(route.path for router in ROUTERS for route in router.routes
-                      if isinstance(route, APIRoute) and SYNTHESIS_TAG in route.tags)
+    routes = [route for route in (*app.routes, *(route for router in ROUTERS for route in router.routes))
+              if isinstance(route, Route)]  # FastAPI's own (/openapi.json) and ours
+    synthesis = [route for route in routes if isinstance(route, APIRoute) and SYNTHESIS_TAG in route.tags]
+    calls = frozenset((method, route.path) for route in synthesis for method in route.methods or ())
+    readable = tuple(route for route in routes if "GET" in (route.methods or ()) and route not in synthesis)
     # Each middleware added wraps those before it: the last one sees a request first.
+    app.add_middleware(AnswerHead, routes=readable)
     app.add_middleware(LimitBody, limit=settings.max_body_bytes)
-    app.add_middleware(CountSynthesisRequests, metrics=metrics, paths=paths)
+    app.add_middleware(CountSynthesisRequests, metrics=metrics, calls=calls)
     app.add_middleware(AnswerUnexpected)  # outside the counter, which must see a failure to count it
     if settings.api_key is not None:  # outside the counter: a refused request is not counted
         app.add_middleware(RequireApiKey, key=settings.api_key)
@@ -101,15 +106,31 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, speakers:
     return app
 
 
-class CountSynthesisRequests:
-    """Counts every request to a synthesis route once it is answered: success (2xx, the whole stream
-    sent), error (an error status, or a stream cut by an error), or neither when the client left."""
+class AnswerHead:
+    """HEAD on `routes` (those that answer GET without synthesising: health probes, metrics, lists) is
+    answered as their GET is; uvicorn sends no body for a HEAD request. Elsewhere it stays a 405."""
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics, paths: frozenset[str]) -> None:
-        self.app, self.metrics, self.paths = app, metrics, paths
+    def __init__(self, app: ASGIApp, routes: tuple[Route, ...]) -> None:
+        self.app, self.routes = app, routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in self.paths:
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            as_get = {**scope, "method": "GET"}
+            if any(route.matches(as_get)[0] is Match.FULL for route in self.routes):
+                scope = as_get
+        await self.app(scope, receive, send)
+
+
+class CountSynthesisRequests:
+    """Counts every request to a synthesis route (its method and path: `calls`) once it is answered: success
+    (2xx, the whole stream sent), error (an error status, or a stream cut by an error), or neither when the
+    client left."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, calls: frozenset[tuple[str, str]]) -> None:
+        self.app, self.metrics, self.calls = app, metrics, calls
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or (scope["method"], scope["path"]) not in self.calls:
             await self.app(scope, receive, send)
             return
         self.metrics.requests_total.inc()

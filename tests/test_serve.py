@@ -755,6 +755,33 @@ def test_an_api_key_guards_every_endpoint_but_health_and_the_page(
     assert API_KEY not in caplog.text and API_KEY not in repr(app.state.server.settings)
 
 
+def test_a_method_a_synthesis_route_lacks_is_not_counted_as_a_synthesis_request(engine: Engine,
+                                                                               tmp_path: Path) -> None:
+    with TestClient(make_app(engine, tmp_path)) as client:
+        put = client.put("/v1/audio/speech", json={"input": "Hello.", "voice": "alloy"})
+        delete = client.delete("/inference_zero_shot")
+        text = client.get("/metrics").text
+    assert put.status_code == 405 == delete.status_code
+    assert metric(text, "tts_requests_total") == 0 == metric(text, "tts_requests_error")
+
+
+def test_head_is_answered_where_get_reads_and_refused_where_it_would_synthesise(engine: Engine,
+                                                                              tmp_path: Path) -> None:
+    """HEAD, as uptime checks and `wget --spider` send it: the GET's status and headers, no body (uvicorn's
+    part); on a synthesis route, whose GET synthesises, a 405 as before."""
+    with serving(make_app(engine, tmp_path)) as client:
+        for path in ("/health", "/", "/metrics", "/v1/models", "/v1/audio/voices", "/speakers",
+                     "/openapi.json"):
+            get, head = client.get(path), client.head(path)
+            assert head.status_code == 200 == get.status_code, path
+            assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"], path
+        assert client.head("/speakers/none").status_code == 404 == client.get("/speakers/none").status_code
+        synthesis = client.head("/inference_zero_shot")
+        assert synthesis.status_code == 405
+        text = client.get("/metrics").text
+    assert metric(text, "tts_requests_total") == 0
+
+
 # --- behaviour under load -------------------------------------------------------------------------------
 
 
