@@ -11,6 +11,8 @@ Nothing answers with a traceback: an unexpected exception is logged once, with i
 from __future__ import annotations
 
 import logging
+import re
+import sys
 from collections.abc import Mapping
 from contextvars import ContextVar
 from http import HTTPStatus
@@ -130,6 +132,22 @@ def _empty_form_fields(error: RequestValidationError) -> list[str]:
             and error.body.get(str(item["loc"][1])) == ""]
 
 
+FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+
+
+def _wrong_content_type(request: Request, error: RequestValidationError) -> str | None:
+    """Where a body was not read for its Content-Type, the line saying so: a JSON route leaves a body of any
+    other type unparsed (bytes), a form route finds no fields in one that is no form."""
+    sent = (request.headers.get("content-type") or "none")[:80]
+    if isinstance(error.body, bytes | bytearray):
+        return f"body: expected Content-Type application/json, got {sent}"
+    form = sent.split(";")[0].strip().lower() in FORM_TYPES
+    if (isinstance(error.body, FormData) and not error.body and not form
+            and all(item.get("type") == "missing" for item in error.errors())):
+        return f"body: expected Content-Type {' or '.join(FORM_TYPES)}, got {sent}"
+    return None
+
+
 def _json_failure(error: ValueError | RecursionError) -> str:
     """Why a body that is no JSON syntax error is not JSON either: its bytes, its depth, or a number Python
     will not read (an integer of more than 4300 digits)."""
@@ -137,6 +155,8 @@ def _json_failure(error: ValueError | RecursionError) -> str:
         return "nested too deeply"
     if isinstance(error, UnicodeDecodeError):
         return f"not UTF-8: {undecodable(error)}"
+    if digits := re.search(r"integer string conversion: value has (\d+) digits", str(error)):
+        return f"a number of {digits[1]} digits; at most {sys.get_int_max_str_digits()} are read"
     return " ".join(str(error).split())
 
 
@@ -149,7 +169,10 @@ def _validation_detail(error: RequestValidationError) -> str:
             parts.append(f"body: not valid JSON ({reason} at character {item['loc'][-1]})")
             continue
         loc = [str(p) for p in item.get("loc", ()) if p not in ("body", "query", "path")]
-        parts.append(f"{'.'.join(loc) or 'body'}: {item.get('msg', 'invalid')}")
+        message = item.get("msg", "invalid")
+        if message.startswith("Value error, Expected UploadFile"):  # FastAPI's words for a text field
+            message = "expected an uploaded file, got a text field"
+        parts.append(f"{'.'.join(loc) or 'body'}: {message}")
     return "; ".join(parts) or "invalid request"
 
 
@@ -174,6 +197,8 @@ def install_error_handlers(app: FastAPI) -> None:
         empty = _empty_form_fields(exc)
         if empty:  # answered as a blank field is (`EmptyField`), before any other fault
             return error_response(400, EmptyField(empty[0]).detail, path=request.url.path, param=empty[0])
+        if wrong_type := _wrong_content_type(request, exc):
+            return error_response(415, wrong_type, path=request.url.path)
         return error_response(422, _validation_detail(exc), path=request.url.path, param=_first_field(exc))
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:

@@ -48,7 +48,7 @@ class SynthesizeRequest(BaseModel):
     prompt_text: str | None = Field(None, description="Its transcript: zero-shot cloning when given.")
     instruct: str | None = Field(None, description="Instruction when prompt_text is not given.")
     speaker: str | None = Field(None, description="The bridge's instruction field (if no instruct).")
-    speed: float = Field(1.0, ge=0.5, le=2.0, description="Speaking rate.")
+    speed: float = Field(1.0, ge=0.5, le=2.0, allow_inf_nan=False, description="Speaking rate.")
     seed: Seed = None
 
 

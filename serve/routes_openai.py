@@ -92,7 +92,7 @@ class SpeechRequest(NullIsDefault):
                                      "model's own prompt voice (GET /v1/audio/voices).")
     instructions: str | None = Field(None, description="An instruction: instruct2 instead of zero-shot.")
     response_format: FormatName = "mp3"
-    speed: float = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED,
+    speed: float = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED, allow_inf_nan=False,
                          description="Speaking rate; other than 1.0, the audio is synthesised whole before "
                                      "it is sent.")
     stream_format: Literal["audio", "sse"] = Field(

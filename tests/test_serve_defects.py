@@ -213,6 +213,28 @@ def test_a_form_field_is_text_in_the_bodys_charset_or_refused_naming_it(engine: 
         (400, "name: not UTF-8 text (byte 0xe9 at offset 3: unexpected end of data)")]
 
 
+def test_a_body_of_another_content_type_than_the_route_reads_is_a_415(client: TestClient) -> None:
+    """curl's `-d` sends application/x-www-form-urlencoded: a JSON route answered that the body should be a
+    dictionary, a form route that fields it was sent were missing."""
+    speech = b'{"input": "Hello.", "voice": "alloy"}'
+    answers = [client.post("/v1/audio/speech", content=speech,
+                           headers={"content-type": "application/x-www-form-urlencoded"}),
+               client.post("/synthesize", content=b'{"text": "Hi."}', headers={"content-type": "text/plain"}),
+               client.post("/inference_zero_shot", json={"tts_text": "Hello.", "prompt_text": "Hi."}),
+               client.post("/speakers", json={"name": "alice"})]
+    form = "multipart/form-data or application/x-www-form-urlencoded"
+    assert [(r.status_code, r.json()) for r in answers] == [
+        (415, {"error": {"message": "body: expected Content-Type application/json, got "
+                                    "application/x-www-form-urlencoded", "type": "invalid_request_error",
+                         "param": None, "code": None}}),
+        *((415, {"detail": line, "error": line, "code": 415}) for line in (
+            "body: expected Content-Type application/json, got text/plain",
+            f"body: expected Content-Type {form}, got application/json",
+            f"body: expected Content-Type {form}, got application/json"))]
+    missing = client.post("/inference_zero_shot", data={"tts_text": "Hello.", "prompt_text": "Hi."})
+    assert (missing.status_code, missing.json()["detail"]) == (422, "prompt_wav: Field required")
+
+
 # --- speaker names ------------------------------------------------------------------------------------------
 
 
