@@ -115,7 +115,8 @@ def _api_key(_: click.Context, __: click.Parameter, value: str | None) -> str | 
               help="Seconds a text-streaming WebSocket session (/v1/audio/speech/stream) may go without a "
                    "message before its end.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=ServerSettings.timeout,
-              help="Seconds a request may take from admission to its last sample.")
+              help="Seconds a request may take from admission to its last sample; its text's "
+                   "normalisation, before admission, as long.")
 @click.option("--shutdown-grace", type=click.IntRange(min=0), default=ServerSettings.shutdown_grace,
               help="On SIGINT or SIGTERM, seconds the running sessions get to finish; the waiting ones are "
                    "refused at once (503; gRPC: UNAVAILABLE), and the rest are cut after it.")

@@ -61,7 +61,7 @@ from cosyvoice_runtime.synthesis import (
     uses_cuda_graphs,
 )
 
-from .errors import FieldError
+from .errors import ApiError, FieldError
 from .metrics import BatchMetrics
 from .queue import Session
 from .settings import SERVER_PROVIDERS
@@ -253,17 +253,22 @@ class Engine:
         except (FrontendError, UserError) as e:
             raise FieldError(job.text_field, str(e)) from None
 
-    async def text_segments(self, job: SynthesisJob) -> list[Segment]:
+    async def text_segments(self, job: SynthesisJob, timeout: float) -> list[Segment]:
         """`segments` for the event loop, before the job waits for a session: text with nothing to speak is
         a 4xx at once, not after the queue's wait. On the engine's own `TEXT_THREADS`, not the event loop's
-        worker threads (which encode the streams). Cancelled (its client left), it ends the grammar's
-        process working on the text (`Interruption`), which would work on for seconds otherwise."""
+        worker threads (which encode the streams). Cancelled (its client left) or past `timeout` seconds
+        (a 504), it ends the grammar's process working on the text (`Interruption`), which would work on
+        for seconds otherwise (a long run of digits: tens of seconds)."""
         interruption = Interruption()
         context = contextvars.copy_context()
         context.run(INTERRUPTION.set, interruption)
         work = asyncio.get_running_loop().run_in_executor(self._text_threads, context.run, self.segments, job)
         try:
-            return await work
+            return await asyncio.wait_for(work, timeout)
+        except TimeoutError:
+            interruption.interrupt()
+            raise ApiError(504, f"normalising {job.text_field} took longer than the server's timeout of "
+                                f"{timeout:g} s") from None
         except asyncio.CancelledError:
             interruption.interrupt()
             raise

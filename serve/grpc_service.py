@@ -246,7 +246,7 @@ class CosyVoiceService(cosyvoice_pb2_grpc.CosyVoiceServicer):
                                           request_seed(context.invocation_metadata()))
             start = time.monotonic()
             self.sessions.check_room()  # before the text is normalised, as HTTP's `responses.submit`
-            pieces = await self.engine.text_segments(job)
+            pieces = await self.engine.text_segments(job, self.settings.timeout)
             stream = self.sessions.submit(lambda session: self.engine.stream(job, pieces, session))
         except ApiError as e:
             if metrics is not None:

@@ -97,7 +97,8 @@ async def submit(state: ServerState, request: Request, job: SynthesisJob,
     client that leaves meanwhile ends the normalisation and is never admitted (`ClientGone`)."""
     try:
         state.sessions.check_room()
-        pieces = await _while_connected(state, request, state.engine.text_segments(job))
+        pieces = await _while_connected(state, request,
+                                        state.engine.text_segments(job, state.settings.timeout))
         return state.sessions.submit(lambda session: work(job, pieces, session))
     except QueueFull:
         state.metrics.requests_rejected.inc()

@@ -64,7 +64,8 @@ class ServerSettings:
     """Seconds a text-streaming WebSocket session (`/v1/audio/speech/stream`) may go without a message before
     its `end`; past it the session is closed (4408) and its slot freed."""
     timeout: float = 300.0
-    """Seconds from admission to the last sample; a session past it is stopped (504, or a cut stream)."""
+    """Seconds from admission to the last sample; a session past it is stopped (504, or a cut stream). A
+    text's normalisation, before admission, may take as long (then a 504)."""
     shutdown_grace: int = 5
     """On SIGINT or SIGTERM, the seconds running sessions get to finish (the waiting ones are refused at once:
     503, gRPC UNAVAILABLE); then they are cut and the process ends, well within `docker stop`'s 10 s."""

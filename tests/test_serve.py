@@ -1390,7 +1390,7 @@ def test_texts_are_normalised_at_once_not_in_turns(engine: Engine,
 
         async def segments(name: str, text: str) -> None:
             await engine.text_segments(SynthesisJob(Mode.ZERO_SHOT, text, BundlePrompt.DEFAULT, Sampling(),
-                                                    prompt_text=SHORT))
+                                                    prompt_text=SHORT), timeout=60)
             ready.append(name)
 
         long = asyncio.create_task(segments("long", long_text))
@@ -1408,18 +1408,8 @@ def test_a_client_that_leaves_while_its_text_is_normalised_ends_it_and_is_never_
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """The grammar process working on a long text (seconds) is ended when its client leaves, and the request
     never takes a session: it would otherwise work on, then synthesise for nobody."""
-    from cosyvoice_runtime.frontend import grammar_process
-
     long_text, asked = long_text_asked
-    working: list[subprocess.Popen[bytes]] = []
-    ask = grammar_process._ask
-
-    def noting_the_child(child: subprocess.Popen[bytes], text: str) -> dict[str, str]:
-        if text == long_text:
-            working.append(child)
-        return ask(child, text)
-
-    monkeypatch.setattr(grammar_process, "_ask", noting_the_child)
+    working = children_asked(long_text, monkeypatch)
     body = json.dumps({"input": long_text, "voice": "alloy", "response_format": "pcm"}).encode()
     with serving(make_app(engine, tmp_path)) as client, caplog.at_level(logging.INFO):
         with socket.create_connection(("127.0.0.1", client.base_url.port), timeout=30) as raw:
@@ -1433,6 +1423,37 @@ def test_a_client_that_leaves_while_its_text_is_normalised_ends_it_and_is_never_
     assert metric(text, "tts_requests_error") == 0 == metric(text, "tts_requests_success")
     engine_lines = [r.getMessage() for r in caplog.records if r.name == "cosyvoice_serve.engine"]
     assert not [line for line in engine_lines if "in the queue" in line]  # no session began
+
+
+def test_a_text_whose_normalisation_outlasts_the_timeout_is_a_504_and_its_process_ends(
+        engine: Engine, tmp_path: Path, long_text_asked: tuple[str, threading.Event],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    long_text, _ = long_text_asked
+    working = children_asked(long_text, monkeypatch)
+    with TestClient(make_app(engine, tmp_path, timeout=0.5)) as client:
+        answer = client.post("/v1/audio/speech", json={"input": long_text, "voice": "alloy"})
+        text = client.get("/metrics").text
+    line = "normalising input took longer than the server's timeout of 0.5 s"
+    assert answer.status_code == 504 and answer.json()["error"]["message"] == line
+    [child] = working
+    assert child.wait(timeout=30) == -signal.SIGKILL
+    assert metric(text, "tts_requests_error") == 1
+
+
+def children_asked(text: str, monkeypatch: pytest.MonkeyPatch) -> list[subprocess.Popen[bytes]]:
+    """The grammar processes asked to normalise `text`, as they are asked."""
+    from cosyvoice_runtime.frontend import grammar_process
+
+    asked: list[subprocess.Popen[bytes]] = []
+    ask = grammar_process._ask
+
+    def noting_the_child(child: subprocess.Popen[bytes], asked_text: str) -> dict[str, str]:
+        if asked_text == text:
+            asked.append(child)
+        return ask(child, asked_text)
+
+    monkeypatch.setattr(grammar_process, "_ask", noting_the_child)
+    return asked
 
 
 def test_the_warm_up_leaves_the_bundle_voice_ready(caplog: pytest.LogCaptureFixture) -> None:
