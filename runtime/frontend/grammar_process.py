@@ -109,6 +109,7 @@ class GrammarProcess:
                 try:
                     reply = _ask(child, text)
                 except (BrokenPipeError, EOFError):
+                    interruption._attach(None)
                     raise FrontendError(f"the text normaliser's process ended on this text (exit status "
                                         f"{child.wait()}); shorten or rephrase it") from None
         finally:
