@@ -177,7 +177,8 @@ def download_cmd(model_dir: Path | None, model_dir_option: Path | None, source: 
 @click.option("--size", type=SIZES, default="tiny", show_default=True,
               help="tiny: seconds, a few MB, for tests; full: the real dims with random weights "
                    "(~4.2 GB, about a minute), for benchmarks.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
+              help="Seed of the random weights.")
 @click.option("--force", is_flag=True,
               help="Replace OUT if it exists: an empty folder, or a model bundle this command wrote (a "
                    "folder holding anything else is refused, never deleted).")
@@ -534,6 +535,8 @@ def demo_bundle(out: Path | None) -> None:
     The folder is replaced only once the new export is complete and validated. Commit the result; a
     test checks that the committed bundle still equals a fresh export.
     """
+    if out is not None:
+        check_writable(out, "--out", directory=True)  # before the export, not after it
     from .onnx.demo_bundle import write_demo_bundle
 
     path = write_demo_bundle(out, progress=True)

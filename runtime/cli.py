@@ -73,6 +73,7 @@ def _read_text(text: str, stdin: IO[bytes]) -> str:
     if text == "-":  # UTF-8 in any locale, read as a text file is: a byte-order mark dropped, "\n" ends lines
         try:
             text = stdin.read().decode("utf-8-sig").replace("\r\n", "\n").replace("\r", "\n")
+            text = text.removesuffix("\n")  # the last line's end (`echo`), which upstream strips anyway
         except UnicodeDecodeError as e:
             raise UserError(f"--text - (stdin) is not valid UTF-8: byte 0x{e.object[e.start]:02x} cannot be "
                             "decoded") from None

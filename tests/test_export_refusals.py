@@ -82,6 +82,21 @@ def test_demo_refuses_its_model_dir_before_torch_loads(tmp_path: Path) -> None:
     assert loaded == "loaded:"
 
 
+def test_demo_bundle_refuses_an_out_it_cannot_write_before_torch_loads(tmp_path: Path) -> None:
+    (tmp_path / "a.wav").write_bytes(b"")
+    line, loaded = refusal("demo-bundle", "--out", str(tmp_path / "a.wav" / "demo"))
+    assert line == f"error: --out {tmp_path / 'a.wav' / 'demo'}: {tmp_path / 'a.wav'} is not a folder"
+    assert loaded == "loaded:"
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**64)])
+def test_tiny_bundle_refuses_a_seed_out_of_range_before_any_work(seed: str, tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-c", PROBE, "tiny-bundle", str(tmp_path / "out"), "--seed", seed],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 2 and f"Invalid value for '--seed': {seed} is not in the range" in run.stderr
+    assert run.stdout.strip() == "loaded:" and not (tmp_path / "out").exists()
+
+
 def test_download_that_cannot_reach_the_hub_says_so_before_torch_loads(tmp_path: Path) -> None:
     # offline, the hub is never asked: its address only names it in the line
     hub = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}

@@ -132,6 +132,15 @@ def test_text_that_is_not_utf8_is_refused_before_the_bundle_opens(no_bundle: lis
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_newline_ending_stdin_is_not_counted_against_the_limit(no_bundle: list[str], tmp_path: Path
+                                                                   ) -> None:
+    out = ["--out", str(tmp_path / "o.wav")]
+    assert refused(run(no_bundle, "--text", "-", *out, input=("x" * MAX_TEXT_CHARS + "\n").encode())) != (
+        f"error: --text is {MAX_TEXT_CHARS + 1} characters; the limit is {MAX_TEXT_CHARS}")
+    assert refused(run(no_bundle, "--text", "-", *out, input=("x" * MAX_TEXT_CHARS + "\n\n").encode())) == (
+        f"error: --text is {MAX_TEXT_CHARS + 1} characters; the limit is {MAX_TEXT_CHARS}")
+
+
 @pytest.mark.parametrize("option", ["--prompt-text", "--instruct"])
 def test_prompt_text_and_instruct_have_texts_limit(option: str, no_bundle: list[str], tmp_path: Path) -> None:
     mode = ["--mode", "instruct2"] if option == "--instruct" else []
