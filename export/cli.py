@@ -366,6 +366,10 @@ def _synthesize(model_dir: Path, text: str, prompt_wav: Path | None, prompt_text
         raise UserError("--text: nothing to speak")
     if mode == Mode.INSTRUCT2.value and not instruct.strip():
         raise UserError(f"--mode {Mode.INSTRUCT2.value} needs --instruct, the instruction")
+    if instruct and mode != Mode.INSTRUCT2.value:  # as cosyvoice-run refuses it: never dropped silently
+        raise UserError(f"--instruct needs --mode {Mode.INSTRUCT2.value} ({mode} takes no instruction)")
+    if prompt_text is not None and mode != Mode.ZERO_SHOT.value:
+        raise UserError(f"--prompt-text needs --mode {Mode.ZERO_SHOT.value} ({mode} takes no transcript)")
     bundle = ModelBundle.open(model_dir)
     prompt_wav, prompt_text = _default_prompt(model_dir, prompt_wav, prompt_text)
     if mode == Mode.ZERO_SHOT.value and not (prompt_text or "").strip():

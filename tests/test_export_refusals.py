@@ -74,6 +74,19 @@ def test_a_missing_model_dir_is_refused_before_torch_loads(command: list[str], t
     assert loaded == "loaded:"
 
 
+@pytest.mark.parametrize(("args", "says"), [
+    (["--instruct", "Speak slowly."], "--instruct needs --mode instruct2 (zero-shot takes no instruction)"),
+    (["--mode", "cross-lingual", "--prompt-text", "Hi."],
+     "--prompt-text needs --mode zero-shot (cross-lingual takes no transcript)")])
+def test_synth_refuses_what_its_mode_would_drop_before_torch_loads(args: list[str], says: str,
+                                                                    tiny_bundle: Path, tmp_path: Path
+                                                                    ) -> None:
+    line, loaded = refusal("synth", "--model-dir", str(tiny_bundle), "--text", "Hello.", *args,
+                           "--out", str(tmp_path / "o.wav"))
+    assert line == f"error: {says}" and loaded == "loaded:"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_demo_refuses_its_model_dir_before_torch_loads(tmp_path: Path) -> None:
     line, loaded = refusal("demo", "--out", str(tmp_path / "demo.wav"),
                            env={"COSYVOICE_MODEL_DIR": str(tmp_path / "none")})
