@@ -4,9 +4,8 @@ Every synthesis route builds a `SynthesisJob` and hands it to `stream_response` 
 Both wait for the job's first audio before answering, so an error found before any audio (bad text or
 prompt, a timeout in the queue) is a proper 4xx/5xx rather than a cut stream; while they wait they watch
 the connection, and a client that goes away ends its text's normalisation or cancels its session, queued
-or running. During a stream,
-Starlette cancels the response when the client disconnects; the session is cancelled with it and its
-worker stops within one LLM step or one chunk's flow and vocoder call.
+or running. During a stream, Starlette cancels the response when the client disconnects; the session is
+cancelled with it and its worker stops within one LLM step or one chunk's flow and vocoder call.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Browsers apply no CORS to WebSockets: a page from any site may open one to the server (a local one
 included) and read what it sends, audio in any registered speaker's voice. So a handshake that carries
 an `Origin` (every browser's does) is accepted only when that origin's host is the one the request was
-sent to (its `Host`, as gorilla/websocket's default check compares them) or is listed in
-`--cors-origin` (`*`: any); else it is refused before it is accepted (HTTP 403, close code 1008).
+sent to (its `Host`) or is listed in `--cors-origin` (`*`: any); else it is refused before it is accepted
+(HTTP 403, close code 1008).
 Clients other than browsers send no `Origin` and are not affected. Behind a proxy that rewrites `Host`,
 the public origin of a page must be named with `--cors-origin`.
 """

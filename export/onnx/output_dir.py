@@ -207,5 +207,3 @@ def write_json(out: Path, rel: str, data: Mapping[str, Any]) -> FileEntry:
     """Write `data` to `out/rel` as indented UTF-8 JSON, through `install`."""
     text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
     return install(out, rel, lambda f: f.write(text.encode()))
-
-
